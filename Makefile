@@ -1,0 +1,36 @@
+# moeflow — developer and reproduction recipes.
+#   make setup   create .venv and install moeflow with its test dependencies
+#   make test    the CPU test suite (GPU and slow tests are marked and skipped)
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+# torch: 2.13.0 is a CPU wheel on the project's build machines and the CUDA wheel from PyPI elsewhere.
+# Override for another build, e.g. `make setup TORCH='torch==2.14.1'`.
+TORCH   ?= torch==2.13.0
+DATA    ?= ../shared/data
+MODEL   ?= models/olmoe-mini
+
+.PHONY: setup test test-slow test-gpu models bench clean-artifacts
+
+setup:
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/moeflow --version
+
+test:
+	$(BIN)/python -m pytest -q -m "not slow and not gpu" tests
+
+test-slow:
+	$(BIN)/python -m pytest -q -m "slow" tests
+
+test-gpu:
+	$(BIN)/python -m pytest -q -m "gpu" tests
+
+models:
+	$(BIN)/python recipes/train_models.py --data-dir $(DATA) --out models
+
+bench:
+	$(BIN)/python benchmarks/trace_overhead.py --model $(MODEL)
+	$(BIN)/python benchmarks/offload.py --model $(MODEL)

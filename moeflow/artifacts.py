@@ -1,0 +1,124 @@
+"""Artifact folders: meta.json, fingerprints, atomic writes, cross-stage checks.
+
+Every artifact folder (trace, predictors, calibration) holds a `meta.json` with
+`schema`, `kind`, `moeflow_version`, `model_fingerprint`, `created_at` and stage-specific fields.
+Folders are written into a temporary sibling and renamed into place, so a crashed or concurrent
+job never leaves a half-written artifact where a later stage will read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from . import __version__
+from .errors import ArtifactError
+
+META = "meta.json"
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def config_fingerprint(config: Any, extra: bytes = b"") -> str:
+    """A stable 16-hex-digit hash of a transformers config (minus run-time switches) and `extra`.
+
+    `moeflow.moe.model_fingerprint` passes the router weights as `extra`, so two checkpoints
+    with the same shapes but different training get different fingerprints.
+    """
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    keep = {k: v for k, v in sorted(d.items()) if not k.startswith("_") and k not in {
+        "transformers_version", "torch_dtype", "dtype", "experts_implementation", "attn_implementation",
+        "use_cache", "output_router_logits", "return_dict", "architectures_hint",
+    }}
+    blob = json.dumps(keep, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob + extra).hexdigest()[:16]
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON to `path` via a temp file in the same folder and `os.replace`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | os.PathLike, *, replace: bool = True) -> Iterator[Path]:
+    """Yield a temporary folder beside `final`; on success rename it to `final`.
+
+    On an exception the temporary folder is removed and `final` is untouched. With
+    `replace=True` an existing `final` is swapped out (old copy removed after the rename).
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            if not replace:
+                raise ArtifactError(f"{final} already exists; remove it or choose another --out")
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def new_meta(kind: str, schema: int, fingerprint: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "kind": kind,
+        "schema": schema,
+        "moeflow_version": __version__,
+        "model_fingerprint": fingerprint,
+        "created_at": now_iso(),
+        **fields,
+    }
+
+
+def read_meta(folder: str | os.PathLike, kind: str, schema: int) -> dict[str, Any]:
+    """Read and check `folder/meta.json`; raise ArtifactError with a fix-it line if it does not fit."""
+    folder = Path(folder)
+    if not folder.exists():
+        raise ArtifactError(f"{folder} does not exist; create it first (see `moeflow {kind} --help`)")
+    p = folder / META
+    if not p.is_file():
+        raise ArtifactError(f"{folder} is not a moeflow {kind} artifact (no {META}); point to the folder `moeflow {kind}` wrote")
+    try:
+        meta = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{p} is corrupt ({e.msg if hasattr(e, 'msg') else e}); delete {folder} and re-run `moeflow {kind}`") from e
+    if meta.get("kind") != kind:
+        raise ArtifactError(f"{folder} holds a {meta.get('kind')!r} artifact, not a {kind!r} one")
+    if meta.get("schema") != schema:
+        raise ArtifactError(
+            f"{folder} has schema {meta.get('schema')}, this moeflow reads schema {schema}; re-run `moeflow {kind}` to rebuild it")
+    return meta
+
+
+def check_fingerprint(meta: dict[str, Any], fingerprint: str, what: str, folder: str | os.PathLike) -> None:
+    got = meta.get("model_fingerprint")
+    if got != fingerprint:
+        raise ArtifactError(
+            f"{what} at {folder} was made for another model (fingerprint {got}, this model is {fingerprint}); "
+            f"re-create it with this --model")

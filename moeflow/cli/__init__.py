@@ -1,0 +1,1 @@
+"""Command-line interface: typer wiring only (flags -> frozen config -> stage function)."""

@@ -1,0 +1,26 @@
+"""User-facing errors.
+
+Every error a user can cause (bad path, corrupt artifact, wrong model, unknown policy, ...) is raised
+as a `MoeflowError` whose message is one line that says what to change. The CLI prints that line
+and exits non-zero; `MOEFLOW_DEBUG=1` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+
+class MoeflowError(Exception):
+    """An error caused by input the user can fix. `str(err)` is the one-line message."""
+
+    exit_code = 2
+
+
+class ArtifactError(MoeflowError):
+    """A missing, corrupt or mismatched artifact (trace, predictor, calibration)."""
+
+
+class UnsupportedModelError(MoeflowError):
+    """The model's architecture has no adapter."""
+
+
+class ConfigError(MoeflowError):
+    """Flags or a config value that cannot work (capacity below top-k, unknown policy, ...)."""

@@ -1,0 +1,225 @@
+"""Per-architecture adapters: where the router and the experts live, and the exact scoring rule.
+
+An adapter never copies modeling code. It names attributes of the transformers modules and
+reproduces each family's router scoring `select(logits, bias) -> (weights, indices)` so that,
+with `bias=None`, the result is bit-identical to the router's own output (tested per family).
+A `bias` [E] added to the selection scores is how cache-aware routing steers choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import UnsupportedModelError
+from .spec import MoESpec, dtype_name
+
+SelectFn = Callable[[Any, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+
+
+# ---- scoring rules ------------------------------------------------------------------------------
+# Each takes (router module, logits [T,E], bias [E] | None) and returns (weights [T,k], indices [T,k]).
+
+def _softmax_topk(router: Any, logits: torch.Tensor, bias: torch.Tensor | None, *, always_norm: bool,
+                  cast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """OLMoE / Qwen2-MoE / Qwen3-MoE (norm if `norm_topk_prob`, cast to logits dtype) and Mixtral."""
+    probs = F.softmax(logits.float(), dim=-1)                               # [T,E] fp32
+    if bias is None:
+        top, idx = torch.topk(probs, router.top_k, dim=-1)                  # [T,k]
+    else:
+        _, idx = torch.topk(probs + bias.to(probs), router.top_k, dim=-1)
+        top = probs.gather(-1, idx)
+    if always_norm or getattr(router, "norm_topk_prob", False):
+        top = top / top.sum(dim=-1, keepdim=True)
+    return (top.to(logits.dtype) if cast else top), idx
+
+
+def select_olmoe(router, logits, bias=None):
+    return _softmax_topk(router, logits, bias, always_norm=False, cast=True)
+
+
+def select_mixtral(router, logits, bias=None):
+    return _softmax_topk(router, logits, bias, always_norm=True, cast=False)
+
+
+def select_topk_then_softmax(router, logits, bias=None):
+    """GPT-OSS (softmax in logits dtype) and GraniteMoE (logits already fp32, cast to input dtype)."""
+    if bias is None:
+        top, idx = torch.topk(logits, router.top_k, dim=-1)
+    else:
+        _, idx = torch.topk(logits + bias.to(logits), router.top_k, dim=-1)
+        top = logits.gather(-1, idx)
+    return F.softmax(top, dim=-1, dtype=top.dtype), idx
+
+
+def select_granitemoe(router, logits, bias=None):
+    w, idx = select_topk_then_softmax(router, logits.float(), bias)
+    return w.type_as(router.weight), idx
+
+
+def select_deepseek_v3(router, logits, bias=None):
+    """Sigmoid scores + e_score_correction_bias, group-limited top-k, norm, routed scaling."""
+    scores = logits.float().sigmoid()                                       # [T,E]
+    choice = scores + router.e_score_correction_bias
+    if bias is not None:
+        choice = choice + bias.to(choice)
+    E, G = router.num_experts, router.num_group
+    group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T,G]
+    group_idx = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    idx = torch.topk(choice, k=router.top_k, dim=-1, sorted=False)[1]
+    w = scores.gather(1, idx)
+    if router.norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * router.routed_scaling_factor, idx
+
+
+def select_phimoe(router, logits, bias=None):
+    """PhiMoE's sparsemixer (eval mode), called from transformers itself."""
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+    if bias is not None:
+        raise UnsupportedModelError("PhiMoE's sparsemixer has no additive selection bias; use --routing standard")
+    return sparsemixer(logits, jitter_eps=router.router_jitter_noise, training=False, top_k=router.top_k)
+
+
+# ---- adapters -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ArchInfo:
+    model_type: str
+    block_attr: str          # the MoE block on a decoder layer
+    router_attr: str         # the router on the MoE block
+    select: SelectFn
+    shared_attr: str | None  # shared expert(s) module on the block, if any
+
+
+ARCHS: dict[str, ArchInfo] = {a.model_type: a for a in [
+    ArchInfo("olmoe", "mlp", "gate", select_olmoe, None),
+    ArchInfo("mixtral", "mlp", "gate", select_mixtral, None),
+    ArchInfo("qwen2_moe", "mlp", "gate", select_olmoe, "shared_expert"),
+    ArchInfo("qwen3_moe", "mlp", "gate", select_olmoe, None),
+    ArchInfo("deepseek_v3", "mlp", "gate", select_deepseek_v3, "shared_experts"),
+    ArchInfo("gpt_oss", "mlp", "router", select_topk_then_softmax, None),
+    ArchInfo("granitemoe", "block_sparse_moe", "router", select_granitemoe, None),
+    ArchInfo("phimoe", "mlp", "router", select_phimoe, None),
+]}
+
+SUPPORTED = tuple(sorted(ARCHS))
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise UnsupportedModelError(f"{type(model).__name__} has no .model.layers; supported: {', '.join(SUPPORTED)}")
+    return layers
+
+
+class Adapter:
+    """Finds the MoE parts of one loaded model and scores routing exactly as it does."""
+
+    def __init__(self, model: nn.Module):
+        mt = getattr(model.config, "model_type", None)
+        if mt not in ARCHS:
+            raise UnsupportedModelError(
+                f"model type {mt!r} is not supported; supported architectures: {', '.join(SUPPORTED)}")
+        self.info = ARCHS[mt]
+        self.model = model
+        self.layers = _decoder_layers(model)
+        self.moe_layers = tuple(i for i, layer in enumerate(self.layers) if self._is_moe(layer))
+        if not self.moe_layers:
+            raise UnsupportedModelError(f"{mt} model has no MoE layers (num_experts=0?)")
+        self.spec = self._read_spec()
+
+    def _is_moe(self, layer: nn.Module) -> bool:
+        block = getattr(layer, self.info.block_attr, None)
+        return block is not None and hasattr(block, "experts") and hasattr(block, self.info.router_attr)
+
+    # -- where things live --
+    def moe_block(self, layer: int) -> nn.Module:
+        return getattr(self.layers[layer], self.info.block_attr)
+
+    def router(self, layer: int) -> nn.Module:
+        return getattr(self.moe_block(layer), self.info.router_attr)
+
+    def experts(self, layer: int) -> nn.Module:
+        return self.moe_block(layer).experts
+
+    @staticmethod
+    def _num_experts(ex: nn.Module) -> int:
+        return int(getattr(ex, "num_experts"))
+
+    # -- scoring --
+    def select(self, layer: int, logits: torch.Tensor, bias: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T,k], indices [T,k]) from router logits [T,E], exactly as layer `layer` routes."""
+        return self.info.select(self.router(layer), logits, bias)
+
+    def router_logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Router logits [T,E] of layer `layer` for router inputs x [T,H] (or [B,S,H])."""
+        return self.router(layer)(x)[0]
+
+    # -- spec --
+    def _read_spec(self) -> MoESpec:
+        cfg = self.model.config
+        first = self.moe_layers[0]
+        ex = self.experts(first)
+        E = self._num_experts(ex)
+        per_expert = [p for _, p in ex.named_parameters(recurse=False) if p.shape[:1] == (E,)]
+        params = sum(p[0].numel() for p in per_expert)
+        nbytes = sum(p[0].numel() * p.element_size() for p in per_expert)
+        inter = getattr(ex, "intermediate_dim", None) or getattr(ex, "intermediate_size", None) \
+            or getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        block = self.moe_block(first)
+        shared = 0
+        if self.info.shared_attr and getattr(block, self.info.shared_attr, None) is not None:
+            shared = int(getattr(cfg, "n_shared_experts", None) or 1)
+        return MoESpec(
+            arch=self.info.model_type,
+            num_layers=len(self.layers),
+            moe_layers=self.moe_layers,
+            num_experts=E,
+            top_k=int(self.router(first).top_k),
+            hidden_size=int(cfg.hidden_size),
+            expert_intermediate_size=int(inter),
+            expert_bytes=int(nbytes),
+            expert_params=int(params),
+            num_shared_experts=shared,
+            dtype=dtype_name(per_expert[0].dtype),
+        )
+
+    def per_expert_params(self, layer: int) -> dict[str, nn.Parameter]:
+        """The experts module's stacked per-expert tensors, by attribute name (`gate_up_proj`, ...)."""
+        ex = self.experts(layer)
+        E = self.spec.num_experts
+        return {n: p for n, p in ex.named_parameters(recurse=False) if p.shape[:1] == (E,)}
+
+
+def get_adapter(model: nn.Module) -> Adapter:
+    return Adapter(model)
+
+
+def spec_from_config(config: Any) -> MoESpec:
+    """MoESpec of a config without allocating weights (the model is built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return Adapter(model).spec
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Config plus router weights: differs between checkpoints that route differently."""
+    import hashlib
+    from ..artifacts import config_fingerprint
+    ad = get_adapter(model)
+    h = hashlib.sha256()
+    for l in ad.moe_layers:
+        w = ad.router(l).weight.detach().float().cpu().contiguous()
+        h.update(w.numpy().tobytes())
+    return config_fingerprint(model.config, h.digest())

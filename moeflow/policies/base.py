@@ -1,0 +1,148 @@
+"""Policy Protocols and registries: the contract between the cache (mechanism) and policies (decisions).
+
+The device expert cache owns slots, copies and counters. It never decides anything itself:
+- an `EvictionPolicy` picks the victim when a slot is needed and tracks whatever state it needs
+  from the events the cache reports (insert, access, evict, forward-pass and layer boundaries);
+- a `PrefetchPolicy` proposes experts of later layers to load after a layer has routed;
+- a `MissPolicy` says what to do with a needed expert that is not resident;
+- a `RoutingPolicy` may bias router selection scores (cache-aware routing); `standard` does not.
+
+Experts are named by `ExpertKey = (layer, expert)` with `layer` a decoder-layer index.
+"Time" is a monotone access counter the cache increments on every access (not wall clock), so
+policies behave identically in the runtime and in the trace-driven simulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Protocol, Sequence, TypeVar, runtime_checkable
+
+import torch
+
+from ..errors import ConfigError
+
+ExpertKey = tuple[int, int]  # (decoder layer, expert id)
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where execution is: forward pass number (one per generate step) and the MoE layer running."""
+
+    pass_id: int          # increments at the start of each model forward (prefill = pass 0)
+    layer: int            # decoder-layer index currently executing
+    layer_rank: int       # position of `layer` in spec.moe_layers (0 = first MoE layer)
+    time: int             # cache access counter at this moment
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    """Chooses victims. Receives every cache event so it can keep its own bookkeeping."""
+
+    name: ClassVar[str]
+
+    def on_insert(self, key: ExpertKey, pos: Position, *, prefetched: bool) -> None: ...
+    def on_access(self, key: ExpertKey, pos: Position, *, score: float) -> None: ...
+    def on_evict(self, key: ExpertKey) -> None: ...
+    def on_pass_start(self, pos: Position) -> None: ...
+    def on_layer_start(self, pos: Position) -> None: ...
+
+    def victim(self, candidates: Sequence[ExpertKey], pos: Position) -> ExpertKey:
+        """One of `candidates` (resident, not pinned by the running layer, not in flight)."""
+        ...
+
+
+@dataclass
+class LayerContext:
+    """What a prefetch policy may look at after MoE layer `layer` has routed (one forward pass).
+
+    `router_input` is the router's input (the post-attention-norm hidden state) and
+    `residual` the post-attention residual when the engine captured it (None otherwise).
+    `predict_logits(target_layer, x)` applies layer `target_layer`'s own router to x [T,H].
+    """
+
+    pos: Position
+    layer: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    router_input: torch.Tensor            # [T,H]
+    logits: torch.Tensor                  # [T,E] this layer's router logits
+    indices: torch.Tensor                 # [T,k] experts this layer chose
+    weights: torch.Tensor                 # [T,k]
+    predict_logits: Callable[[int, torch.Tensor], torch.Tensor]
+    token_ids: torch.Tensor | None = None  # [T] input ids of this forward pass, when known
+    residual: torch.Tensor | None = None   # [T,H]
+    lookahead: int = 1                     # step size S: how many MoE layers ahead to prefetch
+    resident: Callable[[ExpertKey], bool] = field(default=lambda k: False)
+
+    def next_layers(self, steps: int | None = None) -> list[int]:
+        """The next `steps` (default: lookahead) MoE layers after this one, in the same pass."""
+        steps = self.lookahead if steps is None else steps
+        r = self.moe_layers.index(self.layer)
+        return list(self.moe_layers[r + 1: r + 1 + steps])
+
+
+@dataclass(frozen=True)
+class PrefetchRequest:
+    key: ExpertKey
+    priority: float = 0.0   # higher is sooner; the cache issues requests in priority order
+
+
+@runtime_checkable
+class PrefetchPolicy(Protocol):
+    name: ClassVar[str]
+
+    def propose(self, ctx: LayerContext) -> list[PrefetchRequest]:
+        """Experts of later layers to load now (resident ones are skipped by the cache)."""
+        ...
+
+
+@runtime_checkable
+class MissPolicy(Protocol):
+    name: ClassVar[str]
+    exact: ClassVar[bool]   # True if the layer's output is unchanged (the expert is loaded and run)
+
+    def on_miss(self, key: ExpertKey, pos: Position) -> str:
+        """'fetch' (blocking load, exact) — lossy policies may add other actions."""
+        ...
+
+
+@runtime_checkable
+class RoutingPolicy(Protocol):
+    name: ClassVar[str]
+    exact: ClassVar[bool]
+
+    def bias(self, layer: int, num_experts: int, resident: Callable[[ExpertKey], bool]) -> torch.Tensor | None:
+        """An additive bias [E] on the selection scores of `layer`, or None for the router's own choice."""
+        ...
+
+
+# ---- registries ---------------------------------------------------------------------------------
+
+P = TypeVar("P")
+
+
+class Registry(dict[str, Callable[..., Any]]):
+    """Name -> policy class for one kind. `create(name, **options)` builds one, or explains the choices."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def register(self, cls: type[P]) -> type[P]:
+        name = getattr(cls, "name")
+        if name in self:
+            raise ValueError(f"{self.kind} policy {name!r} registered twice")
+        self[name] = cls
+        return cls
+
+    def create(self, name: str, **options: Any) -> Any:
+        if name not in self:
+            raise ConfigError(f"unknown {self.kind} policy {name!r}; choose one of: {', '.join(sorted(self))}")
+        return self[name](**options)
+
+
+EVICTION = Registry("eviction")
+PREFETCH = Registry("prefetch")
+MISS = Registry("miss")
+ROUTING = Registry("routing")
