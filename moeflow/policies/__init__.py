@@ -1,7 +1,13 @@
-"""Eviction / prefetch / miss / routing policies: small classes behind Protocols, one registry per kind."""
+"""Eviction / prefetch / miss / routing policies: small classes behind Protocols, one registry per kind.
+
+Importing this package registers every built-in policy (`EVICTION.create("lru")`, ...).
+"""
 
 from .base import (EVICTION, MISS, PREFETCH, ROUTING, EvictionPolicy, ExpertKey, LayerContext, MissPolicy, Position,
                    PrefetchPolicy, PrefetchRequest, Registry, RoutingPolicy)
+from . import eviction, miss, prefetch, routing  # noqa: F401  (registration side effects)
+from .parse import parse_policy
 
 __all__ = ["EVICTION", "MISS", "PREFETCH", "ROUTING", "EvictionPolicy", "ExpertKey", "LayerContext", "MissPolicy",
-           "Position", "PrefetchPolicy", "PrefetchRequest", "Registry", "RoutingPolicy"]
+           "Position", "PrefetchPolicy", "PrefetchRequest", "Registry", "RoutingPolicy", "parse_policy"]
+from . import learned  # noqa: E402,F401  (router-pf, estimator, hybrid, forest: moeflow train predictors)

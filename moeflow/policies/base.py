@@ -14,6 +14,7 @@ policies behave identically in the runtime and in the trace-driven simulator.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Protocol, Sequence, TypeVar, runtime_checkable
 
@@ -45,6 +46,10 @@ class EvictionPolicy(Protocol):
     def on_evict(self, key: ExpertKey) -> None: ...
     def on_pass_start(self, pos: Position) -> None: ...
     def on_layer_start(self, pos: Position) -> None: ...
+    def on_predicted(self, key: ExpertKey, pos: Position) -> None:
+        """A prefetch policy proposed `key` in this pass and it is already resident (the cache skips
+        the load). Least-Stale uses it to mark the expert current again; most policies ignore it."""
+        ...
 
     def victim(self, candidates: Sequence[ExpertKey], pos: Position) -> ExpertKey:
         """One of `candidates` (resident, not pinned by the running layer, not in flight)."""
@@ -139,7 +144,15 @@ class Registry(dict[str, Callable[..., Any]]):
     def create(self, name: str, **options: Any) -> Any:
         if name not in self:
             raise ConfigError(f"unknown {self.kind} policy {name!r}; choose one of: {', '.join(sorted(self))}")
-        return self[name](**options)
+        cls = self[name]
+        try:
+            inspect.signature(cls).bind(**options)
+        except TypeError:
+            accepted = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
+            bad = sorted(set(options) - set(accepted)) or sorted(options)
+            raise ConfigError(f"{self.kind} policy {name!r} has no option {', '.join(map(repr, bad))}; "
+                              f"its options: {', '.join(accepted) or '(none)'}") from None
+        return cls(**options)
 
 
 EVICTION = Registry("eviction")

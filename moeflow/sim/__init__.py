@@ -1,1 +1,7 @@
-"""sim"""
+"""Trace-driven cache simulator: the same policy objects and events as the runtime, plus Belady's bound."""
+
+from .access import AccessTrace, LayerStep, Pass, from_trace, record_generate, synthetic
+from .simulator import Belady, SimStats, belady, simulate
+
+__all__ = ["AccessTrace", "Belady", "LayerStep", "Pass", "SimStats", "belady", "from_trace", "record_generate",
+           "simulate", "synthetic"]

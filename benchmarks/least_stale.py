@@ -1,0 +1,95 @@
+"""Least-Stale (SpecMD) vs LRU/FLD/score/LRU2 on a decode trace of the default model, with and without
+next-layer pre-gate prefetch, at capacities of 5/10/25/50% of all experts, against Belady's MIN.
+
+    .venv/bin/python benchmarks/least_stale.py [--model models/olmoe-mini] [--prompts 20] [--new-tokens 32]
+
+Prints a rich table per capacity and, last, one JSON line with every row. Not a test: no assertions.
+A tiny random model is used when the default model is absent (NOT a meaningful control: see
+shared/notes/pilot-training-run.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from rich.console import Console  # noqa: E402
+from rich.progress import Progress  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from moeflow.models import default_model_path, load_model, tiny_model  # noqa: E402
+from moeflow.moe import get_adapter  # noqa: E402
+from moeflow.sim import from_trace  # noqa: E402
+from moeflow.sim.study import DEFAULT_CONFIGS, gsm8k_prompts, sampled_trace, sweep  # noqa: E402
+
+CONFIGS = DEFAULT_CONFIGS + (
+    ("least-stale(right=farthest)", ("least-stale", {"right": "farthest"}), "none"),
+    ("least-stale(right=farthest)+pregate", ("least-stale", {"right": "farthest"}), ("pregate", {})),
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=default_model_path())
+    ap.add_argument("--prompts", type=int, default=20, help="GSM8K test questions (default 20)")
+    ap.add_argument("--new-tokens", type=int, default=32, help="sampled decode steps per prompt (default 32)")
+    ap.add_argument("--fractions", default="0.05,0.10,0.25,0.50", help="capacities as fractions of all experts")
+    ap.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--phase", choices=("decode", "prefill", "all"), default="decode")
+    ap.add_argument("--trace", default=None, help="replay a `moeflow trace --record-hidden` folder instead of "
+                    "generating (the model is still loaded for pre-gating)")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    con = Console(stderr=True)
+    if (Path(args.model) / "config.json").is_file():
+        model, tok = load_model(args.model)
+        prompts = gsm8k_prompts(tok, args.prompts, args.data)
+        which = args.model
+    else:
+        con.print(f"[yellow]{args.model} not found: using a tiny random olmoe (not a meaningful control)")
+        model = tiny_model("olmoe", num_experts=32, top_k=4, num_hidden_layers=4)
+        g = torch.Generator().manual_seed(args.seed)
+        prompts = [torch.randint(3, 250, (24,), generator=g) for _ in range(args.prompts)]
+        which = "tiny-random-olmoe"
+    ad = get_adapter(model)
+    phase = {"decode": 1, "prefill": 0, "all": None}[args.phase]
+    if args.trace:
+        from moeflow.trace import Trace
+        tr = Trace(args.trace)
+        tr.check_model(model)
+        acc = from_trace(tr, phase=phase, max_prompts=args.prompts, with_router_input=tr.record_hidden)
+    else:
+        acc = sampled_trace(model, prompts, args.new_tokens, seed=args.seed).select(phase=phase)
+    fractions = [float(x) for x in args.fractions.split(",")]
+    with Progress(console=con, transient=True) as prog:
+        task = prog.add_task("simulating", total=len(fractions) * (len(CONFIGS) + 1))
+        rows = sweep(acc, fractions, CONFIGS, predict_logits=ad.router_logits, progress=lambda: prog.advance(task))
+    W = acc.working_set()
+    con.print(f"model {which}: {len(acc.moe_layers)} MoE layers x {acc.num_experts} experts, top-{acc.top_k}; "
+              f"{len(acc.passes)} {args.phase} passes; working set {W:.1f} experts per pass")
+    out = Console(width=150)
+    for f in fractions:
+        sub = [r for r in rows if r["fraction"] == f]
+        t = Table(title=f"capacity {f:.0%} = {sub[0]['capacity']} experts (pass working set {W:.1f})")
+        for c in ("config", "hit rate", "collision misses", "collision rate", "misses", "transfers/token",
+                  "pf precision", "pf recall", "hit rate per layer"):
+            t.add_column(c, justify="left" if c == "config" else "right")
+        for r in sub:
+            t.add_row(r["config"], f"{r['hit_rate']:.3f}", str(r["collisions"]), f"{r['collision_rate']:.3f}",
+                      str(r["misses"]), f"{r['loads_per_token']:.2f}",
+                      f"{r['prefetch_precision']:.2f}", f"{r['prefetch_recall']:.2f}",
+                      " ".join(f"{h:.2f}" for h in r["hit_rate_per_layer"]))
+        out.print(t)
+    print(json.dumps({"model": which, "phase": args.phase, "passes": len(acc.passes), "working_set": W, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Calibration files: `calibration/<device>.json`, one JSON object with its own meta fields.
+
+Top-level fields the runtime reads: `bandwidth_bytes_per_s` (C_s, at the expert transfer size),
+`latency_s`, `layer_time_s` (T_l), `expert_bytes` (E_s), `experts_per_layer` (N_e), `initial_s`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from ..artifacts import write_json_atomic
+from ..errors import ArtifactError
+
+KIND = "calibration"
+SCHEMA = 1
+
+
+def device_name(device: str, link_gbps: float | None = None) -> str:
+    """`cpu`, `cpu-emulated-8gbps`, `cuda-NVIDIA_H100_80GB_HBM3` (file-name safe)."""
+    if device.startswith("cuda"):
+        import torch
+        idx = torch.device(device).index or 0
+        name = "cuda-" + re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(idx)).strip("_")
+    else:
+        name = re.sub(r"[^A-Za-z0-9]+", "_", device)
+    if link_gbps is not None:
+        name += f"-emulated-{link_gbps:g}gbps"
+    return name
+
+
+def calibration_path(device: str, root: str | os.PathLike = "calibration") -> Path:
+    """Where `moeflow calibrate` writes (and `moeflow run` looks for) the calibration of `device`.
+
+    `device` is a `device_name(...)` (`cpu`, `cuda-NVIDIA_H100...`) or a torch device string."""
+    if device.startswith("cuda") and not device.startswith("cuda-"):
+        device = device_name(device)
+    return Path(root) / f"{device}.json"
+
+
+def write_calibration(path: str | os.PathLike, record: dict[str, Any]) -> Path:
+    """Write atomically (temp file + rename); `record` must carry kind/schema/model_fingerprint."""
+    for k in ("kind", "schema", "model_fingerprint"):
+        if k not in record:
+            raise ValueError(f"calibration record lacks {k!r}")
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(p, record)
+    return p
+
+
+def load_calibration(path: str | os.PathLike, model: Any = None, *, fingerprint: str | None = None) -> dict[str, Any]:
+    """Read and check a calibration: kind, schema, and (given a model or fingerprint) the model it was made for."""
+    p = Path(path)
+    if not p.is_file():
+        raise ArtifactError(f"no calibration at {p}; run `moeflow calibrate` (or pass --calibration FILE)")
+    try:
+        rec = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{p} is not valid JSON ({e}); delete it and re-run `moeflow calibrate`") from e
+    if not isinstance(rec, dict) or rec.get("kind") != KIND:
+        raise ArtifactError(f"{p} is not a moeflow calibration (kind {rec.get('kind') if isinstance(rec, dict) else None!r})")
+    if rec.get("schema") != SCHEMA:
+        raise ArtifactError(f"{p} has calibration schema {rec.get('schema')}, this moeflow reads {SCHEMA}; "
+                            f"re-run `moeflow calibrate`")
+    if model is not None and fingerprint is None:
+        from ..moe import model_fingerprint
+        fingerprint = model_fingerprint(model)
+    if fingerprint is not None and rec.get("model_fingerprint") != fingerprint:
+        raise ArtifactError(f"calibration {p} was made for another model (fingerprint {rec.get('model_fingerprint')}, "
+                            f"this model is {fingerprint}); re-run `moeflow calibrate --model` with this model")
+    return rec

@@ -1,0 +1,103 @@
+"""`moeflow calibrate`: flags -> CalibrateConfig -> moeflow.calibrate.main."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import typer
+
+from .app import app
+from .common import device_option, dtype_option, json_option, model_option, print_json
+
+
+def build_config(*, model: str, device: str = "cpu", dtype: str = "auto", link_gbps: Optional[float] = None,
+                 link_latency_us: float = 0.0, sizes: str = "64,256,1024,4096,16384", repeats: int = 5,
+                 decode_steps: int = 8, regime: Optional[list[str]] = None, out: Optional[str] = None,
+                 write: bool = True, progress: bool = True) -> Any:
+    from ..calibrate import CalibrateConfig
+    from ..errors import ConfigError
+    try:
+        sizes_kib = tuple(int(s) for s in sizes.split(",") if s.strip())
+    except ValueError:
+        raise ConfigError(f"--sizes must be comma-separated KiB integers, got {sizes!r}") from None
+    return CalibrateConfig(model=model, device=device, dtype=dtype, link_gbps=link_gbps,
+                           link_latency_s=link_latency_us * 1e-6, sizes_kib=sizes_kib, repeats=repeats,
+                           decode_steps=decode_steps, regimes=tuple(regime or ()), out=out, write=write,
+                           progress=progress)
+
+
+def render(rec: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    con = Console()
+    t = Table(title=f"transfer sweep ({rec['link']}{', ' + format(rec['link_gbps'], 'g') + ' GB/s emulated' if rec['link_gbps'] else ''})")
+    for c in ("size", "time", "GB/s"):
+        t.add_column(c, justify="right")
+    for r in rec["sweep"]:
+        mark = " (1 expert)" if r["bytes"] == rec["expert_bytes"] else ""
+        t.add_row(f"{r['bytes'] / 1024:,.0f} KiB{mark}", f"{r['seconds'] * 1e6:,.1f} µs", f"{r['gbps']:.2f}")
+    con.print(t)
+    s = Table(title=f"calibration of {rec['device']}")
+    s.add_column("quantity")
+    s.add_column("value", justify="right")
+    rows = [
+        ("expert size E_s", f"{rec['expert_bytes']:,} B"),
+        ("bandwidth C_s (one expert, latency incl.)", f"{rec['bandwidth_gbps']:.3f} GB/s"),
+        ("fitted bandwidth / latency", f"{rec['fitted_bandwidth_bytes_per_s'] / 1e9:.3f} GB/s / {rec['latency_s'] * 1e6:.1f} µs"),
+        ("decode layer time T_l", f"{rec['layer_time_s'] * 1e3:.3f} ms"),
+        ("  attention + norms (layer - MoE)", f"{rec['attention_time_s'] * 1e3:.3f} ms"),
+        ("one expert, one token", f"{rec['expert_time_s'] * 1e3:.3f} ms"),
+        ("decode forward (per token)", f"{rec['compute_per_token_s'] * 1e3:.3f} ms"),
+        ("experts per layer N_e (top-k)", str(rec["experts_per_layer"])),
+        ("S = N_e E_s / (C_s T_l)", f"{rec['s_formula']:.3f} -> {rec['initial_s']}"),
+    ]
+    for q, v in rows:
+        s.add_row(q, v)
+    con.print(s)
+    if rec["regimes"]:
+        g = Table(title="emulated bandwidth reproducing a regime (on-demand loading, this model)")
+        for c in ("regime", "GB/s", "one expert", "copy share of TPOT"):
+            g.add_column(c, justify="right")
+        for r in rec["regimes"]:
+            g.add_row(r["regime"], f"{r['gbps']:.4f}", f"{r['expert_transfer_s'] * 1e3:.3f} ms",
+                      f"{r['copy_share_on_demand']:.2f}")
+        con.print(g)
+    if rec.get("path"):
+        con.print(f"wrote {rec['path']}")
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    model: str = model_option(),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
+    link_gbps: Optional[float] = typer.Option(None, "--link-gbps", help="Also calibrate the emulated link "
+                                              "(EmulatedLink) at this bandwidth, GB/s = 1e9 bytes/s (CPU only). "
+                                              "The file is then named <device>-emulated-<X>gbps.json."),
+    link_latency_us: float = typer.Option(0.0, "--link-latency-us", help="Per-transfer latency of the emulated "
+                                          "link, microseconds."),
+    sizes: str = typer.Option("64,256,1024,4096,16384", "--sizes", help="Transfer sizes of the bandwidth sweep, "
+                              "KiB, comma-separated (one expert's size is always added)."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed repeats per size and per module (median)."),
+    decode_steps: int = typer.Option(8, "--decode-steps", help="Decode steps (tokens) timed for per-layer compute."),
+    regime: Optional[list[str]] = typer.Option(None, "--regime", help="Print the emulated bandwidth that "
+                                               "reproduces a named regime: 'copy-share=0.85' (copies are 85% "
+                                               "of TPOT under on-demand loading; Speculating Experts, A6000 + "
+                                               "Qwen3-30B-A3B) or 'specmd' (SpecMD's 5 GB/s, scaled so one "
+                                               "expert takes as long as an OLMoE-1B-7B bf16 expert: 2.52 ms). "
+                                               "Repeatable."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Output JSON file. Default: "
+                                      "calibration/<device>.json (e.g. calibration/cpu.json)."),
+    no_write: bool = typer.Option(False, "--no-write", help="Measure and print only."),
+    as_json: bool = json_option(),
+) -> None:
+    """Measure host->device bandwidth, decode compute per layer and per expert; compute ExpertFlow's step size S."""
+    from ..calibrate import main
+    cfg = build_config(model=model, device=device, dtype=dtype, link_gbps=link_gbps, link_latency_us=link_latency_us,
+                       sizes=sizes, repeats=repeats, decode_steps=decode_steps, regime=regime, out=out,
+                       write=not no_write, progress=not as_json)
+    rec = main(cfg)
+    if as_json:
+        print_json(rec)
+    else:
+        render(rec)

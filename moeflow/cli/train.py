@@ -1,0 +1,80 @@
+"""`moeflow train` (fit layer-ahead predictors on a trace) and `moeflow eval` (score them on another trace)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+from .app import app
+from .common import json_option, model_option, print_json
+
+
+def _print_report(report: dict, console: Console) -> None:
+    from ..predict.evaluate import tables
+    for t in tables(report):
+        console.print(t)
+
+
+@app.command("train")
+def train(
+    trace: Path = typer.Option(..., "--trace", "-t", help="Trace folder written by `moeflow trace` "
+                               "(router-pf/estimator/hybrid need `--record-hidden`)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Predictor folder to write (replaced atomically)."),
+    only: Optional[List[str]] = typer.Option(None, "--only", help="Learned predictor(s) to fit: router-pf, estimator, "
+                                             "hybrid, forest (repeat the flag). Default: all four. pregate and the "
+                                             "baselines frequency / token-id are always included."),
+    model: str = model_option(),
+    holdout: float = typer.Option(0.2, "--holdout", help="Fraction of the trace's prompts held out for evaluation."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the split, the random token embedding and the fits."),
+    max_s: int = typer.Option(4, "--max-s", help="Largest step S (MoE layers ahead) to fit and evaluate."),
+    forest_trees: int = typer.Option(24, "--forest-trees", help="Random-forest trees."),
+    forest_samples: int = typer.Option(40_000, "--forest-samples", help="Training samples for the forest (subsampled)."),
+    est_epochs: int = typer.Option(6, "--est-epochs", help="Estimator training epochs (at least 300 steps)."),
+    threads: int = typer.Option(2, "--threads", help="CPU threads for torch and scikit-learn."),
+    as_json: bool = json_option(),
+) -> None:
+    """Fit layer-ahead expert predictors on a trace, evaluate them on held-out prompts, save a predictor folder."""
+    from ..predict.train import LEARNED, TrainConfig, main
+    cfg = TrainConfig(trace=str(trace), out=str(out), model=str(model), only=tuple(only) if only else LEARNED,
+                      holdout=holdout, seed=seed, max_s=max_s, forest_trees=forest_trees,
+                      forest_max_samples=forest_samples, est_epochs=est_epochs, threads=threads)
+    console = Console(stderr=as_json)
+    report = main(cfg, console=console)
+    if as_json:
+        print_json(report)
+        return
+    _print_report(report, console)
+    console.print(f"fit seconds: {report['fit_seconds']}")
+    if "hybrid" in report:
+        h = report["hybrid"]
+        console.print(f"hybrid: estimator on (layer+S) {h['estimator_on'] or 'none'} (threshold {h['threshold']:.3f})")
+    console.print(f"wrote [bold]{out}[/] (meta.json, one folder per predictor, recall.png)")
+
+
+@app.command("eval")
+def eval_(
+    predictors: Path = typer.Option(..., "--predictors", "-p", help="Predictor folder written by `moeflow train`."),
+    trace: Path = typer.Option(..., "--trace", "-t", help="Held-out trace folder (prompts not used for training)."),
+    only: Optional[List[str]] = typer.Option(None, "--only", help="Predictor(s) to evaluate (default: all in the folder)."),
+    model: str = model_option(),
+    max_s: int = typer.Option(4, "--max-s", help="Largest step S to evaluate."),
+    mass: float = typer.Option(0.8, "--mass", help="Cumulative score mass of the prefetch set for precision."),
+    as_json: bool = json_option(),
+) -> None:
+    """Evaluate a predictor folder on a trace: recall@k / precision per layer and S, decay fit vs pre-gate."""
+    from ..predict.train import EvalConfig, eval_main
+    cfg = EvalConfig(predictors=str(predictors), trace=str(trace), model=str(model),
+                     only=tuple(only) if only else (), max_s=max_s, mass=mass)
+    console = Console(stderr=as_json)
+    report = eval_main(cfg, console)
+    if as_json:
+        print_json(report)
+        return
+    _print_report(report, console)
+    if report["skipped_no_hidden"]:
+        console.print(f"[yellow]skipped (trace has no hidden states):[/] {', '.join(report['skipped_no_hidden'])}")
+    if report["trace_overlap_warning"]:
+        console.print("[yellow]warning:[/] this is the trace the predictors were trained on; use a held-out trace")

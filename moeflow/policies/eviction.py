@@ -1,0 +1,293 @@
+"""Eviction policies: who leaves the device cache when a slot is needed.
+
+Every policy keeps its own bookkeeping from the cache's events (see `base.EvictionPolicy`). The cache
+reports, for a demand miss: `victim` (if full) -> `on_evict(victim)` -> `on_insert(key, prefetched=False)`
+-> `on_access(key)`; for a hit: `on_access(key)`; for a prefetch: `victim` -> `on_evict` ->
+`on_insert(key, prefetched=True)`; for a proposal of a resident expert: `on_predicted(key)`.
+`on_access` of a key never inserted is treated as an insert (policies stay consistent if a cache
+reports in another order). Ties are always broken by least-recent use, then by key, so every
+policy is deterministic.
+
+| name | victim | source |
+|---|---|---|
+| lru | least recently accessed (insert counts as a use) | classic; SpecMD App. B |
+| lfu | fewest accesses over the whole run (counts survive eviction) | SpecMD App. B |
+| fld | expert whose layer is farthest ahead of the running layer, cyclically (needed latest) | HOBBIT via SpecMD App. B |
+| score | lowest accumulated gate score (history survives eviction) | Zhu et al. via SpecMD App. B |
+| lru2 | ExpertFlow's two-level LRU: victims from the low tier first, LRU within a tier | ExpertFlow 3.3.1 |
+| least-stale | stale (previous-pass) queue first, current queue only when no stale one is left; FIFO by layer | SpecMD 4.2 |
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Sequence
+
+from ..errors import ConfigError
+from .base import EVICTION, ExpertKey, Position
+
+
+class _Base:
+    """Shared bookkeeping: last-use time per resident key; no-op defaults for unused events."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        self._last: dict[ExpertKey, int] = {}   # resident key -> last use (cache time; insert counts)
+        self._tick = 0                          # local counter so equal cache times still order
+
+    def _touch(self, key: ExpertKey, pos: Position) -> None:
+        self._tick += 1
+        self._last[key] = self._tick
+
+    def _age(self, key: ExpertKey) -> tuple[int, ExpertKey]:
+        return (self._last.get(key, 0), key)
+
+    # events
+    def on_insert(self, key: ExpertKey, pos: Position, *, prefetched: bool) -> None:
+        self._touch(key, pos)
+
+    def on_access(self, key: ExpertKey, pos: Position, *, score: float) -> None:
+        self._touch(key, pos)
+
+    def on_evict(self, key: ExpertKey) -> None:
+        self._last.pop(key, None)
+
+    def on_pass_start(self, pos: Position) -> None:
+        pass
+
+    def on_layer_start(self, pos: Position) -> None:
+        pass
+
+    def on_predicted(self, key: ExpertKey, pos: Position) -> None:
+        pass
+
+    def victim(self, candidates: Sequence[ExpertKey], pos: Position) -> ExpertKey:
+        if not candidates:
+            raise RuntimeError(f"{self.name}: asked for a victim among no candidates")
+        return min(candidates, key=self._rank)
+
+    def _rank(self, key: ExpertKey):  # smallest is evicted
+        return self._age(key)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+@EVICTION.register
+class LRU(_Base):
+    """Evict the least recently used resident expert (an insert, demand or prefetch, counts as a use)."""
+
+    name = "lru"
+
+
+@EVICTION.register
+class LFU(_Base):
+    """Evict the expert with the fewest accesses over the whole run; ties by LRU.
+
+    Counts persist after eviction ("lowest access count over the entire inference history",
+    SpecMD App. B), so a popular expert that was pushed out comes back with its history.
+    """
+
+    name = "lfu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: dict[ExpertKey, int] = {}
+
+    def on_access(self, key: ExpertKey, pos: Position, *, score: float) -> None:
+        super().on_access(key, pos, score=score)
+        self.count[key] = self.count.get(key, 0) + 1
+
+    def _rank(self, key: ExpertKey):
+        return (self.count.get(key, 0), *self._age(key))
+
+
+@EVICTION.register
+class FLD(_Base):
+    """Farthest Layer Distance: evict the expert whose layer is farthest ahead of the running layer.
+
+    Distance is cyclic in execution order, d = (layer - current) mod L: layers ahead of the running
+    one are near (d = 1, 2, ...), layers already passed are needed only in the next forward pass
+    (d = L - 1 for the layer just run, the farthest). The running layer itself has d = 0. Layer
+    indices are decoder-layer indices; only their order matters, so L is not needed. Ties by LRU.
+    """
+
+    name = "fld"
+
+    def _dist(self, layer: int, current: int) -> tuple[int, int]:
+        # lexicographic stand-in for (layer - current) mod L: passed layers are farther than any ahead
+        return (1, layer) if layer < current else (0, layer)
+
+    def victim(self, candidates: Sequence[ExpertKey], pos: Position) -> ExpertKey:
+        if not candidates:
+            raise RuntimeError("fld: asked for a victim among no candidates")
+        far = max(self._dist(k[0], pos.layer) for k in candidates)
+        return min((k for k in candidates if self._dist(k[0], pos.layer) == far), key=self._age)
+
+
+@EVICTION.register
+class ScoreBased(_Base):
+    """Evict the expert with the lowest accumulated router (gate) score; ties by LRU.
+
+    The history is kept per expert for the whole run, also while it is not resident (Zhu et al.:
+    "a running history of gate scores"). A prefetched expert never routed yet has score 0.
+    """
+
+    name = "score"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score: dict[ExpertKey, float] = {}
+
+    def on_access(self, key: ExpertKey, pos: Position, *, score: float) -> None:
+        super().on_access(key, pos, score=score)
+        self.score[key] = self.score.get(key, 0.0) + float(score)
+
+    def _rank(self, key: ExpertKey):
+        return (self.score.get(key, 0.0), *self._age(key))
+
+
+@EVICTION.register
+class TwoLevelLRU(_Base):
+    """ExpertFlow's two-level LRU (Sec. 3.3.1): LRU_high and LRU_low; victims come from LRU_low first.
+
+    Promotion to high ("demonstrated high reuse potential"): an expert that is accessed again while
+    resident (a cache hit), or that the prefetcher predicted (inserted by prefetch, or proposed while
+    resident). A demand-loaded expert enters low. Demotion ("continuously updated"): the high tier
+    holds at most `high_fraction` of the resident experts; when it overflows, its least recently used
+    expert moves to low. Within a tier the order is LRU. An expert predicted but then evicted unused
+    is not special: it simply ages out like the others.
+    """
+
+    name = "lru2"
+
+    def __init__(self, high_fraction: float = 0.5) -> None:
+        super().__init__()
+        if not 0.0 <= high_fraction <= 1.0:
+            raise ConfigError(f"lru2 high_fraction must be in [0, 1], got {high_fraction}")
+        self.high_fraction = high_fraction
+        self.high: set[ExpertKey] = set()
+        self._fresh: set[ExpertKey] = set()
+
+    def _promote(self, key: ExpertKey) -> None:
+        self.high.add(key)
+        cap = int(self.high_fraction * len(self._last))
+        while len(self.high) > cap:
+            self.high.discard(min(self.high, key=self._age))   # demote the high tier's LRU
+
+    def on_insert(self, key: ExpertKey, pos: Position, *, prefetched: bool) -> None:
+        super().on_insert(key, pos, prefetched=prefetched)
+        if prefetched:
+            self._promote(key)
+        else:
+            self._fresh.add(key)   # its first access is the miss that loaded it, not a reuse
+
+    def on_access(self, key: ExpertKey, pos: Position, *, score: float) -> None:
+        hit = key in self._last and key not in self._fresh
+        self._fresh.discard(key)
+        super().on_access(key, pos, score=score)
+        if hit:
+            self._promote(key)
+
+    def on_predicted(self, key: ExpertKey, pos: Position) -> None:
+        if key in self._last:
+            self._touch(key, pos)
+            self._promote(key)
+
+    def on_evict(self, key: ExpertKey) -> None:
+        super().on_evict(key)
+        self.high.discard(key)
+        self._fresh.discard(key)
+
+    def tier(self, key: ExpertKey) -> str:
+        return "high" if key in self.high else "low"
+
+    def _rank(self, key: ExpertKey):
+        return (key in self.high, *self._age(key))
+
+
+@EVICTION.register
+class LeastStale(_Base):
+    """SpecMD's Least-Stale (Sec. 4.2).
+
+    An expert is *current* if it was accessed in this forward pass or selected by prefetching in this
+    pass (inserted by prefetch, or proposed while resident); otherwise it is *stale* (accessed in a
+    previous pass). At every pass start all current experts become stale. Victims come from the stale
+    queue; the current queue is used only when no stale expert is a candidate (to avoid running out of
+    space). Within each queue the order is FIFO by layer position: lowest MoE layer first, which is the
+    order the pass visited them; ties (same layer) by the time the expert entered the queue.
+
+    `right="farthest"` is a variant for study, not the paper's: within a queue, experts of layers
+    already passed in this pass go first (FIFO by layer), then those of layers still ahead, farthest
+    first.
+    """
+
+    name = "least-stale"
+
+    def __init__(self, right: str = "fifo") -> None:
+        super().__init__()
+        if right not in ("fifo", "farthest"):
+            raise ConfigError(f"least-stale right must be 'fifo' (SpecMD) or 'farthest', got {right!r}")
+        self.right = right
+        self.pass_id = -1
+        self.current: set[ExpertKey] = set()
+        self._entered: dict[ExpertKey, int] = {}   # when the key entered its queue (FIFO tie-break)
+        self._seq = 0
+
+    def _enter(self, key: ExpertKey) -> None:
+        self._seq += 1
+        self._entered[key] = self._seq
+
+    def _make_current(self, key: ExpertKey, pos: Position) -> None:
+        self._sync(pos)
+        if key not in self.current:
+            self.current.add(key)
+            self._enter(key)
+
+    def _sync(self, pos: Position) -> None:
+        if pos.pass_id != self.pass_id:            # robust if on_pass_start was not reported
+            self.on_pass_start(pos)
+
+    def on_pass_start(self, pos: Position) -> None:
+        if pos.pass_id == self.pass_id:
+            return
+        self.pass_id = pos.pass_id
+        # current -> stale, keeping layer order (the stale queue is FIFO by layer)
+        for k in sorted(self.current, key=lambda k: (k[0], self._entered.get(k, 0))):
+            self._enter(k)
+        self.current.clear()
+
+    def on_insert(self, key: ExpertKey, pos: Position, *, prefetched: bool) -> None:
+        super().on_insert(key, pos, prefetched=prefetched)
+        if prefetched:
+            self._make_current(key, pos)
+        else:
+            self._sync(pos)
+            self._enter(key)   # demand load: stale until the access that follows makes it current
+
+    def on_access(self, key: ExpertKey, pos: Position, *, score: float) -> None:
+        super().on_access(key, pos, score=score)
+        self._make_current(key, pos)
+
+    def on_predicted(self, key: ExpertKey, pos: Position) -> None:
+        if key in self._last:
+            self._make_current(key, pos)
+
+    def on_evict(self, key: ExpertKey) -> None:
+        super().on_evict(key)
+        self.current.discard(key)
+        self._entered.pop(key, None)
+
+    def is_stale(self, key: ExpertKey) -> bool:
+        return key not in self.current
+
+    def victim(self, candidates: Sequence[ExpertKey], pos: Position) -> ExpertKey:
+        if not candidates:
+            raise RuntimeError("least-stale: asked for a victim among no candidates")
+        self._sync(pos)
+        stale = [k for k in candidates if k not in self.current]
+        queue = stale or list(candidates)
+        if self.right == "fifo":
+            return min(queue, key=lambda k: (k[0], self._entered.get(k, 0), k))
+        # variant: passed layers FIFO by layer, then layers ahead farthest first
+        return min(queue, key=lambda k: (0, k[0]) if k[0] < pos.layer else (1, -k[0]))

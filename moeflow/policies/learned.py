@@ -1,0 +1,209 @@
+"""Prefetch policies driven by trained predictors (`moeflow train`): router-pf, estimator, hybrid, forest.
+
+| name | proposes for layers l+1..l+S | source |
+|---|---|---|
+| router-pf | router_{l+s}(quasi-hidden state q chained from layer l) | Speculating Experts 3 |
+| estimator | the neural estimator's logits from q | Speculating Experts 6.1 |
+| hybrid | estimator on the (layer, S) pairs where Router-PF was weak in training, else Router-PF | Speculating Experts 6.3 |
+| forest | ExpertFlow's random-forest delta over pre-gate, evaluated asynchronously on CPU; cached per (token sequence, layer, S); pre-gate top-k while not ready | ExpertFlow 3.2.2 |
+
+Options (`--prefetch-opt key=value`): `predictors=DIR` (required: a `moeflow train` folder for this
+model), `lookahead=S` (default: the engine's S), `overfetch=1.0` (top round(k*overfetch) per token)
+or `mass=0.9` (experts in descending score up to that cumulative mass).
+
+The policy needs the running model (routers, norms, and a forward pre-hook on each MoE layer's
+`post_attention_layernorm` that captures the post-attention residual r_l): the engine calls
+`policy.bind(model)` when it attaches (or call it yourself); it loads the predictor folder, checks
+its model fingerprint and returns a function that removes the hooks. Bind before the engine offloads
+the experts (the adapters read the stacked expert tensors once).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from ..errors import ConfigError
+from .base import PREFETCH, LayerContext, PrefetchRequest
+
+
+class LearnedPrefetch:
+    """Shared mechanics: predictor loading, residual capture, per-pass layer history, token context."""
+
+    name: ClassVar[str] = ""
+    predictor: ClassVar[str] = ""
+
+    def __init__(self, predictors: str | None = None, lookahead: int | None = None, overfetch: float = 1.0,
+                 mass: float | None = None, window: int | None = None) -> None:
+        if not predictors:
+            raise ConfigError(f"prefetch policy {self.name!r} needs --prefetch-opt predictors=DIR "
+                              f"(a folder written by `moeflow train`)")
+        if lookahead is not None and lookahead < 1:
+            raise ConfigError(f"{self.name} lookahead must be >= 1, got {lookahead}")
+        if overfetch <= 0 or (mass is not None and not 0 < mass <= 1):
+            raise ConfigError(f"{self.name}: overfetch must be > 0 and mass in (0, 1]")
+        self.folder, self.lookahead, self.overfetch, self.mass = str(predictors), lookahead, overfetch, mass
+        self.window = window
+        self.model = None
+        self.pred: Any = None
+        self._resid: dict[int, torch.Tensor] = {}
+        self._hist: dict[int, torch.Tensor] = {}
+        self._pass = -1
+        self._tokens: torch.Tensor | None = None       # [T,w] token context of the current pass
+        self._seq: list[int] = []                       # token ids of the current prompt so far (batch 1)
+        self.predict_s = 0.0                            # time spent in propose (predictor overhead)
+        self.calls = 0
+
+    # -- binding to the running model --
+    def bind(self, model: torch.nn.Module, engine: Any = None) -> Callable[[], None]:
+        from ..predict.data import residual_norm
+        from ..predict.io import load_predictors
+        from ..moe import get_adapter
+        self.model = model
+        _, preds = load_predictors(self.folder, model, [self.predictor])
+        self.pred = preds[self.predictor]
+        if self.window is None:
+            self.window = getattr(self.pred, "window", 4)
+        ad = get_adapter(model)
+        handles = []
+        for l in ad.moe_layers:
+            def pre(module, args, l=l):
+                x = args[0].detach()
+                self._resid[l] = x.reshape(-1, x.shape[-1])                     # [T,H] post-attention residual
+            handles.append(residual_norm(ad, l).register_forward_pre_hook(pre))
+
+        def unbind() -> None:
+            for h in handles:
+                h.remove()
+            self.close()
+        return unbind
+
+    def close(self) -> None:
+        pass
+
+    # -- per-pass state --
+    def _begin(self, ctx: LayerContext) -> None:
+        if ctx.pos.pass_id == self._pass:
+            return
+        self._pass = ctx.pos.pass_id
+        self._hist = {}
+        ids = ctx.token_ids.reshape(-1).tolist() if ctx.token_ids is not None else []
+        if len(ids) != 1:                      # a prefill: a new prompt (batch 1)
+            self._seq = []
+        start = len(self._seq)
+        self._seq.extend(ids)
+        w = self.window or 1
+        rows = [[-1] * max(0, w - (start + i + 1)) + self._seq[max(0, start + i + 1 - w): start + i + 1]
+                for i in range(len(ids))]
+        self._tokens = torch.tensor(rows, dtype=torch.long) if rows else None
+
+    def _batch(self, ctx: LayerContext):
+        from ..predict.data import SourceBatch
+        self._hist[ctx.layer] = ctx.indices
+        resid = ctx.residual if ctx.residual is not None else self._resid.get(ctx.layer)
+        tokens = self._tokens if self._tokens is not None and len(self._tokens) == len(ctx.indices) else None
+        return SourceBatch(ctx.layer, ctx.router_input.float(), ctx.indices, ctx.weights.float(), residual=resid,
+                           token_ctx=tokens, history=dict(self._hist), route=ctx.predict_logits)
+
+    def scores(self, target: int, s: int, batch: Any) -> torch.Tensor:
+        return self.pred.predict(target, s, batch)
+
+    def _select(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        T, E = scores.shape
+        if self.mass is not None:
+            p = scores / scores.sum(-1, keepdim=True).clamp(min=1e-12)
+            sp, order = p.sort(-1, descending=True)
+            keep = (sp.cumsum(-1) - sp) < self.mass
+            return torch.zeros_like(keep).scatter(-1, order, keep)
+        m = min(E, max(1, round(k * self.overfetch)))
+        return torch.zeros(T, E, dtype=torch.bool).scatter(-1, scores.topk(m, -1).indices, True)
+
+    def propose(self, ctx: LayerContext) -> list[PrefetchRequest]:
+        import time
+        if self.pred is None:
+            raise ConfigError(f"prefetch policy {self.name!r} was not bound to the model; the engine must call "
+                              f"policy.bind(model) on attach")
+        t0 = time.perf_counter()
+        self._begin(ctx)
+        steps = min(self.lookahead or ctx.lookahead, self.pred.max_lookahead)
+        targets = ctx.next_layers(steps)
+        batch = self._batch(ctx)
+        out: list[PrefetchRequest] = []
+        with torch.no_grad():
+            for s, t in enumerate(targets, start=1):
+                sc = self.scores(t, s, batch).float()                          # [T,E]
+                mask = self._select(sc, ctx.top_k)
+                p = sc / sc.sum(-1, keepdim=True).clamp(min=1e-12)
+                best = p.masked_fill(~mask, -1.0).amax(0)                      # [E]
+                near = float(len(targets) - s + 1)
+                out += [PrefetchRequest((t, e), priority=near + float(best[e]))
+                        for e in mask.any(0).nonzero().flatten().tolist()]
+        out.sort(key=lambda r: -r.priority)
+        self.predict_s += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+
+@PREFETCH.register
+class RouterPFPrefetch(LearnedPrefetch):
+    name: ClassVar[str] = "router-pf"
+    predictor: ClassVar[str] = "router-pf"
+
+
+@PREFETCH.register
+class EstimatorPrefetch(LearnedPrefetch):
+    name: ClassVar[str] = "estimator"
+    predictor: ClassVar[str] = "estimator"
+
+
+@PREFETCH.register
+class HybridPrefetch(LearnedPrefetch):
+    name: ClassVar[str] = "hybrid"
+    predictor: ClassVar[str] = "hybrid"
+
+
+@PREFETCH.register
+class ForestPrefetch(LearnedPrefetch):
+    """The forest runs in a worker thread; a target's scores come from the prediction cache when a
+    prediction for (token sequence, target, any S) is ready, else from the pre-gate (its top-k)."""
+
+    name: ClassVar[str] = "forest"
+    predictor: ClassVar[str] = "forest"
+
+    def bind(self, model: torch.nn.Module, engine: Any = None) -> Callable[[], None]:
+        from ..predict.forest import AsyncForest
+        from ..predict.pregate import PreGate
+        unbind = super().bind(model, engine)
+        self.runner = AsyncForest(self.pred)
+        self._pregate = PreGate(model)        # the fallback while a forest prediction is not ready
+        return unbind
+
+    def close(self) -> None:
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.close()
+
+    def _keys(self, batch: Any) -> list:
+        if batch.token_ctx is None:
+            return [None] * batch.t
+        return [tuple(r) for r in batch.token_ctx.tolist()]
+
+    def propose(self, ctx: LayerContext) -> list[PrefetchRequest]:
+        if self.pred is not None:
+            # queue forest predictions for every later layer the forest knows, from this layer's state
+            self._begin(ctx)
+            batch = self._batch(ctx)
+            keys = self._keys(batch)
+            if keys and keys[0] is not None:
+                for s, t in enumerate(ctx.next_layers(self.pred.max_lookahead), start=1):
+                    self.runner.submit(t, s, batch, keys)
+        return super().propose(ctx)
+
+    def scores(self, target: int, s: int, batch: Any) -> torch.Tensor:
+        keys = self._keys(batch)
+        pre = lambda: self._pregate.predict(target, s, batch)  # noqa: E731
+        if keys and keys[0] is None:
+            return pre()
+        return self.runner.lookup(target, keys, pre)
+

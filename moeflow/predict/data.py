@@ -1,0 +1,211 @@
+"""Routing data for predictors: the traced arrays of `moeflow.trace.Trace`, held in memory.
+
+`RoutingData` is what every predictor fits on and what the evaluation scores against. It is
+built from a trace folder (`from_trace`, via `moeflow.trace.Trace`):
+
+    prompt_id, position, phase, token_id    [N]
+    layers[l].topk_ids [N,k] int64, topk_weights [N,k] f32, probs [N,E] f16,
+              hidden_in [N,H] f16 | None (router input), resid [N,H] f16 | None (post-attention residual)
+
+Rows are token records in one fixed order for all layers. `SourceBatch` is what a predictor may
+look at when it runs at a source layer; `batch_from_rows` builds one from traced rows, the
+runtime policies build one from a `LayerContext`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from ..errors import ArtifactError
+from ..moe import MoESpec
+
+
+@dataclass
+class LayerArrays:
+    topk_ids: np.ndarray                 # [N,k] int64
+    topk_weights: np.ndarray             # [N,k] float32
+    probs: np.ndarray                    # [N,E] float16
+    hidden_in: np.ndarray | None = None  # [N,H] router input
+    resid: np.ndarray | None = None      # [N,H] post-attention residual
+
+    def take(self, rows: np.ndarray) -> "LayerArrays":
+        return LayerArrays(self.topk_ids[rows], self.topk_weights[rows], self.probs[rows],
+                           None if self.hidden_in is None else self.hidden_in[rows],
+                           None if self.resid is None else self.resid[rows])
+
+
+@dataclass
+class RoutingData:
+    spec: MoESpec
+    prompt_id: np.ndarray                # [N]
+    position: np.ndarray                 # [N]
+    phase: np.ndarray                    # [N] 0 prefill, 1 decode
+    token_id: np.ndarray                 # [N]
+    layers: dict[int, LayerArrays]
+    fingerprint: str | None = None       # model fingerprint recorded by the trace
+    source: str = ""                     # where it came from (trace folder)
+    trace_fingerprint: str | None = None
+
+    @property
+    def n(self) -> int:
+        return int(self.token_id.shape[0])
+
+    @property
+    def has_hidden(self) -> bool:
+        return all(a.hidden_in is not None and a.resid is not None for a in self.layers.values())
+
+    def take(self, rows: np.ndarray) -> "RoutingData":
+        return replace(self, prompt_id=self.prompt_id[rows], position=self.position[rows], phase=self.phase[rows],
+                       token_id=self.token_id[rows], layers={l: a.take(rows) for l, a in self.layers.items()})
+
+    def split(self, holdout: float, seed: int) -> tuple["RoutingData", "RoutingData"]:
+        """(train, held-out) by whole prompts: no prompt has tokens on both sides."""
+        prompts = np.unique(self.prompt_id)
+        if len(prompts) < 2:
+            raise ArtifactError(f"the trace has {len(prompts)} prompt(s); a held-out split needs at least 2 "
+                                "(trace more prompts)")
+        rng = np.random.default_rng(seed)
+        n_out = min(len(prompts) - 1, max(1, int(round(holdout * len(prompts)))))
+        out = set(rng.choice(prompts, size=n_out, replace=False).tolist())
+        mask = np.isin(self.prompt_id, list(out))
+        return self.take(np.flatnonzero(~mask)), self.take(np.flatnonzero(mask))
+
+    def context(self, window: int) -> np.ndarray:
+        """[N,window] token ids of the last `window` tokens of each record's prompt (this one last; -1 pad)."""
+        ctx = np.full((self.n, window), -1, dtype=np.int64)
+        ctx[:, -1] = self.token_id
+        key = {(int(p), int(q)): int(t) for p, q, t in zip(self.prompt_id, self.position, self.token_id)}
+        for j in range(1, window):
+            ctx[:, window - 1 - j] = [key.get((int(p), int(q) - j), -1) for p, q in zip(self.prompt_id, self.position)]
+        return ctx
+
+    def rank_pairs(self, max_s: int) -> list[tuple[int, int]]:
+        """(source layer, S) for every S in 1..max_s that stays inside the model."""
+        ml = self.spec.moe_layers
+        return [(ml[r], s) for s in range(1, max_s + 1) for r in range(len(ml) - s)]
+
+
+def target_of(spec: MoESpec, source: int, s: int) -> int:
+    r = spec.moe_layers.index(source)
+    return spec.moe_layers[r + s]
+
+
+def source_of(spec: MoESpec, target: int, s: int) -> int:
+    r = spec.moe_layers.index(target)
+    if r - s < 0:
+        raise ValueError(f"layer {target} has no MoE layer {s} steps before it")
+    return spec.moe_layers[r - s]
+
+
+# ---- reading a trace folder ---------------------------------------------------------------------
+
+def _copy(x: np.ndarray | None) -> np.ndarray | None:
+    return None if x is None else np.array(x, copy=True)   # writable (the reader's arrays may be memory-mapped)
+
+
+def from_trace(path: str, *, need_hidden: bool = False) -> RoutingData:
+    """Load a `moeflow trace` folder into memory (numpy arrays)."""
+    try:
+        from ..trace import Trace
+    except ImportError as e:  # the trace stage is not in this checkout
+        raise ArtifactError(f"cannot read traces: moeflow.trace.Trace is missing ({e})") from e
+    tr = Trace(path)
+    spec = tr.spec
+    if need_hidden and not tr.record_hidden:
+        raise ArtifactError(f"trace {path} has no hidden states; re-run `moeflow trace --record-hidden` "
+                            "(needed by pregate, router-pf, estimator and hybrid) or pass --only forest")
+    toks = tr.tokens()
+    layers: dict[int, LayerArrays] = {}
+    for l in spec.moe_layers:
+        la = tr.layer(l)
+        layers[l] = LayerArrays(np.asarray(la["topk_ids"]).astype(np.int64),
+                                np.asarray(la["topk_weights"]).astype(np.float32), np.asarray(la["probs"]),
+                                _copy(la.get("hidden_in")), _copy(la.get("resid")))
+    meta = tr.meta
+    shards = "".join(str(s_.get("sha256", "")) for s_ in meta.get("shards", []))
+    return RoutingData(spec, np.asarray(toks["prompt_id"]).astype(np.int64), np.asarray(toks["position"]).astype(np.int64),
+                       np.asarray(toks["phase"]), np.asarray(toks["token_id"]).astype(np.int64),
+                       layers, fingerprint=meta.get("model_fingerprint"), source=str(path),
+                       trace_fingerprint=hashlib.sha256(shards.encode()).hexdigest()[:16])
+
+
+# ---- building the same arrays from a model (tests, examples) -------------------------------------
+
+def residual_norm(adapter, layer: int) -> torch.nn.Module:
+    """The norm between the post-attention residual and the router of decoder layer `layer`.
+
+    In the pre-norm decoders supported here the router reads `post_attention_layernorm(r)` with
+    r = h + attn(input_layernorm(h)); `input_layernorm` precedes attention, not routing.
+    """
+    dec = adapter.layers[layer]
+    norm = getattr(dec, "post_attention_layernorm", None)
+    if norm is None:
+        raise ArtifactError(f"{adapter.spec.arch} layer {layer} has no post_attention_layernorm; "
+                            "router-pf needs the norm before the router")
+    return norm
+
+
+@contextlib.contextmanager
+def residual_hooks(adapter, sink: dict[int, list[torch.Tensor]]):
+    """Record the post-attention residual (the input of post_attention_layernorm) of every MoE layer."""
+    handles = []
+    try:
+        for l in adapter.moe_layers:
+            def pre(module, args, l=l):
+                x = args[0].detach()
+                sink.setdefault(l, []).append(x.reshape(-1, x.shape[-1]))
+            handles.append(residual_norm(adapter, l).register_forward_pre_hook(pre))
+        yield sink
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ---- what a predictor sees at a source layer ------------------------------------------------------
+
+@dataclass
+class SourceBatch:
+    """What is known when MoE layer `layer` has routed, for T tokens of one forward pass."""
+
+    layer: int                                   # source decoder layer
+    router_input: torch.Tensor                   # [T,H] this layer's router input
+    topk_ids: torch.Tensor                       # [T,k] experts this layer chose
+    topk_weights: torch.Tensor                   # [T,k]
+    residual: torch.Tensor | None = None         # [T,H] post-attention residual of this layer
+    token_ctx: torch.Tensor | None = None        # [T,w] last w token ids (this one last, -1 pad)
+    history: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer <= source -> topk ids [T,k]
+    route: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+    # ^ router logits of a layer for inputs [T,H]; the runtime passes `LayerContext.predict_logits`
+    #   (which keeps the engine's router hooks out of it); None = call the model's router directly
+
+    def router_logits(self, adapter, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Router logits [T,E] of `layer` for x [T,H], in the router's dtype."""
+        x = x.to(adapter.router(layer).weight.dtype)
+        return (self.route or adapter.router_logits)(layer, x)
+
+    @property
+    def t(self) -> int:
+        return int(self.topk_ids.shape[0])
+
+
+def batch_from_rows(data: RoutingData, layer: int, rows: np.ndarray | slice, *,
+                    ctx: np.ndarray | None = None) -> SourceBatch:
+    """A SourceBatch for traced rows at source layer `layer` (history: all MoE layers up to it)."""
+    a = data.layers[layer]
+    f = lambda x: None if x is None else torch.from_numpy(np.ascontiguousarray(x[rows])).float()  # noqa: E731
+    hist = {l: torch.from_numpy(data.layers[l].topk_ids[rows]) for l in data.spec.moe_layers if l <= layer}
+    return SourceBatch(layer, f(a.hidden_in) if a.hidden_in is not None else torch.zeros(0),
+                       torch.from_numpy(a.topk_ids[rows]), torch.from_numpy(a.topk_weights[rows]).float(),
+                       residual=f(a.resid), token_ctx=None if ctx is None else torch.from_numpy(ctx[rows]),
+                       history=hist)
+
+
+def iter_chunks(n: int, size: int) -> Iterable[slice]:
+    for i in range(0, n, size):
+        yield slice(i, min(n, i + size))

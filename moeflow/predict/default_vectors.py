@@ -1,0 +1,155 @@
+"""Default vectors, the quasi-hidden state and Router-PF (Speculating Experts, section 3).
+
+- Default vector d_{l,e}: the mean output of expert e of MoE layer l over the trace tokens routed
+  to it, computed by running layer l's experts module on the traced router inputs `hidden_in`
+  with each token's own routed experts, one expert per call (weight 1, so the output is unweighted).
+- Layer-level default representation: d_l = sum_{e in top-k_l} g_{l,e} d_{l,e}, with g the
+  routing weights layer l itself produced for the token (its own top-k).
+- Quasi-hidden state (paper eq. in 3.2): q_l = LN_{l+1}(r_l + d_l), with r_l the **post-attention
+  residual** of layer l (the residual the MoE output is added to) and LN_{l+1} the norm applied to
+  the residual stream right before routing at the next MoE layer: its `post_attention_layernorm`.
+  (`input_layernorm` of l+1 precedes attention; the paper skips layer l+1's attention entirely.)
+- Router-PF: router_{l+1}(q_l).
+
+S > 1 chains the same approximation: h_{l+1} ~= r_l + d_l, q_l = LN_{l+1}(h_{l+1}); routing q_l with
+router_{l+1} gives weights and experts, hence d_{l+1}, and h_{l+2} ~= h_{l+1} + d_{l+1} (the attention
+of the skipped layers is left out; so are dense MLPs and shared experts between MoE layers —
+a stated limitation, exact only in what the paper defines for S = 1).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from ..errors import ArtifactError
+from ..moe import get_adapter
+from .base import PREDICTORS
+from .data import RoutingData, SourceBatch, residual_norm, target_of
+
+
+@torch.no_grad()
+def compute_default_vectors(model: torch.nn.Module, data: RoutingData, *, max_tokens: int = 50_000,
+                            chunk: int = 4096, progress: Any = None) -> dict[int, torch.Tensor]:
+    """layer -> d [E,H] float32: mean (unweighted) output of each expert over the tokens routed to it."""
+    ad = get_adapter(model)
+    spec = ad.spec
+    E, H = spec.num_experts, spec.hidden_size
+    rows = np.arange(data.n)
+    if data.n > max_tokens:
+        rows = np.sort(np.random.default_rng(0).choice(data.n, max_tokens, replace=False))
+    out: dict[int, torch.Tensor] = {}
+    for l in spec.moe_layers:
+        a = data.layers[l]
+        if a.hidden_in is None:
+            raise ArtifactError("default vectors need traced router inputs; re-run `moeflow trace --record-hidden`")
+        experts = ad.experts(l)
+        dt = next(experts.parameters()).dtype
+        sums = torch.zeros(E, H, dtype=torch.float64)
+        counts = torch.zeros(E, dtype=torch.float64)
+        for i in range(0, len(rows), chunk):
+            r = rows[i:i + chunk]
+            x = torch.from_numpy(a.hidden_in[r]).to(dt)                       # [T,H]
+            ids = torch.from_numpy(a.topk_ids[r])                            # [T,k]
+            for j in range(ids.shape[1]):
+                e = ids[:, j:j + 1]                                          # [T,1]
+                y = experts(x, e, torch.ones(e.shape, dtype=dt))             # [T,H] output of expert e[t]
+                sums.index_add_(0, e[:, 0], y.double())
+                counts.index_add_(0, e[:, 0], torch.ones(len(r), dtype=torch.float64))
+        out[l] = (sums / counts.clamp(min=1)[:, None]).float()               # [E,H]; unseen experts: 0
+        if progress is not None:
+            progress()
+    return out
+
+
+class QuasiHidden:
+    """q_l and its chain S steps ahead, from default vectors and the model's norms and routers."""
+
+    def __init__(self, model: torch.nn.Module, dvec: dict[int, torch.Tensor]):
+        self.adapter = get_adapter(model)
+        self.spec = self.adapter.spec
+        self.dvec = dvec
+
+    @torch.no_grad()
+    def step(self, h: torch.Tensor, layer: int, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """h_{next} ~= h + sum_k w_k d_{layer, ids_k}: [T,H] (h is the post-attention residual of `layer`)."""
+        d = self.dvec[layer][ids]                                            # [T,k,H]
+        return h.float() + (w.float().unsqueeze(-1) * d).sum(1)              # [T,H]
+
+    @torch.no_grad()
+    def normed(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        """LN of decoder layer `layer` before its router: [T,H] in the model dtype."""
+        norm = residual_norm(self.adapter, layer)
+        return norm(h.to(next(norm.parameters()).dtype))
+
+    @torch.no_grad()
+    def chain(self, batch: SourceBatch, steps: int) -> list[torch.Tensor]:
+        """[q_l (for l+1), q for l+2, ...]: `steps` quasi-hidden states, each [T,H]."""
+        if batch.residual is None:
+            raise ArtifactError("router-pf needs the post-attention residual; trace with --record-hidden "
+                                "or run with an engine that captures it")
+        ml = self.spec.moe_layers
+        r = ml.index(batch.layer)
+        h = self.step(batch.residual, batch.layer, batch.topk_ids, batch.topk_weights)
+        qs = []
+        for s in range(1, steps + 1):
+            nxt = ml[r + s]
+            q = self.normed(h, nxt)                                          # [T,H]
+            qs.append(q)
+            if s < steps:
+                logits = batch.router_logits(self.adapter, nxt, q)           # [T,E]
+                w, ids = self.adapter.select(nxt, logits)
+                h = self.step(h, nxt, ids, w)
+        return qs
+
+
+def save_dvec(folder: Path, dvec: dict[int, torch.Tensor]) -> None:
+    torch.save({int(l): v.contiguous() for l, v in dvec.items()}, folder / "default_vectors.pt")
+
+
+def load_dvec(folder: Path) -> dict[int, torch.Tensor]:
+    return {int(l): v for l, v in torch.load(folder / "default_vectors.pt", weights_only=True).items()}
+
+
+@PREDICTORS.register
+class RouterPF:
+    """Router-PF: router_{l+S}(q chained S steps from layer l)."""
+
+    name: ClassVar[str] = "router-pf"
+    needs_hidden: ClassVar[bool] = True
+
+    def __init__(self, model: torch.nn.Module, dvec: dict[int, torch.Tensor] | None = None, max_lookahead: int = 4):
+        self.model = model
+        self.dvec = dvec
+        self.max_lookahead = max_lookahead
+        self.qh = QuasiHidden(model, dvec) if dvec is not None else None
+
+    @classmethod
+    def create(cls, model: torch.nn.Module, cfg: Any) -> "RouterPF":
+        return cls(model, None, cfg.max_s)
+
+    def fit(self, data: RoutingData, model: torch.nn.Module, cfg: Any, dvec: dict[int, torch.Tensor] | None = None
+            ) -> None:
+        self.dvec = dvec if dvec is not None else compute_default_vectors(model, data, max_tokens=cfg.dv_max_tokens)
+        self.qh = QuasiHidden(model, self.dvec)
+        self.max_lookahead = cfg.max_s
+
+    @torch.no_grad()
+    def predict(self, target_layer: int, lookahead: int, batch: SourceBatch) -> torch.Tensor:
+        assert self.qh is not None, "fit or load first"
+        assert target_of(self.qh.spec, batch.layer, lookahead) == target_layer
+        q = self.qh.chain(batch, lookahead)[-1]                              # [T,H]
+        return torch.softmax(batch.router_logits(self.qh.adapter, target_layer, q).float(), -1)  # [T,E]
+
+    def save(self, folder: Path) -> None:
+        save_dvec(folder, self.dvec)
+        (folder / "config.json").write_text(json.dumps({"max_lookahead": self.max_lookahead}))
+
+    @classmethod
+    def load(cls, folder: Path, model: torch.nn.Module) -> "RouterPF":
+        cfg = json.loads((folder / "config.json").read_text())
+        return cls(model, load_dvec(folder), cfg["max_lookahead"])

@@ -1,0 +1,226 @@
+"""ExpertFlow's random-forest delta predictor (ExpertFlow 3.2.2-3.2.5), and its asynchronous runner.
+
+Samples (3.2.3-3.2.4): one per token record, source layer and step S. The "token sequence" of a
+record is the window of its last `window` token ids in its prompt (this one last); records are
+grouped by (token sequence, S) as in the paper, each group giving one example per layer. Features:
+
+    x = [ mean-pooled fixed random embedding of the token sequence (d, seeded, saved),
+          S, target layer rank l,
+          prev_act in {0,1}^{L*M}: the experts each MoE layer up to the source chose (later layers 0) ]
+
+so F = d + 2 + L*M. The label is the target layer's activation vector y in {0,1}^M. ExpertFlow
+learns the deviation (Delta) of the truth from the pre-gate estimate: the regressor is trained on
+y - pregate_topk (multi-hot of the pre-gate's top-k) and predicts score = pregate_topk + Delta_hat
+(+ a 1e-3 * pre-gate probability tie-break). Without traced hidden states (no pre-gate) the base
+is 0 and the forest predicts y directly. scikit-learn `RandomForestRegressor` (MSE), a joblib file.
+
+`AsyncForest` evaluates it on CPU in a worker thread, asynchronously to the model: results land in
+a prediction cache keyed by (token sequence, target layer, S); a lookup that finds nothing ready
+falls back to the pre-gate's top-k (ExpertFlow 3.2.2, "dual mode").
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Hashable
+
+import numpy as np
+import torch
+
+from ..moe import get_adapter
+from .base import PREDICTORS
+from .data import RoutingData, SourceBatch, batch_from_rows, target_of
+
+
+def multi_hot(ids: torch.Tensor | np.ndarray, num_experts: int) -> np.ndarray:
+    ids = np.asarray(ids)
+    out = np.zeros((ids.shape[0], num_experts), dtype=np.float32)
+    np.put_along_axis(out, ids, 1.0, axis=1)
+    return out
+
+
+@PREDICTORS.register
+class Forest:
+    name: ClassVar[str] = "forest"
+    needs_hidden: ClassVar[bool] = False   # uses the pre-gate as its base only when hidden states exist
+
+    def __init__(self, model: torch.nn.Module, max_lookahead: int = 4, window: int = 4, dim: int = 16, seed: int = 0):
+        self.adapter = get_adapter(model)
+        self.spec = self.adapter.spec
+        self.max_lookahead = max_lookahead
+        self.window = window
+        self.dim = dim
+        self.table = np.random.default_rng(seed).standard_normal(
+            (int(model.config.vocab_size), dim)).astype(np.float32)          # [V,d] fixed random embedding
+        self.delta = True
+        self.rf = None
+        self.fit_seconds = 0.0
+
+    @classmethod
+    def create(cls, model: torch.nn.Module, cfg: Any) -> "Forest":
+        return cls(model, cfg.max_s, cfg.forest_window, cfg.forest_dim, cfg.seed)
+
+    # -- features --
+    def embed(self, ctx: np.ndarray) -> np.ndarray:
+        """[T,w] token ids (-1 pad) -> [T,d] mean of the table rows of the valid ids."""
+        valid = ctx >= 0
+        e = self.table[np.where(valid, ctx, 0)] * valid[..., None]            # [T,w,d]
+        return e.sum(1) / np.maximum(valid.sum(1, keepdims=True), 1)
+
+    def features(self, target: int, s: int, batch: SourceBatch) -> np.ndarray:
+        ml, E = self.spec.moe_layers, self.spec.num_experts
+        t = batch.t
+        ctx = batch.token_ctx.numpy() if batch.token_ctx is not None else np.full((t, 1), -1)
+        prev = np.zeros((t, len(ml) * E), dtype=np.float32)                   # [T,L*M]
+        for l, ids in batch.history.items():
+            r = ml.index(l)
+            prev[:, r * E:(r + 1) * E] = multi_hot(ids, E)
+        meta = np.tile(np.array([[s, ml.index(target)]], dtype=np.float32), (t, 1))
+        return np.concatenate([self.embed(ctx), meta, prev], axis=1)          # [T, d+2+L*M]
+
+    @torch.no_grad()
+    def base(self, target: int, batch: SourceBatch) -> tuple[np.ndarray, np.ndarray]:
+        """(pre-gate top-k multi-hot [T,E], pre-gate probs [T,E]); zeros without a router input."""
+        E = self.spec.num_experts
+        if not self.delta or batch.router_input.numel() == 0:
+            z = np.zeros((batch.t, E), dtype=np.float32)
+            return z, z
+        probs = torch.softmax(batch.router_logits(self.adapter, target, batch.router_input).float(), -1)
+        ids = torch.topk(probs, self.spec.top_k, -1).indices
+        return multi_hot(ids, E), probs.numpy()
+
+    # -- fit / predict --
+    def fit(self, data: RoutingData, model: torch.nn.Module, cfg: Any, progress: Any = None) -> None:
+        import time
+        from sklearn.ensemble import RandomForestRegressor
+        t0 = time.perf_counter()
+        self.max_lookahead = cfg.max_s
+        self.delta = data.has_hidden
+        ctx = data.context(self.window)
+        rng = np.random.default_rng(cfg.seed)
+        pairs = data.rank_pairs(cfg.max_s)
+        per = max(1, cfg.forest_max_samples // max(1, len(pairs)))
+        X, Y = [], []
+        for src, s in pairs:
+            tgt = target_of(data.spec, src, s)
+            rows = np.arange(data.n)
+            if len(rows) > per:
+                rows = np.sort(rng.choice(rows, per, replace=False))
+            b = batch_from_rows(data, src, rows, ctx=ctx)
+            base, _ = self.base(tgt, b)
+            X.append(self.features(tgt, s, b))
+            Y.append(multi_hot(data.layers[tgt].topk_ids[rows], self.spec.num_experts) - base)
+        self.rf = RandomForestRegressor(n_estimators=cfg.forest_trees, max_depth=cfg.forest_depth,
+                                        min_samples_leaf=cfg.forest_min_leaf, max_features=cfg.forest_max_features,
+                                        n_jobs=cfg.threads, random_state=cfg.seed)
+        self.rf.fit(np.concatenate(X), np.concatenate(Y))
+        self.rf.set_params(n_jobs=1)   # run-time prediction: one thread, off the model's cores
+        self.fit_seconds = time.perf_counter() - t0
+
+    def delta_hat(self, target: int, s: int, batch: SourceBatch) -> np.ndarray:
+        return self.rf.predict(self.features(target, s, batch)).astype(np.float32)  # [T,E]
+
+    def predict(self, target_layer: int, lookahead: int, batch: SourceBatch) -> torch.Tensor:
+        assert self.rf is not None, "fit or load first"
+        base, probs = self.base(target_layer, batch)
+        score = base + self.delta_hat(target_layer, lookahead, batch) + 1e-3 * probs
+        return torch.from_numpy(np.clip(score, 0.0, None) + 1e-6)
+
+    def save(self, folder: Path) -> None:
+        import joblib
+        joblib.dump(self.rf, folder / "forest.joblib", compress=3)
+        np.save(folder / "embedding.npy", self.table)
+        (folder / "config.json").write_text(json.dumps({
+            "max_lookahead": self.max_lookahead, "window": self.window, "dim": self.dim, "delta": self.delta,
+            "fit_seconds": self.fit_seconds, "n_estimators": self.rf.n_estimators, "max_depth": self.rf.max_depth}))
+
+    @classmethod
+    def load(cls, folder: Path, model: torch.nn.Module) -> "Forest":
+        import joblib
+        c = json.loads((folder / "config.json").read_text())
+        self = cls(model, c["max_lookahead"], c["window"], c["dim"])
+        self.table = np.load(folder / "embedding.npy")
+        self.delta = c["delta"]
+        self.rf = joblib.load(folder / "forest.joblib")
+        self.rf.set_params(n_jobs=1)
+        self.fit_seconds = c.get("fit_seconds", 0.0)
+        return self
+
+
+class AsyncForest:
+    """Runs `Forest` predictions in a worker thread; a cache keyed by (token sequence, layer, S).
+
+    `submit(target, s, batch)` queues the rows whose key is not cached or pending; `lookup(target,
+    batch)` returns, per row, the ready prediction with the smallest S for that target (any source),
+    else the pre-gate top-k fallback. Counters say how often each path was taken.
+    """
+
+    def __init__(self, forest: Forest, *, max_entries: int = 65536, workers: int = 1):
+        self.forest = forest
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moeflow-forest")
+        self.cache: dict[tuple[Hashable, int, int], np.ndarray] = {}
+        self.pending: dict[tuple[Hashable, int, int], Future] = {}
+        self.lock = threading.Lock()
+        self.max_entries = max_entries
+        self.hits = 0
+        self.fallbacks = 0
+        self.busy_s = 0.0
+
+    def _run(self, keys: list, target: int, s: int, batch: SourceBatch, base: np.ndarray, probs: np.ndarray) -> None:
+        import time
+        t0 = time.perf_counter()
+        score = np.clip(base + self.forest.delta_hat(target, s, batch), 0, None) + 1e-3 * probs + 1e-6
+        with self.lock:
+            for i, k in enumerate(keys):
+                self.cache[k] = score[i]
+                self.pending.pop(k, None)
+            while len(self.cache) > self.max_entries:
+                self.cache.pop(next(iter(self.cache)))
+            self.busy_s += time.perf_counter() - t0
+
+    def submit(self, target: int, s: int, batch: SourceBatch, seq_keys: list[Hashable]) -> None:
+        """Queue the forest for rows not cached or pending. The pre-gate base is computed here, on the
+        caller's thread (it calls the model's router); the worker runs only scikit-learn."""
+        keys = [(q, target, s) for q in seq_keys]
+        with self.lock:
+            todo = [i for i, k in enumerate(keys) if k not in self.cache and k not in self.pending]
+        if not todo:
+            return
+        idx = torch.tensor(todo)
+        sub = SourceBatch(batch.layer, batch.router_input[idx] if batch.router_input.numel() else batch.router_input,
+                          batch.topk_ids[idx], batch.topk_weights[idx], None,
+                          None if batch.token_ctx is None else batch.token_ctx[idx],
+                          {l: h[idx] for l, h in batch.history.items()}, route=batch.route)
+        base, probs = self.forest.base(target, sub)
+        sub.route = None
+        sub_keys = [keys[i] for i in todo]
+        with self.lock:
+            fut = self.pool.submit(self._run, sub_keys, target, s, sub, base, probs)
+            for k in sub_keys:
+                self.pending[k] = fut
+
+    def lookup(self, target: int, seq_keys: list[Hashable], fallback: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Scores [T,E]: cached forest rows where ready (smallest S first), the fallback's rows elsewhere."""
+        out: list[np.ndarray | None] = []
+        with self.lock:
+            for q in seq_keys:
+                got = None
+                for s in range(1, self.forest.max_lookahead + 1):
+                    got = self.cache.get((q, target, s))
+                    if got is not None:
+                        break
+                out.append(got)
+        missing = [i for i, o in enumerate(out) if o is None]
+        self.hits += len(out) - len(missing)
+        self.fallbacks += len(missing)
+        if missing:
+            fb = fallback().float().numpy()
+            for i in missing:
+                out[i] = fb[i]
+        return torch.from_numpy(np.stack(out))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,70 @@
+"""The predictor folder: meta.json + one sub-folder per predictor, written atomically.
+
+    <out>/meta.json        kind "predictors", schema, model_fingerprint, trace (path, fingerprint),
+                           predictors (names), config (TrainConfig), eval (the held-out report)
+    <out>/<name>/...       what each predictor's `save` writes
+    <out>/recall.png       per-layer recall and recall-vs-S plot
+
+Loading checks the kind, the schema and the model fingerprint; a folder made for another model
+is refused with one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..artifacts import atomic_dir, check_fingerprint, new_meta, read_meta, write_json_atomic
+from ..errors import ArtifactError
+from ..moe import model_fingerprint
+from .base import PREDICTORS
+
+KIND = "predictors"
+SCHEMA = 1
+
+
+def save_predictors(out: str | Path, predictors: Mapping[str, Any], model: torch.nn.Module, *,
+                    trace: str, trace_fingerprint: str | None, config: dict[str, Any], report: dict[str, Any] | None,
+                    plot_fn: Any = None) -> Path:
+    out = Path(out)
+    with atomic_dir(out) as tmp:
+        for name, p in predictors.items():
+            sub = tmp / name
+            sub.mkdir()
+            p.save(sub)
+        if report is not None and plot_fn is not None:
+            plot_fn(report, tmp / "recall.png")
+        meta = new_meta(KIND, SCHEMA, model_fingerprint(model), trace={"path": str(trace), "fingerprint": trace_fingerprint},
+                        predictors=list(predictors), config=config, eval=report)
+        write_json_atomic(tmp / "meta.json", meta)
+    return out
+
+
+def read_predictor_meta(folder: str | Path) -> dict[str, Any]:
+    try:
+        return read_meta(folder, KIND, SCHEMA)
+    except ArtifactError as e:
+        raise ArtifactError(str(e).replace("moeflow predictors", "moeflow train").replace(
+            "`moeflow predictors", "`moeflow train")) from None
+
+
+def load_predictors(folder: str | Path, model: torch.nn.Module, names: list[str] | None = None
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(meta, name -> predictor) for `model`; refuses a folder made for another model."""
+    folder = Path(folder)
+    meta = read_predictor_meta(folder)
+    check_fingerprint(meta, model_fingerprint(model), "predictor folder", folder)
+    have = meta.get("predictors", [])
+    names = have if names is None else names
+    missing = [n for n in names if n not in have]
+    if missing:
+        raise ArtifactError(f"{folder} has no {', '.join(missing)} predictor (it has {', '.join(have)}); "
+                            f"re-run `moeflow train --only {' '.join(missing)}`")
+    out = {}
+    for n in names:
+        if n not in PREDICTORS:
+            raise ArtifactError(f"{folder} holds predictor {n!r} that this moeflow does not know")
+        out[n] = PREDICTORS[n].load(folder / n, model)
+    return meta, out

@@ -1,0 +1,170 @@
+"""`moeflow train` and `moeflow eval`: fit predictors on a trace, evaluate on held-out prompts, save.
+
+`main(TrainConfig)` loads the model and the trace, splits prompts into train / held-out, computes the
+default vectors once (shared by router-pf, estimator, hybrid), fits each requested predictor plus the
+trivial baselines (`frequency`, `token-id`) and the parameter-free `pregate`, evaluates all of them on
+the held-out prompts and writes the predictor folder atomically (`moeflow.predict.io`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ArtifactError, ConfigError
+from ..moe import model_fingerprint
+from .base import PREDICTORS
+from .data import RoutingData, from_trace
+
+LEARNED = ("router-pf", "estimator", "hybrid", "forest")
+BASELINES = ("frequency", "token-id")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    trace: str
+    out: str
+    model: str
+    only: tuple[str, ...] = LEARNED           # learned predictors to fit (pregate and baselines always come along)
+    holdout: float = 0.2                      # fraction of prompts held out for evaluation
+    seed: int = 0
+    max_s: int = 4                            # largest step S fitted and evaluated
+    mass: float = 0.8                         # cumulative score mass of the evaluated prefetch set
+    threads: int = 2
+    dv_max_tokens: int = 50_000               # tokens per layer used for the default vectors
+    est_latent: int = 64                      # estimator m
+    est_hidden: int = 128                     # estimator n
+    est_epochs: int = 6
+    est_lr: float = 3e-3
+    est_batch: int = 512
+    est_max_tokens: int = 30_000
+    est_min_steps: int = 300                  # at least this many optimiser steps (small traces)
+    hybrid_val: float = 0.25                  # part of the training prompts used to pick Hybrid-PF's threshold
+    forest_trees: int = 24
+    forest_depth: int = 14
+    forest_min_leaf: int = 3
+    forest_max_features: float = 0.5
+    forest_max_samples: int = 40_000
+    forest_window: int = 4
+    forest_dim: int = 16
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["only"] = list(self.only)
+        return d
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    predictors: str
+    trace: str
+    model: str
+    only: tuple[str, ...] = ()
+    max_s: int = 4
+    mass: float = 0.8
+    window: int = 4
+
+
+def _check_names(names: tuple[str, ...]) -> None:
+    bad = [n for n in names if n not in PREDICTORS]
+    if bad:
+        raise ConfigError(f"unknown predictor {', '.join(bad)}; choose from: {', '.join(LEARNED + ('pregate',) + BASELINES)}")
+
+
+def _check_trace_model(data: RoutingData, model: torch.nn.Module, trace: str) -> None:
+    fp = model_fingerprint(model)
+    if data.fingerprint is not None and data.fingerprint != fp:
+        raise ArtifactError(f"trace {trace} was recorded with another model (fingerprint {data.fingerprint}, "
+                            f"this model is {fp}); pass the --model it was traced with")
+
+
+def _load_model(path: str) -> torch.nn.Module:
+    from ..models import load_model
+    if not Path(path).is_dir():
+        raise ArtifactError(f"model folder {path} does not exist; pass --model DIR")
+    model, _ = load_model(path, dtype="float32", device="cpu")
+    return model
+
+
+def fit_all(train: RoutingData, model: torch.nn.Module, cfg: TrainConfig, progress: Any = None) -> dict[str, Any]:
+    """name -> fitted predictor (baselines, pregate if hidden states exist, then cfg.only)."""
+    from .default_vectors import compute_default_vectors
+    names = list(BASELINES) + (["pregate"] if train.has_hidden else []) + [n for n in cfg.only if n != "pregate"]
+    task = (lambda name, total: progress.add_task(name, total=total)) if progress else (lambda *a: None)
+    adv = (lambda t, **kw: progress.update(t, **kw)) if progress else (lambda *a, **k: None)
+    dvec = None
+    if any(n in ("router-pf", "estimator", "hybrid") for n in names):
+        t = task("default vectors", len(train.spec.moe_layers))
+        dvec = compute_default_vectors(model, train, max_tokens=cfg.dv_max_tokens,
+                                       progress=lambda: adv(t, advance=1))
+    out: dict[str, Any] = {}
+    for n in names:
+        t = task(f"fit {n}", 1.0)
+        p = PREDICTORS[n].create(model, cfg)
+        t0 = time.perf_counter()
+        if n in ("router-pf",):
+            p.fit(train, model, cfg, dvec=dvec)
+        elif n in ("estimator", "hybrid"):
+            p.fit(train, model, cfg, dvec=dvec, progress=lambda f, t=t: adv(t, completed=f))
+        else:
+            p.fit(train, model, cfg)
+        p.fit_seconds = getattr(p, "fit_seconds", 0.0) or (time.perf_counter() - t0)
+        adv(t, completed=1.0)
+        out[n] = p
+    return out
+
+
+def main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from .evaluate import evaluate, plot
+    from .io import save_predictors
+    _check_names(cfg.only)
+    if not 0.0 < cfg.holdout < 1.0:
+        raise ConfigError(f"--holdout must be in (0, 1), got {cfg.holdout}")
+    torch.set_num_threads(max(1, cfg.threads))
+    model = _load_model(cfg.model)
+    need_hidden = any(PREDICTORS[n].needs_hidden for n in cfg.only)
+    data = from_trace(cfg.trace, need_hidden=need_hidden)
+    _check_trace_model(data, model, cfg.trace)
+    train, held = data.split(cfg.holdout, cfg.seed)
+    with Progress(TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  TimeElapsedColumn(), console=console, transient=False, disable=console is None) as prog:
+        preds = fit_all(train, model, cfg, prog)
+        pairs = len(data.rank_pairs(cfg.max_s))
+        t = prog.add_task("evaluate (held out)", total=pairs * len(preds))
+        report = evaluate(preds, held, max_s=cfg.max_s, window=cfg.forest_window, mass=cfg.mass,
+                          progress=lambda: prog.update(t, advance=1))
+    report["fit_seconds"] = {n: round(float(getattr(p, "fit_seconds", 0.0)), 3) for n, p in preds.items()}
+    report["train_tokens"], report["heldout_tokens"] = train.n, held.n
+    if "hybrid" in preds:
+        report["hybrid"] = {"threshold": preds["hybrid"].threshold,
+                            "estimator_on": [f"{l}+{s}" for l, s in sorted(preds["hybrid"].use_estimator)]}
+    save_predictors(cfg.out, preds, model, trace=cfg.trace, trace_fingerprint=data.trace_fingerprint,
+                    config=cfg.to_dict(), report=report, plot_fn=plot)
+    report["out"] = str(cfg.out)
+    return report
+
+
+def eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
+    from .evaluate import evaluate
+    from .io import load_predictors, read_predictor_meta
+    model = _load_model(cfg.model)
+    meta = read_predictor_meta(cfg.predictors)
+    names = list(cfg.only) if cfg.only else list(meta.get("predictors", []))
+    data = from_trace(cfg.trace)
+    _check_trace_model(data, model, cfg.trace)
+    skipped = []
+    if not data.has_hidden:
+        skipped = [n for n in names if PREDICTORS[n].needs_hidden]
+        names = [n for n in names if n not in skipped]
+    _, preds = load_predictors(cfg.predictors, model, names)
+    report = evaluate(preds, data, max_s=cfg.max_s, window=cfg.window, mass=cfg.mass)
+    report["skipped_no_hidden"] = skipped
+    report["trace_overlap_warning"] = (str(Path(meta["trace"]["path"]).resolve()) == str(Path(cfg.trace).resolve()))
+    return report

@@ -1,0 +1,263 @@
+"""Transfer links: how one expert row moves from the host store into a device cache slot.
+
+- `DirectLink`: copy on the calling thread, now (no emulation; on CPU this is a memcpy).
+- `EmulatedLink(gbps, latency_s)`: a worker thread copies, then sleeps so that each transfer takes
+  `latency + bytes / bandwidth` of wall time; transfers are serialised FIFO (one link) and run
+  concurrently with compute on the main thread, so overlap, stalls and waiting are real wall time.
+- `CudaLink`: a side CUDA stream, pinned host rows, non-blocking copies, one event per transfer;
+  the compute stream waits on the slot's event, and a copy into a slot waits (on the GPU) for the
+  event recorded after the last computation that read that slot.
+
+Every link returns a `Ticket` from `submit`; `wait(ticket)` blocks until the slot may be read and
+returns the seconds the caller waited (stall). `busy_s` / `bytes` add up completed transfers.
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+
+@dataclass
+class Ticket:
+    nbytes: int
+    done: threading.Event = field(default_factory=threading.Event)
+    event: Any = None           # CUDA event (CudaLink)
+    start_event: Any = None
+    busy_s: float = 0.0         # link time this transfer took, once known
+    error: BaseException | None = None
+
+
+class Link:
+    """Base: counters shared by all links."""
+
+    name = "link"
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0        # seconds the link spent on completed transfers
+        self.bytes = 0           # bytes of completed transfers
+        self.transfers = 0
+
+    def submit(self, src: torch.Tensor, dst: torch.Tensor, *, after: Any = None) -> Ticket:
+        raise NotImplementedError
+
+    def ready(self, t: Ticket) -> bool:
+        return t.done.is_set()
+
+    def wait(self, t: Ticket) -> float:
+        raise NotImplementedError
+
+    def record_use(self) -> Any:
+        """A marker placed after a computation that read slots; `submit(after=...)` orders a copy behind it."""
+        return None
+
+    def drain(self) -> None:
+        """Block until every submitted transfer is complete."""
+
+    def close(self) -> None:
+        self.drain()
+
+    def describe(self) -> str:
+        return self.name
+
+
+class DirectLink(Link):
+    name = "direct"
+
+    def submit(self, src, dst, *, after=None) -> Ticket:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        t = Ticket(src.numel() * src.element_size())
+        t.busy_s = time.perf_counter() - t0
+        self.busy_s += t.busy_s
+        self.bytes += t.nbytes
+        self.transfers += 1
+        t.done.set()
+        return t
+
+    def wait(self, t: Ticket) -> float:
+        return 0.0
+
+
+class EmulatedLink(Link):
+    """One FIFO link of `gbps` GB/s (1e9 bytes/s) and `latency_s` per transfer, served by a worker thread."""
+
+    name = "emulated"
+
+    def __init__(self, gbps: float, latency_s: float = 0.0):
+        super().__init__()
+        if gbps <= 0:
+            raise ConfigError(f"emulated link bandwidth must be > 0 GB/s, got {gbps}")
+        self.gbps = gbps
+        self.latency_s = latency_s
+        self._q: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending: list[Ticket] = []
+        self._worker = threading.Thread(target=self._serve, name="moeflow-emulated-link", daemon=True)
+        self._worker.start()
+
+    def transfer_s(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / (self.gbps * 1e9)
+
+    def _serve(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            src, dst, t = item
+            if src is None:                      # a drain marker: everything before it is done
+                t.done.set()
+                continue
+            t0 = time.perf_counter()
+            try:
+                dst.copy_(src)
+            except BaseException as e:  # surfaced to the waiting thread
+                t.error = e
+            end = t0 + self.transfer_s(t.nbytes)
+            while (rest := end - time.perf_counter()) > 0:
+                time.sleep(rest)
+            t.busy_s = time.perf_counter() - t0
+            with self._lock:
+                self.busy_s += t.busy_s
+                self.bytes += t.nbytes
+                self.transfers += 1
+            t.done.set()
+
+    def submit(self, src, dst, *, after=None) -> Ticket:
+        t = Ticket(src.numel() * src.element_size())
+        self._q.put((src, dst, t))
+        return t
+
+    def wait(self, t: Ticket) -> float:
+        if t.done.is_set():
+            if t.error is not None:
+                raise t.error
+            return 0.0
+        t0 = time.perf_counter()
+        t.done.wait()
+        if t.error is not None:
+            raise t.error
+        return time.perf_counter() - t0
+
+    def drain(self) -> None:
+        marker = Ticket(0)
+        self._q.put((None, None, marker))
+        marker.done.wait()
+
+    def close(self) -> None:
+        if self._worker.is_alive():
+            self.drain()
+            self._q.put(None)
+            self._worker.join(timeout=5)
+
+    def describe(self) -> str:
+        return f"emulated {self.gbps:g} GB/s, {self.latency_s * 1e6:g} us latency"
+
+
+class CudaLink(Link):
+    """Copies on a side stream from pinned host rows; per-transfer events order compute after copies."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        if not torch.cuda.is_available():
+            raise ConfigError("--link cuda needs a CUDA device; use --link emulated:GBPS on CPU")
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._pending: list[Ticket] = []
+
+    def submit(self, src, dst, *, after=None) -> Ticket:
+        t = Ticket(src.numel() * src.element_size())
+        t.start_event = torch.cuda.Event(enable_timing=True)
+        t.event = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)            # the last computation reading this slot is done
+            t.start_event.record(self.stream)
+            dst.copy_(src, non_blocking=True)
+            t.event.record(self.stream)
+        self._pending.append(t)
+        return t
+
+    def ready(self, t: Ticket) -> bool:
+        if not t.done.is_set() and t.event.query():
+            self._complete(t)
+        return t.done.is_set()
+
+    def _complete(self, t: Ticket) -> None:
+        if t.done.is_set():
+            return
+        t.busy_s = t.start_event.elapsed_time(t.event) / 1e3
+        self.busy_s += t.busy_s
+        self.bytes += t.nbytes
+        self.transfers += 1
+        t.done.set()
+
+    def wait(self, t: Ticket) -> float:
+        stall = 0.0
+        if not t.event.query():
+            t0 = time.perf_counter()
+            t.event.synchronize()
+            stall = time.perf_counter() - t0
+        torch.cuda.current_stream(self.device).wait_event(t.event)
+        self._complete(t)
+        self._pending = [p for p in self._pending if not p.done.is_set()]
+        return stall
+
+    def record_use(self) -> Any:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def drain(self) -> None:
+        for t in self._pending:
+            t.event.synchronize()
+            self._complete(t)
+        self._pending.clear()
+
+    def describe(self) -> str:
+        return f"cuda side stream on {self.device}"
+
+
+_EMU = re.compile(r"^emulated:(?P<gbps>[0-9.eE+-]+)(?:,(?P<lat>[0-9.eE+-]+))?$")
+
+
+def parse_link(spec: str) -> tuple[str, float, float]:
+    """`cuda` | `direct` | `emulated:GBPS[,LATENCY_US]` -> (kind, gbps, latency_s)."""
+    s = spec.strip().lower()
+    if s in ("cuda", "direct", "auto"):
+        return s, 0.0, 0.0
+    m = _EMU.match(s)
+    if not m:
+        raise ConfigError(f"--link {spec!r} not understood; use cuda, direct or emulated:GBPS[,LATENCY_US] "
+                          f"(e.g. emulated:2,10)")
+    try:
+        gbps = float(m["gbps"])
+        lat = float(m["lat"]) * 1e-6 if m["lat"] else 0.0
+    except ValueError as e:
+        raise ConfigError(f"--link {spec!r}: {e}") from e
+    if gbps <= 0 or lat < 0:
+        raise ConfigError(f"--link {spec!r}: bandwidth must be > 0 GB/s and latency >= 0 us")
+    return "emulated", gbps, lat
+
+
+def make_link(spec: str, device: torch.device) -> Link:
+    kind, gbps, lat = parse_link(spec)
+    if kind == "auto":
+        kind = "cuda" if device.type == "cuda" else "direct"
+    if kind == "cuda":
+        if device.type != "cuda":
+            raise ConfigError("--link cuda needs --device cuda; on CPU use --link emulated:GBPS[,LATENCY_US]")
+        return CudaLink(device)
+    if kind == "direct":
+        return DirectLink()
+    return EmulatedLink(gbps, lat)

@@ -1,0 +1,162 @@
+"""Run metrics: one dataclass per generation (a prompt, or a whole run), a dict for JSON, a rich table.
+
+Definitions (docs/architecture.md, "Metrics vocabulary"):
+- TTFT: wall time from the start of `generate` to the end of the prefill pass (the first token).
+- TPOT: mean wall time per decode token after the first.
+- stall: seconds the compute thread waited for an expert copy; stall share = stall / wall.
+- hit rate: needed experts ready in a slot when the layer routed / needed experts.
+- prefetch precision: prefetched experts used before eviction / prefetch copies issued.
+- prefetch recall: needed experts that were resident thanks to a prefetch / needed experts.
+- collision misses: needed experts evicted earlier in the same forward pass.
+- effective bandwidth: bytes moved / busy link seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from .cache import CacheCounters
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+@dataclass
+class RunMetrics:
+    label: str = ""                       # e.g. "offload C=25% lru+pregate"
+    prompts: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    decode_tokens: int = 0                # new tokens after the first (each one decode pass)
+    wall_s: float = 0.0
+    ttft_s_sum: float = 0.0               # summed over prompts (mean = ttft_s)
+    decode_s: float = 0.0                 # wall time of all decode steps
+    counters: CacheCounters = field(default_factory=CacheCounters)
+    decode_counters: CacheCounters = field(default_factory=CacheCounters)
+    link_busy_s: float = 0.0
+    link_bytes: int = 0
+    expert_bytes: int = 0
+
+    # ---- derived ----------------------------------------------------------------------------------
+    @property
+    def ttft_s(self) -> float | None:
+        return _ratio(self.ttft_s_sum, self.prompts)
+
+    @property
+    def tpot_s(self) -> float | None:
+        return _ratio(self.decode_s, self.decode_tokens)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return _ratio(self.new_tokens, self.wall_s)
+
+    @property
+    def stall_share(self) -> float | None:
+        return _ratio(self.counters.stall_s, self.wall_s)
+
+    @property
+    def hit_rate(self) -> float | None:
+        return _ratio(self.counters.hits, self.counters.accesses)
+
+    @property
+    def decode_hit_rate(self) -> float | None:
+        return _ratio(self.decode_counters.hits, self.decode_counters.accesses)
+
+    @property
+    def prefetch_precision(self) -> float | None:
+        return _ratio(self.counters.prefetch_used, self.counters.prefetch_issued)
+
+    @property
+    def prefetch_recall(self) -> float | None:
+        return _ratio(self.counters.prefetch_used, self.counters.accesses)
+
+    @property
+    def transfers_per_token(self) -> float | None:
+        return _ratio(self.decode_counters.loads, self.decode_tokens)
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        return _ratio(self.decode_counters.bytes_moved, self.decode_tokens)
+
+    @property
+    def effective_gbps(self) -> float | None:
+        r = _ratio(self.link_bytes, self.link_busy_s)
+        return r / 1e9 if r is not None else None
+
+    # ---- combine / export ---------------------------------------------------------------------------
+    def merge(self, other: "RunMetrics") -> "RunMetrics":
+        out = dataclasses.replace(self)
+        for f in ("prompts", "prompt_tokens", "new_tokens", "decode_tokens", "wall_s", "ttft_s_sum", "decode_s",
+                  "link_busy_s", "link_bytes"):
+            setattr(out, f, getattr(self, f) + getattr(other, f))
+        out.counters = self.counters + other.counters
+        out.decode_counters = self.decode_counters + other.decode_counters
+        out.expert_bytes = self.expert_bytes or other.expert_bytes
+        return out
+
+    @classmethod
+    def total(cls, items: Iterable["RunMetrics"], label: str = "") -> "RunMetrics":
+        acc = cls(label=label)
+        for m in items:
+            acc = acc.merge(m)
+        acc.label = label
+        return acc
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label, "prompts": self.prompts, "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens, "wall_s": self.wall_s, "ttft_s": self.ttft_s, "tpot_s": self.tpot_s,
+            "tokens_per_s": self.tokens_per_s, "stall_s": self.counters.stall_s, "stall_share": self.stall_share,
+            "hit_rate": self.hit_rate, "decode_hit_rate": self.decode_hit_rate,
+            "prefetch_precision": self.prefetch_precision, "prefetch_recall": self.prefetch_recall,
+            "collision_misses": self.counters.collision_misses, "overfetch": self.counters.prefetch_unused_evicted,
+            "bytes_moved": self.counters.bytes_moved, "transfers": self.counters.loads,
+            "transfers_per_token": self.transfers_per_token, "bytes_per_token": self.bytes_per_token,
+            "effective_gbps": self.effective_gbps, "expert_bytes": self.expert_bytes,
+            "counters": self.counters.to_dict(), "decode_counters": self.decode_counters.to_dict(),
+        }
+
+
+def _f(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+COLUMNS = ("run", "TTFT ms", "TPOT ms", "tok/s", "stall %", "hit", "prec", "recall", "collis.",
+           "xfer/tok", "bytes/tok", "eff GB/s")
+
+
+def metrics_table(rows: Iterable[RunMetrics], title: str = "moeflow run"):
+    """A rich Table with one row per RunMetrics."""
+    from rich.table import Table
+    t = Table(title=title, show_lines=False)
+    for c in COLUMNS:
+        t.add_column(c, justify="left" if c == "run" else "right", no_wrap=c != "run")
+    for m in rows:
+        t.add_row(
+            m.label,
+            _f(m.ttft_s * 1e3 if m.ttft_s is not None else None, ".1f"),
+            _f(m.tpot_s * 1e3 if m.tpot_s is not None else None, ".2f"),
+            _f(m.tokens_per_s, ".1f"),
+            _f(m.stall_share * 100 if m.stall_share is not None else None, ".1f"),
+            _f(m.hit_rate, ".3f"),
+            _f(m.prefetch_precision, ".3f"),
+            _f(m.prefetch_recall, ".3f"),
+            str(m.counters.collision_misses),
+            _f(m.transfers_per_token, ".2f"),
+            _bytes(m.bytes_per_token),
+            _f(m.effective_gbps, ".2f"),
+        )
+    return t

@@ -1,0 +1,138 @@
+"""Host expert store: every routed expert's weights in ONE contiguous host buffer, so one copy moves one expert.
+
+For each MoE layer the experts module holds stacked per-expert tensors (`gate_up_proj [E,2I,H]`,
+`down_proj [E,H,I]`, GPT-OSS biases `[E,...]`). `ExpertLayout` fixes where each of them lives inside
+one flat expert row (offsets padded to 64 bytes, so every parameter view is aligned), and
+`HostExpertStore` keeps, per layer, a `[E, row_numel]` host tensor whose row e is expert e.
+On a CUDA target the rows are pinned so copies can run asynchronously on a side stream.
+
+`offload(model)` moves the stacked parameters into the store and replaces them on the device by
+empty tensors (the memory is really freed); `restore()` puts them back bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+from ..moe.adapters import Adapter
+
+ALIGN_BYTES = 64
+
+
+@dataclass(frozen=True)
+class ParamSlice:
+    name: str                 # attribute on the experts module, e.g. "gate_up_proj"
+    shape: tuple[int, ...]    # one expert's shape, e.g. (2I, H)
+    offset: int               # start inside the expert row, in elements
+    numel: int
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where each per-expert parameter sits inside one flat expert row (same for every MoE layer)."""
+
+    params: tuple[ParamSlice, ...]
+    row_numel: int            # padded row length, in elements
+    dtype: torch.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of real parameters in one expert (what a transfer moves, without padding)."""
+        return sum(p.numel for p in self.params) * torch.empty((), dtype=self.dtype).element_size()
+
+    def views(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-parameter views `[N, *shape]` of a `[N, row_numel]` tensor (no copy)."""
+        out = {}
+        for p in self.params:
+            out[p.name] = rows[:, p.offset:p.offset + p.numel].unflatten(1, p.shape)
+        return out
+
+    @classmethod
+    def of(cls, stacked: dict[str, torch.Tensor]) -> "ExpertLayout":
+        dtypes = {t.dtype for t in stacked.values()}
+        if len(dtypes) != 1:
+            raise ConfigError(f"experts mix dtypes {sorted(map(str, dtypes))}; load the model with one --dtype")
+        dtype = dtypes.pop()
+        esize = torch.empty((), dtype=dtype).element_size()
+        step = max(1, ALIGN_BYTES // esize)
+        params, off = [], 0
+        for name, t in stacked.items():
+            shape = tuple(t.shape[1:])
+            n = int(t[0].numel())
+            params.append(ParamSlice(name, shape, off, n))
+            off += -(-n // step) * step
+        return cls(tuple(params), off, dtype)
+
+
+def _pin(t: torch.Tensor) -> torch.Tensor:
+    """Pinned copy when a CUDA runtime is there (pin_memory() raises on CPU-only torch)."""
+    if not torch.cuda.is_available():
+        return t
+    return t.pin_memory()
+
+
+class HostExpertStore:
+    """Per MoE layer a `[E, row_numel]` host tensor; `row(layer, expert)` is one expert's contiguous buffer."""
+
+    def __init__(self, adapter: Adapter, *, pin: bool):
+        self.adapter = adapter
+        self.spec = adapter.spec
+        self.pin = pin
+        first = adapter.per_expert_params(self.spec.moe_layers[0])
+        self.layout = ExpertLayout.of({n: p.detach() for n, p in first.items()})
+        self.rows: dict[int, torch.Tensor] = {}
+        self._params: dict[int, dict[str, torch.nn.Parameter]] = {}
+        self._device: dict[int, torch.device] = {}
+        self.offloaded = False
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes one transfer moves (the padded row; padding is at most 64 bytes per parameter)."""
+        return self.layout.row_bytes
+
+    def row(self, layer: int, expert: int) -> torch.Tensor:
+        return self.rows[layer][expert]                                       # [row_numel] contiguous
+
+    def offload(self) -> None:
+        """Copy every layer's stacked experts into host rows and free them on the device."""
+        if self.offloaded:
+            return
+        E = self.spec.num_experts
+        for l in self.spec.moe_layers:
+            params = self.adapter.per_expert_params(l)
+            if set(params) != {p.name for p in self.layout.params}:
+                raise ConfigError(f"layer {l} has expert parameters {sorted(params)}, unlike the first MoE layer")
+            host = torch.zeros(E, self.layout.row_numel, dtype=self.layout.dtype)   # [E,R]
+            views = self.layout.views(host)
+            with torch.no_grad():
+                for name, p in params.items():
+                    views[name].copy_(p.detach().to("cpu"))
+            self.rows[l] = _pin(host) if self.pin else host
+            self._params[l] = dict(params)
+            self._device[l] = next(iter(params.values())).device
+            for p in params.values():                     # free the device copy; keep the Parameter object
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.offloaded = True
+
+    def device_numel(self) -> int:
+        """Elements the offloaded stacked parameters still hold on their device (0 while offloaded)."""
+        return sum(p.numel() for params in self._params.values() for p in params.values())
+
+    def restore(self) -> None:
+        """Put the stacked parameters back on their device, bit for bit."""
+        if not self.offloaded:
+            return
+        for l, params in self._params.items():
+            views = self.layout.views(self.rows[l])
+            for name, p in params.items():
+                p.data = views[name].to(self._device[l], copy=True).contiguous()
+        self.rows.clear()
+        self._params.clear()
+        self.offloaded = False

@@ -1,0 +1,60 @@
+"""TraceConfig: everything `moeflow trace` needs, as one frozen dataclass (the CLI builds it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    model: str                          # local checkpoint folder
+    prompts: str                        # file path, short set name or HF dataset name
+    out: str                            # trace folder (created, or appended to)
+    max_new_tokens: int = 32            # decode steps per prompt
+    limit: int | None = None            # at most this many prompts (after deduplication)
+    record_hidden: bool = False         # also store router input and post-attention residual (float16)
+    temperature: float = 0.0            # 0 = greedy
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int = 0                       # per-prompt seed = seed + hash(prompt) (sampling only)
+    max_prompt_tokens: int = 256        # longer prompts are truncated (keep the beginning)
+    data_dir: str | None = None
+    split: str | None = None            # split of a short set name or HF dataset
+    dtype: str = "auto"
+    device: str = "cpu"
+    shard_size: int | None = None       # token records per Arrow shard (None: about 256 MiB); closes at a prompt boundary
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"--limit must be >= 1 (got {self.limit})")
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0 (0 = greedy; got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        if self.repetition_penalty <= 0:
+            raise ConfigError(f"--repetition-penalty must be > 0 (got {self.repetition_penalty})")
+        if self.max_prompt_tokens < 1:
+            raise ConfigError(f"--max-prompt-tokens must be >= 1 (got {self.max_prompt_tokens})")
+        if self.shard_size is not None and self.shard_size < 1:
+            raise ConfigError(f"--shard-size must be >= 1 record (got {self.shard_size})")
+
+    def generation(self) -> dict[str, Any]:
+        """The settings that shape the generated tokens (stored in meta.json)."""
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "repetition_penalty": self.repetition_penalty, "seed": self.seed,
+                "max_prompt_tokens": self.max_prompt_tokens, "do_sample": self.temperature > 0}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TraceConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})

@@ -1,0 +1,88 @@
+"""The `moeflow trace` stage: load the model and prompts, generate with router hooks, write shards."""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from typing import Any, Sequence
+
+import torch
+
+from ..data import Prompt, load_prompts
+from ..errors import MoeflowError
+from ..moe import get_adapter, model_fingerprint
+from .config import TraceConfig
+from .writer import RoutingRecorder, TraceWriter, generation_kwargs, trace_one
+
+
+def _progress(console: Any, enabled: bool):
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+    return Progress(TextColumn("[bold]tracing"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
+                    TextColumn("{task.fields[tokens]} tokens, {task.fields[tps]:.0f} tok/s"),
+                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                    console=console, disable=not enabled, transient=False)
+
+
+def prompt_seed(seed: int, prompt_id: str) -> int:
+    """A per-prompt seed independent of prompt order (so appends reproduce the same samples)."""
+    return (seed * 1_000_003 + zlib.crc32(prompt_id.encode())) % (2**31)
+
+
+def run_trace(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[Prompt], cfg: TraceConfig,
+              console: Any = None) -> dict[str, Any]:
+    """Trace `prompts` through `model` into `cfg.out` (appending; prompts already there are skipped)."""
+    adapter = get_adapter(model)
+    gen = cfg.generation()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    gen_kw = generation_kwargs(gen, pad if pad is not None else getattr(model.config, "eos_token_id", None))
+    recorder = RoutingRecorder(adapter, cfg.record_hidden)
+    device = next(model.parameters()).device
+    writer = TraceWriter(cfg.out, fingerprint=model_fingerprint(model), spec=adapter.spec.to_dict(),
+                         record_hidden=cfg.record_hidden, generation=gen, prompt_source=cfg.prompts,
+                         shard_size=cfg.shard_size)
+    tokens, gen_tokens, t0 = 0, 0, time.perf_counter()
+    with writer, _progress(console, cfg.progress and console is not None) as bar:
+        if writer.meta["shards"] and writer.meta.get("generation") != gen and console is not None:
+            console.print(f"[yellow]note:[/] {cfg.out} was traced with other generation settings "
+                          f"({writer.meta.get('generation')}); each run's settings are in meta.json `runs`")
+        todo = [p for p in prompts if not writer.has(p.id)]
+        skipped = len(prompts) - len(todo)
+        task = bar.add_task("trace", total=len(todo), tokens=0, tps=0.0)
+        for p in todo:
+            ids = tokenizer(p.text, return_tensors="pt", truncation=True, max_length=cfg.max_prompt_tokens,
+                            add_special_tokens=True)["input_ids"][:, :cfg.max_prompt_tokens].to(device)  # [1,S]
+            if ids.shape[1] == 0:
+                bar.advance(task)
+                continue
+            rows, seq = trace_one(model, recorder, ids, gen_kw, prompt_seed(cfg.seed, p.id) if gen["do_sample"] else None)
+            writer.add(p.id, rows)
+            tokens += len(rows["position"])
+            gen_tokens += seq.shape[0] - ids.shape[1]
+            bar.update(task, advance=1, tokens=tokens, tps=tokens / max(time.perf_counter() - t0, 1e-9))
+    dt = time.perf_counter() - t0
+    return {"out": str(cfg.out), "prompts_total": len(prompts), "prompts_skipped": skipped,
+            "prompts_added": writer.added_prompts, "tokens_added": writer.added_tokens,
+            "generated_tokens": gen_tokens, "shards_added": writer.new_shards,
+            "trace_prompts": len(writer.meta["prompt_ids"]), "trace_tokens": int(writer.meta["num_tokens"]),
+            "seconds": round(dt, 3), "tokens_per_s": round(tokens / dt, 1) if dt > 0 else None}
+
+
+def main(cfg: TraceConfig, console: Any = None, json_out: bool = False) -> dict[str, Any]:
+    """Load `cfg.model` and `cfg.prompts`, trace, print a result line (or JSON)."""
+    from rich.console import Console
+    from ..models import load_model
+    console = console or Console(stderr=True)
+    prompts = load_prompts(cfg.prompts, data_dir=cfg.data_dir, limit=cfg.limit, split=cfg.split)
+    model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+    if tok is None:
+        raise MoeflowError(f"{cfg.model} has no tokenizer (tokenizer.json); save one beside the checkpoint")
+    res = run_trace(model, tok, prompts, cfg, console)
+    if json_out:
+        print(json.dumps(res))
+    else:
+        console.print(f"traced {res['prompts_added']} prompts ({res['prompts_skipped']} already in the trace), "
+                      f"{res['tokens_added']} tokens at {res['tokens_per_s']} tok/s -> {res['out']} "
+                      f"({res['trace_prompts']} prompts, {res['trace_tokens']} tokens in all)")
+    return res

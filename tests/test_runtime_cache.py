@@ -1,0 +1,187 @@
+"""Device expert cache and engine mechanics: capacity bound, counters, refusals, restore, observers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeflow.errors import ConfigError
+from moeflow.moe import get_adapter
+from moeflow.policies import EVICTION, LayerContext, PrefetchRequest
+from moeflow.runtime.config import RunConfig, opts_dict, parse_capacity, parse_opts
+from moeflow.runtime.engine import OffloadEngine
+from moeflow.runtime.generate import build_engine, create_policy, generate_one, load_policies
+from moeflow.runtime.link import DirectLink
+
+load_policies()
+NEW = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from moeflow.models import tiny_model
+    return tiny_model("olmoe", num_experts=16, top_k=4, num_hidden_layers=4)   # 64 routed experts
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(3, 250, (1, 10), generator=torch.Generator().manual_seed(3))
+
+
+class Recorder:
+    """Wraps an eviction policy: checks the capacity bound at every insert and records events."""
+
+    def __init__(self, inner, engine_ref):
+        self.inner, self.engine_ref = inner, engine_ref
+        self.name = inner.name
+        self.events: list[str] = []
+        self.max_resident = 0
+
+    def __getattr__(self, a):
+        return getattr(self.inner, a)
+
+    def on_insert(self, key, pos, *, prefetched):
+        cache = self.engine_ref[0].cache
+        self.max_resident = max(self.max_resident, cache.num_resident())
+        self.events.append("insert")
+        self.inner.on_insert(key, pos, prefetched=prefetched)
+
+    def on_evict(self, key):
+        self.events.append("evict")
+        self.inner.on_evict(key)
+
+    def victim(self, candidates, pos):
+        cache = self.engine_ref[0].cache
+        for k in candidates:                      # only resident, unpinned, not in-flight slots are offered
+            s = cache.slot_of[k]
+            assert not cache.slots[s].pinned and cache.slots[s].state == "ready"
+        return self.inner.victim(candidates, pos)
+
+
+@pytest.mark.parametrize("ev", ["lru", "least-stale"])
+@pytest.mark.parametrize("pf", ["none", "pregate", "all-next-layer"])
+def test_capacity_bound_and_counters(model, prompt, ev, pf):
+    spec = get_adapter(model).spec
+    C = 12
+    ref_box: list = []
+    rec = Recorder(create_policy(EVICTION, ev), ref_box)
+    eng = OffloadEngine(model, capacity=C, link=DirectLink(), eviction=rec, prefetch=create_policy(
+        __import__("moeflow.policies", fromlist=["PREFETCH"]).PREFETCH, pf))
+    ref_box.append(eng)
+    passes = []
+    eng.observers.append(passes.append)
+    with eng:
+        _, m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
+        c = eng.cache.counters
+        assert eng.cache.num_resident() <= C
+    assert rec.max_resident <= C
+    assert c.hits + c.misses == c.accesses
+    assert c.loads == c.demand_loads + c.prefetch_issued
+    assert c.bytes_moved == c.loads * eng.store.expert_bytes
+    assert m.link_bytes == c.bytes_moved                          # every copy completed and was counted
+    assert rec.events.count("insert") == c.loads
+    assert rec.events.count("evict") == c.evictions == c.loads - eng.cache.num_resident()
+    assert c.prefetch_used <= c.prefetch_issued
+    assert c.prefetch_unused_evicted <= c.prefetch_issued - c.prefetch_used
+    assert c.collision_misses <= c.misses
+    if pf == "none":
+        assert c.prefetch_issued == 0
+    if pf == "all-next-layer":
+        assert c.prefetch_issued > 0
+    # per-pass stats add up to the run and there is one per generated token
+    assert len(passes) == NEW
+    assert sum(p.counters.accesses for p in passes) == c.accesses
+    assert sum(sum(p.loads_by_layer.values()) for p in passes) == c.loads
+    assert all(p.tokens == (10 if i == 0 else 1) for i, p in enumerate(passes))
+    # decode accesses: one per unique expert per layer per token
+    assert m.decode_counters.accesses <= (NEW - 1) * spec.top_k * spec.num_moe_layers
+
+
+def test_capacity_below_topk_refused(model):
+    spec = get_adapter(model).spec
+    with pytest.raises(ConfigError, match=f"at least {spec.top_k}"):
+        build_engine(model, mode="offload", link=DirectLink(), capacity=spec.top_k - 1).attach()
+    with pytest.raises(ConfigError, match=f"at least {spec.top_k * spec.num_moe_layers}"):
+        build_engine(model, mode="offload", link=DirectLink(), capacity=spec.top_k * spec.num_moe_layers - 1,
+                     per_layer=True).attach()
+    with pytest.raises(ConfigError, match="at most"):
+        build_engine(model, mode="offload", link=DirectLink(), capacity=spec.total_experts + 1).attach()
+    # a refused engine left the model untouched
+    assert model.config._experts_implementation == "grouped_mm"
+    assert all(p.numel() > 0 for p in get_adapter(model).per_expert_params(spec.moe_layers[0]).values())
+
+
+def test_restore_is_exact_and_frees_device(model, prompt):
+    ad = get_adapter(model)
+    before = {l: {n: p.detach().clone() for n, p in ad.per_expert_params(l).items()} for l in ad.moe_layers}
+    eng = build_engine(model, mode="offload", link=DirectLink(), capacity=8, eviction="lru", prefetch="pregate")
+    with eng:
+        assert model.config._experts_implementation == "moeflow"
+        assert eng.store.device_numel() == 0
+        assert ad.experts(ad.moe_layers[0])._moeflow_layer == ad.moe_layers[0]
+        assert eng.cache.buffer.shape[0] == 8
+        generate_one(model, prompt, eng, max_new_tokens=2)
+    assert model.config._experts_implementation == "grouped_mm"
+    assert not hasattr(ad.experts(ad.moe_layers[0]), "_moeflow_engine")
+    for l in ad.moe_layers:
+        for n, p in ad.per_expert_params(l).items():
+            assert torch.equal(p, before[l][n]) and p.is_contiguous()
+
+
+def test_collision_misses_at_topk(model, prompt):
+    spec = get_adapter(model).spec
+    eng = build_engine(model, mode="offload", link=DirectLink(), capacity=spec.top_k, eviction="lru", prefetch="none")
+    with eng:
+        _, m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
+    d = m.decode_counters
+    # each layer's demand evicts every other layer: whatever a decode pass needs was evicted earlier in it
+    assert d.hits == 0 and d.misses == d.accesses
+    assert 0 < d.collision_misses <= d.misses
+
+
+def test_lookahead_reaches_prefetch_context(model, prompt):
+    seen: list[tuple[int, list[int]]] = []
+
+    class Probe:
+        name = "probe"
+
+        def propose(self, ctx: LayerContext):
+            seen.append((ctx.lookahead, ctx.next_layers()))
+            assert ctx.router_input.shape[-1] == model.config.hidden_size
+            assert ctx.predict_logits(ctx.moe_layers[-1], ctx.router_input).shape[-1] == ctx.num_experts
+            return [PrefetchRequest((t, 0), 1.0) for t in ctx.next_layers()]
+
+    eng = OffloadEngine(model, capacity=16, link=DirectLink(), eviction=create_policy(EVICTION, "lru"),
+                        prefetch=Probe(), lookahead=1)
+    steps = []
+    eng.observers.append(lambda st: setattr(eng, "lookahead", 2) or steps.append(st.lookahead))
+    with eng:
+        generate_one(model, prompt, eng, max_new_tokens=3)
+    assert steps == [1, 2, 2]
+    assert {s for s, _ in seen} == {1, 2}
+    assert all(len(nl) <= s for s, nl in seen) and any(len(nl) == 2 for _, nl in seen)
+
+
+def test_parse_capacity_and_opts():
+    assert parse_capacity("25%", total_experts=64, expert_bytes=1000) == 16
+    assert parse_capacity("10", total_experts=64, expert_bytes=1000) == 10
+    assert parse_capacity("64KB", total_experts=64, expert_bytes=1000) == 64
+    assert parse_capacity("1KiB", total_experts=64, expert_bytes=512) == 2
+    with pytest.raises(ConfigError):
+        parse_capacity("lots", total_experts=64, expert_bytes=1000)
+    with pytest.raises(ConfigError):
+        parse_capacity("150%", total_experts=64, expert_bytes=1000)
+    assert opts_dict(parse_opts(["overfetch=1.5", "lookahead=2", "right=farthest"])) == {
+        "overfetch": 1.5, "lookahead": 2, "right": "farthest"}
+    with pytest.raises(ConfigError, match="--sweep"):
+        RunConfig(model="m", prompt=("x",), evictions=("lru", "lfu"))
+    with pytest.raises(ConfigError, match="unknown eviction"):
+        create_policy(EVICTION, "belady-please")

@@ -1,0 +1,62 @@
+"""ExpertFlow's adaptive step size: stalls raise S, overfetch (experts already there) lowers it, bounds hold,
+and observed bandwidth moves S through the formula S = N_e E_s / (C_s T_l)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from moeflow.runtime.stepsize import StepSizeController, experts_for_mass
+
+
+def test_stalls_raise_and_overfetch_lowers_within_bounds():
+    c = StepSizeController(initial_s=2, min_s=1, max_s=3, stall_threshold=3, overfetch_threshold=5)
+    assert c.s == 2
+    c.observe_access(stalled=True, n=2)
+    assert c.s == 2                                  # below the threshold
+    c.observe_access(stalled=True)
+    assert c.s == 3 and c.stalls == 0                # counter reset, S + 1
+    c.observe_access(stalled=True, n=30)
+    assert c.s == 3                                  # clamped at max_s
+    c.observe_access(stalled=False, n=5)
+    assert c.s == 2                                  # no wind-up: one overfetch round is enough to come down
+    c.observe_access(stalled=False, n=50)
+    assert c.s == 1                                  # clamped at min_s
+    assert [w for w, _ in c.history] == ["init", "stall", "overfetch", "overfetch"]
+
+
+def test_formula_and_bandwidth_updates():
+    # N_e=4 experts of 1 MB, T_l=1 ms: at 2 GB/s a layer's experts take 2 ms -> S = 2
+    c = StepSizeController(initial_s=2, max_s=8, expert_bytes=1e6, bandwidth=2e9, layer_time_s=1e-3,
+                           experts_per_layer=4, ema=1.0)
+    assert c.formula_s() == pytest.approx(2.0) and c.s == 2
+    c.observe_transfer(nbytes=1e6, seconds=1e-3)      # observed 1 GB/s -> 4 ms per layer -> S = 4
+    assert c.s == 4
+    c.observe_transfer(nbytes=8e6, seconds=1e-3)      # 8 GB/s -> 0.5 layers -> S = 1
+    assert c.s == 1
+    c.observe_access(stalled=True, n=c.stall_threshold)   # the stall bias survives the next recompute
+    assert c.s == 2
+    c.observe_layer_time(1e-3)
+    assert c.s == 2
+
+
+def test_on_pass_reads_engine_stats_and_drives_lookahead():
+    c = StepSizeController(initial_s=1, max_s=3, stall_threshold=2, overfetch_threshold=100)
+    engine = SimpleNamespace(lookahead=1, observers=[], spec=SimpleNamespace(num_layers=4))
+    detach = c.attach(engine)
+    stats = SimpleNamespace(counters=SimpleNamespace(hits=1, misses=2), transfer_bytes=0, transfer_s=0.0,
+                            tokens=1, wall_s=0.01, stall_s=0.005)
+    for obs in engine.observers:
+        obs(stats)
+    assert c.s == 2 and engine.lookahead == 2
+    detach()
+    assert engine.observers == []
+
+
+def test_bad_bounds_and_mass_count():
+    with pytest.raises(ValueError):
+        StepSizeController(initial_s=1, min_s=3, max_s=2)
+    import torch
+    p = torch.tensor([[0.7, 0.2, 0.1, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    assert experts_for_mass(p, 0.85) == pytest.approx((2 + 4) / 2)

@@ -1,0 +1,290 @@
+"""Tracing: recorded routing equals the router's, generation is unchanged, shards append atomically,
+damaged or mismatched traces are refused, statistics are right."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from moeflow.data import Prompt, prompt_id
+from moeflow.errors import ArtifactError
+from moeflow.moe import RouterTap, get_adapter
+from moeflow.trace import Trace, TraceConfig, run_trace
+from moeflow.trace.summary import (dead_experts, expert_counts, layer_stats, load_entropy, router_entropy, skewness,
+                                   trace_summary)
+from moeflow.trace.writer import RoutingRecorder, generation_kwargs, trace_one
+
+from .conftest import ARCHS
+
+GEN = {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "repetition_penalty": 1.0}
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer with exactly 256 ids (0 <pad>, 1 <s>, 2 </s>, then bytes), for the tiny models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for c in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        if len(vocab) < 256:
+            vocab.setdefault(c, len(vocab))
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<pad>")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def prompts(*texts: str) -> list[Prompt]:
+    return [Prompt(prompt_id(t), t, "test") for t in texts]
+
+
+def cfg(out, **kw) -> TraceConfig:
+    base = dict(model="unused", prompts="test", out=str(out), max_new_tokens=4, max_prompt_tokens=16, progress=False)
+    base.update(kw)
+    return TraceConfig(**base)
+
+
+# ---- what is recorded ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_recorded_routing_equals_router(tiny_models, arch):
+    """Records of one generate equal a RouterTap attached to the same run; re-running the router on
+    the tap's input reproduces them; the residual pre-hook sees the residual the router's norm reads."""
+    model = tiny_models(arch)
+    ad = get_adapter(model)
+    ids = torch.tensor([[5, 77, 120, 33, 201, 9]])                                  # [1,S]
+    rec = RoutingRecorder(ad, record_hidden=True)
+    tap = RouterTap(ad)
+    with tap.attach():
+        rows, seq = trace_one(model, rec, ids, generation_kwargs(GEN, 0))
+    n = seq.shape[0] - 1
+    assert n >= ids.shape[1] and len(rows["position"]) == n
+    assert rows["token_id"].tolist() == seq[:n].tolist()
+    assert rows["phase"].tolist() == [0] * 6 + [1] * (n - 6)
+    for l in ad.moe_layers:
+        ev = tap.events[l]
+        x = torch.cat([e.x for e in ev])                                                     # [n,H]
+        idx = torch.cat([e.indices.reshape(-1, e.indices.shape[-1]) for e in ev])             # [n,k]
+        w = torch.cat([e.weights.reshape(-1, e.weights.shape[-1]) for e in ev]).float()
+        logits = torch.cat([e.logits.reshape(-1, e.logits.shape[-1]) for e in ev])            # [n,E]
+        np.testing.assert_array_equal(rows[f"topk_ids_{l}"], idx.numpy())
+        np.testing.assert_array_equal(rows[f"topk_weights_{l}"], w.numpy())
+        np.testing.assert_allclose(rows[f"probs_{l}"].astype(np.float32), torch.softmax(logits.float(), -1).numpy(),
+                                   atol=1e-3)
+        np.testing.assert_allclose(rows[f"hidden_in_{l}"].astype(np.float32), x.numpy(), rtol=1e-2, atol=1e-2)
+        # the router re-run on its recorded input chooses the recorded experts
+        with torch.no_grad():
+            w2, idx2 = ad.select(l, ad.router_logits(l, x))
+        assert torch.equal(idx2.reshape(idx.shape), idx)
+        # post_attention_layernorm(resid) is the router input
+        resid = torch.from_numpy(rows[f"resid_{l}"].astype(np.float32))
+        with torch.no_grad():
+            normed = ad.layers[l].post_attention_layernorm(resid)
+        np.testing.assert_allclose(normed.numpy(), x.numpy(), rtol=2e-2, atol=2e-2)
+    assert rows[f"topk_ids_{ad.moe_layers[0]}"].dtype == np.int16
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "deepseek_v3"])
+def test_tracing_leaves_generation_unchanged(tiny_models, arch):
+    model = tiny_models(arch)
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89]])
+    kw = generation_kwargs({**GEN, "max_new_tokens": 6}, 0)
+    with torch.no_grad():
+        plain = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)[0]
+    _, traced = trace_one(model, RoutingRecorder(get_adapter(model), record_hidden=True), ids, kw)
+    assert traced.tolist() == plain.tolist()
+    assert len(plain) > ids.shape[1]
+
+
+# ---- the trace folder ----------------------------------------------------------------------------
+
+def test_trace_append_skip_and_reader(tiny_models, tok, tmp_path):
+    model = tiny_models("olmoe")
+    out = tmp_path / "tr"
+    a = prompts("the cat sat", "on the mat", "a dog")
+    r1 = run_trace(model, tok, a, cfg(out))
+    assert r1["prompts_added"] == 3 and r1["prompts_skipped"] == 0
+    r2 = run_trace(model, tok, a[1:] + prompts("new prompt", "another one"), cfg(out))
+    assert r2["prompts_added"] == 2 and r2["prompts_skipped"] == 2
+    t = Trace(out, verify=True)
+    assert t.prompt_ids == [p.id for p in a] + [prompt_id("new prompt"), prompt_id("another one")]
+    assert len(t.meta["shards"]) == 2 and len(t.meta["runs"]) == 2
+    assert len(t) == t.num_tokens == r1["tokens_added"] + r2["tokens_added"] == t.meta["num_tokens"]
+    tk = t.tokens()
+    assert sorted(set(tk["prompt_id"].tolist())) == [0, 1, 2, 3, 4]
+    for i, p in enumerate(t.prompt_ids):
+        rows = tk["prompt_id"] == i
+        pos = tk["position"][rows]
+        assert pos.tolist() == list(range(len(pos)))               # consecutive, in order
+        text = {q.id: q.text for q in a + prompts("new prompt", "another one")}[p]
+        ids = tok(text)["input_ids"]
+        assert tk["token_id"][rows][:len(ids)].tolist() == ids     # prefill rows are the prompt tokens
+        assert (tk["phase"][rows] == (pos >= len(ids))).all()
+    spec = t.spec
+    for l in spec.moe_layers:
+        d = t.layer(l)
+        assert set(d) == {"topk_ids", "topk_weights", "probs"}
+        assert d["topk_ids"].shape == (len(t), spec.top_k) and d["probs"].shape == (len(t), spec.num_experts)
+        assert d["probs"].dtype == np.float16 and d["topk_weights"].dtype == np.float32
+        # the recorded top-k are the top-k of the recorded probabilities
+        top = np.argsort(-d["probs"].astype(np.float32), axis=1)[:, :spec.top_k]
+        assert (np.sort(top, 1) == np.sort(d["topk_ids"], 1)).mean() > 0.99
+    assert t.mask("decode").sum() == (tk["phase"] == 1).sum() > 0
+    with pytest.raises(ArtifactError, match="record-hidden"):
+        t.layer(spec.moe_layers[0], ["resid"])
+    t.check_model(model)
+    with pytest.raises(ArtifactError, match="another model"):
+        t.check_model(tiny_models("mixtral"))
+
+
+def test_small_shards_and_crash_resume(tiny_models, tok, tmp_path, monkeypatch):
+    """A crash mid-run keeps every finished shard; the next run adds only the missing prompts."""
+    import moeflow.trace.run as run_mod
+    model = tiny_models("olmoe")
+    out = tmp_path / "tr"
+    ps = prompts("one", "two", "three", "four")
+    real = run_mod.trace_one
+    calls = {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(run_mod, "trace_one", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        run_trace(model, tok, ps, cfg(out, shard_size=1))
+    t = Trace(out)
+    assert t.prompt_ids == [ps[0].id, ps[1].id] and len(t.meta["shards"]) == 2
+    monkeypatch.setattr(run_mod, "trace_one", real)
+    r = run_trace(model, tok, ps, cfg(out, shard_size=1))
+    assert r["prompts_added"] == 2 and r["prompts_skipped"] == 2
+    t = Trace(out, verify=True)
+    assert t.prompt_ids == [p.id for p in ps] and len(t.meta["shards"]) == 4
+    assert np.diff(t.tokens()["prompt_id"]).min() >= 0           # rows in prompt order over shards
+
+
+def test_shard_readable_by_datasets(tiny_models, tok, tmp_path):
+    import datasets
+    out = tmp_path / "tr"
+    run_trace(tiny_models("olmoe"), tok, prompts("hello there"), cfg(out))
+    t = Trace(out)
+    ds = datasets.Dataset.from_file(str(out / t.meta["shards"][0]["file"]))
+    assert ds.num_rows == len(t)
+    assert ds[0]["topk_ids_0"] == t.layer(0)["topk_ids"][0].tolist()
+
+
+def test_damaged_or_mismatched_traces_are_refused(tiny_models, tok, tmp_path):
+    model = tiny_models("olmoe")
+    out = tmp_path / "tr"
+    run_trace(model, tok, prompts("alpha beta"), cfg(out, record_hidden=True))
+    t = Trace(out)
+    assert set(t.layer(0)) == {"topk_ids", "topk_weights", "probs", "hidden_in", "resid"}
+    # another model, another --record-hidden: refused before anything is written
+    with pytest.raises(ArtifactError, match="another model"):
+        run_trace(tiny_models("mixtral"), tok, prompts("x y"), cfg(out, record_hidden=True))
+    with pytest.raises(ArtifactError, match="record-hidden"):
+        run_trace(model, tok, prompts("x y"), cfg(out, record_hidden=False))
+    assert Trace(out).prompt_ids == t.prompt_ids
+    # a truncated shard
+    shard = out / t.meta["shards"][0]["file"]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ArtifactError, match="shard-00000.*truncated"):
+        Trace(out)
+    # same size, flipped bytes: caught by verify=True
+    shard.write_bytes(data[:100] + bytes(b ^ 0xFF for b in data[100:200]) + data[200:])
+    with pytest.raises(ArtifactError, match="corrupt|unreadable"):
+        Trace(out, verify=True)
+    shard.write_bytes(data)
+    Trace(out, verify=True)
+    # a corrupt meta.json
+    (out / "meta.json").write_text('{"kind": "trace", "sch')
+    with pytest.raises(ArtifactError, match="corrupt"):
+        Trace(out)
+    # an --out that is some other folder
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    with pytest.raises(ArtifactError, match="not a trace folder"):
+        run_trace(model, tok, prompts("x"), cfg(other))
+
+
+# ---- statistics ----------------------------------------------------------------------------------
+
+def test_summary_statistics():
+    ids = np.array([[0, 1], [0, 2], [0, 1], [0, 3]])                    # E=5: counts 4,2,1,1,0
+    c = expert_counts(ids, 5)
+    assert c.tolist() == [4, 2, 1, 1, 0]
+    assert skewness(c) == pytest.approx(4 / 1.6)
+    assert dead_experts(c).tolist() == [4]
+    assert load_entropy(np.ones(8)) == pytest.approx(1.0)
+    p = np.array([0.5, 0.25, 0.125, 0.125])
+    assert load_entropy(p * 8) == pytest.approx(-(p * np.log(p)).sum() / math.log(4))
+    uniform = np.full((3, 4), 0.25, np.float16)
+    onehot = np.eye(4, dtype=np.float16)[:3]
+    assert router_entropy(uniform) == pytest.approx(1.0, abs=1e-3)
+    assert router_entropy(onehot) == pytest.approx(0.0, abs=1e-3)
+    assert router_entropy(np.concatenate([uniform, onehot]), chunk=2) == pytest.approx(0.5, abs=1e-3)
+    s = layer_stats(ids, None, 5, layer=3)
+    assert s.layer == 3 and s.tokens == 4 and s.assignments == 8 and s.dead == [4] and math.isnan(s.router_entropy)
+
+
+def test_trace_summary_matches_arrays(tiny_models, tok, tmp_path):
+    out = tmp_path / "tr"
+    run_trace(tiny_models("qwen2_moe"), tok, prompts("some text", "more text"), cfg(out))
+    t = Trace(out)
+    s = trace_summary(t)
+    assert [L["layer"] for L in s["layers"]] == list(t.spec.moe_layers) == [1, 2]
+    for L in s["layers"]:
+        d = t.layer(L["layer"])
+        assert L["counts"] == expert_counts(d["topk_ids"], t.spec.num_experts).tolist()
+        assert L["skewness"] == pytest.approx(skewness(np.array(L["counts"])))
+        assert sum(L["counts"]) == len(t) * t.spec.top_k
+    dec = trace_summary(t, "decode")
+    assert dec["tokens"] == s["decode_tokens"] and dec["layers"][0]["tokens"] == s["decode_tokens"]
+    json.dumps(s)
+
+
+def test_bfloat16_model_is_recorded(tiny_models):
+    from moeflow.models import tiny_model
+    model = tiny_model("mixtral", dtype=torch.bfloat16)
+    ad = get_adapter(model)
+    tap = RouterTap(ad)
+    with tap.attach():
+        rows, seq = trace_one(model, RoutingRecorder(ad, record_hidden=True), torch.tensor([[4, 8, 15, 16]]),
+                              generation_kwargs(GEN, 0))
+    l = ad.moe_layers[-1]
+    idx = torch.cat([e.indices.reshape(-1, 2) for e in tap.events[l]])
+    w = torch.cat([e.weights.reshape(-1, 2) for e in tap.events[l]])
+    np.testing.assert_array_equal(rows[f"topk_ids_{l}"], idx.numpy())
+    np.testing.assert_array_equal(rows[f"topk_weights_{l}"], w.float().numpy())
+    assert rows[f"hidden_in_{l}"].dtype == np.float16 and rows[f"probs_{l}"].dtype == np.float16
+
+
+def test_writer_lock_and_nothing_left_on_failure(tiny_models, tmp_path):
+    from moeflow.errors import MoeflowError
+    from moeflow.moe import model_fingerprint
+    from moeflow.trace.writer import TraceWriter
+    model = tiny_models("olmoe")
+    kw = dict(fingerprint=model_fingerprint(model), spec=get_adapter(model).spec.to_dict(), record_hidden=False,
+              generation=GEN, prompt_source="test")
+    out = tmp_path / "tr"
+    with TraceWriter(out, **kw):
+        with pytest.raises(MoeflowError, match="another `moeflow trace` is writing"):
+            with TraceWriter(out, **kw):
+                pass
+    assert not out.exists()                     # nothing was added: no folder left behind
+    with pytest.raises(RuntimeError):
+        with TraceWriter(out, **kw):
+            raise RuntimeError("boom")
+    assert not out.exists()
