@@ -31,12 +31,12 @@ def test_flags_map_to_config(monkeypatch):
         "trace", "--model", "M", "--prompts", "gsm8k", "--out", "O", "--max-new-tokens", "7", "--limit", "5",
         "--record-hidden", "--temperature", "0.7", "--top-p", "0.9", "--repetition-penalty", "1.2", "--seed", "3",
         "--max-prompt-tokens", "64", "--data-dir", "D", "--split", "train", "--dtype", "bfloat16",
-        "--device", "cuda:1", "--shard-size", "100", "--json"])
+        "--device", "cuda:1", "--shard-size", "100", "--threads", "1", "--json"])
     assert res.exit_code == 0, res.output
     assert seen["cfg"] == TraceConfig(model="M", prompts="gsm8k", out="O", max_new_tokens=7, limit=5,
                                       record_hidden=True, temperature=0.7, top_p=0.9, repetition_penalty=1.2, seed=3,
                                       max_prompt_tokens=64, data_dir="D", split="train", dtype="bfloat16",
-                                      device="cuda:1", shard_size=100, progress=False)
+                                      device="cuda:1", shard_size=100, threads=1, progress=False)
     assert seen["json"] is True
     res = CliRunner().invoke(app, ["trace", "--model", "M", "--prompts", "p.txt", "--out", "O"])
     assert seen["cfg"] == TraceConfig(model="M", prompts="p.txt", out="O")

@@ -241,3 +241,100 @@ def test_learned_prefetchers_keep_generation_exact(trained_folder, tiny_setup):
             unbind()
         assert torch.equal(got, ref), name
         assert pol.calls > 0 and m.counters.loads > 0, name
+
+
+def test_speculative_execution_changes_routing_and_is_measured(tiny_setup):
+    """Speculation (run the predicted experts) is lossy: Router-PF keeps more of the true routing than a
+    constant predictor, and a constant predictor visibly changes the model's perplexity."""
+    from moeflow.moe import get_adapter
+    from moeflow.predict.data import SourceBatch
+    from moeflow.predict.default_vectors import RouterPF, compute_default_vectors
+    from moeflow.predict.speculative import measure_quality
+    model, _, data = tiny_setup
+    seqs = [data.token_id[data.prompt_id == p][:12].tolist() for p in range(3)]
+    rpf = RouterPF(model, compute_default_vectors(model, data), 1)
+    q = measure_quality(model, rpf, seqs)
+    assert q["tokens"] == 33 and 0.0 <= q["greedy_agreement"] <= 1.0 and q["ppl_resident"] > 1.0
+    E = get_adapter(model).spec.num_experts
+
+    class Constant:
+        max_lookahead = 1
+
+        def predict(self, target, s, batch: SourceBatch):
+            return torch.linspace(1.0, 2.0, E).repeat(batch.t, 1)      # always the same top-k
+
+    bad = measure_quality(model, Constant(), seqs)
+    assert bad["ppl_speculative"] != pytest.approx(bad["ppl_resident"], rel=1e-4)
+    assert q["routing_exact_match"] > bad["routing_exact_match"]
+
+
+SENTENCES = [
+    "The old man walked slowly along the river, thinking of the war and of his sons.",
+    "In 1812 the army crossed the Niemen and marched towards Moscow through the summer heat.",
+    "She asked whether the train to London would leave before noon or after dinner.",
+    "Natalie had 48 apples and gave half of them to her friends; how many apples are left?",
+    "The committee published its report on the state of the roads in the northern provinces.",
+    "To be, or not to be, that is the question: whether it is nobler in the mind to suffer.",
+    "A random forest averages many decision trees, each trained on a bootstrap sample of the data.",
+    "The city council voted to build a new bridge across the harbour next spring.",
+    "He wrote a long letter to his mother describing the school, the teachers and the weather.",
+    "Prices of wheat and coal rose sharply during the winter, and the workers went on strike.",
+    "The prince looked at the sky and thought that nothing mattered except this peace.",
+    "Water boils at one hundred degrees at sea level, but at a lower temperature on a mountain.",
+    "My teacher said the answer was seventeen, because twelve plus five equals seventeen.",
+    "The museum opened a new exhibition of paintings from the Dutch golden age.",
+    "After the storm the fishermen repaired their nets and waited for the sea to calm.",
+    "Einstein published the theory of special relativity in 1905 while working at a patent office.",
+]
+
+
+@pytest.mark.slow
+def test_default_model_predictors_beat_baselines(tmp_path):
+    """On the project's trained olmoe-mini: every learned predictor beats global frequency one layer ahead."""
+    from moeflow.models import default_model_path, load_model
+    from moeflow.predict.data import from_trace
+    from moeflow.predict.evaluate import evaluate
+    from moeflow.predict.train import fit_all
+    path = Path(default_model_path())
+    if not (path / "config.json").is_file():
+        pytest.skip(f"default model {path} not built (make models); the tiny-model tests cover the mechanics")
+    model, tok = load_model(str(path), dtype="float32")
+    prompts = [tok(s)["input_ids"] for s in SENTENCES]
+    data = from_trace(str(write_trace(model, tmp_path / "trace", prompts, new_tokens=12)))
+    train, held = data.split(0.25, 0)
+    preds = fit_all(train, model, small_cfg(est_min_steps=200, forest_max_samples=8000))
+    rep = evaluate(preds, held, max_s=3)
+    freq = rep["by_s"]["frequency"][1]
+    for name in ("pregate", "router-pf", "estimator", "hybrid", "forest"):
+        assert rep["by_s"][name][1] > freq, (name, rep["by_s"][name][1], freq)
+
+
+def test_speculative_under_offload_matches_speculative_resident(trained_folder, tiny_setup):
+    """--speculative with the offload engine runs (and loads) the predicted experts: same tokens as speculative
+    execution on the resident model, and different machinery does not change them."""
+    from moeflow.moe import get_adapter
+    from moeflow.predict.speculative import speculative_routing
+    from moeflow.runtime.generate import build_engine, generate_one
+    from moeflow.runtime.link import DirectLink
+    model, root, out, _ = trained_folder
+    model.set_experts_implementation("grouped_mm")
+    prompt = torch.tensor([structured_prompts(1, 9, seed=4)[0]])
+    eng = build_engine(model, mode="offload", link=DirectLink(), capacity=get_adapter(model).spec.top_k * 2,
+                       eviction="lru", prefetch="router-pf", prefetch_opts={"predictors": str(out)})
+    pol = eng.prefetcher
+    ad = get_adapter(model)
+    with speculative_routing(model, _load_rpf(model, out)) as st:
+        ref, _ = generate_one(model, prompt, None, max_new_tokens=6, min_new_tokens=6)
+    assert st["replaced"] > 0
+    unbind = pol.bind(model)
+    try:
+        with eng, speculative_routing(model, pol.pred, engine=eng, adapter=ad):
+            got, m = generate_one(model, prompt, eng, max_new_tokens=6, min_new_tokens=6)
+    finally:
+        unbind()
+    assert torch.equal(got, ref) and m.counters.accesses > 0
+
+
+def _load_rpf(model, folder):
+    from moeflow.predict.io import load_predictors
+    return load_predictors(folder, model, ["router-pf"])[1]["router-pf"]

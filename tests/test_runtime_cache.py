@@ -84,6 +84,7 @@ def test_capacity_bound_and_counters(model, prompt, ev, pf):
         assert eng.cache.num_resident() <= C
     assert rec.max_resident <= C
     assert c.hits + c.misses == c.accesses
+    assert c.misses == c.demand_loads and c.late <= c.hits
     assert c.loads == c.demand_loads + c.prefetch_issued
     assert c.bytes_moved == c.loads * eng.store.expert_bytes
     assert m.link_bytes == c.bytes_moved                          # every copy completed and was counted
@@ -156,6 +157,8 @@ def test_lookahead_reaches_prefetch_context(model, prompt):
         def propose(self, ctx: LayerContext):
             seen.append((ctx.lookahead, ctx.next_layers()))
             assert ctx.router_input.shape[-1] == model.config.hidden_size
+            assert ctx.residual is not None and ctx.residual.shape == ctx.router_input.shape
+            assert ctx.token_ids is not None and ctx.token_ids.numel() == ctx.router_input.shape[0]
             assert ctx.predict_logits(ctx.moe_layers[-1], ctx.router_input).shape[-1] == ctx.num_experts
             return [PrefetchRequest((t, 0), 1.0) for t in ctx.next_layers()]
 
@@ -185,3 +188,18 @@ def test_parse_capacity_and_opts():
         RunConfig(model="m", prompt=("x",), evictions=("lru", "lfu"))
     with pytest.raises(ConfigError, match="unknown eviction"):
         create_policy(EVICTION, "belady-please")
+
+
+def test_emulated_link_engine_stalls_and_stays_exact(model, prompt):
+    ref, _ = generate_one(model, prompt, None, max_new_tokens=NEW, min_new_tokens=NEW)
+    from moeflow.runtime.link import EmulatedLink
+    link = EmulatedLink(gbps=0.05, latency_s=20e-6)            # ~0.5 ms per 24.6 KB expert
+    eng = build_engine(model, mode="offload", link=link, capacity=16, eviction="lru", prefetch="pregate")
+    with eng:
+        out, m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
+    assert torch.equal(out, ref)
+    c = m.counters
+    assert c.stall_s > 0 and m.stall_share is not None and 0 < m.stall_share < 1
+    assert m.link_bytes == c.bytes_moved
+    assert m.link_busy_s >= 0.95 * (c.bytes_moved / 0.05e9 + c.loads * 20e-6)
+    assert m.effective_gbps <= 0.05 * 1.01

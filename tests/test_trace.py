@@ -288,3 +288,22 @@ def test_writer_lock_and_nothing_left_on_failure(tiny_models, tmp_path):
         with TraceWriter(out, **kw):
             raise RuntimeError("boom")
     assert not out.exists()
+
+
+def test_sampling_is_seeded_per_prompt(tiny_models, tok, tmp_path):
+    """Sampled traces depend on (seed, prompt), not on prompt order, so appends reproduce samples."""
+    model = tiny_models("olmoe")
+    ps = prompts("sample me", "and me too")
+    kw = dict(temperature=1.5, top_p=0.95, max_new_tokens=8)
+
+    def token_ids(out, order, seed=0):
+        run_trace(model, tok, order, cfg(out, seed=seed, **kw))
+        t = Trace(out)
+        tk = t.tokens()
+        return {pid: tk["token_id"][tk["prompt_id"] == i].tolist() for i, pid in enumerate(t.prompt_ids)}
+    a = token_ids(tmp_path / "a", ps)
+    b = token_ids(tmp_path / "b", ps[::-1])
+    c = token_ids(tmp_path / "c", ps, seed=1)
+    assert a == b
+    assert a != c
+    assert Trace(tmp_path / "a").meta["generation"]["do_sample"] is True

@@ -18,14 +18,15 @@ def build_config(*, model: str, prompts: str, out: str, max_new_tokens: int = 32
                  record_hidden: bool = False, temperature: float = 0.0, top_p: float = 1.0,
                  repetition_penalty: float = 1.0, seed: int = 0, max_prompt_tokens: int = 256,
                  data_dir: Optional[str] = None, split: Optional[str] = None, dtype: str = "auto",
-                 device: str = "cpu", shard_size: Optional[int] = None, progress: bool = True) -> Any:
+                 device: str = "cpu", shard_size: Optional[int] = None, threads: Optional[int] = None,
+                 progress: bool = True) -> Any:
     """The flag -> config mapping (kept separate so it can be tested without running a trace)."""
     from ..trace.config import TraceConfig
     return TraceConfig(model=model, prompts=prompts, out=out, max_new_tokens=max_new_tokens, limit=limit,
                        record_hidden=record_hidden, temperature=temperature, top_p=top_p,
                        repetition_penalty=repetition_penalty, seed=seed, max_prompt_tokens=max_prompt_tokens,
                        data_dir=data_dir, split=split, dtype=dtype, device=device, shard_size=shard_size,
-                       progress=progress)
+                       threads=threads, progress=progress)
 
 
 def _summarize(path: str, phase: Optional[str], as_json: bool) -> None:
@@ -65,6 +66,8 @@ def trace_cmd(
     shard_size: Optional[int] = typer.Option(None, "--shard-size", help="Token records per Arrow shard; a shard "
                                              "(and meta.json) is written each time this many are buffered. "
                                              "Default: about 256 MiB of records."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads. Default: torch's "
+                                          "(1 is often faster for small models on shared cores)."),
     summary: Optional[str] = typer.Option(None, "--summary", help="Print the routing statistics of the trace "
                                           "folder DIR and exit (same as `moeflow inspect DIR`)."),
     phase: Optional[str] = typer.Option(None, "--phase", help="With --summary: only prefill or decode tokens."),
@@ -84,7 +87,7 @@ def trace_cmd(
                        record_hidden=record_hidden, temperature=temperature, top_p=top_p,
                        repetition_penalty=repetition_penalty, seed=seed, max_prompt_tokens=max_prompt_tokens,
                        data_dir=data_dir, split=split, dtype=dtype, device=device, shard_size=shard_size,
-                       progress=not no_progress and not as_json)
+                       threads=threads, progress=not no_progress and not as_json)
     main(cfg, json_out=as_json)
 
 

@@ -62,18 +62,34 @@ def eval_(
     model: str = model_option(),
     max_s: int = typer.Option(4, "--max-s", help="Largest step S to evaluate."),
     mass: float = typer.Option(0.8, "--mass", help="Cumulative score mass of the prefetch set for precision."),
+    speculative: bool = typer.Option(False, "--speculative", help="Also measure speculative execution (run the "
+                                     "predicted experts, Speculating Experts 4): greedy agreement and perplexity vs "
+                                     "the model's own routing, teacher-forced on the trace's sequences."),
+    spec_sequences: int = typer.Option(24, "--spec-sequences", help="Trace prompts used by --speculative."),
     as_json: bool = json_option(),
 ) -> None:
     """Evaluate a predictor folder on a trace: recall@k / precision per layer and S, decay fit vs pre-gate."""
     from ..predict.train import EvalConfig, eval_main
     cfg = EvalConfig(predictors=str(predictors), trace=str(trace), model=str(model),
-                     only=tuple(only) if only else (), max_s=max_s, mass=mass)
+                     only=tuple(only) if only else (), max_s=max_s, mass=mass,
+                     speculative=speculative, spec_sequences=spec_sequences)
     console = Console(stderr=as_json)
     report = eval_main(cfg, console)
     if as_json:
         print_json(report)
         return
     _print_report(report, console)
+    if report.get("speculative"):
+        from rich.table import Table
+        t = Table(title="speculative execution (lossy): the predicted experts run instead of the router's; "
+                        "teacher-forced on trace sequences")
+        for c in ("predictor", "tokens", "greedy agreement", "ppl own routing", "ppl speculative", "ppl ratio"):
+            t.add_column(c, justify="right")
+        for n, q in report["speculative"].items():
+            if q.get("tokens"):
+                t.add_row(n, str(q["tokens"]), f"{q['greedy_agreement']:.3f}", f"{q['ppl_resident']:.2f}",
+                          f"{q['ppl_speculative']:.2f}", f"{q['ppl_ratio']:.3f}")
+        console.print(t)
     if report["skipped_no_hidden"]:
         console.print(f"[yellow]skipped (trace has no hidden states):[/] {', '.join(report['skipped_no_hidden'])}")
     if report["trace_overlap_warning"]:

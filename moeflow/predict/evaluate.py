@@ -7,7 +7,9 @@ For every predictor and every (source layer, S) with S in 1..max_s, on the held-
 - the ExpertFlow fit of accuracy against step, f(t) = a e^{-bt} + c, on the per-pair recall@k
   points (scipy `curve_fit` when importable, else a grid over b with least squares for a, c),
   and Delta_inf = c_p - c_g (predictor minus pre-gate), beside the paper's Table 2.
-  Note: with L MoE layers only S <= L-1 exists; with 3 distinct S the 3-parameter fit interpolates.
+  The fit is bounded to a decay (a in [0, 2], b in [0, 5], c in [0, 1]): accuracy falls with S towards c.
+  Note: with L MoE layers only S <= L-1 exists; with 3 distinct S the 3-parameter fit interpolates, so
+  c is an extrapolation from three points (read it with that in mind).
 """
 
 from __future__ import annotations
@@ -49,9 +51,13 @@ def set_metrics(scores: torch.Tensor, truth: torch.Tensor, mass: float) -> dict[
 
 
 def evaluate(predictors: Mapping[str, Any], data: RoutingData, *, max_s: int = 4, window: int = 4,
-             mass: float = 0.8, chunk: int = 2048, progress: Callable[[], None] | None = None) -> dict[str, Any]:
-    """{'pairs': [...], 'results': {name: {'src->tgt': metrics}}, 'by_s': {name: {S: mean recall}}, 'fit': {...}}."""
+             mass: float = 0.8, chunk: int = 2048, progress: Callable[[], None] | None = None,
+             rows: np.ndarray | None = None) -> dict[str, Any]:
+    """{'pairs': [...], 'results': {name: {'src->tgt': metrics}}, 'by_s': {name: {S: mean recall}}, 'fit': {...}}.
+
+    `rows` restricts scoring to those records (e.g. decode tokens); token contexts use all of `data`."""
     ctx = data.context(window)
+    sel = np.arange(data.n) if rows is None else np.asarray(rows)
     pairs = data.rank_pairs(max_s)
     results: dict[str, dict[str, dict[str, float]]] = {}
     for name, pred in predictors.items():
@@ -61,10 +67,10 @@ def evaluate(predictors: Mapping[str, Any], data: RoutingData, *, max_s: int = 4
                 continue
             tgt = target_of(data.spec, src, s)
             acc: dict[str, float] = {}
-            for sl in iter_chunks(data.n, chunk):
-                rows = np.arange(data.n)[sl]
-                b = batch_from_rows(data, src, rows, ctx=ctx)
-                m = set_metrics(pred.predict(tgt, s, b), torch.from_numpy(data.layers[tgt].topk_ids[rows]), mass)
+            for sl in iter_chunks(len(sel), chunk):
+                r_ = sel[sl]
+                b = batch_from_rows(data, src, r_, ctx=ctx)
+                m = set_metrics(pred.predict(tgt, s, b), torch.from_numpy(data.layers[tgt].topk_ids[r_]), mass)
                 for k_, v in m.items():
                     acc[k_] = acc.get(k_, 0.0) + v if k_ != "k" else v
             n, k = acc["n"], acc["k"]
@@ -81,7 +87,7 @@ def evaluate(predictors: Mapping[str, Any], data: RoutingData, *, max_s: int = 4
     for name, f in fits.items():
         if f is not None and g is not None:
             f["delta_inf_vs_pregate"] = f["c"] - g["c"]
-    return {"n_tokens": data.n, "n_prompts": int(len(np.unique(data.prompt_id))), "mass": mass, "max_s": max_s,
+    return {"n_tokens": int(len(sel)), "n_prompts": int(len(np.unique(data.prompt_id[sel]))), "mass": mass, "max_s": max_s,
             "pairs": [[src, s] for src, s in pairs], "results": results, "by_s": by_s, "fit": fits,
             "paper_table2": {"source": PAPER_CITATION, "values_percent": PAPER_TABLE2}}
 
@@ -94,18 +100,25 @@ def fit_decay(points: list[tuple[int, float]]) -> dict[str, float] | None:
         return None
     f = lambda t_, a, b, c: a * np.exp(-b * t_) + c  # noqa: E731
     try:
+        import warnings
         from scipy.optimize import curve_fit
-        (a, b, c), _ = curve_fit(f, t, y, p0=(max(y) - min(y) + 1e-3, 0.5, min(y)),
-                                 bounds=([-np.inf, 0.0, -np.inf], [np.inf, 50.0, np.inf]), maxfev=20000)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")     # 3 points, 3 parameters: no covariance, expected
+            (a, b, c), _ = curve_fit(f, t, y, p0=(max(y) - min(y) + 1e-3, 0.5, min(y)),
+                                     bounds=([0.0, 0.0, 0.0], [2.0, 5.0, 1.0]), maxfev=20000)
         method = "scipy.curve_fit"
     except Exception:  # scipy missing or no convergence: grid over b, least squares for a, c
         best = None
-        for b_ in np.logspace(-3, 1.5, 400):
+        for b_ in np.logspace(-3, np.log10(5.0), 400):
             A = np.stack([np.exp(-b_ * t), np.ones_like(t)], 1)
             (a_, c_), *_ = np.linalg.lstsq(A, y, rcond=None)
+            if a_ < 0 or not 0 <= c_ <= 1:
+                continue
             err = float(((A @ np.array([a_, c_]) - y) ** 2).sum())
             if best is None or err < best[0]:
                 best = (err, a_, b_, c_)
+        if best is None:
+            return None
         _, a, b, c = best
         method = "numpy grid"
     rmse = float(math.sqrt(np.mean((f(t, a, b, c) - y) ** 2)))
@@ -151,7 +164,19 @@ def tables(report: dict[str, Any]) -> list:
         t3.add_column(c_, justify="right")
     for g, v in PAPER_TABLE2.items():
         t3.add_row(g, f"{v['c_p']:.2f}", f"{v['c_g']:.2f}", f"{v['delta_inf']:.2f}")
-    return [t1, t2, t3]
+    out = [t1, t2, t3]
+    dec = report.get("decode_by_s")
+    if dec:
+        t4 = Table(title="decode tokens only: mean recall@k by step S (a batch-1 decode step's prefetch)")
+        ss = sorted({int(s) for v in dec.values() for s in v})
+        t4.add_column("predictor")
+        for s in ss:
+            t4.add_column(f"S={s}", justify="right")
+        for name, v in dec.items():
+            v = {int(k): x for k, x in v.items()}
+            t4.add_row(name, *[f"{v[s]:.3f}" if s in v else "" for s in ss])
+        out.append(t4)
+    return out
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
@@ -168,6 +193,8 @@ def plot(report: dict[str, Any], path: Path) -> Path:
         if f is not None:
             tt = np.linspace(min(s), max(s), 50)
             ax2.plot(tt, f["a"] * np.exp(-f["b"] * tt) + f["c"], ls=":", color=ax2.lines[-1].get_color())
+    ax1.xaxis.get_major_locator().set_params(integer=True)
+    ax2.xaxis.get_major_locator().set_params(integer=True)
     ax1.set(xlabel="target MoE layer (S = 1)", ylabel="recall@k (hit rate)", title="per-layer recall, held out")
     ax2.set(xlabel="step S", ylabel="mean recall@k", title="recall vs S (dotted: a e^{-bS} + c)")
     ax1.legend(fontsize=7)

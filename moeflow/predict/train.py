@@ -69,6 +69,8 @@ class EvalConfig:
     max_s: int = 4
     mass: float = 0.8
     window: int = 4
+    speculative: bool = False                 # also measure speculative execution's quality cost
+    spec_sequences: int = 24                  # trace prompts (prompt + generated tokens) used for that
 
 
 def _check_names(names: tuple[str, ...]) -> None:
@@ -140,6 +142,7 @@ def main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
         t = prog.add_task("evaluate (held out)", total=pairs * len(preds))
         report = evaluate(preds, held, max_s=cfg.max_s, window=cfg.forest_window, mass=cfg.mass,
                           progress=lambda: prog.update(t, advance=1))
+    report["decode_by_s"] = decode_only(preds, held, cfg.max_s, cfg.forest_window, cfg.mass)
     report["fit_seconds"] = {n: round(float(getattr(p, "fit_seconds", 0.0)), 3) for n, p in preds.items()}
     report["train_tokens"], report["heldout_tokens"] = train.n, held.n
     if "hybrid" in preds:
@@ -165,6 +168,32 @@ def eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         names = [n for n in names if n not in skipped]
     _, preds = load_predictors(cfg.predictors, model, names)
     report = evaluate(preds, data, max_s=cfg.max_s, window=cfg.window, mass=cfg.mass)
+    report["decode_by_s"] = decode_only(preds, data, cfg.max_s, cfg.window, cfg.mass)
     report["skipped_no_hidden"] = skipped
+    if cfg.speculative:
+        from .speculative import measure_quality
+        seqs = sequences(data, cfg.spec_sequences)
+        report["speculative"] = {n: measure_quality(model, p, seqs) for n, p in preds.items()
+                                 if n in ("router-pf", "estimator", "hybrid", "pregate")}
     report["trace_overlap_warning"] = (str(Path(meta["trace"]["path"]).resolve()) == str(Path(cfg.trace).resolve()))
     return report
+
+
+def sequences(data: RoutingData, limit: int, max_len: int = 256) -> list[list[int]]:
+    """The first `limit` prompts' token sequences (prompt + generated tokens), in position order."""
+    out = []
+    for pid in np.unique(data.prompt_id)[:limit]:
+        rows = np.flatnonzero(data.prompt_id == pid)
+        rows = rows[np.argsort(data.position[rows])]
+        out.append(data.token_id[rows][:max_len].tolist())
+    return out
+
+
+def decode_only(preds: dict[str, Any], data: RoutingData, max_s: int, window: int, mass: float) -> dict | None:
+    """Mean recall@k by S on decode tokens only (what a batch-1 decode step prefetches for)."""
+    from .evaluate import evaluate
+    rows = np.flatnonzero(data.phase == 1)
+    if len(rows) == 0:
+        return None
+    # the token context must come from the full data (prompt tokens precede the decode tokens)
+    return evaluate(preds, data, max_s=max_s, window=window, mass=mass, rows=rows)["by_s"]

@@ -15,7 +15,7 @@ With `retain=False` (the `on-demand` baseline) a layer's slots are freed as soon
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -33,9 +33,9 @@ class CacheCounters:
     """Monotone counters; subtract two snapshots for a window (one prompt, one forward pass)."""
 
     accesses: int = 0               # needed experts, one per (forward pass, layer, unique expert)
-    hits: int = 0                   # needed and ready in a slot at routing time
-    misses: int = 0                 # needed and not ready (= cold misses + late prefetches)
-    late: int = 0                   # misses whose copy was already in flight (a prefetch not finished)
+    hits: int = 0                   # needed and already in a slot at routing time (ready or copy in flight)
+    misses: int = 0                 # needed and not in a slot: a demand load (misses == demand_loads)
+    late: int = 0                   # hits whose copy was still in flight (a prefetch not finished: stall)
     loads: int = 0                  # transfers issued (demand + prefetch)
     demand_loads: int = 0
     prefetch_issued: int = 0        # prefetch transfers issued (requests for resident experts are skipped)
@@ -45,6 +45,16 @@ class CacheCounters:
     evictions: int = 0
     bytes_moved: int = 0            # loads x expert row bytes
     stall_s: float = 0.0            # seconds the compute thread waited for copies
+
+    @property
+    def ready_hits(self) -> int:
+        """Needed experts whose copy had completed: no wait at all."""
+        return self.hits - self.late
+
+    @property
+    def waited(self) -> int:
+        """Needed experts the layer had to wait for (demand loads + late prefetches): ExpertFlow's stalls."""
+        return self.misses + self.late
 
     def __sub__(self, other: "CacheCounters") -> "CacheCounters":
         return CacheCounters(**{f.name: getattr(self, f.name) - getattr(other, f.name)
@@ -169,10 +179,8 @@ class ExpertCache:
             s = self.slot_of.get(key)
             self.counters.accesses += 1
             if s is not None:
-                if self._refresh(s) == READY:
-                    self.counters.hits += 1
-                else:
-                    self.counters.misses += 1
+                self.counters.hits += 1
+                if self._refresh(s) != READY:
                     self.counters.late += 1
             else:
                 self.counters.misses += 1
@@ -290,14 +298,6 @@ class ExpertCache:
         self.counters.bytes_moved += self.store.expert_bytes
         if self.eviction is not None:
             self.eviction.on_insert(key, pos, prefetched=prefetched)
-
-    def slot_index(self, layer: int, device: torch.device) -> torch.Tensor:
-        """[E] long: expert id -> slot of `layer` (-1 if not resident)."""
-        idx = torch.full((self.spec.num_experts,), -1, dtype=torch.long)
-        for (l, e), s in self.slot_of.items():
-            if l == layer:
-                idx[e] = s
-        return idx.to(device)
 
     def close(self) -> None:
         self.link.drain()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -100,6 +100,7 @@ class OffloadEngine:
         self._stack: contextlib.ExitStack | None = None
         self._pending: dict[int, tuple[list[int], list[int]]] = {}
         self._predicting = False
+        self._residual: dict[int, torch.Tensor] = {}
         self._token_ids: torch.Tensor | None = None
         self._pass_t0 = 0.0
         self._pass_c0 = CacheCounters()
@@ -133,6 +134,10 @@ class OffloadEngine:
             self._prev_impl = self.model.config._experts_implementation
             self.model.set_experts_implementation(IMPL_NAME)
             stack.callback(self.model.set_experts_implementation, self._prev_impl)
+            for l in self.spec.moe_layers:            # post-attention residual = input of this norm
+                norm = getattr(self.adapter.layers[l], "post_attention_layernorm", None)
+                if norm is not None and self.prefetcher is not None:
+                    stack.callback(norm.register_forward_pre_hook(self._residual_hook(l)).remove)
             stack.enter_context(router_hooks(self.adapter, self._on_route))
             h1 = self.model.register_forward_pre_hook(self._on_pass_start, with_kwargs=True)
             h2 = self.model.register_forward_hook(self._on_pass_end)
@@ -157,12 +162,19 @@ class OffloadEngine:
             if hasattr(ex, a):
                 delattr(ex, a)
 
+    def _residual_hook(self, layer: int):
+        def hook(module, args):
+            r = args[0].detach()
+            self._residual[layer] = r.reshape(-1, r.shape[-1])                 # [T,H]
+        return hook
+
     # ---- forward-pass boundaries -----------------------------------------------------------------------
     def _on_pass_start(self, module, args, kwargs) -> None:
         self.pass_id += 1
         ids = kwargs.get("input_ids", args[0] if args else None)
         self._token_ids = ids.reshape(-1) if isinstance(ids, torch.Tensor) else None
         self._pending.clear()
+        self._residual.clear()
         self._loads_by_layer = {}
         self._pass_c0 = self.cache.counters.copy()
         self._pass_link0 = (self.link.busy_s, self.link.bytes)
@@ -253,7 +265,8 @@ class OffloadEngine:
             num_experts=self.spec.num_experts, top_k=self.spec.top_k, router_input=x,
             logits=logits.reshape(-1, logits.shape[-1]), indices=indices.reshape(-1, indices.shape[-1]),
             weights=weights.reshape(-1, weights.shape[-1]), predict_logits=predict_logits,
-            token_ids=self._token_ids, residual=None, lookahead=self.lookahead, resident=self.cache.resident)
+            token_ids=self._token_ids, residual=self._residual.get(layer), lookahead=self.lookahead,
+            resident=self.cache.resident)
         reqs = self.prefetcher.propose(ctx)
         if reqs:
             keys0 = set(self.cache.slot_of)

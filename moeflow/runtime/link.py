@@ -132,6 +132,8 @@ class EmulatedLink(Link):
             t.done.set()
 
     def submit(self, src, dst, *, after=None) -> Ticket:
+        if not self._worker.is_alive():
+            raise RuntimeError("emulated link is closed; create a new one")
         t = Ticket(src.numel() * src.element_size())
         self._q.put((src, dst, t))
         return t
@@ -185,6 +187,8 @@ class CudaLink(Link):
             t.start_event.record(self.stream)
             dst.copy_(src, non_blocking=True)
             t.event.record(self.stream)
+        if len(self._pending) > 1024:
+            self._pending = [p for p in self._pending if not self.ready(p)]
         self._pending.append(t)
         return t
 

@@ -104,9 +104,18 @@ def main(cfg: RunConfig, console: Console | None = None) -> list[dict[str, Any]]
         import sys
         stream = sys.stderr if cfg.json else sys.stdout
         console = Console(stderr=cfg.json, width=None if stream.isatty() else 160)
-    device = torch.device(cfg.device)
+    threads0 = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    try:
+        return _main(cfg, console)
+    finally:
+        torch.set_num_threads(threads0)
+
+
+def _main(cfg: RunConfig, console: Console | None) -> list[dict[str, Any]]:
+    from ..models import load_model
+    device = torch.device(cfg.device)
     model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, experts_implementation="grouped_mm")
     if tok is None:
         raise MoeflowError(f"{cfg.model} has no tokenizer files; `moeflow run` needs one to encode prompts")

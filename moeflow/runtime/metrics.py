@@ -4,7 +4,8 @@ Definitions (docs/architecture.md, "Metrics vocabulary"):
 - TTFT: wall time from the start of `generate` to the end of the prefill pass (the first token).
 - TPOT: mean wall time per decode token after the first.
 - stall: seconds the compute thread waited for an expert copy; stall share = stall / wall.
-- hit rate: needed experts ready in a slot when the layer routed / needed experts.
+- hit rate: needed experts already in a slot (ready, or a prefetch still in flight: `late`) when the layer
+  routed / needed experts; the same definition as the simulator's. Late hits cost stall, not a transfer.
 - prefetch precision: prefetched experts used before eviction / prefetch copies issued.
 - prefetch recall: needed experts that were resident thanks to a prefetch / needed experts.
 - collision misses: needed experts evicted earlier in the same forward pass.
@@ -74,6 +75,14 @@ class RunMetrics:
         return _ratio(self.counters.prefetch_used, self.counters.accesses)
 
     @property
+    def decode_prefetch_precision(self) -> float | None:
+        return _ratio(self.decode_counters.prefetch_used, self.decode_counters.prefetch_issued)
+
+    @property
+    def decode_prefetch_recall(self) -> float | None:
+        return _ratio(self.decode_counters.prefetch_used, self.decode_counters.accesses)
+
+    @property
     def transfers_per_token(self) -> float | None:
         return _ratio(self.decode_counters.loads, self.decode_tokens)
 
@@ -110,8 +119,10 @@ class RunMetrics:
             "label": self.label, "prompts": self.prompts, "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens, "wall_s": self.wall_s, "ttft_s": self.ttft_s, "tpot_s": self.tpot_s,
             "tokens_per_s": self.tokens_per_s, "stall_s": self.counters.stall_s, "stall_share": self.stall_share,
-            "hit_rate": self.hit_rate, "decode_hit_rate": self.decode_hit_rate,
+            "hit_rate": self.hit_rate, "decode_hit_rate": self.decode_hit_rate, "late_hits": self.counters.late,
             "prefetch_precision": self.prefetch_precision, "prefetch_recall": self.prefetch_recall,
+            "decode_prefetch_precision": self.decode_prefetch_precision,
+            "decode_prefetch_recall": self.decode_prefetch_recall,
             "collision_misses": self.counters.collision_misses, "overfetch": self.counters.prefetch_unused_evicted,
             "bytes_moved": self.counters.bytes_moved, "transfers": self.counters.loads,
             "transfers_per_token": self.transfers_per_token, "bytes_per_token": self.bytes_per_token,
@@ -134,12 +145,13 @@ def _bytes(n: float | None) -> str:
     return str(n)
 
 
-COLUMNS = ("run", "TTFT ms", "TPOT ms", "tok/s", "stall %", "hit", "prec", "recall", "collis.",
+COLUMNS = ("run", "TTFT ms", "TPOT ms", "tok/s", "stall %", "dec hit", "dec prec", "dec recall", "collis.",
            "xfer/tok", "bytes/tok", "eff GB/s")
 
 
 def metrics_table(rows: Iterable[RunMetrics], title: str = "moeflow run"):
-    """A rich Table with one row per RunMetrics."""
+    """A rich Table with one row per RunMetrics: hit rate, prefetch precision/recall, transfers and bytes
+    over decode passes (per decode token); stall share over the whole generation; collisions over all passes."""
     from rich.table import Table
     t = Table(title=title, show_lines=False)
     for c in COLUMNS:
@@ -151,9 +163,9 @@ def metrics_table(rows: Iterable[RunMetrics], title: str = "moeflow run"):
             _f(m.tpot_s * 1e3 if m.tpot_s is not None else None, ".2f"),
             _f(m.tokens_per_s, ".1f"),
             _f(m.stall_share * 100 if m.stall_share is not None else None, ".1f"),
-            _f(m.hit_rate, ".3f"),
-            _f(m.prefetch_precision, ".3f"),
-            _f(m.prefetch_recall, ".3f"),
+            _f(m.decode_hit_rate, ".3f"),
+            _f(m.decode_prefetch_precision, ".3f"),
+            _f(m.decode_prefetch_recall, ".3f"),
             str(m.counters.collision_misses),
             _f(m.transfers_per_token, ".2f"),
             _bytes(m.bytes_per_token),

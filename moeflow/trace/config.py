@@ -27,6 +27,7 @@ class TraceConfig:
     dtype: str = "auto"
     device: str = "cpu"
     shard_size: int | None = None       # token records per Arrow shard (None: about 256 MiB); closes at a prompt boundary
+    threads: int | None = None          # torch intra-op threads (None: torch's default)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -42,6 +43,8 @@ class TraceConfig:
             raise ConfigError(f"--repetition-penalty must be > 0 (got {self.repetition_penalty})")
         if self.max_prompt_tokens < 1:
             raise ConfigError(f"--max-prompt-tokens must be >= 1 (got {self.max_prompt_tokens})")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be >= 1 (got {self.threads})")
         if self.shard_size is not None and self.shard_size < 1:
             raise ConfigError(f"--shard-size must be >= 1 record (got {self.shard_size})")
 

@@ -74,6 +74,8 @@ def main(cfg: TraceConfig, console: Any = None, json_out: bool = False) -> dict[
     from rich.console import Console
     from ..models import load_model
     console = console or Console(stderr=True)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     prompts = load_prompts(cfg.prompts, data_dir=cfg.data_dir, limit=cfg.limit, split=cfg.split)
     model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
     if tok is None:

@@ -1,0 +1,187 @@
+"""Offloaded decode speed in a bandwidth-bound regime: every eviction policy with `pregate` prefetch,
+against `on-demand` loading, the resident model and the physical bound, measured side by side in one run.
+
+1. resident run (stock model): TPOT and per-decoder-layer decode compute compute_l (forward hooks);
+2. the emulated link's bandwidth is set so that on-demand copies are `--copy-share` of on-demand TPOT
+   (default 0.85, the Speculating Experts regime): a bandwidth-bound regime;
+3. on-demand, then offload with every registered eviction policy + pregate (and lru + none) at
+   `--capacity`, all on that link, same prompts, greedy, equal lengths;
+4. bound per decode token = other_s + sum over MoE layers of max(compute_l, bytes that must move for
+   layer l / bandwidth), with the bytes each run actually moved for layer l per decode token
+   (`bound`), and with on-demand traffic (`bound_od`: the best any perfect overlap of demand traffic gives).
+
+    .venv/bin/python benchmarks/offload.py --model models/olmoe-mini
+Hit rate, prefetch precision/recall, transfers per token and collision misses are over decode passes.
+Prints a rich table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from moeflow.calibrate import copy_share_bandwidth
+from moeflow.data.prompts import load_prompts
+from moeflow.models import load_model
+from moeflow.moe import get_adapter
+from moeflow.policies import EVICTION
+from moeflow.runtime.generate import build_engine, generate_one, load_policies
+from moeflow.runtime.link import EmulatedLink
+from moeflow.runtime.metrics import RunMetrics
+from moeflow.runtime.config import parse_capacity
+from moeflow.runtime.store import ExpertLayout
+
+
+def layer_timer(adapter):
+    """Forward hooks on every decoder layer: seconds per layer, per forward pass."""
+    passes: list[dict[int, float]] = []
+    t0: dict[int, float] = {}
+    handles = []
+
+    def pre(i):
+        def f(m, a):
+            if i == 0:
+                passes.append({})
+            t0[i] = time.perf_counter()
+        return f
+
+    def post(i):
+        def f(m, a, o):
+            passes[-1][i] = time.perf_counter() - t0[i]
+        return f
+
+    for i, layer in enumerate(adapter.layers):
+        handles.append(layer.register_forward_pre_hook(pre(i)))
+        handles.append(layer.register_forward_hook(post(i)))
+    return passes, handles
+
+
+def run_prompts(model, prompts, engine, args, label):
+    per_layer_loads: list[dict[int, int]] = []
+    if engine is not None:
+        engine.observers.append(lambda st: per_layer_loads.append(st.loads_by_layer))
+    ms = []
+    outs = []
+    for ids in prompts:
+        new, m = generate_one(model, ids, engine, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                              label=label)
+        ms.append(m)
+        outs.append(new)
+    # decode passes only: drop each prompt's first pass (prefill)
+    decode_loads = [d for i, d in enumerate(per_layer_loads) if i % args.new_tokens != 0]
+    return RunMetrics.total(ms, label), outs, decode_loads
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", default="gsm8k", help="prompt file or set name (moeflow.data.load_prompts)")
+    ap.add_argument("--limit", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--max-prompt-tokens", type=int, default=48)
+    ap.add_argument("--capacity", default="25%", help="cache capacity: N, P%% or bytes")
+    ap.add_argument("--copy-share", type=float, default=0.85, help="on-demand copy share of TPOT to emulate")
+    ap.add_argument("--gbps", type=float, default=None, help="link bandwidth (overrides --copy-share)")
+    ap.add_argument("--latency-us", type=float, default=0.0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--policies", default=None, help="comma list of evictions (default: all registered)")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    con = Console(width=160)
+    load_policies()
+    model, tok = load_model(args.model, experts_implementation="grouped_mm")
+    ad = get_adapter(model)
+    spec = ad.spec
+    prompts = [tok(p.text, return_tensors="pt").input_ids[:, :args.max_prompt_tokens]
+               for p in load_prompts(args.prompts, limit=args.limit)]
+    layout = ExpertLayout.of({n: p.detach() for n, p in ad.per_expert_params(spec.moe_layers[0]).items()})
+    eb = layout.row_bytes
+
+    # 1. resident: TPOT and per-layer decode compute
+    run_prompts(model, prompts[:1], None, args, "warm-up")
+    passes, handles = layer_timer(ad)
+    resident, ref_out, _ = run_prompts(model, prompts, None, args, "resident")
+    for h in handles:
+        h.remove()
+    decode_passes = [p for i, p in enumerate(passes) if i % args.new_tokens != 0]
+    compute_l = {i: statistics.mean(p[i] for p in decode_passes) for i in range(spec.num_layers)}
+    layers_s = sum(compute_l.values())
+    other_s = max(0.0, resident.tpot_s - layers_s)
+
+    # 2. the regime
+    od_bytes_per_token = spec.num_moe_layers * spec.top_k * eb
+    bw = args.gbps * 1e9 if args.gbps else copy_share_bandwidth(od_bytes_per_token, resident.tpot_s, args.copy_share)
+    lat = args.latency_us * 1e-6
+    capacity = parse_capacity(args.capacity, total_experts=spec.total_experts, expert_bytes=eb)
+    con.print(f"[bold]{spec.arch}[/] {spec.num_moe_layers} MoE layers x {spec.num_experts} experts top-{spec.top_k}, "
+              f"expert {eb / 1e3:.1f} KB; resident TPOT {resident.tpot_s * 1e3:.2f} ms; "
+              f"link {bw / 1e9:.4g} GB/s + {args.latency_us:g} us: on-demand copy "
+              f"{od_bytes_per_token / bw * 1e3:.2f} ms/token = {args.copy_share if not args.gbps else float('nan'):.2f} "
+              f"of on-demand TPOT (bandwidth-bound); cache C={capacity} ({100 * capacity / spec.total_experts:.0f}%)")
+
+    def bound(loads_per_pass: list[dict[int, int]]) -> float:
+        """other + sum_l max(compute_l, moved_l / bw), averaged over decode passes."""
+        tot = []
+        for lp in loads_per_pass:
+            b = other_s + sum(compute_l[l] for l in range(spec.num_layers) if l not in spec.moe_layers)
+            for l in spec.moe_layers:
+                n = lp.get(l, 0)
+                b += max(compute_l[l], n * (lat + eb / bw))
+            tot.append(b)
+        return statistics.mean(tot) if tot else float("nan")
+
+    od_bound = bound([{l: spec.top_k for l in spec.moe_layers}])
+
+    # 3. runs
+    evictions = args.policies.split(",") if args.policies else sorted(EVICTION)
+    plan = [("on-demand", None, None)] + [("offload", ev, "pregate") for ev in evictions] + [("offload", "lru", "none")]
+    rows = []
+    for mode, ev, pf in plan:
+        link = EmulatedLink(bw / 1e9, lat)
+        eng = build_engine(model, mode=mode, link=link, capacity=capacity, eviction=ev or "lru", prefetch=pf or "none")
+        label = mode if mode == "on-demand" else f"{ev}+{pf}"
+        with con.status(label):
+            with eng:
+                m, outs, loads = run_prompts(model, prompts, eng, args, label)
+        exact = all(torch.equal(a, b) for a, b in zip(outs, ref_out))
+        rows.append((m, bound(loads), exact))
+
+    od_tpot = rows[0][0].tpot_s
+    t = Table(title=f"offloaded decode, bandwidth-bound ({bw / 1e9:.4g} GB/s), C={capacity}")
+    for c in ("run", "TPOT ms", "x resident", "on-demand / run", "run / bound", "run / bound_od", "stall %",
+              "dec hit", "prec", "recall", "xfer/tok", "collis.", "exact"):
+        t.add_column(c, justify="left" if c == "run" else "right")
+    t.add_row("resident", f"{resident.tpot_s * 1e3:.2f}", "1.00", "-", "-", "-", "0.0", "-", "-", "-", "0", "-", "ref")
+    result = {"model": args.model, "arch": spec.arch, "capacity": capacity, "gbps": bw / 1e9, "latency_us": args.latency_us,
+              "copy_share": None if args.gbps else args.copy_share, "resident_tpot_s": resident.tpot_s,
+              "compute_layers_s": layers_s, "other_s": other_s, "bound_on_demand_traffic_s": od_bound, "runs": []}
+    for m, b, exact in rows:
+        f = lambda v, s=".3f": "-" if v is None else format(v, s)
+        t.add_row(m.label, f"{m.tpot_s * 1e3:.2f}", f"{m.tpot_s / resident.tpot_s:.2f}", f"{od_tpot / m.tpot_s:.2f}",
+                  f"{m.tpot_s / b:.2f}", f"{m.tpot_s / od_bound:.2f}", f"{m.stall_share * 100:.1f}",
+                  f(m.decode_hit_rate), f(m.decode_prefetch_precision), f(m.decode_prefetch_recall),
+                  f(m.transfers_per_token, ".2f"),
+                  str(m.decode_counters.collision_misses), "yes" if exact else "NO")
+        result["runs"].append({"run": m.label, "tpot_s": m.tpot_s, "bound_s": b, "tpot_over_bound": m.tpot_s / b,
+                               "on_demand_speedup": od_tpot / m.tpot_s, "x_resident": m.tpot_s / resident.tpot_s,
+                               "stall_share": m.stall_share, "decode_hit_rate": m.decode_hit_rate,
+                               "prefetch_precision": m.decode_prefetch_precision,
+                               "prefetch_recall": m.decode_prefetch_recall,
+                               "transfers_per_token": m.transfers_per_token,
+                               "collision_misses_decode": m.decode_counters.collision_misses, "exact": exact})
+    con.print(t)
+    con.print(f"bound_od (on-demand traffic, perfect overlap) = {od_bound * 1e3:.2f} ms/token; compute of all "
+              f"layers {layers_s * 1e3:.2f} ms + other {other_s * 1e3:.2f} ms")
+    sys.stdout.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""TPOT and stall of offloaded generation with each learned prefetcher, fixed and adaptive S, against
+`pregate` and `on-demand`, side by side in one run on an emulated link; predictor time per decode step
+as a share of TPOT. A rich table, then one JSON line.
+
+    .venv/bin/python benchmarks/predictors.py --predictors artifacts/olmoe-mini/predictors \\
+        [--model models/olmoe-mini] [--copy-share 0.85 | --gbps G] [--capacity 25%] [--prompts 6] [--new-tokens 24]
+
+The link is emulated (a worker thread moving bytes at a set rate, so transfers overlap compute in wall
+time). By default its bandwidth is chosen so that copies are `--copy-share` of TPOT under on-demand
+loading, measured against the resident model in this run (Speculating Experts' A6000 regime is 0.85).
+Prompts are the held-out prompts of the trace the predictors were trained on (their prompt tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def heldout_prompts(pred_dir: Path, n: int) -> list[torch.Tensor]:
+    from moeflow.predict.data import from_trace
+    from moeflow.predict.io import read_predictor_meta
+    meta = read_predictor_meta(pred_dir)
+    cfg = meta["config"]
+    data = from_trace(meta["trace"]["path"])
+    _, held = data.split(cfg.get("holdout", 0.2), cfg.get("seed", 0))
+    out = []
+    for pid in np.unique(held.prompt_id)[:n]:
+        rows = np.flatnonzero((held.prompt_id == pid) & (held.phase == 0))
+        rows = rows[np.argsort(held.position[rows])]
+        out.append(torch.tensor([held.token_id[rows].tolist()]))
+    return out
+
+
+def run_one(model, prompts, *, mode, link_fn, capacity=0, prefetch="none", opts=None, lookahead=1,
+            adaptive=False, calibration=None, new_tokens=24):
+    from moeflow.runtime.generate import build_engine, generate_one
+    from moeflow.runtime.metrics import RunMetrics
+    from moeflow.runtime.stepsize import StepSizeController
+    link = link_fn()
+    eng = build_engine(model, mode=mode, link=link, capacity=capacity, eviction="lru", prefetch=prefetch,
+                       prefetch_opts=opts, lookahead=lookahead)
+    pol = eng.prefetcher if eng is not None else None
+    unbind = pol.bind(model, eng) if hasattr(pol, "bind") else (lambda: None)
+    ctrl = None
+    outs, ms = [], []
+    try:
+        with (eng if eng is not None else _null()):
+            detach = lambda: None  # noqa: E731
+            if adaptive and eng is not None:
+                ctrl = StepSizeController.from_calibration(calibration, max_s=eng.spec.num_moe_layers - 1,
+                                                           num_layers=eng.spec.num_layers) if calibration \
+                    else StepSizeController(initial_s=lookahead, max_s=eng.spec.num_moe_layers - 1,
+                                            num_layers=eng.spec.num_layers)
+                detach = ctrl.attach(eng)
+            for p in prompts:
+                new, m = generate_one(model, p, eng, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+                outs.append(new)
+                ms.append(m)
+            detach()
+    finally:
+        unbind()
+        if eng is None:
+            link.close()
+    tot = RunMetrics.total(ms)
+    res = {"tpot_s": tot.tpot_s, "stall_s_per_token": tot.decode_counters.stall_s / max(1, tot.decode_tokens),
+           "hit_rate": tot.decode_counters.hits / max(1, tot.decode_counters.accesses),
+           "loads_per_token": tot.decode_counters.loads / max(1, tot.decode_tokens),
+           # propose() time over all forward passes (prefill + decode), per pass
+           "predict_s_per_pass": pol.predict_s / max(1, len(prompts) * new_tokens) if hasattr(pol, "predict_s") else 0.0,
+           "final_s": ctrl.s if ctrl else lookahead, "s_changes": len(ctrl.history) - 1 if ctrl else 0}
+    if hasattr(pol, "runner"):
+        res["forest_cache_hits"], res["forest_fallbacks"] = pol.runner.hits, pol.runner.fallbacks
+    return outs, res
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(REPO / "models" / "olmoe-mini"))
+    ap.add_argument("--predictors", required=True)
+    ap.add_argument("--capacity", default="25%")
+    ap.add_argument("--copy-share", type=float, default=0.85)
+    ap.add_argument("--gbps", type=float, default=None)
+    ap.add_argument("--latency-us", type=float, default=10.0)
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--lookahead", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--calibration", default=None, help="moeflow calibrate JSON for the adaptive controller's start")
+    ap.add_argument("--policies", default="router-pf,estimator,hybrid,forest")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from rich.console import Console
+    from rich.table import Table
+    from moeflow.calibrate import copy_share_bandwidth, load_calibration
+    from moeflow.models import load_model
+    from moeflow.moe import get_adapter
+    from moeflow.predict.io import read_predictor_meta
+    from moeflow.runtime.config import parse_capacity
+    from moeflow.runtime.generate import load_policies
+    from moeflow.runtime.link import EmulatedLink
+    load_policies()
+    model, _ = load_model(a.model, dtype="float32", experts_implementation="grouped_mm")
+    spec = get_adapter(model).spec
+    have = read_predictor_meta(a.predictors)["predictors"]
+    policies = [p for p in a.policies.split(",") if p in have]
+    prompts = heldout_prompts(Path(a.predictors), a.prompts)
+    cal = load_calibration(a.calibration, model) if a.calibration else None
+    console = Console(stderr=True)
+    # resident reference: tokens and compute per token
+    ref, res_resident = run_one(model, prompts, mode="resident", link_fn=lambda: EmulatedLink(1.0),
+                                new_tokens=a.new_tokens)
+    bytes_tok = spec.num_moe_layers * spec.top_k * spec.expert_bytes
+    gbps = a.gbps or copy_share_bandwidth(bytes_tok, res_resident["tpot_s"], a.copy_share) / 1e9
+    link_fn = lambda: EmulatedLink(gbps, a.latency_us * 1e-6)  # noqa: E731
+    cap = parse_capacity(a.capacity, total_experts=spec.total_experts, expert_bytes=spec.expert_bytes)
+    rows: dict[str, dict] = {"resident": res_resident}
+    exact: dict[str, bool] = {}
+    t0 = time.perf_counter()
+    plan = [("on-demand", dict(mode="on-demand")), (f"pregate S={a.lookahead}", dict(prefetch="pregate"))]
+    for p in policies:
+        plan.append((f"{p} S={a.lookahead}", dict(prefetch=p, opts={"predictors": a.predictors})))
+        plan.append((f"{p} adaptive S", dict(prefetch=p, opts={"predictors": a.predictors}, adaptive=True)))
+    plan.append(("pregate adaptive S", dict(prefetch="pregate", adaptive=True)))
+    for label, kw in plan:
+        console.print(f"[dim]{label} ...[/]")
+        mode = kw.pop("mode", "offload")
+        outs, r = run_one(model, prompts, mode=mode, link_fn=link_fn, capacity=cap, lookahead=a.lookahead,
+                          calibration=cal, new_tokens=a.new_tokens, **kw)
+        exact[label] = all(torch.equal(x, y) for x, y in zip(outs, ref))
+        rows[label] = r
+    od = rows["on-demand"]["tpot_s"]
+    pg = rows[f"pregate S={a.lookahead}"]["tpot_s"]
+    t = Table(title=f"{Path(a.model).name}: emulated link {gbps:.3f} GB/s (copy share {a.copy_share} on-demand), "
+                    f"capacity {cap}/{spec.total_experts} experts, {len(prompts)} held-out prompts x {a.new_tokens} tokens")
+    for c in ("run", "TPOT ms", "/on-demand", "/pregate", "stall ms/tok", "hit rate",
+              "loads/tok", "pred ms/pass", "pred share", "S end", "exact"):
+        t.add_column(c, justify="right")
+    for label, r in rows.items():
+        share = r["predict_s_per_pass"] / r["tpot_s"] if r["tpot_s"] else 0.0
+        r.update(tpot_vs_on_demand=r["tpot_s"] / od, tpot_vs_pregate=r["tpot_s"] / pg, predictor_share=share)
+        t.add_row(label, f"{1e3 * r['tpot_s']:.2f}", f"{r['tpot_vs_on_demand']:.3f}", f"{r['tpot_vs_pregate']:.3f}",
+                  f"{1e3 * r['stall_s_per_token']:.2f}", f"{r['hit_rate']:.3f}", f"{r['loads_per_token']:.1f}",
+                  f"{1e3 * r['predict_s_per_pass']:.2f}", f"{share:.1%}", str(r["final_s"]),
+                  "" if label == "resident" else ("yes" if exact[label] else "NO"))
+    Console(width=200).print(t)
+    print(json.dumps({"bench": "predictors", "model": a.model, "gbps": gbps, "capacity": cap,
+                      "prompts": len(prompts), "new_tokens": a.new_tokens, "seconds": time.perf_counter() - t0,
+                      "runs": rows, "exact": exact}, default=float))
+
+
+if __name__ == "__main__":
+    main()
