@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-prompt-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=1, help="passes over the prompts (default 1)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on shared cores the intra-op pool makes 2-thread timings noise)")
     ap.add_argument("--data-dir", default=None)
     a = ap.parse_args()
 

@@ -26,13 +26,15 @@ def parse(argv=None) -> argparse.Namespace:
                    help="shared data folder (default: ../shared/data beside the repo)")
     p.add_argument("--out", default=str(REPO / "models"), help="parent folder of the model folders (default: models)")
     p.add_argument("--only", choices=NAMES, help="train one model only (default: both, concurrently)")
-    p.add_argument("--minutes", type=float, default=25.0, help="wall-clock training budget per model, minutes (default 25)")
-    p.add_argument("--steps", type=int, default=None, help="step budget instead of / besides --minutes")
+    p.add_argument("--minutes", type=float, default=25.0,
+                   help="wall-clock training budget per model, minutes (default 25; 0 = none, give --steps)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="step budget instead of / besides --minutes (with --minutes 0 the run is step-deterministic)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of init, data order and card statistics (default 0)")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    p.add_argument("--lr", type=float, default=2.5e-3, help="peak learning rate (default 2.5e-3)")
     p.add_argument("--balance-coef", type=float, default=0.01, help="per-layer balance loss weight (default 0.01)")
     p.add_argument("--z-coef", type=float, default=1e-3, help="router z-loss weight (default 1e-3)")
     p.add_argument("--tiny", action="store_true", help="tiny smoke configuration (2 layers, vocab 512, 20 steps)")
@@ -74,10 +76,13 @@ def main(argv=None) -> int:
         return max(p.wait() for p in procs)
 
     from moeflow.lmtrain.build import BuildConfig, build
+    if a.minutes <= 0 and not a.steps and not a.tiny:
+        print("error: --minutes 0 needs --steps N", file=sys.stderr)
+        return 2
     from moeflow.lmtrain.loop import TrainConfig
     tiny = a.tiny
     tc = TrainConfig(seq_len=64 if tiny else a.seq_len, batch_size=4 if tiny else a.batch_size, lr=a.lr,
-                     warmup_steps=5 if tiny else 30, minutes=None if tiny else a.minutes,
+                     warmup_steps=5 if tiny else 30, minutes=None if tiny or a.minutes <= 0 else a.minutes,
                      max_steps=(a.steps or 20) if tiny else a.steps, balance_coef=a.balance_coef,
                      z_coef=a.z_coef, seed=a.seed, eval_every_s=1e9 if tiny else 300.0)
     build(BuildConfig(name=names[0], data_dir=a.data_dir, out=a.out, log_dir=a.log_dir, train=tc,

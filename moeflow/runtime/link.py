@@ -1,9 +1,9 @@
 """Transfer links: how one expert row moves from the host store into a device cache slot.
 
 - `DirectLink`: copy on the calling thread, now (no emulation; on CPU this is a memcpy).
-- `EmulatedLink(gbps, latency_s)`: a worker thread copies, then sleeps so that each transfer takes
-  `latency + bytes / bandwidth` of wall time; transfers are serialised FIFO (one link) and run
-  concurrently with compute on the main thread, so overlap, stalls and waiting are real wall time.
+- `EmulatedLink(gbps, latency_s)`: each transfer takes `latency + bytes / bandwidth` of wall time on a
+  virtual FIFO schedule (one link), while a worker thread does the real copy concurrently with compute
+  on the main thread, so overlap, stalls and waiting are real wall time.
 - `CudaLink`: a side CUDA stream, pinned host rows, non-blocking copies, one event per transfer;
   the compute stream waits on the slot's event, and a copy into a slot waits (on the GPU) for the
   event recorded after the last computation that read that slot.
@@ -14,6 +14,7 @@ returns the seconds the caller waited (stall). `busy_s` / `bytes` add up complet
 
 from __future__ import annotations
 
+import collections
 import queue
 import re
 import threading
@@ -34,6 +35,8 @@ class Ticket:
     start_event: Any = None
     busy_s: float = 0.0         # link time this transfer took, once known
     error: BaseException | None = None
+    due: float = 0.0            # EmulatedLink: perf_counter time at which the transfer completes
+    copied: Any = None          # EmulatedLink: set when the worker's real copy is done
 
 
 class Link:
@@ -42,9 +45,27 @@ class Link:
     name = "link"
 
     def __init__(self) -> None:
-        self.busy_s = 0.0        # seconds the link spent on completed transfers
-        self.bytes = 0           # bytes of completed transfers
-        self.transfers = 0
+        self._busy_s = 0.0       # seconds the link spent on completed transfers
+        self._bytes = 0          # bytes of completed transfers
+        self._transfers = 0
+
+    def _settle(self) -> None:
+        """Account transfers that have completed by now (links that learn completion lazily)."""
+
+    @property
+    def busy_s(self) -> float:
+        self._settle()
+        return self._busy_s
+
+    @property
+    def bytes(self) -> int:
+        self._settle()
+        return self._bytes
+
+    @property
+    def transfers(self) -> int:
+        self._settle()
+        return self._transfers
 
     def submit(self, src: torch.Tensor, dst: torch.Tensor, *, after: Any = None) -> Ticket:
         raise NotImplementedError
@@ -77,9 +98,9 @@ class DirectLink(Link):
         dst.copy_(src)
         t = Ticket(src.numel() * src.element_size())
         t.busy_s = time.perf_counter() - t0
-        self.busy_s += t.busy_s
-        self.bytes += t.nbytes
-        self.transfers += 1
+        self._busy_s += t.busy_s
+        self._bytes += t.nbytes
+        self._transfers += 1
         t.done.set()
         return t
 
@@ -88,7 +109,14 @@ class DirectLink(Link):
 
 
 class EmulatedLink(Link):
-    """One FIFO link of `gbps` GB/s (1e9 bytes/s) and `latency_s` per transfer, served by a worker thread."""
+    """One FIFO link of `gbps` GB/s (1e9 bytes/s) and `latency_s` per transfer.
+
+    The schedule is virtual and exact: a transfer submitted at time t starts when the link is free,
+    `start = max(t, end of the previous transfer)`, and is due `latency + bytes / bandwidth` later. A
+    worker thread does the real copy meanwhile (concurrently with compute on the calling thread). A
+    transfer is complete when it is due and its copy is done, so `wait` blocks in real wall time until
+    then, and the emulated timing does not depend on when the worker thread gets the GIL.
+    """
 
     name = "emulated"
 
@@ -98,61 +126,77 @@ class EmulatedLink(Link):
             raise ConfigError(f"emulated link bandwidth must be > 0 GB/s, got {gbps}")
         self.gbps = gbps
         self.latency_s = latency_s
+        self._free_at = 0.0                        # when the last scheduled transfer is due
+        self._inflight: collections.deque[Ticket] = collections.deque()
         self._q: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._pending: list[Ticket] = []
-        self._worker = threading.Thread(target=self._serve, name="moeflow-emulated-link", daemon=True)
+        self._worker = threading.Thread(target=self._copy_loop, name="moeflow-emulated-link", daemon=True)
         self._worker.start()
 
     def transfer_s(self, nbytes: int) -> float:
         return self.latency_s + nbytes / (self.gbps * 1e9)
 
-    def _serve(self) -> None:
+    def _copy_loop(self) -> None:
         while True:
             item = self._q.get()
             if item is None:
                 return
             src, dst, t = item
-            if src is None:                      # a drain marker: everything before it is done
-                t.done.set()
-                continue
-            t0 = time.perf_counter()
             try:
                 dst.copy_(src)
             except BaseException as e:  # surfaced to the waiting thread
                 t.error = e
-            end = t0 + self.transfer_s(t.nbytes)
-            while (rest := end - time.perf_counter()) > 0:
-                time.sleep(rest)
-            t.busy_s = time.perf_counter() - t0
-            with self._lock:
-                self.busy_s += t.busy_s
-                self.bytes += t.nbytes
-                self.transfers += 1
-            t.done.set()
+            t.copied.set()
 
     def submit(self, src, dst, *, after=None) -> Ticket:
         if not self._worker.is_alive():
             raise RuntimeError("emulated link is closed; create a new one")
         t = Ticket(src.numel() * src.element_size())
+        t.copied = threading.Event()
+        t.busy_s = self.transfer_s(t.nbytes)
+        t.due = max(time.perf_counter(), self._free_at) + t.busy_s
+        self._free_at = t.due
+        self._inflight.append(t)
         self._q.put((src, dst, t))
         return t
 
+    def _settle(self) -> None:
+        now = time.perf_counter()
+        while self._inflight and self._inflight[0].due <= now and self._inflight[0].copied.is_set():
+            t = self._inflight.popleft()
+            self._busy_s += t.busy_s
+            self._bytes += t.nbytes
+            self._transfers += 1
+            t.done.set()
+
+    def ready(self, t: Ticket) -> bool:
+        if not t.done.is_set():
+            self._settle()
+        return t.done.is_set()
+
     def wait(self, t: Ticket) -> float:
-        if t.done.is_set():
+        if self.ready(t):
             if t.error is not None:
                 raise t.error
             return 0.0
         t0 = time.perf_counter()
-        t.done.wait()
+        while (rest := t.due - time.perf_counter()) > 0:
+            time.sleep(rest)
+        t.copied.wait()
         if t.error is not None:
             raise t.error
+        self._settle()
+        if not t.done.is_set():          # an earlier copy still running (FIFO): wait for it too
+            self.drain()
         return time.perf_counter() - t0
 
     def drain(self) -> None:
-        marker = Ticket(0)
-        self._q.put((None, None, marker))
-        marker.done.wait()
+        while self._inflight:
+            last = self._inflight[-1]
+            while (rest := last.due - time.perf_counter()) > 0:
+                time.sleep(rest)
+            for t in list(self._inflight):
+                t.copied.wait()
+            self._settle()
 
     def close(self) -> None:
         if self._worker.is_alive():
@@ -201,9 +245,9 @@ class CudaLink(Link):
         if t.done.is_set():
             return
         t.busy_s = t.start_event.elapsed_time(t.event) / 1e3
-        self.busy_s += t.busy_s
-        self.bytes += t.nbytes
-        self.transfers += 1
+        self._busy_s += t.busy_s
+        self._bytes += t.nbytes
+        self._transfers += 1
         t.done.set()
 
     def wait(self, t: Ticket) -> float:
