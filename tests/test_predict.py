@@ -338,3 +338,38 @@ def test_speculative_under_offload_matches_speculative_resident(trained_folder, 
 def _load_rpf(model, folder):
     from moeflow.predict.io import load_predictors
     return load_predictors(folder, model, ["router-pf"])[1]["router-pf"]
+
+
+def test_cli_run_with_learned_prefetch_adaptive_s_and_speculative(trained_folder, tmp_path, capsys):
+    """`moeflow run --prefetch router-pf|forest --adaptive-s` stays token-identical to resident; --speculative runs."""
+    from moeflow.cli.app import main
+    from moeflow.lmtrain.tokenizer import train_tokenizer
+    _, root, out, _ = trained_folder
+    ck = root / "model"
+    if not (ck / "tokenizer.json").exists():
+        train_tokenizer(["the king said to the queen that the night was long"] * 20, vocab_size=200).save_pretrained(ck)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the king said\nthe night was long\n")
+
+    def run(extra, name):
+        jl = tmp_path / f"{name}.jsonl"
+        try:
+            main(["run", "-m", str(ck), "--prompts", str(prompts), "--max-new-tokens", "6", "--min-new-tokens", "6",
+                  "--threads", "1", "--link", "emulated:1,5", "--json", "--out", str(jl), *extra])
+        except SystemExit as e:
+            if e.code:
+                return e.code, None, capsys.readouterr().err
+        res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        return 0, res, [json.loads(l)["text"] for l in jl.read_text().splitlines()]
+
+    code, _, ref = run(["--mode", "resident"], "resident")
+    assert code == 0
+    for pf in ("router-pf", "forest"):
+        code, res, texts = run(["-c", "25%", "-f", pf, "--prefetch-opt", f"predictors={out}", "--adaptive-s"], pf)
+        assert code == 0 and texts == ref, pf
+        assert "adaptive-S" in res["runs"][0]["run"]
+        assert res["runs"][0]["metrics"]["counters"]["prefetch_issued"] > 0
+    code, res, _ = run(["-c", "25%", "-f", "router-pf", "--prefetch-opt", f"predictors={out}", "--speculative"], "spec")
+    assert code == 0 and "SPECULATIVE" in res["runs"][0]["run"]
+    code, _, err = run(["-c", "25%", "-f", "forest", "--prefetch-opt", f"predictors={out}", "--speculative"], "bad")
+    assert code == 2 and "--speculative needs" in err

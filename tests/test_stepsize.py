@@ -42,14 +42,17 @@ def test_formula_and_bandwidth_updates():
 
 
 def test_on_pass_reads_engine_stats_and_drives_lookahead():
+    from moeflow.runtime.cache import CacheCounters
     c = StepSizeController(initial_s=1, max_s=3, stall_threshold=2, overfetch_threshold=100)
     engine = SimpleNamespace(lookahead=1, observers=[], spec=SimpleNamespace(num_layers=4))
     detach = c.attach(engine)
-    stats = SimpleNamespace(counters=SimpleNamespace(hits=1, misses=2), transfer_bytes=0, transfer_s=0.0,
-                            tokens=1, wall_s=0.01, stall_s=0.005)
+    # one demand miss + one prefetch still in flight (late) = 2 waits -> a stall step; 1 ready hit
+    stats = SimpleNamespace(counters=CacheCounters(accesses=3, hits=2, misses=1, late=1), transfer_bytes=0,
+                            transfer_s=0.0, tokens=1, wall_s=0.01, stall_s=0.005)
     for obs in engine.observers:
         obs(stats)
     assert c.s == 2 and engine.lookahead == 2
+    assert c.overfetches == 1 and c.stalls == 0
     detach()
     assert engine.observers == []
 

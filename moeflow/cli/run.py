@@ -65,6 +65,14 @@ def run(
     out: Optional[str] = typer.Option(None, "--out", "-o", help="JSONL file: one line per prompt and run "
                                       "(text + metrics), written atomically."),
     as_json: bool = json_option(),
+    adaptive_s: bool = typer.Option(False, "--adaptive-s",
+                                    help="Adapt step size S while running (ExpertFlow 3.2.1-3.2.2): stalls raise S, "
+                                         "already-resident experts lower it, observed transfers update the bandwidth "
+                                         "estimate; starts from the calibration's S."),
+    speculative: bool = typer.Option(False, "--speculative",
+                                     help="LOSSY: run the experts a learned prefetcher (router-pf, estimator, hybrid) "
+                                          "predicted instead of the router's (Speculating Experts sec. 4). Off by "
+                                          "default; quality cost: `moeflow eval --speculative`."),
     sweep: bool = typer.Option(False, "--sweep", help="Run every combination of the comma lists in --mode, "
                                "--cache-capacity, --eviction, --prefetch; print one table."),
 ) -> None:
@@ -79,5 +87,6 @@ def run(
         per_layer_cache=per_layer_cache, evictions=_split(eviction), prefetches=_split(prefetch),
         eviction_opts=parse_opts(eviction_opt or ()), prefetch_opts=parse_opts(prefetch_opt or ()), miss=miss,
         routing=routing, link=link, lookahead=lookahead, calibration=calibration, dtype=dtype, device=device,
-        out=out, json=as_json, sweep=sweep, threads=threads)
+        out=out, json=as_json, sweep=sweep, threads=threads, adaptive_s=adaptive_s,
+        speculative=speculative)
     main(cfg)

@@ -46,6 +46,8 @@ class RunConfig:
     out: str | None = None                        # JSONL: one line per prompt and run
     json: bool = False
     sweep: bool = False
+    adaptive_s: bool = False                      # ExpertFlow's adaptive step size (stall / overfetch counters)
+    speculative: bool = False                     # LOSSY: run the predicted experts instead of the router's
 
     def __post_init__(self) -> None:
         for m in self.modes:

@@ -124,6 +124,9 @@ class OffloadEngine:
             self.cache = ExpertCache(self.store, self.capacity, device=self.device, link=self.link,
                                      eviction=self.eviction, per_layer=self.per_layer, retain=self.retain)
             stack.callback(self.link.close)
+            bind = getattr(self.prefetcher, "bind", None)
+            if bind is not None:   # learned prefetchers load their predictors and read experts: before offload
+                stack.callback(bind(self.model, self))
             self.store.offload()
             stack.callback(self.store.restore)
             for l in self.spec.moe_layers:

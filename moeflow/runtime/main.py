@@ -92,10 +92,31 @@ def plan_runs(cfg: RunConfig) -> list[dict[str, Any]]:
     return runs
 
 
-def _label(run: dict[str, Any], capacity: int | None, total: int) -> str:
+@contextlib.contextmanager
+def _run_hooks(cfg: RunConfig, model: Any, spec: Any, engine: Any, cal: dict[str, Any] | None, lookahead: int):
+    """`--adaptive-s` (a StepSizeController driving engine.lookahead) and `--speculative` routing."""
+    with contextlib.ExitStack() as st:
+        if cfg.adaptive_s and engine is not None:
+            from .stepsize import StepSizeController
+            hi = max(1, spec.num_moe_layers - 1)
+            ctrl = (StepSizeController.from_calibration(cal, max_s=hi, num_layers=spec.num_layers) if cal
+                    else StepSizeController(initial_s=min(lookahead, hi), max_s=hi, num_layers=spec.num_layers))
+            st.callback(ctrl.attach(engine))
+        if cfg.speculative:
+            pred = getattr(getattr(engine, "prefetcher", None), "pred", None)
+            if pred is None or getattr(pred, "name", "") == "forest":
+                raise ConfigError("--speculative needs --mode offload --prefetch router-pf|estimator|hybrid "
+                                  "--prefetch-opt predictors=DIR")
+            from ..predict.speculative import speculative_routing
+            st.enter_context(speculative_routing(model, pred, engine=engine, adapter=engine.adapter))
+        yield
+
+
+def _label(run: dict[str, Any], capacity: int | None, total: int, cfg: RunConfig | None = None) -> str:
+    suffix = (" adaptive-S" if cfg and cfg.adaptive_s else "") + (" SPECULATIVE(lossy)" if cfg and cfg.speculative else "")
     if run["mode"] != "offload":
         return run["mode"]
-    return f"C={capacity} ({100 * capacity / total:.0f}%) {run['eviction']}+{run['prefetch']}"
+    return f"C={capacity} ({100 * capacity / total:.0f}%) {run['eviction']}+{run['prefetch']}{suffix}"
 
 
 def main(cfg: RunConfig, console: Console | None = None) -> list[dict[str, Any]]:
@@ -150,7 +171,7 @@ def _main(cfg: RunConfig, console: Console | None) -> list[dict[str, Any]]:
                 first = get_adapter(model).per_expert_params(spec.moe_layers[0])
                 expert_bytes = ExpertLayout.of({n: p.detach() for n, p in first.items()}).row_bytes
                 capacity = parse_capacity(run["capacity"], total_experts=spec.total_experts, expert_bytes=expert_bytes)
-            label = _label(run, capacity, spec.total_experts)
+            label = _label(run, capacity, spec.total_experts, cfg)
             engine = build_engine(model, mode=run["mode"], link=link, capacity=capacity or 0,
                                   eviction=run["eviction"] or "lru", prefetch=run["prefetch"] or "none",
                                   miss=cfg.miss, routing=cfg.routing, per_layer=cfg.per_layer_cache,
@@ -158,7 +179,8 @@ def _main(cfg: RunConfig, console: Console | None) -> list[dict[str, Any]]:
                                   prefetch_opts=opts_dict(cfg.prefetch_opts))
             per_prompt: list[RunMetrics] = []
             try:
-                with (engine if engine is not None else contextlib.nullcontext()):
+                with (engine if engine is not None else contextlib.nullcontext()), \
+                        _run_hooks(cfg, model, spec, engine, cal, lookahead):
                     from rich.progress import Progress
                     with Progress(console=console, transient=True, disable=not console.is_terminal) as prog:
                         task = prog.add_task(label, total=len(encoded))

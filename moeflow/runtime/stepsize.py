@@ -132,15 +132,16 @@ class StepSizeController:
     def on_pass(self, stats: Any) -> int:
         """Engine observer (`engine.observers.append(ctrl.on_pass)`), given a `PassStats` per forward pass.
 
-        Hits feed the overfetch counter and misses (needed, not ready: the layer waited) the stall
-        counter, as ExpertFlow 3.2.2 defines them; the link's busy time and bytes update C_s; on
+        As ExpertFlow 3.2.2 defines them: experts already loaded when needed (`ready_hits`) feed the
+        overfetch counter; experts the layer had to wait for (`waited` = demand misses + prefetches
+        still in flight) feed the stall counter. The link's busy time and bytes update C_s; on
         decode passes (one token) (wall - stall) / decoder layers updates T_l.
         """
         c = stats.counters
-        if c.hits:
-            self.observe_access(stalled=False, n=int(c.hits))
-        if c.misses:
-            self.observe_access(stalled=True, n=int(c.misses))
+        if c.ready_hits:
+            self.observe_access(stalled=False, n=int(c.ready_hits))
+        if c.waited:
+            self.observe_access(stalled=True, n=int(c.waited))
         if stats.transfer_bytes and stats.transfer_s > 0:
             self.observe_transfer(float(stats.transfer_bytes), float(stats.transfer_s))
         if stats.tokens == 1 and self.num_layers:
