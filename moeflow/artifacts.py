@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import IO, Any, Iterator
 
 from . import __version__
 from .errors import ArtifactError
@@ -43,20 +43,37 @@ def config_fingerprint(config: Any, extra: bytes = b"") -> str:
     return hashlib.sha256(blob + extra).hexdigest()[:16]
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON to `path` via a temp file in the same folder and `os.replace`."""
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO[Any]]:
+    """Open a temp file beside `path`; on success it is renamed to `path` (0644 less the umask).
+
+    On an exception the temp file is removed and `path` is untouched.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True, default=str)
-            f.write("\n")
+        with os.fdopen(fd, mode) as f:
+            yield f
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON to `path` via a temp file in the same folder and `os.replace`."""
+    with atomic_write(path) as f:
+        json.dump(obj, f, indent=2, sort_keys=True, default=str)
+        f.write("\n")
 
 
 @contextlib.contextmanager
@@ -71,6 +88,7 @@ def atomic_dir(final: str | os.PathLike, *, replace: bool = True) -> Iterator[Pa
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())
         if final.exists():
             if not replace:
                 raise ArtifactError(f"{final} already exists; remove it or choose another --out")

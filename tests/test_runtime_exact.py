@@ -22,14 +22,6 @@ NEW = 8
 load_policies()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run ~15x faster on one intra-op thread when the 2 cores are shared (no OpenMP spinning)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _capacities(spec) -> list[int]:
     return sorted({spec.top_k, max(spec.top_k, spec.total_experts // 4), spec.total_experts})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -52,13 +51,6 @@ def save_model(model, tok, folder: Path) -> str:
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
     return dtype
-
-
-def make_readable(folder: Path) -> None:
-    """atomic_dir's temp folder and write_json_atomic's files are private (mkstemp): open them up."""
-    os.chmod(folder, 0o755)
-    for f in Path(folder).iterdir():
-        os.chmod(f, 0o644)
 
 
 def build(cfg: BuildConfig, log=print) -> Path:
@@ -111,7 +103,6 @@ def build(cfg: BuildConfig, log=print) -> Path:
             "val_fraction": cfg.val_fraction, "tiny": cfg.tiny, "train_config": asdict(cfg.train),
             "final_val_loss_train_windows": next((r["val_loss"] for r in reversed(res.history) if "val_loss" in r), None),
         })
-        make_readable(d)
     log(f"[{cfg.name}] saved {final} ({folder_bytes(final) / 2**20:.1f} MiB, {dtype})")
     if cfg.card:
         from .modelcard import write_card

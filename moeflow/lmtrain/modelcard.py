@@ -17,13 +17,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from ..artifacts import atomic_write
 from ..moe import RouterTap, get_adapter
 from ..trace.summary import layer_stats
 
@@ -419,14 +419,6 @@ def observations(card: dict[str, Any]) -> list[str]:
     return out
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-
-
 def write_card(folder: str | Path, val_tokens: torch.Tensor, *, seed: int = 0,
                log: Callable[[str], None] = print, **kw: Any) -> dict[str, Any]:
     """Compute the card of the saved model in `folder`; write README.md, card.json, the curve PNG."""
@@ -438,6 +430,8 @@ def write_card(folder: str | Path, val_tokens: torch.Tensor, *, seed: int = 0,
     plot_curve(history, tmp_png, f"{folder.name}: LM loss")
     os.chmod(tmp_png, 0o644)
     os.replace(tmp_png, png)
-    _write_atomic(folder / CARD_JSON, json.dumps(card, indent=1, default=float).encode())
-    _write_atomic(folder / "README.md", render(card).encode())
+    with atomic_write(folder / CARD_JSON) as f:
+        f.write(json.dumps(card, indent=1, default=float))
+    with atomic_write(folder / "README.md") as f:
+        f.write(render(card))
     return card

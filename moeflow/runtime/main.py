@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 
+from ..artifacts import atomic_write
 from ..errors import ConfigError, MoeflowError
 from ..moe import get_adapter
 from .config import RunConfig, opts_dict, parse_capacity
@@ -60,23 +60,6 @@ def read_prompts(cfg: RunConfig) -> list[tuple[str, str]]:
     return out
 
 
-@contextlib.contextmanager
-def _atomic_text(path: str):
-    """A text file written to a temp sibling and renamed into place only when the block succeeds."""
-    import tempfile
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", dir=final.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            yield fh
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 # ---- runs -----------------------------------------------------------------------------------------------
 
 def plan_runs(cfg: RunConfig) -> list[dict[str, Any]]:
@@ -120,7 +103,6 @@ def _label(run: dict[str, Any], capacity: int | None, total: int, cfg: RunConfig
 
 
 def main(cfg: RunConfig, console: Console | None = None) -> list[dict[str, Any]]:
-    from ..models import load_model
     if console is None:
         import sys
         stream = sys.stderr if cfg.json else sys.stdout
@@ -158,7 +140,7 @@ def _main(cfg: RunConfig, console: Console | None) -> list[dict[str, Any]]:
     console.print(f"[dim]{spec.arch}: {spec.num_moe_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}, "
                   f"{spec.total_experts} routed experts; link {link_spec}; S={lookahead}; {len(prompts)} prompt(s)[/]")
 
-    out_f = _atomic_text(cfg.out) if cfg.out else contextlib.nullcontext()
+    out_f = atomic_write(cfg.out) if cfg.out else contextlib.nullcontext()
     results: list[dict[str, Any]] = []
     rows: list[RunMetrics] = []
     with out_f as fh:
