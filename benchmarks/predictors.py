@@ -50,7 +50,6 @@ def run_one(model, prompts, *, mode, link_fn, capacity=0, prefetch="none", opts=
     eng = build_engine(model, mode=mode, link=link, capacity=capacity, eviction="lru", prefetch=prefetch,
                        prefetch_opts=opts, lookahead=lookahead)
     pol = eng.prefetcher if eng is not None else None
-    unbind = pol.bind(model, eng) if hasattr(pol, "bind") else (lambda: None)
     ctrl = None
     outs, ms = [], []
     try:
@@ -68,7 +67,6 @@ def run_one(model, prompts, *, mode, link_fn, capacity=0, prefetch="none", opts=
                 ms.append(m)
             detach()
     finally:
-        unbind()
         if eng is None:
             link.close()
     tot = RunMetrics.total(ms)

@@ -233,12 +233,8 @@ def test_learned_prefetchers_keep_generation_exact(trained_folder, tiny_setup):
                            prefetch=name, prefetch_opts={"predictors": str(folder)}, lookahead=2)
         pol = eng.prefetcher
         assert isinstance(pol, LearnedPrefetch)
-        unbind = pol.bind(model)
-        try:
-            with eng:
-                got, m = generate_one(model, prompt, eng, max_new_tokens=6, min_new_tokens=6)
-        finally:
-            unbind()
+        with eng:                                   # the engine binds the policy to the model on attach
+            got, m = generate_one(model, prompt, eng, max_new_tokens=6, min_new_tokens=6)
         assert torch.equal(got, ref), name
         assert pol.calls > 0 and m.counters.loads > 0, name
 
@@ -326,12 +322,8 @@ def test_speculative_under_offload_matches_speculative_resident(trained_folder, 
     with speculative_routing(model, _load_rpf(model, out)) as st:
         ref, _ = generate_one(model, prompt, None, max_new_tokens=6, min_new_tokens=6)
     assert st["replaced"] > 0
-    unbind = pol.bind(model)
-    try:
-        with eng, speculative_routing(model, pol.pred, engine=eng, adapter=ad):
-            got, m = generate_one(model, prompt, eng, max_new_tokens=6, min_new_tokens=6)
-    finally:
-        unbind()
+    with eng, speculative_routing(model, pol.pred, engine=eng, adapter=ad):   # attach binds pol (pol.pred)
+        got, m = generate_one(model, prompt, eng, max_new_tokens=6, min_new_tokens=6)
     assert torch.equal(got, ref) and m.counters.accesses > 0
 
 
