@@ -29,7 +29,7 @@ test-gpu:
 	$(BIN)/python -m pytest -q -m "gpu" tests
 
 models:
-	$(BIN)/python recipes/train_models.py --data-dir $(DATA) --out models
+	$(BIN)/python recipes/train_models.py --data-dir $(DATA) --out models --minutes 50
 
 bench:
 	$(BIN)/python benchmarks/trace_overhead.py --model $(MODEL)
