@@ -114,24 +114,35 @@ def new_meta(kind: str, schema: int, fingerprint: str, **fields: Any) -> dict[st
     }
 
 
+def read_record(path: str | os.PathLike, kind: str, schema: int) -> dict[str, Any]:
+    """Read a JSON record (a `meta.json`, a calibration file) and check its kind and schema.
+
+    Raises ArtifactError with a fix-it line for a missing file, invalid JSON, another kind or schema.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ArtifactError(f"no moeflow {kind} at {p}; run `moeflow {kind}` first")
+    try:
+        rec = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{p} is corrupt (not valid JSON: {e}); delete it and re-run `moeflow {kind}`") from e
+    got = rec.get("kind") if isinstance(rec, dict) else None
+    if got != kind:
+        raise ArtifactError(f"{p} is not a moeflow {kind} (it holds kind {got!r})")
+    if rec.get("schema") != schema:
+        raise ArtifactError(
+            f"{p} has {kind} schema {rec.get('schema')}, this moeflow reads schema {schema}; re-run `moeflow {kind}`")
+    return rec
+
+
 def read_meta(folder: str | os.PathLike, kind: str, schema: int) -> dict[str, Any]:
-    """Read and check `folder/meta.json`; raise ArtifactError with a fix-it line if it does not fit."""
+    """Read and check `folder/meta.json` (see `read_record`)."""
     folder = Path(folder)
     if not folder.exists():
         raise ArtifactError(f"{folder} does not exist; create it first (see `moeflow {kind} --help`)")
-    p = folder / META
-    if not p.is_file():
+    if not (folder / META).is_file():
         raise ArtifactError(f"{folder} is not a moeflow {kind} artifact (no {META}); point to the folder `moeflow {kind}` wrote")
-    try:
-        meta = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{p} is corrupt ({e.msg if hasattr(e, 'msg') else e}); delete {folder} and re-run `moeflow {kind}`") from e
-    if meta.get("kind") != kind:
-        raise ArtifactError(f"{folder} holds a {meta.get('kind')!r} artifact, not a {kind!r} one")
-    if meta.get("schema") != schema:
-        raise ArtifactError(
-            f"{folder} has schema {meta.get('schema')}, this moeflow reads schema {schema}; re-run `moeflow {kind}` to rebuild it")
-    return meta
+    return read_record(folder / META, kind, schema)
 
 
 def check_fingerprint(meta: dict[str, Any], fingerprint: str, what: str, folder: str | os.PathLike) -> None:

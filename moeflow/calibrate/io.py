@@ -6,13 +6,12 @@ Top-level fields the runtime reads: `bandwidth_bytes_per_s` (C_s, at the expert 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import write_json_atomic
+from ..artifacts import read_record, write_json_atomic
 from ..errors import ArtifactError
 
 KIND = "calibration"
@@ -57,15 +56,7 @@ def load_calibration(path: str | os.PathLike, model: Any = None, *, fingerprint:
     p = Path(path)
     if not p.is_file():
         raise ArtifactError(f"no calibration at {p}; run `moeflow calibrate` (or pass --calibration FILE)")
-    try:
-        rec = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{p} is not valid JSON ({e}); delete it and re-run `moeflow calibrate`") from e
-    if not isinstance(rec, dict) or rec.get("kind") != KIND:
-        raise ArtifactError(f"{p} is not a moeflow calibration (kind {rec.get('kind') if isinstance(rec, dict) else None!r})")
-    if rec.get("schema") != SCHEMA:
-        raise ArtifactError(f"{p} has calibration schema {rec.get('schema')}, this moeflow reads {SCHEMA}; "
-                            f"re-run `moeflow calibrate`")
+    rec = read_record(p, KIND, SCHEMA)
     if model is not None and fingerprint is None:
         from ..moe import model_fingerprint
         fingerprint = model_fingerprint(model)
