@@ -66,3 +66,14 @@ def test_unsupported_architecture_is_refused():
         model = AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(UnsupportedModelError, match="supported architectures: deepseek_v3, gpt_oss"):
         get_adapter(model)
+
+
+def test_adapter_of_an_offloaded_model_says_why(tiny_models):
+    from moeflow.runtime.generate import build_engine
+    from moeflow.runtime.link import DirectLink
+    from moeflow.models import tiny_model
+    model = tiny_model("olmoe")
+    with build_engine(model, mode="offload", link=DirectLink(), capacity=4, eviction="lru", prefetch="none"):
+        with pytest.raises(UnsupportedModelError, match="offloaded by a moeflow engine"):
+            get_adapter(model)
+    assert get_adapter(model).spec.num_experts == 8          # restored on close

@@ -172,6 +172,10 @@ class Adapter:
         ex = self.experts(first)
         E = self._num_experts(ex)
         per_expert = [p for _, p in ex.named_parameters(recurse=False) if p.shape[:1] == (E,)]
+        if not per_expert:
+            raise UnsupportedModelError(
+                f"layer {first}'s experts hold no stacked [E, ...] weights (offloaded by a moeflow engine?); "
+                f"build the adapter before attaching the engine, or close the engine first")
         params = sum(p[0].numel() for p in per_expert)
         nbytes = sum(p[0].numel() * p.element_size() for p in per_expert)
         inter = getattr(ex, "intermediate_dim", None) or getattr(ex, "intermediate_size", None) \
