@@ -11,11 +11,10 @@ Options (`--prefetch-opt key=value`): `predictors=DIR` (required: a `moeflow tra
 model), `lookahead=S` (default: the engine's S), `overfetch=1.0` (top round(k*overfetch) per token)
 or `mass=0.9` (experts in descending score up to that cumulative mass).
 
-The policy needs the running model (routers, norms, and a forward pre-hook on each MoE layer's
-`post_attention_layernorm` that captures the post-attention residual r_l): the engine calls
-`policy.bind(model)` when it attaches (or call it yourself); it loads the predictor folder, checks
-its model fingerprint and returns a function that removes the hooks. Bind before the engine offloads
-the experts (the adapters read the stacked expert tensors once).
+The policy needs the running model (routers and norms) and the post-attention residual r_l, which
+the engine captures and passes as `LayerContext.residual`: the engine calls `policy.bind(model)` when
+it attaches; it loads the predictor folder, checks its model fingerprint and returns the function that
+releases it. Bind before the engine offloads the experts (the adapters read the stacked expert tensors).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from .base import PREFETCH, LayerContext, PrefetchRequest
 
 
 class LearnedPrefetch:
-    """Shared mechanics: predictor loading, residual capture, per-pass layer history, token context."""
+    """Shared mechanics: predictor loading, per-pass layer history, token context."""
 
     name: ClassVar[str] = ""
     predictor: ClassVar[str] = ""
@@ -47,7 +46,6 @@ class LearnedPrefetch:
         self.window = window
         self.model = None
         self.pred: Any = None
-        self._resid: dict[int, torch.Tensor] = {}
         self._hist: dict[int, torch.Tensor] = {}
         self._pass = -1
         self._tokens: torch.Tensor | None = None       # [T,w] token context of the current pass
@@ -66,18 +64,9 @@ class LearnedPrefetch:
         if self.window is None:
             self.window = getattr(self.pred, "window", 4)
         ad = get_adapter(model)
-        handles = []
-        for l in ad.moe_layers:
-            def pre(module, args, l=l):
-                x = args[0].detach()
-                self._resid[l] = x.reshape(-1, x.shape[-1])                     # [T,H] post-attention residual
-            handles.append(residual_norm(ad, l).register_forward_pre_hook(pre))
-
-        def unbind() -> None:
-            for h in handles:
-                h.remove()
-            self.close()
-        return unbind
+        for l in ad.moe_layers:          # r_l comes from the engine's hook on this norm: refuse a model without it
+            residual_norm(ad, l)
+        return self.close
 
     def close(self) -> None:
         pass
@@ -101,10 +90,12 @@ class LearnedPrefetch:
     def _batch(self, ctx: LayerContext):
         from ..predict.data import SourceBatch
         self._hist[ctx.layer] = ctx.indices
-        resid = ctx.residual if ctx.residual is not None else self._resid.get(ctx.layer)
         tokens = self._tokens if self._tokens is not None and len(self._tokens) == len(ctx.indices) else None
-        return SourceBatch(ctx.layer, ctx.router_input.float(), ctx.indices, ctx.weights.float(), residual=resid,
+        return SourceBatch(ctx.layer, ctx.router_input.float(), ctx.indices, ctx.weights.float(), residual=ctx.residual,
                            token_ctx=tokens, history=dict(self._hist), route=ctx.predict_logits)
+
+    def _submit(self, ctx: LayerContext, batch: Any) -> None:
+        """Hook for asynchronous predictors: start work for later layers from this layer's batch."""
 
     def scores(self, target: int, s: int, batch: Any) -> torch.Tensor:
         return self.pred.predict(target, s, batch)
@@ -129,6 +120,7 @@ class LearnedPrefetch:
         steps = min(self.lookahead or ctx.lookahead, self.pred.max_lookahead)
         targets = ctx.next_layers(steps)
         batch = self._batch(ctx)
+        self._submit(ctx, batch)
         out: list[PrefetchRequest] = []
         with torch.no_grad():
             for s, t in enumerate(targets, start=1):
@@ -189,16 +181,12 @@ class ForestPrefetch(LearnedPrefetch):
             return [None] * batch.t
         return [tuple(r) for r in batch.token_ctx.tolist()]
 
-    def propose(self, ctx: LayerContext) -> list[PrefetchRequest]:
-        if self.pred is not None:
-            # queue forest predictions for every later layer the forest knows, from this layer's state
-            self._begin(ctx)
-            batch = self._batch(ctx)
-            keys = self._keys(batch)
-            if keys and keys[0] is not None:
-                for s, t in enumerate(ctx.next_layers(self.pred.max_lookahead), start=1):
-                    self.runner.submit(t, s, batch, keys)
-        return super().propose(ctx)
+    def _submit(self, ctx: LayerContext, batch: Any) -> None:
+        # queue forest predictions for every later layer the forest knows, from this layer's state
+        keys = self._keys(batch)
+        if keys and keys[0] is not None:
+            for s, t in enumerate(ctx.next_layers(self.pred.max_lookahead), start=1):
+                self.runner.submit(t, s, batch, keys)
 
     def scores(self, target: int, s: int, batch: Any) -> torch.Tensor:
         keys = self._keys(batch)
