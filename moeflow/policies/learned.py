@@ -25,6 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from .base import PREFETCH, LayerContext, PrefetchRequest
+from .prefetch import mass_mask, topk_mask
 
 
 class LearnedPrefetch:
@@ -101,14 +102,9 @@ class LearnedPrefetch:
         return self.pred.predict(target, s, batch)
 
     def _select(self, scores: torch.Tensor, k: int) -> torch.Tensor:
-        T, E = scores.shape
         if self.mass is not None:
-            p = scores / scores.sum(-1, keepdim=True).clamp(min=1e-12)
-            sp, order = p.sort(-1, descending=True)
-            keep = (sp.cumsum(-1) - sp) < self.mass
-            return torch.zeros_like(keep).scatter(-1, order, keep)
-        m = min(E, max(1, round(k * self.overfetch)))
-        return torch.zeros(T, E, dtype=torch.bool).scatter(-1, scores.topk(m, -1).indices, True)
+            return mass_mask(scores / scores.sum(-1, keepdim=True).clamp(min=1e-12), self.mass)
+        return topk_mask(scores, min(scores.shape[1], max(1, round(k * self.overfetch))))
 
     def propose(self, ctx: LayerContext) -> list[PrefetchRequest]:
         import time

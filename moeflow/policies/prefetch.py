@@ -12,13 +12,28 @@ cache issues the most urgent and most likely loads first.
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar
 
 import torch
 
 from ..errors import ConfigError
 from .base import PREFETCH, LayerContext, PrefetchRequest
+
+
+def mass_mask(probs: torch.Tensor, mass: float) -> torch.Tensor:
+    """Boolean [T,E]: per row, the experts in descending probability until `mass` is covered.
+
+    An expert is kept when the mass strictly before it is below `mass`, so the first is always kept.
+    """
+    sorted_p, order = probs.sort(dim=-1, descending=True)                     # [T,E]
+    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < mass                      # [T,E]
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def topk_mask(scores: torch.Tensor, m: int) -> torch.Tensor:
+    """Boolean [T,E]: per row, the `m` highest-scoring experts."""
+    idx = scores.topk(m, dim=-1).indices                                       # [T,m]
+    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter(-1, idx, True)
 
 
 def _steps(ctx: LayerContext, lookahead: int | None) -> list[int]:
@@ -77,17 +92,12 @@ class PreGate:
 
     def _select(self, layer: int, probs: torch.Tensor, k: int) -> torch.Tensor:
         """Boolean mask [T,E] of the experts to prefetch for `layer` from predicted probs [T,E]."""
-        T, E = probs.shape
+        E = probs.shape[1]
         if self.percentile is not None:
             return probs >= self._threshold(layer, probs)
         if self.mass is not None:
-            sorted_p, order = probs.sort(dim=-1, descending=True)             # [T,E]
-            before = sorted_p.cumsum(-1) - sorted_p                            # mass strictly before
-            keep_sorted = before < self.mass                                   # [T,E]
-            return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        m = min(E, max(1, round(k * self.overfetch)))
-        idx = probs.topk(m, dim=-1).indices                                    # [T,m]
-        return torch.zeros(T, E, dtype=torch.bool, device=probs.device).scatter(-1, idx, True)
+            return mass_mask(probs, self.mass)
+        return topk_mask(probs, min(E, max(1, round(k * self.overfetch))))
 
     def propose(self, ctx: LayerContext) -> list[PrefetchRequest]:
         targets = _steps(ctx, self.lookahead)
@@ -119,10 +129,3 @@ class AllNextLayer:
         targets = ctx.next_layers(self.lookahead)
         return [PrefetchRequest((t, e), priority=float(len(targets) - s))
                 for s, t in enumerate(targets) for e in range(ctx.num_experts)]
-
-
-def expected_count(probs: torch.Tensor, mass: float) -> int:
-    """Experts needed to cover `mass` of the probability, averaged over tokens and rounded up (ExpertFlow N_e)."""
-    sorted_p = probs.float().sort(dim=-1, descending=True).values     # [T,E]
-    n = ((sorted_p.cumsum(-1) - sorted_p) < mass).sum(-1).float()     # [T]
-    return int(math.ceil(float(n.mean())))

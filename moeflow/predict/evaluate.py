@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
+from ..policies.prefetch import mass_mask
 from .data import RoutingData, batch_from_rows, iter_chunks, target_of
 
 # ExpertFlow (Table 2, section 4.3): fitted asymptotic accuracy of their predictor (c_p) and of
@@ -41,9 +42,7 @@ def set_metrics(scores: torch.Tensor, truth: torch.Tensor, mass: float) -> dict[
     top = torch.topk(scores, k, -1).indices                                  # [T,k]
     hit_k = (top.unsqueeze(-1) == truth.unsqueeze(1)).any(-1).sum()
     p = scores / scores.sum(-1, keepdim=True).clamp(min=1e-12)               # [T,E]
-    sp, order = torch.sort(p, -1, descending=True)
-    keep = (sp.cumsum(-1) - sp) < mass                                       # [T,E] first item always kept
-    chosen = torch.zeros_like(keep).scatter(-1, order, keep)                 # [T,E] in expert order
+    chosen = mass_mask(p, mass)                                              # [T,E] first item always kept
     truth_hot = torch.zeros_like(chosen).scatter(-1, truth, True)
     inter = (chosen & truth_hot).sum()
     return {"n": float(len(truth)), "hits_k": float(hit_k), "inter": float(inter),

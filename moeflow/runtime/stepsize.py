@@ -28,9 +28,8 @@ from typing import Any, Callable
 def experts_for_mass(probs, mass: float = 0.9) -> float:
     """ExpertFlow's N_e: mean count of experts, in descending pre-gate probability, to reach `mass`. probs [T,E]."""
     import torch
-    p = torch.as_tensor(probs).float()
-    sp = torch.sort(p, -1, descending=True).values
-    return float(((sp.cumsum(-1) - sp) < mass).sum(-1).float().mean())
+    from ..policies.prefetch import mass_mask
+    return float(mass_mask(torch.as_tensor(probs).float(), mass).sum(-1).float().mean())
 
 
 @dataclass
