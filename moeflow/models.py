@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -23,6 +24,18 @@ def resolve_dtype(name: str, device: str) -> torch.dtype | str:
     if name not in DTYPES:
         raise ConfigError(f"unknown --dtype {name!r}; use one of auto, {', '.join(sorted(DTYPES))}")
     return DTYPES[name]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run the block with `n` torch intra-op threads (None: leave as is); restore the count after."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def default_model_path() -> str:

@@ -123,13 +123,19 @@ def fit_all(train: RoutingData, model: torch.nn.Module, cfg: TrainConfig, progre
 
 
 def main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
+    """`moeflow train`: fit, evaluate on held-out prompts, save the predictor folder; the report."""
+    from ..models import torch_threads
+    with torch_threads(max(1, cfg.threads)):
+        return _main(cfg, console)
+
+
+def _main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from .evaluate import evaluate, plot
     from .io import save_predictors
     _check_names(cfg.only)
     if not 0.0 < cfg.holdout < 1.0:
         raise ConfigError(f"--holdout must be in (0, 1), got {cfg.holdout}")
-    torch.set_num_threads(max(1, cfg.threads))
     model = _load_model(cfg.model)
     need_hidden = any(PREDICTORS[n].needs_hidden for n in cfg.only)
     data = from_trace(cfg.trace, need_hidden=need_hidden)

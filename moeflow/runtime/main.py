@@ -107,13 +107,9 @@ def main(cfg: RunConfig, console: Console | None = None) -> list[dict[str, Any]]
         import sys
         stream = sys.stderr if cfg.json else sys.stdout
         console = Console(stderr=cfg.json, width=None if stream.isatty() else 160)
-    threads0 = torch.get_num_threads()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    try:
+    from ..models import torch_threads
+    with torch_threads(cfg.threads):
         return _main(cfg, console)
-    finally:
-        torch.set_num_threads(threads0)
 
 
 def _main(cfg: RunConfig, console: Console | None) -> list[dict[str, Any]]:

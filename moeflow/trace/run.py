@@ -72,15 +72,14 @@ def run_trace(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[Prompt],
 def main(cfg: TraceConfig, console: Any = None, json_out: bool = False) -> dict[str, Any]:
     """Load `cfg.model` and `cfg.prompts`, trace, print a result line (or JSON)."""
     from rich.console import Console
-    from ..models import load_model
+    from ..models import load_model, torch_threads
     console = console or Console(stderr=True)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     prompts = load_prompts(cfg.prompts, data_dir=cfg.data_dir, limit=cfg.limit, split=cfg.split)
-    model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
-    if tok is None:
-        raise MoeflowError(f"{cfg.model} has no tokenizer (tokenizer.json); save one beside the checkpoint")
-    res = run_trace(model, tok, prompts, cfg, console)
+    with torch_threads(cfg.threads):
+        model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+        if tok is None:
+            raise MoeflowError(f"{cfg.model} has no tokenizer (tokenizer.json); save one beside the checkpoint")
+        res = run_trace(model, tok, prompts, cfg, console)
     if json_out:
         print(json.dumps(res))
     else:
