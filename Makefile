@@ -1,6 +1,7 @@
 # moeflow — developer and reproduction recipes.
 #   make setup   create .venv and install moeflow with its test dependencies
 #   make test    the CPU test suite (GPU and slow tests are marked and skipped)
+#   make lint    ruff (lint + format check) and mypy, configured in pyproject.toml
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -10,7 +11,7 @@ TORCH   ?= torch==2.13.0
 DATA    ?= ../shared/data
 MODEL   ?= models/olmoe-mini
 
-.PHONY: setup test test-slow test-gpu models bench clean-artifacts
+.PHONY: setup test test-slow test-gpu lint models bench clean-artifacts
 
 setup:
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,6 +22,11 @@ setup:
 
 test:
 	$(BIN)/python -m pytest -q -m "not slow and not gpu" tests
+
+lint:
+	$(BIN)/ruff check moeflow tests benchmarks recipes
+	$(BIN)/ruff format --check moeflow tests benchmarks recipes
+	$(BIN)/mypy
 
 test-slow:
 	$(BIN)/python -m pytest -q -m "slow" tests

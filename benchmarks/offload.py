@@ -32,10 +32,10 @@ from moeflow.data.prompts import load_prompts
 from moeflow.models import load_model
 from moeflow.moe import get_adapter
 from moeflow.policies import EVICTION
-from moeflow.runtime.generate import build_engine, generate_one, load_policies
+from moeflow.runtime.generate import build_engine, generate_one
 from moeflow.runtime.link import EmulatedLink
 from moeflow.runtime.metrics import RunMetrics
-from moeflow.runtime.config import parse_capacity
+from moeflow.policies.parse import parse_capacity
 from moeflow.runtime.store import ExpertLayout
 
 
@@ -96,7 +96,6 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     con = Console(width=160)
-    load_policies()
     model, tok = load_model(args.model, experts_implementation="grouped_mm")
     ad = get_adapter(model)
     spec = ad.spec

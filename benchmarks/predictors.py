@@ -45,7 +45,7 @@ def run_one(model, prompts, *, mode, link_fn, capacity=0, prefetch="none", opts=
             adaptive=False, calibration=None, new_tokens=24):
     from moeflow.runtime.generate import build_engine, generate_one
     from moeflow.runtime.metrics import RunMetrics
-    from moeflow.runtime.stepsize import StepSizeController
+    from moeflow.runtime.adaptive_s import StepSizeController
     link = link_fn()
     eng = build_engine(model, mode=mode, link=link, capacity=capacity, eviction="lru", prefetch=prefetch,
                        prefetch_opts=opts, lookahead=lookahead)
@@ -111,10 +111,8 @@ def main() -> None:
     from moeflow.models import load_model
     from moeflow.moe import get_adapter
     from moeflow.predict.io import read_predictor_meta
-    from moeflow.runtime.config import parse_capacity
-    from moeflow.runtime.generate import load_policies
+    from moeflow.policies.parse import parse_capacity
     from moeflow.runtime.link import EmulatedLink
-    load_policies()
     model, _ = load_model(a.model, dtype="float32", experts_implementation="grouped_mm")
     spec = get_adapter(model).spec
     have = read_predictor_meta(a.predictors)["predictors"]

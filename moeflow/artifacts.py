@@ -1,31 +1,41 @@
-"""Artifact folders: meta.json, fingerprints, atomic writes, cross-stage checks.
+"""Artifact folders: meta.json, fingerprints, atomic writes, `--out` checks, cross-stage checks.
 
 Every artifact folder (trace, predictors, calibration) holds a `meta.json` with
 `schema`, `kind`, `moeflow_version`, `model_fingerprint`, `created_at` and stage-specific fields.
-Folders are written into a temporary sibling and renamed into place, so a crashed or concurrent
-job never leaves a half-written artifact where a later stage will read it.
+
+- `check_out` validates every `--out` before any work: it never lets a stage replace an input or
+  anything that is not a moeflow artifact of the same kind, and replaces one of that kind only with --force.
+- `atomic_dir` publishes a folder with one `os.replace` of a symlink (`<out>` -> `.<out>.versions/v-...`),
+  `atomic_write` a file with one `os.replace` of an fsynced temp file: a kill -9 at any instant leaves
+  the old artifact or the new one, complete.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
+import glob
 import hashlib
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 from . import __version__
-from .errors import ArtifactError
+from .errors import ArtifactError, ConfigError
 
 META = "meta.json"
 
 
 def now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
 def config_fingerprint(config: Any, extra: bytes = b"") -> str:
@@ -51,9 +61,9 @@ def _umask() -> int:
 
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO[Any]]:
-    """Open a temp file beside `path`; on success it is renamed to `path` (0644 less the umask).
+    """Open a temp file beside `path`; on success it is fsynced and renamed to `path` (0644 less the umask).
 
-    On an exception the temp file is removed and `path` is untouched.
+    On an exception the temp file is removed and `path` is untouched; a kill leaves the old file or the new one.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -61,8 +71,11 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO[Any]]:
     try:
         with os.fdopen(fd, mode) as f:
             yield f
+            f.flush()
+            os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -76,28 +89,205 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
         f.write("\n")
 
 
-@contextlib.contextmanager
-def atomic_dir(final: str | os.PathLike, *, replace: bool = True) -> Iterator[Path]:
-    """Yield a temporary folder beside `final`; on success rename it to `final`.
+# -- atomic folders -------------------------------------------------------------------------------
+#
+#   <parent>/<name>                    -> .<name>.versions/v-<ns>-<pid>   (a relative symlink)
+#   <parent>/.<name>.versions/v-...    complete versions: the current one and the previous one
+#   <parent>/.<name>.versions/tmp-...  a writer's folder in progress
+#   <parent>/.<name>.link-<pid>-<ns>   a new symlink about to be `os.replace`d onto <name>
+#
+# The only step that changes what <name> shows is one `os.replace` of a symlink, so a kill at any
+# instant leaves the old artifact or the new one. Each write removes what dead writers left behind
+# and every version but the current and the previous one (a reader that resolved the old link keeps
+# working until the next write).
 
-    On an exception the temporary folder is removed and `final` is untouched. With
-    `replace=True` an existing `final` is swapped out (old copy removed after the rename).
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for d, _, files in os.walk(root):
+        for f in files:
+            with contextlib.suppress(OSError):
+                fd = os.open(os.path.join(d, f), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        _fsync_dir(Path(d))
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def _writer_pid(name: str) -> int | None:
+    """The writer pid in `tmp-<ns>-<pid>`, `v-<ns>-<pid>[-legacy]`, `.<x>.link-<pid>-<ns>`."""
+    m = re.search(r"(?:^(?:tmp|v)-\d+-(\d+))|(?:\.link-(\d+)-\d+$)", name)
+    if not m:
+        return None
+    return int(m.group(1) or m.group(2))
+
+
+def _remove(p: Path) -> None:
+    if p.is_symlink() or p.is_file():
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    else:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
+def _versions(final: Path) -> Path:
+    return final.parent / f".{final.name}.versions"
+
+
+def _clean(final: Path, keep: set[str]) -> None:
+    """Remove dead writers' leftovers and every version of `final` not in `keep` (by name)."""
+    vroot = _versions(final)
+    me = os.getpid()
+    for p in list(vroot.iterdir()) if vroot.is_dir() else []:
+        pid = _writer_pid(p.name)
+        if p.name in keep or pid is None:
+            continue
+        if p.name.startswith("tmp-") and (pid == me or _pid_alive(pid)):
+            continue                                   # a live writer's folder in progress
+        if p.name.startswith("v-") and pid != me and _pid_alive(pid):
+            continue                                   # a live writer may be about to link it
+        _remove(p)
+    for p in final.parent.glob(f".{glob.escape(final.name)}.link-*"):
+        pid = _writer_pid(p.name)
+        if pid is not None and pid != me and not _pid_alive(pid):
+            _remove(p)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | os.PathLike, *, replace: bool = True, versioned: bool = True) -> Iterator[Path]:
+    """Yield an empty folder to fill; on success it becomes `final` in one atomic step.
+
+    `final` is a relative symlink to `.<name>.versions/v-<ns>-<pid>/` beside it, switched with one
+    `os.replace`: a kill -9 at any instant leaves the old artifact or the new one, complete. On an
+    exception the new folder is removed and `final` is untouched. The previous version is kept (a
+    reader that resolved it keeps working), older ones and dead writers' leftovers are removed.
+
+    A real folder at `final` (written by moeflow < 0.2) is swapped for the link with an atomic
+    exchange (Linux `renameat2`); where that is unsupported it is first renamed into the versions
+    folder, a one-time step during which a kill leaves `final` missing and the old copy in
+    `.<name>.versions/`. `replace=False` refuses an existing `final`. `versioned=False` makes a plain
+    folder with one rename; an existing `final` is then moved aside first (not atomic; for folders
+    nothing points to yet, like trace shards).
     """
-    final = Path(final)
+    final = Path(os.path.abspath(final))
     final.parent.mkdir(parents=True, exist_ok=True)
+    present = final.exists() or final.is_symlink()
+    if present and not replace:
+        raise ArtifactError(f"{final} already exists; remove it or choose another --out")
+    if final.exists() and not final.is_dir():
+        raise ArtifactError(f"{final} is a file, not a folder; choose another --out")
+    if not versioned:
+        with _plain_dir(final) as tmp:
+            yield tmp
+        return
+    vroot = _versions(final)
+    vroot.mkdir(exist_ok=True)
+    _clean(final, keep=_keep_before(final))            # free dead writers' space before writing
+    stamp = f"{time.time_ns():020d}-{os.getpid()}"
+    tmp = vroot / f"tmp-{stamp}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())
+        _fsync_tree(tmp)
+        version = vroot / f"v-{stamp}"
+        os.rename(tmp, version)
+        _fsync_dir(vroot)
+        old = _current(final)
+        link = final.parent / f".{final.name}.link-{os.getpid()}-{time.time_ns()}"
+        os.symlink(os.path.relpath(version, final.parent), link)
+        keep = {version.name} | ({old} if old else set())
+        if final.is_dir() and not final.is_symlink():              # legacy real folder
+            legacy = vroot / f"v-{time.time_ns():020d}-{os.getpid()}-legacy"
+            if _exchange(link, final):
+                os.rename(link, legacy)                            # the old folder, now at `link`
+            else:
+                os.rename(final, legacy)                           # one-time, not atomic (see docstring)
+                os.replace(link, final)
+            keep.add(legacy.name)
+        else:
+            os.replace(link, final)
+        _fsync_dir(final.parent)
+        if old is None:                                           # `final` was missing: keep the newest older copy
+            keep |= _keep_before(final, exclude=version.name)
+        _clean(final, keep)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _keep_before(final: Path, exclude: str = "") -> set[str]:
+    """Versions to keep: the one `final` links to and the newest other complete one (not `exclude`)."""
+    cur = _current(final)
+    vroot = _versions(final)
+    names = sorted(p.name for p in vroot.iterdir() if p.name.startswith("v-") and p.name not in (exclude, cur)) \
+        if vroot.is_dir() else []
+    return ({cur} if cur else set()) | set(names[-1:])
+
+
+def _current(final: Path) -> str | None:
+    """The version name `final` links to (None for a missing path, a real folder or a foreign link)."""
+    if not final.is_symlink():
+        return None
+    target = Path(os.readlink(final))
+    if target.parent.name == _versions(final).name:
+        return target.name
+    return None
+
+
+@contextlib.contextmanager
+def _plain_dir(final: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())
-        if final.exists():
-            if not replace:
-                raise ArtifactError(f"{final} already exists; remove it or choose another --out")
+        _fsync_tree(tmp)
+        if final.exists() or final.is_symlink():
             old = final.with_name(f".{final.name}.old-{os.getpid()}")
             os.replace(final, old)
             os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
         else:
             os.replace(tmp, final)
+        _fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -114,6 +304,14 @@ def new_meta(kind: str, schema: int, fingerprint: str, **fields: Any) -> dict[st
     }
 
 
+COMMANDS = {"calibration": "calibrate", "predictors": "train"}   # artifact kind -> the command that writes it
+
+
+def command_for(kind: str) -> str:
+    """The `moeflow` command that writes artifacts of `kind` (`calibration` -> `calibrate`)."""
+    return COMMANDS.get(kind, kind)
+
+
 def read_record(path: str | os.PathLike, kind: str, schema: int) -> dict[str, Any]:
     """Read a JSON record (a `meta.json`, a calibration file) and check its kind and schema.
 
@@ -121,17 +319,18 @@ def read_record(path: str | os.PathLike, kind: str, schema: int) -> dict[str, An
     """
     p = Path(path)
     if not p.is_file():
-        raise ArtifactError(f"no moeflow {kind} at {p}; run `moeflow {kind}` first")
+        raise ArtifactError(f"no moeflow {kind} at {p}; run `moeflow {command_for(kind)}` first")
     try:
         rec = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{p} is corrupt (not valid JSON: {e}); delete it and re-run `moeflow {kind}`") from e
+        raise ArtifactError(f"{p} is corrupt (not valid JSON: {e}); delete it and re-run `moeflow {command_for(kind)}`") from e
     got = rec.get("kind") if isinstance(rec, dict) else None
     if got != kind:
         raise ArtifactError(f"{p} is not a moeflow {kind} (it holds kind {got!r})")
     if rec.get("schema") != schema:
         raise ArtifactError(
-            f"{p} has {kind} schema {rec.get('schema')}, this moeflow reads schema {schema}; re-run `moeflow {kind}`")
+            f"{p} has {kind} schema {rec.get('schema')}, this moeflow reads schema {schema}; "
+            f"re-run `moeflow {command_for(kind)}`")
     return rec
 
 
@@ -139,9 +338,10 @@ def read_meta(folder: str | os.PathLike, kind: str, schema: int) -> dict[str, An
     """Read and check `folder/meta.json` (see `read_record`)."""
     folder = Path(folder)
     if not folder.exists():
-        raise ArtifactError(f"{folder} does not exist; create it first (see `moeflow {kind} --help`)")
+        raise ArtifactError(f"{folder} does not exist; create it first (see `moeflow {command_for(kind)} --help`)")
     if not (folder / META).is_file():
-        raise ArtifactError(f"{folder} is not a moeflow {kind} artifact (no {META}); point to the folder `moeflow {kind}` wrote")
+        raise ArtifactError(f"{folder} is not a moeflow {kind} artifact (no {META}); "
+                            f"point to the folder `moeflow {command_for(kind)}` wrote")
     return read_record(folder / META, kind, schema)
 
 
@@ -151,3 +351,86 @@ def check_fingerprint(meta: dict[str, Any], fingerprint: str, what: str, folder:
         raise ArtifactError(
             f"{what} at {folder} was made for another model (fingerprint {got}, this model is {fingerprint}); "
             f"re-create it with this --model")
+
+
+# -- --out checks -----------------------------------------------------------------------------------
+
+def artifact_kind(path: str | os.PathLike) -> str | None:
+    """The moeflow kind held at `path`, or None if it is not a moeflow artifact.
+
+    A folder: its `meta.json`'s "kind". A file: the "kind" of the JSON object it holds, or of the
+    JSON object on its first line (a JSONL file such as `moeflow run --out`'s results).
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / META
+    if not p.is_file():
+        return None
+    try:
+        with open(p, "rb") as f:
+            first = f.readline(1 << 20)
+            rec: Any = None
+            with contextlib.suppress(ValueError):
+                rec = json.loads(first)
+            if not isinstance(rec, dict) and p.stat().st_size <= 64 << 20:
+                f.seek(0)
+                rec = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    kind = rec.get("kind") if isinstance(rec, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
+def _within(a: Path, b: Path) -> bool:
+    return a == b or a.is_relative_to(b)
+
+
+def check_out(out: str | os.PathLike, *, kind: str, inputs: Sequence[str | os.PathLike | None] = (),
+              force: bool = False, file: bool = False, reuse: bool = False, flag: str = "--out") -> Path:
+    """Check an output path before any work; raise ConfigError with one line if writing it could lose data.
+
+    Refused: an `out` that is, contains or is inside one of `inputs` (symlinks resolved); with
+    `file=True` an existing folder (without: an existing file); an existing file or folder that is
+    not a moeflow `kind` artifact (never replaced, even with force); a folder holding other files.
+    An existing `kind` artifact is replaced only with `force=True` (or kept with `reuse=True`, for
+    stages that append to it). A new path or an empty folder is fine. Returns `out` as a Path.
+    """
+    out = Path(out).expanduser()
+    lexical = Path(os.path.abspath(out))
+    if lexical == lexical.parent:
+        raise ConfigError(f"{flag} {out} is a file-system root; pass a new path")
+    at = lexical.parent.resolve() / lexical.name           # where the new artifact will appear
+    spots = {at, _versions(at), out.resolve()}             # ... the folders it will replace or clean
+    for inp in inputs:
+        if inp is None or str(inp) == "":
+            continue
+        r = Path(inp).expanduser().resolve()
+        for s in spots:
+            if s == r:
+                raise ConfigError(f"{flag} {out} is the input {inp}; choose another {flag}")
+            if _within(s, r):
+                raise ConfigError(f"{flag} {out} is inside the input {inp}; choose a path outside it")
+            if _within(r, s):
+                raise ConfigError(f"{flag} {out} contains the input {inp}; choose a path that does not")
+    anc = at.parent
+    while not anc.exists():
+        anc = anc.parent
+    if not anc.is_dir():
+        raise ConfigError(f"{flag} {out} is inside {anc}, which is a file; choose another {flag}")
+    if not out.exists():
+        return out                                          # new (or a dangling link: nothing to lose)
+    what = "file" if file else "folder"
+    if file and out.is_dir():
+        raise ConfigError(f"{flag} {out} is a folder; pass a file path (e.g. {out / (kind + '.json')})")
+    if not file and not out.is_dir():
+        raise ConfigError(f"{flag} {out} is a file; pass a folder path")
+    if not file and not any(out.iterdir()):
+        return out
+    got = artifact_kind(out)
+    if got != kind:
+        holds = f"a moeflow {got}" if got else ("other files" if not file else "something else")
+        raise ConfigError(f"{flag} {out} exists and holds {holds}, not a moeflow {kind} {what}; "
+                          f"choose a new {'file' if file else 'or empty folder'}")
+    if not (force or reuse):
+        raise ConfigError(f"{flag} {out} already holds a moeflow {kind}; pass --force to replace it")
+    return out

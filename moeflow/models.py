@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from .errors import ConfigError, MoeflowError, UnsupportedModelError
+from .errors import ArtifactError, ConfigError, MoeflowError, UnsupportedModelError
 
 DEFAULT_MODEL = "models/olmoe-mini"
 
@@ -54,6 +56,7 @@ def load_model(path: str | os.PathLike, *, dtype: str = "auto", device: str = "c
     Raises MoeflowError with a one-line fix when the folder is missing or not an MoE model.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     from .moe import get_adapter
 
     p = Path(path)
@@ -61,11 +64,11 @@ def load_model(path: str | os.PathLike, *, dtype: str = "auto", device: str = "c
         raise MoeflowError(f"model folder {path} does not exist; pass --model DIR with a local Hugging Face "
                            f"checkpoint (config.json + safetensors), e.g. {DEFAULT_MODEL} after `make models`")
     if not (p / "config.json").is_file():
-        raise MoeflowError(f"{path} has no config.json; pass --model a folder written by save_pretrained")
+        raise ArtifactError(f"{p / 'config.json'} is missing; pass --model a folder written by save_pretrained")
     try:
         config = AutoConfig.from_pretrained(p)
-    except (ValueError, OSError) as e:
-        raise MoeflowError(f"cannot read {p}/config.json: {str(e).splitlines()[0]}") from e
+    except (ValueError, OSError, TypeError, KeyError) as e:
+        raise ArtifactError(f"cannot read {p / 'config.json'}: {_first_line(e)}; fix or re-save the checkpoint") from e
     from .moe.adapters import ARCHS, SUPPORTED
     if config.model_type not in ARCHS:
         raise UnsupportedModelError(
@@ -73,10 +76,85 @@ def load_model(path: str | os.PathLike, *, dtype: str = "auto", device: str = "c
     kw: dict[str, Any] = {"dtype": resolve_dtype(dtype, device)}
     if experts_implementation:
         kw["experts_implementation"] = experts_implementation
-    model = AutoModelForCausalLM.from_pretrained(p, **kw).to(device).eval()
+    check_weights(p)
+    from safetensors import SafetensorError
+    try:
+        model: Any = AutoModelForCausalLM.from_pretrained(p, **kw)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ArtifactError(f"cannot load the weights in {p}: {_first_line(e)}; re-save or re-download the checkpoint") from e
+    model = model.to(device).eval()
     tok = AutoTokenizer.from_pretrained(p) if _has_tokenizer(p) else None
     get_adapter(model)  # fail early on a checkpoint without MoE layers
     return model, tok
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]
+
+
+def check_weights(folder: str | os.PathLike) -> None:
+    """Refuse, with one ArtifactError line naming the file, a checkpoint whose safetensors files are
+    missing (also those its `model.safetensors.index.json` lists), truncated or have a corrupt header."""
+    p = Path(folder)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ArtifactError(f"{index} is corrupt ({_first_line(e)}); re-save or re-download the checkpoint") from e
+        files = [p / n for n in names]
+    else:
+        files = sorted(p.glob("*.safetensors"))
+    if not files and not any(p.glob("pytorch_model*.bin")):
+        raise ArtifactError(f"{p} has no weights (model.safetensors); pass --model a folder written by save_pretrained")
+    for f in files:
+        _check_safetensors(f)
+
+
+def _check_safetensors(f: Path) -> None:
+    """One safetensors file: 8-byte header length, a JSON header, and tensor data that ends exactly at the file end."""
+    fix = "re-save or re-download the checkpoint"
+    if not f.is_file():
+        raise ArtifactError(f"weights file {f} is missing; {fix}")
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 0 or 8 + n > size:
+            raise ArtifactError(f"weights file {f} is truncated ({size} bytes); {fix}")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise ArtifactError(f"weights file {f} is corrupt (bad safetensors header: {_first_line(e)}); {fix}") from e
+    if 8 + n + end != size:
+        what = "truncated" if 8 + n + end > size else "corrupt"
+        raise ArtifactError(f"weights file {f} is {what} ({size} bytes, its header describes {8 + n + end}); {fix}")
+
+
+def max_positions(model_or_config: Any) -> int | None:
+    """The model's maximum sequence length (`max_position_embeddings`), or None if its config has none."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        v = cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def check_lengths(model_or_config: Any, prompt_tokens: int, new_tokens: int, *, what: str = "a prompt") -> None:
+    """Raise ConfigError (one line naming the limit) if `prompt_tokens` + `new_tokens` positions do not fit
+    the model's maximum position (`max_position_embeddings`); nothing is ever truncated to make it fit."""
+    limit = max_positions(model_or_config)
+    if limit is None or prompt_tokens + new_tokens <= limit:
+        return
+    if new_tokens <= 0:
+        raise ConfigError(f"--max-prompt-tokens {prompt_tokens} is beyond the model's maximum position "
+                          f"{limit} (max_position_embeddings); pass at most {limit}")
+    raise ConfigError(f"{what} of {prompt_tokens} tokens + {new_tokens} new tokens = {prompt_tokens + new_tokens} "
+                      f"positions, beyond the model's maximum of {limit} (max_position_embeddings); lower "
+                      f"--max-prompt-tokens to {max(limit - new_tokens, 0)} or --max-new-tokens")
 
 
 def _has_tokenizer(p: Path) -> bool:
@@ -134,7 +212,7 @@ def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, 
     ad = get_adapter(model)
     with torch.no_grad():
         for l in ad.moe_layers:
-            r = ad.router(l)
+            r: Any = ad.router(l)
             r.weight.normal_(0.0, 0.5)
             if getattr(r, "bias", None) is not None and isinstance(r.bias, torch.Tensor):
                 r.bias.normal_(0.0, 0.1)

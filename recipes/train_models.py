@@ -79,9 +79,9 @@ def main(argv=None) -> int:
     if a.minutes <= 0 and not a.steps and not a.tiny:
         print("error: --minutes 0 needs --steps N", file=sys.stderr)
         return 2
-    from moeflow.lmtrain.loop import TrainConfig
+    from moeflow.lmtrain.loop import LMTrainConfig
     tiny = a.tiny
-    tc = TrainConfig(seq_len=64 if tiny else a.seq_len, batch_size=4 if tiny else a.batch_size, lr=a.lr,
+    tc = LMTrainConfig(seq_len=64 if tiny else a.seq_len, batch_size=4 if tiny else a.batch_size, lr=a.lr,
                      warmup_steps=5 if tiny else 30, minutes=None if tiny or a.minutes <= 0 else a.minutes,
                      max_steps=(a.steps or 20) if tiny else a.steps, balance_coef=a.balance_coef,
                      z_coef=a.z_coef, seed=a.seed, eval_every_s=1e9 if tiny else 300.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -33,12 +35,88 @@ def test_spec_matches_model(arch, tiny_models):
     model = tiny_models(arch)
     spec = get_adapter(model).spec
     assert spec.arch == arch and spec.num_experts == 8
-    assert spec.top_k == 2 and spec.hidden_size == 64
-    # expert bytes = the per-expert slices of every stacked tensor
-    ex = get_adapter(model).experts(spec.moe_layers[0])
-    want = sum(p[0].numel() * p.element_size() for p in ex.parameters(recurse=False) if p.shape[0] == 8)
-    assert spec.expert_bytes == want
+    assert spec.top_k == 2 and spec.hidden_size == 64 and spec.expert_intermediate_size == 32
+    # one expert, float32, hidden H=64, intermediate I=32: gate+up [2I,H] and down [H,I] = 3*64*32 weights;
+    # GPT-OSS adds the biases gate_up [2I] and down [H] = 128 more
+    assert spec.expert_bytes == 4 * (3 * 64 * 32 + (2 * 32 + 64 if arch == "gpt_oss" else 0))
     assert spec_from_config(model.config) == spec
+
+
+# ---- each family's scoring rule, worked out in plain Python on one row of 8 logits (k = 2) -----------
+
+ROW = [1.0, 3.0, 2.0, 0.0, -1.0, 0.5, -0.5, 1.5]          # the two largest: expert 1 (3.0), then expert 2 (2.0)
+# one outstanding expert in the first half, two good ones in the second: DeepSeek-V3's group score (sum of a
+# group's 2 best) keeps the second half, a max-per-group score would keep the first
+ROW2 = [4.0, -4.0, -4.0, -4.0, 1.6, 1.5, -4.0, -4.0]
+
+
+def _softmax(xs: list[float]) -> list[float]:
+    e = [math.exp(x - max(xs)) for x in xs]
+    return [v / sum(e) for v in e]
+
+
+def _top2(xs: list[float]) -> list[int]:
+    return sorted(range(len(xs)), key=lambda i: -xs[i])[:2]
+
+
+def _softmax_then_top2(row: list[float], norm: bool) -> dict[int, float]:
+    p = _softmax(row)
+    top = {i: p[i] for i in _top2(p)}
+    return {i: v / sum(top.values()) for i, v in top.items()} if norm else top
+
+
+def _top2_then_softmax(row: list[float]) -> dict[int, float]:
+    idx = _top2(row)
+    return dict(zip(idx, _softmax([row[i] for i in idx])))
+
+
+def _deepseek_v3(row: list[float], correction: list[float]) -> dict[int, float]:
+    """Sigmoid scores; the choice adds the correction bias; 2 groups of 4 experts scored by their 2 best choices,
+    the best group kept; its top-2 choices; weights = their sigmoid scores normalised, times 2.5."""
+    s = [1 / (1 + math.exp(-x)) for x in row]
+    c = [a + b for a, b in zip(s, correction)]
+    groups = [range(0, 4), range(4, 8)]
+    best = max(groups, key=lambda g: sum(sorted((c[i] for i in g), reverse=True)[:2]))
+    idx = sorted(best, key=lambda i: -c[i])[:2]
+    return {i: 2.5 * s[i] / sum(s[j] for j in idx) for i in idx}
+
+
+def _as_dict(w: torch.Tensor, i: torch.Tensor) -> dict[int, float]:
+    return dict(zip(i.reshape(-1).tolist(), w.reshape(-1).float().tolist()))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_scoring_rule_matches_hand_computation(arch, tiny_models):
+    ad = get_adapter(tiny_models(arch))
+    l = ad.moe_layers[0]
+    for row in (ROW, ROW2):
+        if arch in ("olmoe", "qwen2_moe"):                                            # norm_topk_prob=False
+            want = _softmax_then_top2(row, norm=False)
+        elif arch in ("mixtral", "qwen3_moe"):                                        # renormalised top-k
+            want = _softmax_then_top2(row, norm=True)
+        elif arch in ("gpt_oss", "granitemoe"):
+            want = _top2_then_softmax(row)
+        elif arch == "deepseek_v3":
+            want = _deepseek_v3(row, ad.router(l).e_score_correction_bias.tolist())
+        else:  # phimoe's sparsemixer (eval): the argmax, weighted by a softmax over the logits within 2 * 0.01
+            # (relative) of it; then the same for the runner-up with the winner removed. Far apart: weights 1.
+            want = {1: 1.0, 2: 1.0} if row is ROW else {0: 1.0, 4: 1.0}
+        got = _as_dict(*ad.select(l, torch.tensor([row])))                           # logits [1,8]
+        assert set(got) == set(want) and got == pytest.approx(want, rel=1e-6), (arch, row, got, want)
+    if arch == "phimoe":
+        near = torch.tensor([[3.0, 2.99, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0]])    # (3 - 2.99) / 3 < 0.02
+        assert _as_dict(*ad.select(l, near)) == pytest.approx({0: 1 / (1 + math.exp(-0.01)), 1: 1.0}, rel=1e-6)
+    if arch == "deepseek_v3":
+        assert set(_as_dict(*ad.select(l, torch.tensor([ROW2])))) == {4, 5}
+
+
+def test_selection_bias_steers_indices_not_weights(tiny_models):
+    """OLMoE with +100 on expert 3: experts {3, 1} chosen, each weighted by its unbiased probability."""
+    ad = get_adapter(tiny_models("olmoe"))
+    bias = torch.zeros(8)
+    bias[3] = 100.0
+    p = _softmax(ROW)
+    assert _as_dict(*ad.select(0, torch.tensor([ROW]), bias)) == pytest.approx({3: p[3], 1: p[1]}, rel=1e-6)
 
 
 def test_dense_first_layers_and_shared_experts():

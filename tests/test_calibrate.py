@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
@@ -27,13 +26,14 @@ def test_step_size_formula():
 
 def test_regime_solver():
     B, tc = 16 * 2e6, 0.010                       # 32 MB per token on demand, 10 ms of compute
-    bw = copy_share_bandwidth(B, tc, 0.85)
-    assert copy_share(B, tc, bw) == pytest.approx(0.85)
-    assert (B / bw) / (B / bw + tc) == pytest.approx(0.85)
-    assert copy_share_bandwidth(B, tc, 0.5) == pytest.approx(B / tc)   # half: copy time = compute time
-    # SpecMD: same per-expert transfer time as a 12.58 MB OLMoE-1B-7B bf16 expert at 5 GB/s
+    # copies 85% of TPOT: B/bw = 0.85/0.15 * 10 ms = 56.67 ms -> bw = 32 MB / 56.67 ms = 564.7 MB/s
+    assert copy_share_bandwidth(B, tc, 0.85) == pytest.approx(564_705_882.35, rel=1e-9)
+    assert copy_share_bandwidth(B, tc, 0.5) == pytest.approx(3.2e9)    # half: copy time = compute time = 10 ms
+    assert copy_share(B, tc, 3.2e9) == pytest.approx(0.5)              # 10 ms copy + 10 ms compute
+    assert copy_share(B, tc, 1.6e9) == pytest.approx(2 / 3)            # 20 ms copy + 10 ms compute
+    # SpecMD: same per-expert transfer time as a 12.58 MB OLMoE-1B-7B bf16 expert at 5 GB/s (2.516 ms)
     assert specmd_bandwidth(3 * 2048 * 1024 * 2) == pytest.approx(5e9)
-    assert 3 * 2048 * 1024 * 2 / 5e9 == pytest.approx(1e6 / specmd_bandwidth(1e6))
+    assert specmd_bandwidth(1e6) == pytest.approx(397_364_298.50, rel=1e-9)   # 1 MB in 2.516 ms
     assert parse_regime("copy-share=0.85").value == 0.85 and parse_regime("SpecMD").name == "specmd"
     for bad in ("copy-share=1.5", "fast"):
         with pytest.raises(ConfigError):
@@ -89,21 +89,29 @@ def test_cli_quick_run(tmp_path, tiny_models):
     assert r.exit_code == 0, r.output
     rec = json.loads(r.stdout.strip().splitlines()[-1])
     saved = load_calibration(out, model)
-    from moeflow.moe import get_adapter
-    spec = get_adapter(model).spec
-    assert saved["expert_bytes"] == spec.expert_bytes and saved["experts_per_layer"] == spec.top_k
-    assert [s["bytes"] for s in saved["sweep"]] == sorted({16 * 1024, 64 * 1024, spec.expert_bytes})
+    # tiny OLMoE: 3 MoE layers, top-2 of 8 experts of 3 x 64 x 32 float32 weights = 24,576 bytes each
+    assert saved["expert_bytes"] == 24_576 and saved["experts_per_layer"] == 2
+    assert [s["bytes"] for s in saved["sweep"]] == [16_384, 24_576, 65_536]   # --sizes 16,64 KiB + one expert
     assert saved["layer_time_s"] > 0 and saved["expert_time_s"] > 0 and saved["bandwidth_bytes_per_s"] > 0
-    raw = spec.top_k * spec.expert_bytes / (saved["bandwidth_bytes_per_s"] * saved["layer_time_s"])
+    # S = N_e E_s / (C_s T_l) with the measured C_s and T_l, rounded up, clamped to [1, 3 - 1]
+    raw = 2 * 24_576 / (saved["bandwidth_bytes_per_s"] * saved["layer_time_s"])
     assert saved["s_formula"] == pytest.approx(raw)
-    assert saved["initial_s"] == max(1, min(spec.num_moe_layers - 1, math.ceil(raw - 1e-9)))
+    assert saved["initial_s"] == (1 if raw <= 1 else 2)
     share = {g["regime"]: g for g in rec["regimes"]}
-    assert share["copy-share=0.85"]["copy_share_on_demand"] == pytest.approx(0.85)
+    B, tc = 3 * 2 * 24_576, rec["compute_per_token_s"]                  # bytes per token on demand, compute
+    assert rec["bytes_per_token_on_demand"] == B
+    for name, want in (("copy-share=0.85", 0.85), ("specmd", None)):
+        t = B / share[name]["bandwidth_bytes_per_s"]                       # seconds of copy per token
+        assert share[name]["copy_share_on_demand"] == pytest.approx(t / (t + tc))
+        if want is not None:
+            assert t / (t + tc) == pytest.approx(want)
+    # specmd: one 24,576-byte expert in the 2.516 ms an OLMoE-1B-7B expert takes at 5 GB/s
+    assert 24_576 / share["specmd"]["bandwidth_bytes_per_s"] == pytest.approx(12_582_912 / 5e9)
     # help carries units; bad flags exit non-zero with one line
     h = CliRunner().invoke(app, ["calibrate", "--help"])
     assert "GB/s" in h.output and "KiB" in h.output
     bad = CliRunner().invoke(app, ["calibrate", "--model", str(ck), "--regime", "warp"])
-    assert bad.exit_code != 0
+    assert bad.exit_code != 0 and isinstance(bad.exception, ConfigError) and "unknown --regime 'warp'" in str(bad.exception)
 
 
 @pytest.mark.gpu

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 import torch
 
@@ -39,9 +42,27 @@ def test_per_layer_loss_sees_a_collapsed_layer_that_pooling_hides():
     assert abs(hf - reference) < 0.1 * reference
 
 
-def test_router_z_loss_grows_with_logit_scale():
-    x = torch.randn(64, 8)
-    assert router_z_loss([x * 10]).item() > router_z_loss([x]).item() > 0
+def test_balance_loss_on_a_three_expert_toy_layer():
+    """Two tokens, 3 experts, logits = log of the router probabilities written below; every value by hand."""
+    a, b = [0.5, 0.3, 0.2], [0.1, 0.6, 0.3]
+    logits = torch.tensor([a, b]).log()                                   # softmax(log p) = p
+    # top-1: token a -> expert 0, token b -> expert 1: f = (1/2, 1/2, 0); P = mean probs = (0.3, 0.45, 0.25)
+    assert balance_loss(logits, 1).item() == pytest.approx(3 * (0.5 * 0.3 + 0.5 * 0.45))              # 1.125
+    # top-2: a -> {0, 1}, b -> {1, 2}: f = (1/4, 2/4, 1/4)
+    assert balance_loss(logits, 2).item() == pytest.approx(3 * (0.25 * 0.3 + 0.5 * 0.45 + 0.25 * 0.25))  # 1.0875
+    # per layer: the mean of each layer's own loss (layer 2: both tokens like a -> f = (1, 0, 0), P = a)
+    both_a = torch.tensor([a, a]).log()
+    assert per_layer_balance_loss([logits, both_a], 1).item() == pytest.approx((1.125 + 3 * 0.5) / 2)
+
+
+def test_router_z_loss_by_hand():
+    # logsumexp([0, 0]) = ln 2, logsumexp([ln 3, 0, 0]) = ln 5; z = mean over tokens of its square, then over layers
+    one = torch.zeros(1, 2)
+    two = torch.tensor([[math.log(3), 0.0, 0.0], [0.0, 0.0, 0.0]])       # tokens: ln 5, ln 3
+    assert router_z_loss([one]).item() == pytest.approx(math.log(2) ** 2)
+    assert router_z_loss([two]).item() == pytest.approx((math.log(5) ** 2 + math.log(3) ** 2) / 2)
+    assert router_z_loss([one, two]).item() == pytest.approx(
+        (math.log(2) ** 2 + (math.log(5) ** 2 + math.log(3) ** 2) / 2) / 2)
 
 
 def test_tokenizer_round_trips():
@@ -74,7 +95,7 @@ def test_corpus_split_is_deterministic_and_holds_out_each_source(shared_data):
 def test_training_loop_decreases_loss(name):
     from transformers import AutoModelForCausalLM
     from moeflow.lmtrain.configs import model_config
-    from moeflow.lmtrain.loop import TrainConfig, eval_loss, train, val_windows
+    from moeflow.lmtrain.loop import LMTrainConfig, eval_loss, sample_batch, train, val_windows
     torch.manual_seed(0)
     base = torch.randint(3, 128, (40,))
     tokens = base.repeat(100)                                   # a learnable stream: 40 tokens repeated
@@ -82,15 +103,29 @@ def test_training_loop_decreases_loss(name):
     model = AutoModelForCausalLM.from_config(cfg)
     vw = val_windows(tokens, 32, 4)
     before = eval_loss(model, vw)
-    res = train(model, tokens, tokens, TrainConfig(seq_len=32, batch_size=4, lr=3e-3, warmup_steps=3,
+    initial = copy.deepcopy(model).train()
+    res = train(model, tokens, tokens, LMTrainConfig(seq_len=32, batch_size=4, lr=3e-3, warmup_steps=3,
                                                    minutes=None, max_steps=20, eval_every_s=1e9),
                 top_k=cfg.num_experts_per_tok)
     after = eval_loss(model, vw)
     steps = [r for r in res.history if "loss" in r]
     assert res.steps == 20 and len(steps) == 20
     assert after < before - 1.0, (name, before, after)
-    assert all(r["balance"] > 0.9 for r in steps)               # >= 1 by construction (up to float error)
-    assert steps[-1]["lr"] < steps[5]["lr"]                     # cosine decay reached
+    # the logged balance is the per-layer loss of the routing the model actually did: at step 1 (weights not
+    # yet updated) it is recomputed here from the first batch (the loop's seeded sampler) on the initial model
+    ids = sample_batch(tokens, 4, 32, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        router_logits = initial(input_ids=ids, output_router_logits=True, use_cache=False).router_logits
+    k, E = cfg.num_experts_per_tok, router_logits[0].shape[-1]
+    per_layer = []
+    for lg in router_logits:
+        p = torch.softmax(lg.float(), -1)                                # [T,E]
+        f = torch.bincount(p.topk(k, -1).indices.reshape(-1), minlength=E) / (p.shape[0] * k)
+        per_layer.append(E * (f * p.mean(0)).sum().item())
+    assert steps[0]["balance"] == pytest.approx(sum(per_layer) / len(per_layer), rel=1e-4)
+    # warmup 3 steps to 3e-3, then cosine to 10% over the 20 steps (progress = step / 20)
+    assert [r["lr"] for r in steps[:3]] == pytest.approx([1e-3, 2e-3, 3e-3])
+    assert steps[19]["lr"] == pytest.approx(3e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 19 / 20))))
 
 
 def test_recipe_tiny_run_writes_a_loadable_model(tmp_path, shared_data):

@@ -13,14 +13,12 @@ import torch
 
 from moeflow.moe import get_adapter
 from moeflow.policies import EVICTION
-from moeflow.runtime.generate import build_engine, generate_one, load_policies
+from moeflow.runtime.generate import build_engine, generate_one
 from moeflow.runtime.link import DirectLink
 
 from .conftest import ARCHS
 
 NEW = 8
-load_policies()
-
 
 
 def _capacities(spec) -> list[int]:
@@ -67,6 +65,7 @@ def test_greedy_token_identical_every_policy(tiny_models, arch, prompt):
                 assert torch.equal(out, ref), f"{arch} C={cap} {ev}+{pf}: {out.tolist()} != {ref.tolist()}"
                 assert m.counters.accesses > 0
                 checked += 1
+    assert {"lru", "lfu", "fld", "score", "lru2", "least-stale"} <= set(EVICTION)    # every policy was checked
     assert checked == len(_capacities(spec)) * len(EVICTION) * 2
 
 

@@ -1,5 +1,5 @@
-"""Transfer links: the emulated link takes latency + bytes/bandwidth of wall time, serialised, and
-overlaps with work on the calling thread. Bounds are generous: these are properties, not speeds."""
+"""Transfer links: the emulated link's virtual FIFO schedule (latency + bytes / bandwidth per transfer,
+one at a time, overlapping with work on the calling thread), checked exactly on a fake clock."""
 
 from __future__ import annotations
 
@@ -18,50 +18,99 @@ def _bufs(n: int, numel: int):
     return src, dst
 
 
+class FakeClock:
+    """A virtual clock: `sleep(dt)` advances it by dt at once; `advance(dt)` stands for compute."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, dt: float) -> None:
+        assert dt > 0
+        self.now += dt
+
+    advance = sleep
+
+
+def _link(clock: FakeClock, gbps: float, latency_s: float = 0.0) -> EmulatedLink:
+    return EmulatedLink(gbps=gbps, latency_s=latency_s, clock=clock, sleep=clock.sleep)
+
+
 def test_emulated_link_takes_bytes_over_bandwidth():
-    link = EmulatedLink(gbps=0.2, latency_s=0.0)               # 0.2 GB/s
+    clock = FakeClock()
+    link = _link(clock, gbps=0.2)                              # 0.2 GB/s
     src, dst = _bufs(4, 1_000_000)                             # 4 MB each -> 20 ms each, 80 ms serialised
-    t0 = time.perf_counter()
     tickets = [link.submit(s, d) for s, d in zip(src, dst)]
-    for t in tickets:
-        link.wait(t)
-    wall = time.perf_counter() - t0
+    assert [t.due for t in tickets] == pytest.approx([0.020, 0.040, 0.060, 0.080])
+    stalls = [link.wait(t) for t in tickets]
+    assert stalls == pytest.approx([0.020, 0.020, 0.020, 0.020])
+    assert clock.now == pytest.approx(0.080)
     link.close()
-    assert wall >= 0.95 * 0.080, wall
-    assert wall < 2.0                                          # generous: a loaded machine
     assert all(torch.equal(s, d) for s, d in zip(src, dst))
     assert link.bytes == 16_000_000 and link.transfers == 4
-    assert link.busy_s >= 0.95 * 0.080
-    assert link.bytes / link.busy_s <= 0.2e9 * 1.01          # effective bandwidth never beats the link
+    assert link.busy_s == pytest.approx(0.080)
 
 
 def test_emulated_link_latency_and_fifo():
-    link = EmulatedLink(gbps=100.0, latency_s=0.005)
-    src, dst = _bufs(10, 16)
-    t0 = time.perf_counter()
+    clock = FakeClock()
+    link = _link(clock, gbps=100.0, latency_s=0.005)
+    src, dst = _bufs(10, 16)                                   # 64 B each: 5 ms + 0.64 ns
     tickets = [link.submit(s, d) for s, d in zip(src, dst)]
+    one = 0.005 + 64 / 100e9
+    assert [t.due for t in tickets] == pytest.approx([one * (i + 1) for i in range(10)], rel=1e-12)
     done_at = []
     for t in tickets:
         link.wait(t)
-        done_at.append(time.perf_counter() - t0)
+        done_at.append(clock.now)
     link.close()
-    assert done_at[-1] >= 0.95 * 0.050                        # 10 x 5 ms, one at a time
-    assert done_at == sorted(done_at)
+    assert done_at == pytest.approx([one * (i + 1) for i in range(10)], rel=1e-12)   # one at a time, in order
 
 
 def test_emulated_link_overlaps_with_compute():
-    link = EmulatedLink(gbps=0.1, latency_s=0.0)
+    clock = FakeClock()
+    link = _link(clock, gbps=0.1)
     src, dst = _bufs(5, 2_500_000)                             # 10 MB each -> 100 ms each, 0.5 s in all
+    tickets = [link.submit(s, d) for s, d in zip(src, dst)]
+    clock.advance(0.4)                                         # 0.4 s of "compute" on the calling thread
+    stalls = [link.wait(t) for t in tickets]
+    assert stalls == pytest.approx([0.0, 0.0, 0.0, 0.0, 0.1])  # only the part the compute did not hide
+    assert clock.now == pytest.approx(0.5)                     # 0.5 s in all, not 0.4 + 0.5 one after the other
+    # a transfer submitted while the link is idle starts at once; one submitted while it is busy queues
+    clock.advance(1.0)                                         # t = 1.5, link idle since 0.5
+    a = link.submit(src[0], dst[0])
+    b = link.submit(src[1], dst[1])
+    assert (a.due, b.due) == pytest.approx((1.6, 1.7))
+    link.close()
+
+
+def test_transfer_is_not_ready_before_it_is_due():
+    clock = FakeClock()
+    link = _link(clock, gbps=1.0, latency_s=0.001)
+    src, dst = _bufs(1, 250_000)                               # 1 MB -> 1 ms + 1 ms latency
+    t = link.submit(src[0], dst[0])
+    t.copied.wait()                                            # the real copy is done ...
+    assert torch.equal(src[0], dst[0])
+    assert not link.ready(t) and link.bytes == 0 and link.transfers == 0   # ... but the link is not
+    clock.advance(0.0015)
+    assert not link.ready(t)
+    clock.advance(0.0005)
+    assert link.ready(t) and link.wait(t) == 0.0
+    assert link.bytes == 1_000_000 and link.busy_s == pytest.approx(0.002)
+    link.close()
+
+
+def test_real_clock_never_finishes_early():
+    """The default clock is wall time: waiting on the last of 4 x 5 ms transfers takes at least 20 ms."""
+    link = EmulatedLink(gbps=0.2)
+    src, dst = _bufs(4, 250_000)                               # 1 MB each -> 5 ms each
     t0 = time.perf_counter()
     tickets = [link.submit(s, d) for s, d in zip(src, dst)]
-    time.sleep(0.4)                                            # "compute" on the main thread meanwhile
-    stall = sum(link.wait(t) for t in tickets)
-    wall = time.perf_counter() - t0
+    link.wait(tickets[-1])
+    assert time.perf_counter() - t0 >= 0.020                   # a lower bound only: it cannot flake
     link.close()
-    serial = 0.5 + 0.4
-    assert wall < 0.8 * serial, wall                           # ran concurrently, not one after the other
-    assert 0.0 < stall < 0.5                                   # only the part the compute did not hide
-    assert stall <= wall
+    assert all(torch.equal(s, d) for s, d in zip(src, dst))
 
 
 def test_wait_on_finished_transfer_is_free():
@@ -97,9 +146,8 @@ def test_cuda_link_copies_and_orders():
     src = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
     dst = torch.zeros(1 << 20, device=dev)
     t = link.submit(src, dst)
-    stall = link.wait(t)
-    assert stall >= 0.0
-    assert torch.equal(dst.cpu(), src)
+    link.wait(t)
+    assert link.ready(t) and torch.equal(dst.cpu(), src)
     # a copy ordered after a use marker does not overwrite data a queued computation still reads
     big = torch.randn(4096, 4096, device=dev)
     out = (big @ big).sum() + dst.sum()                        # reads dst

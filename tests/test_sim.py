@@ -10,7 +10,7 @@ import torch
 
 from moeflow.errors import ConfigError
 from moeflow.policies import EVICTION
-from moeflow.sim import AccessTrace, Belady, LayerStep, Pass, belady, from_trace, record_generate, simulate, synthetic
+from moeflow.sim import AccessTrace, LayerStep, Pass, belady, from_trace, record_generate, simulate, synthetic
 
 POLICIES = sorted(EVICTION)
 
@@ -22,8 +22,24 @@ def _consistent(st, capacity):
     assert 0 <= st.collisions <= st.misses
     assert sum(st.collisions_per_layer.values()) == st.collisions
     assert st.prefetch_used <= st.prefetch_loads and st.prefetch_hits <= st.prefetch_used
-    assert st.max_resident <= capacity
-    assert st.evictions == st.loads - st.max_resident or st.evictions == st.loads - min(st.loads, capacity)
+    # nothing leaves the cache but by eviction, and a load only fails on a full cache: residency grows by one
+    # per load up to the capacity, then every further load evicts exactly one expert
+    assert st.max_resident == min(st.loads, capacity)
+    assert st.evictions == st.loads - st.max_resident
+
+
+def test_consistency_check_catches_wrong_counts():
+    """`_consistent` is what most tests here rely on: each counter it relates, when off by one, fails it."""
+    from dataclasses import replace
+    st = simulate(synthetic(40, num_experts=8, top_k=2, seed=0), 4, "lru")
+    _consistent(st, 4)
+    assert st.evictions > 0 and st.max_resident == 4
+    for field, delta in [("evictions", 1), ("evictions", -1), ("max_resident", -1), ("hits", 1),
+                         ("demand_loads", 1), ("collisions", 1)]:
+        with pytest.raises(AssertionError):
+            _consistent(replace(st, **{field: getattr(st, field) + delta}), 4)
+    with pytest.raises(AssertionError):
+        _consistent(st, 3)                                    # max_resident 4 > capacity 3
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +212,8 @@ def test_simulate_cli_on_a_trace(traced):
     b = next(x for x in res["rows"] if (x["capacity"], x["eviction"]) == (3, "belady"))
     assert all(b["hits"] >= x["hits"] for x in res["rows"] if x["capacity"] == 3 and x["prefetch"] == "none")
     bad = CliRunner().invoke(app, ["simulate", "--trace", str(tr), "-p", "pregate"])
-    assert bad.exit_code != 0
+    assert bad.exit_code != 0 and isinstance(bad.exception, ConfigError), bad.exception   # not a traceback
+    assert "--model" in str(bad.exception)
 
 
 def test_least_stale_is_lru_below_the_pass_working_set():

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from moeflow.runtime.stepsize import StepSizeController, experts_for_mass
+from moeflow.calibrate.stepsize import ceil_s, initial_step_size, s_formula
+from moeflow.runtime.adaptive_s import StepSizeController
 
 
 def test_stalls_raise_and_overfetch_lowers_within_bounds():
@@ -57,9 +58,26 @@ def test_on_pass_reads_engine_stats_and_drives_lookahead():
     assert engine.observers == []
 
 
-def test_bad_bounds_and_mass_count():
+def test_bad_bounds_and_mass_set():
     with pytest.raises(ValueError):
         StepSizeController(initial_s=1, min_s=3, max_s=2)
     import torch
+
+    from moeflow.moe.sets import mass_mask
     p = torch.tensor([[0.7, 0.2, 0.1, 0.0], [0.25, 0.25, 0.25, 0.25]])
-    assert experts_for_mass(p, 0.85) == pytest.approx((2 + 4) / 2)
+    # mass before each expert (descending): row 0: 0, .7, .9, 1 -> 2 kept; row 1: 0, .25, .5, .75 -> 4 kept
+    assert mass_mask(p, 0.85).tolist() == [[True, True, False, False], [True, True, True, True]]
+
+
+def test_one_s_formula_for_calibration_and_controller():
+    # N_e=2 experts of 3 MB at 1 GB/s = 6 ms of copies per layer, T_l = 2 ms -> S = 3 (exactly, float noise ignored)
+    assert s_formula(2, 3e6, 1e9, 2e-3) == pytest.approx(3.0)
+    assert ceil_s(3.0000000000004) == 3 and ceil_s(3.01) == 4 and ceil_s(0.2) == 1
+    assert initial_step_size(2, 3e6, 1e9, 2e-3, num_moe_layers=8) == (3, pytest.approx(3.0))
+    assert initial_step_size(2, 3e6, 1e9, 2e-3, num_moe_layers=3)[0] == 2        # clamped to L - 1
+    c = StepSizeController(initial_s=1, max_s=8, expert_bytes=3e6, bandwidth=1e9, layer_time_s=2e-3,
+                           experts_per_layer=2, ema=1.0)
+    c.observe_transfer(nbytes=3e6, seconds=3e-3)      # still 1 GB/s: the formula gives 3, minus the start bias
+    assert c.formula_s() == pytest.approx(3.0) and c.s == 1
+    c.observe_transfer(nbytes=3e6, seconds=6e-3)      # 0.5 GB/s -> formula 6, bias -2 -> S = 4
+    assert c.formula_s() == pytest.approx(6.0) and c.s == 4

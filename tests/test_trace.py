@@ -3,6 +3,8 @@ damaged or mismatched traces are refused, statistics are right."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import math
 
@@ -12,7 +14,7 @@ import torch
 
 from moeflow.data import Prompt, prompt_id
 from moeflow.errors import ArtifactError
-from moeflow.moe import RouterTap, get_adapter
+from moeflow.moe import get_adapter
 from moeflow.trace import Trace, TraceConfig, run_trace
 from moeflow.trace.summary import (dead_experts, expert_counts, layer_stats, load_entropy, router_entropy, skewness,
                                    trace_summary)
@@ -56,29 +58,58 @@ def cfg(out, **kw) -> TraceConfig:
 
 # ---- what is recorded ----------------------------------------------------------------------------
 
+# Where each family keeps its router (decoder layer attribute, router attribute): written out here, not taken
+# from moeflow's adapters, so that the hooks below observe the routers independently of moeflow's own hooks.
+ROUTER_AT = {"olmoe": ("mlp", "gate"), "mixtral": ("mlp", "gate"), "qwen2_moe": ("mlp", "gate"),
+             "qwen3_moe": ("mlp", "gate"), "deepseek_v3": ("mlp", "gate"), "gpt_oss": ("mlp", "router"),
+             "granitemoe": ("block_sparse_moe", "router"), "phimoe": ("mlp", "router")}
+
+
+@contextlib.contextmanager
+def plain_router_hooks(model, arch: str):
+    """layer -> list of (router input [T,H], logits [T,E], weights [T,k], indices [T,k]), one per forward,
+    from plain torch forward hooks on the routers (the routers' own outputs)."""
+    block_attr, router_attr = ROUTER_AT[arch]
+    seen: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+    handles = []
+
+    def hook(l):
+        def f(module, args, out):
+            x = args[0].detach()
+            seen.setdefault(l, []).append((x.reshape(-1, x.shape[-1]),) +
+                                          tuple(o.detach().reshape(-1, o.shape[-1]) for o in out[:3]))
+        return f
+    for l, layer in enumerate(model.model.layers):
+        router = getattr(getattr(layer, block_attr), router_attr, None)
+        if router is not None:
+            handles.append(router.register_forward_hook(hook(l)))
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_recorded_routing_equals_router(tiny_models, arch):
-    """Records of one generate equal a RouterTap attached to the same run; re-running the router on
-    the tap's input reproduces them; the residual pre-hook sees the residual the router's norm reads."""
+    """Records of one generate equal the routers' own outputs seen by plain forward hooks on the same run;
+    re-running the router on its input reproduces them; the residual pre-hook sees the residual the router's
+    norm reads."""
     model = tiny_models(arch)
     ad = get_adapter(model)
     ids = torch.tensor([[5, 77, 120, 33, 201, 9]])                                  # [1,S]
     rec = RoutingRecorder(ad, record_hidden=True)
-    tap = RouterTap(ad)
-    with tap.attach():
+    with plain_router_hooks(model, arch) as seen:
         rows, seq = trace_one(model, rec, ids, generation_kwargs(GEN, 0))
     n = seq.shape[0] - 1
     assert n >= ids.shape[1] and len(rows["position"]) == n
     assert rows["token_id"].tolist() == seq[:n].tolist()
     assert rows["phase"].tolist() == [0] * 6 + [1] * (n - 6)
+    assert sorted(seen) == list(ad.moe_layers) and len(seen[ad.moe_layers[0]]) == n - 6 + 1   # prefill + decodes
     for l in ad.moe_layers:
-        ev = tap.events[l]
-        x = torch.cat([e.x for e in ev])                                                     # [n,H]
-        idx = torch.cat([e.indices.reshape(-1, e.indices.shape[-1]) for e in ev])             # [n,k]
-        w = torch.cat([e.weights.reshape(-1, e.weights.shape[-1]) for e in ev]).float()
-        logits = torch.cat([e.logits.reshape(-1, e.logits.shape[-1]) for e in ev])            # [n,E]
+        x, logits, w, idx = (torch.cat(parts) for parts in zip(*seen[l]))              # [n,H] [n,E] [n,k] [n,k]
         np.testing.assert_array_equal(rows[f"topk_ids_{l}"], idx.numpy())
-        np.testing.assert_array_equal(rows[f"topk_weights_{l}"], w.numpy())
+        np.testing.assert_array_equal(rows[f"topk_weights_{l}"], w.float().numpy())
         np.testing.assert_allclose(rows[f"probs_{l}"].astype(np.float32), torch.softmax(logits.float(), -1).numpy(),
                                    atol=1e-3)
         np.testing.assert_allclose(rows[f"hidden_in_{l}"].astype(np.float32), x.numpy(), rtol=1e-2, atol=1e-2)
@@ -226,11 +257,11 @@ def test_summary_statistics():
     ids = np.array([[0, 1], [0, 2], [0, 1], [0, 3]])                    # E=5: counts 4,2,1,1,0
     c = expert_counts(ids, 5)
     assert c.tolist() == [4, 2, 1, 1, 0]
-    assert skewness(c) == pytest.approx(4 / 1.6)
+    assert skewness(c) == pytest.approx(2.5)                            # max 4 / mean 8/5
     assert dead_experts(c).tolist() == [4]
     assert load_entropy(np.ones(8)) == pytest.approx(1.0)
-    p = np.array([0.5, 0.25, 0.125, 0.125])
-    assert load_entropy(p * 8) == pytest.approx(-(p * np.log(p)).sum() / math.log(4))
+    # loads 4,2,1,1: H = 1/2 ln 2 + 1/4 ln 4 + 2 * 1/8 ln 8 = 1.75 ln 2, over ln 4 = 2 ln 2
+    assert load_entropy(np.array([4, 2, 1, 1])) == pytest.approx(0.875)
     uniform = np.full((3, 4), 0.25, np.float16)
     onehot = np.eye(4, dtype=np.float16)[:3]
     assert router_entropy(uniform) == pytest.approx(1.0, abs=1e-3)
@@ -240,17 +271,34 @@ def test_summary_statistics():
     assert s.layer == 3 and s.tokens == 4 and s.assignments == 8 and s.dead == [4] and math.isnan(s.router_entropy)
 
 
+def test_statistics_of_a_three_expert_toy_layer():
+    """Top-1 routing of 4 tokens over 3 experts, loads 3,1,0; every expected value worked out by hand."""
+    ids = np.array([[0], [0], [1], [0]])
+    probs = np.array([[0.5, 0.25, 0.25], [1.0, 0.0, 0.0], [0.5, 0.25, 0.25], [1.0, 0.0, 0.0]], np.float16)
+    s = layer_stats(ids, probs, 3, layer=0)
+    assert s.counts == [3, 1, 0] and s.assignments == 4 and s.tokens == 4
+    assert s.skewness == pytest.approx(2.25)                  # max 3 / mean 4/3
+    assert s.dead == [2]                                      # 0 < 1% of the mean load
+    # load entropy: p = (3/4, 1/4, 0): -(3/4 ln 3/4 + 1/4 ln 1/4) / ln 3
+    assert s.load_entropy == pytest.approx(0.5118595071, rel=1e-9)
+    # router entropy: rows (1/2, 1/4, 1/4) have H = 1/2 ln 2 + 1/2 ln 4 = 1.5 ln 2, one-hot rows 0;
+    # mean 0.75 ln 2 / ln 3
+    assert s.router_entropy == pytest.approx(0.4731973152, rel=1e-6)
+
+
 def test_trace_summary_matches_arrays(tiny_models, tok, tmp_path):
     out = tmp_path / "tr"
     run_trace(tiny_models("qwen2_moe"), tok, prompts("some text", "more text"), cfg(out))
     t = Trace(out)
     s = trace_summary(t)
     assert [L["layer"] for L in s["layers"]] == list(t.spec.moe_layers) == [1, 2]
+    E = t.spec.num_experts
     for L in s["layers"]:
-        d = t.layer(L["layer"])
-        assert L["counts"] == expert_counts(d["topk_ids"], t.spec.num_experts).tolist()
-        assert L["skewness"] == pytest.approx(skewness(np.array(L["counts"])))
-        assert sum(L["counts"]) == len(t) * t.spec.top_k
+        # loads counted in plain Python from the stored ids; skewness = max / mean load
+        load = collections.Counter(e for row in t.layer(L["layer"])["topk_ids"].tolist() for e in row)
+        counts = [load.get(e, 0) for e in range(E)]
+        assert L["counts"] == counts and sum(counts) == len(t) * t.spec.top_k
+        assert L["skewness"] == pytest.approx(max(counts) / (sum(counts) / E))
     dec = trace_summary(t, "decode")
     assert dec["tokens"] == s["decode_tokens"] and dec["layers"][0]["tokens"] == s["decode_tokens"]
     json.dumps(s)
@@ -260,13 +308,12 @@ def test_bfloat16_model_is_recorded(tiny_models):
     from moeflow.models import tiny_model
     model = tiny_model("mixtral", dtype=torch.bfloat16)
     ad = get_adapter(model)
-    tap = RouterTap(ad)
-    with tap.attach():
+    with plain_router_hooks(model, "mixtral") as seen:
         rows, seq = trace_one(model, RoutingRecorder(ad, record_hidden=True), torch.tensor([[4, 8, 15, 16]]),
                               generation_kwargs(GEN, 0))
     l = ad.moe_layers[-1]
-    idx = torch.cat([e.indices.reshape(-1, 2) for e in tap.events[l]])
-    w = torch.cat([e.weights.reshape(-1, 2) for e in tap.events[l]])
+    idx = torch.cat([ev[3] for ev in seen[l]])                                       # [n,2]
+    w = torch.cat([ev[2] for ev in seen[l]])
     np.testing.assert_array_equal(rows[f"topk_ids_{l}"], idx.numpy())
     np.testing.assert_array_equal(rows[f"topk_weights_{l}"], w.float().numpy())
     assert rows[f"hidden_in_{l}"].dtype == np.float16 and rows[f"probs_{l}"].dtype == np.float16

@@ -24,6 +24,7 @@ class CalibrateConfig:
     regimes: tuple[str, ...] = ()                # e.g. ("copy-share=0.85", "specmd")
     out: str | None = None                       # file; default calibration/<device>.json
     write: bool = True
+    force: bool = False                          # replace an existing calibration file at `out`
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -40,6 +41,20 @@ class CalibrateConfig:
         from .stepsize import parse_regime
         for r in self.regimes:
             parse_regime(r)
+
+    @staticmethod
+    def parse_sizes(text: str) -> tuple[int, ...]:
+        """`--sizes 64,256,1024` -> (64, 256, 1024) KiB."""
+        try:
+            return tuple(int(s) for s in text.split(",") if s.strip())
+        except ValueError:
+            raise ConfigError(f"--sizes must be comma-separated KiB integers, got {text!r}") from None
+
+    def preflight(self) -> None:
+        """What depends on this machine, checked before anything loads: the device (`--out` is checked by
+        the stage with `moeflow.artifacts.check_out` before it measures)."""
+        from ..checks import check_device
+        check_device(self.device)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

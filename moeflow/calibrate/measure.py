@@ -85,7 +85,8 @@ class _Timer:
     """Forward pre-hook / hook pair recording the wall time of each call of one module."""
 
     def __init__(self, module: torch.nn.Module, device: str):
-        self.device, self.times, self._t0 = device, [], 0.0
+        self.device, self._t0 = device, 0.0
+        self.times: list[float] = []
         self._h = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
 
     def _pre(self, *a: Any) -> None:

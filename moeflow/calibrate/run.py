@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import new_meta
+from ..artifacts import check_out, new_meta
 from .config import CalibrateConfig
 from .io import KIND, SCHEMA, calibration_path, device_name, write_calibration
 from .measure import bandwidth_sweep, decode_timing, expert_timing, fit_latency
@@ -27,10 +27,15 @@ def main(cfg: CalibrateConfig) -> dict[str, Any]:
     from ..models import load_model
     from ..moe import get_adapter, model_fingerprint
 
+    cfg.preflight()
     model, _ = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
     ad = get_adapter(model)
     spec = ad.spec
     dev = device_name(cfg.device, cfg.link_gbps)
+    out = Path(cfg.out) if cfg.out else calibration_path(dev)
+    if cfg.write:                                     # before the measurements, not after
+        check_out(out, kind=KIND, inputs=(cfg.model,), force=cfg.force, file=True,
+                  flag="--out" if cfg.out else "the calibration file")
     sizes = sorted({k * 1024 for k in cfg.sizes_kib} | {spec.expert_bytes})
     link = _link(cfg)
     try:
@@ -83,6 +88,5 @@ def main(cfg: CalibrateConfig) -> dict[str, Any]:
         "cpu_threads": torch.get_num_threads(),
     })
     if cfg.write:
-        out = Path(cfg.out) if cfg.out else calibration_path(dev)
         rec["path"] = str(write_calibration(out, rec))
     return rec

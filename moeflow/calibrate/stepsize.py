@@ -1,6 +1,8 @@
-"""ExpertFlow's initial step size and the link bandwidths that reproduce named hardware regimes.
+"""ExpertFlow's step-size formula, the initial S, and the link bandwidths of named hardware regimes.
 
-- `initial_step_size`: S = N_e * E_s / (C_s * T_l) (ExpertFlow 3.2.1), rounded up and clamped to
+- `s_formula` / `ceil_s`: S = N_e * E_s / (C_s * T_l) (ExpertFlow 3.2.1) and its rounding up; the one
+  implementation, also used by the run-time controller (`moeflow.runtime.adaptive_s`);
+- `initial_step_size`: that S rounded up and clamped to
   [1, num_moe_layers - 1]: how many MoE layers ahead a prefetch must be issued so that loading one
   layer's experts (N_e * E_s bytes at C_s bytes/s) is hidden behind S layers of compute (T_l each).
 - `copy_share_bandwidth`: the bandwidth at which copies are a given share of TPOT under on-demand
@@ -27,13 +29,23 @@ SPECMD_GBPS = 5.0
 SPECMD_EXPERT_BYTES = 3 * 2048 * 1024 * 2    # OLMoE-1B-7B expert, bf16
 
 
+def s_formula(n_e: float, e_s: float, c_s: float, t_l: float) -> float:
+    """ExpertFlow's S = N_e * E_s / (C_s * T_l): e_s in bytes, c_s in bytes/s (> 0), t_l in s (> 0)."""
+    return n_e * e_s / (c_s * t_l)
+
+
+def ceil_s(raw: float) -> int:
+    """The whole step size for a formula value: ceil (a hair of float noise ignored), at least 1."""
+    return max(1, math.ceil(raw - 1e-9))
+
+
 def initial_step_size(n_e: float, e_s: float, c_s: float, t_l: float, num_moe_layers: int) -> tuple[int, float]:
     """(S clamped to [1, num_moe_layers - 1], raw formula value). c_s in bytes/s, t_l in s, e_s in bytes."""
     if c_s <= 0 or t_l <= 0:
         raise ConfigError(f"step size needs bandwidth > 0 and layer time > 0 (got {c_s} B/s, {t_l} s)")
-    raw = n_e * e_s / (c_s * t_l)
+    raw = s_formula(n_e, e_s, c_s, t_l)
     hi = max(1, num_moe_layers - 1)
-    return max(1, min(hi, math.ceil(raw - 1e-9))), raw
+    return min(hi, ceil_s(raw)), raw
 
 
 def copy_share_bandwidth(bytes_per_token: float, compute_per_token_s: float, share: float) -> float:
@@ -80,9 +92,10 @@ def parse_regime(text: str) -> Regime:
 
 
 def regime_bandwidth(regime: Regime, *, bytes_per_token: float, compute_per_token_s: float,
-                     expert_bytes: float) -> dict[str, float]:
-    if regime.name == "copy-share":
-        bw = copy_share_bandwidth(bytes_per_token, compute_per_token_s, float(regime.value))
+                     expert_bytes: float) -> dict[str, float | str]:
+    """The link bandwidth of `regime` for this model, with what it means (per-expert time, copy share)."""
+    if regime.name == "copy-share" and regime.value is not None:
+        bw = copy_share_bandwidth(bytes_per_token, compute_per_token_s, regime.value)
     else:
         bw = specmd_bandwidth(expert_bytes)
     return {"regime": regime.label(), "bandwidth_bytes_per_s": bw, "gbps": bw / 1e9,

@@ -1,11 +1,25 @@
 """The `moeflow` command. Each stage's flags live in `moeflow/cli/<stage>.py`, which turns them
 into the stage's frozen config and calls the stage; this module only assembles the app and maps
-errors to one line and an exit code."""
+errors and signals to one line and an exit code:
+
+- a `MoeflowError` (bad flag, missing or corrupt artifact): its line, exit 2;
+- a flag click cannot parse (`--threads abc`): one `error:` line, exit 2;
+- Ctrl-C: "interrupted", exit 130; SIGTERM: "terminated", exit 143. Both reach the stage as an
+  exception, so its `finally` / `except BaseException` clean-ups run and nothing is left half-written;
+- anything else: its type and first line, exit 1.
+
+`MOEFLOW_DEBUG=1` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import signal
 import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import typer
 
@@ -23,6 +37,22 @@ app = typer.Typer(
 )
 
 
+# click's exception base, or that of the click copy newer typers carry (typer._click): found through a public class
+ClickException: Any = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt so every stage unwinds the same way."""
+
+
+class Stopped(BaseException):
+    """Ctrl-C or SIGTERM carried past click, which would turn a KeyboardInterrupt into a silent exit."""
+
+    def __init__(self, word: str, code: int):
+        super().__init__(word)
+        self.word, self.code = word, code
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"moeflow {__version__}")
@@ -35,6 +65,20 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     """moeflow: offloaded MoE inference with learned expert prefetching."""
 
 
+def _stoppable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a command so Ctrl-C / SIGTERM inside it leave click as `Stopped` (the signature is kept for typer)."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Terminated as e:
+            raise Stopped("terminated", 143) from e
+        except KeyboardInterrupt as e:
+            raise Stopped("interrupted", 130) from e
+    run.__moeflow_stoppable__ = True  # type: ignore[attr-defined]
+    return run
+
+
 def _register() -> None:
     # Each module adds its command(s) to `app`; import order is the order in --help.
     for name in ("trace", "train", "calibrate", "run", "simulate"):
@@ -43,30 +87,80 @@ def _register() -> None:
         except ModuleNotFoundError as e:  # a stage not built yet in this checkout
             if e.name != f"{__package__}.{name}":
                 raise
+    for cmd in app.registered_commands:
+        if cmd.callback is not None and not getattr(cmd.callback, "__moeflow_stoppable__", False):
+            cmd.callback = _stoppable(cmd.callback)
 
 
 def fail(message: str, code: int = 2) -> None:
     """Print one red line to stderr and exit with `code`."""
     from rich.console import Console
-    Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {message}", soft_wrap=True, markup=True)
     raise SystemExit(code)
+
+
+def _say(word: str, code: int) -> None:
+    sys.stderr.write(f"{word}\n")
+    sys.stderr.flush()
+    raise SystemExit(code)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While the command runs, SIGTERM raises `Terminated` in the main thread (restored after)."""
+    def on_term(signum: int, frame: Any) -> None:
+        raise Terminated()
+    try:
+        before = signal.signal(signal.SIGTERM, on_term)
+    except ValueError:             # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def main(argv: list[str] | None = None) -> None:
     debug = os.environ.get("MOEFLOW_DEBUG", "") not in ("", "0")
     _register()
     try:
-        app(args=argv, standalone_mode=True)
+        with _sigterm_raises():
+            code = app(args=argv, standalone_mode=False, prog_name="moeflow")
+    except Stopped as e:
+        if debug:
+            raise (e.__cause__ or e) from None
+        _say(e.word, e.code)
+    except Terminated:             # outside a command (while parsing flags)
+        _say("terminated", 143)
+    except KeyboardInterrupt:
+        _say("interrupted", 130)
     except MoeflowError as e:
         if debug:
             raise
-        fail(str(e), e.exit_code)
-    except KeyboardInterrupt:
-        fail("interrupted", 130)
-    except (OSError, ValueError, RuntimeError) as e:
+        fail(_one_line(str(e)), e.exit_code)
+    except ClickException as e:
+        if type(e).__name__ == "NoArgsIsHelpError":    # `moeflow` alone: the help, as click prints it
+            e.show()
+            raise SystemExit(e.exit_code) from None
         if debug:
             raise
-        fail(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (set MOEFLOW_DEBUG=1 for the traceback)", 1)
+        hint = f"; see `{e.ctx.command_path} --help`" if getattr(e, "ctx", None) is not None else ""
+        fail(_one_line(e.format_message()).rstrip(".") + hint, e.exit_code)
+    except typer.Abort:
+        _say("aborted", 1)
+    except Exception as e:
+        if debug:
+            raise
+        first = str(e).splitlines()[0] if str(e) else ""
+        fail(f"{type(e).__name__}: {first} (set MOEFLOW_DEBUG=1 for the traceback)", 1)
+    if code == 130:                # typer's own KeyboardInterrupt exit (outside a command)
+        _say("interrupted", 130)
+    raise SystemExit(code if isinstance(code, int) else 0)   # like click's standalone mode: always exit
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
 from .app import app
-from .common import json_option, print_json
+from .common import (
+    alias,
+    capacity_option,
+    eviction_option,
+    hidden_alias,
+    json_option,
+    limit_option,
+    lookahead_option,
+    policy_opt_option,
+    prefetch_option,
+    print_json,
+)
 
 
 def render(res: dict[str, Any]) -> None:
@@ -28,26 +39,32 @@ def render(res: dict[str, Any]) -> None:
 def simulate_cmd(
     trace: str = typer.Option(..., "--trace", "-t", help="Trace folder written by `moeflow trace` "
                               "(with --record-hidden for --prefetch pregate)."),
-    capacity: Optional[list[str]] = typer.Option(None, "--capacity", "-c", help="Cache size: experts (13) or "
-                                                 "percent of all routed experts (10%). Repeatable. Default 10%."),
-    eviction: Optional[list[str]] = typer.Option(None, "--eviction", "-e", help="Eviction policy name[:k=v,...] "
-                                                 "(lru, lfu, fld, score, lru2, least-stale). Repeatable. Default lru."),
-    prefetch: Optional[list[str]] = typer.Option(None, "--prefetch", "-p", help="Prefetch policy name[:k=v,...] "
-                                                 "(none, pregate[:overfetch=1.5|percentile=80|mass=0.9], "
-                                                 "all-next-layer). Repeatable. Default none."),
-    lookahead: int = typer.Option(1, "--lookahead", "-S", help="Step size S: MoE layers ahead to prefetch."),
+    capacity: list[str] | None = capacity_option("10%"),
+    eviction: list[str] | None = eviction_option(),
+    eviction_opt: list[str] | None = policy_opt_option("eviction"),
+    prefetch: list[str] | None = prefetch_option("none"),
+    prefetch_opt: list[str] | None = policy_opt_option("prefetch"),
+    prefetch_p: list[str] | None = hidden_alias("-p"),
+    lookahead: int = lookahead_option(1),
     phase: str = typer.Option("decode", "--phase", help="decode, prefill or all passes of the trace."),
-    max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="Replay only the first N prompts."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Checkpoint whose routers pre-gating applies "
+    limit: int | None = limit_option("prompts of the trace (the first ones)"),
+    max_prompts: int | None = hidden_alias("--max-prompts"),
+    model: str | None = typer.Option(None, "--model", "-m", help="Checkpoint whose routers pre-gating applies "
                                         "(must be the traced model)."),
     no_belady: bool = typer.Option(False, "--no-belady", help="Skip Belady's MIN (the demand-paging optimum)."),
     as_json: bool = json_option(),
 ) -> None:
     """Replay a routing trace through a simulated expert cache: hit rate, collision misses, transfers per token."""
+    from ..policies.parse import parse_opts, split_list
     from ..sim.run import SimulateConfig, main
-    cfg = SimulateConfig(trace=trace, capacities=tuple(capacity or ("10%",)), evictions=tuple(eviction or ("lru",)),
-                         prefetches=tuple(prefetch or ("none",)), lookahead=lookahead, phase=phase,
-                         max_prompts=max_prompts, model=model, belady=not no_belady, progress=not as_json)
+    cfg = SimulateConfig(trace=trace,
+                         capacities=split_list(capacity) or ("10%",),
+                         evictions=split_list(eviction) or ("lru",),
+                         prefetches=split_list(alias(prefetch, prefetch_p, "--prefetch/-f", "-p")) or ("none",),
+                         eviction_opts=parse_opts(eviction_opt or ()), prefetch_opts=parse_opts(prefetch_opt or ()),
+                         lookahead=lookahead, phase=phase,
+                         max_prompts=alias(limit, max_prompts, "--limit/-n", "--max-prompts"), model=model,
+                         belady=not no_belady, progress=not as_json)
     res = main(cfg)
     if as_json:
         print_json(res)

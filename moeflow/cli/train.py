@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 from rich.console import Console
 
 from .app import app
-from .common import json_option, model_option, print_json
+from .common import alias, hidden_alias, json_option, model_option, print_json, threads_option
 
 
 def _print_report(report: dict, console: Console) -> None:
@@ -22,8 +21,9 @@ def _print_report(report: dict, console: Console) -> None:
 def train(
     trace: Path = typer.Option(..., "--trace", "-t", help="Trace folder written by `moeflow trace` "
                                "(router-pf/estimator/hybrid need `--record-hidden`)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Predictor folder to write (replaced atomically)."),
-    only: Optional[List[str]] = typer.Option(None, "--only", help="Learned predictor(s) to fit: router-pf, estimator, "
+    out: Path = typer.Option(..., "--out", "-o", help="Predictor folder to write (new or empty; "
+                       "an existing predictor folder is replaced atomically with --force)."),
+    only: list[str] | None = typer.Option(None, "--only", help="Learned predictor(s) to fit: router-pf, estimator, "
                                              "hybrid, forest (repeat the flag). Default: all four. pregate and the "
                                              "baselines frequency / token-id are always included."),
     model: str = model_option(),
@@ -33,14 +33,16 @@ def train(
     forest_trees: int = typer.Option(24, "--forest-trees", help="Random-forest trees."),
     forest_samples: int = typer.Option(40_000, "--forest-samples", help="Training samples for the forest (subsampled)."),
     est_epochs: int = typer.Option(6, "--est-epochs", help="Estimator training epochs (at least 300 steps)."),
-    threads: int = typer.Option(2, "--threads", help="CPU threads for torch and scikit-learn."),
+    threads: int = threads_option(2),
+    force: bool = typer.Option(False, "--force", help="Replace an existing predictor folder at --out."),
     as_json: bool = json_option(),
 ) -> None:
     """Fit layer-ahead expert predictors on a trace, evaluate them on held-out prompts, save a predictor folder."""
     from ..predict.train import LEARNED, TrainConfig, main
     cfg = TrainConfig(trace=str(trace), out=str(out), model=str(model), only=tuple(only) if only else LEARNED,
                       holdout=holdout, seed=seed, max_s=max_s, forest_trees=forest_trees,
-                      forest_max_samples=forest_samples, est_epochs=est_epochs, threads=threads)
+                      forest_max_samples=forest_samples, est_epochs=est_epochs, threads=threads,
+                      force=force)
     console = Console(stderr=as_json)
     report = main(cfg, console=console)
     if as_json:
@@ -56,9 +58,11 @@ def train(
 
 @app.command("eval")
 def eval_(
-    predictors: Path = typer.Option(..., "--predictors", "-p", help="Predictor folder written by `moeflow train`."),
+    predictors: Path | None = typer.Option(None, "--predictors", help="Predictor folder written by `moeflow train` "
+                                              "(required)."),
+    predictors_p: Path | None = hidden_alias("-p"),
     trace: Path = typer.Option(..., "--trace", "-t", help="Held-out trace folder (prompts not used for training)."),
-    only: Optional[List[str]] = typer.Option(None, "--only", help="Predictor(s) to evaluate (default: all in the folder)."),
+    only: list[str] | None = typer.Option(None, "--only", help="Predictor(s) to evaluate (default: all in the folder)."),
     model: str = model_option(),
     max_s: int = typer.Option(4, "--max-s", help="Largest step S to evaluate."),
     mass: float = typer.Option(0.8, "--mass", help="Cumulative score mass of the prefetch set for precision."),
@@ -70,7 +74,10 @@ def eval_(
 ) -> None:
     """Evaluate a predictor folder on a trace: recall@k / precision per layer and S, decay fit vs pre-gate."""
     from ..predict.train import EvalConfig, eval_main
-    cfg = EvalConfig(predictors=str(predictors), trace=str(trace), model=str(model),
+    folder = alias(predictors, predictors_p, "--predictors", "-p")
+    if folder is None:
+        raise typer.BadParameter("give the predictor folder", param_hint="--predictors")
+    cfg = EvalConfig(predictors=str(folder), trace=str(trace), model=str(model),
                      only=tuple(only) if only else (), max_s=max_s, mass=mass,
                      speculative=speculative, spec_sequences=spec_sequences)
     console = Console(stderr=as_json)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 from ..errors import ConfigError
 
@@ -63,7 +63,9 @@ def _cut(unit: str, size: int) -> list[str]:
 
 def pack(units: Iterable[str], size: int = CHUNK_CHARS, sep: str = "\n\n") -> list[str]:
     """Pack text units into documents of at most ~`size` characters (longer units are cut)."""
-    docs, cur, n = [], [], 0
+    docs: list[str] = []
+    cur: list[str] = []
+    n = 0
     for u in units:
         for piece in _cut(u, size):
             if cur and n + len(piece) > size:

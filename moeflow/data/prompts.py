@@ -12,17 +12,23 @@ against the data directory, and Hugging Face dataset names (when online).
 - a short name (`sharegpt`, `alpaca`, `gsm8k`, `mmlu`, `sst2`, `cola`, `rte`, `wnli`, `mrpc`,
   `mt_bench`, `wmt16`) resolved against the data directory (see `data_dir`);
 - `owner/name` that is not a local path: a Hugging Face dataset, via `datasets.load_dataset`.
+
+Field and column names are matched case-insensitively (a TruthfulQA-style csv with a `Question`
+column works); `column="NAME"` (`--column NAME`) picks the prompt field of csv, tsv, json, jsonl
+and dataset records explicitly.
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from ..errors import ConfigError, MoeflowError
 
@@ -72,20 +78,45 @@ def data_dir(explicit: str | os.PathLike | None = None) -> Path:
     for cand in (repo.parent / "shared" / "data", Path.cwd() / "shared" / "data", Path.cwd().parent / "shared" / "data"):
         if cand.is_dir():
             return cand
-    raise MoeflowError("no data directory found; pass --data-dir DIR or set MOEFLOW_DATA (the folder holding sharegpt/, gsm8k/, ...)")
+    raise MoeflowError("no data directory found; pass --data-dir DIR or set MOEFLOW_DATA "
+                       "(the folder holding sharegpt/, gsm8k/, ...)")
 
 
 # ---- record -> text ------------------------------------------------------------------------------
 
-_TEXT_KEYS = ("text", "prompt", "question", "query", "content", "sentence", "input")
+_TEXT_KEYS = ("prompt", "question", "text", "query", "content", "sentence", "input")   # after the formats above
+PROMPT_COLUMNS = ("prompt", "question", "instruction", "text", "input")   # named in messages
 
 
-def record_text(rec: Any) -> str | None:
-    """The prompt text of one record of any supported format (None if it has none)."""
+def _lower_keys(rec: dict[Any, Any]) -> dict[Any, Any]:
+    """`rec` with string keys lower-cased (a key already in lower case wins over another spelling)."""
+    if all(not isinstance(k, str) or k == k.lower() for k in rec):
+        return rec
+    out = {k: v for k, v in rec.items() if not isinstance(k, str) or k == k.lower()}
+    for k, v in rec.items():
+        if isinstance(k, str):
+            out.setdefault(k.lower(), v)
+    return out
+
+
+def column_text(rec: Any, column: str) -> str | None:
+    """The value of field `column` (matched case-insensitively) of a record, if it is a string."""
+    if not isinstance(rec, dict):
+        return None
+    v = rec[column] if column in rec else _lower_keys(rec).get(column.lower())
+    return v if isinstance(v, str) else None
+
+
+def record_text(rec: Any, column: str | None = None) -> str | None:
+    """The prompt text of one record of any supported format (None if it has none); with `column`,
+    that field's value. Field names are matched case-insensitively."""
+    if column is not None:
+        return column_text(rec, column)
     if isinstance(rec, str):
         return rec
     if not isinstance(rec, dict):
         return None
+    rec = _lower_keys(rec)
     conv = rec.get("conversations") or rec.get("messages")
     if isinstance(conv, list):                                     # ShareGPT / chat: first user turn
         for turn in conv:
@@ -104,8 +135,8 @@ def record_text(rec: Any) -> str | None:
         return tr.get("en") or next(iter(tr.values()), None)
     if "sentence1" in rec and "sentence2" in rec:                  # GLUE pairs
         return f"{rec['sentence1']}\n{rec['sentence2']}"
-    if "#1 String" in rec and "#2 String" in rec:                  # MRPC
-        return f"{rec['#1 String']}\n{rec['#2 String']}"
+    if "#1 string" in rec and "#2 string" in rec:                  # MRPC
+        return f"{rec['#1 string']}\n{rec['#2 string']}"
     if isinstance(rec.get("question"), str) and "choice0" in rec:  # MMLU
         return _mmlu_text(rec)
     if isinstance(rec.get("question"), str) and isinstance(rec.get("choices"), list):
@@ -123,8 +154,25 @@ def _mmlu_text(rec: dict[str, str]) -> str:
 
 # ---- file formats --------------------------------------------------------------------------------
 
+def _not_text(path: Path) -> MoeflowError:
+    kind = "JSON" if path.suffix.lower() in (".json", ".jsonl") else path.suffix.lstrip(".").upper() or "text"
+    return MoeflowError(f"{path} is not a UTF-8 text/{kind} prompt file (it looks binary); "
+                        f"pass a json, jsonl, csv, tsv or txt prompt file")
+
+
+def _text(path: Path, strict: bool = True) -> str:
+    """The file's text (BOM removed); a file with NUL bytes, or (strict) invalid UTF-8, is refused."""
+    data = path.read_bytes()
+    if b"\x00" in data[:1 << 16]:
+        raise _not_text(path)
+    try:
+        return data.decode("utf-8-sig", errors="strict" if strict else "replace")
+    except UnicodeDecodeError:
+        raise _not_text(path) from None
+
+
 def _read_json(path: Path) -> Iterator[Any]:
-    raw = path.read_text(encoding="utf-8-sig")
+    raw = _text(path)
     stripped = raw.lstrip()
     if not stripped:
         return
@@ -148,7 +196,7 @@ def _read_json(path: Path) -> Iterator[Any]:
 
 
 def _read_jsonl(path: Path, raw: str | None = None) -> Iterator[Any]:
-    raw = path.read_text(encoding="utf-8-sig") if raw is None else raw
+    raw = _text(path) if raw is None else raw
     for n, line in enumerate(raw.splitlines(), 1):
         if line.strip():
             try:
@@ -158,26 +206,23 @@ def _read_jsonl(path: Path, raw: str | None = None) -> Iterator[Any]:
 
 
 def _read_csv(path: Path) -> Iterator[dict[str, str]]:
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        yield from csv.DictReader(f)
+    yield from csv.DictReader(io.StringIO(_text(path), newline=""))
 
 
-_TSV_HEADER_KEYS = {"sentence", "sentence1", "sentence2", "#1 String", "#2 String", "text", "question"}
+_TSV_HEADER_KEYS = {"sentence", "sentence1", "sentence2", "#1 string", "#2 string", "text", "question", "prompt",
+                    "instruction", "input", "query", "content"}
 
 
-def _read_tsv(path: Path) -> Iterator[str]:
-    """GLUE-style TSV: a header naming the text columns, or none (CoLA, RTE/WNLI val): then the
-    columns whose first row contains a space are the text."""
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+def _read_tsv(path: Path, column: str | None = None) -> Iterator[Any]:
+    """GLUE-style TSV: a header naming the text columns (records), or none (CoLA, RTE/WNLI val): then
+    the columns whose first row contains a space are the text."""
+    rows = list(csv.reader(io.StringIO(_text(path), newline=""), delimiter="\t", quoting=csv.QUOTE_NONE))
     if not rows:
         return
     head = rows[0]
-    if _TSV_HEADER_KEYS & set(head):
+    if column is not None or _TSV_HEADER_KEYS & {h.lower() for h in head}:
         for r in rows[1:]:
-            text = record_text(dict(zip(head, r)))
-            if text:
-                yield text
+            yield dict(zip(head, r, strict=False))          # short rows: the missing fields are absent
         return
     cols = [i for i, v in enumerate(head) if " " in v.strip()]
     for r in rows:
@@ -195,43 +240,60 @@ def _mmlu_folder(path: Path) -> Iterator[str]:
                 yield rows[i]
 
 
-def read_texts(path: Path) -> Iterator[str]:
+def _texts_of(records: Iterable[Any], column: str | None, where: str) -> Iterator[str]:
+    """The prompt texts of `records`; a `column` no record has, or records without any known prompt
+    field, raise one line naming the fields there are."""
+    fields: list[str] = []
+    found = False
+    for rec in records:
+        if isinstance(rec, dict) and not fields:
+            fields = [str(k) for k in rec]
+        t = record_text(rec, column)
+        if t is not None:
+            found = True
+        if t:
+            yield t
+    if not found and fields:
+        if column is not None:
+            raise ConfigError(f"--column {column!r} is not a field of {where}; its fields: {', '.join(fields)}")
+        raise MoeflowError(f"no prompts found in {where}: none of its fields ({', '.join(fields)}) is a prompt "
+                           f"field ({', '.join(PROMPT_COLUMNS)}); pass --column NAME")
+
+
+def read_texts(path: Path, column: str | None = None) -> Iterator[str]:
     """Prompt texts of a local file (or an MMLU-style folder of csv files), in file order."""
     if path.is_dir():
         if not any(path.glob("*.csv")):
             raise MoeflowError(f"{path} is a folder without .csv files; pass a prompt file")
+        if column is not None:
+            raise ConfigError(f"--column applies to one csv, tsv, json or jsonl file, not the folder {path}")
         yield from _mmlu_folder(path)
         return
     suffix = path.suffix.lower()
     if suffix in (".json", ".jsonl"):
-        recs: Iterable[Any] = _read_json(path)
-        for rec in recs:
-            t = record_text(rec)
-            if t:
-                yield t
+        yield from _texts_of(_read_json(path), column, str(path))
     elif suffix == ".csv":
-        for rec in _read_csv(path):
-            t = record_text(rec)
-            if t:
-                yield t
+        yield from _texts_of(_read_csv(path), column, str(path))
     elif suffix == ".tsv" or (suffix == ".txt" and _looks_tsv(path)):
-        yield from _read_tsv(path)
+        yield from _texts_of(_read_tsv(path, column), column, str(path))
+    elif column is not None:
+        raise ConfigError(f"--column applies to csv, tsv, json and jsonl prompt files, not {path.name} "
+                          f"(one prompt per line)")
     else:  # .txt, .source and anything else: one prompt per non-empty line
-        with open(path, encoding="utf-8-sig", errors="replace") as f:
-            for line in f:
-                if line.strip():
-                    yield line.rstrip("\n")
+        for line in _text(path, strict=False).splitlines():
+            if line.strip():
+                yield line
 
 
 def _looks_tsv(path: Path) -> bool:
     with open(path, encoding="utf-8-sig", errors="replace") as f:
         first = f.readline()
-    return "\t" in first and bool(_TSV_HEADER_KEYS & set(first.rstrip("\n").split("\t")))
+    return "\t" in first and bool(_TSV_HEADER_KEYS & {h.lower() for h in first.rstrip("\n").split("\t")})
 
 
 # ---- Hugging Face datasets -----------------------------------------------------------------------
 
-def _hf_texts(name: str, split: str | None) -> Iterator[str]:
+def _hf_texts(name: str, split: str | None, column: str | None = None) -> Iterator[str]:
     if os.environ.get("HF_DATASETS_OFFLINE", "") not in ("", "0") or os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
         raise MoeflowError(f"{name!r} is not a local file and Hugging Face datasets are offline (HF_DATASETS_OFFLINE); "
                            f"pass a local prompt file or a known set name")
@@ -240,14 +302,11 @@ def _hf_texts(name: str, split: str | None) -> Iterator[str]:
         ds = datasets.load_dataset(name, split=split or "train")
     except MoeflowError:
         raise
-    except Exception as e:  # noqa: BLE001 - any hub/network failure becomes one line
+    except Exception as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise MoeflowError(f"cannot load Hugging Face dataset {name!r} (split {split or 'train'}): {msg[:200]}; "
                            f"pass a local prompt file instead") from e
-    for rec in ds:
-        t = record_text(rec)
-        if t:
-            yield t
+    yield from _texts_of(ds, column, f"Hugging Face dataset {name!r}")
 
 
 # ---- the entry point -----------------------------------------------------------------------------
@@ -275,11 +334,16 @@ def resolve_source(source: str, data_dir_: str | os.PathLike | None = None, spli
 
 
 def load_prompts(source: str | os.PathLike, data_dir: str | os.PathLike | None = None, limit: int | None = None,
-                 split: str | None = None) -> list[Prompt]:
-    """Deduplicated prompts of `source` (a path, a short set name or an HF dataset name), at most `limit`."""
+                 split: str | None = None, column: str | None = None) -> list[Prompt]:
+    """Deduplicated prompts of `source` (a path, a short set name or an HF dataset name), at most `limit`;
+    `column` names the prompt field of csv/tsv/json/jsonl/dataset records (default: detected)."""
     src = str(source)
+    if column is not None and not column.strip():
+        raise ConfigError("--column must name a field (got an empty name)")
     path = resolve_source(src, data_dir, split)
-    texts = read_texts(path) if path is not None else _hf_texts(src, split)
+    if path is not None and path.is_file() and path.stat().st_size == 0:
+        raise MoeflowError(f"no prompts found in {path}: the file is empty; pass a prompt file with at least one prompt")
+    texts = read_texts(path, column) if path is not None else _hf_texts(src, split, column)
     origin = str(path) if path is not None else src
     out: list[Prompt] = []
     seen: set[str] = set()

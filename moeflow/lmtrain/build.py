@@ -13,7 +13,7 @@ import torch
 from ..artifacts import atomic_dir, now_iso, write_json_atomic
 from ..data.corpus import load_corpus
 from .configs import model_config
-from .loop import TrainConfig, train
+from .loop import LMTrainConfig, train
 from .tokenizer import encode_docs, train_tokenizer
 
 MAX_FOLDER_BYTES = 25 * 2**20
@@ -27,7 +27,7 @@ class BuildConfig:
     data_dir: str
     out: str                          # parent folder: the model goes to out/name
     log_dir: str
-    train: TrainConfig = TrainConfig()
+    train: LMTrainConfig = LMTrainConfig()
     vocab_size: int = 8192
     val_fraction: float = 0.02
     threads: int = 1
@@ -91,7 +91,7 @@ def build(cfg: BuildConfig, log=print) -> Path:
     log(f"[{cfg.name}] trained {res.steps} steps, {res.tokens / 1e6:.2f}M tokens in {res.seconds / 60:.1f} min")
 
     final = Path(cfg.out) / cfg.name
-    with atomic_dir(final) as d:
+    with atomic_dir(final, versioned=False) as d:   # a real folder: models/ is tracked by git
         dtype = save_model(model, tok, d)
         shutil.copy(log_path, d / TRAIN_LOG)
         write_json_atomic(d / TRAINING_JSON, {

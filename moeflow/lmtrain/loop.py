@@ -23,7 +23,9 @@ from .losses import per_layer_balance_loss, router_z_loss
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class LMTrainConfig:
+    """Language-model training loop settings (the embedded models; `moeflow train` uses `predict.train.TrainConfig`)."""
+
     seq_len: int = 256
     batch_size: int = 16
     lr: float = 3e-3
@@ -48,7 +50,7 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)    # one row per step (and eval rows)
 
 
-def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
+def lr_at(cfg: LMTrainConfig, step: int, progress: float) -> float:
     """Linear warmup over `warmup_steps`, then cosine from lr to lr*min_lr_ratio over progress 0..1."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -93,12 +95,12 @@ def val_windows(tokens: torch.Tensor, seq: int, limit: int | None = None) -> tor
     return tokens[: n * seq].view(n, seq)
 
 
-def train(model, train_tokens: torch.Tensor, val_tokens: torch.Tensor | None, cfg: TrainConfig, *,
+def train(model, train_tokens: torch.Tensor, val_tokens: torch.Tensor | None, cfg: LMTrainConfig, *,
           top_k: int, log_path: str | Path | None = None,
           on_step: Callable[[dict], None] | None = None) -> TrainResult:
     """Train `model` in place on random windows of `train_tokens`; log one JSON line per step."""
     if cfg.minutes is None and cfg.max_steps is None:
-        raise ValueError("give TrainConfig.minutes or max_steps")
+        raise ValueError("give LMTrainConfig.minutes or max_steps")
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]

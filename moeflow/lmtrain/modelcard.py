@@ -25,6 +25,7 @@ import torch
 
 from ..artifacts import atomic_write
 from ..moe import RouterTap, get_adapter
+from ..moe.sets import recall_at_k
 from ..trace.summary import layer_stats
 
 CARD_JSON = "card.json"
@@ -71,14 +72,6 @@ def collect_decode(model, prompts: torch.Tensor, steps: int, repetition_penalty:
 
 
 # ---- statistics --------------------------------------------------------------------------------------
-
-def recall_at_k(pred: np.ndarray, actual: np.ndarray) -> float:
-    """Mean over rows of |pred ∩ actual| / k; pred, actual [N,k]."""
-    if len(actual) == 0:
-        return float("nan")
-    hit = (pred[:, :, None] == actual[:, None, :]).any(-1).sum(-1)             # [N]
-    return float(hit.mean() / actual.shape[1])
-
 
 def pregate_recall(ad, data: dict, src: int, dst: int) -> float:
     """Router `dst` applied to layer `src`'s router input vs layer `dst`'s actual top-k."""

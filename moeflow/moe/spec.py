@@ -48,11 +48,6 @@ class MoESpec:
         d["moe_layers"] = tuple(d["moe_layers"])
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
 
-    def same_shape(self, other: "MoESpec") -> bool:
-        """True when routing data from `other` can be used for this model (layers, experts, top-k)."""
-        return (self.arch, self.moe_layers, self.num_experts, self.top_k, self.hidden_size) == (
-            other.arch, other.moe_layers, other.num_experts, other.top_k, other.hidden_size)
-
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")

@@ -14,13 +14,12 @@ policies behave identically in the runtime and in the trace-driven simulator.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Callable, ClassVar, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from ..errors import ConfigError
+from ..registry import Registry
 
 ExpertKey = tuple[int, int]  # (decoder layer, expert id)
 
@@ -122,38 +121,7 @@ class RoutingPolicy(Protocol):
         ...
 
 
-# ---- registries ---------------------------------------------------------------------------------
-
-P = TypeVar("P")
-
-
-class Registry(dict[str, Callable[..., Any]]):
-    """Name -> policy class for one kind. `create(name, **options)` builds one, or explains the choices."""
-
-    def __init__(self, kind: str):
-        super().__init__()
-        self.kind = kind
-
-    def register(self, cls: type[P]) -> type[P]:
-        name = getattr(cls, "name")
-        if name in self:
-            raise ValueError(f"{self.kind} policy {name!r} registered twice")
-        self[name] = cls
-        return cls
-
-    def create(self, name: str, **options: Any) -> Any:
-        if name not in self:
-            raise ConfigError(f"unknown {self.kind} policy {name!r}; choose one of: {', '.join(sorted(self))}")
-        cls = self[name]
-        try:
-            inspect.signature(cls).bind(**options)
-        except TypeError:
-            accepted = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
-            bad = sorted(set(options) - set(accepted)) or sorted(options)
-            raise ConfigError(f"{self.kind} policy {name!r} has no option {', '.join(map(repr, bad))}; "
-                              f"its options: {', '.join(accepted) or '(none)'}") from None
-        return cls(**options)
-
+# ---- registries (one per kind; `moeflow.registry.Registry`) ---------------------------------------
 
 EVICTION = Registry("eviction")
 PREFETCH = Registry("prefetch")

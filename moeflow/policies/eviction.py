@@ -35,7 +35,7 @@ class _Base:
         self._last: dict[ExpertKey, int] = {}   # resident key -> last use (cache time; insert counts)
         self._tick = 0                          # local counter so equal cache times still order
 
-    def _touch(self, key: ExpertKey, pos: Position) -> None:
+    def _touch(self, key: ExpertKey) -> None:
         self._tick += 1
         self._last[key] = self._tick
 
@@ -44,10 +44,10 @@ class _Base:
 
     # events
     def on_insert(self, key: ExpertKey, pos: Position, *, prefetched: bool) -> None:
-        self._touch(key, pos)
+        self._touch(key)
 
     def on_access(self, key: ExpertKey, pos: Position, *, score: float) -> None:
-        self._touch(key, pos)
+        self._touch(key)
 
     def on_evict(self, key: ExpertKey) -> None:
         self._last.pop(key, None)
@@ -191,7 +191,7 @@ class TwoLevelLRU(_Base):
 
     def on_predicted(self, key: ExpertKey, pos: Position) -> None:
         if key in self._last:
-            self._touch(key, pos)
+            self._touch(key)
             self._promote(key)
 
     def on_evict(self, key: ExpertKey) -> None:

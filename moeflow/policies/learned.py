@@ -24,8 +24,9 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from ..errors import ConfigError
+from ..moe import get_adapter, residual_norm
+from ..moe.sets import mass_mask, topk_mask
 from .base import PREFETCH, LayerContext, PrefetchRequest
-from .prefetch import mass_mask, topk_mask
 
 
 class LearnedPrefetch:
@@ -56,9 +57,7 @@ class LearnedPrefetch:
 
     # -- binding to the running model --
     def bind(self, model: torch.nn.Module, engine: Any = None) -> Callable[[], None]:
-        from ..predict.data import residual_norm
         from ..predict.io import load_predictors
-        from ..moe import get_adapter
         self.model = model
         _, preds = load_predictors(self.folder, model, [self.predictor])
         self.pred = preds[self.predictor]
@@ -66,7 +65,7 @@ class LearnedPrefetch:
             self.window = getattr(self.pred, "window", 4)
         ad = get_adapter(model)
         for l in ad.moe_layers:          # r_l comes from the engine's hook on this norm: refuse a model without it
-            residual_norm(ad, l)
+            residual_norm(ad, l, hint=f"prefetch policy {self.name!r} needs the residual r_l")
         return self.close
 
     def close(self) -> None:
@@ -161,10 +160,10 @@ class ForestPrefetch(LearnedPrefetch):
 
     def bind(self, model: torch.nn.Module, engine: Any = None) -> Callable[[], None]:
         from ..predict.forest import AsyncForest
-        from ..predict.pregate import PreGate
+        from ..predict.pregate import PreGatePredictor
         unbind = super().bind(model, engine)
         self.runner = AsyncForest(self.pred)
-        self._pregate = PreGate(model)        # the fallback while a forest prediction is not ready
+        self._pregate = PreGatePredictor(model)   # the fallback while a forest prediction is not ready
         return unbind
 
     def close(self) -> None:

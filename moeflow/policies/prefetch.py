@@ -17,23 +17,8 @@ from typing import ClassVar
 import torch
 
 from ..errors import ConfigError
+from ..moe.sets import mass_mask, topk_mask
 from .base import PREFETCH, LayerContext, PrefetchRequest
-
-
-def mass_mask(probs: torch.Tensor, mass: float) -> torch.Tensor:
-    """Boolean [T,E]: per row, the experts in descending probability until `mass` is covered.
-
-    An expert is kept when the mass strictly before it is below `mass`, so the first is always kept.
-    """
-    sorted_p, order = probs.sort(dim=-1, descending=True)                     # [T,E]
-    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < mass                      # [T,E]
-    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-
-
-def topk_mask(scores: torch.Tensor, m: int) -> torch.Tensor:
-    """Boolean [T,E]: per row, the `m` highest-scoring experts."""
-    idx = scores.topk(m, dim=-1).indices                                       # [T,m]
-    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter(-1, idx, True)
 
 
 def _steps(ctx: LayerContext, lookahead: int | None) -> list[int]:
@@ -51,8 +36,8 @@ class NoPrefetch:
 
 
 @PREFETCH.register
-class PreGate:
-    """Apply the router of MoE layer l+s (s = 1..S) to this layer's router input and prefetch its choice.
+class PreGatePrefetch:
+    """`pregate`: apply the router of MoE layer l+s (s = 1..S) to this layer's router input and prefetch its choice.
 
     Exactly one selection rule:
     - `overfetch` (default 1.0): per token, the top round(k * overfetch) experts (SpecMD's top-k x factor);

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from ..policies.base import Registry
+from ..registry import Registry
 from .data import RoutingData, SourceBatch
 
 
@@ -39,9 +39,5 @@ class Predictor(Protocol):
     def load(cls, folder: Path, model: torch.nn.Module) -> "Predictor": ...
 
 
-PREDICTORS = Registry("predictor")
+PREDICTORS = Registry("predictor", what="predictor")
 
-
-def topk_set(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """[T,k] indices of the k highest scores per row (ties broken by the lower index)."""
-    return torch.topk(scores.float(), k, dim=-1).indices

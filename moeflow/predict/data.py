@@ -14,7 +14,6 @@ runtime policies build one from a `LayerContext`.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
@@ -96,13 +95,6 @@ def target_of(spec: MoESpec, source: int, s: int) -> int:
     return spec.moe_layers[r + s]
 
 
-def source_of(spec: MoESpec, target: int, s: int) -> int:
-    r = spec.moe_layers.index(target)
-    if r - s < 0:
-        raise ValueError(f"layer {target} has no MoE layer {s} steps before it")
-    return spec.moe_layers[r - s]
-
-
 # ---- reading a trace folder ---------------------------------------------------------------------
 
 def _copy(x: np.ndarray | None) -> np.ndarray | None:
@@ -133,38 +125,6 @@ def from_trace(path: str, *, need_hidden: bool = False) -> RoutingData:
                        np.asarray(toks["phase"]), np.asarray(toks["token_id"]).astype(np.int64),
                        layers, fingerprint=meta.get("model_fingerprint"), source=str(path),
                        trace_fingerprint=hashlib.sha256(shards.encode()).hexdigest()[:16])
-
-
-# ---- building the same arrays from a model (tests, examples) -------------------------------------
-
-def residual_norm(adapter, layer: int) -> torch.nn.Module:
-    """The norm between the post-attention residual and the router of decoder layer `layer`.
-
-    In the pre-norm decoders supported here the router reads `post_attention_layernorm(r)` with
-    r = h + attn(input_layernorm(h)); `input_layernorm` precedes attention, not routing.
-    """
-    dec = adapter.layers[layer]
-    norm = getattr(dec, "post_attention_layernorm", None)
-    if norm is None:
-        raise ArtifactError(f"{adapter.spec.arch} layer {layer} has no post_attention_layernorm; "
-                            "router-pf needs the norm before the router")
-    return norm
-
-
-@contextlib.contextmanager
-def residual_hooks(adapter, sink: dict[int, list[torch.Tensor]]):
-    """Record the post-attention residual (the input of post_attention_layernorm) of every MoE layer."""
-    handles = []
-    try:
-        for l in adapter.moe_layers:
-            def pre(module, args, l=l):
-                x = args[0].detach()
-                sink.setdefault(l, []).append(x.reshape(-1, x.shape[-1]))
-            handles.append(residual_norm(adapter, l).register_forward_pre_hook(pre))
-        yield sink
-    finally:
-        for h in handles:
-            h.remove()
 
 
 # ---- what a predictor sees at a source layer ------------------------------------------------------

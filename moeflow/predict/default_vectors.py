@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from ..errors import ArtifactError
-from ..moe import get_adapter
+from ..moe import get_adapter, residual_norm
 from .base import PREDICTORS
-from .data import RoutingData, SourceBatch, residual_norm, target_of
+from .data import RoutingData, SourceBatch, target_of
 
 
 @torch.no_grad()
@@ -83,7 +83,7 @@ class QuasiHidden:
     @torch.no_grad()
     def normed(self, h: torch.Tensor, layer: int) -> torch.Tensor:
         """LN of decoder layer `layer` before its router: [T,H] in the model dtype."""
-        norm = residual_norm(self.adapter, layer)
+        norm = residual_norm(self.adapter, layer, hint="router-pf needs the norm before the router")
         return norm(h.to(next(norm.parameters()).dtype))
 
     @torch.no_grad()
@@ -111,8 +111,18 @@ def save_dvec(folder: Path, dvec: dict[int, torch.Tensor]) -> None:
     torch.save({int(l): v.contiguous() for l, v in dvec.items()}, folder / "default_vectors.pt")
 
 
-def load_dvec(folder: Path) -> dict[int, torch.Tensor]:
-    return {int(l): v for l, v in torch.load(folder / "default_vectors.pt", weights_only=True).items()}
+def load_dvec(folder: Path, model: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """layer -> d [E,H] from `default_vectors.pt` (tensors only), checked against `model`'s MoE layers."""
+    from .io import artifact_file, load_tensors
+    path = folder / "default_vectors.pt"
+    raw = load_tensors(path)
+    with artifact_file(path):
+        spec = get_adapter(model).spec
+        shape = (spec.num_experts, spec.hidden_size)
+        if (not isinstance(raw, dict) or sorted(int(l) for l in raw) != sorted(spec.moe_layers)
+                or not all(isinstance(v, torch.Tensor) and tuple(v.shape) == shape for v in raw.values())):
+            raise ValueError(f"not one [E,H] = [{shape[0]},{shape[1]}] tensor per MoE layer of this model")
+        return {int(l): v.float() for l, v in raw.items()}
 
 
 @PREDICTORS.register
@@ -129,7 +139,7 @@ class RouterPF:
         self.qh = QuasiHidden(model, dvec) if dvec is not None else None
 
     @classmethod
-    def create(cls, model: torch.nn.Module, cfg: Any) -> "RouterPF":
+    def create(cls, model: torch.nn.Module, cfg: Any) -> RouterPF:
         return cls(model, None, cfg.max_s)
 
     def fit(self, data: RoutingData, model: torch.nn.Module, cfg: Any, dvec: dict[int, torch.Tensor] | None = None
@@ -146,10 +156,14 @@ class RouterPF:
         return torch.softmax(batch.router_logits(self.qh.adapter, target_layer, q).float(), -1)  # [T,E]
 
     def save(self, folder: Path) -> None:
+        assert self.dvec is not None, "fit first"
         save_dvec(folder, self.dvec)
         (folder / "config.json").write_text(json.dumps({"max_lookahead": self.max_lookahead}))
 
     @classmethod
-    def load(cls, folder: Path, model: torch.nn.Module) -> "RouterPF":
-        cfg = json.loads((folder / "config.json").read_text())
-        return cls(model, load_dvec(folder), cfg["max_lookahead"])
+    def load(cls, folder: Path, model: torch.nn.Module) -> RouterPF:
+        from .io import artifact_file, read_json_file
+        cfg = read_json_file(folder / "config.json")
+        dvec = load_dvec(folder, model)
+        with artifact_file(folder / "config.json"):
+            return cls(model, dvec, int(cfg["max_lookahead"]))

@@ -15,17 +15,19 @@ maximises mean validation recall of the mix (so it is chosen on the training spl
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..moe.sets import recall_at_k
 from .base import PREDICTORS
 from .data import RoutingData, SourceBatch, batch_from_rows, iter_chunks, target_of
-from .default_vectors import QuasiHidden, compute_default_vectors, load_dvec, save_dvec
+from .default_vectors import QuasiHidden, RouterPF, compute_default_vectors, load_dvec, save_dvec
 
 
 class EstimatorNet(nn.Module):
@@ -45,9 +47,8 @@ class EstimatorNet(nn.Module):
 
 
 def _recall(scores: torch.Tensor, truth: torch.Tensor) -> float:
-    k = truth.shape[1]
-    pred = torch.topk(scores, k, -1).indices                              # [T,k]
-    return float((pred.unsqueeze(-1) == truth.unsqueeze(1)).any(-1).float().mean())
+    """recall@k of the top-k scores [T,E] against the routed experts truth [T,k]."""
+    return recall_at_k(torch.topk(scores, truth.shape[1], -1).indices, truth)
 
 
 @PREDICTORS.register
@@ -65,7 +66,7 @@ class Estimator:
         self.history: list[dict[str, float]] = []
 
     @classmethod
-    def create(cls, model: torch.nn.Module, cfg: Any) -> "Estimator":
+    def create(cls, model: torch.nn.Module, cfg: Any) -> Estimator:
         return cls(model, cfg.max_s, cfg.est_latent, cfg.est_hidden)
 
     def _pair(self, source: int, s: int) -> int:
@@ -81,6 +82,7 @@ class Estimator:
                 continue
             for sl in iter_chunks(len(rows), 4096):
                 b = batch_from_rows(data, src, rows[sl])
+                assert self.qh is not None
                 chain = self.qh.chain(b, smax)
                 for s, q in enumerate(chain, start=1):
                     tgt = target_of(data.spec, src, s)
@@ -138,23 +140,29 @@ class Estimator:
         return torch.softmax(self.net(q, pair), -1)                           # [T,E]
 
     def save(self, folder: Path) -> None:
+        assert self.net is not None and self.qh is not None, "fit first"
         save_dvec(folder, self.qh.dvec)
         torch.save(self.net.state_dict(), folder / "estimator.pt")
+        params = sum(int(p.numel()) for p in self.net.parameters())
         (folder / "config.json").write_text(json.dumps({
             "max_lookahead": self.max_lookahead, "m": self.m, "n": self.n, "pairs": self.pairs,
-            "history": self.history, "params": sum(p.numel() for p in self.net.parameters())}))
+            "history": self.history, "params": params}))
 
     @classmethod
-    def load(cls, folder: Path, model: torch.nn.Module) -> "Estimator":
-        c = json.loads((folder / "config.json").read_text())
-        self = cls(model, c["max_lookahead"], c["m"], c["n"])
-        self.qh = QuasiHidden(model, load_dvec(folder))
-        self.pairs = [tuple(p) for p in c["pairs"]]
+    def load(cls, folder: Path, model: torch.nn.Module) -> Estimator:
+        from .io import artifact_file, load_tensors, read_json_file
+        c = read_json_file(folder / "config.json")
+        with artifact_file(folder / "config.json"):
+            self = cls(model, int(c["max_lookahead"]), int(c["m"]), int(c["n"]))
+            self.pairs = [(int(l), int(s)) for l, s in c["pairs"]]
+            self.history = list(c.get("history", []))
+        self.qh = QuasiHidden(model, load_dvec(folder, model))
         spec = self.qh.spec
         self.net = EstimatorNet(spec.hidden_size, spec.num_experts, len(self.pairs), self.m, self.n)
-        self.net.load_state_dict(torch.load(folder / "estimator.pt", weights_only=True))
+        state = load_tensors(folder / "estimator.pt")
+        with artifact_file(folder / "estimator.pt"):
+            self.net.load_state_dict(state)                  # a wrong key or shape is refused too
         self.net.eval()
-        self.history = c.get("history", [])
         return self
 
 
@@ -166,21 +174,20 @@ class Hybrid:
     def __init__(self, model: torch.nn.Module, max_lookahead: int = 4):
         self.model = model
         self.max_lookahead = max_lookahead
-        self.router_pf = None
+        self.router_pf: RouterPF | None = None
         self.estimator: Estimator | None = None
         self.threshold = 0.0
         self.use_estimator: set[tuple[int, int]] = set()
         self.val: dict[str, dict[str, float]] = {}
 
     @classmethod
-    def create(cls, model: torch.nn.Module, cfg: Any) -> "Hybrid":
+    def create(cls, model: torch.nn.Module, cfg: Any) -> Hybrid:
         return cls(model, cfg.max_s)
 
     def fit(self, data: RoutingData, model: torch.nn.Module, cfg: Any, dvec: dict[int, torch.Tensor] | None = None,
             estimator: Estimator | None = None, progress: Callable[[float], None] | None = None) -> None:
         """Fits an estimator on part of the training prompts (or reuses `estimator` if it was fitted
         on `fit_part`) and picks the threshold on the rest."""
-        from .default_vectors import RouterPF
         fit_part, val = data.split(cfg.hybrid_val, cfg.seed + 1)
         dvec = dvec if dvec is not None else compute_default_vectors(model, data, max_tokens=cfg.dv_max_tokens)
         self.router_pf = RouterPF(model, dvec, cfg.max_s)
@@ -195,7 +202,7 @@ class Hybrid:
             rec[(src, s)] = (_recall(self.router_pf.predict(tgt, s, b), truth),
                              _recall(self.estimator.predict(tgt, s, b), truth))
         best = (-1.0, 0.0)
-        for thr in sorted({0.0, *[r for r, _ in rec.values()]}) + [1.01]:
+        for thr in [*sorted({0.0, *[r for r, _ in rec.values()]}), 1.01]:
             mean = float(np.mean([e if r < thr else r for r, e in rec.values()]))
             if mean > best[0] + 1e-9:
                 best = (mean, thr)
@@ -204,24 +211,29 @@ class Hybrid:
         self.val = {f"{l}+{s}": {"router_pf": r, "estimator": e} for (l, s), (r, e) in rec.items()}
 
     def predict(self, target_layer: int, lookahead: int, batch: SourceBatch) -> torch.Tensor:
+        assert self.estimator is not None and self.router_pf is not None, "fit or load first"
         if (batch.layer, lookahead) in self.use_estimator:
             return self.estimator.predict(target_layer, lookahead, batch)
         return self.router_pf.predict(target_layer, lookahead, batch)
 
     def save(self, folder: Path) -> None:
+        assert self.estimator is not None, "fit first"
         self.estimator.save(folder)
         (folder / "hybrid.json").write_text(json.dumps({
             "threshold": self.threshold, "use_estimator": sorted(self.use_estimator), "validation_recall": self.val,
             "max_lookahead": self.max_lookahead}))
 
     @classmethod
-    def load(cls, folder: Path, model: torch.nn.Module) -> "Hybrid":
-        from .default_vectors import RouterPF
-        c = json.loads((folder / "hybrid.json").read_text())
-        self = cls(model, c["max_lookahead"])
+    def load(cls, folder: Path, model: torch.nn.Module) -> Hybrid:
+        from .io import artifact_file, read_json_file
+        c = read_json_file(folder / "hybrid.json")
+        self = cls(model)
         self.estimator = Estimator.load(folder, model)
-        self.router_pf = RouterPF(model, self.estimator.qh.dvec, c["max_lookahead"])
-        self.threshold = c["threshold"]
-        self.use_estimator = {tuple(p) for p in c["use_estimator"]}
-        self.val = c["validation_recall"]
+        assert self.estimator.qh is not None
+        with artifact_file(folder / "hybrid.json"):
+            self.max_lookahead = int(c["max_lookahead"])
+            self.router_pf = RouterPF(model, self.estimator.qh.dvec, self.max_lookahead)
+            self.threshold = float(c["threshold"])
+            self.use_estimator = {(int(l), int(s)) for l, s in c["use_estimator"]}
+            self.val = dict(c["validation_recall"])
         return self

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from ..policies.prefetch import mass_mask
+from ..moe.sets import mass_mask, topk_hits
 from .data import RoutingData, batch_from_rows, iter_chunks, target_of
 
 # ExpertFlow (Table 2, section 4.3): fitted asymptotic accuracy of their predictor (c_p) and of
@@ -40,7 +40,7 @@ def set_metrics(scores: torch.Tensor, truth: torch.Tensor, mass: float) -> dict[
     k = truth.shape[1]
     scores = scores.float().clamp(min=0)
     top = torch.topk(scores, k, -1).indices                                  # [T,k]
-    hit_k = (top.unsqueeze(-1) == truth.unsqueeze(1)).any(-1).sum()
+    hit_k = topk_hits(top, truth).sum()
     p = scores / scores.sum(-1, keepdim=True).clamp(min=1e-12)               # [T,E]
     chosen = mass_mask(p, mass)                                              # [T,E] first item always kept
     truth_hot = torch.zeros_like(chosen).scatter(-1, truth, True)

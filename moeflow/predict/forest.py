@@ -12,7 +12,9 @@ so F = d + 2 + L*M. The label is the target layer's activation vector y in {0,1}
 learns the deviation (Delta) of the truth from the pre-gate estimate: the regressor is trained on
 y - pregate_topk (multi-hot of the pre-gate's top-k) and predicts score = pregate_topk + Delta_hat
 (+ a 1e-3 * pre-gate probability tie-break). Without traced hidden states (no pre-gate) the base
-is 0 and the forest predicts y directly. scikit-learn `RandomForestRegressor` (MSE), a joblib file.
+is 0 and the forest predicts y directly. scikit-learn `RandomForestRegressor` (MSE) fits it; it is
+then kept, saved and evaluated as plain arrays (`ArrayForest`, `forest.npz`): loading runs no code
+from the file (no pickle), and a legacy `forest.joblib` is refused.
 
 `AsyncForest` evaluates it on CPU in a worker thread, asynchronously to the model: results land in
 a prediction cache keyed by (token sequence, target layer, S); a lookup that finds nothing ready
@@ -23,16 +25,21 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Hashable
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from ..errors import ArtifactError
 from ..moe import get_adapter
 from .base import PREDICTORS
 from .data import RoutingData, SourceBatch, batch_from_rows, target_of
+
+FOREST_FILE = "forest.npz"
+LEGACY_FILE = "forest.joblib"
 
 
 def multi_hot(ids: torch.Tensor | np.ndarray, num_experts: int) -> np.ndarray:
@@ -40,6 +47,93 @@ def multi_hot(ids: torch.Tensor | np.ndarray, num_experts: int) -> np.ndarray:
     out = np.zeros((ids.shape[0], num_experts), dtype=np.float32)
     np.put_along_axis(out, ids, 1.0, axis=1)
     return out
+
+
+class ArrayForest:
+    """A fitted regression forest as plain arrays; predicts exactly like `RandomForestRegressor.predict`.
+
+    All trees' nodes are stacked (node ids offset per tree): `left`/`right` children (-1 at a leaf),
+    split `feature` and `threshold`, `nan_left` (where a NaN goes), `leaf` (row of `value` at a leaf,
+    -1 inside) and `value` [n_leaves, E] (float64 leaf means); `roots` [n_trees] holds each tree's root.
+    """
+
+    FIELDS = ("left", "right", "feature", "threshold", "nan_left", "leaf", "value", "roots")
+
+    def __init__(self, arrays: dict[str, np.ndarray], n_features: int, max_depth: int | None):
+        self.a = arrays
+        self.n_features = n_features
+        self.max_depth = max_depth
+        self.n_estimators = len(arrays["roots"])
+
+    @classmethod
+    def from_sklearn(cls, rf: Any) -> ArrayForest:
+        parts: dict[str, list[np.ndarray]] = {k: [] for k in cls.FIELDS}
+        off = n_leaves = 0
+        for est in rf.estimators_:
+            t = est.tree_
+            left, right = t.children_left.astype(np.int64), t.children_right.astype(np.int64)
+            is_leaf = left == -1
+            parts["left"].append(np.where(is_leaf, -1, left + off))
+            parts["right"].append(np.where(is_leaf, -1, right + off))
+            parts["feature"].append(np.where(is_leaf, 0, t.feature).astype(np.int64))
+            parts["threshold"].append(t.threshold.astype(np.float64))
+            mgl = getattr(t, "missing_go_to_left", None)
+            parts["nan_left"].append(np.zeros(t.node_count, bool) if mgl is None else np.asarray(mgl, bool))
+            leaf = np.full(t.node_count, -1, np.int64)
+            leaf[is_leaf] = n_leaves + np.arange(int(is_leaf.sum()))
+            parts["leaf"].append(leaf)
+            parts["value"].append(t.value[is_leaf, :, 0].astype(np.float64))          # [leaves,E]
+            parts["roots"].append(np.array([off], np.int64))
+            off += t.node_count
+            n_leaves += int(is_leaf.sum())
+        return cls({k: np.concatenate(v) for k, v in parts.items()}, int(rf.n_features_in_), rf.max_depth)
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        """[T,F] -> [T,E] float64: the mean over trees of the leaf each row reaches."""
+        a = self.a
+        X = np.asarray(X, dtype=np.float32)                   # scikit-learn compares float32 features
+        rows = np.arange(len(X))[:, None]
+        node = np.broadcast_to(a["roots"], (len(X), self.n_estimators)).copy()   # [T,trees]
+        while True:
+            inner = a["left"][node] >= 0
+            if not inner.any():
+                break
+            x = X[rows, a["feature"][node]].astype(np.float64)
+            go_left = (x <= a["threshold"][node]) | (np.isnan(x) & a["nan_left"][node])
+            node = np.where(inner, np.where(go_left, a["left"][node], a["right"][node]), node)
+        out = np.zeros((len(X), a["value"].shape[1]), np.float64)
+        for j in range(self.n_estimators):                    # tree order, as scikit-learn sums
+            out += a["value"][a["leaf"][node[:, j]]]
+        return out / self.n_estimators
+
+    def save(self, path: Path) -> None:
+        arrays = {**self.a, "n_features": np.int64(self.n_features),
+                  "max_depth": np.int64(-1 if self.max_depth is None else self.max_depth)}
+        np.savez_compressed(path, **arrays)  # type: ignore[arg-type]
+
+    @classmethod
+    def load(cls, path: Path) -> ArrayForest:
+        """Read `forest.npz` (numeric arrays only, no pickle) and check it is a well-formed forest."""
+        with np.load(path, allow_pickle=False) as z:
+            missing = [k for k in (*cls.FIELDS, "n_features", "max_depth") if k not in z.files]
+            if missing:
+                raise ValueError(f"no {missing[0]} array")
+            a = {k: z[k] for k in cls.FIELDS}
+            n_features, depth = int(z["n_features"]), int(z["max_depth"])
+        n, n_leaves = len(a["left"]), len(a["value"])
+        ok = (all(len(a[k]) == n for k in ("right", "feature", "threshold", "nan_left", "leaf"))
+              and a["value"].ndim == 2 and len(a["roots"]) > 0
+              and all(a[k].dtype.kind == "i" for k in ("left", "right", "feature", "leaf", "roots"))
+              and ((a["left"] >= -1) & (a["left"] < n) & (a["right"] >= -1) & (a["right"] < n)).all()
+              and ((a["roots"] >= 0) & (a["roots"] < n)).all()
+              and ((a["feature"] >= 0) & (a["feature"] < n_features)).all()
+              and ((a["left"] >= 0) == (a["right"] >= 0)).all()
+              and ((a["left"] >= 0) | ((a["leaf"] >= 0) & (a["leaf"] < n_leaves))).all()
+              and ((a["left"] < 0) | (a["left"] > np.arange(n))).all()     # children after parents: no loops
+              and ((a["right"] < 0) | (a["right"] > np.arange(n))).all())
+        if not ok:
+            raise ValueError("inconsistent tree arrays")
+        return cls(a, n_features, None if depth < 0 else depth)
 
 
 @PREDICTORS.register
@@ -54,13 +148,13 @@ class Forest:
         self.window = window
         self.dim = dim
         self.table = np.random.default_rng(seed).standard_normal(
-            (int(model.config.vocab_size), dim)).astype(np.float32)          # [V,d] fixed random embedding
+            (int(model.config.vocab_size), dim)).astype(np.float32)  # type: ignore[union-attr,arg-type]          # [V,d] fixed random embedding
         self.delta = True
-        self.rf = None
+        self.rf: ArrayForest | None = None
         self.fit_seconds = 0.0
 
     @classmethod
-    def create(cls, model: torch.nn.Module, cfg: Any) -> "Forest":
+    def create(cls, model: torch.nn.Module, cfg: Any) -> Forest:
         return cls(model, cfg.max_s, cfg.forest_window, cfg.forest_dim, cfg.seed)
 
     # -- features --
@@ -95,6 +189,7 @@ class Forest:
     # -- fit / predict --
     def fit(self, data: RoutingData, model: torch.nn.Module, cfg: Any, progress: Any = None) -> None:
         import time
+
         from sklearn.ensemble import RandomForestRegressor
         t0 = time.perf_counter()
         self.max_lookahead = cfg.max_s
@@ -113,14 +208,15 @@ class Forest:
             base, _ = self.base(tgt, b)
             X.append(self.features(tgt, s, b))
             Y.append(multi_hot(data.layers[tgt].topk_ids[rows], self.spec.num_experts) - base)
-        self.rf = RandomForestRegressor(n_estimators=cfg.forest_trees, max_depth=cfg.forest_depth,
-                                        min_samples_leaf=cfg.forest_min_leaf, max_features=cfg.forest_max_features,
-                                        n_jobs=cfg.threads, random_state=cfg.seed)
-        self.rf.fit(np.concatenate(X), np.concatenate(Y))
-        self.rf.set_params(n_jobs=1)   # run-time prediction: one thread, off the model's cores
+        rf = RandomForestRegressor(n_estimators=cfg.forest_trees, max_depth=cfg.forest_depth,
+                                   min_samples_leaf=cfg.forest_min_leaf, max_features=cfg.forest_max_features,
+                                   n_jobs=cfg.threads, random_state=cfg.seed)
+        rf.fit(np.concatenate(X), np.concatenate(Y))
+        self.rf = ArrayForest.from_sklearn(rf)   # run-time prediction: numpy, one thread, off the model's cores
         self.fit_seconds = time.perf_counter() - t0
 
     def delta_hat(self, target: int, s: int, batch: SourceBatch) -> np.ndarray:
+        assert self.rf is not None, "fit or load first"
         return self.rf.predict(self.features(target, s, batch)).astype(np.float32)  # [T,E]
 
     def predict(self, target_layer: int, lookahead: int, batch: SourceBatch) -> torch.Tensor:
@@ -130,23 +226,36 @@ class Forest:
         return torch.from_numpy(np.clip(score, 0.0, None) + 1e-6)
 
     def save(self, folder: Path) -> None:
-        import joblib
-        joblib.dump(self.rf, folder / "forest.joblib", compress=3)
+        assert self.rf is not None, "fit first"
+        self.rf.save(folder / FOREST_FILE)
         np.save(folder / "embedding.npy", self.table)
         (folder / "config.json").write_text(json.dumps({
             "max_lookahead": self.max_lookahead, "window": self.window, "dim": self.dim, "delta": self.delta,
             "fit_seconds": self.fit_seconds, "n_estimators": self.rf.n_estimators, "max_depth": self.rf.max_depth}))
 
     @classmethod
-    def load(cls, folder: Path, model: torch.nn.Module) -> "Forest":
-        import joblib
-        c = json.loads((folder / "config.json").read_text())
-        self = cls(model, c["max_lookahead"], c["window"], c["dim"])
-        self.table = np.load(folder / "embedding.npy")
-        self.delta = c["delta"]
-        self.rf = joblib.load(folder / "forest.joblib")
-        self.rf.set_params(n_jobs=1)
-        self.fit_seconds = c.get("fit_seconds", 0.0)
+    def load(cls, folder: Path, model: torch.nn.Module) -> Forest:
+        """Read a forest folder; nothing in it is unpickled (a legacy `forest.joblib` is refused)."""
+        from .io import artifact_file, read_json_file
+        if not (folder / FOREST_FILE).exists() and (folder / LEGACY_FILE).exists():
+            raise ArtifactError(f"{folder / LEGACY_FILE} is a pickle, which moeflow no longer loads (it can run "
+                                f"code); re-run `moeflow train` to save the forest as {FOREST_FILE}")
+        c = read_json_file(folder / "config.json")
+        with artifact_file(folder / "config.json"):
+            self = cls(model, int(c["max_lookahead"]), int(c["window"]), int(c["dim"]))
+            self.delta = bool(c["delta"])
+            self.fit_seconds = float(c.get("fit_seconds", 0.0))
+        with artifact_file(folder / "embedding.npy"):
+            table = np.load(folder / "embedding.npy", allow_pickle=False)
+            if table.shape != self.table.shape or table.dtype != np.float32:
+                raise ValueError(f"shape {table.shape} {table.dtype}, expected {self.table.shape} float32")
+            self.table = table
+        with artifact_file(folder / FOREST_FILE):
+            self.rf = ArrayForest.load(folder / FOREST_FILE)
+            F = self.dim + 2 + len(self.spec.moe_layers) * self.spec.num_experts
+            if self.rf.n_features != F or self.rf.a["value"].shape[1] != self.spec.num_experts:
+                raise ValueError(f"{self.rf.n_features} features -> {self.rf.a['value'].shape[1]} experts, "
+                                 f"this model needs {F} -> {self.spec.num_experts}")
         return self
 
 
@@ -220,7 +329,7 @@ class AsyncForest:
             fb = fallback().float().numpy()
             for i in missing:
                 out[i] = fb[i]
-        return torch.from_numpy(np.stack(out))
+        return torch.from_numpy(np.stack(out))  # type: ignore[arg-type]  # every row filled above
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -6,23 +6,56 @@
     <out>/recall.png       per-layer recall and recall-vs-S plot
 
 Loading checks the kind, the schema and the model fingerprint; a folder made for another model
-is refused with one line.
+is refused with one line. Nothing in a predictor folder is unpickled: tensors are read with
+`torch.load(weights_only=True)`, arrays with `np.load(allow_pickle=False)`, the rest is JSON; a file
+that cannot be read that way is refused with one line naming it (`artifact_file`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from ..artifacts import atomic_dir, check_fingerprint, new_meta, read_meta, write_json_atomic
-from ..errors import ArtifactError
+from ..errors import ArtifactError, MoeflowError
 from ..moe import model_fingerprint
 from .base import PREDICTORS
 
 KIND = "predictors"
 SCHEMA = 1
+
+
+@contextlib.contextmanager
+def artifact_file(path: Path) -> Iterator[None]:
+    """Turn any failure to read or check `path` (a file of a predictor folder) into one ArtifactError line."""
+    try:
+        yield
+    except MoeflowError:
+        raise
+    except Exception as e:
+        why = "it is missing" if isinstance(e, FileNotFoundError) else \
+            f"it is corrupt: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        raise ArtifactError(f"cannot load {path} ({why}); re-run `moeflow train`") from e
+
+
+def read_json_file(path: Path) -> dict[str, Any]:
+    """A JSON object from a predictor folder (see `artifact_file`)."""
+    with artifact_file(path):
+        obj = json.loads(path.read_text())
+        if not isinstance(obj, dict):
+            raise ValueError("not a JSON object")
+        return obj
+
+
+def load_tensors(path: Path) -> Any:
+    """`torch.load(path, weights_only=True)`: tensors and plain containers only, never code (see `artifact_file`)."""
+    with artifact_file(path):
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def save_predictors(out: str | Path, predictors: Mapping[str, Any], model: torch.nn.Module, *,
@@ -66,5 +99,6 @@ def load_predictors(folder: str | Path, model: torch.nn.Module, names: list[str]
     for n in names:
         if n not in PREDICTORS:
             raise ArtifactError(f"{folder} holds predictor {n!r} that this moeflow does not know")
-        out[n] = PREDICTORS[n].load(folder / n, model)
+        with artifact_file(folder / n):
+            out[n] = PREDICTORS[n].load(folder / n, model)  # type: ignore[attr-defined]
     return meta, out

@@ -1,7 +1,8 @@
-"""Pre-gate: the router of layer l+S applied to layer l's router input (any S).
+"""Pre-gate predictor (`pregate`): the router of layer l+S applied to layer l's router input (any S).
 
 The parameter-free baseline of ExpertFlow and Speculating Experts: it needs the routers only,
-so `fit` and `save` store nothing but S's range.
+so `fit` and `save` store nothing but S's range. The run-time prefetch policy of the same idea is
+`moeflow.policies.prefetch.PreGatePrefetch`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from .data import RoutingData, SourceBatch
 
 
 @PREDICTORS.register
-class PreGate:
+class PreGatePredictor:
     name: ClassVar[str] = "pregate"
     needs_hidden: ClassVar[bool] = True   # it reads the traced router input
 
@@ -27,7 +28,7 @@ class PreGate:
         self.max_lookahead = max_lookahead
 
     @classmethod
-    def create(cls, model: torch.nn.Module, cfg: Any) -> "PreGate":
+    def create(cls, model: torch.nn.Module, cfg: Any) -> "PreGatePredictor":
         return cls(model, cfg.max_s)
 
     def fit(self, data: RoutingData, model: torch.nn.Module, cfg: Any) -> None:
@@ -42,5 +43,5 @@ class PreGate:
         (folder / "config.json").write_text(json.dumps({"max_lookahead": self.max_lookahead}))
 
     @classmethod
-    def load(cls, folder: Path, model: torch.nn.Module) -> "PreGate":
+    def load(cls, folder: Path, model: torch.nn.Module) -> "PreGatePredictor":
         return cls(model, json.loads((folder / "config.json").read_text())["max_lookahead"])

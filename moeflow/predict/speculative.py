@@ -19,8 +19,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from ..moe import get_adapter
-from .data import SourceBatch, residual_hooks
+from ..moe import RouterEvent, get_adapter, residual_hooks, router_hooks
+from .data import SourceBatch
 
 
 @contextlib.contextmanager
@@ -39,7 +39,7 @@ def speculative_routing(model: torch.nn.Module, predictor: Any, *, stats: dict |
     stats = stats if stats is not None else {}
     stats.setdefault("replaced", 0)
     stats.setdefault("agree", 0.0)
-    resid: dict[int, list[torch.Tensor]] = {}
+    resid: dict[int, torch.Tensor] = {}              # MoE layer -> its post-attention residual [T,H], this pass
 
     def route(layer: int, x: torch.Tensor) -> torch.Tensor:
         state["busy"] = True
@@ -52,7 +52,7 @@ def speculative_routing(model: torch.nn.Module, predictor: Any, *, stats: dict |
             if engine is not None:
                 engine._predicting = False
 
-    def on_route(ev):
+    def on_route(ev: RouterEvent):
         if state["busy"] or (engine is not None and getattr(engine, "_predicting", False)):
             return None                      # a router call made by a predictor, not the layer's routing
         l = ev.layer
@@ -66,30 +66,14 @@ def speculative_routing(model: torch.nn.Module, predictor: Any, *, stats: dict |
             stats["agree"] += float((idx.sort(-1).values == ev.indices.sort(-1).values).all(-1).float().mean())
             replaced = (ev.logits, w.to(ev.weights.dtype), idx)
         if r + 1 < len(ml):
-            res = resid.get(l)
-            b = SourceBatch(l, ev.x.float(), ev.indices, ev.weights.float(),
-                            residual=res[-1] if res else None, route=route)
+            b = SourceBatch(l, ev.x.float(), ev.indices, ev.weights.float(), residual=resid.get(l), route=route)
             state["pending"][ml[r + 1]] = predictor.predict(ml[r + 1], 1, b).float()
         resid.pop(l, None)
         return replaced
 
-    def make(layer: int):
-        def hook(module, args, output):
-            x = args[0].detach()
-            logits, weights, indices = output
-            from ..moe.hooks import RouterEvent
-            return on_route(RouterEvent(layer, x.reshape(-1, x.shape[-1]), logits, weights, indices))
-        return hook
-
-    handles = []
-    try:
-        with residual_hooks(ad, resid):
-            for l in ml:
-                handles.append(ad.router(l).register_forward_hook(make(l), prepend=True))
-            yield stats
-    finally:
-        for h in handles:
-            h.remove()
+    with residual_hooks(ad, resid.__setitem__, hint="speculative routing needs the residual r_l"), \
+            router_hooks(ad, on_route, prepend=True):
+        yield stats
 
 
 @torch.no_grad()

@@ -53,6 +53,15 @@ class TrainConfig:
     forest_max_samples: int = 40_000
     forest_window: int = 4
     forest_dim: int = 16
+    force: bool = False                       # replace an existing predictor folder at `out`
+
+    def __post_init__(self) -> None:
+        for flag, v in (("--max-s", self.max_s), ("--threads", self.threads), ("--forest-trees", self.forest_trees),
+                        ("--forest-samples", self.forest_max_samples), ("--est-epochs", self.est_epochs)):
+            if v < 1:
+                raise ConfigError(f"{flag} must be >= 1 (got {v})")
+        if not 0.0 < self.holdout < 1.0:
+            raise ConfigError(f"--holdout must be in (0, 1), got {self.holdout}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -71,6 +80,13 @@ class EvalConfig:
     window: int = 4
     speculative: bool = False                 # also measure speculative execution's quality cost
     spec_sequences: int = 24                  # trace prompts (prompt + generated tokens) used for that
+
+    def __post_init__(self) -> None:
+        for flag, v in (("--max-s", self.max_s), ("--spec-sequences", self.spec_sequences), ("window", self.window)):
+            if v < 1:
+                raise ConfigError(f"{flag} must be >= 1 (got {v})")
+        if not 0.0 < self.mass <= 1.0:
+            raise ConfigError(f"--mass must be in (0, 1], got {self.mass}")
 
 
 def _check_names(names: tuple[str, ...]) -> None:
@@ -131,11 +147,14 @@ def main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
 
 def _main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..artifacts import check_out
     from .evaluate import evaluate, plot
-    from .io import save_predictors
+    from .io import KIND, save_predictors
     _check_names(cfg.only)
     if not 0.0 < cfg.holdout < 1.0:
         raise ConfigError(f"--holdout must be in (0, 1), got {cfg.holdout}")
+    check_out(cfg.out, kind=KIND, inputs=(cfg.trace, cfg.model), force=cfg.force)   # before any work
     model = _load_model(cfg.model)
     need_hidden = any(PREDICTORS[n].needs_hidden for n in cfg.only)
     data = from_trace(cfg.trace, need_hidden=need_hidden)

@@ -9,7 +9,25 @@ from .link import CudaLink, DirectLink, EmulatedLink, Link, make_link, parse_lin
 from .metrics import RunMetrics, metrics_table
 from .store import ExpertLayout, HostExpertStore
 
-__all__ = ["CacheCounters", "CudaLink", "DirectLink", "EmulatedLink", "ExpertCache", "ExpertLayout", "HostExpertStore",
-           "IMPL_NAME", "Link", "OffloadEngine", "PassStats", "RunConfig", "RunMetrics", "build_engine",
-           "generate_one", "make_link", "metrics_table", "parse_capacity", "parse_link",
-           "register_experts_implementation"]
+__all__ = [
+           "IMPL_NAME",
+           "CacheCounters",
+           "CudaLink",
+           "DirectLink",
+           "EmulatedLink",
+           "ExpertCache",
+           "ExpertLayout",
+           "HostExpertStore",
+           "Link",
+           "OffloadEngine",
+           "PassStats",
+           "RunConfig",
+           "RunMetrics",
+           "build_engine",
+           "generate_one",
+           "make_link",
+           "metrics_table",
+           "parse_capacity",
+           "parse_link",
+           "register_experts_implementation",
+]

@@ -15,8 +15,9 @@ With `retain=False` (the `on-demand` baseline) a layer's slots are freed as soon
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -56,15 +57,15 @@ class CacheCounters:
         """Needed experts the layer had to wait for (demand loads + late prefetches): ExpertFlow's stalls."""
         return self.misses + self.late
 
-    def __sub__(self, other: "CacheCounters") -> "CacheCounters":
+    def __sub__(self, other: CacheCounters) -> CacheCounters:
         return CacheCounters(**{f.name: getattr(self, f.name) - getattr(other, f.name)
                                 for f in dataclasses.fields(self)})
 
-    def __add__(self, other: "CacheCounters") -> "CacheCounters":
+    def __add__(self, other: CacheCounters) -> CacheCounters:
         return CacheCounters(**{f.name: getattr(self, f.name) + getattr(other, f.name)
                                 for f in dataclasses.fields(self)})
 
-    def copy(self) -> "CacheCounters":
+    def copy(self) -> CacheCounters:
         return dataclasses.replace(self)
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,20 +114,7 @@ class ExpertCache:
 
     # ---- capacity --------------------------------------------------------------------------------
     def _check_capacity(self) -> None:
-        spec, C = self.spec, self.capacity
-        need = spec.top_k
-        if self.per_layer:
-            per = C // spec.num_moe_layers
-            if per < need:
-                raise ConfigError(
-                    f"--cache-capacity {C} with --per-layer-cache gives {per} slots per layer, below top-k={need}; "
-                    f"use at least {need * spec.num_moe_layers} experts")
-        elif C < need:
-            raise ConfigError(f"--cache-capacity {C} experts is below top-k={need}, the experts one decode token "
-                              f"needs per layer; use at least {need}")
-        if C > spec.total_experts:
-            raise ConfigError(f"--cache-capacity {C} exceeds the model's {spec.total_experts} routed experts; "
-                              f"use at most {spec.total_experts} (100%)")
+        check_capacity(self.spec, self.capacity, per_layer=self.per_layer)
 
     # ---- positions and events -------------------------------------------------------------------
     def position(self, layer: int) -> Position:
@@ -301,3 +289,22 @@ class ExpertCache:
 
     def close(self) -> None:
         self.link.drain()
+
+
+def check_capacity(spec: Any, capacity: int, *, per_layer: bool = False) -> None:
+    """Refuse a cache of `capacity` experts below top-k (per layer with `per_layer`) or above all routed experts.
+
+    `moeflow run` calls it for every capacity of a sweep before the first run; the cache calls it again."""
+    C, need = capacity, spec.top_k
+    if per_layer:
+        per = C // spec.num_moe_layers
+        if per < need:
+            raise ConfigError(
+                f"--capacity {C} with --per-layer-cache gives {per} slots per layer, below top-k={need}; "
+                f"use at least {need * spec.num_moe_layers} experts")
+    elif C < need:
+        raise ConfigError(f"--capacity {C} experts is below top-k={need}, the experts one decode token "
+                          f"needs per layer; use at least {need}")
+    if C > spec.total_experts:
+        raise ConfigError(f"--capacity {C} exceeds the model's {spec.total_experts} routed experts; "
+                          f"use at most {spec.total_experts} (100%)")

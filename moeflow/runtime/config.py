@@ -1,18 +1,22 @@
-"""`RunConfig`: everything `moeflow run` needs, frozen; the CLI only maps flags to it."""
+"""`RunConfig`: everything `moeflow run` needs, frozen; the CLI only maps flags to it.
+
+`RunConfig(...)` checks every value that the flags alone decide (every item of every --sweep list:
+modes, capacity syntax, eviction / prefetch names and options, the link), so a bad late value fails
+before the first run; `preflight()` checks the device and `--out` before the model loads; the
+capacities that need the model (below top-k, above all experts) are checked by `runtime.main` after it
+loads and before the first generation."""
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from ..policies.parse import build_policy, check_capacity_syntax, opts_dict, parse_capacity, parse_opts, policy_args, split_list  # noqa: F401  (their one home)
 
 MODES = ("offload", "resident", "on-demand")
-
-_BYTES = re.compile(r"^(?P<n>[0-9]*\.?[0-9]+)\s*(?P<u>[kKmMgGtT]i?[bB])$")
-_UNITS = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+SPECULATIVE_PREFETCH = ("router-pf", "estimator", "hybrid")   # learned prefetchers whose guess can run (lossy)
 
 
 @dataclass(frozen=True)
@@ -48,76 +52,68 @@ class RunConfig:
     sweep: bool = False
     adaptive_s: bool = False                      # ExpertFlow's adaptive step size (stall / overfetch counters)
     speculative: bool = False                     # LOSSY: run the predicted experts instead of the router's
+    column: str | None = None                     # prompt column of a CSV/TSV/JSON prompt file (None: auto)
+    force: bool = False                           # replace an existing `moeflow run` JSONL at `out`
 
     def __post_init__(self) -> None:
         for m in self.modes:
             if m not in MODES:
                 raise ConfigError(f"--mode {m!r} unknown; use one of {', '.join(MODES)}")
+        if not self.modes or not self.capacities or not self.evictions or not self.prefetches:
+            raise ConfigError("--mode, --capacity, --eviction and --prefetch need at least one value each")
         if self.max_new_tokens < 1:
-            raise ConfigError("--max-new-tokens must be >= 1")
+            raise ConfigError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.min_new_tokens is not None and not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ConfigError(f"--min-new-tokens {self.min_new_tokens} must be between 0 and --max-new-tokens "
+                              f"({self.max_new_tokens}); raise --max-new-tokens or lower --min-new-tokens")
+        if self.max_prompt_tokens < 1:
+            raise ConfigError(f"--max-prompt-tokens must be >= 1 (got {self.max_prompt_tokens})")
         if self.limit is not None and self.limit < 1:
-            raise ConfigError("--limit must be >= 1")
+            raise ConfigError(f"--limit must be >= 1 (got {self.limit})")
         if self.lookahead is not None and self.lookahead < 1:
-            raise ConfigError("--lookahead must be >= 1")
+            raise ConfigError(f"--lookahead must be >= 1 (got {self.lookahead})")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be >= 1 (got {self.threads})")
         if self.temperature < 0:
-            raise ConfigError("--temperature must be >= 0")
+            raise ConfigError(f"--temperature must be >= 0 (0 = greedy; got {self.temperature})")
         if not self.sweep and max(len(self.modes), len(self.capacities), len(self.evictions), len(self.prefetches)) > 1:
             raise ConfigError("several modes / capacities / evictions / prefetches need --sweep")
         if not self.prompts and not self.prompt:
             raise ConfigError("give --prompts FILE|NAME or --prompt TEXT")
+        self._check_policies()
+        if self.speculative and (set(self.modes) != {"offload"} or any(
+                policy_args(p)[0] not in SPECULATIVE_PREFETCH for p in self.prefetches)):
+            raise ConfigError("--speculative needs --mode offload --prefetch router-pf|estimator|hybrid "
+                              "--prefetch-opt predictors=DIR (for every run of a sweep)")
+
+    def _check_policies(self) -> None:
+        """Every capacity's syntax, every eviction / prefetch with its options, miss, routing and link."""
+        from ..policies import EVICTION, MISS, PREFETCH, ROUTING
+        from .link import parse_link
+        offload = "offload" in self.modes
+        if offload:
+            for c in self.capacities:
+                check_capacity_syntax(c)
+            for text in self.evictions:
+                build_policy(EVICTION, text, self.eviction_opts)
+            for text in self.prefetches:
+                build_policy(PREFETCH, text, self.prefetch_opts)
+        MISS.create(self.miss)
+        ROUTING.create(self.routing)
+        kind, _, _ = parse_link(self.link)
+        if kind == "cuda" and not self.device.startswith("cuda"):
+            raise ConfigError("--link cuda needs --device cuda; on CPU use --link direct or emulated:GBPS[,LATENCY_US]")
+
+    def preflight(self) -> None:
+        """What depends on this machine and disk, checked before anything loads: the device, `--out`."""
+        from pathlib import Path
+
+        from ..artifacts import check_out
+        from ..checks import check_device
+        check_device(self.device)
+        if self.out:
+            inputs = (self.model, self.calibration, self.prompts if self.prompts and Path(self.prompts).exists() else None)
+            check_out(self.out, kind="run", inputs=inputs, force=self.force, file=True)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def parse_capacity(spec: str, *, total_experts: int, expert_bytes: int) -> int:
-    """`N` experts, `P%` of all routed experts (rounded), or a byte size (`64MB`, `1.5GiB`) -> experts."""
-    s = str(spec).strip()
-    try:
-        if s.endswith("%"):
-            p = float(s[:-1])
-            if not 0 < p <= 100:
-                raise ConfigError(f"--cache-capacity {spec!r}: a percentage must be in (0, 100]")
-            return max(1, round(total_experts * p / 100))
-        if s.isdigit():
-            return int(s)
-        m = _BYTES.match(s)
-        if m:
-            u = m["u"].lower()
-            mult = _UNITS[u[0]] if "i" not in u else 1024 ** ("kmgt".index(u[0]) + 1)
-            return int(float(m["n"]) * mult) // expert_bytes
-    except ValueError:
-        pass
-    raise ConfigError(f"--cache-capacity {spec!r} not understood; use experts (48), a percentage (25%) "
-                      f"or a size (64MB, 1.5GiB)")
-
-
-def parse_opts(items: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:
-    out = []
-    for it in items:
-        if "=" not in it:
-            raise ConfigError(f"option {it!r} must look like key=value")
-        k, v = it.split("=", 1)
-        out.append((k.strip().replace("-", "_"), v.strip()))
-    return tuple(out)
-
-
-def opts_dict(opts: tuple[tuple[str, str], ...]) -> dict[str, Any]:
-    """key=value strings -> typed kwargs (int, float, bool, None, else str)."""
-    out: dict[str, Any] = {}
-    for k, v in opts:
-        low = v.lower()
-        if low in ("true", "false"):
-            out[k] = low == "true"
-        elif low in ("none", "null"):
-            out[k] = None
-        else:
-            for cast in (int, float):
-                try:
-                    out[k] = cast(v)
-                    break
-                except ValueError:
-                    continue
-            else:
-                out[k] = v
-    return out

@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_linear
 
 from ..errors import ConfigError
-from ..moe import get_adapter, router_hooks
-from ..moe.hooks import RouterEvent
+from ..moe import RouterEvent, get_adapter, residual_hooks, router_hooks, tx_compat
 from ..policies.base import EvictionPolicy, LayerContext, MissPolicy, PrefetchPolicy, RoutingPolicy
 from .cache import CacheCounters, ExpertCache
 from .link import Link
@@ -48,8 +46,7 @@ def moeflow_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_
 
 def register_experts_implementation() -> None:
     """Idempotent: add `moeflow` to transformers' experts implementations."""
-    if ALL_EXPERTS_FUNCTIONS._global_mapping.get(IMPL_NAME) is not moeflow_experts_forward:
-        ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, moeflow_experts_forward)
+    tx_compat.register_experts(IMPL_NAME, moeflow_experts_forward)
 
 
 @dataclass
@@ -84,8 +81,11 @@ class OffloadEngine:
         if getattr(model.config, "_experts_implementation", None) not in ("grouped_mm", IMPL_NAME):
             raise ConfigError(f"offloading replaces the 'grouped_mm' experts implementation, the model uses "
                               f"{model.config._experts_implementation!r}; load it with experts_implementation='grouped_mm'")
+        tx_compat.check()
         self.model = model
         self.adapter = get_adapter(model)
+        for l in self.adapter.moe_layers:
+            tx_compat.check_experts_module(self.adapter.experts(l))
         self.spec = self.adapter.spec
         self.link = link
         self.eviction, self.prefetcher, self.miss, self.routing = eviction, prefetch, miss, routing
@@ -109,7 +109,7 @@ class OffloadEngine:
         self._prev_impl: str | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------------------
-    def __enter__(self) -> "OffloadEngine":
+    def __enter__(self) -> OffloadEngine:
         self.attach()
         return self
 
@@ -137,10 +137,8 @@ class OffloadEngine:
             self._prev_impl = self.model.config._experts_implementation
             self.model.set_experts_implementation(IMPL_NAME)
             stack.callback(self.model.set_experts_implementation, self._prev_impl)
-            for l in self.spec.moe_layers:            # post-attention residual = input of this norm
-                norm = getattr(self.adapter.layers[l], "post_attention_layernorm", None)
-                if norm is not None and self.prefetcher is not None:
-                    stack.callback(norm.register_forward_pre_hook(self._residual_hook(l)).remove)
+            if self.prefetcher is not None:           # post-attention residual (None where a family has no norm)
+                stack.enter_context(residual_hooks(self.adapter, self._residual.__setitem__, hint=None))
             stack.enter_context(router_hooks(self.adapter, self._on_route))
             h1 = self.model.register_forward_pre_hook(self._on_pass_start, with_kwargs=True)
             h2 = self.model.register_forward_hook(self._on_pass_end)
@@ -164,12 +162,6 @@ class OffloadEngine:
         for a in ("_moeflow_engine", "_moeflow_layer"):
             if hasattr(ex, a):
                 delattr(ex, a)
-
-    def _residual_hook(self, layer: int):
-        def hook(module, args):
-            r = args[0].detach()
-            self._residual[layer] = r.reshape(-1, r.shape[-1])                 # [T,H]
-        return hook
 
     # ---- forward-pass boundaries -----------------------------------------------------------------------
     def _on_pass_start(self, module, args, kwargs) -> None:
@@ -328,12 +320,12 @@ class OffloadEngine:
             rows = rows[order]
             offsets = torch.cumsum(torch.bincount(sid, minlength=C), 0, dtype=torch.int32)  # [C]
             bias = views[up_name + "_bias"][sid] if module.has_bias else None
-            proj = _grouped_linear(x_g[rows], views[up_name], offsets, bias=bias,
-                                   is_transposed=module.is_transposed)          # [S_w, 2I] or [S_w, I]
+            proj = tx_compat.grouped_linear(x_g[rows], views[up_name], offsets, bias=bias,
+                                            is_transposed=module.is_transposed)  # [S_w, 2I] or [S_w, I]
             proj = module._apply_gate(proj) if module.has_gate else module.act_fn(proj)   # [S_w, I]
             bias = views["down_proj_bias"][sid] if module.has_bias else None
-            proj = _grouped_linear(proj, views["down_proj"], offsets, bias=bias,
-                                   is_transposed=module.is_transposed)          # [S_w, H]
+            proj = tx_compat.grouped_linear(proj, views["down_proj"], offsets, bias=bias,
+                                            is_transposed=module.is_transposed)  # [S_w, H]
             if module.has_post_expert_norm:
                 proj = module.post_expert_norm(proj)
             if out_g is None:

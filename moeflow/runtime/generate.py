@@ -15,19 +15,14 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..moe import get_adapter
-from ..policies.base import EVICTION, MISS, PREFETCH, ROUTING, Registry
+from ..policies import EVICTION, MISS, PREFETCH, ROUTING, Registry
 from .engine import OffloadEngine, PassStats
 from .link import Link
 from .metrics import RunMetrics
 
 
-def load_policies() -> None:
-    """Import the policy modules so their classes are in the registries."""
-    from ..policies import eviction, miss, prefetch, routing  # noqa: F401
-
-
 def create_policy(registry: Registry, name: str, opts: dict[str, Any] | None = None) -> Any:
-    load_policies()
+    """`registry.create(name, **opts)` (importing `moeflow.policies` registered every built-in)."""
     try:
         return registry.create(name, **(opts or {}))
     except TypeError as e:

@@ -19,6 +19,7 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,12 +117,17 @@ class EmulatedLink(Link):
     worker thread does the real copy meanwhile (concurrently with compute on the calling thread). A
     transfer is complete when it is due and its copy is done, so `wait` blocks in real wall time until
     then, and the emulated timing does not depend on when the worker thread gets the GIL.
+
+    `clock` / `sleep` (default `time.perf_counter` / `time.sleep`) can be replaced by a virtual clock
+    (tests): the schedule (`Ticket.due`) and every stall are then exact, independent of machine load.
     """
 
     name = "emulated"
 
-    def __init__(self, gbps: float, latency_s: float = 0.0):
+    def __init__(self, gbps: float, latency_s: float = 0.0, *,
+                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
         super().__init__()
+        self._clock, self._sleep = clock, sleep
         if gbps <= 0:
             raise ConfigError(f"emulated link bandwidth must be > 0 GB/s, got {gbps}")
         self.gbps = gbps
@@ -153,14 +159,14 @@ class EmulatedLink(Link):
         t = Ticket(src.numel() * src.element_size())
         t.copied = threading.Event()
         t.busy_s = self.transfer_s(t.nbytes)
-        t.due = max(time.perf_counter(), self._free_at) + t.busy_s
+        t.due = max(self._clock(), self._free_at) + t.busy_s
         self._free_at = t.due
         self._inflight.append(t)
         self._q.put((src, dst, t))
         return t
 
     def _settle(self) -> None:
-        now = time.perf_counter()
+        now = self._clock()
         while self._inflight and self._inflight[0].due <= now and self._inflight[0].copied.is_set():
             t = self._inflight.popleft()
             self._busy_s += t.busy_s
@@ -178,22 +184,22 @@ class EmulatedLink(Link):
             if t.error is not None:
                 raise t.error
             return 0.0
-        t0 = time.perf_counter()
-        while (rest := t.due - time.perf_counter()) > 0:
-            time.sleep(rest)
+        t0 = self._clock()
+        while (rest := t.due - self._clock()) > 0:
+            self._sleep(rest)
         t.copied.wait()
         if t.error is not None:
             raise t.error
         self._settle()
         if not t.done.is_set():          # an earlier copy still running (FIFO): wait for it too
             self.drain()
-        return time.perf_counter() - t0
+        return self._clock() - t0
 
     def drain(self) -> None:
         while self._inflight:
             last = self._inflight[-1]
-            while (rest := last.due - time.perf_counter()) > 0:
-                time.sleep(rest)
+            while (rest := last.due - self._clock()) > 0:
+                self._sleep(rest)
             for t in list(self._inflight):
                 t.copied.wait()
             self._settle()

@@ -1,10 +1,16 @@
 """`moeflow run` as a function: `main(RunConfig)` loads the model, prompts and calibration, runs every
-(mode, capacity, eviction, prefetch) combination asked for, prints text and a metrics table."""
+(mode, capacity, eviction, prefetch) combination asked for, prints text and a metrics table.
+
+Everything that can be refused is refused before the first generation: the flags when the RunConfig is
+built, the device and `--out` before the model loads (`RunConfig.preflight`), the calibration when it is
+read, and every run of a sweep (its capacity against the model, a learned prefetcher's predictor folder)
+by `plan_runs` before the first run."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +18,15 @@ import torch
 from rich.console import Console
 
 from ..artifacts import atomic_write
-from ..errors import ConfigError, MoeflowError
+from ..errors import ArtifactError, ConfigError, MoeflowError
 from ..moe import get_adapter
-from .config import RunConfig, opts_dict, parse_capacity
+from ..policies.parse import build_policy, parse_capacity, policy_args
+from .config import RunConfig
 from .generate import build_engine, generate_one
 from .link import make_link, parse_link
 from .metrics import RunMetrics, metrics_table
+
+RESULT_KIND = "run"   # the "kind" of every `--out` JSONL line (moeflow.artifacts.check_out recognises it)
 
 # ---- calibration -------------------------------------------------------------------------------------
 
@@ -43,7 +52,18 @@ def read_calibration(cfg: RunConfig, model: Any, link_spec: str) -> tuple[dict[s
         if cfg.calibration:
             raise MoeflowError(f"calibration file {path} does not exist; run `moeflow calibrate` or drop --calibration")
         return None, str(path)
-    return load_calibration(path, model), str(path)
+    cal = load_calibration(path, model)
+    check_step_size(cal, path)
+    return cal, str(path)
+
+
+def check_step_size(cal: dict[str, Any], path: str | Path) -> None:
+    """Refuse a calibration whose step size S (`initial_s`) is not an integer >= 1 (S = 0 would prefetch the
+    layer that is already running)."""
+    s = cal.get("initial_s")
+    if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
+        raise ArtifactError(f"calibration {path} has step size S = {s!r}, S must be an integer >= 1; "
+                            f"re-run `moeflow calibrate` or pass another --calibration")
 
 
 # ---- prompts -----------------------------------------------------------------------------------------
@@ -52,7 +72,8 @@ def read_prompts(cfg: RunConfig) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = [(f"prompt-{i}", t) for i, t in enumerate(cfg.prompt)]
     if cfg.prompts:
         from ..data.prompts import load_prompts
-        out += [(p.id, p.text) for p in load_prompts(cfg.prompts, data_dir=cfg.data_dir, limit=cfg.limit, split=cfg.split)]
+        out += [(p.id, p.text) for p in load_prompts(cfg.prompts, data_dir=cfg.data_dir, limit=cfg.limit,
+                                                    split=cfg.split, column=cfg.column)]
     if cfg.limit is not None:
         out = out[:cfg.limit]
     if not out:
@@ -63,6 +84,7 @@ def read_prompts(cfg: RunConfig) -> list[tuple[str, str]]:
 # ---- runs -----------------------------------------------------------------------------------------------
 
 def plan_runs(cfg: RunConfig) -> list[dict[str, Any]]:
+    """Every (mode, capacity, eviction, prefetch) combination, in flag order (non-offload modes once)."""
     runs: list[dict[str, Any]] = []
     for mode in cfg.modes:
         if mode != "offload":
@@ -75,12 +97,62 @@ def plan_runs(cfg: RunConfig) -> list[dict[str, Any]]:
     return runs
 
 
+def expert_bytes_of(model: Any) -> int:
+    """Bytes of one routed expert as the host store lays it out (the unit of a byte-size --capacity)."""
+    from .store import ExpertLayout
+    ad = get_adapter(model)
+    first = ad.per_expert_params(ad.spec.moe_layers[0])
+    return ExpertLayout.of({n: p.detach() for n, p in first.items()}).row_bytes
+
+
+def check_runs(cfg: RunConfig, model: Any, runs: list[dict[str, Any]]) -> dict[str, int]:
+    """Check what needs the model for every run before the first one: each capacity (top-k .. all experts)
+    and each learned prefetcher's predictor folder (kind, schema, model, predictor present).
+    Returns capacity spec -> experts."""
+    from ..policies import PREFETCH
+    from ..policies.learned import LearnedPrefetch
+    from .cache import check_capacity
+    spec = get_adapter(model).spec
+    caps: dict[str, int] = {}
+    if any(r["mode"] == "offload" for r in runs):
+        eb = expert_bytes_of(model)
+        for c in cfg.capacities:
+            caps[c] = parse_capacity(c, total_experts=spec.total_experts, expert_bytes=eb)
+            check_capacity(spec, caps[c], per_layer=cfg.per_layer_cache)
+        for text in cfg.prefetches:
+            pol = build_policy(PREFETCH, text, cfg.prefetch_opts)
+            if isinstance(pol, LearnedPrefetch):
+                from ..artifacts import check_fingerprint
+                from ..moe import model_fingerprint
+                from ..predict.io import read_predictor_meta
+                meta = read_predictor_meta(pol.folder)
+                check_fingerprint(meta, model_fingerprint(model), "predictor folder", pol.folder)
+                if pol.predictor not in meta.get("predictors", []):
+                    raise ArtifactError(f"{pol.folder} has no {pol.predictor} predictor; re-run "
+                                        f"`moeflow train --only {pol.predictor}` or pick another --prefetch")
+    return caps
+
+
+def encode_prompts(cfg: RunConfig, model: Any, tok: Any, prompts: list[tuple[str, str]]) -> list[tuple[str, str, Any]]:
+    """(id, text, input ids [1,P]) per prompt, at most --max-prompt-tokens (the beginning kept). A
+    --max-prompt-tokens, or a prompt + --max-new-tokens, beyond the model's maximum position is refused
+    before the first generation (`moeflow.models.check_lengths`); nothing is cut to make it fit."""
+    from ..models import check_lengths
+    check_lengths(model, cfg.max_prompt_tokens, 0)
+    encoded = []
+    for pid, text in prompts:
+        ids = tok(text, return_tensors="pt").input_ids[:, :cfg.max_prompt_tokens]       # [1,P]
+        check_lengths(model, ids.shape[1], cfg.max_new_tokens, what=f"prompt {pid} ({text[:30]!r})")
+        encoded.append((pid, text, ids))
+    return encoded
+
+
 @contextlib.contextmanager
 def _run_hooks(cfg: RunConfig, model: Any, spec: Any, engine: Any, cal: dict[str, Any] | None, lookahead: int):
     """`--adaptive-s` (a StepSizeController driving engine.lookahead) and `--speculative` routing."""
     with contextlib.ExitStack() as st:
         if cfg.adaptive_s and engine is not None:
-            from .stepsize import StepSizeController
+            from .adaptive_s import StepSizeController
             hi = max(1, spec.num_moe_layers - 1)
             ctrl = (StepSizeController.from_calibration(cal, max_s=hi, num_layers=spec.num_layers) if cal
                     else StepSizeController(initial_s=min(lookahead, hi), max_s=hi, num_layers=spec.num_layers))
@@ -97,14 +169,15 @@ def _run_hooks(cfg: RunConfig, model: Any, spec: Any, engine: Any, cal: dict[str
 
 def _label(run: dict[str, Any], capacity: int | None, total: int, cfg: RunConfig | None = None) -> str:
     suffix = (" adaptive-S" if cfg and cfg.adaptive_s else "") + (" SPECULATIVE(lossy)" if cfg and cfg.speculative else "")
-    if run["mode"] != "offload":
-        return run["mode"]
+    if run["mode"] != "offload" or capacity is None:
+        return str(run["mode"])
     return f"C={capacity} ({100 * capacity / total:.0f}%) {run['eviction']}+{run['prefetch']}{suffix}"
 
 
 def main(cfg: RunConfig, console: Console | None = None) -> list[dict[str, Any]]:
+    """Run `cfg`; return one dict per run (its metrics and `outputs`: each prompt's generated text)."""
+    cfg.preflight()
     if console is None:
-        import sys
         stream = sys.stderr if cfg.json else sys.stdout
         console = Console(stderr=cfg.json, width=None if stream.isatty() else 160)
     from ..models import torch_threads
@@ -112,9 +185,10 @@ def main(cfg: RunConfig, console: Console | None = None) -> list[dict[str, Any]]
         return _main(cfg, console)
 
 
-def _main(cfg: RunConfig, console: Console | None) -> list[dict[str, Any]]:
+def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
     from ..models import load_model
     device = torch.device(cfg.device)
+    prompts = read_prompts(cfg)
     model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, experts_implementation="grouped_mm")
     if tok is None:
         raise MoeflowError(f"{cfg.model} has no tokenizer files; `moeflow run` needs one to encode prompts")
@@ -125,13 +199,9 @@ def _main(cfg: RunConfig, console: Console | None) -> list[dict[str, Any]]:
         console.print(f"[bold yellow]WARNING: no calibration at {cal_path}: step size S defaults to 1 "
                       f"(run `moeflow calibrate` for this device and link).[/]")
     lookahead = cfg.lookahead or int((cal or {}).get("initial_s") or 1)
-    prompts = read_prompts(cfg)
-    max_pos = int(getattr(model.config, "max_position_embeddings", 4096))
-    encoded = []
-    for pid, text in prompts:
-        keep = max(1, min(cfg.max_prompt_tokens, max_pos - cfg.max_new_tokens))
-        ids = tok(text, return_tensors="pt").input_ids[:, :keep]                     # [1,P]
-        encoded.append((pid, text, ids))
+    runs = plan_runs(cfg)
+    caps = check_runs(cfg, model, runs)
+    encoded = encode_prompts(cfg, model, tok, prompts)
     eos = tok.eos_token_id if tok.eos_token_id is not None else getattr(model.config, "eos_token_id", None)
     console.print(f"[dim]{spec.arch}: {spec.num_moe_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}, "
                   f"{spec.total_experts} routed experts; link {link_spec}; S={lookahead}; {len(prompts)} prompt(s)[/]")
@@ -140,22 +210,18 @@ def _main(cfg: RunConfig, console: Console | None) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     rows: list[RunMetrics] = []
     with out_f as fh:
-        for run in plan_runs(cfg):
+        for run in runs:
             link = make_link(link_spec, device)
-            expert_bytes = None
-            capacity = None
-            if run["mode"] == "offload":
-                from .store import ExpertLayout
-                first = get_adapter(model).per_expert_params(spec.moe_layers[0])
-                expert_bytes = ExpertLayout.of({n: p.detach() for n, p in first.items()}).row_bytes
-                capacity = parse_capacity(run["capacity"], total_experts=spec.total_experts, expert_bytes=expert_bytes)
+            capacity = caps.get(run["capacity"]) if run["mode"] == "offload" else None
             label = _label(run, capacity, spec.total_experts, cfg)
+            ev_name, ev_opts = policy_args(run["eviction"] or "lru", cfg.eviction_opts)
+            pf_name, pf_opts = policy_args(run["prefetch"] or "none", cfg.prefetch_opts)
             engine = build_engine(model, mode=run["mode"], link=link, capacity=capacity or 0,
-                                  eviction=run["eviction"] or "lru", prefetch=run["prefetch"] or "none",
+                                  eviction=ev_name, prefetch=pf_name,
                                   miss=cfg.miss, routing=cfg.routing, per_layer=cfg.per_layer_cache,
-                                  lookahead=lookahead, eviction_opts=opts_dict(cfg.eviction_opts),
-                                  prefetch_opts=opts_dict(cfg.prefetch_opts))
+                                  lookahead=lookahead, eviction_opts=ev_opts, prefetch_opts=pf_opts)
             per_prompt: list[RunMetrics] = []
+            outputs: list[dict[str, Any]] = []
             try:
                 with (engine if engine is not None else contextlib.nullcontext()), \
                         _run_hooks(cfg, model, spec, engine, cal, lookahead):
@@ -168,8 +234,11 @@ def _main(cfg: RunConfig, console: Console | None) -> list[dict[str, Any]]:
                                                   seed=cfg.seed, eos_token_id=eos, label=label)
                             gen = tok.decode(new, skip_special_tokens=True)
                             per_prompt.append(m)
-                            rec = {"run": label, **run, "capacity_experts": capacity, "link": link.describe(),
-                                   "prompt_id": pid, "prompt": text, "text": gen, "metrics": m.to_dict()}
+                            outputs.append({"prompt_id": pid, "prompt": text, "text": gen,
+                                            "new_tokens": int(new.numel())})
+                            rec = {"kind": RESULT_KIND, "run": label, **run, "capacity_experts": capacity,
+                                   "link": link.describe(), "prompt_id": pid, "prompt": text, "text": gen,
+                                   "metrics": m.to_dict()}
                             if fh is not None:
                                 fh.write(json.dumps(rec, default=str) + "\n")
                             if not cfg.sweep and not cfg.json:
@@ -181,9 +250,9 @@ def _main(cfg: RunConfig, console: Console | None) -> list[dict[str, Any]]:
             total = RunMetrics.total(per_prompt, label=label)
             rows.append(total)
             results.append({"run": label, **run, "capacity_experts": capacity, "link": link.describe(),
-                            "lookahead": lookahead, "metrics": total.to_dict()})
+                            "lookahead": lookahead, "metrics": total.to_dict(), "outputs": outputs})
     console.print(metrics_table(rows, title=f"moeflow run — {Path(cfg.model).name}, {link_spec}"))
     if cfg.json:
-        from ..cli.common import print_json
-        print_json({"model": cfg.model, "calibration": cal_path if cal else None, "runs": results})
+        sys.stdout.write(json.dumps({"model": cfg.model, "calibration": cal_path if cal else None, "runs": results},
+                                    default=str) + "\n")
     return results

@@ -15,8 +15,9 @@ Definitions (docs/architecture.md, "Metrics vocabulary"):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from .cache import CacheCounters
 
@@ -96,7 +97,7 @@ class RunMetrics:
         return r / 1e9 if r is not None else None
 
     # ---- combine / export ---------------------------------------------------------------------------
-    def merge(self, other: "RunMetrics") -> "RunMetrics":
+    def merge(self, other: RunMetrics) -> RunMetrics:
         out = dataclasses.replace(self)
         for f in ("prompts", "prompt_tokens", "new_tokens", "decode_tokens", "wall_s", "ttft_s_sum", "decode_s",
                   "link_busy_s", "link_bytes"):
@@ -107,7 +108,7 @@ class RunMetrics:
         return out
 
     @classmethod
-    def total(cls, items: Iterable["RunMetrics"], label: str = "") -> "RunMetrics":
+    def total(cls, items: Iterable[RunMetrics], label: str = "") -> RunMetrics:
         acc = cls(label=label)
         for m in items:
             acc = acc.merge(m)

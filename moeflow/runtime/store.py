@@ -42,11 +42,6 @@ class ExpertLayout:
     def row_bytes(self) -> int:
         return self.row_numel * torch.empty((), dtype=self.dtype).element_size()
 
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes of real parameters in one expert (what a transfer moves, without padding)."""
-        return sum(p.numel for p in self.params) * torch.empty((), dtype=self.dtype).element_size()
-
     def views(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-parameter views `[N, *shape]` of a `[N, row_numel]` tensor (no copy)."""
         out = {}
@@ -55,7 +50,7 @@ class ExpertLayout:
         return out
 
     @classmethod
-    def of(cls, stacked: dict[str, torch.Tensor]) -> "ExpertLayout":
+    def of(cls, stacked: dict[str, torch.Tensor]) -> ExpertLayout:
         dtypes = {t.dtype for t in stacked.values()}
         if len(dtypes) != 1:
             raise ConfigError(f"experts mix dtypes {sorted(map(str, dtypes))}; load the model with one --dtype")

@@ -14,8 +14,9 @@ Builders:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,7 +60,7 @@ class AccessTrace:
     top_k: int
     passes: list[Pass] = field(default_factory=list)
 
-    def select(self, phase: int | None = None, max_passes: int | None = None) -> "AccessTrace":
+    def select(self, phase: int | None = None, max_passes: int | None = None) -> AccessTrace:
         """Only prefill (0) or decode (1) passes, the first `max_passes` of them."""
         ps = [p for p in self.passes if phase is None or p.phase == phase]
         return AccessTrace(self.moe_layers, self.num_experts, self.top_k, ps[:max_passes])

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..policies import EVICTION, PREFETCH, parse_policy
+from ..policies.parse import build_policy, parse_capacity, policy_args
 
 
 @dataclass(frozen=True)
@@ -17,34 +18,48 @@ class SimulateConfig:
     prefetches: tuple[str, ...] = ("none",)
     lookahead: int = 1                           # step size S handed to prefetchers
     phase: str = "decode"                        # decode | prefill | all
-    max_prompts: int | None = None
+    max_prompts: int | None = None               # --limit: replay only the first N prompts
     model: str | None = None                     # needed for pregate (routers) and checked against the trace
     belady: bool = True
     progress: bool = True
+    eviction_opts: tuple[tuple[str, str], ...] = ()   # --eviction-opt key=value, for every eviction policy
+    prefetch_opts: tuple[tuple[str, str], ...] = ()   # --prefetch-opt key=value, for every prefetch policy
 
     def __post_init__(self) -> None:
+        """Check every value before any work: phase, S, each capacity's syntax, each policy with its options
+        (built once, so `pregate:overfetch=abc` fails here); capacities against the trace's top-k in `main`."""
         if self.phase not in ("decode", "prefill", "all"):
             raise ConfigError(f"--phase must be decode, prefill or all (got {self.phase!r})")
         if self.lookahead < 1:
             raise ConfigError(f"--lookahead must be >= 1 (got {self.lookahead})")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ConfigError(f"--limit must be >= 1 (got {self.max_prompts})")
+        if not self.capacities or not self.evictions or not self.prefetches:
+            raise ConfigError("--capacity, --eviction and --prefetch need at least one value each")
+        for c in self.capacities:
+            if parse_capacity(c, total_experts=1 << 40, expert_bytes=1) < 1:
+                raise ConfigError(f"--capacity {c!r} gives no expert slot; use at least top-k experts (e.g. 8 or 10%)")
         for e in self.evictions:
-            n, _ = parse_policy(e)
-            if n not in EVICTION:
-                raise ConfigError(f"unknown eviction policy {n!r}; choose one of: {', '.join(sorted(EVICTION))}")
+            build_policy(EVICTION, e, self.eviction_opts)
         for p in self.prefetches:
-            n, _ = parse_policy(p)
-            if n not in PREFETCH:
-                raise ConfigError(f"unknown prefetch policy {n!r}; choose one of: {', '.join(sorted(PREFETCH))}")
+            build_policy(PREFETCH, p, self.prefetch_opts)
+
+    def eviction(self, text: str) -> tuple[str, dict[str, Any]]:
+        """(name, options) of `text` with --eviction-opt merged (inline options win)."""
+        return policy_args(text, self.eviction_opts)
+
+    def prefetch(self, text: str) -> tuple[str, dict[str, Any]]:
+        """(name, options) of `text` with --prefetch-opt merged (inline options win)."""
+        return policy_args(text, self.prefetch_opts)
 
 
-def capacity_slots(text: str, total: int) -> int:
-    t = text.strip()
-    try:
-        c = round(float(t[:-1]) / 100 * total) if t.endswith("%") else int(t)
-    except ValueError:
-        raise ConfigError(f"--capacity {text!r} is not a number of experts or a percentage like 10%") from None
-    if not 1 <= c <= total:
-        raise ConfigError(f"--capacity {text!r} = {c} experts; use 1..{total} (all routed experts)")
+def capacity_slots(text: str, total: int, expert_bytes: int | None = None, top_k: int = 1) -> int:
+    """Experts for `--capacity` (`moeflow.policies.parse.parse_capacity`), within top_k..total: a cache
+    below top-k cannot hold the experts one token needs in one layer."""
+    c = parse_capacity(text, total_experts=total, expert_bytes=expert_bytes)
+    if not top_k <= c <= total:
+        raise ConfigError(f"--capacity {text!r} = {c} experts; use {top_k} (top-k, the experts one token needs "
+                          f"per layer) .. {total} (all routed experts)")
     return c
 
 
@@ -56,6 +71,8 @@ def main(cfg: SimulateConfig) -> dict[str, Any]:
     from .simulator import belady, simulate
 
     tr = Trace(cfg.trace)
+    spec = tr.spec
+    caps = [capacity_slots(c, spec.total_experts, spec.expert_bytes, spec.top_k) for c in cfg.capacities]
     needs_router = any(parse_policy(p)[0] == "pregate" for p in cfg.prefetches)
     predict = None
     if needs_router:
@@ -74,13 +91,12 @@ def main(cfg: SimulateConfig) -> dict[str, Any]:
     if not acc.passes:
         raise ConfigError(f"{cfg.trace} has no {cfg.phase} passes")
     total = len(acc.moe_layers) * acc.num_experts
-    caps = [capacity_slots(c, total) for c in cfg.capacities]
     rows = []
     jobs = [(c, e, p) for c in caps for e in cfg.evictions for p in cfg.prefetches]
     with Progress(transient=True, disable=not cfg.progress) as prog:
         task = prog.add_task("simulating", total=len(jobs) + (len(caps) if cfg.belady else 0))
         for c, e, p in jobs:
-            st = simulate(acc, c, parse_policy(e), parse_policy(p), lookahead=cfg.lookahead, predict_logits=predict)
+            st = simulate(acc, c, cfg.eviction(e), cfg.prefetch(p), lookahead=cfg.lookahead, predict_logits=predict)
             rows.append({"capacity": c, "eviction": e, "prefetch": p, **_summary(st)})
             prog.advance(task)
         if cfg.belady:

@@ -23,8 +23,9 @@ the future): the best hit rate any eviction policy can reach without prefetching
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -6,8 +6,9 @@ Used by `benchmarks/least_stale.py` and the Least-Stale test; one row per (capac
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 

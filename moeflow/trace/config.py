@@ -24,6 +24,7 @@ class TraceConfig:
     max_prompt_tokens: int = 256        # longer prompts are truncated (keep the beginning)
     data_dir: str | None = None
     split: str | None = None            # split of a short set name or HF dataset
+    column: str | None = None           # prompt field of csv/tsv/json/jsonl records (None: detected)
     dtype: str = "auto"
     device: str = "cpu"
     shard_size: int | None = None       # token records per Arrow shard (None: about 256 MiB); closes at a prompt boundary
@@ -31,6 +32,9 @@ class TraceConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        if not self.prompts or not self.out:
+            raise ConfigError("moeflow trace needs --prompts and --out; see `moeflow trace --help` "
+                              "(`moeflow inspect DIR` summarises a trace)")
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
         if self.limit is not None and self.limit < 1:
@@ -48,6 +52,11 @@ class TraceConfig:
         if self.shard_size is not None and self.shard_size < 1:
             raise ConfigError(f"--shard-size must be >= 1 record (got {self.shard_size})")
 
+    def preflight(self) -> None:
+        """What depends on this machine, checked before anything loads: the device."""
+        from ..checks import check_device
+        check_device(self.device)
+
     def generation(self) -> dict[str, Any]:
         """The settings that shape the generated tokens (stored in meta.json)."""
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
@@ -58,6 +67,6 @@ class TraceConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TraceConfig":
+    def from_dict(cls, d: dict[str, Any]) -> TraceConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})

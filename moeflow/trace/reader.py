@@ -1,16 +1,21 @@
 """`Trace(path)`: a validated, memory-mapped view of a trace folder.
 
-Shards are Arrow IPC streams opened through `pyarrow.memory_map`, so opening a trace reads only
-its schema; `trace.layer(l)` copies just the columns of layer `l` (rows in one fixed order for
-every layer: shard by shard, prompt by prompt, position by position).
+Opening checks meta.json's fields and types, every shard's size, checksum (streamed; see
+`format.FULL_HASH_MAX`) and record count, and that meta.json's prompt ids and the shards' prompts
+agree. Shards are Arrow IPC streams opened through `pyarrow.memory_map`; `trace.layer(l)` copies
+just the columns of layer `l` (rows in one fixed order for every layer: shard by shard, prompt by
+prompt, position by position).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -18,47 +23,159 @@ import pyarrow as pa
 from ..artifacts import read_meta
 from ..errors import ArtifactError, ConfigError
 from ..moe import MoESpec
-from .format import HIDDEN_FIELDS, KIND, LAYER_FIELDS, SCHEMA, TOKEN_FIELDS, column
+from .format import (
+    FULL_HASH_MAX,
+    HIDDEN_FIELDS,
+    KIND,
+    LAYER_FIELDS,
+    PROMPTS_KEY,
+    SCHEMA,
+    TOKEN_FIELDS,
+    column,
+    ends_sha256,
+    file_sha256,
+)
+
+# meta.json fields every trace must have, and their JSON types (checked before anything is read)
+REQUIRED: dict[str, tuple[type, ...]] = {"model_fingerprint": (str,), "spec": (dict,), "prompt_ids": (list,),
+                                        "shards": (list,), "num_tokens": (int,), "record_hidden": (bool,)}
+SHARD_REQUIRED: dict[str, tuple[type, ...]] = {"name": (str,), "file": (str,), "records": (int,), "bytes": (int,),
+                                              "sha256": (str,), "prompts": (int,)}
+_JSON_TYPE = {str: "a string", dict: "an object", list: "a list", int: "an integer", bool: "true/false"}
+
+
+def _type_ok(value: Any, types: tuple[type, ...]) -> bool:
+    if isinstance(value, bool) and bool not in types:      # JSON true is not an integer here
+        return False
+    return isinstance(value, types)
+
+
+def check_meta(meta: dict[str, Any], path: Path) -> None:
+    """Raise ArtifactError (one line naming the field) unless `meta` has every required field with its type."""
+    where = f"{path}/meta.json"
+    fix = f"delete {path} and re-run `moeflow trace`"
+
+    def need(d: dict[str, Any], fields: dict[str, tuple[type, ...]], prefix: str) -> None:
+        for name, types in fields.items():
+            if name not in d:
+                raise ArtifactError(f"{where} lacks the field '{prefix}{name}'; {fix}")
+            if not _type_ok(d[name], types):
+                raise ArtifactError(f"{where} field '{prefix}{name}' must be {_JSON_TYPE[types[0]]}, "
+                                    f"not {type(d[name]).__name__}; {fix}")
+    need(meta, REQUIRED, "")
+    by_name: dict[str, tuple[type, ...]] = {"int": (int,), "str": (str,)}
+    spec_types = {f.name: by_name.get(str(f.type), (list,)) for f in dataclasses.fields(MoESpec)}
+    need(meta["spec"], spec_types, "spec.")
+    if not all(_type_ok(x, (int,)) for x in meta["spec"]["moe_layers"]):
+        raise ArtifactError(f"{where} field 'spec.moe_layers' must be a list of integers; {fix}")
+    for i, pid in enumerate(meta["prompt_ids"]):
+        if not isinstance(pid, str):
+            raise ArtifactError(f"{where} field 'prompt_ids[{i}]' must be a string, not {type(pid).__name__}; {fix}")
+    for i, info in enumerate(meta["shards"]):
+        if not isinstance(info, dict):
+            raise ArtifactError(f"{where} field 'shards[{i}]' must be an object, not {type(info).__name__}; {fix}")
+        need(info, SHARD_REQUIRED, f"shards[{i}].")
+        f = Path(info["file"])
+        if f.is_absolute() or ".." in f.parts:
+            raise ArtifactError(f"{where} field 'shards[{i}].file' ({info['file']}) must name a file inside {path}; {fix}")
 
 
 class Trace:
-    """A trace folder written by `moeflow trace`.
+    """A trace folder written by `moeflow trace`, checked before use.
 
-    Raises ArtifactError (one line naming the file and the fix) when meta.json is missing or
-    corrupt, or when a shard is missing, truncated or unreadable.
+    Raises ArtifactError (one line naming the file and the fix) when meta.json is missing, corrupt,
+    or lacks a field; when a shard is missing, truncated, unreadable or (with `verify`, the default)
+    changed since it was written (sha256 in meta.json; shards over 64 MiB: `format.ends_sha256`);
+    and when meta.json's `prompt_ids` and the shards' prompts disagree.
     """
 
-    def __init__(self, path: str | os.PathLike, *, verify: bool = False):
+    def __init__(self, path: str | os.PathLike, *, verify: bool = True):
         self.path = Path(path)
         self.meta: dict[str, Any] = read_meta(self.path, KIND, SCHEMA)
+        check_meta(self.meta, self.path)
         try:
             self.spec = MoESpec.from_dict(self.meta["spec"])
-            shards = list(self.meta["shards"])
-            self.prompt_ids: list[str] = list(self.meta["prompt_ids"])
-        except (KeyError, TypeError) as e:
-            raise ArtifactError(f"{self.path}/meta.json lacks {e}; delete {self.path} and re-run `moeflow trace`") from e
-        self._tables = [self._open_shard(s, verify) for s in shards]
-        self.record_hidden = bool(self.meta.get("record_hidden"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ArtifactError(f"{self.path}/meta.json field 'spec' is invalid ({e}); "
+                                f"delete {self.path} and re-run `moeflow trace`") from e
+        self.prompt_ids: list[str] = list(self.meta["prompt_ids"])
+        self.record_hidden = bool(self.meta["record_hidden"])
+        self._tables = []
+        base = 0
+        for info in self.meta["shards"]:
+            self._tables.append(self._open_shard(info, verify, base))
+            base += info["prompts"]
+        self._check_prompts()
 
-    def _open_shard(self, info: dict[str, Any], verify: bool) -> pa.Table:
+    def _fix(self, what: str = "that shard and its entry") -> str:
+        return f"delete {self.path} (or {what}) and re-run `moeflow trace`"
+
+    def _open_shard(self, info: dict[str, Any], verify: bool, base: int) -> pa.Table:
         f = self.path / info["file"]
-        fix = f"delete {self.path} (or that shard and its entry) and re-run `moeflow trace`"
+        fix = self._fix()
         if not f.is_file():
             raise ArtifactError(f"trace shard {f} is missing; {fix}")
         size = f.stat().st_size
         if size != info["bytes"]:
             raise ArtifactError(f"trace shard {f} is truncated or changed ({size} bytes, expected {info['bytes']}); {fix}")
         if verify:
-            from .writer import _sha256
-            if _sha256(f) != info["sha256"]:
-                raise ArtifactError(f"trace shard {f} is corrupt (sha256 mismatch); {fix}")
+            if size > FULL_HASH_MAX and isinstance(info.get("sha256_ends"), str):
+                ok = ends_sha256(f) == info["sha256_ends"]
+            else:
+                ok = file_sha256(f) == info["sha256"]
+            if not ok:
+                raise ArtifactError(f"trace shard {f} is corrupt (sha256 differs from meta.json); {fix}")
         try:
-            table = pa.ipc.open_stream(pa.memory_map(str(f), "r")).read_all()
+            reader = pa.ipc.open_stream(pa.memory_map(str(f), "r"))
+            table = reader.read_all()
         except (pa.ArrowInvalid, OSError) as e:
             raise ArtifactError(f"trace shard {f} is unreadable ({str(e).splitlines()[0][:80]}); {fix}") from e
         if table.num_rows != info["records"]:
             raise ArtifactError(f"trace shard {f} has {table.num_rows} records, expected {info['records']}; {fix}")
+        self._check_shard_prompts(f, table, info, base)
         return table
+
+    def _check_shard_prompts(self, f: Path, table: pa.Table, info: dict[str, Any], base: int) -> None:
+        """The shard holds exactly meta's prompts [base, base + info["prompts"]), in order, each with rows."""
+        n = info["prompts"]
+        fix = self._fix()
+        if base + n > len(self.prompt_ids):
+            raise ArtifactError(f"trace shard {f} holds prompts {base}..{base + n - 1} but meta.json lists only "
+                                f"{len(self.prompt_ids)} prompt_ids; {fix}")
+        md = table.schema.metadata or {}
+        if PROMPTS_KEY in md:                  # traces written before this check carry no list
+            try:
+                own = json.loads(md[PROMPTS_KEY])
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                own = None
+            if own != self.prompt_ids[base:base + n]:
+                raise ArtifactError(f"trace shard {f} holds other prompts than meta.json's prompt_ids "
+                                    f"[{base}:{base + n}]; {fix}")
+        if "prompt_id" not in table.column_names:
+            raise ArtifactError(f"trace shard {f} has no prompt_id column; {fix}")
+        pid = table.column("prompt_id").to_numpy()                                       # [N]
+        if pid.size and (pid.min() < base or pid.max() >= base + n or (np.diff(pid) < 0).any()
+                         or np.unique(pid).size != n):
+            raise ArtifactError(f"trace shard {f}'s prompt_id column does not match its {n} prompts "
+                                f"(indices {base}..{base + n - 1} in order); {fix}")
+        if not pid.size and n:
+            raise ArtifactError(f"trace shard {f} has no rows for its {n} prompts; {fix}")
+
+    def _check_prompts(self) -> None:
+        """meta.json's prompt_ids: no duplicates, all covered by the shards, record counts add up."""
+        ids = self.prompt_ids
+        where = f"{self.path}/meta.json"
+        if len(set(ids)) != len(ids):
+            dup = next(p for i, p in enumerate(ids) if p in ids[:i])
+            raise ArtifactError(f"{where} lists prompt {dup} twice; {self._fix('the later shard and its entry')}")
+        covered = sum(s["prompts"] for s in self.meta["shards"])
+        if covered != len(ids):
+            raise ArtifactError(f"{where} lists {len(ids)} prompt_ids but its shards hold {covered} prompts; "
+                                f"{self._fix('meta.json')}")
+        rows = sum(t.num_rows for t in self._tables)
+        if rows != self.meta["num_tokens"]:
+            raise ArtifactError(f"{where} says num_tokens {self.meta['num_tokens']} but its shards hold {rows} "
+                                f"records; {self._fix('meta.json')}")
 
     # -- sizes --
     def __len__(self) -> int:
@@ -78,7 +195,8 @@ class Trace:
 
     def __repr__(self) -> str:
         return (f"Trace({str(self.path)!r}, {self.num_prompts} prompts, {self.num_tokens} tokens, "
-                f"{self.spec.arch} {self.spec.num_moe_layers} MoE layers x {self.spec.num_experts} experts top-{self.spec.top_k})")
+                f"{self.spec.arch} {self.spec.num_moe_layers} MoE layers x {self.spec.num_experts} experts "
+                f"top-{self.spec.top_k})")
 
     # -- reading --
     def _column(self, name: str) -> np.ndarray:

@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import threading
 import time
 import zlib
-from typing import Any, Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from ..artifacts import META, check_out
 from ..data import Prompt, load_prompts
+from ..data.prompts import resolve_source
 from ..errors import MoeflowError
+from ..models import check_lengths
 from ..moe import get_adapter, model_fingerprint
 from .config import TraceConfig
+from .format import KIND
 from .writer import RoutingRecorder, TraceWriter, generation_kwargs, trace_one
 
 
 def _progress(console: Any, enabled: bool):
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     return Progress(TextColumn("[bold]tracing"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
                     TextColumn("{task.fields[tokens]} tokens, {task.fields[tps]:.0f} tok/s"),
                     TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
@@ -30,9 +38,41 @@ def prompt_seed(seed: int, prompt_id: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(prompt_id.encode())) % (2**31)
 
 
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """For the block, SIGTERM raises KeyboardInterrupt (unless a handler is set already, e.g. by the CLI),
+    so the writer keeps every prompt finished so far. Main thread only; the old handler is restored."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt("terminated (SIGTERM)")
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt], cfg: TraceConfig, model: Any) -> list[torch.Tensor]:
+    """Token ids [1,S] of each prompt (at most --max-prompt-tokens, the beginning kept); refuses, before any
+    work, a --max-prompt-tokens or a prompt + --max-new-tokens beyond the model's maximum position."""
+    check_lengths(model, cfg.max_prompt_tokens, 0)
+    out = []
+    for p in prompts:
+        ids = tokenizer(p.text, return_tensors="pt", truncation=True, max_length=cfg.max_prompt_tokens,
+                        add_special_tokens=True)["input_ids"][:, :cfg.max_prompt_tokens]                   # [1,S]
+        check_lengths(model, ids.shape[1], cfg.max_new_tokens, what=f"prompt {p.id} ({p.text[:30]!r})")
+        out.append(ids)
+    return out
+
+
 def run_trace(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[Prompt], cfg: TraceConfig,
               console: Any = None) -> dict[str, Any]:
-    """Trace `prompts` through `model` into `cfg.out` (appending; prompts already there are skipped)."""
+    """Trace `prompts` through `model` into `cfg.out` (appending; prompts already there are skipped).
+
+    An interrupt (Ctrl-C, SIGTERM, any error) keeps every prompt finished so far in the trace."""
     adapter = get_adapter(model)
     gen = cfg.generation()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -41,21 +81,21 @@ def run_trace(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[Prompt],
     device = next(model.parameters()).device
     writer = TraceWriter(cfg.out, fingerprint=model_fingerprint(model), spec=adapter.spec.to_dict(),
                          record_hidden=cfg.record_hidden, generation=gen, prompt_source=cfg.prompts,
-                         shard_size=cfg.shard_size)
+                         shard_size=cfg.shard_size, split=cfg.split, limit=cfg.limit, column=cfg.column)
     tokens, gen_tokens, t0 = 0, 0, time.perf_counter()
-    with writer, _progress(console, cfg.progress and console is not None) as bar:
+    with sigterm_interrupts(), writer, _progress(console, cfg.progress and console is not None) as bar:
         if writer.meta["shards"] and writer.meta.get("generation") != gen and console is not None:
             console.print(f"[yellow]note:[/] {cfg.out} was traced with other generation settings "
                           f"({writer.meta.get('generation')}); each run's settings are in meta.json `runs`")
         todo = [p for p in prompts if not writer.has(p.id)]
         skipped = len(prompts) - len(todo)
+        encoded = encode_prompts(tokenizer, todo, cfg, model)
         task = bar.add_task("trace", total=len(todo), tokens=0, tps=0.0)
-        for p in todo:
-            ids = tokenizer(p.text, return_tensors="pt", truncation=True, max_length=cfg.max_prompt_tokens,
-                            add_special_tokens=True)["input_ids"][:, :cfg.max_prompt_tokens].to(device)  # [1,S]
+        for p, ids in zip(todo, encoded, strict=True):
             if ids.shape[1] == 0:
                 bar.advance(task)
                 continue
+            ids = ids.to(device)                                                                       # [1,S]
             rows, seq = trace_one(model, recorder, ids, gen_kw, prompt_seed(cfg.seed, p.id) if gen["do_sample"] else None)
             writer.add(p.id, rows)
             tokens += len(rows["position"])
@@ -69,12 +109,26 @@ def run_trace(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[Prompt],
             "seconds": round(dt, 3), "tokens_per_s": round(tokens / dt, 1) if dt > 0 else None}
 
 
+def check_trace_out(cfg: TraceConfig) -> None:
+    """Refuse, before any work, an --out that is, contains or is inside the model or the prompt file, or
+    that holds anything but a trace (`artifacts.check_out`; a trace is appended to). A folder holding only
+    what a killed first run left (shards, no meta.json) is left to the writer, which reuses it."""
+    out = Path(cfg.out)
+    if out.is_dir() and not (out / META).exists() and all(p.name.startswith((".", "shard-")) for p in out.iterdir()):
+        return
+    src = resolve_source(cfg.prompts, cfg.data_dir, cfg.split)
+    check_out(out, kind=KIND, inputs=(cfg.model, src), reuse=True)
+
+
 def main(cfg: TraceConfig, console: Any = None, json_out: bool = False) -> dict[str, Any]:
     """Load `cfg.model` and `cfg.prompts`, trace, print a result line (or JSON)."""
     from rich.console import Console
+
     from ..models import load_model, torch_threads
     console = console or Console(stderr=True)
-    prompts = load_prompts(cfg.prompts, data_dir=cfg.data_dir, limit=cfg.limit, split=cfg.split)
+    cfg.preflight()
+    check_trace_out(cfg)
+    prompts = load_prompts(cfg.prompts, data_dir=cfg.data_dir, limit=cfg.limit, split=cfg.split, column=cfg.column)
     with torch_threads(cfg.threads):
         model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
         if tok is None:

@@ -80,7 +80,7 @@ def layer_stats(topk_ids: np.ndarray, probs: np.ndarray | None, num_experts: int
     """All statistics of one layer from its top-k ids [N,k] and (optionally) router probabilities [N,E]."""
     counts = expert_counts(topk_ids, num_experts)
     return LayerStats(
-        layer=layer, tokens=int(len(topk_ids)), assignments=int(counts.sum()),
+        layer=layer, tokens=len(topk_ids), assignments=int(counts.sum()),
         dead=[int(e) for e in dead_experts(counts, dead_frac)], skewness=skewness(counts),
         router_entropy=router_entropy(probs) if probs is not None else float("nan"),
         load_entropy=load_entropy(counts), counts=[int(c) for c in counts])

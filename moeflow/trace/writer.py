@@ -11,10 +11,14 @@ crash at any point leaves the previous valid trace.
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import json
 import os
+import shutil
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -22,8 +26,20 @@ import torch
 
 from ..artifacts import META, atomic_dir, check_fingerprint, new_meta, now_iso, write_json_atomic
 from ..errors import ArtifactError, MoeflowError
-from ..moe import Adapter, RouterEvent, router_hooks
-from .format import DATA_FILE, KIND, SCHEMA, TOKEN_FIELDS, column, ids_dtype, shard_name
+from ..moe import Adapter, RouterEvent, residual_hooks, router_hooks
+from .format import (
+    DATA_FILE,
+    FULL_HASH_MAX,
+    KIND,
+    PROMPTS_KEY,
+    SCHEMA,
+    TOKEN_FIELDS,
+    column,
+    ends_sha256,
+    file_sha256,
+    ids_dtype,
+    shard_name,
+)
 
 
 class RoutingRecorder:
@@ -44,27 +60,15 @@ class RoutingRecorder:
         return None
 
     @contextlib.contextmanager
-    def attach(self) -> Iterator["RoutingRecorder"]:
-        handles = []
-        try:
+    def attach(self) -> Iterator[RoutingRecorder]:
+        with contextlib.ExitStack() as stack:
             if self.record_hidden:
-                for l in self.adapter.moe_layers:
-                    norm = getattr(self.adapter.layers[l], "post_attention_layernorm", None)
-                    if norm is None:
-                        raise MoeflowError(f"{self.adapter.spec.arch} layer {l} has no post_attention_layernorm; "
-                                           f"trace without --record-hidden")
-                    handles.append(norm.register_forward_pre_hook(self._resid_hook(l)))
-            with router_hooks(self.adapter, self._on_route):
-                yield self
-        finally:
-            for h in handles:
-                h.remove()
+                stack.enter_context(residual_hooks(self.adapter, self._on_resid, hint="trace without --record-hidden"))
+            stack.enter_context(router_hooks(self.adapter, self._on_route))
+            yield self
 
-    def _resid_hook(self, layer: int):
-        def hook(module, args):
-            r = args[0].detach()
-            self._resid.setdefault(layer, []).append(r.reshape(-1, r.shape[-1]))  # [T,H]
-        return hook
+    def _on_resid(self, layer: int, r: torch.Tensor) -> None:
+        self._resid.setdefault(layer, []).append(r)                               # [T,H]
 
     def clear(self) -> None:
         self._route.clear()
@@ -121,7 +125,7 @@ def trace_one(model: torch.nn.Module, recorder: RoutingRecorder, input_ids: torc
         torch.manual_seed(seed)
     recorder.clear()
     with torch.no_grad(), recorder.attach():
-        seq = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **gen_kwargs)[0]  # [S+G]
+        seq = cast(Any, model).generate(input_ids, attention_mask=torch.ones_like(input_ids), **gen_kwargs)[0]  # [S+G]
     rows = recorder.take()
     n = next(iter(rows.values())).shape[0]
     S = input_ids.shape[1]
@@ -138,15 +142,7 @@ def trace_one(model: torch.nn.Module, recorder: RoutingRecorder, input_ids: torc
 
 # ---- the trace folder ----------------------------------------------------------------------------
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _to_table(cols: dict[str, np.ndarray]) -> pa.Table:
+def _to_table(cols: dict[str, np.ndarray], prompt_ids: list[str]) -> pa.Table:
     arrays, names = [], []
     for name, a in cols.items():
         names.append(name)
@@ -154,18 +150,26 @@ def _to_table(cols: dict[str, np.ndarray]) -> pa.Table:
             arrays.append(pa.array(a))
         else:                                                   # [N,w] -> fixed_size_list[w]
             arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(a).reshape(-1)), a.shape[1]))
-    return pa.Table.from_arrays(arrays, names=names)
+    return pa.Table.from_arrays(arrays, names=names, metadata={PROMPTS_KEY: json.dumps(prompt_ids).encode()})
 
 
-def write_shard(folder: Path, cols: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Write one shard folder atomically; return its meta entry (name, records, bytes, sha256)."""
-    table = _to_table(cols)
-    with atomic_dir(folder) as tmp:
+def write_shard(folder: Path, cols: dict[str, np.ndarray], prompt_ids: list[str]) -> dict[str, Any]:
+    """Write one shard folder atomically; return its meta entry (name, file, records, bytes, sha256
+    and, over FULL_HASH_MAX bytes, sha256_ends). A folder of that name left by a killed run (never
+    listed in meta.json) is replaced."""
+    table = _to_table(cols, prompt_ids)
+    if folder.is_symlink():
+        folder.unlink()
+    elif folder.exists():
+        shutil.rmtree(folder)
+    with atomic_dir(folder, versioned=False) as tmp:   # a new shard: one rename, no symlink
         path = tmp / DATA_FILE
         with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
             w.write_table(table)
         info = {"name": folder.name, "file": f"{folder.name}/{DATA_FILE}", "records": table.num_rows,
-                "bytes": path.stat().st_size, "sha256": _sha256(path)}
+                "bytes": path.stat().st_size, "sha256": file_sha256(path)}
+        if info["bytes"] > FULL_HASH_MAX:
+            info["sha256_ends"] = ends_sha256(path)
     return info
 
 
@@ -203,18 +207,69 @@ def _locked(out: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM until the block ends, then deliver them to the handlers set before.
+
+    Used around each meta.json update, so an interrupt can never fall between writing a shard and
+    listing it (main thread only: elsewhere Python delivers no signals anyway)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {s: h for s in (signal.SIGINT, signal.SIGTERM) if (h := signal.getsignal(s)) is not None}
+    try:
+        for s in old:
+            signal.signal(s, lambda n, _frame: got.append(n))
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for n in got:
+            signal.raise_signal(n)
+
+
+def _sources_of(meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """meta["sources"], or for a trace written before it existed, rebuilt from its `runs`."""
+    if isinstance(meta.get("sources"), list):
+        return [dict(s) for s in meta["sources"]]
+    out: list[dict[str, Any]] = []
+    for r in meta.get("runs") or []:
+        if isinstance(r, dict) and r.get("prompt_source") is not None:
+            _count(out, {"source": r["prompt_source"], "split": r.get("split"), "column": r.get("column")},
+                   int(r.get("prompts_added") or 0))
+    if not out and meta.get("prompt_source") is not None:
+        out.append({"source": meta["prompt_source"], "split": None, "column": None,
+                    "prompts": len(meta.get("prompt_ids") or [])})
+    return out
+
+
+def _count(sources: list[dict[str, Any]], key: dict[str, Any], n: int) -> None:
+    """Add `n` prompts to the entry of `sources` for `key` (source, split, column), creating it."""
+    for s in sources:
+        if all(s.get(k) == v for k, v in key.items()):
+            s["prompts"] = int(s.get("prompts") or 0) + n
+            return
+    sources.append({**key, "prompts": n})
+
+
 class TraceWriter:
     """Appends prompts' records to a trace folder, one atomic shard at a time.
 
     Use as a context manager; `add()` buffers one prompt, a shard is written whenever
-    `shard_size` records are buffered, and on exit (also on Ctrl-C) whatever is buffered.
+    `shard_size` records are buffered, and on exit (also on Ctrl-C, SIGTERM turned into an
+    exception, or any error) whatever is buffered, so every prompt finished so far stays in a
+    valid, appendable trace. meta.json records every run (`runs`: source, split, limit, column,
+    generation, shards, prompts added) and `sources`: each (source, split, column) with the number
+    of prompts of the trace that came from it.
     """
 
     def __init__(self, out: str | os.PathLike, *, fingerprint: str, spec: dict[str, Any], record_hidden: bool,
-                 generation: dict[str, Any], prompt_source: str, shard_size: int | None = None):
+                 generation: dict[str, Any], prompt_source: str, shard_size: int | None = None,
+                 split: str | None = None, limit: int | None = None, column: str | None = None):
         self.out = Path(out)
         self.shard_size = shard_size or auto_shard_size(spec, record_hidden)
-        self._args = (fingerprint, spec, record_hidden, generation, prompt_source)
+        self._args = (fingerprint, spec, record_hidden, generation)
         self.meta: dict[str, Any] = {}
         self.known: set[str] = set()
         self._buf: list[tuple[str, dict[str, np.ndarray]]] = []
@@ -222,36 +277,42 @@ class TraceWriter:
         self.added_prompts = 0
         self.added_tokens = 0
         self.new_shards: list[str] = []
-        self._run = {"started_at": now_iso(), "prompt_source": prompt_source, "generation": generation,
-                     "shards": self.new_shards}
+        self._source = {"source": prompt_source, "split": split, "column": column}
+        self._run: dict[str, Any] = {"started_at": now_iso(), "prompt_source": prompt_source, "split": split,
+                                     "limit": limit, "column": column, "generation": generation, "shards": [],
+                                     "prompts_added": 0}
         self._lock: contextlib.ExitStack | None = None
         self._created = False
 
-    def _open(self) -> dict[str, Any]:
-        """The existing trace's meta (checked against this run), or a new one."""
-        fingerprint, spec, record_hidden, generation, prompt_source = self._args
+    def _open(self, verify: bool = True) -> dict[str, Any]:
+        """The existing trace's meta (checked against this run; with `verify`, its shards' checksums too),
+        or a new one."""
+        fingerprint, spec, record_hidden, generation = self._args
         out = self.out
         if out.exists() and not out.is_dir():
             raise ArtifactError(f"--out {out} is a file; pass a folder")
         if (out / META).exists():
             from .reader import Trace  # validates every shard before we add to it
-            meta = Trace(out).meta
+            meta = Trace(out, verify=verify).meta
             check_fingerprint(meta, fingerprint, "the trace", out)
             if bool(meta["record_hidden"]) != record_hidden:
                 have = "with" if meta["record_hidden"] else "without"
                 raise ArtifactError(f"trace at {out} was recorded {have} --record-hidden; use the same setting "
                                     f"to append, or another --out")
+            meta["sources"] = _sources_of(meta)
+            meta.pop("prompt_source", None)       # one source per trace was never true after an append
+            meta["runs"] = list(meta.get("runs") or [])
             return meta
         if out.is_dir():
             strays = [p.name for p in out.iterdir() if not (p.name.startswith(".") or p.name.startswith("shard-"))]
             if strays:
                 raise ArtifactError(f"--out {out} exists and is not a trace folder (holds {strays[0]}); "
                                     f"choose an empty or new folder")
-        return new_meta(KIND, SCHEMA, fingerprint, spec=spec, prompt_source=prompt_source, generation=generation,
-                        record_hidden=record_hidden, num_tokens=0, prompt_ids=[], shards=[], runs=[])
+        return new_meta(KIND, SCHEMA, fingerprint, spec=spec, generation=generation, record_hidden=record_hidden,
+                        num_tokens=0, prompt_ids=[], shards=[], sources=[], runs=[])
 
-    def __enter__(self) -> "TraceWriter":
-        self._open()                                   # refuse before creating anything
+    def __enter__(self) -> TraceWriter:
+        self._open(verify=False)                       # refuse before creating anything
         self._created = not self.out.exists()
         self.out.mkdir(parents=True, exist_ok=True)
         self._lock = contextlib.ExitStack()
@@ -264,9 +325,9 @@ class TraceWriter:
         self.known = set(self.meta["prompt_ids"])
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         try:
-            self.flush()
+            self.flush()                               # keep every finished prompt, also on an interrupt
         finally:
             self._release()
 
@@ -293,9 +354,15 @@ class TraceWriter:
             self.flush()
 
     def flush(self) -> None:
+        """Write the buffered prompts as one shard, then meta.json; SIGINT/SIGTERM wait until both are done."""
         if not self._buf:
             return
+        with signals_deferred():
+            self._flush()
+
+    def _flush(self) -> None:
         base = len(self.meta["prompt_ids"])
+        ids = [pid for pid, _ in self._buf]
         first = self._buf[0][1]
         names = [*TOKEN_FIELDS[1:], *(n for n in first if n not in TOKEN_FIELDS)]   # fixed column order
         cols: dict[str, np.ndarray] = {
@@ -304,18 +371,22 @@ class TraceWriter:
         for name in names:
             cols[name] = np.concatenate([r[name] for _, r in self._buf])
         index = max((int(s["name"].rsplit("-", 1)[1]) for s in self.meta["shards"]), default=-1) + 1
-        info = write_shard(self.out / shard_name(index), cols)
-        info["prompts"] = len(self._buf)
+        info = write_shard(self.out / shard_name(index), cols, ids)
+        info["prompts"] = len(ids)
+        run = {**self._run, "shards": [*self._run["shards"], info["name"]], "finished_at": now_iso(),
+               "prompts_added": self.added_prompts + len(ids)}
+        sources = [dict(s) for s in self.meta["sources"]]
+        _count(sources, self._source, len(ids))
         meta = dict(self.meta)
         meta["shards"] = [*self.meta["shards"], info]
-        meta["prompt_ids"] = [*self.meta["prompt_ids"], *(pid for pid, _ in self._buf)]
+        meta["prompt_ids"] = [*self.meta["prompt_ids"], *ids]
         meta["num_tokens"] = int(self.meta["num_tokens"]) + info["records"]
-        self.new_shards.append(info["name"])
-        self._run.update(finished_at=now_iso(), prompts_added=self.added_prompts + len(self._buf))
-        meta["runs"] = [r for r in self.meta["runs"] if r is not self._run] + [self._run]
+        meta["sources"] = sources
+        meta["runs"] = [*(r for r in self.meta["runs"] if r is not self._run), run]
         write_json_atomic(self.out / META, meta)
-        self.meta = meta
-        self.added_prompts += len(self._buf)
+        self.meta, self._run = meta, run
+        self.new_shards.append(info["name"])
+        self.added_prompts += len(ids)
         self.added_tokens += info["records"]
         self._buf.clear()
         self._buffered = 0

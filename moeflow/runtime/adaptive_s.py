@@ -1,11 +1,10 @@
 """Adaptive step size S (ExpertFlow 3.2.1-3.2.2, 3.3.2): how many MoE layers ahead to prefetch.
 
-    S_formula = N_e * E_s / (C_s * T_l)
+    S_formula = N_e * E_s / (C_s * T_l)      (`moeflow.calibrate.stepsize.s_formula`)
 
-with N_e the experts expected per layer (pre-gate experts taken in descending probability until the
-cumulative mass passes a threshold), E_s the bytes of one expert, C_s the host->device bandwidth
-(bytes/s) and T_l the compute time of one layer (s). The controller keeps S = ceil(S_formula) + bias,
-clamped to [min_s, max_s]:
+with N_e the experts needed per layer (`moeflow calibrate` records top-k), E_s the bytes of one
+expert, C_s the host->device bandwidth (bytes/s) and T_l the compute time of one layer (s). The
+controller keeps S = ceil(S_formula) + bias, clamped to [min_s, max_s]:
 
 - every needed expert that was not resident (the layer waited on a transfer) counts a stall; when
   the stall counter passes `stall_threshold` it resets and bias += 1 (prefetch further ahead);
@@ -14,22 +13,17 @@ clamped to [min_s, max_s]:
 - observed transfers update C_s (exponential moving average of bytes / seconds), observed layer
   times update T_l, and S is recomputed with the formula (ExpertFlow 3.3.2 (2)).
 
-It has no clock or device of its own: the engine feeds it events (`observe_*`, `on_pass`), so it is
-tested with synthetic numbers and used unchanged by the simulator.
+It has no clock or device of its own: the engine feeds it per-pass stats (`on_pass`, via
+`attach(engine)`), so it is tested with synthetic numbers.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-
-def experts_for_mass(probs, mass: float = 0.9) -> float:
-    """ExpertFlow's N_e: mean count of experts, in descending pre-gate probability, to reach `mass`. probs [T,E]."""
-    import torch
-    from ..policies.prefetch import mass_mask
-    return float(mass_mask(torch.as_tensor(probs).float(), mass).sum(-1).float().mean())
+from ..calibrate.stepsize import ceil_s, s_formula
 
 
 @dataclass
@@ -53,7 +47,7 @@ class StepSizeController:
         self.stalls = 0
         self.overfetches = 0
         f = self.formula_s()
-        base = self._ceil(f) if f is not None else self.initial_s
+        base = ceil_s(f) if f is not None else self.initial_s
         self.bias = self.initial_s - base      # so that S starts at initial_s
         self._s = self._clamp(self.initial_s)
         self.history: list[tuple[str, int]] = [("init", self._s)]
@@ -64,22 +58,18 @@ class StepSizeController:
         return self._s
 
     def formula_s(self) -> float | None:
-        if None in (self.expert_bytes, self.bandwidth, self.layer_time_s, self.experts_per_layer):
+        """S_formula from the current estimates; None while one is unknown (or C_s, T_l not positive)."""
+        n_e, e_s, c_s, t_l = self.experts_per_layer, self.expert_bytes, self.bandwidth, self.layer_time_s
+        if n_e is None or e_s is None or c_s is None or t_l is None or c_s <= 0 or t_l <= 0:
             return None
-        if self.bandwidth <= 0 or self.layer_time_s <= 0:
-            return None
-        return self.experts_per_layer * self.expert_bytes / (self.bandwidth * self.layer_time_s)
-
-    @staticmethod
-    def _ceil(x: float) -> int:
-        return max(1, math.ceil(x - 1e-9))
+        return s_formula(n_e, e_s, c_s, t_l)
 
     def _clamp(self, s: int) -> int:
         return max(self.min_s, min(self.max_s, int(s)))
 
     def _recompute(self, why: str) -> int:
         f = self.formula_s()
-        base = self._ceil(f) if f is not None else self.initial_s
+        base = ceil_s(f) if f is not None else self.initial_s
         # keep the bias inside what can still move S, so a long run of stalls does not wind up
         self.bias = max(self.min_s - base, min(self.max_s - base, self.bias))
         new = self._clamp(base + self.bias)
@@ -123,11 +113,6 @@ class StepSizeController:
             return self._recompute("layer_time")
         return self._s
 
-    def observe_experts(self, n_e: float) -> int:
-        self.experts_per_layer = n_e if self.experts_per_layer is None else \
-            (1 - self.ema) * self.experts_per_layer + self.ema * n_e
-        return self._recompute("experts")
-
     def on_pass(self, stats: Any) -> int:
         """Engine observer (`engine.observers.append(ctrl.on_pass)`), given a `PassStats` per forward pass.
 
@@ -164,21 +149,9 @@ class StepSizeController:
 
     # -- construction --
     @classmethod
-    def from_calibration(cls, calib: dict[str, Any], *, max_s: int, **kw: Any) -> "StepSizeController":
+    def from_calibration(cls, calib: dict[str, Any], *, max_s: int, **kw: Any) -> StepSizeController:
         """Initial S (`initial_s`) and E_s, C_s, T_l, N_e from a `moeflow calibrate` record (its JSON keys)."""
         c = cls(initial_s=int(calib.get("initial_s") or 1), max_s=max_s, expert_bytes=calib.get("expert_bytes"),
                 bandwidth=calib.get("bandwidth_bytes_per_s"), layer_time_s=calib.get("layer_time_s"),
                 experts_per_layer=calib.get("experts_per_layer"), **kw)
         return c
-
-    @classmethod
-    def for_model(cls, model: Any, calibration: str | None = None, **kw: Any) -> "StepSizeController":
-        """From the model's calibration file (`moeflow.calibrate.load_calibration`), else S = 1 and no formula."""
-        from ..moe import get_adapter
-        spec = get_adapter(model).spec
-        max_s = kw.pop("max_s", max(1, spec.num_moe_layers - 1))
-        if calibration is None:
-            return cls(initial_s=1, max_s=max_s, num_layers=spec.num_layers, **kw)
-        from ..calibrate import load_calibration
-        return cls.from_calibration(load_calibration(calibration, model), max_s=max_s, num_layers=spec.num_layers,
-                                    **kw)

@@ -1,0 +1,109 @@
+"""The one place moeflow touches transformers' private MoE internals, checked against a tested range.
+
+The offload engine computes the experts exactly as transformers' `grouped_mm` implementation does,
+on its own slot buffer, and plugs itself in as an experts implementation. For that it needs
+private parts of `transformers.integrations.moe` that may change in any release:
+- `_grouped_linear(input [S,in], weight [G,out,in] (or [G,in,out] transposed), offs [G] int32,
+  bias=[S,out] | None, is_transposed=False) -> [S,out]`: rows offs[g-1]:offs[g] use weight g;
+- `ALL_EXPERTS_FUNCTIONS`: the experts-implementation registry (`register(name, fn)`,
+  `_global_mapping` name -> fn);
+- on an experts module: `has_gate`, `has_bias`, `is_transposed`, `has_post_expert_norm`, and
+  `_apply_gate` (gated) or `act_fn`, and `post_expert_norm` when flagged: what `grouped_mm_experts_forward` reads.
+
+`check()` verifies the transformers version (`TESTED`) and the presence and signature of all of
+these, and raises `TransformersVersionError` (one line naming the installed version) when they
+changed. Nothing else in moeflow imports them; tests/test_tx_compat.py checks their behaviour.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedModelError
+
+TESTED = ("5.20", "6")                      # transformers >= TESTED[0], < TESTED[1] (as in pyproject.toml)
+GROUPED_LINEAR_PARAMS = ("input", "weight", "offs", "bias", "is_transposed")
+EXPERTS_ATTRS = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm")   # + _apply_gate or act_fn
+
+
+class TransformersVersionError(UnsupportedModelError):
+    """The installed transformers lacks (or changed) a private MoE internal the offload engine uses."""
+
+
+def _version() -> str:
+    import transformers
+    return str(getattr(transformers, "__version__", "unknown"))
+
+
+def _fail(what: str) -> TransformersVersionError:
+    return TransformersVersionError(f"transformers {_version()} {what}; moeflow's offload engine is tested with "
+                                    f"transformers>={TESTED[0]},<{TESTED[1]}: install a version in that range")
+
+
+def _in_range(version: str) -> bool:
+    from packaging.version import InvalidVersion, Version
+    try:
+        v = Version(version)
+    except InvalidVersion:
+        return False
+    return Version(TESTED[0]) <= v < Version(TESTED[1])
+
+
+def check() -> None:
+    """Raise `TransformersVersionError` unless the installed transformers has what the engine uses."""
+    _checked()
+
+
+@functools.cache
+def _checked() -> Any:
+    """`transformers.integrations.moe` once it passed every check (cached; `_checked.cache_clear()` re-checks)."""
+    if not _in_range(_version()):
+        raise _fail("is outside the tested range")
+    try:
+        from transformers.integrations import moe
+    except ImportError as e:
+        raise _fail(f"has no transformers.integrations.moe ({e})") from None
+    fn = getattr(moe, "_grouped_linear", None)
+    if not callable(fn):
+        raise _fail("has no transformers.integrations.moe._grouped_linear")
+    params = tuple(inspect.signature(fn).parameters)
+    if params != GROUPED_LINEAR_PARAMS:
+        raise _fail(f"changed _grouped_linear{params} (expected {GROUPED_LINEAR_PARAMS})")
+    reg = getattr(moe, "ALL_EXPERTS_FUNCTIONS", None)
+    if reg is None or not hasattr(reg, "register") or not isinstance(getattr(reg, "_global_mapping", None), dict):
+        raise _fail("has no ALL_EXPERTS_FUNCTIONS registry with register() and _global_mapping")
+    return moe
+
+
+def check_experts_module(module: nn.Module) -> None:
+    """Raise `TransformersVersionError` unless `module` has the attributes the grouped compute reads."""
+    missing = [a for a in EXPERTS_ATTRS if not hasattr(module, a)]
+    if not missing:                       # what the flags select: the gate or the activation, the norm
+        needs = ["_apply_gate" if module.has_gate else "act_fn"]
+        needs += ["post_expert_norm"] if module.has_post_expert_norm else []
+        missing = [a for a in needs if not hasattr(module, a)]
+    if missing:
+        raise _fail(f"experts module {type(module).__name__} lacks {', '.join(missing)}")
+
+
+def grouped_linear(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, *, bias: torch.Tensor | None = None,
+                   is_transposed: bool = False) -> torch.Tensor:
+    """transformers' `_grouped_linear`: rows offs[g-1]:offs[g] of input [S,in] times expert g's weight -> [S,out]."""
+    return _checked()._grouped_linear(input, weight, offs, bias=bias, is_transposed=is_transposed)
+
+
+def registered_experts(name: str) -> Callable[..., Any] | None:
+    """The function registered under `name` in transformers' experts interface, or None."""
+    return _checked().ALL_EXPERTS_FUNCTIONS._global_mapping.get(name)
+
+
+def register_experts(name: str, fn: Callable[..., Any]) -> None:
+    """Idempotent: make `fn` the experts implementation `name` (`model.set_experts_implementation(name)`)."""
+    if registered_experts(name) is not fn:
+        _checked().ALL_EXPERTS_FUNCTIONS.register(name, fn)

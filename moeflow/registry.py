@@ -1,0 +1,50 @@
+"""`Registry`: name -> class for one kind of pluggable part (eviction / prefetch / miss / routing
+policies in `moeflow.policies`, predictors in `moeflow.predict`), chosen by name on the command line."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from .errors import ConfigError
+
+P = TypeVar("P")
+
+
+class Registry(dict[str, Callable[..., Any]]):
+    """Name -> class for one kind. `create(name, **options)` builds one, or explains the choices.
+
+    `what` names one entry in messages ("eviction policy", "predictor")."""
+
+    def __init__(self, kind: str, what: str | None = None):
+        super().__init__()
+        self.kind = kind
+        self.what = what or f"{kind} policy"
+
+    def register(self, cls: type[P]) -> type[P]:
+        name: str = cls.name  # type: ignore[attr-defined]
+        if name in self:
+            raise ValueError(f"{self.what} {name!r} registered twice")
+        self[name] = cls
+        return cls
+
+    def create(self, name: str, opts: Mapping[str, Any] | None = None, /, **options: Any) -> Any:
+        """`create("pregate", overfetch=1.5)` or `create(*parse_policy("pregate:overfetch=1.5"))`."""
+        options = {**(opts or {}), **options}
+        if name not in self:
+            raise ConfigError(f"unknown {self.what} {name!r}; choose one of: {', '.join(sorted(self))}")
+        cls = self[name]
+        try:
+            inspect.signature(cls).bind(**options)
+        except TypeError:
+            accepted = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
+            bad = sorted(set(options) - set(accepted)) or sorted(options)
+            raise ConfigError(f"{self.what} {name!r} has no option {', '.join(map(repr, bad))}; "
+                              f"its options: {', '.join(accepted) or '(none)'}") from None
+        try:
+            return cls(**options)
+        except (TypeError, ValueError) as e:  # a value of the wrong type, e.g. overfetch=abc
+            given = ", ".join(f"{k}={v!r}" for k, v in options.items())
+            raise ConfigError(f"{self.what} {name!r}: bad option value in {given} ({e}); "
+                              f"give numbers where numbers are expected, e.g. pregate:overfetch=1.5") from None
