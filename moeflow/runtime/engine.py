@@ -303,6 +303,11 @@ class OffloadEngine:
     @staticmethod
     def _needs_host(flat: torch.Tensor, weights: torch.Tensor) -> tuple[list[int], dict[int, float]]:
         """Unique experts of a call (host tensors `[S]`) and their summed gate weight over its tokens."""
+        ids = flat.tolist()
+        if len(set(ids)) == len(ids):             # every expert once (a decode step): nothing to sum
+            ws = weights.tolist()
+            order = sorted(range(len(ids)), key=ids.__getitem__)
+            return [ids[i] for i in order], {ids[i]: ws[i] for i in order}
         uniq = torch.unique(flat)                                               # sorted [U]
         summed = torch.zeros(uniq.numel(), dtype=torch.float32)
         summed.index_add_(0, torch.searchsorted(uniq, flat), weights)
