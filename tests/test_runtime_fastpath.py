@@ -94,3 +94,22 @@ def test_one_host_read_per_layer_and_deferred_counters(tiny_models, arch, monkey
         assert torch.equal(out, ref) and syncs == passes * spec.num_moe_layers
         fast.stall_s = slow.stall_s = 0.0
         assert fast == slow
+
+
+@pytest.mark.gpu
+def test_more_than_1024_slots_cuda(wide_model):
+    """On CUDA `torch._grouped_mm` refuses > 1024 groups: the old per-slot grouping crashed here."""
+    from moeflow.runtime.link import CudaLink
+    dev = torch.device("cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_model("olmoe", num_experts=640, top_k=2, num_hidden_layers=2, hidden_size=16,
+                           intermediate_size=16, num_attention_heads=2, num_key_value_heads=2, dtype=dtype).to(dev)
+        prompt = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(3))
+        ref, _ = generate_one(model, prompt, None, max_new_tokens=NEW, min_new_tokens=NEW)
+        for capacity in (1100, 1280):
+            eng = build_engine(model, mode="offload", link=CudaLink(dev), capacity=capacity, eviction="lru",
+                               prefetch="none")
+            with eng:
+                eng.warm()
+                out, _ = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
+            assert torch.equal(out, ref), f"cuda {dtype} C={capacity}"
