@@ -97,7 +97,7 @@ def test_one_host_read_per_layer_and_deferred_counters(tiny_models, arch, monkey
 
 
 @pytest.mark.gpu
-def test_more_than_1024_slots_cuda(wide_model):
+def test_more_than_1024_slots_cuda():
     """On CUDA `torch._grouped_mm` refuses > 1024 groups: the old per-slot grouping crashed here."""
     from moeflow.runtime.link import CudaLink
     dev = torch.device("cuda")
