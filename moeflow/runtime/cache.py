@@ -4,7 +4,11 @@ The cache is mechanism only. It asks the eviction policy for every victim (`vict
 over resident, unpinned, not-in-flight slots) and reports every event to it (`on_insert`,
 `on_access(score=gate weight)`, `on_evict`, `on_pass_start`, `on_layer_start`). It never holds more
 than C experts: the slot buffer `[C, row_numel]` is allocated once, with per-parameter views
-`[C, *shape]` that the engine's grouped matmuls read directly.
+`[C, *shape]` from which the engine gathers the slots a layer routes to.
+
+The (layer, expert) -> slot map lives twice: `slot_of` on the host (the cache's decisions) and `table`
+`[L_moe, E]` (long, -1 = not resident) on the device, updated whenever a slot's key changes, so the
+engine's expert compute finds slots without building tensors from Python lists.
 
 Slot states: free -> loading (copy in flight) -> ready; a ready or loading slot may additionally be
 pinned by the running layer (it will be read by this layer's expert compute and cannot be evicted).
@@ -102,6 +106,9 @@ class ExpertCache:
         self.views = store.layout.views(self.buffer)                  # name -> [C, *shape]
         self.slots = [Slot() for _ in range(C)]
         self.slot_of: dict[ExpertKey, int] = {}
+        self.table = torch.full((L, spec.num_experts), -1, dtype=torch.long, device=device)  # [L,E] slot or -1
+        self._resident_in = [0] * L                                   # resident experts per MoE layer
+        self._loading: set[int] = set()                               # slots whose copy may be in flight
         per = C // L if per_layer else C
         parts = L if per_layer else 1
         self._part_slots = [list(range(p * per, (p + 1) * per)) for p in range(parts)]
@@ -147,7 +154,17 @@ class ExpertCache:
         slot = self.slots[s]
         if slot.state == LOADING and self.link.ready(slot.ticket):
             slot.state = READY
+            self._loading.discard(s)
         return slot.state
+
+    def layer_all_ready(self, layer: int) -> bool:
+        """True when every expert of `layer` is in a ready slot: no access of this layer can miss or wait."""
+        if self._resident_in[self.rank[layer]] < self.spec.num_experts:
+            return False
+        for s in list(self._loading):
+            if self._refresh(s) != READY and self.slots[s].key[0] == layer:
+                return False
+        return True
 
     # ---- demand: the running layer's experts -------------------------------------------------------
     def demand(self, layer: int, experts: Sequence[int], scores: dict[int, float]) -> list[int]:
@@ -196,6 +213,7 @@ class ExpertCache:
             if slot.state == LOADING:
                 stall += self.link.wait(slot.ticket)
                 slot.state = READY
+                self._loading.discard(s)
         self.counters.stall_s += stall
         return stall
 
@@ -267,6 +285,9 @@ class ExpertCache:
         self.counters.evictions += 1
         self._evicted_in_pass[key] = self.pass_id
         del self.slot_of[key]
+        r = self.rank[key[0]]
+        self.table[r, key[1]] = -1                                      # device table follows the key
+        self._resident_in[r] -= 1
         last_use = slot.last_use
         self.slots[s] = Slot(last_use=last_use)
         self._free[self._part(key[0])].append(s)
@@ -282,6 +303,10 @@ class ExpertCache:
         slot.prefetched = prefetched
         slot.used = False
         self.slot_of[key] = s
+        r = self.rank[key[0]]
+        self.table[r, key[1]] = s                                       # device table follows the key
+        self._resident_in[r] += 1
+        self._loading.add(s)
         self.counters.loads += 1
         self.counters.bytes_moved += self.store.expert_bytes
         if self.eviction is not None:

@@ -6,10 +6,16 @@ transformers' `ExpertsInterface` and switches the model to it, and tags each exp
 its layer and this engine (attributes on the module instance; no globals hold engines).
 
 Per MoE layer and forward pass:
-  router forward hook -> `on_layer_start` -> unique needed experts -> miss policy -> demand loads
-  (hits pinned first) -> prefetch policy `propose(LayerContext)` -> prefetch copies (overlap this
-  layer's expert compute) -> experts call: wait only for this layer's slots -> exact grouped compute
-  on the slot buffer (in waves of <= capacity experts when a prefill needs more) -> release pins.
+  router forward hook -> routed ids to the host (ONE synchronization) -> `on_layer_start` -> unique
+  needed experts -> miss policy -> demand loads (hits pinned first) -> prefetch policy
+  `propose(LayerContext)` -> prefetch copies (overlap this layer's expert compute) -> experts call:
+  wait only for this layer's slots -> exact grouped compute over the routed experts' slots, found in
+  the cache's device table (in waves of <= capacity experts when a prefill needs more) -> release pins.
+Fast path: when every expert of a layer is in a ready slot and no prefetch/routing policy needs the
+routing on the host, no access can miss, so the router hook only queues the routing; the experts call
+computes from the device table with no host synchronization, and the queued accesses are replayed into
+the cache (same events, same order, same counters) at the next layer that needs the host or at the end
+of the pass, with one synchronization for all of them.
 A forward pre-hook on the model marks pass boundaries (`pass_id += 1`); a post-hook publishes a
 `PassStats` to every callable in `engine.observers` (step-size controllers, learned prefetchers).
 `engine.lookahead` (step size S) is read into every `LayerContext`, so it may change between passes.
@@ -27,12 +33,14 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..moe import RouterEvent, get_adapter, residual_hooks, router_hooks, tx_compat
-from ..policies.base import EvictionPolicy, LayerContext, MissPolicy, PrefetchPolicy, RoutingPolicy
+from ..policies.base import EvictionPolicy, LayerContext, MissPolicy, PrefetchPolicy, PrefetchRequest, RoutingPolicy
 from .cache import CacheCounters, ExpertCache
 from .link import Link
 from .store import HostExpertStore
 
 IMPL_NAME = "moeflow"
+MAX_GROUPS = 1024                 # torch._grouped_mm on CUDA refuses more groups than this in one call
+GATHER_BYTES = 1 << 30            # at most this many bytes of expert weights gathered per grouped call
 
 
 def moeflow_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -71,6 +79,16 @@ class PassStats:
 Observer = Callable[[PassStats], None]
 
 
+@dataclass
+class _Routed:
+    """A layer's routing, seen by the router hook, waiting for the layer's experts call."""
+
+    indices: torch.Tensor               # [T,k] the routing the experts call is expected to receive
+    experts: list[int] | None = None    # unique experts (None: deferred, everything resident)
+    slots: list[int] | None = None      # their pinned slots (None: deferred or more than one wave)
+    scores: dict[int, float] | None = None  # summed gate weight per expert (for waves demanded later)
+
+
 class OffloadEngine:
     """Runs `model` with its routed experts in host memory and a C-slot device cache."""
 
@@ -89,6 +107,8 @@ class OffloadEngine:
         self.spec = self.adapter.spec
         self.link = link
         self.eviction, self.prefetcher, self.miss, self.routing = eviction, prefetch, miss, routing
+        self._prefetching = prefetch is not None and getattr(prefetch, "name", None) != "none"   # proposes copies
+        self._rerouting = routing is not None and getattr(routing, "name", None) != "standard"   # may bias routing
         self.per_layer, self.retain = per_layer, retain
         self.capacity = capacity
         self.lookahead = int(lookahead)          # step size S; controllers may change it between passes
@@ -98,7 +118,10 @@ class OffloadEngine:
         self.cache: ExpertCache | None = None
         self.pass_id = -1
         self._stack: contextlib.ExitStack | None = None
-        self._pending: dict[int, tuple[list[int], list[int]]] = {}
+        self._pending: dict[int, _Routed] = {}
+        self._deferred: list[tuple[int, torch.Tensor, torch.Tensor]] = []   # (layer, indices, weights)
+        self.host_syncs = 0                  # device -> host reads the engine made (each one a sync on CUDA)
+        self._aranges: dict[int, torch.Tensor] = {}
         self._predicting = False
         self._residual: dict[int, torch.Tensor] = {}
         self._token_ids: torch.Tensor | None = None
@@ -137,7 +160,7 @@ class OffloadEngine:
             self._prev_impl = self.model.config._experts_implementation
             self.model.set_experts_implementation(IMPL_NAME)
             stack.callback(self.model.set_experts_implementation, self._prev_impl)
-            if self.prefetcher is not None:           # post-attention residual (None where a family has no norm)
+            if self._prefetching:                    # post-attention residual (None where a family has no norm)
                 stack.enter_context(residual_hooks(self.adapter, self._residual.__setitem__, hint=None))
             stack.enter_context(router_hooks(self.adapter, self._on_route))
             h1 = self.model.register_forward_pre_hook(self._on_pass_start, with_kwargs=True)
@@ -156,6 +179,15 @@ class OffloadEngine:
                 self.cache.close()
             stack, self._stack = self._stack, None
             stack.close()
+
+    def warm(self, keys: list[tuple[int, int]] | None = None) -> int:
+        """Load `keys` (default: every routed expert, up to capacity) through the cache's prefetch path and
+        wait for the copies; returns the copies issued. For benchmarks of the all-resident decode path."""
+        spec = self.spec
+        keys = keys if keys is not None else [(l, e) for l in spec.moe_layers for e in range(spec.num_experts)]
+        n = self.cache.prefetch([PrefetchRequest(k) for k in keys], spec.moe_layers[0])
+        self.link.drain()
+        return n
 
     @staticmethod
     def _untag(ex: nn.Module) -> None:
@@ -177,8 +209,10 @@ class OffloadEngine:
         self.cache.begin_pass(self.pass_id)
 
     def _on_pass_end(self, module, args, output) -> None:
-        for slots in [s for _, s in self._pending.values()]:   # a layer routed but never computed
-            self.cache.release(slots)
+        self.flush()
+        for r in self._pending.values():                       # a layer routed but never computed
+            if r.slots is not None:
+                self.cache.release(r.slots)
         self._pending.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -204,33 +238,77 @@ class OffloadEngine:
         if self._predicting:                     # a prefetch policy applying another layer's router
             return None
         cache, l = self.cache, ev.layer
-        cache.begin_layer(l)
         logits, weights, indices = ev.logits, ev.weights, ev.indices
+        if self._can_defer(l, indices):
+            self._deferred.append((l, indices, weights))
+            self._pending[l] = _Routed(indices)
+            return None
+        self.flush()                             # earlier layers' accesses first: events stay in order
+        cache.begin_layer(l)
         replaced = None
-        if self.routing is not None:
+        if self._rerouting:
             bias = self.routing.bias(l, self.spec.num_experts, cache.is_ready)
             if bias is not None:
                 weights, indices = self.adapter.select(l, logits, bias)
                 replaced = (logits, weights, indices)
-        experts, scores = self._needs(indices, weights)
-        if len(experts) <= cache.part_capacity:
+        experts, scores = self._needs_host(*self._to_host([(indices, weights)])[0])
+        routed = _Routed(indices, experts, scores=scores)
+        if len(experts) <= self._wave_capacity():
             self._check_misses(l, experts)
             loads0 = cache.counters.loads
-            self._pending[l] = (experts, cache.demand(l, experts, scores))
+            routed.slots = cache.demand(l, experts, scores)
             self._count_loads(l, cache.counters.loads - loads0)
-        if self.prefetcher is not None:
+        self._pending[l] = routed
+        if self._prefetching:
             self._prefetch(l, ev.x, logits, indices, weights)
         return replaced
 
+    def _can_defer(self, layer: int, indices: torch.Tensor) -> bool:
+        """No access of this layer can miss and nothing needs its routing on the host before compute."""
+        return (not self._prefetching and not self._rerouting and self.retain
+                and min(indices.numel(), self.spec.num_experts) <= self._wave_capacity()
+                and self.cache.layer_all_ready(layer))
+
+    def flush(self) -> None:
+        """Replay the deferred accesses into the cache (one host synchronization for all of them)."""
+        if not self._deferred:
+            return
+        deferred, self._deferred = self._deferred, []
+        cache = self.cache
+        for (l, _, _), (ids, w) in zip(deferred, self._to_host([(i, w) for _, i, w in deferred])):
+            experts, scores = self._needs_host(ids, w)
+            cache.begin_layer(l)
+            cache.release(cache.demand(l, experts, scores))       # all hits: pins nothing past this line
+
+    def _to_host(self, routings: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Expert ids and gate weights of several routings, copied to the host in ONE transfer."""
+        flat = [t.reshape(-1).to(torch.float64) for i, w in routings for t in (i, w)]   # f64: ids and weights exact
+        packed = torch.cat(flat).cpu() if len(flat) > 1 else flat[0].cpu()
+        self.host_syncs += 1
+        out, o = [], 0
+        for i, _ in routings:
+            n = i.numel()
+            out.append((packed[o:o + n].long(), packed[o + n:o + 2 * n].float()))       # [S] ids, [S] weights
+            o += 2 * n
+        return out
+
     @staticmethod
-    def _needs(indices: torch.Tensor, weights: torch.Tensor) -> tuple[list[int], dict[int, float]]:
-        """Unique experts of a call and their summed gate weight over the call's tokens."""
-        flat = indices.reshape(-1)
+    def _needs_host(flat: torch.Tensor, weights: torch.Tensor) -> tuple[list[int], dict[int, float]]:
+        """Unique experts of a call (host tensors `[S]`) and their summed gate weight over its tokens."""
+        ids = flat.tolist()
+        if len(set(ids)) == len(ids):             # every expert once (a decode step): nothing to sum
+            ws = weights.tolist()
+            order = sorted(range(len(ids)), key=ids.__getitem__)
+            return [ids[i] for i in order], {ids[i]: ws[i] for i in order}
         uniq = torch.unique(flat)                                               # sorted [U]
-        summed = torch.zeros(uniq.numel(), dtype=torch.float32, device=flat.device)
-        summed.index_add_(0, torch.searchsorted(uniq, flat), weights.reshape(-1).float())
+        summed = torch.zeros(uniq.numel(), dtype=torch.float32)
+        summed.index_add_(0, torch.searchsorted(uniq, flat), weights)
         experts = uniq.tolist()
         return experts, dict(zip(experts, summed.tolist()))
+
+    def _wave_capacity(self) -> int:
+        """Most experts one grouped call may cover: slots, the kernel's group limit, the gather budget."""
+        return max(1, min(self.cache.part_capacity, MAX_GROUPS, GATHER_BYTES // self.store.expert_bytes))
 
     def _check_misses(self, layer: int, experts: list[int]) -> None:
         if self.miss is None:
@@ -272,68 +350,116 @@ class OffloadEngine:
     # ---- the experts call ------------------------------------------------------------------------------
     def experts_forward(self, module: nn.Module, layer: int, hidden_states: torch.Tensor,
                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        cache = self.cache
-        experts, scores = self._needs(top_k_index, top_k_weights)
-        pending = self._pending.pop(layer, None)
-        if pending is not None and pending[0] == experts:
-            waves = [pending]
-        else:                                        # prefill beyond capacity (or routing not seen)
-            if pending is not None:
-                cache.release(pending[1])
-            waves = self._plan_waves(layer, experts)
-        return self._compute(module, layer, hidden_states, top_k_index, top_k_weights, waves, scores)
+        routed = self._pending.pop(layer, None)
+        if routed is not None and routed.experts is None:                       # deferred: all resident, ready
+            groups = min(top_k_index.numel(), self.spec.num_experts)
+            return self._compute(module, layer, hidden_states, top_k_index, top_k_weights, [(None, None)], groups)
+        if routed is None or not self._same_routing(routed, top_k_index):       # not the tensor the hook saw
+            self.flush()
+            experts, scores = self._needs_host(*self._to_host([(top_k_index, top_k_weights)])[0])
+            if routed is not None and routed.experts != experts:
+                if routed.slots is not None:
+                    self.cache.release(routed.slots)
+                routed = None
+            routed = routed or _Routed(top_k_index, experts, scores=scores)
+        if routed.slots is not None:
+            waves = [(routed.experts, routed.slots)]
+        else:                                                                   # prefill beyond capacity
+            waves = self._plan_waves(layer, routed.experts, routed.scores)
+        return self._compute(module, layer, hidden_states, top_k_index, top_k_weights, waves, len(routed.experts))
 
-    def _plan_waves(self, layer: int, experts: list[int]) -> list[tuple[list[int], None]]:
-        """Chunks of <= per-layer capacity experts, resident ones first (they need no copy)."""
-        cap = self.cache.part_capacity
+    @staticmethod
+    def _same_routing(routed: _Routed, top_k_index: torch.Tensor) -> bool:
+        """The experts call got the tensor the router hook saw (no host read: same storage and layout)."""
+        a, b = routed.indices, top_k_index
+        return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                          and a.dtype == b.dtype)
+
+    def _plan_waves(self, layer: int, experts: list[int], scores: dict[int, float]):
+        """Chunks of <= wave-capacity experts, resident ones first (they need no copy); slots issued later."""
+        cap = self._wave_capacity()
         ordered = sorted(experts, key=lambda e: (not self.cache.resident((layer, e)), e))
-        return [(sorted(ordered[i:i + cap]), None) for i in range(0, len(ordered), cap)]
+        return [(sorted(ordered[i:i + cap]), scores) for i in range(0, len(ordered), cap)]
 
-    def _compute(self, module, layer, hidden_states, top_k_index, top_k_weights, waves, scores) -> torch.Tensor:
-        """grouped_mm experts forward on the slot buffer; bit-identical to transformers' `grouped_mm`."""
+    def _arange(self, n: int, device: torch.device) -> torch.Tensor:
+        a = self._aranges.get(n)
+        if a is None or a.device != device:
+            a = self._aranges[n] = torch.arange(n, device=device)
+        return a
+
+    def _compute(self, module, layer, hidden_states, top_k_index, top_k_weights, waves, groups) -> torch.Tensor:
+        """grouped_mm experts forward over the routed slots; bit-identical to transformers' `grouped_mm`.
+
+        `waves`: `[(experts, slots)]` pinned by the router hook, `[(experts, scores)]` planned here
+        (demanded one wave at a time), or `[(None, None)]` (deferred: every expert resident and ready).
+        """
         cache = self.cache
-        device = hidden_states.device
         T, H = hidden_states.shape
         k = top_k_index.size(-1)
-        C = cache.capacity
-        views = cache.views
+        table = cache.table[cache.rank[layer]]                                  # [E] slot of each expert, -1
         sample_weights = top_k_weights.reshape(-1)                              # [S]
         expert_ids = top_k_index.reshape(-1)                                    # [S]
         expert_ids_g, perm = torch.sort(expert_ids)                             # same order as grouped_mm
         x_g = hidden_states[perm // k]                                          # [S,H]
         w_g = sample_weights[perm]                                              # [S]
-        up_name = "gate_up_proj" if module.has_gate else "up_proj"
-        out_g = None
-        for experts, slots in waves:
-            if slots is None:                                                   # a wave planned here
-                self._check_misses(layer, experts)
-                loads0 = cache.counters.loads
-                slots = cache.demand(layer, experts, {e: scores[e] for e in experts})
-                self._count_loads(layer, cache.counters.loads - loads0)
-            cache.wait(slots)
-            slot_map = torch.full((self.spec.num_experts,), -1, dtype=torch.long)
-            slot_map[torch.tensor(experts, dtype=torch.long)] = torch.tensor(slots, dtype=torch.long)
-            slot_ids = slot_map.to(device)[expert_ids_g]                        # [S] slot of each sorted row
-            rows = torch.nonzero(slot_ids >= 0).squeeze(1) if len(waves) > 1 else \
-                torch.arange(slot_ids.numel(), device=device)                   # [S_w] rows of this wave
-            sid, order = torch.sort(slot_ids[rows], stable=True)                # group by slot, keep row order
-            rows = rows[order]
-            offsets = torch.cumsum(torch.bincount(sid, minlength=C), 0, dtype=torch.int32)  # [C]
-            bias = views[up_name + "_bias"][sid] if module.has_bias else None
-            proj = tx_compat.grouped_linear(x_g[rows], views[up_name], offsets, bias=bias,
-                                            is_transposed=module.is_transposed)  # [S_w, 2I] or [S_w, I]
-            proj = module._apply_gate(proj) if module.has_gate else module.act_fn(proj)   # [S_w, I]
-            bias = views["down_proj_bias"][sid] if module.has_bias else None
-            proj = tx_compat.grouped_linear(proj, views["down_proj"], offsets, bias=bias,
-                                            is_transposed=module.is_transposed)  # [S_w, H]
-            if module.has_post_expert_norm:
-                proj = module.post_expert_norm(proj)
-            if out_g is None:
-                out_g = torch.empty(expert_ids.numel(), proj.shape[-1], dtype=proj.dtype, device=device)  # [S,H]
-            out_g[rows] = proj
-            cache.release(slots)
+        if len(waves) == 1:
+            experts, slots = waves[0]
+            if experts is not None:
+                slots = self._demand_wave(layer, experts, slots)
+            out_g = self._grouped(module, x_g, expert_ids_g, table[expert_ids_g], groups)   # [S,H]
+            if experts is not None:
+                cache.release(slots)
+        else:
+            out_g = None
+            for experts, scores in waves:
+                slots = self._demand_wave(layer, experts, scores)
+                member = torch.zeros(self.spec.num_experts, dtype=torch.bool, device=x_g.device)
+                member[torch.tensor(experts, device=x_g.device)] = True        # [E] experts of this wave
+                rows = torch.nonzero(member[expert_ids_g]).squeeze(1)           # [S_w] rows of this wave
+                eg = expert_ids_g[rows]                                         # [S_w] sorted
+                proj = self._grouped(module, x_g[rows], eg, table[eg], len(experts))   # [S_w,H]
+                if out_g is None:
+                    out_g = torch.empty(expert_ids.numel(), proj.shape[-1], dtype=proj.dtype, device=x_g.device)
+                out_g[rows] = proj
+                cache.release(slots)
         weighted = out_g * w_g.unsqueeze(-1)                                    # [S,H]
         inv_perm = torch.empty_like(perm)
-        inv_perm[perm] = torch.arange(perm.size(0), device=device)
+        inv_perm[perm] = self._arange(perm.size(0), perm.device)
         weighted = weighted[inv_perm]                                           # [S,H] original order
         return weighted.view(T, k, H).sum(dim=1).to(hidden_states.dtype)        # [T,H]
+
+    def _demand_wave(self, layer: int, experts: list[int], slots_or_scores) -> list[int]:
+        """Slots of a wave: already pinned by the router hook (a list), or demanded now (scores given)."""
+        if isinstance(slots_or_scores, list):
+            slots = slots_or_scores
+        else:
+            self._check_misses(layer, experts)
+            loads0 = self.cache.counters.loads
+            slots = self.cache.demand(layer, experts, {e: slots_or_scores[e] for e in experts})
+            self._count_loads(layer, self.cache.counters.loads - loads0)
+        self.cache.wait(slots)
+        return slots
+
+    def _grouped(self, module, x: torch.Tensor, eg: torch.Tensor, slot_rows: torch.Tensor, groups: int) -> torch.Tensor:
+        """Up/gate, activation, down over the slots of the rows' experts; one group per routed expert.
+
+        `x [N,H]` rows sorted by expert id `eg [N]`, `slot_rows [N]` their slots, `groups` >= the number
+        of distinct experts in `eg` (extra groups are empty). No host synchronization, no Python lists.
+        """
+        views = self.cache.views
+        N = eg.numel()
+        gid = torch.zeros(N, dtype=torch.long, device=eg.device)                # [N] group of each row
+        torch.cumsum(eg[1:] != eg[:-1], 0, out=gid[1:])
+        offsets = torch.searchsorted(gid, self._arange(groups, eg.device), right=True, out_int32=True)  # [G]
+        slot_g = torch.zeros(groups, dtype=torch.long, device=eg.device).scatter_(0, gid, slot_rows)   # [G]
+        up_name = "gate_up_proj" if module.has_gate else "up_proj"
+        bias = views[up_name + "_bias"][slot_rows] if module.has_bias else None    # [N, 2I] or [N, I]
+        proj = tx_compat.grouped_linear(x, views[up_name].index_select(0, slot_g), offsets, bias=bias,
+                               is_transposed=module.is_transposed)              # [N, 2I] or [N, I]
+        proj = module._apply_gate(proj) if module.has_gate else module.act_fn(proj)   # [N, I]
+        bias = views["down_proj_bias"][slot_rows] if module.has_bias else None  # [N, H]
+        proj = tx_compat.grouped_linear(proj, views["down_proj"].index_select(0, slot_g), offsets, bias=bias,
+                               is_transposed=module.is_transposed)              # [N, H]
+        if module.has_post_expert_norm:
+            proj = module.post_expert_norm(proj)
+        return proj
