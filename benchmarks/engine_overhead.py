@@ -28,11 +28,25 @@ from pathlib import Path
 
 import torch
 
-SHAPES = {   # OlmoeConfig kwargs
-    "olmoe-1b-7b-shape": dict(hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_experts=64,
-                              num_experts_per_tok=8, num_attention_heads=16, vocab_size=8192),
-    "tiny": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_experts=16, num_experts_per_tok=2,
-                 num_attention_heads=4, vocab_size=1024),
+SHAPES = {  # OlmoeConfig kwargs
+    "olmoe-1b-7b-shape": dict(
+        hidden_size=2048,
+        intermediate_size=1024,
+        num_hidden_layers=16,
+        num_experts=64,
+        num_experts_per_tok=8,
+        num_attention_heads=16,
+        vocab_size=8192,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_experts=16,
+        num_experts_per_tok=2,
+        num_attention_heads=4,
+        vocab_size=1024,
+    ),
 }
 LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"}
 SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
@@ -42,6 +56,7 @@ DECODE_RANGE = "moeflow::moe_layer_decode"
 def make_model(shape: str, out: Path) -> None:
     """Random-weight OLMoE checkpoint of a named shape, bf16, `save_pretrained` into `out`."""
     from transformers import AutoModelForCausalLM, OlmoeConfig
+
     cfg = OlmoeConfig(**SHAPES[shape], dtype="bfloat16")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -52,6 +67,7 @@ def make_model(shape: str, out: Path) -> None:
 
 def _tpot(model, ids, engine, new: int) -> float:
     from moeflow.runtime.generate import generate_one
+
     _, m = generate_one(model, ids, engine, max_new_tokens=new, min_new_tokens=new)
     return m.tpot_s
 
@@ -83,7 +99,9 @@ class _LayerRanges:
 def profile_counts(model, adapter, ids, engine, new: int, cuda: bool) -> dict:
     """Per MoE layer per decode step: kernel launches or aten ops, host synchronizations."""
     from torch.profiler import ProfilerActivity, profile
+
     from moeflow.runtime.generate import generate_one
+
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     ranges = _LayerRanges(adapter)
     s0 = engine.host_syncs if engine is not None else 0
@@ -103,13 +121,16 @@ def profile_counts(model, adapter, ids, engine, new: int, cuda: bool) -> dict:
     n = max(1, len(spans))
     launches = sum(1 for e in events if e.name in LAUNCHES and inside(e))
     syncs = sum(1 for e in events if e.name in SYNCS and inside(e))
-    aten = sum(1 for e in events if e.name.startswith("aten::") and inside(e)
-               and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+    aten = sum(
+        1
+        for e in events
+        if e.name.startswith("aten::") and inside(e) and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))
+    )
     out = {"decode_layer_calls": len(spans), "aten_ops": aten / n}
     if cuda:
         out.update(kernel_launches=launches / n, host_syncs=syncs / n)
-    elif engine is not None:                                 # CPU: the engine's own device->host reads
-        passes = new                                         # routed passes: prefill + new-1 decode steps
+    elif engine is not None:  # CPU: the engine's own device->host reads
+        passes = new  # routed passes: prefill + new-1 decode steps
         out["host_syncs"] = (engine.host_syncs - s0) / max(1, passes * adapter.spec.num_moe_layers)
     else:
         out["host_syncs"] = 0.0
@@ -119,8 +140,13 @@ def profile_counts(model, adapter, ids, engine, new: int, cuda: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint folder (default: models/olmoe-mini)")
-    ap.add_argument("--make-model", nargs=2, metavar=("SHAPE", "DIR"), default=None,
-                    help=f"build a random-weight checkpoint ({', '.join(SHAPES)}) into DIR and exit")
+    ap.add_argument(
+        "--make-model",
+        nargs=2,
+        metavar=("SHAPE", "DIR"),
+        default=None,
+        help=f"build a random-weight checkpoint ({', '.join(SHAPES)}) into DIR and exit",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1)")
@@ -135,6 +161,7 @@ def main() -> None:
 
     from rich.console import Console
     from rich.table import Table
+
     from moeflow.models import default_model_path, load_model
     from moeflow.moe import get_adapter
     from moeflow.runtime.generate import build_engine
@@ -151,13 +178,14 @@ def main() -> None:
     adapter, adapter_off = get_adapter(resident), get_adapter(offloaded)
     spec = adapter.spec
     vocab = resident.config.vocab_size
-    ids = torch.randint(3, vocab, (1, a.prompt_tokens), generator=torch.Generator().manual_seed(0))   # [1,P]
-    engine = build_engine(offloaded, mode="offload", link=make_link("auto", device), capacity=spec.total_experts,
-                          eviction="lru", prefetch="none")
+    ids = torch.randint(3, vocab, (1, a.prompt_tokens), generator=torch.Generator().manual_seed(0))  # [1,P]
+    engine = build_engine(
+        offloaded, mode="offload", link=make_link("auto", device), capacity=spec.total_experts, eviction="lru", prefetch="none"
+    )
     tpot: dict[str, list[float]] = {"resident": [], "engine": []}
     with engine:
         engine.warm()
-        _tpot(resident, ids, None, a.new_tokens)                     # untimed warm-up of both
+        _tpot(resident, ids, None, a.new_tokens)  # untimed warm-up of both
         _tpot(offloaded, ids, engine, a.new_tokens)
         for r in range(a.rounds):
             order = ("resident", "engine") if r % 2 == 0 else ("engine", "resident")
@@ -166,37 +194,61 @@ def main() -> None:
                     tpot[mode].append(_tpot(resident, ids, None, a.new_tokens))
                 else:
                     tpot[mode].append(_tpot(offloaded, ids, engine, a.new_tokens))
-        counts = {"resident": profile_counts(resident, adapter, ids, None, a.profile_tokens, cuda),
-                  "engine": profile_counts(offloaded, adapter_off, ids, engine, a.profile_tokens, cuda)}
+        counts = {
+            "resident": profile_counts(resident, adapter, ids, None, a.profile_tokens, cuda),
+            "engine": profile_counts(offloaded, adapter_off, ids, engine, a.profile_tokens, cuda),
+        }
         misses = engine.cache.counters.misses
 
     med = {m: statistics.median(v) for m, v in tpot.items()}
     ratio = med["engine"] / med["resident"]
-    ratio_min = min(tpot["engine"]) / min(tpot["resident"])          # least disturbed by shared cores
-    paired = statistics.median(e / r for e, r in zip(tpot["engine"], tpot["resident"]))   # same round
+    ratio_min = min(tpot["engine"]) / min(tpot["resident"])  # least disturbed by shared cores
+    paired = statistics.median(e / r for e, r in zip(tpot["engine"], tpot["resident"]))  # same round
     unit = "kernel launches" if cuda else "aten ops"
     key = "kernel_launches" if cuda else "aten_ops"
-    t = Table(title=f"engine overhead: {Path(path).name} on {a.device} "
-                    f"({spec.num_moe_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}), "
-                    f"C = all {spec.total_experts} experts")
+    t = Table(
+        title=f"engine overhead: {Path(path).name} on {a.device} "
+        f"({spec.num_moe_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}), "
+        f"C = all {spec.total_experts} experts"
+    )
     for col in ("mode", "TPOT ms (median)", "min", "max", f"{unit} / MoE layer / step", "host syncs / MoE layer / step"):
         t.add_column(col, justify="right" if col != "mode" else "left")
     for m in ("resident", "engine"):
-        t.add_row(m, f"{med[m] * 1e3:.2f}", f"{min(tpot[m]) * 1e3:.2f}", f"{max(tpot[m]) * 1e3:.2f}",
-                  f"{counts[m][key]:.1f}", f"{counts[m]['host_syncs']:.2f}")
+        t.add_row(
+            m,
+            f"{med[m] * 1e3:.2f}",
+            f"{min(tpot[m]) * 1e3:.2f}",
+            f"{max(tpot[m]) * 1e3:.2f}",
+            f"{counts[m][key]:.1f}",
+            f"{counts[m]['host_syncs']:.2f}",
+        )
     console.print(t)
     target = 1.10 if cuda else 1.05
-    console.print(f"engine / resident TPOT = {ratio:.3f} (medians; of minima {ratio_min:.3f}, per-round median "
-                  f"{paired:.3f}; target <= {target}); misses after warm-up: {misses}")
-    print(json.dumps({
-        "model": str(path), "device": a.device, "threads": a.threads if not cuda else None,
-        "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens, "rounds": a.rounds,
-        "tpot_ms": {m: [round(x * 1e3, 3) for x in v] for m, v in tpot.items()},
-        "tpot_ms_median": {m: round(v * 1e3, 3) for m, v in med.items()},
-        "ratio": round(ratio, 4), "ratio_of_minima": round(ratio_min, 4), "ratio_paired_median": round(paired, 4),
-        "target": target, "misses": misses,
-        "per_moe_layer_per_decode_step": counts, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }))
+    console.print(
+        f"engine / resident TPOT = {ratio:.3f} (medians; of minima {ratio_min:.3f}, per-round median "
+        f"{paired:.3f}; target <= {target}); misses after warm-up: {misses}"
+    )
+    print(
+        json.dumps(
+            {
+                "model": str(path),
+                "device": a.device,
+                "threads": a.threads if not cuda else None,
+                "prompt_tokens": a.prompt_tokens,
+                "new_tokens": a.new_tokens,
+                "rounds": a.rounds,
+                "tpot_ms": {m: [round(x * 1e3, 3) for x in v] for m, v in tpot.items()},
+                "tpot_ms_median": {m: round(v * 1e3, 3) for m, v in med.items()},
+                "ratio": round(ratio, 4),
+                "ratio_of_minima": round(ratio_min, 4),
+                "ratio_paired_median": round(paired, 4),
+                "target": target,
+                "misses": misses,
+                "per_moe_layer_per_decode_step": counts,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

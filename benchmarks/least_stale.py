@@ -44,8 +44,11 @@ def main() -> None:
     ap.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--phase", choices=("decode", "prefill", "all"), default="decode")
-    ap.add_argument("--trace", default=None, help="replay a `moeflow trace --record-hidden` folder instead of "
-                    "generating (the model is still loaded for pre-gating)")
+    ap.add_argument(
+        "--trace",
+        default=None,
+        help="replay a `moeflow trace --record-hidden` folder instead of generating (the model is still loaded for pre-gating)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(2)
     con = Console(stderr=True)
@@ -63,6 +66,7 @@ def main() -> None:
     phase = {"decode": 1, "prefill": 0, "all": None}[args.phase]
     if args.trace:
         from moeflow.trace import Trace
+
         tr = Trace(args.trace)
         tr.check_model(model)
         acc = from_trace(tr, phase=phase, max_prompts=args.prompts, with_router_input=tr.record_hidden)
@@ -73,20 +77,38 @@ def main() -> None:
         task = prog.add_task("simulating", total=len(fractions) * (len(CONFIGS) + 1))
         rows = sweep(acc, fractions, CONFIGS, predict_logits=ad.router_logits, progress=lambda: prog.advance(task))
     W = acc.working_set()
-    con.print(f"model {which}: {len(acc.moe_layers)} MoE layers x {acc.num_experts} experts, top-{acc.top_k}; "
-              f"{len(acc.passes)} {args.phase} passes; working set {W:.1f} experts per pass")
+    con.print(
+        f"model {which}: {len(acc.moe_layers)} MoE layers x {acc.num_experts} experts, top-{acc.top_k}; "
+        f"{len(acc.passes)} {args.phase} passes; working set {W:.1f} experts per pass"
+    )
     out = Console(width=150)
     for f in fractions:
         sub = [r for r in rows if r["fraction"] == f]
         t = Table(title=f"capacity {f:.0%} = {sub[0]['capacity']} experts (pass working set {W:.1f})")
-        for c in ("config", "hit rate", "collision misses", "collision rate", "misses", "transfers/token",
-                  "pf precision", "pf recall", "hit rate per layer"):
+        for c in (
+            "config",
+            "hit rate",
+            "collision misses",
+            "collision rate",
+            "misses",
+            "transfers/token",
+            "pf precision",
+            "pf recall",
+            "hit rate per layer",
+        ):
             t.add_column(c, justify="left" if c == "config" else "right")
         for r in sub:
-            t.add_row(r["config"], f"{r['hit_rate']:.3f}", str(r["collisions"]), f"{r['collision_rate']:.3f}",
-                      str(r["misses"]), f"{r['loads_per_token']:.2f}",
-                      f"{r['prefetch_precision']:.2f}", f"{r['prefetch_recall']:.2f}",
-                      " ".join(f"{h:.2f}" for h in r["hit_rate_per_layer"]))
+            t.add_row(
+                r["config"],
+                f"{r['hit_rate']:.3f}",
+                str(r["collisions"]),
+                f"{r['collision_rate']:.3f}",
+                str(r["misses"]),
+                f"{r['loads_per_token']:.2f}",
+                f"{r['prefetch_precision']:.2f}",
+                f"{r['prefetch_recall']:.2f}",
+                " ".join(f"{h:.2f}" for h in r["hit_rate_per_layer"]),
+            )
         out.print(t)
     print(json.dumps({"model": which, "phase": args.phase, "passes": len(acc.passes), "working_set": W, "rows": rows}))
 

@@ -32,10 +32,10 @@ from moeflow.data.prompts import load_prompts
 from moeflow.models import load_model
 from moeflow.moe import get_adapter
 from moeflow.policies import EVICTION
+from moeflow.policies.parse import parse_capacity
 from moeflow.runtime.generate import build_engine, generate_one
 from moeflow.runtime.link import EmulatedLink
 from moeflow.runtime.metrics import RunMetrics
-from moeflow.policies.parse import parse_capacity
 from moeflow.runtime.store import ExpertLayout
 
 
@@ -50,11 +50,13 @@ def layer_timer(adapter):
             if i == 0:
                 passes.append({})
             t0[i] = time.perf_counter()
+
         return f
 
     def post(i):
         def f(m, a, o):
             passes[-1][i] = time.perf_counter() - t0[i]
+
         return f
 
     for i, layer in enumerate(adapter.layers):
@@ -70,8 +72,7 @@ def run_prompts(model, prompts, engine, args, label):
     ms = []
     outs = []
     for ids in prompts:
-        new, m = generate_one(model, ids, engine, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                              label=label)
+        new, m = generate_one(model, ids, engine, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, label=label)
         ms.append(m)
         outs.append(new)
     # decode passes only: drop each prompt's first pass (prefill)
@@ -99,8 +100,10 @@ def main() -> None:
     model, tok = load_model(args.model, experts_implementation="grouped_mm")
     ad = get_adapter(model)
     spec = ad.spec
-    prompts = [tok(p.text, return_tensors="pt").input_ids[:, :args.max_prompt_tokens]
-               for p in load_prompts(args.prompts, limit=args.limit)]
+    prompts = [
+        tok(p.text, return_tensors="pt").input_ids[:, : args.max_prompt_tokens]
+        for p in load_prompts(args.prompts, limit=args.limit)
+    ]
     layout = ExpertLayout.of({n: p.detach() for n, p in ad.per_expert_params(spec.moe_layers[0]).items()})
     eb = layout.row_bytes
 
@@ -120,11 +123,13 @@ def main() -> None:
     bw = args.gbps * 1e9 if args.gbps else copy_share_bandwidth(od_bytes_per_token, resident.tpot_s, args.copy_share)
     lat = args.latency_us * 1e-6
     capacity = parse_capacity(args.capacity, total_experts=spec.total_experts, expert_bytes=eb)
-    con.print(f"[bold]{spec.arch}[/] {spec.num_moe_layers} MoE layers x {spec.num_experts} experts top-{spec.top_k}, "
-              f"expert {eb / 1e3:.1f} KB; resident TPOT {resident.tpot_s * 1e3:.2f} ms; "
-              f"link {bw / 1e9:.4g} GB/s + {args.latency_us:g} us: on-demand copy "
-              f"{od_bytes_per_token / bw * 1e3:.2f} ms/token = {args.copy_share if not args.gbps else float('nan'):.2f} "
-              f"of on-demand TPOT (bandwidth-bound); cache C={capacity} ({100 * capacity / spec.total_experts:.0f}%)")
+    con.print(
+        f"[bold]{spec.arch}[/] {spec.num_moe_layers} MoE layers x {spec.num_experts} experts top-{spec.top_k}, "
+        f"expert {eb / 1e3:.1f} KB; resident TPOT {resident.tpot_s * 1e3:.2f} ms; "
+        f"link {bw / 1e9:.4g} GB/s + {args.latency_us:g} us: on-demand copy "
+        f"{od_bytes_per_token / bw * 1e3:.2f} ms/token = {args.copy_share if not args.gbps else float('nan'):.2f} "
+        f"of on-demand TPOT (bandwidth-bound); cache C={capacity} ({100 * capacity / spec.total_experts:.0f}%)"
+    )
 
     def bound(loads_per_pass: list[dict[int, int]]) -> float:
         """other + sum_l max(compute_l, moved_l / bw), averaged over decode passes."""
@@ -155,30 +160,75 @@ def main() -> None:
 
     od_tpot = rows[0][0].tpot_s
     t = Table(title=f"offloaded decode, bandwidth-bound ({bw / 1e9:.4g} GB/s), C={capacity}")
-    for c in ("run", "TPOT ms", "x resident", "on-demand / run", "run / bound", "run / bound_od", "stall %",
-              "dec hit", "prec", "recall", "xfer/tok", "collis.", "exact"):
+    for c in (
+        "run",
+        "TPOT ms",
+        "x resident",
+        "on-demand / run",
+        "run / bound",
+        "run / bound_od",
+        "stall %",
+        "dec hit",
+        "prec",
+        "recall",
+        "xfer/tok",
+        "collis.",
+        "exact",
+    ):
         t.add_column(c, justify="left" if c == "run" else "right")
     t.add_row("resident", f"{resident.tpot_s * 1e3:.2f}", "1.00", "-", "-", "-", "0.0", "-", "-", "-", "0", "-", "ref")
-    result = {"model": args.model, "arch": spec.arch, "capacity": capacity, "gbps": bw / 1e9, "latency_us": args.latency_us,
-              "copy_share": None if args.gbps else args.copy_share, "resident_tpot_s": resident.tpot_s,
-              "compute_layers_s": layers_s, "other_s": other_s, "bound_on_demand_traffic_s": od_bound, "runs": []}
+    result = {
+        "model": args.model,
+        "arch": spec.arch,
+        "capacity": capacity,
+        "gbps": bw / 1e9,
+        "latency_us": args.latency_us,
+        "copy_share": None if args.gbps else args.copy_share,
+        "resident_tpot_s": resident.tpot_s,
+        "compute_layers_s": layers_s,
+        "other_s": other_s,
+        "bound_on_demand_traffic_s": od_bound,
+        "runs": [],
+    }
     for m, b, exact in rows:
         f = lambda v, s=".3f": "-" if v is None else format(v, s)
-        t.add_row(m.label, f"{m.tpot_s * 1e3:.2f}", f"{m.tpot_s / resident.tpot_s:.2f}", f"{od_tpot / m.tpot_s:.2f}",
-                  f"{m.tpot_s / b:.2f}", f"{m.tpot_s / od_bound:.2f}", f"{m.stall_share * 100:.1f}",
-                  f(m.decode_hit_rate), f(m.decode_prefetch_precision), f(m.decode_prefetch_recall),
-                  f(m.transfers_per_token, ".2f"),
-                  str(m.decode_counters.collision_misses), "yes" if exact else "NO")
-        result["runs"].append({"run": m.label, "tpot_s": m.tpot_s, "bound_s": b, "tpot_over_bound": m.tpot_s / b,
-                               "on_demand_speedup": od_tpot / m.tpot_s, "x_resident": m.tpot_s / resident.tpot_s,
-                               "stall_share": m.stall_share, "decode_hit_rate": m.decode_hit_rate,
-                               "prefetch_precision": m.decode_prefetch_precision,
-                               "prefetch_recall": m.decode_prefetch_recall,
-                               "transfers_per_token": m.transfers_per_token,
-                               "collision_misses_decode": m.decode_counters.collision_misses, "exact": exact})
+        t.add_row(
+            m.label,
+            f"{m.tpot_s * 1e3:.2f}",
+            f"{m.tpot_s / resident.tpot_s:.2f}",
+            f"{od_tpot / m.tpot_s:.2f}",
+            f"{m.tpot_s / b:.2f}",
+            f"{m.tpot_s / od_bound:.2f}",
+            f"{m.stall_share * 100:.1f}",
+            f(m.decode_hit_rate),
+            f(m.decode_prefetch_precision),
+            f(m.decode_prefetch_recall),
+            f(m.transfers_per_token, ".2f"),
+            str(m.decode_counters.collision_misses),
+            "yes" if exact else "NO",
+        )
+        result["runs"].append(
+            {
+                "run": m.label,
+                "tpot_s": m.tpot_s,
+                "bound_s": b,
+                "tpot_over_bound": m.tpot_s / b,
+                "on_demand_speedup": od_tpot / m.tpot_s,
+                "x_resident": m.tpot_s / resident.tpot_s,
+                "stall_share": m.stall_share,
+                "decode_hit_rate": m.decode_hit_rate,
+                "prefetch_precision": m.decode_prefetch_precision,
+                "prefetch_recall": m.decode_prefetch_recall,
+                "transfers_per_token": m.transfers_per_token,
+                "collision_misses_decode": m.decode_counters.collision_misses,
+                "exact": exact,
+            }
+        )
     con.print(t)
-    con.print(f"bound_od (on-demand traffic, perfect overlap) = {od_bound * 1e3:.2f} ms/token; compute of all "
-              f"layers {layers_s * 1e3:.2f} ms + other {other_s * 1e3:.2f} ms")
+    con.print(
+        f"bound_od (on-demand traffic, perfect overlap) = {od_bound * 1e3:.2f} ms/token; compute of all "
+        f"layers {layers_s * 1e3:.2f} ms + other {other_s * 1e3:.2f} ms"
+    )
     sys.stdout.write(json.dumps(result) + "\n")
 
 

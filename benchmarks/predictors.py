@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 def heldout_prompts(pred_dir: Path, n: int) -> list[torch.Tensor]:
     from moeflow.predict.data import from_trace
     from moeflow.predict.io import read_predictor_meta
+
     meta = read_predictor_meta(pred_dir)
     cfg = meta["config"]
     data = from_trace(meta["trace"]["path"])
@@ -41,25 +42,44 @@ def heldout_prompts(pred_dir: Path, n: int) -> list[torch.Tensor]:
     return out
 
 
-def run_one(model, prompts, *, mode, link_fn, capacity=0, prefetch="none", opts=None, lookahead=1,
-            adaptive=False, calibration=None, new_tokens=24):
+def run_one(
+    model,
+    prompts,
+    *,
+    mode,
+    link_fn,
+    capacity=0,
+    prefetch="none",
+    opts=None,
+    lookahead=1,
+    adaptive=False,
+    calibration=None,
+    new_tokens=24,
+):
+    from moeflow.runtime.adaptive_s import StepSizeController
     from moeflow.runtime.generate import build_engine, generate_one
     from moeflow.runtime.metrics import RunMetrics
-    from moeflow.runtime.adaptive_s import StepSizeController
+
     link = link_fn()
-    eng = build_engine(model, mode=mode, link=link, capacity=capacity, eviction="lru", prefetch=prefetch,
-                       prefetch_opts=opts, lookahead=lookahead)
+    eng = build_engine(
+        model, mode=mode, link=link, capacity=capacity, eviction="lru", prefetch=prefetch, prefetch_opts=opts, lookahead=lookahead
+    )
     pol = eng.prefetcher if eng is not None else None
     ctrl = None
     outs, ms = [], []
     try:
-        with (eng if eng is not None else _null()):
+        with eng if eng is not None else _null():
             detach = lambda: None  # noqa: E731
             if adaptive and eng is not None:
-                ctrl = StepSizeController.from_calibration(calibration, max_s=eng.spec.num_moe_layers - 1,
-                                                           num_layers=eng.spec.num_layers) if calibration \
-                    else StepSizeController(initial_s=lookahead, max_s=eng.spec.num_moe_layers - 1,
-                                            num_layers=eng.spec.num_layers)
+                ctrl = (
+                    StepSizeController.from_calibration(
+                        calibration, max_s=eng.spec.num_moe_layers - 1, num_layers=eng.spec.num_layers
+                    )
+                    if calibration
+                    else StepSizeController(
+                        initial_s=lookahead, max_s=eng.spec.num_moe_layers - 1, num_layers=eng.spec.num_layers
+                    )
+                )
                 detach = ctrl.attach(eng)
             for p in prompts:
                 new, m = generate_one(model, p, eng, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
@@ -70,12 +90,16 @@ def run_one(model, prompts, *, mode, link_fn, capacity=0, prefetch="none", opts=
         if eng is None:
             link.close()
     tot = RunMetrics.total(ms)
-    res = {"tpot_s": tot.tpot_s, "stall_s_per_token": tot.decode_counters.stall_s / max(1, tot.decode_tokens),
-           "hit_rate": tot.decode_counters.hits / max(1, tot.decode_counters.accesses),
-           "loads_per_token": tot.decode_counters.loads / max(1, tot.decode_tokens),
-           # propose() time over all forward passes (prefill + decode), per pass
-           "predict_s_per_pass": pol.predict_s / max(1, len(prompts) * new_tokens) if hasattr(pol, "predict_s") else 0.0,
-           "final_s": ctrl.s if ctrl else lookahead, "s_changes": len(ctrl.history) - 1 if ctrl else 0}
+    res = {
+        "tpot_s": tot.tpot_s,
+        "stall_s_per_token": tot.decode_counters.stall_s / max(1, tot.decode_tokens),
+        "hit_rate": tot.decode_counters.hits / max(1, tot.decode_counters.accesses),
+        "loads_per_token": tot.decode_counters.loads / max(1, tot.decode_tokens),
+        # propose() time over all forward passes (prefill + decode), per pass
+        "predict_s_per_pass": pol.predict_s / max(1, len(prompts) * new_tokens) if hasattr(pol, "predict_s") else 0.0,
+        "final_s": ctrl.s if ctrl else lookahead,
+        "s_changes": len(ctrl.history) - 1 if ctrl else 0,
+    }
     if hasattr(pol, "runner"):
         res["forest_cache_hits"], res["forest_fallbacks"] = pol.runner.hits, pol.runner.fallbacks
     return outs, res
@@ -107,12 +131,14 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     from rich.console import Console
     from rich.table import Table
+
     from moeflow.calibrate import copy_share_bandwidth, load_calibration
     from moeflow.models import load_model
     from moeflow.moe import get_adapter
-    from moeflow.predict.io import read_predictor_meta
     from moeflow.policies.parse import parse_capacity
+    from moeflow.predict.io import read_predictor_meta
     from moeflow.runtime.link import EmulatedLink
+
     model, _ = load_model(a.model, dtype="float32", experts_implementation="grouped_mm")
     spec = get_adapter(model).spec
     have = read_predictor_meta(a.predictors)["predictors"]
@@ -121,8 +147,7 @@ def main() -> None:
     cal = load_calibration(a.calibration, model) if a.calibration else None
     console = Console(stderr=True)
     # resident reference: tokens and compute per token
-    ref, res_resident = run_one(model, prompts, mode="resident", link_fn=lambda: EmulatedLink(1.0),
-                                new_tokens=a.new_tokens)
+    ref, res_resident = run_one(model, prompts, mode="resident", link_fn=lambda: EmulatedLink(1.0), new_tokens=a.new_tokens)
     bytes_tok = spec.num_moe_layers * spec.top_k * spec.expert_bytes
     gbps = a.gbps or copy_share_bandwidth(bytes_tok, res_resident["tpot_s"], a.copy_share) / 1e9
     link_fn = lambda: EmulatedLink(gbps, a.latency_us * 1e-6)  # noqa: E731
@@ -138,28 +163,72 @@ def main() -> None:
     for label, kw in plan:
         console.print(f"[dim]{label} ...[/]")
         mode = kw.pop("mode", "offload")
-        outs, r = run_one(model, prompts, mode=mode, link_fn=link_fn, capacity=cap, lookahead=a.lookahead,
-                          calibration=cal, new_tokens=a.new_tokens, **kw)
+        outs, r = run_one(
+            model,
+            prompts,
+            mode=mode,
+            link_fn=link_fn,
+            capacity=cap,
+            lookahead=a.lookahead,
+            calibration=cal,
+            new_tokens=a.new_tokens,
+            **kw,
+        )
         exact[label] = all(torch.equal(x, y) for x, y in zip(outs, ref))
         rows[label] = r
     od = rows["on-demand"]["tpot_s"]
     pg = rows[f"pregate S={a.lookahead}"]["tpot_s"]
-    t = Table(title=f"{Path(a.model).name}: emulated link {gbps:.3f} GB/s (copy share {a.copy_share} on-demand), "
-                    f"capacity {cap}/{spec.total_experts} experts, {len(prompts)} held-out prompts x {a.new_tokens} tokens")
-    for c in ("run", "TPOT ms", "/on-demand", "/pregate", "stall ms/tok", "hit rate",
-              "loads/tok", "pred ms/pass", "pred share", "S end", "exact"):
+    t = Table(
+        title=f"{Path(a.model).name}: emulated link {gbps:.3f} GB/s (copy share {a.copy_share} on-demand), "
+        f"capacity {cap}/{spec.total_experts} experts, {len(prompts)} held-out prompts x {a.new_tokens} tokens"
+    )
+    for c in (
+        "run",
+        "TPOT ms",
+        "/on-demand",
+        "/pregate",
+        "stall ms/tok",
+        "hit rate",
+        "loads/tok",
+        "pred ms/pass",
+        "pred share",
+        "S end",
+        "exact",
+    ):
         t.add_column(c, justify="right")
     for label, r in rows.items():
         share = r["predict_s_per_pass"] / r["tpot_s"] if r["tpot_s"] else 0.0
         r.update(tpot_vs_on_demand=r["tpot_s"] / od, tpot_vs_pregate=r["tpot_s"] / pg, predictor_share=share)
-        t.add_row(label, f"{1e3 * r['tpot_s']:.2f}", f"{r['tpot_vs_on_demand']:.3f}", f"{r['tpot_vs_pregate']:.3f}",
-                  f"{1e3 * r['stall_s_per_token']:.2f}", f"{r['hit_rate']:.3f}", f"{r['loads_per_token']:.1f}",
-                  f"{1e3 * r['predict_s_per_pass']:.2f}", f"{share:.1%}", str(r["final_s"]),
-                  "" if label == "resident" else ("yes" if exact[label] else "NO"))
+        t.add_row(
+            label,
+            f"{1e3 * r['tpot_s']:.2f}",
+            f"{r['tpot_vs_on_demand']:.3f}",
+            f"{r['tpot_vs_pregate']:.3f}",
+            f"{1e3 * r['stall_s_per_token']:.2f}",
+            f"{r['hit_rate']:.3f}",
+            f"{r['loads_per_token']:.1f}",
+            f"{1e3 * r['predict_s_per_pass']:.2f}",
+            f"{share:.1%}",
+            str(r["final_s"]),
+            "" if label == "resident" else ("yes" if exact[label] else "NO"),
+        )
     Console(width=200).print(t)
-    print(json.dumps({"bench": "predictors", "model": a.model, "gbps": gbps, "capacity": cap,
-                      "prompts": len(prompts), "new_tokens": a.new_tokens, "seconds": time.perf_counter() - t0,
-                      "runs": rows, "exact": exact}, default=float))
+    print(
+        json.dumps(
+            {
+                "bench": "predictors",
+                "model": a.model,
+                "gbps": gbps,
+                "capacity": cap,
+                "prompts": len(prompts),
+                "new_tokens": a.new_tokens,
+                "seconds": time.perf_counter() - t0,
+                "runs": rows,
+                "exact": exact,
+            },
+            default=float,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -27,12 +27,18 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-prompt-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=1, help="passes over the prompts (default 1)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on shared cores the intra-op pool makes 2-thread timings noise)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on shared cores the intra-op pool makes 2-thread timings noise)",
+    )
     ap.add_argument("--data-dir", default=None)
     a = ap.parse_args()
 
     from rich.console import Console
     from rich.table import Table
+
     from moeflow.data import load_prompts
     from moeflow.models import default_model_path, load_model
     from moeflow.moe import get_adapter, model_fingerprint
@@ -46,8 +52,10 @@ def main() -> None:
     prompts = load_prompts(a.prompts, data_dir=a.data_dir, limit=a.n)
     gen = {"max_new_tokens": a.max_new_tokens, "temperature": 0.0, "top_p": 1.0, "repetition_penalty": 1.0}
     kw = generation_kwargs(gen, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-    inputs = [tok(p.text, return_tensors="pt", truncation=True, max_length=a.max_prompt_tokens)["input_ids"]
-              [:, :a.max_prompt_tokens] for p in prompts]
+    inputs = [
+        tok(p.text, return_tensors="pt", truncation=True, max_length=a.max_prompt_tokens)["input_ids"][:, : a.max_prompt_tokens]
+        for p in prompts
+    ]
     rec = {False: RoutingRecorder(ad, False), True: RoutingRecorder(ad, True)}
     rows: dict[bool, list] = {False: [], True: []}
 
@@ -60,17 +68,20 @@ def main() -> None:
         rows[hidden].append(r)
         return seq
 
-    modes = {"plain": lambda ids: plain(ids), "trace": lambda ids: traced(ids, False),
-             "trace+hidden": lambda ids: traced(ids, True)}
+    modes = {
+        "plain": lambda ids: plain(ids),
+        "trace": lambda ids: traced(ids, False),
+        "trace+hidden": lambda ids: traced(ids, True),
+    }
     secs = {m: 0.0 for m in modes}
     tokens = 0
-    plain(inputs[0]), traced(inputs[0], False), traced(inputs[0], True)         # warm-up
+    plain(inputs[0]), traced(inputs[0], False), traced(inputs[0], True)  # warm-up
     rows[False].clear(), rows[True].clear()
     names = list(modes)
     step = 0
     for _ in range(a.reps):
         for ids in inputs:
-            order = names[step % 3:] + names[:step % 3]
+            order = names[step % 3 :] + names[: step % 3]
             step += 1
             lens = {}
             for m in order:
@@ -83,36 +94,59 @@ def main() -> None:
             tokens += lens["plain"] - 1
     # shard writing, timed separately (one shard per mode)
     write = {}
-    for hidden in (True, False, True):                                           # the first is a warm-up
+    for hidden in (True, False, True):  # the first is a warm-up
         with tempfile.TemporaryDirectory() as d:
             t0 = time.perf_counter()
-            with TraceWriter(d + "/tr", fingerprint=model_fingerprint(model), spec=ad.spec.to_dict(),
-                             record_hidden=hidden, generation=gen, prompt_source=a.prompts, shard_size=1 << 30) as w:
+            with TraceWriter(
+                d + "/tr",
+                fingerprint=model_fingerprint(model),
+                spec=ad.spec.to_dict(),
+                record_hidden=hidden,
+                generation=gen,
+                prompt_source=a.prompts,
+                shard_size=1 << 30,
+            ) as w:
                 for i, r in enumerate(rows[hidden]):
                     w.add(f"p{i}", r)
             write[hidden] = time.perf_counter() - t0
 
     res = {
-        "model": a.model or default_model_path(), "arch": ad.spec.arch, "prompts": len(inputs), "reps": a.reps,
-        "routed_tokens": tokens, "max_new_tokens": a.max_new_tokens, "threads": torch.get_num_threads(),
-        "plain_s": round(secs["plain"], 3), "trace_s": round(secs["trace"], 3),
+        "model": a.model or default_model_path(),
+        "arch": ad.spec.arch,
+        "prompts": len(inputs),
+        "reps": a.reps,
+        "routed_tokens": tokens,
+        "max_new_tokens": a.max_new_tokens,
+        "threads": torch.get_num_threads(),
+        "plain_s": round(secs["plain"], 3),
+        "trace_s": round(secs["trace"], 3),
         "trace_hidden_s": round(secs["trace+hidden"], 3),
-        "write_s": round(write[False], 3), "write_hidden_s": round(write[True], 3),
+        "write_s": round(write[False], 3),
+        "write_hidden_s": round(write[True], 3),
         "ratio_trace": round(secs["trace"] / secs["plain"], 4),
         "ratio_trace_hidden": round(secs["trace+hidden"] / secs["plain"], 4),
         "ratio_trace_with_write": round((secs["trace"] + write[False]) / secs["plain"], 4),
         "ratio_trace_hidden_with_write": round((secs["trace+hidden"] + write[True]) / secs["plain"], 4),
         "plain_tokens_per_s": round(tokens / secs["plain"], 1),
     }
-    t = Table(title=f"trace overhead: {res['arch']}, {len(inputs)} prompts x {a.reps}, {tokens} routed tokens "
-                    f"(interleaved)")
+    t = Table(title=f"trace overhead: {res['arch']}, {len(inputs)} prompts x {a.reps}, {tokens} routed tokens (interleaved)")
     for c in ("mode", "seconds", "tok/s", "x plain", "x plain incl. shard write"):
         t.add_column(c, justify="right" if c != "mode" else "left")
     t.add_row("generate", f"{secs['plain']:.2f}", f"{tokens / secs['plain']:.0f}", "1.000", "")
-    t.add_row("trace", f"{secs['trace']:.2f}", f"{tokens / secs['trace']:.0f}", f"{res['ratio_trace']:.3f}",
-              f"{res['ratio_trace_with_write']:.3f}")
-    t.add_row("trace --record-hidden", f"{secs['trace+hidden']:.2f}", f"{tokens / secs['trace+hidden']:.0f}",
-              f"{res['ratio_trace_hidden']:.3f}", f"{res['ratio_trace_hidden_with_write']:.3f}")
+    t.add_row(
+        "trace",
+        f"{secs['trace']:.2f}",
+        f"{tokens / secs['trace']:.0f}",
+        f"{res['ratio_trace']:.3f}",
+        f"{res['ratio_trace_with_write']:.3f}",
+    )
+    t.add_row(
+        "trace --record-hidden",
+        f"{secs['trace+hidden']:.2f}",
+        f"{tokens / secs['trace+hidden']:.0f}",
+        f"{res['ratio_trace_hidden']:.3f}",
+        f"{res['ratio_trace_hidden_with_write']:.3f}",
+    )
     Console().print(t)
     print(json.dumps(res))
 

@@ -45,10 +45,23 @@ def config_fingerprint(config: Any, extra: bytes = b"") -> str:
     with the same shapes but different training get different fingerprints.
     """
     d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    keep = {k: v for k, v in sorted(d.items()) if not k.startswith("_") and k not in {
-        "transformers_version", "torch_dtype", "dtype", "experts_implementation", "attn_implementation",
-        "use_cache", "output_router_logits", "return_dict", "architectures_hint",
-    }}
+    keep = {
+        k: v
+        for k, v in sorted(d.items())
+        if not k.startswith("_")
+        and k
+        not in {
+            "transformers_version",
+            "torch_dtype",
+            "dtype",
+            "experts_implementation",
+            "attn_implementation",
+            "use_cache",
+            "output_router_logits",
+            "return_dict",
+            "architectures_hint",
+        }
+    }
     blob = json.dumps(keep, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob + extra).hexdigest()[:16]
 
@@ -100,6 +113,7 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
 # instant leaves the old artifact or the new one. Each write removes what dead writers left behind
 # and every version but the current and the previous one (a reader that resolved the old link keeps
 # working until the next write).
+
 
 def _fsync_dir(folder: Path) -> None:
     with contextlib.suppress(OSError):
@@ -155,6 +169,7 @@ def _exchange(a: Path, b: Path) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     import ctypes
+
     try:
         fn = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):
@@ -181,9 +196,9 @@ def _clean(final: Path, keep: set[str]) -> None:
         if p.name in keep or pid is None:
             continue
         if p.name.startswith("tmp-") and (pid == me or _pid_alive(pid)):
-            continue                                   # a live writer's folder in progress
+            continue  # a live writer's folder in progress
         if p.name.startswith("v-") and pid != me and _pid_alive(pid):
-            continue                                   # a live writer may be about to link it
+            continue  # a live writer may be about to link it
         _remove(p)
     for p in final.parent.glob(f".{glob.escape(final.name)}.link-*"):
         pid = _writer_pid(p.name)
@@ -220,7 +235,7 @@ def atomic_dir(final: str | os.PathLike, *, replace: bool = True, versioned: boo
         return
     vroot = _versions(final)
     vroot.mkdir(exist_ok=True)
-    _clean(final, keep=_keep_before(final))            # free dead writers' space before writing
+    _clean(final, keep=_keep_before(final))  # free dead writers' space before writing
     stamp = f"{time.time_ns():020d}-{os.getpid()}"
     tmp = vroot / f"tmp-{stamp}"
     tmp.mkdir()
@@ -235,18 +250,18 @@ def atomic_dir(final: str | os.PathLike, *, replace: bool = True, versioned: boo
         link = final.parent / f".{final.name}.link-{os.getpid()}-{time.time_ns()}"
         os.symlink(os.path.relpath(version, final.parent), link)
         keep = {version.name} | ({old} if old else set())
-        if final.is_dir() and not final.is_symlink():              # legacy real folder
+        if final.is_dir() and not final.is_symlink():  # legacy real folder
             legacy = vroot / f"v-{time.time_ns():020d}-{os.getpid()}-legacy"
             if _exchange(link, final):
-                os.rename(link, legacy)                            # the old folder, now at `link`
+                os.rename(link, legacy)  # the old folder, now at `link`
             else:
-                os.rename(final, legacy)                           # one-time, not atomic (see docstring)
+                os.rename(final, legacy)  # one-time, not atomic (see docstring)
                 os.replace(link, final)
             keep.add(legacy.name)
         else:
             os.replace(link, final)
         _fsync_dir(final.parent)
-        if old is None:                                           # `final` was missing: keep the newest older copy
+        if old is None:  # `final` was missing: keep the newest older copy
             keep |= _keep_before(final, exclude=version.name)
         _clean(final, keep)
     except BaseException:
@@ -258,8 +273,11 @@ def _keep_before(final: Path, exclude: str = "") -> set[str]:
     """Versions to keep: the one `final` links to and the newest other complete one (not `exclude`)."""
     cur = _current(final)
     vroot = _versions(final)
-    names = sorted(p.name for p in vroot.iterdir() if p.name.startswith("v-") and p.name not in (exclude, cur)) \
-        if vroot.is_dir() else []
+    names = (
+        sorted(p.name for p in vroot.iterdir() if p.name.startswith("v-") and p.name not in (exclude, cur))
+        if vroot.is_dir()
+        else []
+    )
     return ({cur} if cur else set()) | set(names[-1:])
 
 
@@ -304,7 +322,7 @@ def new_meta(kind: str, schema: int, fingerprint: str, **fields: Any) -> dict[st
     }
 
 
-COMMANDS = {"calibration": "calibrate", "predictors": "train"}   # artifact kind -> the command that writes it
+COMMANDS = {"calibration": "calibrate", "predictors": "train"}  # artifact kind -> the command that writes it
 
 
 def command_for(kind: str) -> str:
@@ -329,8 +347,8 @@ def read_record(path: str | os.PathLike, kind: str, schema: int) -> dict[str, An
         raise ArtifactError(f"{p} is not a moeflow {kind} (it holds kind {got!r})")
     if rec.get("schema") != schema:
         raise ArtifactError(
-            f"{p} has {kind} schema {rec.get('schema')}, this moeflow reads schema {schema}; "
-            f"re-run `moeflow {command_for(kind)}`")
+            f"{p} has {kind} schema {rec.get('schema')}, this moeflow reads schema {schema}; re-run `moeflow {command_for(kind)}`"
+        )
     return rec
 
 
@@ -340,8 +358,9 @@ def read_meta(folder: str | os.PathLike, kind: str, schema: int) -> dict[str, An
     if not folder.exists():
         raise ArtifactError(f"{folder} does not exist; create it first (see `moeflow {command_for(kind)} --help`)")
     if not (folder / META).is_file():
-        raise ArtifactError(f"{folder} is not a moeflow {kind} artifact (no {META}); "
-                            f"point to the folder `moeflow {command_for(kind)}` wrote")
+        raise ArtifactError(
+            f"{folder} is not a moeflow {kind} artifact (no {META}); point to the folder `moeflow {command_for(kind)}` wrote"
+        )
     return read_record(folder / META, kind, schema)
 
 
@@ -350,10 +369,12 @@ def check_fingerprint(meta: dict[str, Any], fingerprint: str, what: str, folder:
     if got != fingerprint:
         raise ArtifactError(
             f"{what} at {folder} was made for another model (fingerprint {got}, this model is {fingerprint}); "
-            f"re-create it with this --model")
+            f"re-create it with this --model"
+        )
 
 
 # -- --out checks -----------------------------------------------------------------------------------
+
 
 def artifact_kind(path: str | os.PathLike) -> str | None:
     """The moeflow kind held at `path`, or None if it is not a moeflow artifact.
@@ -385,8 +406,16 @@ def _within(a: Path, b: Path) -> bool:
     return a == b or a.is_relative_to(b)
 
 
-def check_out(out: str | os.PathLike, *, kind: str, inputs: Sequence[str | os.PathLike | None] = (),
-              force: bool = False, file: bool = False, reuse: bool = False, flag: str = "--out") -> Path:
+def check_out(
+    out: str | os.PathLike,
+    *,
+    kind: str,
+    inputs: Sequence[str | os.PathLike | None] = (),
+    force: bool = False,
+    file: bool = False,
+    reuse: bool = False,
+    flag: str = "--out",
+) -> Path:
     """Check an output path before any work; raise ConfigError with one line if writing it could lose data.
 
     Refused: an `out` that is, contains or is inside one of `inputs` (symlinks resolved); with
@@ -399,8 +428,8 @@ def check_out(out: str | os.PathLike, *, kind: str, inputs: Sequence[str | os.Pa
     lexical = Path(os.path.abspath(out))
     if lexical == lexical.parent:
         raise ConfigError(f"{flag} {out} is a file-system root; pass a new path")
-    at = lexical.parent.resolve() / lexical.name           # where the new artifact will appear
-    spots = {at, _versions(at), out.resolve()}             # ... the folders it will replace or clean
+    at = lexical.parent.resolve() / lexical.name  # where the new artifact will appear
+    spots = {at, _versions(at), out.resolve()}  # ... the folders it will replace or clean
     for inp in inputs:
         if inp is None or str(inp) == "":
             continue
@@ -418,7 +447,7 @@ def check_out(out: str | os.PathLike, *, kind: str, inputs: Sequence[str | os.Pa
     if not anc.is_dir():
         raise ConfigError(f"{flag} {out} is inside {anc}, which is a file; choose another {flag}")
     if not out.exists():
-        return out                                          # new (or a dangling link: nothing to lose)
+        return out  # new (or a dangling link: nothing to lose)
     what = "file" if file else "folder"
     if file and out.is_dir():
         raise ConfigError(f"{flag} {out} is a folder; pass a file path (e.g. {out / (kind + '.json')})")
@@ -429,8 +458,10 @@ def check_out(out: str | os.PathLike, *, kind: str, inputs: Sequence[str | os.Pa
     got = artifact_kind(out)
     if got != kind:
         holds = f"a moeflow {got}" if got else ("other files" if not file else "something else")
-        raise ConfigError(f"{flag} {out} exists and holds {holds}, not a moeflow {kind} {what}; "
-                          f"choose a new {'file' if file else 'or empty folder'}")
+        raise ConfigError(
+            f"{flag} {out} exists and holds {holds}, not a moeflow {kind} {what}; "
+            f"choose a new {'file' if file else 'or empty folder'}"
+        )
     if not (force or reuse):
         raise ConfigError(f"{flag} {out} already holds a moeflow {kind}; pass --force to replace it")
     return out

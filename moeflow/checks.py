@@ -14,6 +14,7 @@ from .errors import ConfigError
 def check_device(device: str, flag: str = "--device") -> None:
     """Refuse a device this machine cannot use: not `cpu`/`cuda[:N]`, CUDA absent, or N out of range."""
     import torch
+
     try:
         d = torch.device(device)
     except (RuntimeError, ValueError):
@@ -23,8 +24,9 @@ def check_device(device: str, flag: str = "--device") -> None:
     if d.type != "cuda":
         raise ConfigError(f"{flag} {device!r}: moeflow runs on cpu or cuda[:N]")
     if not torch.cuda.is_available():
-        raise ConfigError(f"{flag} {device}: CUDA is not available on this machine (no GPU, or a CPU-only torch); "
-                          f"use --device cpu")
+        raise ConfigError(
+            f"{flag} {device}: CUDA is not available on this machine (no GPU, or a CPU-only torch); use --device cpu"
+        )
     n = torch.cuda.device_count()
     if d.index is not None and d.index >= n:
         raise ConfigError(f"{flag} {device}: this machine has {n} CUDA device(s); use cuda:0 .. cuda:{n - 1}")

@@ -14,9 +14,10 @@ def main(path: str | os.PathLike, phase: str | None = None) -> dict[str, Any]:
     from .artifacts import artifact_kind
     from .trace import Trace
     from .trace.summary import trace_summary
+
     if phase not in (None, "prefill", "decode"):
         raise ConfigError(f"--phase must be prefill or decode (got {phase!r})")
     kind = artifact_kind(path)
-    if kind not in ("trace", None):            # None: not an artifact, or a corrupt one: the reader says which
+    if kind not in ("trace", None):  # None: not an artifact, or a corrupt one: the reader says which
         raise ArtifactError(f"{path} holds a moeflow {kind}; `moeflow inspect` reads trace folders")
     return trace_summary(Trace(path), phase)

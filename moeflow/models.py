@@ -15,8 +15,14 @@ from .errors import ArtifactError, ConfigError, MoeflowError, UnsupportedModelEr
 
 DEFAULT_MODEL = "models/olmoe-mini"
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype | str:
@@ -49,8 +55,7 @@ def default_model_path() -> str:
     return str(here) if here.exists() else DEFAULT_MODEL
 
 
-def load_model(path: str | os.PathLike, *, dtype: str = "auto", device: str = "cpu",
-               experts_implementation: str | None = None):
+def load_model(path: str | os.PathLike, *, dtype: str = "auto", device: str = "cpu", experts_implementation: str | None = None):
     """(model, tokenizer) from a local Hugging Face checkpoint folder, in eval mode.
 
     Raises MoeflowError with a one-line fix when the folder is missing or not an MoE model.
@@ -61,8 +66,10 @@ def load_model(path: str | os.PathLike, *, dtype: str = "auto", device: str = "c
 
     p = Path(path)
     if not p.is_dir():
-        raise MoeflowError(f"model folder {path} does not exist; pass --model DIR with a local Hugging Face "
-                           f"checkpoint (config.json + safetensors), e.g. {DEFAULT_MODEL} after `make models`")
+        raise MoeflowError(
+            f"model folder {path} does not exist; pass --model DIR with a local Hugging Face "
+            f"checkpoint (config.json + safetensors), e.g. {DEFAULT_MODEL} after `make models`"
+        )
     if not (p / "config.json").is_file():
         raise ArtifactError(f"{p / 'config.json'} is missing; pass --model a folder written by save_pretrained")
     try:
@@ -70,14 +77,17 @@ def load_model(path: str | os.PathLike, *, dtype: str = "auto", device: str = "c
     except (ValueError, OSError, TypeError, KeyError) as e:
         raise ArtifactError(f"cannot read {p / 'config.json'}: {_first_line(e)}; fix or re-save the checkpoint") from e
     from .moe.adapters import ARCHS, SUPPORTED
+
     if config.model_type not in ARCHS:
         raise UnsupportedModelError(
-            f"model type {config.model_type!r} is not supported; supported architectures: {', '.join(SUPPORTED)}")
+            f"model type {config.model_type!r} is not supported; supported architectures: {', '.join(SUPPORTED)}"
+        )
     kw: dict[str, Any] = {"dtype": resolve_dtype(dtype, device)}
     if experts_implementation:
         kw["experts_implementation"] = experts_implementation
     check_weights(p)
     from safetensors import SafetensorError
+
     try:
         model: Any = AutoModelForCausalLM.from_pretrained(p, **kw)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
@@ -150,11 +160,15 @@ def check_lengths(model_or_config: Any, prompt_tokens: int, new_tokens: int, *, 
     if limit is None or prompt_tokens + new_tokens <= limit:
         return
     if new_tokens <= 0:
-        raise ConfigError(f"--max-prompt-tokens {prompt_tokens} is beyond the model's maximum position "
-                          f"{limit} (max_position_embeddings); pass at most {limit}")
-    raise ConfigError(f"{what} of {prompt_tokens} tokens + {new_tokens} new tokens = {prompt_tokens + new_tokens} "
-                      f"positions, beyond the model's maximum of {limit} (max_position_embeddings); lower "
-                      f"--max-prompt-tokens to {max(limit - new_tokens, 0)} or --max-new-tokens")
+        raise ConfigError(
+            f"--max-prompt-tokens {prompt_tokens} is beyond the model's maximum position "
+            f"{limit} (max_position_embeddings); pass at most {limit}"
+        )
+    raise ConfigError(
+        f"{what} of {prompt_tokens} tokens + {new_tokens} new tokens = {prompt_tokens + new_tokens} "
+        f"positions, beyond the model's maximum of {limit} (max_position_embeddings); lower "
+        f"--max-prompt-tokens to {max(limit - new_tokens, 0)} or --max-new-tokens"
+    )
 
 
 def _has_tokenizer(p: Path) -> bool:
@@ -164,34 +178,79 @@ def _has_tokenizer(p: Path) -> bool:
 # ---- tiny random models for tests and examples ---------------------------------------------------
 # Real transformers config classes, all sizes multiples of 8 (CPU grouped_mm needs 16-byte strides).
 
-_COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-               pad_token_id=0, tie_word_embeddings=False)
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
 
 
 def tiny_config(arch: str, *, num_experts: int = 8, top_k: int = 2, **over: Any):
     """A small but real config of architecture `arch` (transformers `model_type`)."""
     from transformers import AutoConfig
+
     c: dict[str, Any] = dict(_COMMON)
     if arch == "olmoe":
         c.update(num_experts=num_experts, num_experts_per_tok=top_k, intermediate_size=32, norm_topk_prob=False)
     elif arch == "mixtral":
         c.update(num_local_experts=num_experts, num_experts_per_tok=top_k, intermediate_size=32, head_dim=16)
     elif arch == "qwen2_moe":
-        c.update(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=32, intermediate_size=64,
-                 shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[0],
-                 norm_topk_prob=False)
+        c.update(
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=32,
+            intermediate_size=64,
+            shared_expert_intermediate_size=32,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+            norm_topk_prob=False,
+        )
     elif arch == "qwen3_moe":
-        c.update(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=32, intermediate_size=64,
-                 decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, head_dim=16)
+        c.update(
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=32,
+            intermediate_size=64,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            head_dim=16,
+        )
     elif arch == "deepseek_v3":
-        c.update(n_routed_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=32,
-                 intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
-                 kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                 routed_scaling_factor=2.5, norm_topk_prob=True, rope_scaling=None)
+        c.update(
+            n_routed_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=32,
+            intermediate_size=64,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_scaling=None,
+        )
     elif arch == "gpt_oss":
-        c.update(num_local_experts=num_experts, num_experts_per_tok=top_k, intermediate_size=32, head_dim=16,
-                 sliding_window=32, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        c.update(
+            num_local_experts=num_experts,
+            num_experts_per_tok=top_k,
+            intermediate_size=32,
+            head_dim=16,
+            sliding_window=32,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        )
     elif arch == "granitemoe":
         c.update(num_local_experts=num_experts, num_experts_per_tok=top_k, intermediate_size=32)
     elif arch == "phimoe":
@@ -205,10 +264,12 @@ def tiny_config(arch: str, *, num_experts: int = 8, top_k: int = 2, **over: Any)
 def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **over: Any):
     """A randomly initialised tiny model of `arch` in eval mode (deterministic for a seed)."""
     from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **over), dtype=dtype).eval()
     # Some families initialise routers to zero (all ties): give them random weights so routing varies.
     from .moe import get_adapter
+
     ad = get_adapter(model)
     with torch.no_grad():
         for l in ad.moe_layers:

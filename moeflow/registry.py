@@ -40,11 +40,14 @@ class Registry(dict[str, Callable[..., Any]]):
         except TypeError:
             accepted = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
             bad = sorted(set(options) - set(accepted)) or sorted(options)
-            raise ConfigError(f"{self.what} {name!r} has no option {', '.join(map(repr, bad))}; "
-                              f"its options: {', '.join(accepted) or '(none)'}") from None
+            raise ConfigError(
+                f"{self.what} {name!r} has no option {', '.join(map(repr, bad))}; its options: {', '.join(accepted) or '(none)'}"
+            ) from None
         try:
             return cls(**options)
         except (TypeError, ValueError) as e:  # a value of the wrong type, e.g. overfetch=abc
             given = ", ".join(f"{k}={v!r}" for k, v in options.items())
-            raise ConfigError(f"{self.what} {name!r}: bad option value in {given} ({e}); "
-                              f"give numbers where numbers are expected, e.g. pregate:overfetch=1.5") from None
+            raise ConfigError(
+                f"{self.what} {name!r}: bad option value in {given} ({e}); "
+                f"give numbers where numbers are expected, e.g. pregate:overfetch=1.5"
+            ) from None

@@ -22,14 +22,25 @@ NAMES = ("olmoe-mini", "mixtral-mini")
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data"),
-                   help="shared data folder (default: ../shared/data beside the repo)")
+    p.add_argument(
+        "--data-dir",
+        default=str(REPO.parent / "shared" / "data"),
+        help="shared data folder (default: ../shared/data beside the repo)",
+    )
     p.add_argument("--out", default=str(REPO / "models"), help="parent folder of the model folders (default: models)")
     p.add_argument("--only", choices=NAMES, help="train one model only (default: both, concurrently)")
-    p.add_argument("--minutes", type=float, default=25.0,
-                   help="wall-clock training budget per model, minutes (default 25; 0 = none, give --steps)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="step budget instead of / besides --minutes (with --minutes 0 the run is step-deterministic)")
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=25.0,
+        help="wall-clock training budget per model, minutes (default 25; 0 = none, give --steps)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="step budget instead of / besides --minutes (with --minutes 0 the run is step-deterministic)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per model (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of init, data order and card statistics (default 0)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
@@ -49,10 +60,34 @@ def log(msg: str) -> None:
 
 
 def child_argv(a: argparse.Namespace, name: str) -> list[str]:
-    argv = [sys.executable, __file__, "--only", name, "--data-dir", a.data_dir, "--out", a.out,
-            "--minutes", str(a.minutes), "--threads", str(a.threads), "--seed", str(a.seed),
-            "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--lr", str(a.lr),
-            "--balance-coef", str(a.balance_coef), "--z-coef", str(a.z_coef), "--log-dir", a.log_dir]
+    argv = [
+        sys.executable,
+        __file__,
+        "--only",
+        name,
+        "--data-dir",
+        a.data_dir,
+        "--out",
+        a.out,
+        "--minutes",
+        str(a.minutes),
+        "--threads",
+        str(a.threads),
+        "--seed",
+        str(a.seed),
+        "--batch-size",
+        str(a.batch_size),
+        "--seq-len",
+        str(a.seq_len),
+        "--lr",
+        str(a.lr),
+        "--balance-coef",
+        str(a.balance_coef),
+        "--z-coef",
+        str(a.z_coef),
+        "--log-dir",
+        a.log_dir,
+    ]
     if a.steps is not None:
         argv += ["--steps", str(a.steps)]
     return argv + (["--tiny"] if a.tiny else []) + (["--no-card"] if a.no_card else [])
@@ -63,8 +98,10 @@ def main(argv=None) -> int:
     names = [a.only] if a.only else list(NAMES)
     if a.card_only:
         import torch
+
         from moeflow.lmtrain.build import val_tokens_for
         from moeflow.lmtrain.modelcard import write_card
+
         torch.set_num_threads(a.threads)
         for name in names:
             folder = Path(a.out) / name
@@ -76,17 +113,38 @@ def main(argv=None) -> int:
         return max(p.wait() for p in procs)
 
     from moeflow.lmtrain.build import BuildConfig, build
+
     if a.minutes <= 0 and not a.steps and not a.tiny:
         print("error: --minutes 0 needs --steps N", file=sys.stderr)
         return 2
     from moeflow.lmtrain.loop import LMTrainConfig
+
     tiny = a.tiny
-    tc = LMTrainConfig(seq_len=64 if tiny else a.seq_len, batch_size=4 if tiny else a.batch_size, lr=a.lr,
-                     warmup_steps=5 if tiny else 30, minutes=None if tiny or a.minutes <= 0 else a.minutes,
-                     max_steps=(a.steps or 20) if tiny else a.steps, balance_coef=a.balance_coef,
-                     z_coef=a.z_coef, seed=a.seed, eval_every_s=1e9 if tiny else 300.0)
-    build(BuildConfig(name=names[0], data_dir=a.data_dir, out=a.out, log_dir=a.log_dir, train=tc,
-                      threads=a.threads, tiny=tiny, card=not a.no_card), log=log)
+    tc = LMTrainConfig(
+        seq_len=64 if tiny else a.seq_len,
+        batch_size=4 if tiny else a.batch_size,
+        lr=a.lr,
+        warmup_steps=5 if tiny else 30,
+        minutes=None if tiny or a.minutes <= 0 else a.minutes,
+        max_steps=(a.steps or 20) if tiny else a.steps,
+        balance_coef=a.balance_coef,
+        z_coef=a.z_coef,
+        seed=a.seed,
+        eval_every_s=1e9 if tiny else 300.0,
+    )
+    build(
+        BuildConfig(
+            name=names[0],
+            data_dir=a.data_dir,
+            out=a.out,
+            log_dir=a.log_dir,
+            train=tc,
+            threads=a.threads,
+            tiny=tiny,
+            card=not a.no_card,
+        ),
+        log=log,
+    )
     return 0
 
 

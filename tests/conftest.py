@@ -34,10 +34,12 @@ def shared_data() -> Path:
 def tiny_models():
     """arch -> tiny random model (built once per session)."""
     from moeflow.models import tiny_model
+
     cache: dict[str, torch.nn.Module] = {}
 
     def get(arch: str):
         if arch not in cache:
             cache[arch] = tiny_model(arch)
         return cache[arch]
+
     return get

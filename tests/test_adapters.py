@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from moeflow.errors import UnsupportedModelError
-from moeflow.moe import RouterTap, get_adapter, spec_from_config
 from moeflow.models import tiny_config
+from moeflow.moe import RouterTap, get_adapter, spec_from_config
 
 from .conftest import ARCHS
 
@@ -44,7 +44,7 @@ def test_spec_matches_model(arch, tiny_models):
 
 # ---- each family's scoring rule, worked out in plain Python on one row of 8 logits (k = 2) -----------
 
-ROW = [1.0, 3.0, 2.0, 0.0, -1.0, 0.5, -0.5, 1.5]          # the two largest: expert 1 (3.0), then expert 2 (2.0)
+ROW = [1.0, 3.0, 2.0, 0.0, -1.0, 0.5, -0.5, 1.5]  # the two largest: expert 1 (3.0), then expert 2 (2.0)
 # one outstanding expert in the first half, two good ones in the second: DeepSeek-V3's group score (sum of a
 # group's 2 best) keeps the second half, a max-per-group score would keep the first
 ROW2 = [4.0, -4.0, -4.0, -4.0, 1.6, 1.5, -4.0, -4.0]
@@ -90,9 +90,9 @@ def test_scoring_rule_matches_hand_computation(arch, tiny_models):
     ad = get_adapter(tiny_models(arch))
     l = ad.moe_layers[0]
     for row in (ROW, ROW2):
-        if arch in ("olmoe", "qwen2_moe"):                                            # norm_topk_prob=False
+        if arch in ("olmoe", "qwen2_moe"):  # norm_topk_prob=False
             want = _softmax_then_top2(row, norm=False)
-        elif arch in ("mixtral", "qwen3_moe"):                                        # renormalised top-k
+        elif arch in ("mixtral", "qwen3_moe"):  # renormalised top-k
             want = _softmax_then_top2(row, norm=True)
         elif arch in ("gpt_oss", "granitemoe"):
             want = _top2_then_softmax(row)
@@ -101,10 +101,10 @@ def test_scoring_rule_matches_hand_computation(arch, tiny_models):
         else:  # phimoe's sparsemixer (eval): the argmax, weighted by a softmax over the logits within 2 * 0.01
             # (relative) of it; then the same for the runner-up with the winner removed. Far apart: weights 1.
             want = {1: 1.0, 2: 1.0} if row is ROW else {0: 1.0, 4: 1.0}
-        got = _as_dict(*ad.select(l, torch.tensor([row])))                           # logits [1,8]
+        got = _as_dict(*ad.select(l, torch.tensor([row])))  # logits [1,8]
         assert set(got) == set(want) and got == pytest.approx(want, rel=1e-6), (arch, row, got, want)
     if arch == "phimoe":
-        near = torch.tensor([[3.0, 2.99, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0]])    # (3 - 2.99) / 3 < 0.02
+        near = torch.tensor([[3.0, 2.99, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0]])  # (3 - 2.99) / 3 < 0.02
         assert _as_dict(*ad.select(l, near)) == pytest.approx({0: 1 / (1 + math.exp(-0.01)), 1: 1.0}, rel=1e-6)
     if arch == "deepseek_v3":
         assert set(_as_dict(*ad.select(l, torch.tensor([ROW2])))) == {4, 5}
@@ -138,8 +138,10 @@ def test_bias_steers_selection(tiny_models):
 
 def test_unsupported_architecture_is_refused():
     from transformers import AutoConfig, AutoModelForCausalLM
-    cfg = AutoConfig.for_model("llama", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                               intermediate_size=32)
+
+    cfg = AutoConfig.for_model(
+        "llama", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=32
+    )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(UnsupportedModelError, match="supported architectures: deepseek_v3, gpt_oss"):
@@ -147,11 +149,12 @@ def test_unsupported_architecture_is_refused():
 
 
 def test_adapter_of_an_offloaded_model_says_why(tiny_models):
+    from moeflow.models import tiny_model
     from moeflow.runtime.generate import build_engine
     from moeflow.runtime.link import DirectLink
-    from moeflow.models import tiny_model
+
     model = tiny_model("olmoe")
     with build_engine(model, mode="offload", link=DirectLink(), capacity=4, eviction="lru", prefetch="none"):
         with pytest.raises(UnsupportedModelError, match="offloaded by a moeflow engine"):
             get_adapter(model)
-    assert get_adapter(model).spec.num_experts == 8          # restored on close
+    assert get_adapter(model).spec.num_experts == 8  # restored on close

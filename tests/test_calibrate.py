@@ -6,8 +6,15 @@ import json
 
 import pytest
 
-from moeflow.calibrate import (copy_share, copy_share_bandwidth, initial_step_size, load_calibration,
-                               parse_regime, specmd_bandwidth, write_calibration)
+from moeflow.calibrate import (
+    copy_share,
+    copy_share_bandwidth,
+    initial_step_size,
+    load_calibration,
+    parse_regime,
+    specmd_bandwidth,
+    write_calibration,
+)
 from moeflow.calibrate.io import KIND, SCHEMA, calibration_path, device_name
 from moeflow.calibrate.measure import fit_latency
 from moeflow.errors import ArtifactError, ConfigError
@@ -17,23 +24,23 @@ def test_step_size_formula():
     # 4 experts x 1 MB at 1 GB/s = 4 ms of copy per layer, 1.5 ms of compute per layer -> 2.67 -> S = 3
     s, raw = initial_step_size(4, 1e6, 1e9, 1.5e-3, num_moe_layers=16)
     assert raw == pytest.approx(4e6 / (1e9 * 1.5e-3)) and s == 3
-    assert initial_step_size(4, 1e6, 1e9, 1.5e-3, num_moe_layers=3)[0] == 2      # clamped to L-1
+    assert initial_step_size(4, 1e6, 1e9, 1.5e-3, num_moe_layers=3)[0] == 2  # clamped to L-1
     assert initial_step_size(1, 1e3, 1e9, 1e-3, num_moe_layers=8) == (1, pytest.approx(1e-3))  # at least 1
-    assert initial_step_size(2, 1e6, 1e9, 1e-3, num_moe_layers=8)[0] == 2        # exactly 2.0 stays 2
+    assert initial_step_size(2, 1e6, 1e9, 1e-3, num_moe_layers=8)[0] == 2  # exactly 2.0 stays 2
     with pytest.raises(ConfigError):
         initial_step_size(2, 1e6, 0.0, 1e-3, num_moe_layers=8)
 
 
 def test_regime_solver():
-    B, tc = 16 * 2e6, 0.010                       # 32 MB per token on demand, 10 ms of compute
+    B, tc = 16 * 2e6, 0.010  # 32 MB per token on demand, 10 ms of compute
     # copies 85% of TPOT: B/bw = 0.85/0.15 * 10 ms = 56.67 ms -> bw = 32 MB / 56.67 ms = 564.7 MB/s
     assert copy_share_bandwidth(B, tc, 0.85) == pytest.approx(564_705_882.35, rel=1e-9)
-    assert copy_share_bandwidth(B, tc, 0.5) == pytest.approx(3.2e9)    # half: copy time = compute time = 10 ms
-    assert copy_share(B, tc, 3.2e9) == pytest.approx(0.5)              # 10 ms copy + 10 ms compute
-    assert copy_share(B, tc, 1.6e9) == pytest.approx(2 / 3)            # 20 ms copy + 10 ms compute
+    assert copy_share_bandwidth(B, tc, 0.5) == pytest.approx(3.2e9)  # half: copy time = compute time = 10 ms
+    assert copy_share(B, tc, 3.2e9) == pytest.approx(0.5)  # 10 ms copy + 10 ms compute
+    assert copy_share(B, tc, 1.6e9) == pytest.approx(2 / 3)  # 20 ms copy + 10 ms compute
     # SpecMD: same per-expert transfer time as a 12.58 MB OLMoE-1B-7B bf16 expert at 5 GB/s (2.516 ms)
     assert specmd_bandwidth(3 * 2048 * 1024 * 2) == pytest.approx(5e9)
-    assert specmd_bandwidth(1e6) == pytest.approx(397_364_298.50, rel=1e-9)   # 1 MB in 2.516 ms
+    assert specmd_bandwidth(1e6) == pytest.approx(397_364_298.50, rel=1e-9)  # 1 MB in 2.516 ms
     assert parse_regime("copy-share=0.85").value == 0.85 and parse_regime("SpecMD").name == "specmd"
     for bad in ("copy-share=1.5", "fast"):
         with pytest.raises(ConfigError):
@@ -48,11 +55,17 @@ def test_fit_latency_recovers_a_linear_link():
 
 def test_json_round_trip_and_refusals(tmp_path, tiny_models):
     from moeflow.moe import model_fingerprint
+
     a, b = tiny_models("olmoe"), tiny_models("mixtral")
-    rec = {"kind": KIND, "schema": SCHEMA, "model_fingerprint": model_fingerprint(a), "initial_s": 2,
-           "bandwidth_bytes_per_s": 1e9}
+    rec = {
+        "kind": KIND,
+        "schema": SCHEMA,
+        "model_fingerprint": model_fingerprint(a),
+        "initial_s": 2,
+        "bandwidth_bytes_per_s": 1e9,
+    }
     p = write_calibration(tmp_path / "calibration" / "cpu.json", rec)
-    assert not list(p.parent.glob("*.tmp*"))                            # atomic: no temp file left
+    assert not list(p.parent.glob("*.tmp*"))  # atomic: no temp file left
     assert load_calibration(p, a)["initial_s"] == 2
     with pytest.raises(ArtifactError, match="another model"):
         load_calibration(p, b)
@@ -77,31 +90,51 @@ def test_device_names():
 
 def test_cli_quick_run(tmp_path, tiny_models):
     from typer.testing import CliRunner
+
     from moeflow.cli.app import _register, app
+
     _register()
     model = tiny_models("olmoe")
     ck = tmp_path / "tiny"
     model.save_pretrained(ck)
     out = tmp_path / "cal.json"
-    r = CliRunner().invoke(app, ["calibrate", "--model", str(ck), "--out", str(out), "--sizes", "16,64",
-                                 "--repeats", "1", "--decode-steps", "2", "--regime", "copy-share=0.85",
-                                 "--regime", "specmd", "--json"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "calibrate",
+            "--model",
+            str(ck),
+            "--out",
+            str(out),
+            "--sizes",
+            "16,64",
+            "--repeats",
+            "1",
+            "--decode-steps",
+            "2",
+            "--regime",
+            "copy-share=0.85",
+            "--regime",
+            "specmd",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rec = json.loads(r.stdout.strip().splitlines()[-1])
     saved = load_calibration(out, model)
     # tiny OLMoE: 3 MoE layers, top-2 of 8 experts of 3 x 64 x 32 float32 weights = 24,576 bytes each
     assert saved["expert_bytes"] == 24_576 and saved["experts_per_layer"] == 2
-    assert [s["bytes"] for s in saved["sweep"]] == [16_384, 24_576, 65_536]   # --sizes 16,64 KiB + one expert
+    assert [s["bytes"] for s in saved["sweep"]] == [16_384, 24_576, 65_536]  # --sizes 16,64 KiB + one expert
     assert saved["layer_time_s"] > 0 and saved["expert_time_s"] > 0 and saved["bandwidth_bytes_per_s"] > 0
     # S = N_e E_s / (C_s T_l) with the measured C_s and T_l, rounded up, clamped to [1, 3 - 1]
     raw = 2 * 24_576 / (saved["bandwidth_bytes_per_s"] * saved["layer_time_s"])
     assert saved["s_formula"] == pytest.approx(raw)
     assert saved["initial_s"] == (1 if raw <= 1 else 2)
     share = {g["regime"]: g for g in rec["regimes"]}
-    B, tc = 3 * 2 * 24_576, rec["compute_per_token_s"]                  # bytes per token on demand, compute
+    B, tc = 3 * 2 * 24_576, rec["compute_per_token_s"]  # bytes per token on demand, compute
     assert rec["bytes_per_token_on_demand"] == B
     for name, want in (("copy-share=0.85", 0.85), ("specmd", None)):
-        t = B / share[name]["bandwidth_bytes_per_s"]                       # seconds of copy per token
+        t = B / share[name]["bandwidth_bytes_per_s"]  # seconds of copy per token
         assert share[name]["copy_share_on_demand"] == pytest.approx(t / (t + tc))
         if want is not None:
             assert t / (t + tc) == pytest.approx(want)
@@ -118,12 +151,31 @@ def test_cli_quick_run(tmp_path, tiny_models):
 def test_cli_on_cuda(tmp_path, tiny_models):
     import torch
     from typer.testing import CliRunner
+
     from moeflow.cli.app import _register, app
+
     _register()
     ck = tmp_path / "tiny"
     tiny_models("olmoe").save_pretrained(ck)
-    r = CliRunner().invoke(app, ["calibrate", "--model", str(ck), "--device", "cuda", "--out", str(tmp_path / "c.json"),
-                                 "--sizes", "64,1024", "--repeats", "2", "--decode-steps", "2", "--json"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "calibrate",
+            "--model",
+            str(ck),
+            "--device",
+            "cuda",
+            "--out",
+            str(tmp_path / "c.json"),
+            "--sizes",
+            "64,1024",
+            "--repeats",
+            "2",
+            "--decode-steps",
+            "2",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rec = json.loads(r.stdout.strip().splitlines()[-1])
     assert rec["link"] == "cuda" and rec["device"].startswith("cuda-")

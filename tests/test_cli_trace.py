@@ -16,7 +16,6 @@ from .test_trace import tiny_tokenizer
 _register()
 
 
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tiny_models):
     """A tiny OLMoE checkpoint folder with a 256-id byte-level tokenizer, as save_pretrained writes it."""
@@ -29,16 +28,67 @@ def checkpoint(tmp_path_factory, tiny_models):
 def test_flags_map_to_config(monkeypatch):
     seen = {}
     monkeypatch.setattr("moeflow.trace.main", lambda cfg, json_out=False: seen.update(cfg=cfg, json=json_out))
-    res = CliRunner().invoke(app, [
-        "trace", "--model", "M", "--prompts", "gsm8k", "--out", "O", "--max-new-tokens", "7", "--limit", "5",
-        "--record-hidden", "--temperature", "0.7", "--top-p", "0.9", "--repetition-penalty", "1.2", "--seed", "3",
-        "--max-prompt-tokens", "64", "--data-dir", "D", "--split", "train", "--dtype", "bfloat16",
-        "--device", "cuda:1", "--shard-size", "100", "--threads", "1", "--json"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "trace",
+            "--model",
+            "M",
+            "--prompts",
+            "gsm8k",
+            "--out",
+            "O",
+            "--max-new-tokens",
+            "7",
+            "--limit",
+            "5",
+            "--record-hidden",
+            "--temperature",
+            "0.7",
+            "--top-p",
+            "0.9",
+            "--repetition-penalty",
+            "1.2",
+            "--seed",
+            "3",
+            "--max-prompt-tokens",
+            "64",
+            "--data-dir",
+            "D",
+            "--split",
+            "train",
+            "--dtype",
+            "bfloat16",
+            "--device",
+            "cuda:1",
+            "--shard-size",
+            "100",
+            "--threads",
+            "1",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
-    assert seen["cfg"] == TraceConfig(model="M", prompts="gsm8k", out="O", max_new_tokens=7, limit=5,
-                                      record_hidden=True, temperature=0.7, top_p=0.9, repetition_penalty=1.2, seed=3,
-                                      max_prompt_tokens=64, data_dir="D", split="train", dtype="bfloat16",
-                                      device="cuda:1", shard_size=100, threads=1, progress=False)
+    assert seen["cfg"] == TraceConfig(
+        model="M",
+        prompts="gsm8k",
+        out="O",
+        max_new_tokens=7,
+        limit=5,
+        record_hidden=True,
+        temperature=0.7,
+        top_p=0.9,
+        repetition_penalty=1.2,
+        seed=3,
+        max_prompt_tokens=64,
+        data_dir="D",
+        split="train",
+        dtype="bfloat16",
+        device="cuda:1",
+        shard_size=100,
+        threads=1,
+        progress=False,
+    )
     assert seen["json"] is True
     res = CliRunner().invoke(app, ["trace", "--model", "M", "--prompts", "p.txt", "--out", "O"])
     assert seen["cfg"] == TraceConfig(model="M", prompts="p.txt", out="O")
@@ -47,8 +97,16 @@ def test_flags_map_to_config(monkeypatch):
 
 def test_help_gives_units_and_defaults():
     out = CliRunner().invoke(app, ["trace", "--help"], env={"COLUMNS": "200"}).output
-    for s in ("--max-new-tokens", "default: 32", "--max-prompt-tokens", "default: 256", "--record-hidden",
-              "--shard-size", "greedy", "sharegpt"):
+    for s in (
+        "--max-new-tokens",
+        "default: 32",
+        "--max-prompt-tokens",
+        "default: 256",
+        "--record-hidden",
+        "--shard-size",
+        "greedy",
+        "sharegpt",
+    ):
         assert s in out, s
 
 
@@ -74,8 +132,19 @@ def test_trace_then_inspect_end_to_end(capsys, tmp_path, checkpoint):
     prompts = tmp_path / "p.txt"
     prompts.write_text("The quick brown fox\nHello world\nThe quick brown fox\n")
     out = tmp_path / "trace"
-    argv = ["trace", "--model", str(checkpoint), "--prompts", str(prompts), "--out", str(out),
-            "--max-new-tokens", "3", "--record-hidden", "--json"]
+    argv = [
+        "trace",
+        "--model",
+        str(checkpoint),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "3",
+        "--record-hidden",
+        "--json",
+    ]
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 0
@@ -84,7 +153,7 @@ def test_trace_then_inspect_end_to_end(capsys, tmp_path, checkpoint):
     t = Trace(out)
     assert t.num_prompts == 2 and len(t) == res["tokens_added"]
     phase = t.tokens()["phase"]
-    assert (phase == 0).sum() == 19 + 11 and 0 < (phase == 1).sum() <= 2 * 2   # the last new token is not routed
+    assert (phase == 0).sum() == 19 + 11 and 0 < (phase == 1).sum() <= 2 * 2  # the last new token is not routed
     assert t.record_hidden and t.meta["generation"]["max_new_tokens"] == 3
     # append with the same file: nothing new
     with pytest.raises(SystemExit) as e:

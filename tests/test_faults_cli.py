@@ -26,6 +26,7 @@ def ckpt(tmp_path_factory):
     """A tiny OLMoE checkpoint (8 experts per layer, top-2, 3 MoE layers: 24 routed experts) with a tokenizer."""
     from moeflow.lmtrain.tokenizer import train_tokenizer
     from moeflow.models import tiny_model
+
     d = tmp_path_factory.mktemp("faults") / "ckpt"
     text = ["the king said to the queen that the night was long", "to be or not to be, that is the question"] * 20
     tok = train_tokenizer(text, vocab_size=200)
@@ -38,8 +39,10 @@ def ckpt(tmp_path_factory):
 @pytest.fixture()
 def no_load(monkeypatch):
     """Fail the test if anything loads a model (the checks must come first)."""
+
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the flags were checked")
+
     monkeypatch.setattr("moeflow.models.load_model", refuse)
 
 
@@ -64,12 +67,15 @@ def one_line_error(argv, capsys, *needles, code=2):
 
 # ---- item 4: --device checked before anything loads -------------------------------------------------
 
+
 def test_unusable_device_is_one_line_before_loading(ckpt, tmp_path, capsys, no_load):
     p = ckpt.parent / "p.txt"
     # cuda:99 exists nowhere: "CUDA is not available" on a CPU machine, "has N CUDA device(s)" on a GPU one
-    for argv in (["run", "-m", ckpt, "-p", p, "--device", "cuda:99"],
-                 ["trace", "-m", ckpt, "-p", "nosuch-set", "-o", tmp_path / "t", "--device", "cuda:99"],
-                 ["calibrate", "-m", ckpt, "--device", "cuda:99", "-o", tmp_path / "c.json"]):
+    for argv in (
+        ["run", "-m", ckpt, "-p", p, "--device", "cuda:99"],
+        ["trace", "-m", ckpt, "-p", "nosuch-set", "-o", tmp_path / "t", "--device", "cuda:99"],
+        ["calibrate", "-m", ckpt, "--device", "cuda:99", "-o", tmp_path / "c.json"],
+    ):
         err = one_line_error(argv, capsys, "--device cuda:99")
         assert ("CUDA is not available" in err) or ("CUDA device(s)" in err)
     one_line_error(["run", "-m", ckpt, "-p", p, "--device", "banana"], capsys, "not a device")
@@ -78,28 +84,31 @@ def test_unusable_device_is_one_line_before_loading(ckpt, tmp_path, capsys, no_l
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_device_cuda_without_cuda(ckpt, capsys, no_load):
-    one_line_error(["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--device", "cuda"], capsys,
-                   "CUDA is not available", "--device cpu")
+    one_line_error(
+        ["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--device", "cuda"], capsys, "CUDA is not available", "--device cpu"
+    )
 
 
 # ---- item 4 / 5: bad values, each one line, before any work ----------------------------------------
+
 
 def test_run_refuses_bad_values_before_loading(ckpt, capsys, no_load):
     base = ["run", "-m", ckpt, "-p", ckpt.parent / "p.txt"]
     one_line_error([*base, "--prefetch-opt", "overfetch=abc"], capsys, "overfetch='abc'")
     one_line_error([*base, "-f", "pregate:overfetch=abc"], capsys, "overfetch='abc'")
     one_line_error([*base, "--threads", "0"], capsys, "--threads must be >= 1")
-    one_line_error([*base, "--min-new-tokens", "7", "--max-new-tokens", "6"], capsys,
-                   "--min-new-tokens 7", "--max-new-tokens (6)")
+    one_line_error(
+        [*base, "--min-new-tokens", "7", "--max-new-tokens", "6"], capsys, "--min-new-tokens 7", "--max-new-tokens (6)"
+    )
     one_line_error([*base, "-c", "abc"], capsys, "--capacity 'abc' not understood")
     one_line_error([*base, "-c", "0"], capsys, "--capacity '0' gives no expert slot")
     one_line_error([*base, "--max-prompt-tokens", "0"], capsys, "--max-prompt-tokens must be >= 1")
     one_line_error([*base, "--link", "cuda"], capsys, "--link cuda needs --device cuda")
-    one_line_error([*base, "--threads", "abc"], capsys, "--threads")          # click's own parse error: one line too
+    one_line_error([*base, "--threads", "abc"], capsys, "--threads")  # click's own parse error: one line too
 
 
 def test_simulate_refuses_bad_values(ckpt, tmp_path, capsys, no_load):
-    missing = tmp_path / "no-trace"           # the values are checked before the trace is even opened
+    missing = tmp_path / "no-trace"  # the values are checked before the trace is even opened
     base = ["simulate", "-t", missing]
     one_line_error([*base, "-c", "abc"], capsys, "--capacity 'abc'")
     one_line_error([*base, "-c", "0"], capsys, "--capacity '0'")
@@ -112,8 +121,7 @@ def test_simulate_refuses_bad_values(ckpt, tmp_path, capsys, no_load):
 
 def test_simulate_refuses_capacity_below_top_k(ckpt, tmp_path, capsys):
     tr = tmp_path / "trace"
-    code, _, err = cli(["trace", "-m", ckpt, "-p", ckpt.parent / "p.txt", "-o", tr, "--max-new-tokens", "2",
-                        "--json"], capsys)
+    code, _, err = cli(["trace", "-m", ckpt, "-p", ckpt.parent / "p.txt", "-o", tr, "--max-new-tokens", "2", "--json"], capsys)
     assert code == 0, err
     # top-k is 2: a 1-expert cache cannot hold one token's experts of one layer (accepted before this fix)
     one_line_error(["simulate", "-t", tr, "-c", "1"], capsys, "--capacity '1' = 1 experts", "use 2 (top-k")
@@ -139,6 +147,7 @@ def test_out_directory_refused_before_the_work(ckpt, tmp_path, capsys, no_load):
 def test_calibrate_out_directory_refused_before_measuring(ckpt, tmp_path, capsys, monkeypatch):
     def no_measure(*a, **k):
         raise AssertionError("measured before --out was checked")
+
     monkeypatch.setattr("moeflow.calibrate.run.bandwidth_sweep", no_measure)
     d = tmp_path / "adir"
     d.mkdir()
@@ -148,6 +157,7 @@ def test_calibrate_out_directory_refused_before_measuring(ckpt, tmp_path, capsys
 def test_calibration_hints_name_the_calibrate_command(ckpt, tmp_path, capsys, no_load):
     from moeflow.artifacts import read_record
     from moeflow.errors import ArtifactError
+
     bad = tmp_path / "cal.json"
     bad.write_text("{not json")
     for path in (bad, tmp_path / "missing.json"):
@@ -161,20 +171,23 @@ def test_calibration_hints_name_the_calibrate_command(ckpt, tmp_path, capsys, no
 
 def test_calibration_with_step_size_below_one_is_refused_when_read(ckpt, tmp_path, capsys, monkeypatch):
     cal = tmp_path / "cal.json"
-    code, _, err = cli(["calibrate", "-m", ckpt, "-o", cal, "--sizes", "16", "--repeats", "1", "--decode-steps", "1",
-                        "--json"], capsys)
+    code, _, err = cli(
+        ["calibrate", "-m", ckpt, "-o", cal, "--sizes", "16", "--repeats", "1", "--decode-steps", "1", "--json"], capsys
+    )
     assert code == 0, err
     rec = json.loads(cal.read_text())
     rec["initial_s"] = 0
     cal.write_text(json.dumps(rec))
     calls = []
     monkeypatch.setattr("moeflow.runtime.main.generate_one", lambda *a, **k: calls.append(1))
-    one_line_error(["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--calibration", cal], capsys,
-                   "step size S = 0", "integer >= 1")
+    one_line_error(
+        ["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--calibration", cal], capsys, "step size S = 0", "integer >= 1"
+    )
     assert calls == []
 
 
 # ---- item 5: a sweep checks every value before the first run -----------------------------------------
+
 
 def test_sweep_bad_late_value_fails_before_any_generation(ckpt, tmp_path, capsys, monkeypatch):
     calls = []
@@ -182,6 +195,7 @@ def test_sweep_bad_late_value_fails_before_any_generation(ckpt, tmp_path, capsys
     def counting(*a, **k):
         calls.append(1)
         raise AssertionError("generation started before every sweep value was checked")
+
     monkeypatch.setattr("moeflow.runtime.main.generate_one", counting)
     out = tmp_path / "gen.jsonl"
     base = ["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--sweep", "--threads", "1", "--out", out]
@@ -198,45 +212,67 @@ def test_sweep_bad_late_value_fails_before_any_generation(ckpt, tmp_path, capsys
 
 # ---- item 7: Ctrl-C and SIGTERM -----------------------------------------------------------------------
 
+
 def test_ctrl_c_prints_interrupted_exits_130_and_writes_nothing(ckpt, tmp_path, capsys, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
+
     monkeypatch.setattr("moeflow.runtime.main.generate_one", interrupted)
     out = tmp_path / "gen.jsonl"
     code, _, err = cli(["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--mode", "resident", "--out", out], capsys)
     assert code == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
-    assert not out.exists() and list(tmp_path.iterdir()) == []        # no temporary file left behind either
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # no temporary file left behind either
 
 
 def test_sigterm_becomes_an_exception_exits_143(ckpt, tmp_path, capsys, monkeypatch):
     def terminated(*a, **k):
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(30)                      # the handler raises in this thread; the sleep never finishes
+        time.sleep(30)  # the handler raises in this thread; the sleep never finishes
         raise AssertionError("SIGTERM did not interrupt the stage")
+
     monkeypatch.setattr("moeflow.runtime.main.generate_one", terminated)
     before = signal.getsignal(signal.SIGTERM)
     out = tmp_path / "gen.jsonl"
     code, _, err = cli(["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--mode", "resident", "--out", out], capsys)
     assert code == 143 and err.strip().splitlines()[-1] == "terminated" and "Traceback" not in err
     assert not out.exists()
-    assert signal.getsignal(signal.SIGTERM) == before                  # the CLI restores the old handler
+    assert signal.getsignal(signal.SIGTERM) == before  # the CLI restores the old handler
 
 
 def test_real_sigint_to_python_m_moeflow(ckpt, tmp_path):
     """A real SIGINT to `python -m moeflow run` while it generates: "interrupted", exit 130, no --out file."""
-    code = ("import sys, time, moeflow.runtime.main as m\n"
-            "def slow(*a, **k):\n"
-            "    print('generating', flush=True); time.sleep(60)\n"
-            "m.generate_one = slow\n"
-            "from moeflow.__main__ import main\n"
-            "main(sys.argv[1:])\n")
+    code = (
+        "import sys, time, moeflow.runtime.main as m\n"
+        "def slow(*a, **k):\n"
+        "    print('generating', flush=True); time.sleep(60)\n"
+        "m.generate_one = slow\n"
+        "from moeflow.__main__ import main\n"
+        "main(sys.argv[1:])\n"
+    )
     out = tmp_path / "gen.jsonl"
-    proc = subprocess.Popen([sys.executable, "-c", code, "run", "-m", str(ckpt), "-p", str(ckpt.parent / "p.txt"),
-                             "--mode", "resident", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "run",
+            "-m",
+            str(ckpt),
+            "-p",
+            str(ckpt.parent / "p.txt"),
+            "--mode",
+            "resident",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
-        for line in proc.stdout:              # wait until it is inside the generation
+        for line in proc.stdout:  # wait until it is inside the generation
             if "generating" in line:
                 break
         proc.send_signal(signal.SIGINT)
@@ -250,12 +286,35 @@ def test_real_sigint_to_python_m_moeflow(ckpt, tmp_path):
 
 # ---- item 8: run --json texts, --column, one vocabulary, python -m moeflow ---------------------------
 
+
 def test_run_json_carries_each_prompts_text(ckpt, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     out = tmp_path / "gen.jsonl"
-    code, stdout, err = cli(["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--max-new-tokens", "4", "--sweep",
-                             "--mode", "resident,offload", "-c", "50%", "-f", "none", "--threads", "1", "--json",
-                             "--out", out], capsys)
+    code, stdout, err = cli(
+        [
+            "run",
+            "-m",
+            ckpt,
+            "-p",
+            ckpt.parent / "p.txt",
+            "--max-new-tokens",
+            "4",
+            "--sweep",
+            "--mode",
+            "resident,offload",
+            "-c",
+            "50%",
+            "-f",
+            "none",
+            "--threads",
+            "1",
+            "--json",
+            "--out",
+            out,
+        ],
+        capsys,
+    )
     assert code == 0, err
     res = json.loads(stdout.strip().splitlines()[-1])
     # oracle: greedy generation with the stock transformers model, no moeflow code involved
@@ -264,21 +323,26 @@ def test_run_json_carries_each_prompts_text(ckpt, tmp_path, capsys):
     want = []
     for text in ("the king said", "to be or not"):
         ids = tok(text, return_tensors="pt").input_ids
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
-                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
-        want.append({"prompt": text, "text": tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)})
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
+        )
+        want.append({"prompt": text, "text": tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True)})
     assert len(res["runs"]) == 2
     for run in res["runs"]:
         assert [{"prompt": o["prompt"], "text": o["text"]} for o in run["outputs"]] == want
-        assert [o["prompt_id"] for o in run["outputs"]] == [json.loads(l)["prompt_id"]
-                                                            for l in out.read_text().splitlines()][:2]
+        assert [o["prompt_id"] for o in run["outputs"]] == [json.loads(l)["prompt_id"] for l in out.read_text().splitlines()][:2]
 
 
 def test_run_column_picks_the_prompt_field(ckpt, tmp_path, capsys):
     csv = tmp_path / "q.csv"
     csv.write_text("id,Question,Other\n1,the king said,zzz\n2,to be or not,yyy\n")
-    code, stdout, err = cli(["run", "-m", ckpt, "-p", csv, "--column", "Other", "--mode", "resident",
-                             "--max-new-tokens", "1", "--json"], capsys)
+    code, stdout, err = cli(
+        ["run", "-m", ckpt, "-p", csv, "--column", "Other", "--mode", "resident", "--max-new-tokens", "1", "--json"], capsys
+    )
     assert code == 0, err
     assert [o["prompt"] for o in json.loads(stdout)["runs"][0]["outputs"]] == ["zzz", "yyy"]
 
@@ -298,18 +362,32 @@ def test_one_flag_vocabulary_with_hidden_old_spellings(tmp_path, capsys, monkeyp
     assert new.capacities == ("3", "10%", "25%") and err == ""
     old, err = cfg_of("run", ["run", "-p", "x.txt", "--cache-capacity", "3", "--cache-capacity", "10%,25%", "--sweep"])
     assert old == new and "--cache-capacity is now --capacity" in err
-    new, _ = cfg_of("sim", ["simulate", "-t", "T", "-f", "none", "-f", "pregate:overfetch=1.5,mass=0.9,all-next-layer",
-                            "--limit", "3", "--json"])
+    new, _ = cfg_of(
+        "sim",
+        ["simulate", "-t", "T", "-f", "none", "-f", "pregate:overfetch=1.5,mass=0.9,all-next-layer", "--limit", "3", "--json"],
+    )
     assert new.prefetches == ("none", "pregate:overfetch=1.5,mass=0.9", "all-next-layer") and new.max_prompts == 3
-    old, err = cfg_of("sim", ["simulate", "-t", "T", "-p", "none", "-p", "pregate:overfetch=1.5,mass=0.9,all-next-layer",
-                              "--max-prompts", "3", "--json"])
+    old, err = cfg_of(
+        "sim",
+        [
+            "simulate",
+            "-t",
+            "T",
+            "-p",
+            "none",
+            "-p",
+            "pregate:overfetch=1.5,mass=0.9,all-next-layer",
+            "--max-prompts",
+            "3",
+            "--json",
+        ],
+    )
     assert old == new and "-p is now --prefetch/-f" in err and "--max-prompts is now --limit/-n" in err
     new, _ = cfg_of("ev", ["eval", "--predictors", "P", "-t", "T", "--json"])
     old, _ = cfg_of("ev", ["eval", "-p", "P", "-t", "T", "--json"])
     assert old == new and new.predictors == "P"
     # -p means prompts wherever it is shown; the old spellings are hidden from --help
-    for cmd, gone in (("run", "--cache-capacity"), ("simulate", "--max-prompts"), ("simulate", " -p "),
-                      ("eval", " -p ")):
+    for cmd, gone in (("run", "--cache-capacity"), ("simulate", "--max-prompts"), ("simulate", " -p "), ("eval", " -p ")):
         code, help_text, _ = cli([cmd, "--help"], capsys)
         assert code == 0 and gone not in help_text, (cmd, gone)
     for cmd in ("run", "trace"):
@@ -321,12 +399,14 @@ def test_python_dash_m_moeflow():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([*PY, "--version"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("moeflow ")
-    r = subprocess.run([*PY, "run", "--prompt", "x", "--threads", "0"], capture_output=True, text=True, cwd=REPO,
-                       env=env, timeout=120)
+    r = subprocess.run(
+        [*PY, "run", "--prompt", "x", "--threads", "0"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120
+    )
     assert r.returncode == 2 and r.stderr.strip() == "error: --threads must be >= 1 (got 0)"
 
 
 # ---- item 9: layering ----------------------------------------------------------------------------------
+
 
 def test_runtime_main_does_not_import_the_cli():
     tree = ast.parse((REPO / "moeflow" / "runtime" / "main.py").read_text())

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # -- helpers ------------------------------------------------------------------------------------------
 
+
 def snapshot(folder: Path) -> dict[str, bytes]:
     """relative path -> bytes of every file under `folder` (following the top-level link)."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -35,6 +36,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 def cli(argv: list[str], capsys) -> tuple[int, str]:
     """Run `moeflow` in-process; (exit code, stderr)."""
     from moeflow.cli.app import main
+
     code: object = 0
     try:
         main(argv)
@@ -92,11 +94,17 @@ def complete_generation(out: Path) -> int:
 def run_writer(tmp_path: Path, out: Path, start: int, count: int, **env: str) -> subprocess.CompletedProcess:
     script = tmp_path / "writer.py"
     script.write_text(WRITER)
-    return subprocess.run([sys.executable, str(script), str(out), str(start), str(count)],
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(script), str(out), str(start), str(count)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 # -- item 2: atomic replacement ---------------------------------------------------------------------------
+
 
 def test_a_kill_at_every_step_of_a_replacement_leaves_old_or_new(tmp_path):
     """Deterministic: the writer dies (os._exit, no clean-up) at the 1st, 2nd, ... file-system switch of
@@ -110,13 +118,13 @@ def test_a_kill_at_every_step_of_a_replacement_leaves_old_or_new(tmp_path):
         assert run_writer(tmp_path, out, 0, 1).returncode == 0
         r = run_writer(tmp_path, out, 1, 1, KILL_AT=str(k))
         assert complete_generation(out) in (0, 1), k
-        if r.returncode == 0:                          # k is past the last switch: the write completed
+        if r.returncode == 0:  # k is past the last switch: the write completed
             assert complete_generation(out) == 1
             break
         assert r.returncode == 9
     else:
         pytest.fail("the writer never completed")
-    assert k > 2                                       # the kills above did land inside the replacement
+    assert k > 2  # the kills above did land inside the replacement
 
 
 def test_sigkill_at_random_points_leaves_a_complete_artifact(tmp_path):
@@ -162,8 +170,7 @@ def test_versions_cleanup_keeps_current_and_previous(tmp_path):
     live.mkdir()
     with atomic_dir(out) as d:
         (d / "x").write_text("3")
-    assert sorted(p.name for p in vroot.iterdir()) == sorted([Path(targets[-1]).name, Path(os.readlink(out)).name,
-                                                              live.name])
+    assert sorted(p.name for p in vroot.iterdir()) == sorted([Path(targets[-1]).name, Path(os.readlink(out)).name, live.name])
     assert not (tmp_path / f".a.link-{dead}-1").is_symlink()
     # a failed write leaves the current artifact and no folder of its own
     with pytest.raises(RuntimeError), atomic_dir(out) as d:
@@ -176,8 +183,9 @@ def test_versions_cleanup_keeps_current_and_previous(tmp_path):
 @pytest.mark.parametrize("exchange", [True, False])
 def test_a_legacy_real_folder_is_replaced_and_kept_as_previous(tmp_path, monkeypatch, exchange):
     import moeflow.artifacts as art
+
     if not exchange:
-        monkeypatch.setattr(art, "_exchange", lambda a, b: False)   # the documented one-time fallback
+        monkeypatch.setattr(art, "_exchange", lambda a, b: False)  # the documented one-time fallback
     out = tmp_path / "pred"
     out.mkdir()
     (out / "meta.json").write_text('{"kind": "predictors", "n": 0}')
@@ -190,10 +198,12 @@ def test_a_legacy_real_folder_is_replaced_and_kept_as_previous(tmp_path, monkeyp
 
 def test_atomic_write_replaces_a_file_in_one_step(tmp_path):
     from moeflow.artifacts import write_json_atomic
+
     p = tmp_path / "c.json"
     write_json_atomic(p, {"kind": "calibration", "v": 1})
     with pytest.raises(ValueError):
         from moeflow.artifacts import atomic_write
+
         with atomic_write(p) as f:
             f.write("{half")
             raise ValueError("crash")
@@ -201,6 +211,7 @@ def test_atomic_write_replaces_a_file_in_one_step(tmp_path):
 
 
 # -- item 1: --out rules ------------------------------------------------------------------------------------
+
 
 def test_check_out_rules(tmp_path):
     trace = tmp_path / "trace"
@@ -215,7 +226,7 @@ def test_check_out_rules(tmp_path):
             check_out(out, kind="predictors", inputs=inputs, **kw)
 
     refused(trace, "is the input", force=True)
-    refused(alias, "is the input", force=True)                  # symlinks resolved
+    refused(alias, "is the input", force=True)  # symlinks resolved
     refused(trace / "pred", "inside the input", force=True)
     refused(alias / "pred", "inside the input", force=True)
     refused(tmp_path, "contains the input", force=True)
@@ -261,18 +272,33 @@ def test_check_out_files(tmp_path):
 
 # -- a trained predictor folder (tiny model, tiny trace) ------------------------------------------------------
 
+
 def write_trace(model, out: Path, n: int = 8, length: int = 12, new_tokens: int = 3) -> Path:
     from moeflow.moe import get_adapter, model_fingerprint
     from moeflow.trace.writer import RoutingRecorder, TraceWriter, generation_kwargs, trace_one
+
     ad = get_adapter(model)
-    gen = {"max_new_tokens": new_tokens, "temperature": 0.0, "top_p": 1.0, "repetition_penalty": 1.0, "seed": 0,
-           "max_prompt_tokens": 256, "do_sample": False}
+    gen = {
+        "max_new_tokens": new_tokens,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "repetition_penalty": 1.0,
+        "seed": 0,
+        "max_prompt_tokens": 256,
+        "do_sample": False,
+    }
     kw = generation_kwargs(gen, 0)
     kw.update(min_new_tokens=new_tokens, eos_token_id=None)
     rec = RoutingRecorder(ad, True)
     rng = np.random.default_rng(0)
-    with TraceWriter(out, fingerprint=model_fingerprint(model), spec=ad.spec.to_dict(), record_hidden=True,
-                     generation=gen, prompt_source="test") as w:
+    with TraceWriter(
+        out,
+        fingerprint=model_fingerprint(model),
+        spec=ad.spec.to_dict(),
+        record_hidden=True,
+        generation=gen,
+        prompt_source="test",
+    ) as w:
         for i in range(n):
             rows, _ = trace_one(model, rec, torch.tensor([rng.integers(3, 200, size=length).tolist()]), kw)
             w.add(f"p{i}", rows)
@@ -283,20 +309,54 @@ def write_trace(model, out: Path, n: int = 8, length: int = 12, new_tokens: int 
 def trained(tmp_path_factory):
     """(model, root, trace, predictor folder with router-pf + forest) via `moeflow train`."""
     from moeflow.models import load_model, tiny_model
+
     root = tmp_path_factory.mktemp("faults")
     tiny_model("olmoe", num_hidden_layers=3).save_pretrained(root / "model")
     model, _ = load_model(str(root / "model"), dtype="float32")
     trace = write_trace(model, root / "trace")
     pred = root / "pred"
-    argv = ["train", "--trace", str(trace), "--out", str(pred), "--model", str(root / "model"), "--only", "router-pf",
-            "--only", "forest", "--max-s", "2", "--forest-trees", "3", "--forest-samples", "800", "--json"]
+    argv = [
+        "train",
+        "--trace",
+        str(trace),
+        "--out",
+        str(pred),
+        "--model",
+        str(root / "model"),
+        "--only",
+        "router-pf",
+        "--only",
+        "forest",
+        "--max-s",
+        "2",
+        "--forest-trees",
+        "3",
+        "--forest-samples",
+        "800",
+        "--json",
+    ]
     assert cli(argv, None) == (0, "")
     return model, root, trace, pred
 
 
 def train_args(root: Path, trace: Path, out: Path) -> list[str]:
-    return ["train", "--trace", str(trace), "--out", str(out), "--model", str(root / "model"), "--only", "forest",
-            "--max-s", "2", "--forest-trees", "2", "--forest-samples", "400"]
+    return [
+        "train",
+        "--trace",
+        str(trace),
+        "--out",
+        str(out),
+        "--model",
+        str(root / "model"),
+        "--only",
+        "forest",
+        "--max-s",
+        "2",
+        "--forest-trees",
+        "2",
+        "--forest-samples",
+        "400",
+    ]
 
 
 def test_train_refuses_an_out_that_is_or_holds_its_input_and_leaves_it_intact(trained, capsys):
@@ -318,7 +378,7 @@ def test_train_refuses_an_out_that_is_or_holds_its_input_and_leaves_it_intact(tr
 def test_train_replaces_a_predictor_folder_only_with_force(trained, capsys):
     model, root, trace, pred = trained
     out = root / "pred2"
-    shutil.copytree(pred, out, symlinks=False)              # a real (legacy-style) predictor folder
+    shutil.copytree(pred, out, symlinks=False)  # a real (legacy-style) predictor folder
     code, err = cli(train_args(root, trace, out), capsys)
     assert code == 2 and "pass --force to replace it" in err
     code, err = cli([*train_args(root, trace, out), "--force"], capsys)
@@ -326,11 +386,13 @@ def test_train_replaces_a_predictor_folder_only_with_force(trained, capsys):
     assert out.is_symlink() and json.loads((out / "meta.json").read_text())["predictors"][-1] == "forest"
     assert "router-pf" not in json.loads((out / "meta.json").read_text())["predictors"]
     from moeflow.predict.io import load_predictors
+
     _, loaded = load_predictors(out, model)
     assert loaded["forest"].rf.n_estimators == 2
 
 
 # -- item 6: loading never runs foreign code --------------------------------------------------------------------
+
 
 class Payload:
     """Unpickling this creates `marker`: what a malicious forest.joblib would do."""
@@ -346,6 +408,7 @@ def test_the_forest_is_plain_arrays_that_predict_like_scikit_learn():
     from sklearn.ensemble import RandomForestRegressor
 
     from moeflow.predict.forest import ArrayForest
+
     rng = np.random.default_rng(0)
     X = rng.standard_normal((600, 7)).astype(np.float32)
     Y = np.stack([X[:, 0] > 0, X[:, 1] * X[:, 2] > 0.1, np.sin(X[:, 3]) > 0.5], 1).astype(np.float64)
@@ -358,9 +421,10 @@ def test_the_forest_is_plain_arrays_that_predict_like_scikit_learn():
 def test_a_planted_pickle_is_refused_and_never_run(trained, tmp_path, capsys):
     model, root, trace, pred = trained
     from moeflow.predict.io import load_predictors
+
     marker = tmp_path / "pwned"
     evil = pickle.dumps(Payload(marker))
-    pickle.loads(evil)                                   # the payload is live: unpickling it runs code
+    pickle.loads(evil)  # the payload is live: unpickling it runs code
     assert marker.exists()
     marker.unlink()
     folder = tmp_path / "pred"
@@ -370,8 +434,9 @@ def test_a_planted_pickle_is_refused_and_never_run(trained, tmp_path, capsys):
     (folder / "forest" / "forest.joblib").write_bytes(evil)
     with pytest.raises(ArtifactError, match=r"forest\.joblib is a pickle.*re-run `moeflow train`"):
         load_predictors(folder, model, ["forest"])
-    code, err = cli(["eval", "--predictors", str(folder), "--trace", str(trace), "--model", str(root / "model"),
-                     "--only", "forest"], capsys)
+    code, err = cli(
+        ["eval", "--predictors", str(folder), "--trace", str(trace), "--model", str(root / "model"), "--only", "forest"], capsys
+    )
     assert code == 2 and "forest.joblib is a pickle" in err and "Traceback" not in err
     # the same bytes under the names moeflow does read
     for rel in ("forest/forest.npz", "forest/embedding.npy", "router-pf/default_vectors.pt"):
@@ -385,6 +450,7 @@ def test_a_planted_pickle_is_refused_and_never_run(trained, tmp_path, capsys):
 
 def test_every_torch_load_is_weights_only():
     import re
+
     calls = []
     for p in (REPO / "moeflow").rglob("*.py"):
         src = p.read_text()
@@ -395,14 +461,23 @@ def test_every_torch_load_is_weights_only():
 
 # -- item 4: corrupt predictor files ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rel,damage", [
-    ("forest/forest.npz", "truncate"), ("forest/forest.npz", "garbage"), ("forest/config.json", "garbage"),
-    ("forest/embedding.npy", "truncate"), ("router-pf/default_vectors.pt", "truncate"),
-    ("router-pf/default_vectors.pt", "garbage"), ("router-pf/config.json", "missing"),
-])
+
+@pytest.mark.parametrize(
+    "rel,damage",
+    [
+        ("forest/forest.npz", "truncate"),
+        ("forest/forest.npz", "garbage"),
+        ("forest/config.json", "garbage"),
+        ("forest/embedding.npy", "truncate"),
+        ("router-pf/default_vectors.pt", "truncate"),
+        ("router-pf/default_vectors.pt", "garbage"),
+        ("router-pf/config.json", "missing"),
+    ],
+)
 def test_a_corrupt_predictor_file_is_one_line_naming_it(trained, tmp_path, rel, damage):
     model, _, _, pred = trained
     from moeflow.predict.io import load_predictors
+
     folder = tmp_path / "pred"
     shutil.copytree(pred, folder)
     f = folder / rel
@@ -422,8 +497,9 @@ def test_a_corrupt_estimator_is_one_line(trained, tmp_path):
     """estimator.pt: garbage and a state dict of the wrong shape are refused with the file's name."""
     model, _, _, pred = trained
     from moeflow.predict.estimator import Estimator
+
     folder = tmp_path / "est"
-    shutil.copytree(pred / "router-pf", folder)              # default_vectors.pt of this model
+    shutil.copytree(pred / "router-pf", folder)  # default_vectors.pt of this model
     (folder / "config.json").write_text(json.dumps({"max_lookahead": 1, "m": 4, "n": 8, "pairs": [[1, 1]]}))
     torch.save({"A.weight": torch.zeros(3, 3)}, folder / "estimator.pt")
     with pytest.raises(ArtifactError, match=r"estimator\.pt \(it is corrupt.*re-run `moeflow train`"):
@@ -436,17 +512,22 @@ def test_a_corrupt_estimator_is_one_line(trained, tmp_path):
 
 # -- calibrate --out ------------------------------------------------------------------------------------------------
 
+
 def test_calibrate_out_rules_before_any_measurement(trained, tmp_path, monkeypatch, capsys):
     _, root, trace, _ = trained
     import moeflow.calibrate.run as run
 
     def no_work(*a, **k):
         raise AssertionError("measured before checking --out")
+
     monkeypatch.setattr(run, "bandwidth_sweep", no_work)
     meta = (trace / "meta.json").read_bytes()
     args = ["calibrate", "--model", str(root / "model"), "--sizes", "16", "--repeats", "1", "--decode-steps", "1"]
-    for out, why in ((trace / "meta.json", "holds a moeflow trace"), (tmp_path, "is a folder"),
-                     (root / "model" / "config.json", "is inside the input")):
+    for out, why in (
+        (trace / "meta.json", "holds a moeflow trace"),
+        (tmp_path, "is a folder"),
+        (root / "model" / "config.json", "is inside the input"),
+    ):
         code, err = cli([*args, "--out", str(out), "--force"], capsys)
         assert code == 2 and why in err and "Traceback" not in err, err
     assert (trace / "meta.json").read_bytes() == meta

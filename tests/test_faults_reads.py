@@ -67,15 +67,16 @@ def trace3(tiny_models, tok, tmp_path):
 
 # ---- item 3: checksums ---------------------------------------------------------------------------
 
+
 def test_flipped_byte_is_caught_by_inspect_simulate_and_train(trace3, capsys):
     t = Trace(trace3)
     assert len(t.meta["shards"]) >= 2
     shard = trace3 / t.meta["shards"][0]["file"]
-    w = np.ascontiguousarray(t.layer(0)["topk_weights"][:4])          # the first rows' routing weights, f32
+    w = np.ascontiguousarray(t.layer(0)["topk_weights"][:4])  # the first rows' routing weights, f32
     data = shard.read_bytes()
     at = data.find(w.tobytes())
-    assert at > 0                                                      # stored verbatim in the shard
-    shard.write_bytes(data[:at + 2] + bytes([data[at + 2] ^ 0x40]) + data[at + 3:])   # same size, one byte
+    assert at > 0  # stored verbatim in the shard
+    shard.write_bytes(data[: at + 2] + bytes([data[at + 2] ^ 0x40]) + data[at + 3 :])  # same size, one byte
     # without the checksum the shard reads fine and gives another weight: silently wrong results
     assert Trace(trace3, verify=False).layer(0)["topk_weights"][0, 0] != w[0, 0]
     with pytest.raises(ArtifactError, match=r"shard-00000/data.arrow is corrupt \(sha256"):
@@ -86,6 +87,7 @@ def test_flipped_byte_is_caught_by_inspect_simulate_and_train(trace3, capsys):
     assert code == 2, err
     assert "corrupt" in err and err.count("\n") == 0
     from moeflow.predict.data import from_trace  # what `moeflow train` reads the trace with
+
     with pytest.raises(ArtifactError, match="corrupt"):
         from_trace(str(trace3))
 
@@ -98,6 +100,7 @@ def test_large_shards_use_the_documented_cheap_check(tiny_models, tok, tmp_path,
     import moeflow.trace.reader as rmod
     import moeflow.trace.writer as wmod
     from moeflow.trace import format as fmt
+
     f = tmp_path / "x"
     f.write_bytes(b"abcdefghijklmnop")
     monkeypatch.setattr(fmt, "ENDS_BYTES", 4)
@@ -113,30 +116,34 @@ def test_large_shards_use_the_documented_cheap_check(tiny_models, tok, tmp_path,
     shard = out / info["file"]
     data = shard.read_bytes()
     mid = len(data) // 2
-    shard.write_bytes(data[:mid] + bytes([data[mid] ^ 1]) + data[mid + 1:])
-    Trace(out)                                                 # the cheap check does not read the middle
-    end = len(data) - 100                                      # inside the last ENDS_BYTES
-    shard.write_bytes(data[:end] + bytes([data[end] ^ 1]) + data[end + 1:])
+    shard.write_bytes(data[:mid] + bytes([data[mid] ^ 1]) + data[mid + 1 :])
+    Trace(out)  # the cheap check does not read the middle
+    end = len(data) - 100  # inside the last ENDS_BYTES
+    shard.write_bytes(data[:end] + bytes([data[end] ^ 1]) + data[end + 1 :])
     with pytest.raises(ArtifactError, match="corrupt"):
         Trace(out)
-    monkeypatch.setattr(rmod, "FULL_HASH_MAX", 1 << 30)        # as a small shard: the full sha256
-    shard.write_bytes(data[:mid] + bytes([data[mid] ^ 1]) + data[mid + 1:])
+    monkeypatch.setattr(rmod, "FULL_HASH_MAX", 1 << 30)  # as a small shard: the full sha256
+    shard.write_bytes(data[:mid] + bytes([data[mid] ^ 1]) + data[mid + 1 :])
     with pytest.raises(ArtifactError, match="corrupt"):
         Trace(out)
 
 
 # ---- item 3 / 4: meta.json fields, prompt ids vs shards ------------------------------------------
 
-@pytest.mark.parametrize("edit, field", [
-    (lambda m: m.pop("shards"), "'shards'"),
-    (lambda m: m.update(num_tokens="12"), "'num_tokens' must be an integer"),
-    (lambda m: m.update(record_hidden="no"), "'record_hidden' must be true/false"),
-    (lambda m: m["shards"][0].pop("file"), "'shards[0].file'"),
-    (lambda m: m["shards"][0].update(records=True), "'shards[0].records' must be an integer"),
-    (lambda m: m["spec"].pop("num_experts"), "'spec.num_experts'"),
-    (lambda m: m.update(prompt_ids={"a": 1}), "'prompt_ids' must be a list"),
-    (lambda m: m["shards"][0].update(file="../../etc/passwd"), "inside"),
-])
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda m: m.pop("shards"), "'shards'"),
+        (lambda m: m.update(num_tokens="12"), "'num_tokens' must be an integer"),
+        (lambda m: m.update(record_hidden="no"), "'record_hidden' must be true/false"),
+        (lambda m: m["shards"][0].pop("file"), "'shards[0].file'"),
+        (lambda m: m["shards"][0].update(records=True), "'shards[0].records' must be an integer"),
+        (lambda m: m["spec"].pop("num_experts"), "'spec.num_experts'"),
+        (lambda m: m.update(prompt_ids={"a": 1}), "'prompt_ids' must be a list"),
+        (lambda m: m["shards"][0].update(file="../../etc/passwd"), "inside"),
+    ],
+)
 def test_meta_fields_and_types_give_one_line(trace3, capsys, edit, field):
     meta = _meta(trace3)
     edit(meta)
@@ -152,12 +159,11 @@ def test_prompt_ids_and_shards_must_agree(trace3):
     good = _meta(trace3)
     ids = good["prompt_ids"]
     bad = [
-        (dict(good, prompt_ids=[ids[0], ids[0], ids[2]]), "twice|other prompts"),       # a duplicate
-        (dict(good, prompt_ids=[ids[1], ids[0], ids[2]]), "other prompts"),              # swapped
+        (dict(good, prompt_ids=[ids[0], ids[0], ids[2]]), "twice|other prompts"),  # a duplicate
+        (dict(good, prompt_ids=[ids[1], ids[0], ids[2]]), "other prompts"),  # swapped
         (dict(good, prompt_ids=[*ids, prompt_id("extra")]), "4 prompt_ids but its shards hold 3"),
         (dict(good, num_tokens=good["num_tokens"] + 1), "num_tokens"),
-        (dict(good, shards=[dict(good["shards"][0], prompts=good["shards"][0]["prompts"] + 1),
-                            *good["shards"][1:]]), "prompt"),
+        (dict(good, shards=[dict(good["shards"][0], prompts=good["shards"][0]["prompts"] + 1), *good["shards"][1:]]), "prompt"),
     ]
     for meta, msg in bad:
         _write_meta(trace3, meta)
@@ -173,11 +179,15 @@ def test_appended_trace_records_every_source(tiny_models, tok, tmp_path):
     run_trace(model, tok, prompts("one", "two"), cfg(out, prompts="a.txt"))
     run_trace(model, tok, prompts("two", "three"), cfg(out, prompts="gsm8k", split="train", limit=2))
     meta = Trace(out).meta
-    assert "prompt_source" not in meta                  # the single top-level source was false after an append
-    assert meta["sources"] == [{"source": "a.txt", "split": None, "column": None, "prompts": 2},
-                               {"source": "gsm8k", "split": "train", "column": None, "prompts": 1}]
-    assert [(r["prompt_source"], r["split"], r["limit"], r["prompts_added"]) for r in meta["runs"]] == \
-        [("a.txt", None, None, 2), ("gsm8k", "train", 2, 1)]
+    assert "prompt_source" not in meta  # the single top-level source was false after an append
+    assert meta["sources"] == [
+        {"source": "a.txt", "split": None, "column": None, "prompts": 2},
+        {"source": "gsm8k", "split": "train", "column": None, "prompts": 1},
+    ]
+    assert [(r["prompt_source"], r["split"], r["limit"], r["prompts_added"]) for r in meta["runs"]] == [
+        ("a.txt", None, None, 2),
+        ("gsm8k", "train", 2, 1),
+    ]
     # a trace written before `sources` existed gets them rebuilt from its runs on the next append
     old = dict(meta, prompt_source="a.txt")
     del old["sources"]
@@ -190,11 +200,13 @@ def test_appended_trace_records_every_source(tiny_models, tok, tmp_path):
 
 # ---- item 7: interrupts during `trace` -----------------------------------------------------------
 
+
 def test_second_ctrl_c_while_flushing_keeps_the_finished_prompts(tiny_models, tok, tmp_path, monkeypatch):
     """Ctrl-C during the 3rd prompt, then Ctrl-C again while the buffered prompts are written: the second
     signal waits until the shard and meta.json are written, so prompts 1-2 stay in a valid trace."""
     import moeflow.trace.run as run_mod
     import moeflow.trace.writer as wmod
+
     real_one, real_shard = run_mod.trace_one, wmod.write_shard
     calls = []
 
@@ -208,6 +220,7 @@ def test_second_ctrl_c_while_flushing_keeps_the_finished_prompts(tiny_models, to
         info = real_shard(*a, **k)
         os.kill(os.getpid(), signal.SIGINT)
         return info
+
     monkeypatch.setattr(run_mod, "trace_one", one)
     monkeypatch.setattr(wmod, "write_shard", shard_then_signal)
     out = tmp_path / "tr"
@@ -223,6 +236,7 @@ def test_second_ctrl_c_while_flushing_keeps_the_finished_prompts(tiny_models, to
 
 def test_signals_deferred_delivers_after_the_block():
     from moeflow.trace.writer import signals_deferred
+
     got = []
     old = signal.signal(signal.SIGTERM, lambda n, f: got.append(n))
     try:
@@ -254,12 +268,30 @@ def test_sigterm_during_trace_keeps_finished_prompts(checkpoint, tiny_models, to
     pfile = tmp_path / "p.txt"
     pfile.write_text("\n".join(texts) + "\n")
     out = tmp_path / "tr"
-    argv = ["trace", "--model", str(checkpoint), "--prompts", str(pfile), "--out", str(out),
-            "--max-new-tokens", "4", "--threads", "1", "--no-progress"]
+    argv = [
+        "trace",
+        "--model",
+        str(checkpoint),
+        "--prompts",
+        str(pfile),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "4",
+        "--threads",
+        "1",
+        "--no-progress",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("MOEFLOW_DEBUG", None)
-    proc = subprocess.Popen([sys.executable, "-c", _HOOKED_CLI, *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOOKED_CLI, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     try:
         for line in proc.stdout:
             if line.strip() == "added 3":
@@ -271,12 +303,18 @@ def test_sigterm_during_trace_keeps_finished_prompts(checkpoint, tiny_models, to
             proc.kill()
     assert proc.returncode in (130, 143), err
     assert "Traceback" not in err and err.strip().splitlines()[-1].endswith(("terminated", "interrupted"))
-    t = Trace(out)                                             # verifies every shard
+    t = Trace(out)  # verifies every shard
     n = len(t.prompt_ids)
     assert 3 <= n < len(texts)
     assert t.prompt_ids == [prompt_id(x) for x in texts[:n]]
-    res = subprocess.run([sys.executable, "-c", "import sys; from moeflow.cli.app import main; main(sys.argv[1:])",
-                          *argv, "--json"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", "import sys; from moeflow.cli.app import main; main(sys.argv[1:])", *argv, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout.strip().splitlines()[-1])["prompts_skipped"] == n
     whole = tmp_path / "whole"
@@ -290,13 +328,18 @@ def test_sigterm_during_trace_keeps_finished_prompts(checkpoint, tiny_models, to
 
 # ---- item 8 / 4: prompt files --------------------------------------------------------------------
 
+
 def test_truthfulqa_csv_and_case_insensitive_columns(tmp_path):
     f = tmp_path / "TruthfulQA.csv"
-    f.write_text('Type,Category,Question,Best Answer,Source\n'
-                 'Adversarial,Misconceptions,What happens if you eat watermelon seeds?,Nothing,"https://x, y"\n'
-                 'Adversarial,Fiction,Where did fortune cookies originate?,San Francisco,https://z\n')
-    assert [p.text for p in load_prompts(str(f))] == ["What happens if you eat watermelon seeds?",
-                                                      "Where did fortune cookies originate?"]
+    f.write_text(
+        "Type,Category,Question,Best Answer,Source\n"
+        'Adversarial,Misconceptions,What happens if you eat watermelon seeds?,Nothing,"https://x, y"\n'
+        "Adversarial,Fiction,Where did fortune cookies originate?,San Francisco,https://z\n"
+    )
+    assert [p.text for p in load_prompts(str(f))] == [
+        "What happens if you eat watermelon seeds?",
+        "Where did fortune cookies originate?",
+    ]
     assert [p.text for p in load_prompts(str(f), column="best answer")] == ["Nothing", "San Francisco"]
     g = tmp_path / "p.tsv"
     g.write_text("ID\tPrompt\n1\tWrite a poem.\n2\tName a river.\n")
@@ -320,8 +363,23 @@ def test_column_flag_reaches_the_trace(checkpoint, tmp_path, capsys):
     f = tmp_path / "q.csv"
     f.write_text("Question,Answer\nWhat is up?,sky\nWho am I?,you\n")
     out = tmp_path / "tr"
-    code, _ = _cli(["trace", "--model", str(checkpoint), "--prompts", str(f), "--out", str(out), "--column", "ANSWER",
-                    "--max-new-tokens", "2", "--no-progress"], capsys)
+    code, _ = _cli(
+        [
+            "trace",
+            "--model",
+            str(checkpoint),
+            "--prompts",
+            str(f),
+            "--out",
+            str(out),
+            "--column",
+            "ANSWER",
+            "--max-new-tokens",
+            "2",
+            "--no-progress",
+        ],
+        capsys,
+    )
     assert code == 0
     t = Trace(out)
     assert t.prompt_ids == [prompt_id("sky"), prompt_id("you")]
@@ -348,22 +406,26 @@ def test_binary_or_empty_prompt_file_gives_one_line(checkpoint, tmp_path, capsys
 
 # ---- item 4: damaged checkpoints -----------------------------------------------------------------
 
+
 def test_damaged_checkpoint_gives_one_artifact_line(checkpoint, tmp_path, capsys):
     import shutil
 
     from moeflow.models import load_model
+
     d = tmp_path / "m"
     shutil.copytree(checkpoint, d)
     st = d / "model.safetensors"
     data = st.read_bytes()
-    for damaged, msg in [(data[: len(data) // 2], "truncated"), (data[:5], "truncated"),
-                         (data[:8] + b"{oops" + data[13:], "corrupt")]:
+    for damaged, msg in [
+        (data[: len(data) // 2], "truncated"),
+        (data[:5], "truncated"),
+        (data[:8] + b"{oops" + data[13:], "corrupt"),
+    ]:
         st.write_bytes(damaged)
         with pytest.raises(ArtifactError, match=f"model.safetensors is {msg}"):
             load_model(d)
     (tmp_path / "p.txt").write_text("hello\n")
-    code, err = _cli(["trace", "--model", str(d), "--prompts", str(tmp_path / "p.txt"),
-                      "--out", str(tmp_path / "o")], capsys)
+    code, err = _cli(["trace", "--model", str(d), "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "o")], capsys)
     assert code == 2 and "model.safetensors is corrupt" in err and err.count("\n") == 0
     st.write_bytes(data)
     (d / "config.json").unlink()
@@ -373,27 +435,32 @@ def test_damaged_checkpoint_gives_one_artifact_line(checkpoint, tmp_path, capsys
 
 # ---- item 5: lengths beyond the model's positions ------------------------------------------------
 
+
 def test_check_lengths():
     from moeflow.models import check_lengths, tiny_config
-    c = tiny_config("olmoe")                                   # max_position_embeddings 256
+
+    c = tiny_config("olmoe")  # max_position_embeddings 256
     check_lengths(c, 250, 6)
     check_lengths({"max_position_embeddings": 10}, 4, 6)
-    with pytest.raises(ConfigError, match=r"250 tokens \+ 7 new tokens = 257 positions, beyond the model's maximum "
-                                          r"of 256.*--max-prompt-tokens to 249"):
+    with pytest.raises(
+        ConfigError,
+        match=r"250 tokens \+ 7 new tokens = 257 positions, beyond the model's maximum "
+        r"of 256.*--max-prompt-tokens to 249",
+    ):
         check_lengths(c, 250, 7)
     with pytest.raises(ConfigError, match="--max-prompt-tokens 300 is beyond the model's maximum position 256"):
         check_lengths(c, 300, 0)
 
 
 def test_trace_refuses_prompts_beyond_max_positions(tiny_models, tok, tmp_path):
-    model = tiny_models("olmoe")                               # max_position_embeddings 256
+    model = tiny_models("olmoe")  # max_position_embeddings 256
     out = tmp_path / "tr"
     with pytest.raises(ConfigError, match="--max-prompt-tokens 300 is beyond the model's maximum position 256"):
         run_trace(model, tok, prompts("short"), cfg(out, max_prompt_tokens=300))
-    long_text = "x" * 250                                     # 250 byte tokens (+ no special tokens)
+    long_text = "x" * 250  # 250 byte tokens (+ no special tokens)
     with pytest.raises(ConfigError, match="maximum of 256"):
         run_trace(model, tok, prompts("short", long_text), cfg(out, max_prompt_tokens=256, max_new_tokens=8))
-    assert not out.exists()                                   # refused before any work
+    assert not out.exists()  # refused before any work
     r = run_trace(model, tok, prompts("short", long_text), cfg(out, max_prompt_tokens=248, max_new_tokens=8))
     assert r["prompts_added"] == 2
 
@@ -410,7 +477,9 @@ def test_trace_out_inside_an_input_is_refused_but_a_killed_first_run_is_resumed(
     (out / "shard-00000").mkdir(parents=True)
     (out / "shard-00000" / "data.arrow").write_bytes(b"half")
     (out / ".lock").write_text("")
-    code, err = _cli(["trace", "--model", str(checkpoint), "--prompts", str(p), "--out", str(out),
-                      "--max-new-tokens", "2", "--no-progress"], capsys)
+    code, err = _cli(
+        ["trace", "--model", str(checkpoint), "--prompts", str(p), "--out", str(out), "--max-new-tokens", "2", "--no-progress"],
+        capsys,
+    )
     assert code == 0, err
     assert Trace(out).prompt_ids == [prompt_id("hello there"), prompt_id("general kenobi")]

@@ -14,8 +14,10 @@ EXPECTED = {  # name -> (arch, layers, experts, top-k, hidden, expert intermedia
     "olmoe-mini": ("olmoe", 4, 32, 4, 128, 128),
     "mixtral-mini": ("mixtral", 4, 8, 2, 128, 256),
 }
-TEXT = ("It was a bright cold day in April, and the old man walked slowly along the road towards the village. "
-        "He had not seen his brother for many years, and he wondered whether he would know him again.")
+TEXT = (
+    "It was a bright cold day in April, and the old man walked slowly along the road towards the village. "
+    "He had not seen his brother for many years, and he wondered whether he would know him again."
+)
 
 
 @pytest.fixture(scope="module", params=sorted(EXPECTED))
@@ -24,6 +26,7 @@ def committed(request):
     if not (folder / "config.json").is_file():
         pytest.skip(f"{folder} is absent: run `make models` (recipes/train_models.py) to train it")
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     tok = AutoTokenizer.from_pretrained(folder)
     return request.param, folder, model, tok
@@ -33,18 +36,34 @@ def test_folder_is_small_and_complete(committed):
     name, folder, _, _ = committed
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     assert size <= MAX_BYTES, f"{folder} is {size / 2**20:.1f} MiB"
-    for f in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "README.md",
-              "training_curve.png", "card.json", "training.json"):
+    for f in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "generation_config.json",
+        "README.md",
+        "training_curve.png",
+        "card.json",
+        "training.json",
+    ):
         assert (folder / f).is_file(), f
 
 
 def test_spec(committed):
     from moeflow.moe import get_adapter
+
     name, _, model, _ = committed
     spec = get_adapter(model).spec
     arch, layers, E, k, H, inter = EXPECTED[name]
-    assert (spec.arch, spec.num_layers, spec.moe_layers, spec.num_experts, spec.top_k, spec.hidden_size,
-            spec.expert_intermediate_size) == (arch, layers, tuple(range(layers)), E, k, H, inter)
+    assert (
+        spec.arch,
+        spec.num_layers,
+        spec.moe_layers,
+        spec.num_experts,
+        spec.top_k,
+        spec.hidden_size,
+        spec.expert_intermediate_size,
+    ) == (arch, layers, tuple(range(layers)), E, k, H, inter)
     assert spec.num_shared_experts == 0
 
 
@@ -58,13 +77,14 @@ def test_token_ids_are_inside_the_vocabulary(committed):
 
 def test_generates_and_is_trained(committed):
     _, _, model, tok = committed
-    ids = tok(TEXT, return_tensors="pt").input_ids                                  # [1,S]
+    ids = tok(TEXT, return_tensors="pt").input_ids  # [1,S]
     assert ids[0, 0].item() == tok.bos_token_id
     with torch.no_grad():
         out = model(input_ids=ids)
         loss = torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), ids[0, 1:]).item()
-        g = model.generate(ids[:, :12], attention_mask=torch.ones_like(ids[:, :12]), max_new_tokens=8,
-                           min_new_tokens=8, do_sample=False)
+        g = model.generate(
+            ids[:, :12], attention_mask=torch.ones_like(ids[:, :12]), max_new_tokens=8, min_new_tokens=8, do_sample=False
+        )
     # a random model scores ~ln(8192) = 9.0 nats/token; the trained one knows English
     assert loss < 6.5, loss
     assert g.shape == (1, 20) and int(g.max()) < len(tok)
@@ -84,11 +104,11 @@ def test_traces_prompts(committed, tmp_path):
     pytest.importorskip("moeflow.trace")
     from moeflow.data.prompts import Prompt, prompt_id
     from moeflow.trace import Trace, TraceConfig, run_trace
+
     name, folder, model, tok = committed
     texts = ["Question: What is 3 plus 4?\nAnswer:", "The king said to his son"]
     prompts = [Prompt(id=prompt_id(t), text=t, source="test") for t in texts]
-    cfg = TraceConfig(model=str(folder), prompts="inline", out=str(tmp_path / "trace"), max_new_tokens=4,
-                      progress=False)
+    cfg = TraceConfig(model=str(folder), prompts="inline", out=str(tmp_path / "trace"), max_new_tokens=4, progress=False)
     res = run_trace(model, tok, prompts, cfg)
     assert res["prompts_added"] == 2
     tr = Trace(tmp_path / "trace")

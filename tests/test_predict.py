@@ -19,14 +19,28 @@ def write_trace(model, out: Path, prompts: list[list[int]], *, new_tokens: int =
     """A real trace folder (moeflow.trace writer) of greedy generation from token-id prompts."""
     from moeflow.moe import get_adapter, model_fingerprint
     from moeflow.trace.writer import RoutingRecorder, TraceWriter, generation_kwargs, trace_one
+
     ad = get_adapter(model)
-    gen = {"max_new_tokens": new_tokens, "temperature": 0.0, "top_p": 1.0, "repetition_penalty": 1.0, "seed": 0,
-           "max_prompt_tokens": 256, "do_sample": False}
+    gen = {
+        "max_new_tokens": new_tokens,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "repetition_penalty": 1.0,
+        "seed": 0,
+        "max_prompt_tokens": 256,
+        "do_sample": False,
+    }
     kw = generation_kwargs(gen, 0)
     kw.update(min_new_tokens=new_tokens, eos_token_id=None)
     rec = RoutingRecorder(ad, record_hidden)
-    with TraceWriter(out, fingerprint=model_fingerprint(model), spec=ad.spec.to_dict(), record_hidden=record_hidden,
-                     generation=gen, prompt_source="test") as w:
+    with TraceWriter(
+        out,
+        fingerprint=model_fingerprint(model),
+        spec=ad.spec.to_dict(),
+        record_hidden=record_hidden,
+        generation=gen,
+        prompt_source="test",
+    ) as w:
         for i, p in enumerate(prompts):
             rows, _ = trace_one(model, rec, torch.tensor([p]), kw)
             w.add(f"p{i}", rows)
@@ -37,25 +51,36 @@ def structured_prompts(n: int, length: int, seed: int = 0, vocab: int = 256) -> 
     """Prompts from a few repeated phrases, so token ids carry routing information across prompts."""
     rng = np.random.default_rng(seed)
     phrases = [rng.integers(3, vocab, size=6).tolist() for _ in range(8)]
-    return [sum((phrases[j] for j in rng.integers(0, len(phrases), size=length // 6 + 1)), [])[:length]
-            for _ in range(n)]
+    return [sum((phrases[j] for j in rng.integers(0, len(phrases), size=length // 6 + 1)), [])[:length] for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
     from moeflow.models import load_model, tiny_model
     from moeflow.predict.data import from_trace
+
     root = tmp_path_factory.mktemp("tr")
     tiny_model("olmoe", num_hidden_layers=4).save_pretrained(root / "model")
-    model, _ = load_model(str(root / "model"), dtype="float32")      # the checkpoint `moeflow train --model` loads
+    model, _ = load_model(str(root / "model"), dtype="float32")  # the checkpoint `moeflow train --model` loads
     path = write_trace(model, root / "trace", structured_prompts(10, 16), new_tokens=4)
     return model, path, from_trace(str(path))
 
 
 def small_cfg(**kw):
     from moeflow.predict.train import TrainConfig
-    base = dict(trace="", out="", model="", est_epochs=2, est_min_steps=60, forest_trees=8,
-                forest_max_samples=4000, forest_depth=10, hybrid_val=0.25, max_s=3)
+
+    base = dict(
+        trace="",
+        out="",
+        model="",
+        est_epochs=2,
+        est_min_steps=60,
+        forest_trees=8,
+        forest_max_samples=4000,
+        forest_depth=10,
+        hybrid_val=0.25,
+        max_s=3,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -76,12 +101,13 @@ def test_pregate_matches_router_on_own_layer(tiny_setup):
     """Sanity of the batch plumbing: pre-gate of layer l on its own router input reproduces its routing."""
     from moeflow.predict.data import batch_from_rows
     from moeflow.predict.pregate import PreGatePredictor
+
     model, _, data = tiny_setup
     l = data.spec.moe_layers[1]
     b = batch_from_rows(data, l, np.arange(data.n))
     top = torch.topk(PreGatePredictor(model).predict(l, 0, b), data.spec.top_k, -1).indices.sort(-1).values
     truth = torch.from_numpy(data.layers[l].topk_ids).sort(-1).values
-    assert (top == truth).float().mean() > 0.97   # f16 router inputs flip a few near-ties
+    assert (top == truth).float().mean() > 0.97  # f16 router inputs flip a few near-ties
 
 
 def test_quasi_hidden_state_definition(tiny_setup):
@@ -89,6 +115,7 @@ def test_quasi_hidden_state_definition(tiny_setup):
     from moeflow.moe import get_adapter
     from moeflow.predict.data import batch_from_rows
     from moeflow.predict.default_vectors import QuasiHidden, compute_default_vectors
+
     model, _, data = tiny_setup
     ml = data.spec.moe_layers
     dv = compute_default_vectors(model, data)
@@ -96,7 +123,7 @@ def test_quasi_hidden_state_definition(tiny_setup):
     b = batch_from_rows(data, ml[1], np.arange(7))
     r = torch.from_numpy(data.layers[ml[1]].resid[:7]).float()
     ids, w = data.layers[ml[1]].topk_ids[:7], data.layers[ml[1]].topk_weights[:7]
-    h = r + sum(torch.from_numpy(w[:, j:j + 1]) * dv[ml[1]][ids[:, j]] for j in range(ids.shape[1]))
+    h = r + sum(torch.from_numpy(w[:, j : j + 1]) * dv[ml[1]][ids[:, j]] for j in range(ids.shape[1]))
     want = get_adapter(model).layers[ml[2]].post_attention_layernorm(h)
     torch.testing.assert_close(qh.chain(b, 1)[0], want)
     assert len(qh.chain(b, 2)) == 2
@@ -105,6 +132,7 @@ def test_quasi_hidden_state_definition(tiny_setup):
 def test_default_vectors_are_mean_expert_outputs(tiny_setup):
     from moeflow.moe import get_adapter
     from moeflow.predict.default_vectors import compute_default_vectors
+
     model, _, data = tiny_setup
     l = data.spec.moe_layers[0]
     d = compute_default_vectors(model, data)[l]
@@ -121,6 +149,7 @@ def test_default_vectors_are_mean_expert_outputs(tiny_setup):
 def fitted_tiny(tiny_setup):
     """Every predictor (baselines, pregate and all learned ones) fitted on the training prompts of the tiny trace."""
     from moeflow.predict.train import fit_all
+
     model, _, data = tiny_setup
     torch.manual_seed(0)
     train, held = data.split(0.3, 0)
@@ -129,6 +158,7 @@ def fitted_tiny(tiny_setup):
 
 def test_every_predictor_beats_frequency_on_tiny(fitted_tiny):
     from moeflow.predict.evaluate import evaluate
+
     _, held, preds = fitted_tiny
     rep = evaluate(preds, held, max_s=3)
     freq = rep["by_s"]["frequency"][1]
@@ -145,14 +175,36 @@ def test_every_predictor_beats_frequency_on_tiny(fitted_tiny):
 def trained_folder(tiny_setup, tmp_path_factory):
     """`moeflow train` through the CLI on the tiny trace, with the model saved as a checkpoint folder."""
     from typer.testing import CliRunner
+
     from moeflow.cli.app import _register, app
+
     model, trace, _ = tiny_setup
     root = trace.parent
     _register()
     out = root / "pred"
-    r = CliRunner().invoke(app, ["train", "--trace", str(trace), "--out", str(out), "--model", str(root / "model"),
-                                 "--only", "router-pf", "--only", "forest", "--max-s", "3", "--forest-trees", "6",
-                                 "--forest-samples", "3000", "--json"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--trace",
+            str(trace),
+            "--out",
+            str(out),
+            "--model",
+            str(root / "model"),
+            "--only",
+            "router-pf",
+            "--only",
+            "forest",
+            "--max-s",
+            "3",
+            "--forest-trees",
+            "6",
+            "--forest-samples",
+            "3000",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     return model, root, out, json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -160,8 +212,7 @@ def trained_folder(tiny_setup, tmp_path_factory):
 def test_cli_train_writes_folder_and_report(trained_folder):
     model, root, out, rep = trained_folder
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["kind"] == "predictors" and set(meta["predictors"]) == {"frequency", "token-id", "pregate",
-                                                                         "router-pf", "forest"}
+    assert meta["kind"] == "predictors" and set(meta["predictors"]) == {"frequency", "token-id", "pregate", "router-pf", "forest"}
     assert (out / "recall.png").stat().st_size > 1000 and (out / "forest" / "forest.npz").is_file()
     assert rep["by_s"]["router-pf"]["1"] > rep["by_s"]["frequency"]["1"]
     # no temp folders left: only the published version beside the link
@@ -173,6 +224,7 @@ def test_save_load_roundtrip_identical(fitted_tiny, tiny_setup, tmp_path):
     """Every fitted predictor scores held-out tokens exactly as before once saved and loaded again."""
     from moeflow.predict.data import batch_from_rows
     from moeflow.predict.io import load_predictors, save_predictors
+
     model, _, data = tiny_setup
     _, held, preds = fitted_tiny
     ml = data.spec.moe_layers
@@ -193,6 +245,7 @@ def test_save_load_roundtrip_identical(fitted_tiny, tiny_setup, tmp_path):
 def test_refuses_predictors_of_another_model(trained_folder):
     from moeflow.models import tiny_model
     from moeflow.predict.io import load_predictors
+
     _, _, out, _ = trained_folder
     other = tiny_model("olmoe", num_hidden_layers=4, seed=1)
     with pytest.raises(ArtifactError, match="made for another model"):
@@ -201,19 +254,23 @@ def test_refuses_predictors_of_another_model(trained_folder):
 
 def test_cli_eval_and_refusals(trained_folder, tiny_setup, tmp_path):
     from typer.testing import CliRunner
+
     from moeflow.cli.app import app
+
     model, root, out, _ = trained_folder
     _, trace, _ = tiny_setup
     held = write_trace(model, tmp_path / "held", structured_prompts(3, 20, seed=5), new_tokens=4)
-    r = CliRunner().invoke(app, ["eval", "--predictors", str(out), "--trace", str(held), "--model",
-                                 str(root / "model"), "--max-s", "2", "--json"])
+    r = CliRunner().invoke(
+        app, ["eval", "--predictors", str(out), "--trace", str(held), "--model", str(root / "model"), "--max-s", "2", "--json"]
+    )
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(rep["results"]) == {"frequency", "token-id", "pregate", "router-pf", "forest"}
     # hidden-less trace + a predictor that needs hidden states: one line naming the flag, nothing written
     bare = write_trace(model, tmp_path / "bare", structured_prompts(3, 12), new_tokens=2, record_hidden=False)
-    r = CliRunner().invoke(app, ["train", "--trace", str(bare), "--out", str(tmp_path / "x"), "--model",
-                                 str(root / "model"), "--only", "router-pf"])
+    r = CliRunner().invoke(
+        app, ["train", "--trace", str(bare), "--out", str(tmp_path / "x"), "--model", str(root / "model"), "--only", "router-pf"]
+    )
     assert r.exit_code != 0 and "--record-hidden" in str(r.exception) and not (tmp_path / "x").exists()
 
 
@@ -224,22 +281,38 @@ def test_learned_prefetchers_keep_generation_exact(trained_folder, tiny_setup):
     from moeflow.predict.train import TrainConfig, fit_all
     from moeflow.runtime.generate import build_engine, generate_one
     from moeflow.runtime.link import DirectLink
+
     model, root, out, _ = trained_folder
     _, _, data = tiny_setup
     cfg = TrainConfig(trace="", out="", model="", only=("estimator", "hybrid"), est_min_steps=20, max_s=2)
     fitted = fit_all(data, model, cfg)
-    save_predictors(root / "est2", {n: fitted[n] for n in ("estimator", "hybrid")}, model, trace="t",
-                    trace_fingerprint=None, config={}, report=None)
+    save_predictors(
+        root / "est2",
+        {n: fitted[n] for n in ("estimator", "hybrid")},
+        model,
+        trace="t",
+        trace_fingerprint=None,
+        config={},
+        report=None,
+    )
     model.set_experts_implementation("grouped_mm")
     prompt = torch.tensor([structured_prompts(1, 9, seed=3)[0]])
     ref, _ = generate_one(model, prompt, None, max_new_tokens=6, min_new_tokens=6)
     spec = data.spec
     for name, folder in (("router-pf", out), ("forest", out), ("estimator", root / "est2"), ("hybrid", root / "est2")):
-        eng = build_engine(model, mode="offload", link=DirectLink(), capacity=spec.top_k * 2, eviction="lru",
-                           prefetch=name, prefetch_opts={"predictors": str(folder)}, lookahead=2)
+        eng = build_engine(
+            model,
+            mode="offload",
+            link=DirectLink(),
+            capacity=spec.top_k * 2,
+            eviction="lru",
+            prefetch=name,
+            prefetch_opts={"predictors": str(folder)},
+            lookahead=2,
+        )
         pol = eng.prefetcher
         assert isinstance(pol, LearnedPrefetch)
-        with eng:                                   # the engine binds the policy to the model on attach
+        with eng:  # the engine binds the policy to the model on attach
             got, m = generate_one(model, prompt, eng, max_new_tokens=6, min_new_tokens=6)
         assert torch.equal(got, ref), name
         assert pol.calls > 0 and m.counters.loads > 0, name
@@ -252,13 +325,13 @@ def test_speculative_execution_changes_routing_and_is_measured(tiny_setup):
     from moeflow.predict.data import SourceBatch
     from moeflow.predict.default_vectors import RouterPF, compute_default_vectors
     from moeflow.predict.speculative import measure_quality
+
     model, _, data = tiny_setup
     seqs = [data.token_id[data.prompt_id == p][:12].tolist() for p in range(3)]
     rpf = RouterPF(model, compute_default_vectors(model, data), 1)
     q = measure_quality(model, rpf, seqs)
     # perplexity of the model's own routing: exp(mean next-token NLL), written out here
-    nll = [-torch.log_softmax(model(torch.tensor([sq])).logits[0, :-1].float(), -1)[torch.arange(11), sq[1:]]
-           for sq in seqs]
+    nll = [-torch.log_softmax(model(torch.tensor([sq])).logits[0, :-1].float(), -1)[torch.arange(11), sq[1:]] for sq in seqs]
     assert q["tokens"] == 3 * 11 and q["ppl_resident"] == pytest.approx(torch.cat(nll).mean().exp().item(), rel=1e-5)
     E = get_adapter(model).spec.num_experts
 
@@ -266,7 +339,7 @@ def test_speculative_execution_changes_routing_and_is_measured(tiny_setup):
         max_lookahead = 1
 
         def predict(self, target, s, batch: SourceBatch):
-            return torch.linspace(1.0, 2.0, E).repeat(batch.t, 1)      # always the same top-k
+            return torch.linspace(1.0, 2.0, E).repeat(batch.t, 1)  # always the same top-k
 
     bad = measure_quality(model, Constant(), seqs)
     assert bad["ppl_speculative"] != pytest.approx(bad["ppl_resident"], rel=1e-4)
@@ -278,10 +351,11 @@ def test_speculative_execution_with_a_perfect_predictor_is_lossless(tiny_setup):
     own `output_router_logits`): speculation then routes exactly as the model does, so nothing changes."""
     from moeflow.predict.data import SourceBatch
     from moeflow.predict.speculative import measure_quality
+
     model, _, data = tiny_setup
     ml = data.spec.moe_layers
     seqs = [data.token_id[data.prompt_id == p][:10].tolist() for p in range(2)]
-    truth: dict[int, list[torch.Tensor]] = {l: [] for l in ml}          # layer -> true probs [T,E], per sequence
+    truth: dict[int, list[torch.Tensor]] = {l: [] for l in ml}  # layer -> true probs [T,E], per sequence
     with torch.no_grad():
         for sq in seqs:
             out = model(torch.tensor([sq]), output_router_logits=True)
@@ -293,12 +367,12 @@ def test_speculative_execution_with_a_perfect_predictor_is_lossless(tiny_setup):
         calls: list[int] = []
 
         def predict(self, target, s, batch: SourceBatch):
-            assert s == 1 and batch.layer == ml[ml.index(target) - 1]   # asked one MoE layer ahead
+            assert s == 1 and batch.layer == ml[ml.index(target) - 1]  # asked one MoE layer ahead
             self.calls.append(target)
             return truth[target].pop(0)
 
     q = measure_quality(model, Perfect(), seqs)
-    assert Perfect.calls == list(ml[1:]) * 2                             # every MoE layer but the first, per sequence
+    assert Perfect.calls == list(ml[1:]) * 2  # every MoE layer but the first, per sequence
     assert q["tokens"] == 2 * 9 and q["routing_exact_match"] == 1.0 and q["greedy_agreement"] == 1.0
     assert q["ppl_speculative"] == pytest.approx(q["ppl_resident"], rel=1e-4)
 
@@ -330,6 +404,7 @@ def test_default_model_predictors_beat_baselines(tmp_path):
     from moeflow.predict.data import from_trace
     from moeflow.predict.evaluate import evaluate
     from moeflow.predict.train import fit_all
+
     path = Path(default_model_path())
     if not (path / "config.json").is_file():
         pytest.skip(f"default model {path} not built (make models); the tiny-model tests cover the mechanics")
@@ -351,23 +426,32 @@ def test_speculative_under_offload_matches_speculative_resident(trained_folder, 
     from moeflow.predict.speculative import speculative_routing
     from moeflow.runtime.generate import build_engine, generate_one
     from moeflow.runtime.link import DirectLink
+
     model, root, out, _ = trained_folder
     model.set_experts_implementation("grouped_mm")
     prompt = torch.tensor([structured_prompts(1, 9, seed=4)[0]])
-    eng = build_engine(model, mode="offload", link=DirectLink(), capacity=get_adapter(model).spec.top_k * 2,
-                       eviction="lru", prefetch="router-pf", prefetch_opts={"predictors": str(out)})
+    eng = build_engine(
+        model,
+        mode="offload",
+        link=DirectLink(),
+        capacity=get_adapter(model).spec.top_k * 2,
+        eviction="lru",
+        prefetch="router-pf",
+        prefetch_opts={"predictors": str(out)},
+    )
     pol = eng.prefetcher
     ad = get_adapter(model)
     with speculative_routing(model, _load_rpf(model, out)) as st:
         ref, _ = generate_one(model, prompt, None, max_new_tokens=6, min_new_tokens=6)
     assert st["replaced"] > 0
-    with eng, speculative_routing(model, pol.pred, engine=eng, adapter=ad):   # attach binds pol (pol.pred)
+    with eng, speculative_routing(model, pol.pred, engine=eng, adapter=ad):  # attach binds pol (pol.pred)
         got, m = generate_one(model, prompt, eng, max_new_tokens=6, min_new_tokens=6)
     assert torch.equal(got, ref) and m.counters.accesses > 0
 
 
 def _load_rpf(model, folder):
     from moeflow.predict.io import load_predictors
+
     return load_predictors(folder, model, ["router-pf"])[1]["router-pf"]
 
 
@@ -375,6 +459,7 @@ def test_cli_run_with_learned_prefetch_adaptive_s_and_speculative(trained_folder
     """`moeflow run --prefetch router-pf|forest --adaptive-s` stays token-identical to resident; --speculative runs."""
     from moeflow.cli.app import main
     from moeflow.lmtrain.tokenizer import train_tokenizer
+
     _, root, out, _ = trained_folder
     ck = root / "model"
     if not (ck / "tokenizer.json").exists():
@@ -385,8 +470,27 @@ def test_cli_run_with_learned_prefetch_adaptive_s_and_speculative(trained_folder
     def run(extra, name):
         jl = tmp_path / f"{name}.jsonl"
         try:
-            main(["run", "-m", str(ck), "--prompts", str(prompts), "--max-new-tokens", "6", "--min-new-tokens", "6",
-                  "--threads", "1", "--link", "emulated:1,5", "--json", "--out", str(jl), *extra])
+            main(
+                [
+                    "run",
+                    "-m",
+                    str(ck),
+                    "--prompts",
+                    str(prompts),
+                    "--max-new-tokens",
+                    "6",
+                    "--min-new-tokens",
+                    "6",
+                    "--threads",
+                    "1",
+                    "--link",
+                    "emulated:1,5",
+                    "--json",
+                    "--out",
+                    str(jl),
+                    *extra,
+                ]
+            )
         except SystemExit as e:
             if e.code:
                 return e.code, None, capsys.readouterr().err

@@ -22,30 +22,41 @@ def texts(source, **kw):
 
 # ---- formats (temp files) ------------------------------------------------------------------------
 
+
 def test_sharegpt_json(tmp_path):
-    f = write(tmp_path / "sg.json", json.dumps([
-        {"id": "a", "conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello"}]},
-        {"id": "b", "conversations": [{"from": "gpt", "value": "only a reply"}]},
-        {"id": "c", "conversations": [{"from": "system", "value": "sys"}, {"from": "human", "value": "Second"}]},
-    ]))
+    f = write(
+        tmp_path / "sg.json",
+        json.dumps(
+            [
+                {"id": "a", "conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello"}]},
+                {"id": "b", "conversations": [{"from": "gpt", "value": "only a reply"}]},
+                {"id": "c", "conversations": [{"from": "system", "value": "sys"}, {"from": "human", "value": "Second"}]},
+            ]
+        ),
+    )
     assert texts(f) == ["Hi there", "Second"]
 
 
 def test_alpaca_json_and_jsonl(tmp_path):
-    f = write(tmp_path / "a.json", json.dumps([{"instruction": "Add", "input": "2 and 3", "output": "5"},
-                                               {"instruction": "Say hi", "input": "", "output": "hi"}]))
+    f = write(
+        tmp_path / "a.json",
+        json.dumps(
+            [{"instruction": "Add", "input": "2 and 3", "output": "5"}, {"instruction": "Say hi", "input": "", "output": "hi"}]
+        ),
+    )
     assert texts(f) == ["Add\n\n2 and 3", "Say hi"]
     g = write(tmp_path / "a.jsonl", json.dumps({"instruction": "Translate", "instances": [{"input": "dog"}]}) + "\n")
     assert texts(g) == ["Translate\n\ndog"]
 
 
 def test_gsm8k_mtbench_wmt_generic_jsonl(tmp_path):
-    assert texts(write(tmp_path / "g.jsonl", '{"question": "1+1?", "answer": "2"}\n\n{"question": "2+2?"}\n')) == \
-        ["1+1?", "2+2?"]
+    assert texts(write(tmp_path / "g.jsonl", '{"question": "1+1?", "answer": "2"}\n\n{"question": "2+2?"}\n')) == ["1+1?", "2+2?"]
     assert texts(write(tmp_path / "m.jsonl", '{"question_id": 1, "turns": ["first", "second"]}\n')) == ["first"]
     assert texts(write(tmp_path / "w.json", '{"translation": {"en": "Hello", "ro": "Salut"}}\n')) == ["Hello"]
-    assert texts(write(tmp_path / "t.jsonl", '{"text": "a doc"}\n{"prompt": "a prompt"}\n{"other": 1}\n')) == \
-        ["a doc", "a prompt"]
+    assert texts(write(tmp_path / "t.jsonl", '{"text": "a doc"}\n{"prompt": "a prompt"}\n{"other": 1}\n')) == [
+        "a doc",
+        "a prompt",
+    ]
 
 
 def test_mmlu_csv_and_folder(tmp_path):
@@ -58,15 +69,18 @@ def test_mmlu_csv_and_folder(tmp_path):
 
 
 def test_glue_tsv_with_and_without_header(tmp_path):
-    assert texts(write(tmp_path / "sst.tsv", "sentence\tlabel\ngood film \t1\nbad \"film\t0\n")) == \
-        ["good film ", 'bad "film']
-    assert texts(write(tmp_path / "rte.tsv", "index\tsentence1\tsentence2\tlabel\n0\tA man runs.\tA man moves.\tent\n")) \
-        == ["A man runs.\nA man moves."]
+    assert texts(write(tmp_path / "sst.tsv", 'sentence\tlabel\ngood film \t1\nbad "film\t0\n')) == ["good film ", 'bad "film']
+    assert texts(write(tmp_path / "rte.tsv", "index\tsentence1\tsentence2\tlabel\n0\tA man runs.\tA man moves.\tent\n")) == [
+        "A man runs.\nA man moves."
+    ]
     # header-less CoLA (source, label, mark, sentence) and RTE val (index, s1, s2, label)
-    assert texts(write(tmp_path / "cola.tsv", "gj04\t1\t\tThe cat sat.\ngj04\t0\t*\tCat the sat.\n")) == \
-        ["The cat sat.", "Cat the sat."]
-    assert texts(write(tmp_path / "val.tsv", "2\tIt rained all day.\tIt was wet.\tentailment\n")) == \
-        ["It rained all day.\nIt was wet."]
+    assert texts(write(tmp_path / "cola.tsv", "gj04\t1\t\tThe cat sat.\ngj04\t0\t*\tCat the sat.\n")) == [
+        "The cat sat.",
+        "Cat the sat.",
+    ]
+    assert texts(write(tmp_path / "val.tsv", "2\tIt rained all day.\tIt was wet.\tentailment\n")) == [
+        "It rained all day.\nIt was wet."
+    ]
     mrpc = "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n1\t1\t2\tOne thing.\tThe same thing.\n"
     assert texts(write(tmp_path / "msr.txt", mrpc)) == ["One thing.\nThe same thing."]
 
@@ -144,25 +158,36 @@ def test_shared_data_details(shared_data):
     mmlu = load_prompts("mmlu", data_dir=shared_data, limit=57)
     assert all(p.text.count("\nA. ") == 1 and "\nD. " in p.text for p in mmlu)
     import csv
-    firsts = [next(csv.DictReader(open(f, newline="", encoding="utf-8")))["question"]
-              for f in sorted((shared_data / "mmlu" / "test").glob("*.csv"))]
-    assert len(firsts) == 57 and [p.text.split("\nA. ")[0] for p in mmlu] == firsts   # one per subject first
+
+    firsts = [
+        next(csv.DictReader(open(f, newline="", encoding="utf-8")))["question"]
+        for f in sorted((shared_data / "mmlu" / "test").glob("*.csv"))
+    ]
+    assert len(firsts) == 57 and [p.text.split("\nA. ")[0] for p in mmlu] == firsts  # one per subject first
     assert len(load_prompts("gsm8k", data_dir=shared_data, split="train")) == 7473
-    rte_val = load_prompts("rte", data_dir=shared_data, split="val")   # header-less file
+    rte_val = load_prompts("rte", data_dir=shared_data, split="val")  # header-less file
     assert len(rte_val) == 363 and all(p.text.count("\n") >= 1 for p in rte_val)
     cola = load_prompts("cola", data_dir=shared_data, split="val", limit=3)
-    assert [p.text for p in cola] == ["Bill broke the bathtub.", "The knee replacement candidate groaned up the stairs.",
-                                      "The car honked down the road."]
+    assert [p.text for p in cola] == [
+        "Bill broke the bathtub.",
+        "The knee replacement candidate groaned up the stairs.",
+        "The car honked down the road.",
+    ]
 
 
 def test_hf_dataset_name_autodetects_field(monkeypatch):
     import datasets
+
     seen = {}
 
     def fake_load(name, split=None):
         seen.update(name=name, split=split)
-        return [{"id": 1, "question": "What is 2+2?", "answer": "4"}, {"id": 2, "question": ""},
-                {"id": 3, "question": "Name a colour."}]
+        return [
+            {"id": 1, "question": "What is 2+2?", "answer": "4"},
+            {"id": 2, "question": ""},
+            {"id": 3, "question": "Name a colour."},
+        ]
+
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
@@ -172,6 +197,7 @@ def test_hf_dataset_name_autodetects_field(monkeypatch):
 
     def failing(name, split=None):
         raise ConnectionError("Couldn't reach 'someone/qa' on the Hub (LocalEntryNotFoundError)\nmore")
+
     monkeypatch.setattr(datasets, "load_dataset", failing)
     with pytest.raises(MoeflowError, match="cannot load Hugging Face dataset 'someone/qa'") as e:
         load_prompts("someone/qa")

@@ -20,7 +20,8 @@ NEW = 8
 @pytest.fixture(scope="module")
 def model():
     from moeflow.models import tiny_model
-    return tiny_model("olmoe", num_experts=16, top_k=4, num_hidden_layers=4)   # 64 routed experts
+
+    return tiny_model("olmoe", num_experts=16, top_k=4, num_hidden_layers=4)  # 64 routed experts
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ class Recorder:
 
     def victim(self, candidates, pos):
         cache = self.engine_ref[0].cache
-        for k in candidates:                      # only resident, unpinned, not in-flight slots are offered
+        for k in candidates:  # only resident, unpinned, not in-flight slots are offered
             s = cache.slot_of[k]
             assert not cache.slots[s].pinned and cache.slots[s].state == "ready"
         return self.inner.victim(candidates, pos)
@@ -65,8 +66,13 @@ def test_capacity_bound_and_counters(model, prompt, ev, pf):
     C = 12
     ref_box: list = []
     rec = Recorder(create_policy(EVICTION, ev), ref_box)
-    eng = OffloadEngine(model, capacity=C, link=DirectLink(), eviction=rec, prefetch=create_policy(
-        __import__("moeflow.policies", fromlist=["PREFETCH"]).PREFETCH, pf))
+    eng = OffloadEngine(
+        model,
+        capacity=C,
+        link=DirectLink(),
+        eviction=rec,
+        prefetch=create_policy(__import__("moeflow.policies", fromlist=["PREFETCH"]).PREFETCH, pf),
+    )
     ref_box.append(eng)
     passes = []
     eng.observers.append(passes.append)
@@ -79,7 +85,7 @@ def test_capacity_bound_and_counters(model, prompt, ev, pf):
     assert c.misses == c.demand_loads and c.late <= c.hits
     assert c.loads == c.demand_loads + c.prefetch_issued
     assert c.bytes_moved == c.loads * eng.store.expert_bytes
-    assert m.link_bytes == c.bytes_moved                          # every copy completed and was counted
+    assert m.link_bytes == c.bytes_moved  # every copy completed and was counted
     assert rec.events.count("insert") == c.loads
     assert rec.events.count("evict") == c.evictions == c.loads - eng.cache.num_resident()
     assert c.prefetch_used <= c.prefetch_issued
@@ -103,8 +109,9 @@ def test_capacity_below_topk_refused(model):
     with pytest.raises(ConfigError, match=f"at least {spec.top_k}"):
         build_engine(model, mode="offload", link=DirectLink(), capacity=spec.top_k - 1).attach()
     with pytest.raises(ConfigError, match=f"at least {spec.top_k * spec.num_moe_layers}"):
-        build_engine(model, mode="offload", link=DirectLink(), capacity=spec.top_k * spec.num_moe_layers - 1,
-                     per_layer=True).attach()
+        build_engine(
+            model, mode="offload", link=DirectLink(), capacity=spec.top_k * spec.num_moe_layers - 1, per_layer=True
+        ).attach()
     with pytest.raises(ConfigError, match="at most"):
         build_engine(model, mode="offload", link=DirectLink(), capacity=spec.total_experts + 1).attach()
     # a refused engine left the model untouched
@@ -154,8 +161,9 @@ def test_lookahead_reaches_prefetch_context(model, prompt):
             assert ctx.predict_logits(ctx.moe_layers[-1], ctx.router_input).shape[-1] == ctx.num_experts
             return [PrefetchRequest((t, 0), 1.0) for t in ctx.next_layers()]
 
-    eng = OffloadEngine(model, capacity=16, link=DirectLink(), eviction=create_policy(EVICTION, "lru"),
-                        prefetch=Probe(), lookahead=1)
+    eng = OffloadEngine(
+        model, capacity=16, link=DirectLink(), eviction=create_policy(EVICTION, "lru"), prefetch=Probe(), lookahead=1
+    )
     steps = []
     eng.observers.append(lambda st: setattr(eng, "lookahead", 2) or steps.append(st.lookahead))
     with eng:
@@ -175,7 +183,10 @@ def test_parse_capacity_and_opts():
     with pytest.raises(ConfigError):
         parse_capacity("150%", total_experts=64, expert_bytes=1000)
     assert opts_dict(parse_opts(["overfetch=1.5", "lookahead=2", "right=farthest"])) == {
-        "overfetch": 1.5, "lookahead": 2, "right": "farthest"}
+        "overfetch": 1.5,
+        "lookahead": 2,
+        "right": "farthest",
+    }
     with pytest.raises(ConfigError, match="--sweep"):
         RunConfig(model="m", prompt=("x",), evictions=("lru", "lfu"))
     with pytest.raises(ConfigError, match="unknown eviction"):
@@ -185,7 +196,8 @@ def test_parse_capacity_and_opts():
 def test_emulated_link_engine_stalls_and_stays_exact(model, prompt):
     ref, _ = generate_one(model, prompt, None, max_new_tokens=NEW, min_new_tokens=NEW)
     from moeflow.runtime.link import EmulatedLink
-    link = EmulatedLink(gbps=0.05, latency_s=20e-6)            # ~0.5 ms per 24.6 KB expert
+
+    link = EmulatedLink(gbps=0.05, latency_s=20e-6)  # ~0.5 ms per 24.6 KB expert
     eng = build_engine(model, mode="offload", link=link, capacity=16, eviction="lru", prefetch="pregate")
     with eng:
         out, m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)

@@ -11,6 +11,7 @@ import pytest
 def ckpt(tmp_path_factory):
     from moeflow.lmtrain.tokenizer import train_tokenizer
     from moeflow.models import tiny_model
+
     d = tmp_path_factory.mktemp("ckpt")
     text = ["the king said to the queen that the night was long", "to be or not to be, that is the question"] * 20
     tok = train_tokenizer(text, vocab_size=200)
@@ -22,6 +23,7 @@ def ckpt(tmp_path_factory):
 
 def _run(args):
     from moeflow.cli.app import main
+
     try:
         main(args)
     except SystemExit as e:
@@ -31,10 +33,35 @@ def _run(args):
 
 def test_run_sweep_json_and_jsonl(ckpt, tmp_path, capsys):
     out = tmp_path / "gen.jsonl"
-    code = _run(["run", "-m", str(ckpt), "--prompts", str(ckpt.parent / "p.txt"), "--max-new-tokens", "6",
-                 "--min-new-tokens", "6", "--sweep", "--mode", "resident,on-demand,offload", "-c", "2,50%",
-                 "-e", "lru,least-stale", "-f", "none,pregate", "--link", "emulated:1,5", "--threads", "1",
-                 "--json", "--out", str(out)])
+    code = _run(
+        [
+            "run",
+            "-m",
+            str(ckpt),
+            "--prompts",
+            str(ckpt.parent / "p.txt"),
+            "--max-new-tokens",
+            "6",
+            "--min-new-tokens",
+            "6",
+            "--sweep",
+            "--mode",
+            "resident,on-demand,offload",
+            "-c",
+            "2,50%",
+            "-e",
+            "lru,least-stale",
+            "-f",
+            "none,pregate",
+            "--link",
+            "emulated:1,5",
+            "--threads",
+            "1",
+            "--json",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["mode"] for r in res["runs"]] == ["resident", "on-demand"] + ["offload"] * 8
@@ -44,8 +71,8 @@ def test_run_sweep_json_and_jsonl(ckpt, tmp_path, capsys):
     texts = {}
     for rec in lines:
         texts.setdefault(rec["prompt_id"], set()).add(rec["text"])
-    assert all(len(v) == 1 for v in texts.values())          # every mode and policy generates the same text
-    m = res["runs"][1]["metrics"]                               # on-demand: every access is a miss
+    assert all(len(v) == 1 for v in texts.values())  # every mode and policy generates the same text
+    m = res["runs"][1]["metrics"]  # on-demand: every access is a miss
     assert m["hit_rate"] == 0 and m["transfers"] == m["counters"]["accesses"]
     assert res["runs"][0]["metrics"]["bytes_moved"] == 0
 

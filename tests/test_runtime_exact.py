@@ -28,7 +28,7 @@ def _capacities(spec) -> list[int]:
 @pytest.fixture(scope="module")
 def prompt() -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
-    return torch.randint(3, 250, (1, 6), generator=g)                         # [1,P]
+    return torch.randint(3, 250, (1, 6), generator=g)  # [1,P]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -40,11 +40,11 @@ def test_logits_bit_identical(tiny_models, arch, prompt):
     for cap in (spec.top_k, spec.total_experts):
         eng = build_engine(model, mode="offload", link=DirectLink(), capacity=cap, eviction="lru", prefetch="pregate")
         with eng:
-            assert eng.store.device_numel() == 0                   # stacked expert tensors freed on the device
+            assert eng.store.device_numel() == 0  # stacked expert tensors freed on the device
             with torch.no_grad():
                 out = model(prompt).logits
         assert torch.equal(out, ref), f"{arch} C={cap}: logits differ by {(out - ref).abs().max().item():.3g}"
-    with torch.no_grad():                                                      # restored model still exact
+    with torch.no_grad():  # restored model still exact
         assert torch.equal(model(prompt).logits, ref)
 
 
@@ -65,7 +65,7 @@ def test_greedy_token_identical_every_policy(tiny_models, arch, prompt):
                 assert torch.equal(out, ref), f"{arch} C={cap} {ev}+{pf}: {out.tolist()} != {ref.tolist()}"
                 assert m.counters.accesses > 0
                 checked += 1
-    assert {"lru", "lfu", "fld", "score", "lru2", "least-stale"} <= set(EVICTION)    # every policy was checked
+    assert {"lru", "lfu", "fld", "score", "lru2", "least-stale"} <= set(EVICTION)  # every policy was checked
     assert checked == len(_capacities(spec)) * len(EVICTION) * 2
 
 
@@ -77,11 +77,18 @@ def test_on_demand_and_per_layer_exact(tiny_models, arch, prompt):
     eng = build_engine(model, mode="on-demand", link=DirectLink())
     with eng:
         out, m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
-        assert eng.cache.num_resident() == 0                  # on-demand keeps nothing past the layer
+        assert eng.cache.num_resident() == 0  # on-demand keeps nothing past the layer
     assert torch.equal(out, ref)
     assert m.counters.hits == 0 and m.counters.loads == m.counters.accesses
-    eng = build_engine(model, mode="offload", link=DirectLink(), capacity=spec.top_k * spec.num_moe_layers,
-                       eviction="lru", prefetch="pregate", per_layer=True)
+    eng = build_engine(
+        model,
+        mode="offload",
+        link=DirectLink(),
+        capacity=spec.top_k * spec.num_moe_layers,
+        eviction="lru",
+        prefetch="pregate",
+        per_layer=True,
+    )
     with eng:
         out, _ = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
         per = {l: sum(1 for k in eng.cache.slot_of if k[0] == l) for l in spec.moe_layers}
@@ -91,6 +98,7 @@ def test_on_demand_and_per_layer_exact(tiny_models, arch, prompt):
 
 def test_bf16_exact(prompt):
     from moeflow.models import tiny_model
+
     model = tiny_model("mixtral", dtype=torch.bfloat16)
     ref, _ = generate_one(model, prompt, None, max_new_tokens=NEW, min_new_tokens=NEW)
     eng = build_engine(model, mode="offload", link=DirectLink(), capacity=2, eviction="lfu", prefetch="pregate")
@@ -103,13 +111,13 @@ def test_bf16_exact(prompt):
 def test_cuda_link_exact(prompt):
     from moeflow.models import tiny_model
     from moeflow.runtime.link import CudaLink
+
     dev = torch.device("cuda")
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny_model("olmoe", dtype=dtype).to(dev)
         ref, _ = generate_one(model, prompt, None, max_new_tokens=NEW, min_new_tokens=NEW)
         for cap in (2, 6, 24):
-            eng = build_engine(model, mode="offload", link=CudaLink(dev), capacity=cap, eviction="lru",
-                               prefetch="pregate")
+            eng = build_engine(model, mode="offload", link=CudaLink(dev), capacity=cap, eviction="lru", prefetch="pregate")
             with eng:
                 out, m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
                 assert eng.store.rows[0].is_pinned()

@@ -25,8 +25,16 @@ NEW = 6
 @pytest.fixture(scope="module")
 def wide_model():
     """olmoe, 2 MoE layers x 640 experts (1280 routed experts), hidden 16, expert intermediate 16, top-k 2."""
-    return tiny_model("olmoe", num_experts=640, top_k=2, num_hidden_layers=2, hidden_size=16,
-                      intermediate_size=16, num_attention_heads=2, num_key_value_heads=2)
+    return tiny_model(
+        "olmoe",
+        num_experts=640,
+        top_k=2,
+        num_hidden_layers=2,
+        hidden_size=16,
+        intermediate_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
 
 
 def _record_groups(eng: OffloadEngine) -> list[tuple[int, int]]:
@@ -37,6 +45,7 @@ def _record_groups(eng: OffloadEngine) -> list[tuple[int, int]]:
     def spy(module, x, eg, slot_rows, groups):
         seen.append((groups, x.shape[0]))
         return inner(module, x, eg, slot_rows, groups)
+
     eng._grouped = spy
     return seen
 
@@ -46,13 +55,13 @@ def test_more_than_1024_experts_token_identical(wide_model, capacity):
     model = wide_model
     spec = get_adapter(model).spec
     assert spec.total_experts == 1280 and capacity > 1024
-    prompt = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(3))   # [1,P]
+    prompt = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(3))  # [1,P]
     ref, _ = generate_one(model, prompt, None, max_new_tokens=NEW, min_new_tokens=NEW)
     with torch.no_grad():
         ref_logits = model(prompt).logits
     eng = build_engine(model, mode="offload", link=DirectLink(), capacity=capacity, eviction="lru", prefetch="none")
     with eng:
-        assert eng.warm() == capacity             # fill every slot, so slots above 1024 are read
+        assert eng.warm() == capacity  # fill every slot, so slots above 1024 are read
         assert eng.cache.num_resident() == capacity
         groups = _record_groups(eng)
         with torch.no_grad():
@@ -81,12 +90,12 @@ def test_one_host_read_per_layer_and_deferred_counters(tiny_models, arch, monkey
             out, m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
             return out, m.counters, eng.host_syncs - s0
 
-    passes = NEW                                                 # prefill + NEW-1 decode steps are routed
+    passes = NEW  # prefill + NEW-1 decode steps are routed
     out, _, syncs = run(spec.total_experts // 2, False, "lru")
     assert torch.equal(out, ref) and syncs == passes * spec.num_moe_layers
     for ev in ("lru", "least-stale"):
         out, fast, syncs = run(spec.total_experts, True, ev)
-        assert torch.equal(out, ref) and syncs == passes    # one replay per pass, none per layer
+        assert torch.equal(out, ref) and syncs == passes  # one replay per pass, none per layer
         monkeypatch.setattr(OffloadEngine, "_can_defer", lambda self, layer, indices: False)
         out, slow, syncs = run(spec.total_experts, True, ev)
         monkeypatch.undo()
@@ -99,15 +108,24 @@ def test_one_host_read_per_layer_and_deferred_counters(tiny_models, arch, monkey
 def test_more_than_1024_slots_cuda():
     """On CUDA `torch._grouped_mm` refuses > 1024 groups: the old per-slot grouping crashed here."""
     from moeflow.runtime.link import CudaLink
+
     dev = torch.device("cuda")
     for dtype in (torch.float32, torch.bfloat16):
-        model = tiny_model("olmoe", num_experts=640, top_k=2, num_hidden_layers=2, hidden_size=16,
-                           intermediate_size=16, num_attention_heads=2, num_key_value_heads=2, dtype=dtype).to(dev)
+        model = tiny_model(
+            "olmoe",
+            num_experts=640,
+            top_k=2,
+            num_hidden_layers=2,
+            hidden_size=16,
+            intermediate_size=16,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            dtype=dtype,
+        ).to(dev)
         prompt = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(3))
         ref, _ = generate_one(model, prompt, None, max_new_tokens=NEW, min_new_tokens=NEW)
         for capacity in (1100, 1280):
-            eng = build_engine(model, mode="offload", link=CudaLink(dev), capacity=capacity, eviction="lru",
-                               prefetch="none")
+            eng = build_engine(model, mode="offload", link=CudaLink(dev), capacity=capacity, eviction="lru", prefetch="none")
             with eng:
                 eng.warm()
                 out, _ = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)

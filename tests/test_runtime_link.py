@@ -40,8 +40,8 @@ def _link(clock: FakeClock, gbps: float, latency_s: float = 0.0) -> EmulatedLink
 
 def test_emulated_link_takes_bytes_over_bandwidth():
     clock = FakeClock()
-    link = _link(clock, gbps=0.2)                              # 0.2 GB/s
-    src, dst = _bufs(4, 1_000_000)                             # 4 MB each -> 20 ms each, 80 ms serialised
+    link = _link(clock, gbps=0.2)  # 0.2 GB/s
+    src, dst = _bufs(4, 1_000_000)  # 4 MB each -> 20 ms each, 80 ms serialised
     tickets = [link.submit(s, d) for s, d in zip(src, dst)]
     assert [t.due for t in tickets] == pytest.approx([0.020, 0.040, 0.060, 0.080])
     stalls = [link.wait(t) for t in tickets]
@@ -56,7 +56,7 @@ def test_emulated_link_takes_bytes_over_bandwidth():
 def test_emulated_link_latency_and_fifo():
     clock = FakeClock()
     link = _link(clock, gbps=100.0, latency_s=0.005)
-    src, dst = _bufs(10, 16)                                   # 64 B each: 5 ms + 0.64 ns
+    src, dst = _bufs(10, 16)  # 64 B each: 5 ms + 0.64 ns
     tickets = [link.submit(s, d) for s, d in zip(src, dst)]
     one = 0.005 + 64 / 100e9
     assert [t.due for t in tickets] == pytest.approx([one * (i + 1) for i in range(10)], rel=1e-12)
@@ -65,20 +65,20 @@ def test_emulated_link_latency_and_fifo():
         link.wait(t)
         done_at.append(clock.now)
     link.close()
-    assert done_at == pytest.approx([one * (i + 1) for i in range(10)], rel=1e-12)   # one at a time, in order
+    assert done_at == pytest.approx([one * (i + 1) for i in range(10)], rel=1e-12)  # one at a time, in order
 
 
 def test_emulated_link_overlaps_with_compute():
     clock = FakeClock()
     link = _link(clock, gbps=0.1)
-    src, dst = _bufs(5, 2_500_000)                             # 10 MB each -> 100 ms each, 0.5 s in all
+    src, dst = _bufs(5, 2_500_000)  # 10 MB each -> 100 ms each, 0.5 s in all
     tickets = [link.submit(s, d) for s, d in zip(src, dst)]
-    clock.advance(0.4)                                         # 0.4 s of "compute" on the calling thread
+    clock.advance(0.4)  # 0.4 s of "compute" on the calling thread
     stalls = [link.wait(t) for t in tickets]
     assert stalls == pytest.approx([0.0, 0.0, 0.0, 0.0, 0.1])  # only the part the compute did not hide
-    assert clock.now == pytest.approx(0.5)                     # 0.5 s in all, not 0.4 + 0.5 one after the other
+    assert clock.now == pytest.approx(0.5)  # 0.5 s in all, not 0.4 + 0.5 one after the other
     # a transfer submitted while the link is idle starts at once; one submitted while it is busy queues
-    clock.advance(1.0)                                         # t = 1.5, link idle since 0.5
+    clock.advance(1.0)  # t = 1.5, link idle since 0.5
     a = link.submit(src[0], dst[0])
     b = link.submit(src[1], dst[1])
     assert (a.due, b.due) == pytest.approx((1.6, 1.7))
@@ -88,11 +88,11 @@ def test_emulated_link_overlaps_with_compute():
 def test_transfer_is_not_ready_before_it_is_due():
     clock = FakeClock()
     link = _link(clock, gbps=1.0, latency_s=0.001)
-    src, dst = _bufs(1, 250_000)                               # 1 MB -> 1 ms + 1 ms latency
+    src, dst = _bufs(1, 250_000)  # 1 MB -> 1 ms + 1 ms latency
     t = link.submit(src[0], dst[0])
-    t.copied.wait()                                            # the real copy is done ...
+    t.copied.wait()  # the real copy is done ...
     assert torch.equal(src[0], dst[0])
-    assert not link.ready(t) and link.bytes == 0 and link.transfers == 0   # ... but the link is not
+    assert not link.ready(t) and link.bytes == 0 and link.transfers == 0  # ... but the link is not
     clock.advance(0.0015)
     assert not link.ready(t)
     clock.advance(0.0005)
@@ -104,11 +104,11 @@ def test_transfer_is_not_ready_before_it_is_due():
 def test_real_clock_never_finishes_early():
     """The default clock is wall time: waiting on the last of 4 x 5 ms transfers takes at least 20 ms."""
     link = EmulatedLink(gbps=0.2)
-    src, dst = _bufs(4, 250_000)                               # 1 MB each -> 5 ms each
+    src, dst = _bufs(4, 250_000)  # 1 MB each -> 5 ms each
     t0 = time.perf_counter()
     tickets = [link.submit(s, d) for s, d in zip(src, dst)]
     link.wait(tickets[-1])
-    assert time.perf_counter() - t0 >= 0.020                   # a lower bound only: it cannot flake
+    assert time.perf_counter() - t0 >= 0.020  # a lower bound only: it cannot flake
     link.close()
     assert all(torch.equal(s, d) for s, d in zip(src, dst))
 
@@ -141,6 +141,7 @@ def test_direct_link_and_parse():
 @pytest.mark.gpu
 def test_cuda_link_copies_and_orders():
     from moeflow.runtime.link import CudaLink
+
     dev = torch.device("cuda")
     link = CudaLink(dev)
     src = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
@@ -150,7 +151,7 @@ def test_cuda_link_copies_and_orders():
     assert link.ready(t) and torch.equal(dst.cpu(), src)
     # a copy ordered after a use marker does not overwrite data a queued computation still reads
     big = torch.randn(4096, 4096, device=dev)
-    out = (big @ big).sum() + dst.sum()                        # reads dst
+    out = (big @ big).sum() + dst.sum()  # reads dst
     marker = link.record_use()
     t2 = link.submit(torch.zeros(1 << 20).pin_memory(), dst, after=marker)
     link.wait(t2)

@@ -17,7 +17,7 @@ POLICIES = sorted(EVICTION)
 
 def _consistent(st, capacity):
     assert st.hits + st.misses == st.accesses
-    assert st.demand_loads == st.misses                       # fetch-on-miss loads every miss
+    assert st.demand_loads == st.misses  # fetch-on-miss loads every miss
     assert st.loads == st.demand_loads + st.prefetch_loads
     assert 0 <= st.collisions <= st.misses
     assert sum(st.collisions_per_layer.values()) == st.collisions
@@ -31,15 +31,22 @@ def _consistent(st, capacity):
 def test_consistency_check_catches_wrong_counts():
     """`_consistent` is what most tests here rely on: each counter it relates, when off by one, fails it."""
     from dataclasses import replace
+
     st = simulate(synthetic(40, num_experts=8, top_k=2, seed=0), 4, "lru")
     _consistent(st, 4)
     assert st.evictions > 0 and st.max_resident == 4
-    for field, delta in [("evictions", 1), ("evictions", -1), ("max_resident", -1), ("hits", 1),
-                         ("demand_loads", 1), ("collisions", 1)]:
+    for field, delta in [
+        ("evictions", 1),
+        ("evictions", -1),
+        ("max_resident", -1),
+        ("hits", 1),
+        ("demand_loads", 1),
+        ("collisions", 1),
+    ]:
         with pytest.raises(AssertionError):
             _consistent(replace(st, **{field: getattr(st, field) + delta}), 4)
     with pytest.raises(AssertionError):
-        _consistent(st, 3)                                    # max_resident 4 > capacity 3
+        _consistent(st, 3)  # max_resident 4 > capacity 3
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +59,7 @@ def tiny_acc(tiny_models):
 
 def test_record_generate_shape(tiny_acc):
     model, acc = tiny_acc
-    assert len(acc.passes) == 3 * 12                          # 1 prefill + 11 decode forwards per prompt
+    assert len(acc.passes) == 3 * 12  # 1 prefill + 11 decode forwards per prompt
     assert [p.phase for p in acc.passes[:3]] == [0, 1, 1]
     assert acc.passes[0].tokens == 6 and acc.passes[1].tokens == 1
     assert [s.layer for s in acc.passes[0].steps] == list(acc.moe_layers)
@@ -69,7 +76,7 @@ def test_counters_add_up_and_capacity_holds(capacity):
 
 
 def test_waves_when_a_layer_needs_more_than_the_capacity():
-    acc = synthetic(10, num_experts=16, top_k=4, tokens=8, seed=1)        # ~all experts per layer
+    acc = synthetic(10, num_experts=16, top_k=4, tokens=8, seed=1)  # ~all experts per layer
     st = simulate(acc, 3, "lru", check=True)
     _consistent(st, 3)
     assert st.misses > 0 and st.max_resident == 3
@@ -99,8 +106,15 @@ def test_belady_bounds_every_policy_on_a_model_trace(tiny_acc):
 
 
 def test_belady_next_use():
-    acc = AccessTrace((0, 1), 4, 1, [Pass(1, 0, [LayerStep(0, np.array([[1]])), LayerStep(1, np.array([[2]]))]),
-                                     Pass(1, 0, [LayerStep(0, np.array([[3]])), LayerStep(1, np.array([[2]]))])])
+    acc = AccessTrace(
+        (0, 1),
+        4,
+        1,
+        [
+            Pass(1, 0, [LayerStep(0, np.array([[1]])), LayerStep(1, np.array([[2]]))]),
+            Pass(1, 0, [LayerStep(0, np.array([[3]])), LayerStep(1, np.array([[2]]))]),
+        ],
+    )
     st = belady(acc, 2)
     # at pass 1 layer 0, (0,3) must evict (0,1) (never used again), keeping (1,2) for the next step
     assert (st.hits, st.misses) == (1, 3)
@@ -109,6 +123,7 @@ def test_belady_next_use():
 def test_pregate_replay_precision_recall(tiny_acc):
     model, acc = tiny_acc
     from moeflow.moe import get_adapter
+
     ad = get_adapter(model)
     dec = acc.select(phase=1)
     cap = 2 * acc.top_k * len(acc.moe_layers)
@@ -126,21 +141,32 @@ def test_pregate_replay_precision_recall(tiny_acc):
 
 
 def test_from_trace_groups_rows_into_passes():
-    class FakeTrace:                                  # the documented moeflow.trace.Trace surface
+    class FakeTrace:  # the documented moeflow.trace.Trace surface
         from moeflow.moe import MoESpec
+
         spec = MoESpec("olmoe", 2, (0, 1), 4, 1, 8, 8, 64, 16, 0, "float32")
 
         def tokens(self):
-            return {"prompt_id": np.array([0, 0, 0, 0, 1, 1, 1]), "position": np.array([0, 1, 2, 3, 0, 1, 2]),
-                    "phase": np.array([0, 0, 1, 1, 0, 1, 1]), "token_id": np.zeros(7, int)}
+            return {
+                "prompt_id": np.array([0, 0, 0, 0, 1, 1, 1]),
+                "position": np.array([0, 1, 2, 3, 0, 1, 2]),
+                "phase": np.array([0, 0, 1, 1, 0, 1, 1]),
+                "token_id": np.zeros(7, int),
+            }
 
         def layer(self, l):
             ids = (np.arange(7)[:, None] + l) % 4
             return {"topk_ids": ids, "topk_weights": np.ones((7, 1), np.float32)}
 
     acc = from_trace(FakeTrace())
-    assert [(p.phase, p.prompt_id, p.tokens) for p in acc.passes] == [(0, 0, 2), (1, 0, 1), (1, 0, 1),
-                                                                        (0, 1, 1), (1, 1, 1), (1, 1, 1)]
+    assert [(p.phase, p.prompt_id, p.tokens) for p in acc.passes] == [
+        (0, 0, 2),
+        (1, 0, 1),
+        (1, 0, 1),
+        (0, 1, 1),
+        (1, 1, 1),
+        (1, 1, 1),
+    ]
     assert acc.passes[1].steps[1].indices.tolist() == [[3]]
     assert len(from_trace(FakeTrace(), phase=1, max_prompts=1).passes) == 2
 
@@ -153,22 +179,36 @@ def test_errors():
         simulate(acc, 4, "nope")
 
 
-
-
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory, tiny_models):
     """A tiny checkpoint with a byte tokenizer and a greedy `moeflow trace --record-hidden` of 2 prompts."""
     from typer.testing import CliRunner
+
     from moeflow.cli.app import _register, app
     from tests.test_trace import tiny_tokenizer
+
     d = tmp_path_factory.mktemp("simtrace")
     ck, tr = d / "ck", d / "trace"
     tiny_models("olmoe").save_pretrained(ck)
     tiny_tokenizer().save_pretrained(ck)
     (d / "p.txt").write_text("the cat sat on the mat\nnumbers 1 2 3 4 5\n")
     _register()
-    r = CliRunner().invoke(app, ["trace", "--model", str(ck), "--prompts", str(d / "p.txt"), "--out", str(tr),
-                                 "--max-new-tokens", "6", "--record-hidden", "--json"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "trace",
+            "--model",
+            str(ck),
+            "--prompts",
+            str(d / "p.txt"),
+            "--out",
+            str(tr),
+            "--max-new-tokens",
+            "6",
+            "--record-hidden",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     return ck, tr
 
@@ -176,32 +216,58 @@ def traced(tmp_path_factory, tiny_models):
 def test_from_trace_matches_recorded_generation(traced):
     from moeflow.models import load_model
     from moeflow.trace import Trace
+
     ck, tr = traced
     t = Trace(tr)
     acc = from_trace(t, with_router_input=True)
     model, _ = load_model(ck)
     tok = t.tokens()
-    prompts = [torch.as_tensor(tok["token_id"][(tok["prompt_id"] == p) & (tok["phase"] == 0)]) for p in
-               dict.fromkeys(tok["prompt_id"].tolist())]
+    prompts = [
+        torch.as_tensor(tok["token_id"][(tok["prompt_id"] == p) & (tok["phase"] == 0)])
+        for p in dict.fromkeys(tok["prompt_id"].tolist())
+    ]
     ref = record_generate(model, prompts, max_new_tokens=6, do_sample=False)
     assert [(p.phase, p.tokens) for p in acc.passes] == [(p.phase, p.tokens) for p in ref.passes]
     for a, b in zip(acc.passes, ref.passes):
         for sa, sb in zip(a.steps, b.steps):
             assert np.array_equal(sa.indices, sb.indices)
-            assert torch.allclose(sa.router_input, sb.router_input.float(), atol=1e-2)   # trace stores float16
+            assert torch.allclose(sa.router_input, sb.router_input.float(), atol=1e-2)  # trace stores float16
 
 
 def test_simulate_cli_on_a_trace(traced):
     import json
+
     from typer.testing import CliRunner
+
+    import moeflow.cli.simulate  # noqa: F401  (until the lead registers it in app._register)
     from moeflow.cli.app import _register, app
     from moeflow.trace import Trace
-    import moeflow.cli.simulate  # noqa: F401  (until the lead registers it in app._register)
+
     ck, tr = traced
     _register()
-    r = CliRunner().invoke(app, ["simulate", "--trace", str(tr), "-c", "25%", "-c", "3", "-e", "lru",
-                                 "-e", "least-stale", "-p", "none", "-p", "pregate:overfetch=1.5",
-                                 "--model", str(ck), "--json"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            "--trace",
+            str(tr),
+            "-c",
+            "25%",
+            "-c",
+            "3",
+            "-e",
+            "lru",
+            "-e",
+            "least-stale",
+            "-p",
+            "none",
+            "-p",
+            "pregate:overfetch=1.5",
+            "--model",
+            str(ck),
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["passes"] == 2 * 5 and len(res["rows"]) == 2 * 2 * 2 + 2
@@ -212,7 +278,7 @@ def test_simulate_cli_on_a_trace(traced):
     b = next(x for x in res["rows"] if (x["capacity"], x["eviction"]) == (3, "belady"))
     assert all(b["hits"] >= x["hits"] for x in res["rows"] if x["capacity"] == 3 and x["prefetch"] == "none")
     bad = CliRunner().invoke(app, ["simulate", "--trace", str(tr), "-p", "pregate"])
-    assert bad.exit_code != 0 and isinstance(bad.exception, ConfigError), bad.exception   # not a traceback
+    assert bad.exit_code != 0 and isinstance(bad.exception, ConfigError), bad.exception  # not a traceback
     assert "--model" in str(bad.exception)
 
 
@@ -221,11 +287,11 @@ def test_least_stale_is_lru_below_the_pass_working_set():
     or below one pass's working set, every resident expert was touched in the previous pass, the stale queue
     in layer order is exactly the previous pass's access order and the current queue this pass's, so
     Least-Stale picks LRU's victim at every step (same hits, misses and collision misses)."""
-    acc = synthetic(200, num_experts=16, top_k=3, seed=4, skew=1.0)          # working set 12 per pass
+    acc = synthetic(200, num_experts=16, top_k=3, seed=4, skew=1.0)  # working set 12 per pass
     for c in (3, 6, 9, 12):
         a, b = simulate(acc, c, "lru"), simulate(acc, c, "least-stale")
         assert (a.hits, a.misses, a.collisions) == (b.hits, b.misses, b.collisions), c
-    a, b = simulate(acc, 24, "lru"), simulate(acc, 24, "least-stale")       # above it they differ
+    a, b = simulate(acc, 24, "lru"), simulate(acc, 24, "least-stale")  # above it they differ
     assert (a.hits, a.collisions) != (b.hits, b.collisions)
 
 
@@ -233,6 +299,7 @@ def test_least_stale_is_lru_below_the_pass_working_set():
 def default_decode():
     from moeflow.models import default_model_path, load_model
     from moeflow.sim.study import decode_trace, gsm8k_prompts
+
     path = Path(default_model_path())
     data = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
     if not (path / "config.json").is_file() or not (data / "gsm8k").is_dir():
@@ -248,9 +315,10 @@ def test_least_stale_on_the_default_models_decode_trace(default_decode):
     50% it removes collision misses but misses more in total (they move to the next pass, where they are
     not counted as collisions)."""
     from moeflow.sim.study import capacity_of
+
     acc = default_decode
     W = acc.working_set()
-    assert W == len(acc.moe_layers) * acc.top_k                            # decode: k distinct experts per layer
+    assert W == len(acc.moe_layers) * acc.top_k  # decode: k distinct experts per layer
     for f in (0.05, 0.10):
         c = capacity_of(acc, f)
         assert c <= W

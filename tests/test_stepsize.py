@@ -15,28 +15,27 @@ def test_stalls_raise_and_overfetch_lowers_within_bounds():
     c = StepSizeController(initial_s=2, min_s=1, max_s=3, stall_threshold=3, overfetch_threshold=5)
     assert c.s == 2
     c.observe_access(stalled=True, n=2)
-    assert c.s == 2                                  # below the threshold
+    assert c.s == 2  # below the threshold
     c.observe_access(stalled=True)
-    assert c.s == 3 and c.stalls == 0                # counter reset, S + 1
+    assert c.s == 3 and c.stalls == 0  # counter reset, S + 1
     c.observe_access(stalled=True, n=30)
-    assert c.s == 3                                  # clamped at max_s
+    assert c.s == 3  # clamped at max_s
     c.observe_access(stalled=False, n=5)
-    assert c.s == 2                                  # no wind-up: one overfetch round is enough to come down
+    assert c.s == 2  # no wind-up: one overfetch round is enough to come down
     c.observe_access(stalled=False, n=50)
-    assert c.s == 1                                  # clamped at min_s
+    assert c.s == 1  # clamped at min_s
     assert [w for w, _ in c.history] == ["init", "stall", "overfetch", "overfetch"]
 
 
 def test_formula_and_bandwidth_updates():
     # N_e=4 experts of 1 MB, T_l=1 ms: at 2 GB/s a layer's experts take 2 ms -> S = 2
-    c = StepSizeController(initial_s=2, max_s=8, expert_bytes=1e6, bandwidth=2e9, layer_time_s=1e-3,
-                           experts_per_layer=4, ema=1.0)
+    c = StepSizeController(initial_s=2, max_s=8, expert_bytes=1e6, bandwidth=2e9, layer_time_s=1e-3, experts_per_layer=4, ema=1.0)
     assert c.formula_s() == pytest.approx(2.0) and c.s == 2
-    c.observe_transfer(nbytes=1e6, seconds=1e-3)      # observed 1 GB/s -> 4 ms per layer -> S = 4
+    c.observe_transfer(nbytes=1e6, seconds=1e-3)  # observed 1 GB/s -> 4 ms per layer -> S = 4
     assert c.s == 4
-    c.observe_transfer(nbytes=8e6, seconds=1e-3)      # 8 GB/s -> 0.5 layers -> S = 1
+    c.observe_transfer(nbytes=8e6, seconds=1e-3)  # 8 GB/s -> 0.5 layers -> S = 1
     assert c.s == 1
-    c.observe_access(stalled=True, n=c.stall_threshold)   # the stall bias survives the next recompute
+    c.observe_access(stalled=True, n=c.stall_threshold)  # the stall bias survives the next recompute
     assert c.s == 2
     c.observe_layer_time(1e-3)
     assert c.s == 2
@@ -44,12 +43,19 @@ def test_formula_and_bandwidth_updates():
 
 def test_on_pass_reads_engine_stats_and_drives_lookahead():
     from moeflow.runtime.cache import CacheCounters
+
     c = StepSizeController(initial_s=1, max_s=3, stall_threshold=2, overfetch_threshold=100)
     engine = SimpleNamespace(lookahead=1, observers=[], spec=SimpleNamespace(num_layers=4))
     detach = c.attach(engine)
     # one demand miss + one prefetch still in flight (late) = 2 waits -> a stall step; 1 ready hit
-    stats = SimpleNamespace(counters=CacheCounters(accesses=3, hits=2, misses=1, late=1), transfer_bytes=0,
-                            transfer_s=0.0, tokens=1, wall_s=0.01, stall_s=0.005)
+    stats = SimpleNamespace(
+        counters=CacheCounters(accesses=3, hits=2, misses=1, late=1),
+        transfer_bytes=0,
+        transfer_s=0.0,
+        tokens=1,
+        wall_s=0.01,
+        stall_s=0.005,
+    )
     for obs in engine.observers:
         obs(stats)
     assert c.s == 2 and engine.lookahead == 2
@@ -64,6 +70,7 @@ def test_bad_bounds_and_mass_set():
     import torch
 
     from moeflow.moe.sets import mass_mask
+
     p = torch.tensor([[0.7, 0.2, 0.1, 0.0], [0.25, 0.25, 0.25, 0.25]])
     # mass before each expert (descending): row 0: 0, .7, .9, 1 -> 2 kept; row 1: 0, .25, .5, .75 -> 4 kept
     assert mass_mask(p, 0.85).tolist() == [[True, True, False, False], [True, True, True, True]]
@@ -74,10 +81,9 @@ def test_one_s_formula_for_calibration_and_controller():
     assert s_formula(2, 3e6, 1e9, 2e-3) == pytest.approx(3.0)
     assert ceil_s(3.0000000000004) == 3 and ceil_s(3.01) == 4 and ceil_s(0.2) == 1
     assert initial_step_size(2, 3e6, 1e9, 2e-3, num_moe_layers=8) == (3, pytest.approx(3.0))
-    assert initial_step_size(2, 3e6, 1e9, 2e-3, num_moe_layers=3)[0] == 2        # clamped to L - 1
-    c = StepSizeController(initial_s=1, max_s=8, expert_bytes=3e6, bandwidth=1e9, layer_time_s=2e-3,
-                           experts_per_layer=2, ema=1.0)
-    c.observe_transfer(nbytes=3e6, seconds=3e-3)      # still 1 GB/s: the formula gives 3, minus the start bias
+    assert initial_step_size(2, 3e6, 1e9, 2e-3, num_moe_layers=3)[0] == 2  # clamped to L - 1
+    c = StepSizeController(initial_s=1, max_s=8, expert_bytes=3e6, bandwidth=1e9, layer_time_s=2e-3, experts_per_layer=2, ema=1.0)
+    c.observe_transfer(nbytes=3e6, seconds=3e-3)  # still 1 GB/s: the formula gives 3, minus the start bias
     assert c.formula_s() == pytest.approx(3.0) and c.s == 1
-    c.observe_transfer(nbytes=3e6, seconds=6e-3)      # 0.5 GB/s -> formula 6, bias -2 -> S = 4
+    c.observe_transfer(nbytes=3e6, seconds=6e-3)  # 0.5 GB/s -> formula 6, bias -2 -> S = 4
     assert c.formula_s() == pytest.approx(6.0) and c.s == 4

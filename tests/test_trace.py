@@ -16,8 +16,7 @@ from moeflow.data import Prompt, prompt_id
 from moeflow.errors import ArtifactError
 from moeflow.moe import get_adapter
 from moeflow.trace import Trace, TraceConfig, run_trace
-from moeflow.trace.summary import (dead_experts, expert_counts, layer_stats, load_entropy, router_entropy, skewness,
-                                   trace_summary)
+from moeflow.trace.summary import dead_experts, expert_counts, layer_stats, load_entropy, router_entropy, skewness, trace_summary
 from moeflow.trace.writer import RoutingRecorder, generation_kwargs, trace_one
 
 from .conftest import ARCHS
@@ -29,6 +28,7 @@ def tiny_tokenizer():
     """A byte-level tokenizer with exactly 256 ids (0 <pad>, 1 <s>, 2 </s>, then bytes), for the tiny models."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
     for c in sorted(pre_tokenizers.ByteLevel.alphabet()):
         if len(vocab) < 256:
@@ -36,9 +36,7 @@ def tiny_tokenizer():
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<pad>"))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tk.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<pad>")
-
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>")
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +58,16 @@ def cfg(out, **kw) -> TraceConfig:
 
 # Where each family keeps its router (decoder layer attribute, router attribute): written out here, not taken
 # from moeflow's adapters, so that the hooks below observe the routers independently of moeflow's own hooks.
-ROUTER_AT = {"olmoe": ("mlp", "gate"), "mixtral": ("mlp", "gate"), "qwen2_moe": ("mlp", "gate"),
-             "qwen3_moe": ("mlp", "gate"), "deepseek_v3": ("mlp", "gate"), "gpt_oss": ("mlp", "router"),
-             "granitemoe": ("block_sparse_moe", "router"), "phimoe": ("mlp", "router")}
+ROUTER_AT = {
+    "olmoe": ("mlp", "gate"),
+    "mixtral": ("mlp", "gate"),
+    "qwen2_moe": ("mlp", "gate"),
+    "qwen3_moe": ("mlp", "gate"),
+    "deepseek_v3": ("mlp", "gate"),
+    "gpt_oss": ("mlp", "router"),
+    "granitemoe": ("block_sparse_moe", "router"),
+    "phimoe": ("mlp", "router"),
+}
 
 
 @contextlib.contextmanager
@@ -76,9 +81,12 @@ def plain_router_hooks(model, arch: str):
     def hook(l):
         def f(module, args, out):
             x = args[0].detach()
-            seen.setdefault(l, []).append((x.reshape(-1, x.shape[-1]),) +
-                                          tuple(o.detach().reshape(-1, o.shape[-1]) for o in out[:3]))
+            seen.setdefault(l, []).append(
+                (x.reshape(-1, x.shape[-1]),) + tuple(o.detach().reshape(-1, o.shape[-1]) for o in out[:3])
+            )
+
         return f
+
     for l, layer in enumerate(model.model.layers):
         router = getattr(getattr(layer, block_attr), router_attr, None)
         if router is not None:
@@ -97,7 +105,7 @@ def test_recorded_routing_equals_router(tiny_models, arch):
     norm reads."""
     model = tiny_models(arch)
     ad = get_adapter(model)
-    ids = torch.tensor([[5, 77, 120, 33, 201, 9]])                                  # [1,S]
+    ids = torch.tensor([[5, 77, 120, 33, 201, 9]])  # [1,S]
     rec = RoutingRecorder(ad, record_hidden=True)
     with plain_router_hooks(model, arch) as seen:
         rows, seq = trace_one(model, rec, ids, generation_kwargs(GEN, 0))
@@ -105,13 +113,12 @@ def test_recorded_routing_equals_router(tiny_models, arch):
     assert n >= ids.shape[1] and len(rows["position"]) == n
     assert rows["token_id"].tolist() == seq[:n].tolist()
     assert rows["phase"].tolist() == [0] * 6 + [1] * (n - 6)
-    assert sorted(seen) == list(ad.moe_layers) and len(seen[ad.moe_layers[0]]) == n - 6 + 1   # prefill + decodes
+    assert sorted(seen) == list(ad.moe_layers) and len(seen[ad.moe_layers[0]]) == n - 6 + 1  # prefill + decodes
     for l in ad.moe_layers:
-        x, logits, w, idx = (torch.cat(parts) for parts in zip(*seen[l]))              # [n,H] [n,E] [n,k] [n,k]
+        x, logits, w, idx = (torch.cat(parts) for parts in zip(*seen[l]))  # [n,H] [n,E] [n,k] [n,k]
         np.testing.assert_array_equal(rows[f"topk_ids_{l}"], idx.numpy())
         np.testing.assert_array_equal(rows[f"topk_weights_{l}"], w.float().numpy())
-        np.testing.assert_allclose(rows[f"probs_{l}"].astype(np.float32), torch.softmax(logits.float(), -1).numpy(),
-                                   atol=1e-3)
+        np.testing.assert_allclose(rows[f"probs_{l}"].astype(np.float32), torch.softmax(logits.float(), -1).numpy(), atol=1e-3)
         np.testing.assert_allclose(rows[f"hidden_in_{l}"].astype(np.float32), x.numpy(), rtol=1e-2, atol=1e-2)
         # the router re-run on its recorded input chooses the recorded experts
         with torch.no_grad():
@@ -139,6 +146,7 @@ def test_tracing_leaves_generation_unchanged(tiny_models, arch):
 
 # ---- the trace folder ----------------------------------------------------------------------------
 
+
 def test_trace_append_skip_and_reader(tiny_models, tok, tmp_path):
     model = tiny_models("olmoe")
     out = tmp_path / "tr"
@@ -156,10 +164,10 @@ def test_trace_append_skip_and_reader(tiny_models, tok, tmp_path):
     for i, p in enumerate(t.prompt_ids):
         rows = tk["prompt_id"] == i
         pos = tk["position"][rows]
-        assert pos.tolist() == list(range(len(pos)))               # consecutive, in order
+        assert pos.tolist() == list(range(len(pos)))  # consecutive, in order
         text = {q.id: q.text for q in a + prompts("new prompt", "another one")}[p]
         ids = tok(text)["input_ids"]
-        assert tk["token_id"][rows][:len(ids)].tolist() == ids     # prefill rows are the prompt tokens
+        assert tk["token_id"][rows][: len(ids)].tolist() == ids  # prefill rows are the prompt tokens
         assert (tk["phase"][rows] == (pos >= len(ids))).all()
     spec = t.spec
     for l in spec.moe_layers:
@@ -168,7 +176,7 @@ def test_trace_append_skip_and_reader(tiny_models, tok, tmp_path):
         assert d["topk_ids"].shape == (len(t), spec.top_k) and d["probs"].shape == (len(t), spec.num_experts)
         assert d["probs"].dtype == np.float16 and d["topk_weights"].dtype == np.float32
         # the recorded top-k are the top-k of the recorded probabilities
-        top = np.argsort(-d["probs"].astype(np.float32), axis=1)[:, :spec.top_k]
+        top = np.argsort(-d["probs"].astype(np.float32), axis=1)[:, : spec.top_k]
         assert (np.sort(top, 1) == np.sort(d["topk_ids"], 1)).mean() > 0.99
     assert t.mask("decode").sum() == (tk["phase"] == 1).sum() > 0
     with pytest.raises(ArtifactError, match="record-hidden"):
@@ -181,6 +189,7 @@ def test_trace_append_skip_and_reader(tiny_models, tok, tmp_path):
 def test_small_shards_and_crash_resume(tiny_models, tok, tmp_path, monkeypatch):
     """A crash mid-run keeps every finished shard; the next run adds only the missing prompts."""
     import moeflow.trace.run as run_mod
+
     model = tiny_models("olmoe")
     out = tmp_path / "tr"
     ps = prompts("one", "two", "three", "four")
@@ -192,6 +201,7 @@ def test_small_shards_and_crash_resume(tiny_models, tok, tmp_path, monkeypatch):
         if calls["n"] == 3:
             raise KeyboardInterrupt
         return real(*a, **k)
+
     monkeypatch.setattr(run_mod, "trace_one", flaky)
     with pytest.raises(KeyboardInterrupt):
         run_trace(model, tok, ps, cfg(out, shard_size=1))
@@ -202,11 +212,12 @@ def test_small_shards_and_crash_resume(tiny_models, tok, tmp_path, monkeypatch):
     assert r["prompts_added"] == 2 and r["prompts_skipped"] == 2
     t = Trace(out, verify=True)
     assert t.prompt_ids == [p.id for p in ps] and len(t.meta["shards"]) == 4
-    assert np.diff(t.tokens()["prompt_id"]).min() >= 0           # rows in prompt order over shards
+    assert np.diff(t.tokens()["prompt_id"]).min() >= 0  # rows in prompt order over shards
 
 
 def test_shard_readable_by_datasets(tiny_models, tok, tmp_path):
     import datasets
+
     out = tmp_path / "tr"
     run_trace(tiny_models("olmoe"), tok, prompts("hello there"), cfg(out))
     t = Trace(out)
@@ -253,11 +264,12 @@ def test_damaged_or_mismatched_traces_are_refused(tiny_models, tok, tmp_path):
 
 # ---- statistics ----------------------------------------------------------------------------------
 
+
 def test_summary_statistics():
-    ids = np.array([[0, 1], [0, 2], [0, 1], [0, 3]])                    # E=5: counts 4,2,1,1,0
+    ids = np.array([[0, 1], [0, 2], [0, 1], [0, 3]])  # E=5: counts 4,2,1,1,0
     c = expert_counts(ids, 5)
     assert c.tolist() == [4, 2, 1, 1, 0]
-    assert skewness(c) == pytest.approx(2.5)                            # max 4 / mean 8/5
+    assert skewness(c) == pytest.approx(2.5)  # max 4 / mean 8/5
     assert dead_experts(c).tolist() == [4]
     assert load_entropy(np.ones(8)) == pytest.approx(1.0)
     # loads 4,2,1,1: H = 1/2 ln 2 + 1/4 ln 4 + 2 * 1/8 ln 8 = 1.75 ln 2, over ln 4 = 2 ln 2
@@ -277,8 +289,8 @@ def test_statistics_of_a_three_expert_toy_layer():
     probs = np.array([[0.5, 0.25, 0.25], [1.0, 0.0, 0.0], [0.5, 0.25, 0.25], [1.0, 0.0, 0.0]], np.float16)
     s = layer_stats(ids, probs, 3, layer=0)
     assert s.counts == [3, 1, 0] and s.assignments == 4 and s.tokens == 4
-    assert s.skewness == pytest.approx(2.25)                  # max 3 / mean 4/3
-    assert s.dead == [2]                                      # 0 < 1% of the mean load
+    assert s.skewness == pytest.approx(2.25)  # max 3 / mean 4/3
+    assert s.dead == [2]  # 0 < 1% of the mean load
     # load entropy: p = (3/4, 1/4, 0): -(3/4 ln 3/4 + 1/4 ln 1/4) / ln 3
     assert s.load_entropy == pytest.approx(0.5118595071, rel=1e-9)
     # router entropy: rows (1/2, 1/4, 1/4) have H = 1/2 ln 2 + 1/2 ln 4 = 1.5 ln 2, one-hot rows 0;
@@ -306,13 +318,15 @@ def test_trace_summary_matches_arrays(tiny_models, tok, tmp_path):
 
 def test_bfloat16_model_is_recorded(tiny_models):
     from moeflow.models import tiny_model
+
     model = tiny_model("mixtral", dtype=torch.bfloat16)
     ad = get_adapter(model)
     with plain_router_hooks(model, "mixtral") as seen:
-        rows, seq = trace_one(model, RoutingRecorder(ad, record_hidden=True), torch.tensor([[4, 8, 15, 16]]),
-                              generation_kwargs(GEN, 0))
+        rows, seq = trace_one(
+            model, RoutingRecorder(ad, record_hidden=True), torch.tensor([[4, 8, 15, 16]]), generation_kwargs(GEN, 0)
+        )
     l = ad.moe_layers[-1]
-    idx = torch.cat([ev[3] for ev in seen[l]])                                       # [n,2]
+    idx = torch.cat([ev[3] for ev in seen[l]])  # [n,2]
     w = torch.cat([ev[2] for ev in seen[l]])
     np.testing.assert_array_equal(rows[f"topk_ids_{l}"], idx.numpy())
     np.testing.assert_array_equal(rows[f"topk_weights_{l}"], w.float().numpy())
@@ -323,15 +337,21 @@ def test_writer_lock_and_nothing_left_on_failure(tiny_models, tmp_path):
     from moeflow.errors import MoeflowError
     from moeflow.moe import model_fingerprint
     from moeflow.trace.writer import TraceWriter
+
     model = tiny_models("olmoe")
-    kw = dict(fingerprint=model_fingerprint(model), spec=get_adapter(model).spec.to_dict(), record_hidden=False,
-              generation=GEN, prompt_source="test")
+    kw = dict(
+        fingerprint=model_fingerprint(model),
+        spec=get_adapter(model).spec.to_dict(),
+        record_hidden=False,
+        generation=GEN,
+        prompt_source="test",
+    )
     out = tmp_path / "tr"
     with TraceWriter(out, **kw):
         with pytest.raises(MoeflowError, match="another `moeflow trace` is writing"):
             with TraceWriter(out, **kw):
                 pass
-    assert not out.exists()                     # nothing was added: no folder left behind
+    assert not out.exists()  # nothing was added: no folder left behind
     with pytest.raises(RuntimeError):
         with TraceWriter(out, **kw):
             raise RuntimeError("boom")
@@ -349,6 +369,7 @@ def test_sampling_is_seeded_per_prompt(tiny_models, tok, tmp_path):
         t = Trace(out)
         tk = t.tokens()
         return {pid: tk["token_id"][tk["prompt_id"] == i].tolist() for i, pid in enumerate(t.prompt_ids)}
+
     a = token_ids(tmp_path / "a", ps)
     b = token_ids(tmp_path / "b", ps[::-1])
     c = token_ids(tmp_path / "c", ps, seed=1)

@@ -42,13 +42,20 @@ def _loops(x: list[list[float]], w: list, offs: list[int], transposed: bool, bia
 
 def test_grouped_linear_is_a_grouped_matmul(fresh_check):
     # torch's grouped GEMM wants 16-byte strides: in = out = 4 float32
-    x = [[1.0, 2.0, 0.0, 0.0], [0.0, 1.0, -1.0, 2.0], [2.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0],
-         [-1.0, 0.0, 3.0, 0.5]]                                                      # [S=5, in=4]
+    x = [
+        [1.0, 2.0, 0.0, 0.0],
+        [0.0, 1.0, -1.0, 2.0],
+        [2.0, 0.0, 1.0, 0.0],
+        [1.0, 1.0, 1.0, 1.0],
+        [-1.0, 0.0, 3.0, 0.5],
+    ]  # [S=5, in=4]
     eye = [[1.0 if o == j else 0.0 for j in range(4)] for o in range(4)]
-    w = [eye,                                                                        # expert 0: identity
-         [[5.0] * 4] * 4,                                                            # expert 1: no rows
-         [[1.0, 1.0, 1.0, 1.0], [2.0, 0.0, -1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 4.0]]]  # expert 2
-    offs = [2, 2, 5]                                  # rows 0-1 -> expert 0, none -> 1, rows 2-4 -> expert 2
+    w = [
+        eye,  # expert 0: identity
+        [[5.0] * 4] * 4,  # expert 1: no rows
+        [[1.0, 1.0, 1.0, 1.0], [2.0, 0.0, -1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 4.0]],
+    ]  # expert 2
+    offs = [2, 2, 5]  # rows 0-1 -> expert 0, none -> 1, rows 2-4 -> expert 2
     got = tx_compat.grouped_linear(torch.tensor(x), torch.tensor(w), torch.tensor(offs, dtype=torch.int32))
     # by hand: row 0 through the identity; row 2 = [2+0+1+0, 4+0-1+0, 0, 0]; row 4 = [2.5, -5, 0, 2]
     assert got[0].tolist() == [1.0, 2.0, 0.0, 0.0]
@@ -57,14 +64,16 @@ def test_grouped_linear_is_a_grouped_matmul(fresh_check):
     # transposed weights [G, in, out] and a per-row bias [S, out]
     wt = [[list(col) for col in zip(*m, strict=True)] for m in w]
     bias = [[0.5, -0.5, 0.0, 1.0]] * 5
-    got = tx_compat.grouped_linear(torch.tensor(x), torch.tensor(wt), torch.tensor(offs, dtype=torch.int32),
-                                   bias=torch.tensor(bias), is_transposed=True)
+    got = tx_compat.grouped_linear(
+        torch.tensor(x), torch.tensor(wt), torch.tensor(offs, dtype=torch.int32), bias=torch.tensor(bias), is_transposed=True
+    )
     assert got[2].tolist() == [3.5, 2.5, 0.0, 1.0]
     assert got.tolist() == _loops(x, wt, offs, transposed=True, bias=bias)
 
 
 def test_experts_registry_dispatches_to_a_registered_function(fresh_check):
     from moeflow.models import tiny_model
+
     model = tiny_model("olmoe", num_experts=8, top_k=2, num_hidden_layers=2)
     assert model.config._experts_implementation == "grouped_mm"
     stock = tx_compat.registered_experts("grouped_mm")
@@ -80,7 +89,7 @@ def test_experts_registry_dispatches_to_a_registered_function(fresh_check):
         ref = model(ids).logits
     name = "moeflow-test-spy"
     tx_compat.register_experts(name, spy)
-    tx_compat.register_experts(name, spy)                     # idempotent
+    tx_compat.register_experts(name, spy)  # idempotent
     try:
         assert tx_compat.registered_experts(name) is spy
         model.set_experts_implementation(name)
@@ -89,8 +98,9 @@ def test_experts_registry_dispatches_to_a_registered_function(fresh_check):
     finally:
         model.set_experts_implementation("grouped_mm")
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
         ALL_EXPERTS_FUNCTIONS._global_mapping.pop(name, None)
-    assert calls == [(4, 2), (4, 2)]                          # one call per MoE layer, T=4 tokens, top-2
+    assert calls == [(4, 2), (4, 2)]  # one call per MoE layer, T=4 tokens, top-2
     assert torch.equal(out, ref)
     for l in get_adapter(model).moe_layers:
         tx_compat.check_experts_module(get_adapter(model).experts(l))
@@ -98,7 +108,8 @@ def test_experts_registry_dispatches_to_a_registered_function(fresh_check):
 
 def test_check_names_the_version_when_transformers_is_outside_the_range(fresh_check, monkeypatch):
     import transformers
-    tx_compat.check()                                         # the installed version is supported
+
+    tx_compat.check()  # the installed version is supported
     monkeypatch.setattr(transformers, "__version__", "6.1.0")
     tx_compat._checked.cache_clear()
     with pytest.raises(tx_compat.TransformersVersionError) as e:
@@ -111,7 +122,7 @@ def test_check_names_the_version_when_transformers_is_outside_the_range(fresh_ch
 def test_check_refuses_a_changed_grouped_linear_or_registry(fresh_check, monkeypatch):
     from transformers.integrations import moe
 
-    def changed(input, weight, offsets, bias=None):           # renamed / dropped parameters
+    def changed(input, weight, offsets, bias=None):  # renamed / dropped parameters
         raise AssertionError("must not be called")
 
     monkeypatch.setattr(moe, "_grouped_linear", changed)
@@ -136,6 +147,7 @@ def test_check_experts_module_names_missing_attributes():
 
 def test_the_signature_the_shim_expects_is_the_installed_one():
     from transformers.integrations import moe
+
     assert tuple(inspect.signature(moe._grouped_linear).parameters) == tx_compat.GROUPED_LINEAR_PARAMS
 
 
@@ -152,6 +164,7 @@ def test_only_the_shim_touches_transformers_private_moe_internals():
 
 
 # ---- code health: one implementation of each shared piece, names that cannot be confused, no import cycle ----
+
 
 def _code(path: Path) -> ast.Module:
     return ast.parse(path.read_text())
@@ -174,7 +187,7 @@ def test_public_class_names_are_unique():
             if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
                 seen.setdefault(node.name, []).append(str(p.relative_to(REPO)))
     assert {n: ps for n, ps in seen.items() if len(ps) > 1} == {}
-    assert not (REPO / "moeflow" / "runtime" / "stepsize.py").exists()     # the formula lives in calibrate/stepsize.py
+    assert not (REPO / "moeflow" / "runtime" / "stepsize.py").exists()  # the formula lives in calibrate/stepsize.py
 
 
 def test_only_moe_hooks_reaches_the_residual_norm():
@@ -182,8 +195,9 @@ def test_only_moe_hooks_reaches_the_residual_norm():
     users = set()
     for p in (REPO / "moeflow").rglob("*.py"):
         for node in ast.walk(_code(p)):
-            if (isinstance(node, ast.Attribute) and node.attr == "post_attention_layernorm") or \
-                    (isinstance(node, ast.Constant) and node.value == "post_attention_layernorm"):
+            if (isinstance(node, ast.Attribute) and node.attr == "post_attention_layernorm") or (
+                isinstance(node, ast.Constant) and node.value == "post_attention_layernorm"
+            ):
                 users.add(str(p.relative_to(REPO)))
     assert users == {"moeflow/moe/hooks.py"}
 
@@ -191,6 +205,7 @@ def test_only_moe_hooks_reaches_the_residual_norm():
 def test_residual_hooks_give_the_router_input_before_its_norm():
     from moeflow.models import tiny_model
     from moeflow.moe import RouterTap, residual_hooks
+
     model = tiny_model("mixtral", num_experts=4, top_k=2, num_hidden_layers=2)
     ad = get_adapter(model)
     resid: dict[int, torch.Tensor] = {}
@@ -209,11 +224,12 @@ def test_a_layer_without_the_norm_is_refused_or_skipped():
 
     from moeflow.errors import UnsupportedModelError
     from moeflow.moe import residual_hooks
+
     fake = SimpleNamespace(moe_layers=(0,), layers=[torch.nn.Identity()], spec=SimpleNamespace(arch="toy"))
     with pytest.raises(UnsupportedModelError, match=r"toy layer 0 has no post_attention_layernorm .*; trace without"):
         with residual_hooks(fake, lambda l, r: None, hint="trace without --record-hidden"):
             pass
-    with residual_hooks(fake, lambda l, r: None, hint=None):          # the engine: skip such layers
+    with residual_hooks(fake, lambda l, r: None, hint=None):  # the engine: skip such layers
         pass
 
 
@@ -221,14 +237,16 @@ def test_recall_at_k_by_hand_for_arrays_and_tensors():
     import numpy as np
 
     from moeflow.moe.sets import recall_at_k, topk_hits
-    pred, truth = [[1, 2], [3, 4], [5, 6]], [[2, 1], [4, 7], [8, 9]]     # hits 2, 1, 0 of k=2 -> 3/6
+
+    pred, truth = [[1, 2], [3, 4], [5, 6]], [[2, 1], [4, 7], [8, 9]]  # hits 2, 1, 0 of k=2 -> 3/6
     assert recall_at_k(np.array(pred), np.array(truth)) == 0.5
     assert recall_at_k(torch.tensor(pred), torch.tensor(truth)) == 0.5
     assert topk_hits(torch.tensor(pred), torch.tensor(truth)).tolist() == [2, 1, 0]
     assert np.isnan(recall_at_k(np.zeros((0, 2)), np.zeros((0, 2))))
     # the evaluation's sums use the same count: scores put experts 2, 1 / 4, 0 / 0, 3 on top
     from moeflow.predict.evaluate import set_metrics
-    scores = torch.tensor([[0, .3, .6, 0, .1], [.2, 0, 0, 0, .8], [.5, 0, 0, .4, .1]])
+
+    scores = torch.tensor([[0, 0.3, 0.6, 0, 0.1], [0.2, 0, 0, 0, 0.8], [0.5, 0, 0, 0.4, 0.1]])
     m = set_metrics(scores, torch.tensor([[2, 1], [4, 3], [1, 2]]), mass=1.0)
     assert m["hits_k"] == 3.0 and m["n"] == 3.0
 
@@ -237,8 +255,12 @@ def test_one_option_and_capacity_parser_for_every_command():
     from moeflow.policies import parse
     from moeflow.runtime import config
     from moeflow.sim.run import capacity_slots
-    assert (config.parse_capacity, config.parse_opts, config.opts_dict) == \
-        (parse.parse_capacity, parse.parse_opts, parse.opts_dict)
+
+    assert (config.parse_capacity, config.parse_opts, config.opts_dict) == (
+        parse.parse_capacity,
+        parse.parse_opts,
+        parse.opts_dict,
+    )
     typed = parse.opts_dict(parse.parse_opts(["overfetch=1.5", "lookahead=2", "right-x=none", "flag=True", "f=lru"]))
     assert typed == {"overfetch": 1.5, "lookahead": 2, "right_x": None, "flag": True, "f": "lru"}
     assert parse.parse_policy("pregate:overfetch=1.5,lookahead=2,right-x=none,flag=True,f=lru") == ("pregate", typed)

@@ -2,14 +2,24 @@
 
 from .config import CalibrateConfig
 from .io import calibration_path, device_name, load_calibration, write_calibration
-from .stepsize import (copy_share, copy_share_bandwidth, initial_step_size, parse_regime, regime_bandwidth,
-                       specmd_bandwidth)
+from .stepsize import copy_share, copy_share_bandwidth, initial_step_size, parse_regime, regime_bandwidth, specmd_bandwidth
 
-__all__ = ["CalibrateConfig", "calibration_path", "copy_share", "copy_share_bandwidth", "device_name",
-           "initial_step_size", "load_calibration", "parse_regime", "regime_bandwidth", "specmd_bandwidth",
-           "write_calibration"]
+__all__ = [
+    "CalibrateConfig",
+    "calibration_path",
+    "copy_share",
+    "copy_share_bandwidth",
+    "device_name",
+    "initial_step_size",
+    "load_calibration",
+    "parse_regime",
+    "regime_bandwidth",
+    "specmd_bandwidth",
+    "write_calibration",
+]
 
 
 def main(cfg: CalibrateConfig):
     from .run import main as _main
+
     return _main(cfg)

@@ -13,18 +13,18 @@ DEFAULT_SIZES_KIB = (64, 256, 1024, 4096, 16384)
 
 @dataclass(frozen=True)
 class CalibrateConfig:
-    model: str                                   # local checkpoint folder
+    model: str  # local checkpoint folder
     device: str = "cpu"
     dtype: str = "auto"
-    link_gbps: float | None = None               # calibrate an EmulatedLink of this bandwidth (GB/s = 1e9 B/s)
-    link_latency_s: float = 0.0                  # its per-transfer latency
-    sizes_kib: tuple[int, ...] = DEFAULT_SIZES_KIB   # transfer sizes for the bandwidth sweep (the expert size is added)
-    repeats: int = 5                             # timed repeats per size / per module (median)
-    decode_steps: int = 8                        # decode steps timed for per-layer compute
-    regimes: tuple[str, ...] = ()                # e.g. ("copy-share=0.85", "specmd")
-    out: str | None = None                       # file; default calibration/<device>.json
+    link_gbps: float | None = None  # calibrate an EmulatedLink of this bandwidth (GB/s = 1e9 B/s)
+    link_latency_s: float = 0.0  # its per-transfer latency
+    sizes_kib: tuple[int, ...] = DEFAULT_SIZES_KIB  # transfer sizes for the bandwidth sweep (the expert size is added)
+    repeats: int = 5  # timed repeats per size / per module (median)
+    decode_steps: int = 8  # decode steps timed for per-layer compute
+    regimes: tuple[str, ...] = ()  # e.g. ("copy-share=0.85", "specmd")
+    out: str | None = None  # file; default calibration/<device>.json
     write: bool = True
-    force: bool = False                          # replace an existing calibration file at `out`
+    force: bool = False  # replace an existing calibration file at `out`
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -39,6 +39,7 @@ class CalibrateConfig:
         if not self.sizes_kib or min(self.sizes_kib) < 1:
             raise ConfigError("--sizes must be positive KiB values")
         from .stepsize import parse_regime
+
         for r in self.regimes:
             parse_regime(r)
 
@@ -54,6 +55,7 @@ class CalibrateConfig:
         """What depends on this machine, checked before anything loads: the device (`--out` is checked by
         the stage with `moeflow.artifacts.check_out` before it measures)."""
         from ..checks import check_device
+
         check_device(self.device)
 
     def to_dict(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ def device_name(device: str, link_gbps: float | None = None) -> str:
     """`cpu`, `cpu-emulated-8gbps`, `cuda-NVIDIA_H100_80GB_HBM3` (file-name safe)."""
     if device.startswith("cuda"):
         import torch
+
         idx = torch.device(device).index or 0
         name = "cuda-" + re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(idx)).strip("_")
     else:
@@ -59,8 +60,11 @@ def load_calibration(path: str | os.PathLike, model: Any = None, *, fingerprint:
     rec = read_record(p, KIND, SCHEMA)
     if model is not None and fingerprint is None:
         from ..moe import model_fingerprint
+
         fingerprint = model_fingerprint(model)
     if fingerprint is not None and rec.get("model_fingerprint") != fingerprint:
-        raise ArtifactError(f"calibration {p} was made for another model (fingerprint {rec.get('model_fingerprint')}, "
-                            f"this model is {fingerprint}); re-run `moeflow calibrate --model` with this model")
+        raise ArtifactError(
+            f"calibration {p} was made for another model (fingerprint {rec.get('model_fingerprint')}, "
+            f"this model is {fingerprint}); re-run `moeflow calibrate --model` with this model"
+        )
     return rec

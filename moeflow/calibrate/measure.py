@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -41,8 +42,8 @@ def time_copy(nbytes: int, device: str, repeats: int, link: Any = None) -> float
     dst = torch.empty(nbytes, dtype=torch.uint8)
     out = []
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # one copy stream; a multi-threaded copy_ measured ~8 ms of OpenMP wake-up per
-    try:                       # call on a shared 2-core machine, whatever the size
+    torch.set_num_threads(1)  # one copy stream; a multi-threaded copy_ measured ~8 ms of OpenMP wake-up per
+    try:  # call on a shared 2-core machine, whatever the size
         for i in range(repeats + 1):
             t0 = time.perf_counter()
             if link is None:
@@ -56,8 +57,9 @@ def time_copy(nbytes: int, device: str, repeats: int, link: Any = None) -> float
     return min(out)
 
 
-def bandwidth_sweep(sizes: Sequence[int], device: str, repeats: int, link: Any = None,
-                    progress: Callable[[], None] | None = None) -> list[dict[str, float]]:
+def bandwidth_sweep(
+    sizes: Sequence[int], device: str, repeats: int, link: Any = None, progress: Callable[[], None] | None = None
+) -> list[dict[str, float]]:
     rows = []
     for n in sizes:
         s = time_copy(int(n), device, repeats, link)
@@ -115,12 +117,18 @@ def decode_timing(model: Any, adapter: Any, steps: int, device: str, prompt_len:
         timers[f"moe{l}"] = _Timer(adapter.moe_block(l), device)
     try:
         with torch.no_grad():
-            for _ in range(2):   # warm-up run, then the timed run (first call of each run is the prefill)
+            for _ in range(2):  # warm-up run, then the timed run (first call of each run is the prefill)
                 for t in timers.values():
                     t.times.clear()
-                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1,
-                               min_new_tokens=steps + 1, do_sample=False, eos_token_id=None,
-                               pad_token_id=getattr(model.config, "pad_token_id", None) or 0)
+                model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=steps + 1,
+                    min_new_tokens=steps + 1,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=getattr(model.config, "pad_token_id", None) or 0,
+                )
     finally:
         for t in timers.values():
             t.remove()
@@ -132,8 +140,8 @@ def decode_timing(model: Any, adapter: Any, steps: int, device: str, prompt_len:
         "forward_s": med["forward"],
         "layer_s": layers,
         "moe_block_s": [moe[l] for l in adapter.moe_layers],
-        "attention_s": attn,                                 # layer minus its MoE block (attention + norms)
-        "layer_time_s": statistics.fmean(med[f"layer{l}"] for l in adapter.moe_layers),   # T_l
+        "attention_s": attn,  # layer minus its MoE block (attention + norms)
+        "layer_time_s": statistics.fmean(med[f"layer{l}"] for l in adapter.moe_layers),  # T_l
         "attention_time_s": statistics.fmean(attn),
     }
 
@@ -143,9 +151,9 @@ def expert_timing(adapter: Any, repeats: int, device: str) -> float:
     l = adapter.moe_layers[0]
     ex = adapter.experts(l)
     p = next(ex.parameters())
-    x = torch.randn(1, adapter.spec.hidden_size, dtype=p.dtype, device=p.device)     # [1,H]
-    idx = torch.zeros(1, 1, dtype=torch.long, device=p.device)                         # [1,1]
-    w = torch.ones(1, 1, dtype=p.dtype, device=p.device)                               # [1,1]
+    x = torch.randn(1, adapter.spec.hidden_size, dtype=p.dtype, device=p.device)  # [1,H]
+    idx = torch.zeros(1, 1, dtype=torch.long, device=p.device)  # [1,1]
+    w = torch.ones(1, 1, dtype=p.dtype, device=p.device)  # [1,1]
     out = []
     with torch.no_grad():
         for i in range(repeats + 2):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 
 SPECMD_GBPS = 5.0
-SPECMD_EXPERT_BYTES = 3 * 2048 * 1024 * 2    # OLMoE-1B-7B expert, bf16
+SPECMD_EXPERT_BYTES = 3 * 2048 * 1024 * 2  # OLMoE-1B-7B expert, bf16
 
 
 def s_formula(n_e: float, e_s: float, c_s: float, t_l: float) -> float:
@@ -70,7 +70,7 @@ def specmd_bandwidth(expert_bytes: float) -> float:
 
 @dataclass(frozen=True)
 class Regime:
-    name: str          # "copy-share" or "specmd"
+    name: str  # "copy-share" or "specmd"
     value: float | None = None
 
     def label(self) -> str:
@@ -91,13 +91,18 @@ def parse_regime(text: str) -> Regime:
     raise ConfigError(f"unknown --regime {text!r}; use copy-share=0.85 (Speculating Experts) or specmd (5 GB/s scaled)")
 
 
-def regime_bandwidth(regime: Regime, *, bytes_per_token: float, compute_per_token_s: float,
-                     expert_bytes: float) -> dict[str, float | str]:
+def regime_bandwidth(
+    regime: Regime, *, bytes_per_token: float, compute_per_token_s: float, expert_bytes: float
+) -> dict[str, float | str]:
     """The link bandwidth of `regime` for this model, with what it means (per-expert time, copy share)."""
     if regime.name == "copy-share" and regime.value is not None:
         bw = copy_share_bandwidth(bytes_per_token, compute_per_token_s, regime.value)
     else:
         bw = specmd_bandwidth(expert_bytes)
-    return {"regime": regime.label(), "bandwidth_bytes_per_s": bw, "gbps": bw / 1e9,
-            "expert_transfer_s": expert_bytes / bw,
-            "copy_share_on_demand": copy_share(bytes_per_token, compute_per_token_s, bw)}
+    return {
+        "regime": regime.label(),
+        "bandwidth_bytes_per_s": bw,
+        "gbps": bw / 1e9,
+        "expert_transfer_s": expert_bytes / bw,
+        "copy_share_on_demand": copy_share(bytes_per_token, compute_per_token_s, bw),
+    }

@@ -29,7 +29,7 @@ from ..errors import MoeflowError
 app = typer.Typer(
     name="moeflow",
     help="Run Mixture-of-Experts models whose experts do not fit in device memory: "
-         "trace routing, train predictors, calibrate the link, run offloaded generation.",
+    "trace routing, train predictors, calibrate the link, run offloaded generation.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -60,13 +60,15 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Print the version and exit.")) -> None:
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
     """moeflow: offloaded MoE inference with learned expert prefetching."""
 
 
 def _stoppable(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a command so Ctrl-C / SIGTERM inside it leave click as `Stopped` (the signature is kept for typer)."""
+
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -75,6 +77,7 @@ def _stoppable(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise Stopped("terminated", 143) from e
         except KeyboardInterrupt as e:
             raise Stopped("interrupted", 130) from e
+
     run.__moeflow_stoppable__ = True  # type: ignore[attr-defined]
     return run
 
@@ -95,6 +98,7 @@ def _register() -> None:
 def fail(message: str, code: int = 2) -> None:
     """Print one red line to stderr and exit with `code`."""
     from rich.console import Console
+
     Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {message}", soft_wrap=True, markup=True)
     raise SystemExit(code)
 
@@ -108,11 +112,13 @@ def _say(word: str, code: int) -> None:
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
     """While the command runs, SIGTERM raises `Terminated` in the main thread (restored after)."""
+
     def on_term(signum: int, frame: Any) -> None:
         raise Terminated()
+
     try:
         before = signal.signal(signal.SIGTERM, on_term)
-    except ValueError:             # not the main thread: leave signals alone
+    except ValueError:  # not the main thread: leave signals alone
         yield
         return
     try:
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise (e.__cause__ or e) from None
         _say(e.word, e.code)
-    except Terminated:             # outside a command (while parsing flags)
+    except Terminated:  # outside a command (while parsing flags)
         _say("terminated", 143)
     except KeyboardInterrupt:
         _say("interrupted", 130)
@@ -144,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         fail(_one_line(str(e)), e.exit_code)
     except ClickException as e:
-        if type(e).__name__ == "NoArgsIsHelpError":    # `moeflow` alone: the help, as click prints it
+        if type(e).__name__ == "NoArgsIsHelpError":  # `moeflow` alone: the help, as click prints it
             e.show()
             raise SystemExit(e.exit_code) from None
         if debug:
@@ -158,9 +164,9 @@ def main(argv: list[str] | None = None) -> None:
             raise
         first = str(e).splitlines()[0] if str(e) else ""
         fail(f"{type(e).__name__}: {first} (set MOEFLOW_DEBUG=1 for the traceback)", 1)
-    if code == 130:                # typer's own KeyboardInterrupt exit (outside a command)
+    if code == 130:  # typer's own KeyboardInterrupt exit (outside a command)
         _say("interrupted", 130)
-    raise SystemExit(code if isinstance(code, int) else 0)   # like click's standalone mode: always exit
+    raise SystemExit(code if isinstance(code, int) else 0)  # like click's standalone mode: always exit
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,22 +10,46 @@ from .app import app
 from .common import device_option, dtype_option, force_option, json_option, model_option, print_json
 
 
-def build_config(*, model: str, device: str = "cpu", dtype: str = "auto", link_gbps: float | None = None,
-                 link_latency_us: float = 0.0, sizes: str = "64,256,1024,4096,16384", repeats: int = 5,
-                 decode_steps: int = 8, regime: list[str] | None = None, out: str | None = None,
-                 write: bool = True, progress: bool = True, force: bool = False) -> Any:
+def build_config(
+    *,
+    model: str,
+    device: str = "cpu",
+    dtype: str = "auto",
+    link_gbps: float | None = None,
+    link_latency_us: float = 0.0,
+    sizes: str = "64,256,1024,4096,16384",
+    repeats: int = 5,
+    decode_steps: int = 8,
+    regime: list[str] | None = None,
+    out: str | None = None,
+    write: bool = True,
+    progress: bool = True,
+    force: bool = False,
+) -> Any:
     """The flag -> config mapping (kept separate so it can be tested without measuring)."""
     from ..calibrate import CalibrateConfig
-    return CalibrateConfig(model=model, device=device, dtype=dtype, link_gbps=link_gbps,
-                           link_latency_s=link_latency_us * 1e-6, sizes_kib=CalibrateConfig.parse_sizes(sizes),
-                           repeats=repeats,
-                           decode_steps=decode_steps, regimes=tuple(regime or ()), out=out, write=write,
-                           progress=progress, force=force)
+
+    return CalibrateConfig(
+        model=model,
+        device=device,
+        dtype=dtype,
+        link_gbps=link_gbps,
+        link_latency_s=link_latency_us * 1e-6,
+        sizes_kib=CalibrateConfig.parse_sizes(sizes),
+        repeats=repeats,
+        decode_steps=decode_steps,
+        regimes=tuple(regime or ()),
+        out=out,
+        write=write,
+        progress=progress,
+        force=force,
+    )
 
 
 def render(rec: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
+
     con = Console()
     emulated = f", {rec['link_gbps']:g} GB/s emulated" if rec["link_gbps"] else ""
     t = Table(title=f"transfer sweep ({rec['link']}{emulated})")
@@ -57,8 +81,9 @@ def render(rec: dict[str, Any]) -> None:
         for c in ("regime", "GB/s", "one expert", "copy share of TPOT"):
             g.add_column(c, justify="right")
         for r in rec["regimes"]:
-            g.add_row(r["regime"], f"{r['gbps']:.4f}", f"{r['expert_transfer_s'] * 1e3:.3f} ms",
-                      f"{r['copy_share_on_demand']:.2f}")
+            g.add_row(
+                r["regime"], f"{r['gbps']:.4f}", f"{r['expert_transfer_s'] * 1e3:.3f} ms", f"{r['copy_share_on_demand']:.2f}"
+            )
         con.print(g)
     if rec.get("path"):
         con.print(f"wrote {rec['path']}")
@@ -69,32 +94,58 @@ def calibrate_cmd(
     model: str = model_option(),
     device: str = device_option(),
     dtype: str = dtype_option(),
-    link_gbps: float | None = typer.Option(None, "--link-gbps", help="Also calibrate the emulated link "
-                                              "(EmulatedLink) at this bandwidth, GB/s = 1e9 bytes/s (CPU only). "
-                                              "The file is then named <device>-emulated-<X>gbps.json."),
-    link_latency_us: float = typer.Option(0.0, "--link-latency-us", help="Per-transfer latency of the emulated "
-                                          "link, microseconds."),
-    sizes: str = typer.Option("64,256,1024,4096,16384", "--sizes", help="Transfer sizes of the bandwidth sweep, "
-                              "KiB, comma-separated (one expert's size is always added)."),
+    link_gbps: float | None = typer.Option(
+        None,
+        "--link-gbps",
+        help="Also calibrate the emulated link "
+        "(EmulatedLink) at this bandwidth, GB/s = 1e9 bytes/s (CPU only). "
+        "The file is then named <device>-emulated-<X>gbps.json.",
+    ),
+    link_latency_us: float = typer.Option(
+        0.0, "--link-latency-us", help="Per-transfer latency of the emulated link, microseconds."
+    ),
+    sizes: str = typer.Option(
+        "64,256,1024,4096,16384",
+        "--sizes",
+        help="Transfer sizes of the bandwidth sweep, KiB, comma-separated (one expert's size is always added).",
+    ),
     repeats: int = typer.Option(5, "--repeats", help="Timed repeats per size and per module (median)."),
     decode_steps: int = typer.Option(8, "--decode-steps", help="Decode steps (tokens) timed for per-layer compute."),
-    regime: list[str] | None = typer.Option(None, "--regime", help="Print the emulated bandwidth that "
-                                               "reproduces a named regime: 'copy-share=0.85' (copies are 85% "
-                                               "of TPOT under on-demand loading; Speculating Experts, A6000 + "
-                                               "Qwen3-30B-A3B) or 'specmd' (SpecMD's 5 GB/s, scaled so one "
-                                               "expert takes as long as an OLMoE-1B-7B bf16 expert: 2.52 ms). "
-                                               "Repeatable."),
-    out: str | None = typer.Option(None, "--out", "-o", help="Output JSON file. Default: "
-                                      "calibration/<device>.json (e.g. calibration/cpu.json)."),
+    regime: list[str] | None = typer.Option(
+        None,
+        "--regime",
+        help="Print the emulated bandwidth that "
+        "reproduces a named regime: 'copy-share=0.85' (copies are 85% "
+        "of TPOT under on-demand loading; Speculating Experts, A6000 + "
+        "Qwen3-30B-A3B) or 'specmd' (SpecMD's 5 GB/s, scaled so one "
+        "expert takes as long as an OLMoE-1B-7B bf16 expert: 2.52 ms). "
+        "Repeatable.",
+    ),
+    out: str | None = typer.Option(
+        None, "--out", "-o", help="Output JSON file. Default: calibration/<device>.json (e.g. calibration/cpu.json)."
+    ),
     no_write: bool = typer.Option(False, "--no-write", help="Measure and print only."),
     force: bool = force_option("calibration file"),
     as_json: bool = json_option(),
 ) -> None:
     """Measure host->device bandwidth, decode compute per layer and per expert; compute ExpertFlow's step size S."""
     from ..calibrate import main
-    cfg = build_config(model=model, device=device, dtype=dtype, link_gbps=link_gbps, link_latency_us=link_latency_us,
-                       sizes=sizes, repeats=repeats, decode_steps=decode_steps, regime=regime, out=out,
-                       write=not no_write, progress=not as_json, force=force)
+
+    cfg = build_config(
+        model=model,
+        device=device,
+        dtype=dtype,
+        link_gbps=link_gbps,
+        link_latency_us=link_latency_us,
+        sizes=sizes,
+        repeats=repeats,
+        decode_steps=decode_steps,
+        regime=regime,
+        out=out,
+        write=not no_write,
+        progress=not as_json,
+        force=force,
+    )
     rec = main(cfg)
     if as_json:
         print_json(rec)

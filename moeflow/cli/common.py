@@ -28,9 +28,13 @@ T = TypeVar("T")
 
 
 def model_option() -> Any:
-    return typer.Option(default_model_path(), "--model", "-m",
-                        help="Local Hugging Face MoE checkpoint folder (config.json + safetensors). "
-                             "Default: the project's own olmoe-mini (or $MOEFLOW_MODEL).")
+    return typer.Option(
+        default_model_path(),
+        "--model",
+        "-m",
+        help="Local Hugging Face MoE checkpoint folder (config.json + safetensors). "
+        "Default: the project's own olmoe-mini (or $MOEFLOW_MODEL).",
+    )
 
 
 def dtype_option() -> Any:
@@ -38,8 +42,7 @@ def dtype_option() -> Any:
 
 
 def device_option() -> Any:
-    return typer.Option("cpu", "--device", help="torch device for the model: cpu or cuda[:N] (checked before "
-                                                "anything loads).")
+    return typer.Option("cpu", "--device", help="torch device for the model: cpu or cuda[:N] (checked before anything loads).")
 
 
 def json_option() -> Any:
@@ -47,20 +50,26 @@ def json_option() -> Any:
 
 
 def threads_option(default: int | None = None) -> Any:
-    return typer.Option(default, "--threads", help="torch CPU threads (>= 1). Default: "
-                        + ("torch's (1 is often faster for small models on shared cores)." if default is None
-                           else f"{default}."))
+    return typer.Option(
+        default,
+        "--threads",
+        help="torch CPU threads (>= 1). Default: "
+        + ("torch's (1 is often faster for small models on shared cores)." if default is None else f"{default}."),
+    )
 
 
 def force_option(what: str) -> Any:
-    return typer.Option(False, "--force", help=f"Replace an existing {what} at --out (anything else there is "
-                                               f"never replaced).")
+    return typer.Option(False, "--force", help=f"Replace an existing {what} at --out (anything else there is never replaced).")
 
 
 def column_option() -> Any:
-    return typer.Option(None, "--column", help="Prompt column of a csv/tsv/json/jsonl prompt file or dataset "
-                                               "(default: detected from the usual ones: prompt, question, "
-                                               "instruction, text, input; any case).")
+    return typer.Option(
+        None,
+        "--column",
+        help="Prompt column of a csv/tsv/json/jsonl prompt file or dataset "
+        "(default: detected from the usual ones: prompt, question, "
+        "instruction, text, input; any case).",
+    )
 
 
 def limit_option(what: str = "prompts") -> Any:
@@ -68,27 +77,40 @@ def limit_option(what: str = "prompts") -> Any:
 
 
 def capacity_option(default: str) -> Any:
-    return typer.Option(None, "--capacity", "-c",
-                        help="Device expert slots for the whole model: N experts (48), P% of all routed experts "
-                             f"(25%), or a size (64MB, 1.5GiB). Repeat the flag or give a comma list. Default {default}.")
+    return typer.Option(
+        None,
+        "--capacity",
+        "-c",
+        help="Device expert slots for the whole model: N experts (48), P% of all routed experts "
+        f"(25%), or a size (64MB, 1.5GiB). Repeat the flag or give a comma list. Default {default}.",
+    )
 
 
 def eviction_option() -> Any:
-    return typer.Option(None, "--eviction", "-e",
-                        help="Eviction policy name[:key=value,...]: lru, lfu, fld, score, lru2, least-stale. "
-                             "Repeat the flag or give a comma list. Default lru.")
+    return typer.Option(
+        None,
+        "--eviction",
+        "-e",
+        help="Eviction policy name[:key=value,...]: lru, lfu, fld, score, lru2, least-stale. "
+        "Repeat the flag or give a comma list. Default lru.",
+    )
 
 
 def prefetch_option(default: str) -> Any:
-    return typer.Option(None, "--prefetch", "-f",
-                        help="Prefetch policy name[:key=value,...]: none, pregate[:overfetch=1.5|percentile=80|"
-                             "mass=0.9], all-next-layer, router-pf, estimator, hybrid, forest (learned: "
-                             f"predictors=DIR). Repeat the flag or give a comma list. Default {default}.")
+    return typer.Option(
+        None,
+        "--prefetch",
+        "-f",
+        help="Prefetch policy name[:key=value,...]: none, pregate[:overfetch=1.5|percentile=80|"
+        "mass=0.9], all-next-layer, router-pf, estimator, hybrid, forest (learned: "
+        f"predictors=DIR). Repeat the flag or give a comma list. Default {default}.",
+    )
 
 
 def policy_opt_option(kind: str) -> Any:
-    return typer.Option(None, f"--{kind}-opt", help=f"key=value for every {kind} policy (repeatable; an inline "
-                                                    f"name:key=value wins).")
+    return typer.Option(
+        None, f"--{kind}-opt", help=f"key=value for every {kind} policy (repeatable; an inline name:key=value wins)."
+    )
 
 
 def lookahead_option(default: int | None, more: str = "") -> Any:

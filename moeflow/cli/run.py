@@ -27,63 +27,89 @@ from .common import (
 @app.command("run")
 def run(
     model: str = model_option(),
-    prompts: str | None = typer.Option(None, "--prompts", "-p",
-                                          help="Prompt file (.txt one per line, .json, .jsonl, .csv, .tsv) or a set "
-                                               "name (sharegpt, alpaca, gsm8k, mmlu, sst2, mt_bench, ...)."),
+    prompts: str | None = typer.Option(
+        None,
+        "--prompts",
+        "-p",
+        help="Prompt file (.txt one per line, .json, .jsonl, .csv, .tsv) or a set "
+        "name (sharegpt, alpaca, gsm8k, mmlu, sst2, mt_bench, ...).",
+    ),
     column: str | None = column_option(),
     prompt: list[str] | None = typer.Option(None, "--prompt", help="A literal prompt (repeatable)."),
     limit: int | None = limit_option(),
     split: str | None = typer.Option(None, "--split", help="Split of a set name (e.g. gsm8k: train/test)."),
-    data_dir: str | None = typer.Option(None, "--data-dir", help="Data directory for set names "
-                                           "(default $MOEFLOW_DATA or ../shared/data)."),
+    data_dir: str | None = typer.Option(
+        None, "--data-dir", help="Data directory for set names (default $MOEFLOW_DATA or ../shared/data)."
+    ),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="New tokens per prompt."),
-    min_new_tokens: int | None = typer.Option(None, "--min-new-tokens",
-                                                 help="Ignore EOS before this many new tokens (equal-length runs; "
-                                                      "at most --max-new-tokens)."),
+    min_new_tokens: int | None = typer.Option(
+        None, "--min-new-tokens", help="Ignore EOS before this many new tokens (equal-length runs; at most --max-new-tokens)."
+    ),
     max_prompt_tokens: int = typer.Option(256, "--max-prompt-tokens", help="Truncate longer prompts (tokens)."),
     temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature; 0 = greedy."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed (per prompt)."),
-    mode: list[str] | None = typer.Option(None, "--mode",
-                                             help="offload (C-slot cache + policies), resident (stock model, all "
-                                                  "experts on the device: speed/quality reference) or on-demand "
-                                                  "(load after routing, keep nothing, no prefetch). Several with "
-                                                  "--sweep. Default offload."),
+    mode: list[str] | None = typer.Option(
+        None,
+        "--mode",
+        help="offload (C-slot cache + policies), resident (stock model, all "
+        "experts on the device: speed/quality reference) or on-demand "
+        "(load after routing, keep nothing, no prefetch). Several with "
+        "--sweep. Default offload.",
+    ),
     capacity: list[str] | None = capacity_option("25%"),
     cache_capacity: list[str] | None = hidden_alias("--cache-capacity"),
-    per_layer_cache: bool = typer.Option(False, "--per-layer-cache",
-                                         help="Split the slots evenly between MoE layers (a layer evicts only its own)."),
+    per_layer_cache: bool = typer.Option(
+        False, "--per-layer-cache", help="Split the slots evenly between MoE layers (a layer evicts only its own)."
+    ),
     eviction: list[str] | None = eviction_option(),
     eviction_opt: list[str] | None = policy_opt_option("eviction"),
     prefetch: list[str] | None = prefetch_option("pregate"),
     prefetch_opt: list[str] | None = policy_opt_option("prefetch"),
     miss: str = typer.Option("fetch", "--miss", help="Miss policy: fetch (blocking load, exact)."),
     routing: str = typer.Option("standard", "--routing", help="Routing policy: standard (the router's choice)."),
-    link: str = typer.Option("auto", "--link",
-                             help="Transfer link: cuda (side stream), direct (copy now, no emulation), or "
-                                  "emulated:GBPS[,LATENCY_US] (worker thread, e.g. emulated:2,10 = 2 GB/s, 10 us). "
-                                  "auto = cuda on CUDA, direct on CPU."),
+    link: str = typer.Option(
+        "auto",
+        "--link",
+        help="Transfer link: cuda (side stream), direct (copy now, no emulation), or "
+        "emulated:GBPS[,LATENCY_US] (worker thread, e.g. emulated:2,10 = 2 GB/s, 10 us). "
+        "auto = cuda on CUDA, direct on CPU.",
+    ),
     lookahead: int | None = lookahead_option(None, " (default: the calibration's, else 1)"),
-    calibration: str | None = typer.Option(None, "--calibration",
-                                           help="Calibration JSON (default: calibration/<device>.json as "
-                                                "`moeflow calibrate` names it for this device and link). "
-                                                "Gives the step size S."),
+    calibration: str | None = typer.Option(
+        None,
+        "--calibration",
+        help="Calibration JSON (default: calibration/<device>.json as "
+        "`moeflow calibrate` names it for this device and link). "
+        "Gives the step size S.",
+    ),
     threads: int | None = threads_option(),
     dtype: str = dtype_option(),
     device: str = device_option(),
-    out: str | None = typer.Option(None, "--out", "-o", help="JSONL file: one line per prompt and run "
-                                      "(text + metrics), written atomically."),
+    out: str | None = typer.Option(
+        None, "--out", "-o", help="JSONL file: one line per prompt and run (text + metrics), written atomically."
+    ),
     force: bool = force_option("`moeflow run` JSONL"),
     as_json: bool = json_option(),
-    adaptive_s: bool = typer.Option(False, "--adaptive-s",
-                                    help="Adapt step size S while running (ExpertFlow 3.2.1-3.2.2): stalls raise S, "
-                                         "already-resident experts lower it, observed transfers update the bandwidth "
-                                         "estimate; starts from the calibration's S."),
-    speculative: bool = typer.Option(False, "--speculative",
-                                     help="LOSSY: run the experts a learned prefetcher (router-pf, estimator, hybrid) "
-                                          "predicted instead of the router's (Speculating Experts sec. 4). Off by "
-                                          "default; quality cost: `moeflow eval --speculative`."),
-    sweep: bool = typer.Option(False, "--sweep", help="Run every combination of --mode, --capacity, --eviction, "
-                               "--prefetch; print one table. Every value is checked before the first run."),
+    adaptive_s: bool = typer.Option(
+        False,
+        "--adaptive-s",
+        help="Adapt step size S while running (ExpertFlow 3.2.1-3.2.2): stalls raise S, "
+        "already-resident experts lower it, observed transfers update the bandwidth "
+        "estimate; starts from the calibration's S.",
+    ),
+    speculative: bool = typer.Option(
+        False,
+        "--speculative",
+        help="LOSSY: run the experts a learned prefetcher (router-pf, estimator, hybrid) "
+        "predicted instead of the router's (Speculating Experts sec. 4). Off by "
+        "default; quality cost: `moeflow eval --speculative`.",
+    ),
+    sweep: bool = typer.Option(
+        False,
+        "--sweep",
+        help="Run every combination of --mode, --capacity, --eviction, "
+        "--prefetch; print one table. Every value is checked before the first run.",
+    ),
 ) -> None:
     """Generate with routed experts in host memory and a device expert cache; print text and metrics
     (with --json: each run's metrics and each prompt's generated text)."""
@@ -92,15 +118,38 @@ def run(
     from ..runtime.main import main
 
     cfg = RunConfig(
-        model=model, prompts=prompts, column=column, prompt=tuple(prompt or ()), data_dir=data_dir, split=split,
-        limit=limit, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-        max_prompt_tokens=max_prompt_tokens, temperature=temperature, seed=seed,
+        model=model,
+        prompts=prompts,
+        column=column,
+        prompt=tuple(prompt or ()),
+        data_dir=data_dir,
+        split=split,
+        limit=limit,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens,
+        max_prompt_tokens=max_prompt_tokens,
+        temperature=temperature,
+        seed=seed,
         modes=split_list(mode) or ("offload",),
         capacities=split_list(alias(capacity, cache_capacity, "--capacity", "--cache-capacity")) or ("25%",),
-        per_layer_cache=per_layer_cache, evictions=split_list(eviction) or ("lru",),
+        per_layer_cache=per_layer_cache,
+        evictions=split_list(eviction) or ("lru",),
         prefetches=split_list(prefetch) or ("pregate",),
-        eviction_opts=parse_opts(eviction_opt or ()), prefetch_opts=parse_opts(prefetch_opt or ()), miss=miss,
-        routing=routing, link=link, lookahead=lookahead, calibration=calibration, dtype=dtype, device=device,
-        out=out, force=force, json=as_json, sweep=sweep, threads=threads, adaptive_s=adaptive_s,
-        speculative=speculative)
+        eviction_opts=parse_opts(eviction_opt or ()),
+        prefetch_opts=parse_opts(prefetch_opt or ()),
+        miss=miss,
+        routing=routing,
+        link=link,
+        lookahead=lookahead,
+        calibration=calibration,
+        dtype=dtype,
+        device=device,
+        out=out,
+        force=force,
+        json=as_json,
+        sweep=sweep,
+        threads=threads,
+        adaptive_s=adaptive_s,
+        speculative=speculative,
+    )
     main(cfg)

@@ -24,21 +24,32 @@ from .common import (
 def render(res: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
-    t = Table(title=f"{res['trace']}: {res['passes']} {res['phase']} passes, {res['tokens']} tokens, "
-                    f"{res['working_set']:.1f} experts needed per pass of {res['total_experts']}")
-    for c in ("capacity", "eviction", "prefetch", "hit rate", "collision misses", "transfers/token",
-              "pf precision", "pf recall"):
+
+    t = Table(
+        title=f"{res['trace']}: {res['passes']} {res['phase']} passes, {res['tokens']} tokens, "
+        f"{res['working_set']:.1f} experts needed per pass of {res['total_experts']}"
+    )
+    for c in ("capacity", "eviction", "prefetch", "hit rate", "collision misses", "transfers/token", "pf precision", "pf recall"):
         t.add_column(c, justify="left" if c in ("eviction", "prefetch") else "right")
     for r in res["rows"]:
-        t.add_row(str(r["capacity"]), r["eviction"], r["prefetch"], f"{r['hit_rate']:.3f}", str(r["collisions"]),
-                  f"{r['loads_per_token']:.2f}", f"{r['prefetch_precision']:.2f}", f"{r['prefetch_recall']:.2f}")
+        t.add_row(
+            str(r["capacity"]),
+            r["eviction"],
+            r["prefetch"],
+            f"{r['hit_rate']:.3f}",
+            str(r["collisions"]),
+            f"{r['loads_per_token']:.2f}",
+            f"{r['prefetch_precision']:.2f}",
+            f"{r['prefetch_recall']:.2f}",
+        )
     Console().print(t)
 
 
 @app.command("simulate")
 def simulate_cmd(
-    trace: str = typer.Option(..., "--trace", "-t", help="Trace folder written by `moeflow trace` "
-                              "(with --record-hidden for --prefetch pregate)."),
+    trace: str = typer.Option(
+        ..., "--trace", "-t", help="Trace folder written by `moeflow trace` (with --record-hidden for --prefetch pregate)."
+    ),
     capacity: list[str] | None = capacity_option("10%"),
     eviction: list[str] | None = eviction_option(),
     eviction_opt: list[str] | None = policy_opt_option("eviction"),
@@ -49,22 +60,30 @@ def simulate_cmd(
     phase: str = typer.Option("decode", "--phase", help="decode, prefill or all passes of the trace."),
     limit: int | None = limit_option("prompts of the trace (the first ones)"),
     max_prompts: int | None = hidden_alias("--max-prompts"),
-    model: str | None = typer.Option(None, "--model", "-m", help="Checkpoint whose routers pre-gating applies "
-                                        "(must be the traced model)."),
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="Checkpoint whose routers pre-gating applies (must be the traced model)."
+    ),
     no_belady: bool = typer.Option(False, "--no-belady", help="Skip Belady's MIN (the demand-paging optimum)."),
     as_json: bool = json_option(),
 ) -> None:
     """Replay a routing trace through a simulated expert cache: hit rate, collision misses, transfers per token."""
     from ..policies.parse import parse_opts, split_list
     from ..sim.run import SimulateConfig, main
-    cfg = SimulateConfig(trace=trace,
-                         capacities=split_list(capacity) or ("10%",),
-                         evictions=split_list(eviction) or ("lru",),
-                         prefetches=split_list(alias(prefetch, prefetch_p, "--prefetch/-f", "-p")) or ("none",),
-                         eviction_opts=parse_opts(eviction_opt or ()), prefetch_opts=parse_opts(prefetch_opt or ()),
-                         lookahead=lookahead, phase=phase,
-                         max_prompts=alias(limit, max_prompts, "--limit/-n", "--max-prompts"), model=model,
-                         belady=not no_belady, progress=not as_json)
+
+    cfg = SimulateConfig(
+        trace=trace,
+        capacities=split_list(capacity) or ("10%",),
+        evictions=split_list(eviction) or ("lru",),
+        prefetches=split_list(alias(prefetch, prefetch_p, "--prefetch/-f", "-p")) or ("none",),
+        eviction_opts=parse_opts(eviction_opt or ()),
+        prefetch_opts=parse_opts(prefetch_opt or ()),
+        lookahead=lookahead,
+        phase=phase,
+        max_prompts=alias(limit, max_prompts, "--limit/-n", "--max-prompts"),
+        model=model,
+        belady=not no_belady,
+        progress=not as_json,
+    )
     res = main(cfg)
     if as_json:
         print_json(res)

@@ -9,25 +9,59 @@ import typer
 from .app import app
 from .common import alias, column_option, device_option, dtype_option, json_option, model_option, print_json, threads_option
 
-_PROMPTS_HELP = ("Prompt file (ShareGPT/Alpaca json, GSM8K/MT-Bench/jsonl, MMLU csv, GLUE tsv, .txt one per line), "
-                 "a set name (sharegpt, alpaca, gsm8k, mmlu, sst2, cola, rte, wnli, mrpc, mt_bench, wmt16) "
-                 "resolved in the data dir, or a Hugging Face dataset owner/name (online only).")
+_PROMPTS_HELP = (
+    "Prompt file (ShareGPT/Alpaca json, GSM8K/MT-Bench/jsonl, MMLU csv, GLUE tsv, .txt one per line), "
+    "a set name (sharegpt, alpaca, gsm8k, mmlu, sst2, cola, rte, wnli, mrpc, mt_bench, wmt16) "
+    "resolved in the data dir, or a Hugging Face dataset owner/name (online only)."
+)
 
 
-def build_config(*, model: str, prompts: str, out: str, max_new_tokens: int = 32, limit: int | None = None,
-                 record_hidden: bool = False, temperature: float = 0.0, top_p: float = 1.0,
-                 repetition_penalty: float = 1.0, seed: int = 0, max_prompt_tokens: int = 256,
-                 data_dir: str | None = None, split: str | None = None, column: str | None = None,
-                 dtype: str = "auto",
-                 device: str = "cpu", shard_size: int | None = None, threads: int | None = None,
-                 progress: bool = True) -> Any:
+def build_config(
+    *,
+    model: str,
+    prompts: str,
+    out: str,
+    max_new_tokens: int = 32,
+    limit: int | None = None,
+    record_hidden: bool = False,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
+    seed: int = 0,
+    max_prompt_tokens: int = 256,
+    data_dir: str | None = None,
+    split: str | None = None,
+    column: str | None = None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    shard_size: int | None = None,
+    threads: int | None = None,
+    progress: bool = True,
+) -> Any:
     """The flag -> config mapping (kept separate so it can be tested without running a trace)."""
     from ..trace.config import TraceConfig
-    return TraceConfig(model=model, prompts=prompts, out=out, max_new_tokens=max_new_tokens, limit=limit,
-                       record_hidden=record_hidden, temperature=temperature, top_p=top_p,
-                       repetition_penalty=repetition_penalty, seed=seed, max_prompt_tokens=max_prompt_tokens,
-                       data_dir=data_dir, split=split, column=column, dtype=dtype, device=device,
-                       shard_size=shard_size, threads=threads, progress=progress)
+
+    return TraceConfig(
+        model=model,
+        prompts=prompts,
+        out=out,
+        max_new_tokens=max_new_tokens,
+        limit=limit,
+        record_hidden=record_hidden,
+        temperature=temperature,
+        top_p=top_p,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+        max_prompt_tokens=max_prompt_tokens,
+        data_dir=data_dir,
+        split=split,
+        column=column,
+        dtype=dtype,
+        device=device,
+        shard_size=shard_size,
+        threads=threads,
+        progress=progress,
+    )
 
 
 def _summarize(path: str, phase: str | None, as_json: bool) -> None:
@@ -35,6 +69,7 @@ def _summarize(path: str, phase: str | None, as_json: bool) -> None:
 
     from ..inspect import main
     from ..trace.summary import render_summary
+
     s = main(path, phase)
     if as_json:
         print_json(s)
@@ -46,32 +81,44 @@ def _summarize(path: str, phase: str | None, as_json: bool) -> None:
 def trace_cmd(
     model: str = model_option(),
     prompts: str | None = typer.Option(None, "--prompts", "-p", help=_PROMPTS_HELP),
-    out: str | None = typer.Option(None, "--out", "-o", help="Trace folder to create, or to append to "
-                                      "(prompts already traced there are skipped)."),
+    out: str | None = typer.Option(
+        None, "--out", "-o", help="Trace folder to create, or to append to (prompts already traced there are skipped)."
+    ),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Decode steps per prompt (tokens)."),
-    limit: int | None = typer.Option(None, "--limit", "-n", help="Trace at most N prompts (after removing "
-                                        "duplicates). Default: all."),
-    record_hidden: bool = typer.Option(False, "--record-hidden", help="Also store each MoE layer's router input "
-                                       "and post-attention residual (float16, 2 x H x 2 bytes per token and layer)."),
+    limit: int | None = typer.Option(
+        None, "--limit", "-n", help="Trace at most N prompts (after removing duplicates). Default: all."
+    ),
+    record_hidden: bool = typer.Option(
+        False,
+        "--record-hidden",
+        help="Also store each MoE layer's router input "
+        "and post-attention residual (float16, 2 x H x 2 bytes per token and layer).",
+    ),
     temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature; 0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temperature > 0)."),
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="1.0 = off."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed (per prompt: seed + hash of the prompt)."),
-    max_prompt_tokens: int = typer.Option(256, "--max-prompt-tokens", help="Truncate longer prompts to this "
-                                          "many tokens (the beginning is kept)."),
-    data_dir: str | None = typer.Option(None, "--data-dir", help="Data directory for set names. Default: "
-                                           "$MOEFLOW_DATA, else ../shared/data beside the checkout."),
-    split: str | None = typer.Option(None, "--split", help="Split of a set name (e.g. gsm8k: train/test) or "
-                                        "of a Hugging Face dataset (default train)."),
+    max_prompt_tokens: int = typer.Option(
+        256, "--max-prompt-tokens", help="Truncate longer prompts to this many tokens (the beginning is kept)."
+    ),
+    data_dir: str | None = typer.Option(
+        None, "--data-dir", help="Data directory for set names. Default: $MOEFLOW_DATA, else ../shared/data beside the checkout."
+    ),
+    split: str | None = typer.Option(
+        None, "--split", help="Split of a set name (e.g. gsm8k: train/test) or of a Hugging Face dataset (default train)."
+    ),
     column: str | None = column_option(),
     dtype: str = dtype_option(),
     device: str = device_option(),
-    shard_size: int | None = typer.Option(None, "--shard-size", help="Token records per Arrow shard; a shard "
-                                             "(and meta.json) is written each time this many are buffered. "
-                                             "Default: about 256 MiB of records."),
+    shard_size: int | None = typer.Option(
+        None,
+        "--shard-size",
+        help="Token records per Arrow shard; a shard "
+        "(and meta.json) is written each time this many are buffered. "
+        "Default: about 256 MiB of records.",
+    ),
     threads: int | None = threads_option(),
-    summary: str | None = typer.Option(None, "--summary", hidden=True,
-                                          help="Old spelling of `moeflow inspect DIR`."),
+    summary: str | None = typer.Option(None, "--summary", hidden=True, help="Old spelling of `moeflow inspect DIR`."),
     phase: str | None = typer.Option(None, "--phase", hidden=True, help="With --summary: prefill or decode."),
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
     as_json: bool = json_option(),
@@ -83,11 +130,28 @@ def trace_cmd(
         _summarize(summary, phase, as_json)
         return
     from ..trace import main
-    cfg = build_config(model=model, prompts=prompts or "", out=out or "", max_new_tokens=max_new_tokens, limit=limit,
-                       record_hidden=record_hidden, temperature=temperature, top_p=top_p,
-                       repetition_penalty=repetition_penalty, seed=seed, max_prompt_tokens=max_prompt_tokens,
-                       data_dir=data_dir, split=split, column=column, dtype=dtype, device=device,
-                       shard_size=shard_size, threads=threads, progress=not no_progress and not as_json)
+
+    cfg = build_config(
+        model=model,
+        prompts=prompts or "",
+        out=out or "",
+        max_new_tokens=max_new_tokens,
+        limit=limit,
+        record_hidden=record_hidden,
+        temperature=temperature,
+        top_p=top_p,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+        max_prompt_tokens=max_prompt_tokens,
+        data_dir=data_dir,
+        split=split,
+        column=column,
+        dtype=dtype,
+        device=device,
+        shard_size=shard_size,
+        threads=threads,
+        progress=not no_progress and not as_json,
+    )
     main(cfg, json_out=as_json)
 
 

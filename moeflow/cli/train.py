@@ -13,19 +13,29 @@ from .common import alias, hidden_alias, json_option, model_option, print_json, 
 
 def _print_report(report: dict, console: Console) -> None:
     from ..predict.evaluate import tables
+
     for t in tables(report):
         console.print(t)
 
 
 @app.command("train")
 def train(
-    trace: Path = typer.Option(..., "--trace", "-t", help="Trace folder written by `moeflow trace` "
-                               "(router-pf/estimator/hybrid need `--record-hidden`)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Predictor folder to write (new or empty; "
-                       "an existing predictor folder is replaced atomically with --force)."),
-    only: list[str] | None = typer.Option(None, "--only", help="Learned predictor(s) to fit: router-pf, estimator, "
-                                             "hybrid, forest (repeat the flag). Default: all four. pregate and the "
-                                             "baselines frequency / token-id are always included."),
+    trace: Path = typer.Option(
+        ..., "--trace", "-t", help="Trace folder written by `moeflow trace` (router-pf/estimator/hybrid need `--record-hidden`)."
+    ),
+    out: Path = typer.Option(
+        ...,
+        "--out",
+        "-o",
+        help="Predictor folder to write (new or empty; an existing predictor folder is replaced atomically with --force).",
+    ),
+    only: list[str] | None = typer.Option(
+        None,
+        "--only",
+        help="Learned predictor(s) to fit: router-pf, estimator, "
+        "hybrid, forest (repeat the flag). Default: all four. pregate and the "
+        "baselines frequency / token-id are always included.",
+    ),
     model: str = model_option(),
     holdout: float = typer.Option(0.2, "--holdout", help="Fraction of the trace's prompts held out for evaluation."),
     seed: int = typer.Option(0, "--seed", help="Seed of the split, the random token embedding and the fits."),
@@ -39,10 +49,21 @@ def train(
 ) -> None:
     """Fit layer-ahead expert predictors on a trace, evaluate them on held-out prompts, save a predictor folder."""
     from ..predict.train import LEARNED, TrainConfig, main
-    cfg = TrainConfig(trace=str(trace), out=str(out), model=str(model), only=tuple(only) if only else LEARNED,
-                      holdout=holdout, seed=seed, max_s=max_s, forest_trees=forest_trees,
-                      forest_max_samples=forest_samples, est_epochs=est_epochs, threads=threads,
-                      force=force)
+
+    cfg = TrainConfig(
+        trace=str(trace),
+        out=str(out),
+        model=str(model),
+        only=tuple(only) if only else LEARNED,
+        holdout=holdout,
+        seed=seed,
+        max_s=max_s,
+        forest_trees=forest_trees,
+        forest_max_samples=forest_samples,
+        est_epochs=est_epochs,
+        threads=threads,
+        force=force,
+    )
     console = Console(stderr=as_json)
     report = main(cfg, console=console)
     if as_json:
@@ -58,28 +79,39 @@ def train(
 
 @app.command("eval")
 def eval_(
-    predictors: Path | None = typer.Option(None, "--predictors", help="Predictor folder written by `moeflow train` "
-                                              "(required)."),
+    predictors: Path | None = typer.Option(None, "--predictors", help="Predictor folder written by `moeflow train` (required)."),
     predictors_p: Path | None = hidden_alias("-p"),
     trace: Path = typer.Option(..., "--trace", "-t", help="Held-out trace folder (prompts not used for training)."),
     only: list[str] | None = typer.Option(None, "--only", help="Predictor(s) to evaluate (default: all in the folder)."),
     model: str = model_option(),
     max_s: int = typer.Option(4, "--max-s", help="Largest step S to evaluate."),
     mass: float = typer.Option(0.8, "--mass", help="Cumulative score mass of the prefetch set for precision."),
-    speculative: bool = typer.Option(False, "--speculative", help="Also measure speculative execution (run the "
-                                     "predicted experts, Speculating Experts 4): greedy agreement and perplexity vs "
-                                     "the model's own routing, teacher-forced on the trace's sequences."),
+    speculative: bool = typer.Option(
+        False,
+        "--speculative",
+        help="Also measure speculative execution (run the "
+        "predicted experts, Speculating Experts 4): greedy agreement and perplexity vs "
+        "the model's own routing, teacher-forced on the trace's sequences.",
+    ),
     spec_sequences: int = typer.Option(24, "--spec-sequences", help="Trace prompts used by --speculative."),
     as_json: bool = json_option(),
 ) -> None:
     """Evaluate a predictor folder on a trace: recall@k / precision per layer and S, decay fit vs pre-gate."""
     from ..predict.train import EvalConfig, eval_main
+
     folder = alias(predictors, predictors_p, "--predictors", "-p")
     if folder is None:
         raise typer.BadParameter("give the predictor folder", param_hint="--predictors")
-    cfg = EvalConfig(predictors=str(folder), trace=str(trace), model=str(model),
-                     only=tuple(only) if only else (), max_s=max_s, mass=mass,
-                     speculative=speculative, spec_sequences=spec_sequences)
+    cfg = EvalConfig(
+        predictors=str(folder),
+        trace=str(trace),
+        model=str(model),
+        only=tuple(only) if only else (),
+        max_s=max_s,
+        mass=mass,
+        speculative=speculative,
+        spec_sequences=spec_sequences,
+    )
     console = Console(stderr=as_json)
     report = eval_main(cfg, console)
     if as_json:
@@ -88,14 +120,23 @@ def eval_(
     _print_report(report, console)
     if report.get("speculative"):
         from rich.table import Table
-        t = Table(title="speculative execution (lossy): the predicted experts run instead of the router's; "
-                        "teacher-forced on trace sequences")
+
+        t = Table(
+            title="speculative execution (lossy): the predicted experts run instead of the router's; "
+            "teacher-forced on trace sequences"
+        )
         for c in ("predictor", "tokens", "greedy agreement", "ppl own routing", "ppl speculative", "ppl ratio"):
             t.add_column(c, justify="right")
         for n, q in report["speculative"].items():
             if q.get("tokens"):
-                t.add_row(n, str(q["tokens"]), f"{q['greedy_agreement']:.3f}", f"{q['ppl_resident']:.2f}",
-                          f"{q['ppl_speculative']:.2f}", f"{q['ppl_ratio']:.3f}")
+                t.add_row(
+                    n,
+                    str(q["tokens"]),
+                    f"{q['greedy_agreement']:.3f}",
+                    f"{q['ppl_resident']:.2f}",
+                    f"{q['ppl_speculative']:.2f}",
+                    f"{q['ppl_ratio']:.3f}",
+                )
         console.print(t)
     if report["skipped_no_hidden"]:
         console.print(f"[yellow]skipped (trace has no hidden states):[/] {', '.join(report['skipped_no_hidden'])}")

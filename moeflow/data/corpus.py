@@ -25,7 +25,7 @@ CHUNK_CHARS = 4096
 
 @dataclass
 class Corpus:
-    train: dict[str, list[str]] = field(default_factory=dict)   # source -> documents
+    train: dict[str, list[str]] = field(default_factory=dict)  # source -> documents
     val: dict[str, list[str]] = field(default_factory=dict)
 
     def train_docs(self) -> list[str]:
@@ -86,6 +86,7 @@ def _text_file(*rel: str, sep: str = "\n\n") -> Callable[[Path], list[str]]:
             has_par = bool(re.search(r"\n[ \t]*\n", text))
             docs += pack(_units(text), sep="\n\n" if has_par else "\n")
         return docs
+
     return load
 
 

@@ -35,9 +35,9 @@ from ..errors import ConfigError, MoeflowError
 
 @dataclass(frozen=True)
 class Prompt:
-    id: str       # content hash of `text`: sha1, first 16 hex digits
+    id: str  # content hash of `text`: sha1, first 16 hex digits
     text: str
-    source: str   # the file (or dataset name) it came from
+    source: str  # the file (or dataset name) it came from
 
 
 def prompt_id(text: str) -> str:
@@ -62,6 +62,7 @@ PROMPT_SETS: dict[str, tuple[dict[str, str], str]] = {
 
 # ---- the data directory --------------------------------------------------------------------------
 
+
 def data_dir(explicit: str | os.PathLike | None = None) -> Path:
     """`explicit` > `$MOEFLOW_DATA` > `../shared/data` beside the checkout > `./shared/data`, `../shared/data`."""
     if explicit:
@@ -78,14 +79,15 @@ def data_dir(explicit: str | os.PathLike | None = None) -> Path:
     for cand in (repo.parent / "shared" / "data", Path.cwd() / "shared" / "data", Path.cwd().parent / "shared" / "data"):
         if cand.is_dir():
             return cand
-    raise MoeflowError("no data directory found; pass --data-dir DIR or set MOEFLOW_DATA "
-                       "(the folder holding sharegpt/, gsm8k/, ...)")
+    raise MoeflowError(
+        "no data directory found; pass --data-dir DIR or set MOEFLOW_DATA (the folder holding sharegpt/, gsm8k/, ...)"
+    )
 
 
 # ---- record -> text ------------------------------------------------------------------------------
 
-_TEXT_KEYS = ("prompt", "question", "text", "query", "content", "sentence", "input")   # after the formats above
-PROMPT_COLUMNS = ("prompt", "question", "instruction", "text", "input")   # named in messages
+_TEXT_KEYS = ("prompt", "question", "text", "query", "content", "sentence", "input")  # after the formats above
+PROMPT_COLUMNS = ("prompt", "question", "instruction", "text", "input")  # named in messages
 
 
 def _lower_keys(rec: dict[Any, Any]) -> dict[Any, Any]:
@@ -118,24 +120,24 @@ def record_text(rec: Any, column: str | None = None) -> str | None:
         return None
     rec = _lower_keys(rec)
     conv = rec.get("conversations") or rec.get("messages")
-    if isinstance(conv, list):                                     # ShareGPT / chat: first user turn
+    if isinstance(conv, list):  # ShareGPT / chat: first user turn
         for turn in conv:
             if isinstance(turn, dict) and turn.get("from", turn.get("role")) in ("human", "user"):
                 return turn.get("value", turn.get("content"))
         return None
-    if isinstance(rec.get("turns"), list) and rec["turns"]:        # MT-Bench
+    if isinstance(rec.get("turns"), list) and rec["turns"]:  # MT-Bench
         return rec["turns"][0]
-    if isinstance(rec.get("instruction"), str):                    # Alpaca (+ seed tasks' instances)
+    if isinstance(rec.get("instruction"), str):  # Alpaca (+ seed tasks' instances)
         inp = rec.get("input") or ""
         if not inp and isinstance(rec.get("instances"), list) and rec["instances"]:
             inp = rec["instances"][0].get("input") or ""
         return f"{rec['instruction']}\n\n{inp}" if inp else rec["instruction"]
-    if isinstance(rec.get("translation"), dict):                   # WMT16
+    if isinstance(rec.get("translation"), dict):  # WMT16
         tr = rec["translation"]
         return tr.get("en") or next(iter(tr.values()), None)
-    if "sentence1" in rec and "sentence2" in rec:                  # GLUE pairs
+    if "sentence1" in rec and "sentence2" in rec:  # GLUE pairs
         return f"{rec['sentence1']}\n{rec['sentence2']}"
-    if "#1 string" in rec and "#2 string" in rec:                  # MRPC
+    if "#1 string" in rec and "#2 string" in rec:  # MRPC
         return f"{rec['#1 string']}\n{rec['#2 string']}"
     if isinstance(rec.get("question"), str) and "choice0" in rec:  # MMLU
         return _mmlu_text(rec)
@@ -154,16 +156,18 @@ def _mmlu_text(rec: dict[str, str]) -> str:
 
 # ---- file formats --------------------------------------------------------------------------------
 
+
 def _not_text(path: Path) -> MoeflowError:
     kind = "JSON" if path.suffix.lower() in (".json", ".jsonl") else path.suffix.lstrip(".").upper() or "text"
-    return MoeflowError(f"{path} is not a UTF-8 text/{kind} prompt file (it looks binary); "
-                        f"pass a json, jsonl, csv, tsv or txt prompt file")
+    return MoeflowError(
+        f"{path} is not a UTF-8 text/{kind} prompt file (it looks binary); pass a json, jsonl, csv, tsv or txt prompt file"
+    )
 
 
 def _text(path: Path, strict: bool = True) -> str:
     """The file's text (BOM removed); a file with NUL bytes, or (strict) invalid UTF-8, is refused."""
     data = path.read_bytes()
-    if b"\x00" in data[:1 << 16]:
+    if b"\x00" in data[: 1 << 16]:
         raise _not_text(path)
     try:
         return data.decode("utf-8-sig", errors="strict" if strict else "replace")
@@ -209,8 +213,20 @@ def _read_csv(path: Path) -> Iterator[dict[str, str]]:
     yield from csv.DictReader(io.StringIO(_text(path), newline=""))
 
 
-_TSV_HEADER_KEYS = {"sentence", "sentence1", "sentence2", "#1 string", "#2 string", "text", "question", "prompt",
-                    "instruction", "input", "query", "content"}
+_TSV_HEADER_KEYS = {
+    "sentence",
+    "sentence1",
+    "sentence2",
+    "#1 string",
+    "#2 string",
+    "text",
+    "question",
+    "prompt",
+    "instruction",
+    "input",
+    "query",
+    "content",
+}
 
 
 def _read_tsv(path: Path, column: str | None = None) -> Iterator[Any]:
@@ -222,7 +238,7 @@ def _read_tsv(path: Path, column: str | None = None) -> Iterator[Any]:
     head = rows[0]
     if column is not None or _TSV_HEADER_KEYS & {h.lower() for h in head}:
         for r in rows[1:]:
-            yield dict(zip(head, r, strict=False))          # short rows: the missing fields are absent
+            yield dict(zip(head, r, strict=False))  # short rows: the missing fields are absent
         return
     cols = [i for i, v in enumerate(head) if " " in v.strip()]
     for r in rows:
@@ -256,8 +272,10 @@ def _texts_of(records: Iterable[Any], column: str | None, where: str) -> Iterato
     if not found and fields:
         if column is not None:
             raise ConfigError(f"--column {column!r} is not a field of {where}; its fields: {', '.join(fields)}")
-        raise MoeflowError(f"no prompts found in {where}: none of its fields ({', '.join(fields)}) is a prompt "
-                           f"field ({', '.join(PROMPT_COLUMNS)}); pass --column NAME")
+        raise MoeflowError(
+            f"no prompts found in {where}: none of its fields ({', '.join(fields)}) is a prompt "
+            f"field ({', '.join(PROMPT_COLUMNS)}); pass --column NAME"
+        )
 
 
 def read_texts(path: Path, column: str | None = None) -> Iterator[str]:
@@ -277,8 +295,7 @@ def read_texts(path: Path, column: str | None = None) -> Iterator[str]:
     elif suffix == ".tsv" or (suffix == ".txt" and _looks_tsv(path)):
         yield from _texts_of(_read_tsv(path, column), column, str(path))
     elif column is not None:
-        raise ConfigError(f"--column applies to csv, tsv, json and jsonl prompt files, not {path.name} "
-                          f"(one prompt per line)")
+        raise ConfigError(f"--column applies to csv, tsv, json and jsonl prompt files, not {path.name} (one prompt per line)")
     else:  # .txt, .source and anything else: one prompt per non-empty line
         for line in _text(path, strict=False).splitlines():
             if line.strip():
@@ -293,23 +310,29 @@ def _looks_tsv(path: Path) -> bool:
 
 # ---- Hugging Face datasets -----------------------------------------------------------------------
 
+
 def _hf_texts(name: str, split: str | None, column: str | None = None) -> Iterator[str]:
     if os.environ.get("HF_DATASETS_OFFLINE", "") not in ("", "0") or os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
-        raise MoeflowError(f"{name!r} is not a local file and Hugging Face datasets are offline (HF_DATASETS_OFFLINE); "
-                           f"pass a local prompt file or a known set name")
+        raise MoeflowError(
+            f"{name!r} is not a local file and Hugging Face datasets are offline (HF_DATASETS_OFFLINE); "
+            f"pass a local prompt file or a known set name"
+        )
     try:
         import datasets
+
         ds = datasets.load_dataset(name, split=split or "train")
     except MoeflowError:
         raise
     except Exception as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise MoeflowError(f"cannot load Hugging Face dataset {name!r} (split {split or 'train'}): {msg[:200]}; "
-                           f"pass a local prompt file instead") from e
+        raise MoeflowError(
+            f"cannot load Hugging Face dataset {name!r} (split {split or 'train'}): {msg[:200]}; pass a local prompt file instead"
+        ) from e
     yield from _texts_of(ds, column, f"Hugging Face dataset {name!r}")
 
 
 # ---- the entry point -----------------------------------------------------------------------------
+
 
 def resolve_source(source: str, data_dir_: str | os.PathLike | None = None, split: str | None = None) -> Path | None:
     """The local path `source` names (a path, or a short name under the data dir); None for an HF name."""
@@ -329,12 +352,19 @@ def resolve_source(source: str, data_dir_: str | os.PathLike | None = None, spli
         return None
     if "/" in source or p.suffix:
         raise MoeflowError(f"prompt file {source} does not exist")
-    raise ConfigError(f"unknown prompt set {source!r}; known: {', '.join(PROMPT_SETS)} "
-                      f"(or pass a file path, or a Hugging Face dataset name owner/name)")
+    raise ConfigError(
+        f"unknown prompt set {source!r}; known: {', '.join(PROMPT_SETS)} "
+        f"(or pass a file path, or a Hugging Face dataset name owner/name)"
+    )
 
 
-def load_prompts(source: str | os.PathLike, data_dir: str | os.PathLike | None = None, limit: int | None = None,
-                 split: str | None = None, column: str | None = None) -> list[Prompt]:
+def load_prompts(
+    source: str | os.PathLike,
+    data_dir: str | os.PathLike | None = None,
+    limit: int | None = None,
+    split: str | None = None,
+    column: str | None = None,
+) -> list[Prompt]:
     """Deduplicated prompts of `source` (a path, a short set name or an HF dataset name), at most `limit`;
     `column` names the prompt field of csv/tsv/json/jsonl/dataset records (default: detected)."""
     src = str(source)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,13 +32,13 @@ class LMTrainConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     warmup_steps: int = 30
-    minutes: float | None = 25.0      # wall-clock budget of the optimisation loop
-    max_steps: int | None = None      # step budget (either or both)
+    minutes: float | None = 25.0  # wall-clock budget of the optimisation loop
+    max_steps: int | None = None  # step budget (either or both)
     balance_coef: float = 0.01
     z_coef: float = 1e-3
     grad_clip: float = 1.0
     seed: int = 0
-    eval_every_s: float = 180.0       # validation loss every so many seconds
+    eval_every_s: float = 180.0  # validation loss every so many seconds
     eval_batches: int = 4
 
 
@@ -47,7 +47,7 @@ class TrainResult:
     steps: int = 0
     tokens: int = 0
     seconds: float = 0.0
-    history: list[dict] = field(default_factory=list)    # one row per step (and eval rows)
+    history: list[dict] = field(default_factory=list)  # one row per step (and eval rows)
 
 
 def lr_at(cfg: LMTrainConfig, step: int, progress: float) -> float:
@@ -61,13 +61,13 @@ def lr_at(cfg: LMTrainConfig, step: int, progress: float) -> float:
 def sample_batch(tokens: torch.Tensor, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
     """`batch` random windows of `seq` tokens from a 1-D token stream -> [B,S]."""
     starts = torch.randint(0, tokens.numel() - seq, (batch,), generator=gen)
-    return torch.stack([tokens[s:s + seq] for s in starts.tolist()])
+    return torch.stack([tokens[s : s + seq] for s in starts.tolist()])
 
 
 def lm_loss(model, ids: torch.Tensor, *, with_router: bool) -> tuple[torch.Tensor, tuple]:
     """Mean next-token cross-entropy of ids [B,S], and the per-layer router logits ([T,E] each)."""
     out = model(input_ids=ids, output_router_logits=with_router, use_cache=False)
-    logits = out.logits[:, :-1]                                                   # [B,S-1,V]
+    logits = out.logits[:, :-1]  # [B,S-1,V]
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
     return loss, (tuple(out.router_logits) if with_router else ())
 
@@ -79,7 +79,7 @@ def eval_loss(model, windows: torch.Tensor, batch: int = 16) -> float:
     model.eval()
     tot, n = 0.0, 0
     for i in range(0, windows.shape[0], batch):
-        w = windows[i:i + batch]
+        w = windows[i : i + batch]
         loss, _ = lm_loss(model, w, with_router=False)
         tot += loss.item() * w.shape[0]
         n += w.shape[0]
@@ -95,9 +95,16 @@ def val_windows(tokens: torch.Tensor, seq: int, limit: int | None = None) -> tor
     return tokens[: n * seq].view(n, seq)
 
 
-def train(model, train_tokens: torch.Tensor, val_tokens: torch.Tensor | None, cfg: LMTrainConfig, *,
-          top_k: int, log_path: str | Path | None = None,
-          on_step: Callable[[dict], None] | None = None) -> TrainResult:
+def train(
+    model,
+    train_tokens: torch.Tensor,
+    val_tokens: torch.Tensor | None,
+    cfg: LMTrainConfig,
+    *,
+    top_k: int,
+    log_path: str | Path | None = None,
+    on_step: Callable[[dict], None] | None = None,
+) -> TrainResult:
     """Train `model` in place on random windows of `train_tokens`; log one JSON line per step."""
     if cfg.minutes is None and cfg.max_steps is None:
         raise ValueError("give LMTrainConfig.minutes or max_steps")
@@ -105,8 +112,11 @@ def train(model, train_tokens: torch.Tensor, val_tokens: torch.Tensor | None, cf
     gen = torch.Generator().manual_seed(cfg.seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
     vw = val_windows(val_tokens, cfg.seq_len, cfg.eval_batches * cfg.batch_size) if val_tokens is not None else None
     log = open(log_path, "a", encoding="utf-8") if log_path else None
     res = TrainResult()
@@ -128,14 +138,13 @@ def train(model, train_tokens: torch.Tensor, val_tokens: torch.Tensor | None, cf
     step = 0
     while True:
         elapsed = time.perf_counter() - t0
-        progress = max(step / cfg.max_steps if cfg.max_steps else 0.0,
-                       elapsed / budget_s if budget_s else 0.0)
+        progress = max(step / cfg.max_steps if cfg.max_steps else 0.0, elapsed / budget_s if budget_s else 0.0)
         if progress >= 1.0:
             break
         lr = lr_at(cfg, step, progress)
         for g in opt.param_groups:
             g["lr"] = lr
-        ids = sample_batch(train_tokens, cfg.batch_size, cfg.seq_len, gen)            # [B,S]
+        ids = sample_batch(train_tokens, cfg.batch_size, cfg.seq_len, gen)  # [B,S]
         lm, router_logits = lm_loss(model, ids, with_router=True)
         bal = per_layer_balance_loss(router_logits, top_k)
         z = router_z_loss(router_logits)
@@ -147,8 +156,18 @@ def train(model, train_tokens: torch.Tensor, val_tokens: torch.Tensor | None, cf
         step += 1
         res.tokens += ids.numel()
         now = time.perf_counter()
-        emit({"step": step, "t": round(now - t0, 2), "tokens": res.tokens, "lr": lr, "loss": lm.item(),
-              "balance": bal.item(), "z": z.item(), "grad_norm": gnorm})
+        emit(
+            {
+                "step": step,
+                "t": round(now - t0, 2),
+                "tokens": res.tokens,
+                "lr": lr,
+                "loss": lm.item(),
+                "balance": bal.item(),
+                "z": z.item(),
+                "grad_norm": gnorm,
+            }
+        )
         if vw is not None and now - last_eval >= cfg.eval_every_s:
             emit({"step": step, "t": round(now - t0, 2), "tokens": res.tokens, "val_loss": eval_loss(model, vw)})
             last_eval = time.perf_counter()

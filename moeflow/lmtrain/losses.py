@@ -8,7 +8,7 @@ Switch-Transformer loss to every layer on its own and averages.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -20,12 +20,13 @@ def balance_loss(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     P_e = mean router probability of expert e.
     """
     E = logits.shape[-1]
-    probs = torch.softmax(logits.float(), dim=-1)                              # [T,E]
-    idx = probs.topk(top_k, dim=-1).indices                                     # [T,k]
+    probs = torch.softmax(logits.float(), dim=-1)  # [T,E]
+    idx = probs.topk(top_k, dim=-1).indices  # [T,k]
     counts = torch.zeros(E, device=logits.device).scatter_add_(
-        0, idx.reshape(-1), torch.ones(idx.numel(), device=logits.device))     # [E]
-    f = counts / idx.numel()                                                    # [E]
-    p = probs.mean(dim=0)                                                       # [E]
+        0, idx.reshape(-1), torch.ones(idx.numel(), device=logits.device)
+    )  # [E]
+    f = counts / idx.numel()  # [E]
+    p = probs.mean(dim=0)  # [E]
     return E * (f * p).sum()
 
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,11 +31,11 @@ from ..trace.summary import layer_stats
 
 CARD_JSON = "card.json"
 CURVE_PNG = "training_curve.png"
-PROMPTS = ("The old man looked at the",
-           "Question: Tom has 12 apples and buys 5 more. How many apples does he have now?\nAnswer:")
+PROMPTS = ("The old man looked at the", "Question: Tom has 12 apples and buys 5 more. How many apples does he have now?\nAnswer:")
 
 
 # ---- routing collection ----------------------------------------------------------------------------
+
 
 @torch.no_grad()
 def collect(model, windows: torch.Tensor, batch: int = 20) -> dict[int, dict[str, torch.Tensor]]:
@@ -48,7 +49,7 @@ def collect(model, windows: torch.Tensor, batch: int = 20) -> dict[int, dict[str
     for i in range(0, windows.shape[0], batch):
         tap.clear()
         with tap.attach():
-            model(input_ids=windows[i:i + batch], use_cache=False)
+            model(input_ids=windows[i : i + batch], use_cache=False)
         for l, evs in tap.events.items():
             for ev in evs:
                 out[l]["x"].append(ev.x.float())
@@ -58,26 +59,39 @@ def collect(model, windows: torch.Tensor, batch: int = 20) -> dict[int, dict[str
 
 
 @torch.no_grad()
-def collect_decode(model, prompts: torch.Tensor, steps: int, repetition_penalty: float = 1.3
-                   ) -> dict[int, dict[str, torch.Tensor]]:
+def collect_decode(
+    model, prompts: torch.Tensor, steps: int, repetition_penalty: float = 1.3
+) -> dict[int, dict[str, torch.Tensor]]:
     """Like `collect`, for the decode steps only of a greedy generate (prompts [B,P], no padding)."""
     ad = get_adapter(model)
     tap = RouterTap(ad)
     with tap.attach():
-        model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=steps,
-                       min_new_tokens=steps, do_sample=False, repetition_penalty=repetition_penalty,
-                       pad_token_id=model.config.pad_token_id)
-    return {l: {k: torch.cat([getattr(ev, k).float() if k != "indices" else ev.indices for ev in evs[1:]])
-                for k in ("x", "logits", "indices")} for l, evs in tap.events.items()}
+        model.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            repetition_penalty=repetition_penalty,
+            pad_token_id=model.config.pad_token_id,
+        )
+    return {
+        l: {
+            k: torch.cat([getattr(ev, k).float() if k != "indices" else ev.indices for ev in evs[1:]])
+            for k in ("x", "logits", "indices")
+        }
+        for l, evs in tap.events.items()
+    }
 
 
 # ---- statistics --------------------------------------------------------------------------------------
 
+
 def pregate_recall(ad, data: dict, src: int, dst: int) -> float:
     """Router `dst` applied to layer `src`'s router input vs layer `dst`'s actual top-k."""
-    x = data[src]["x"].to(ad.router(dst).weight.dtype)                            # [T,H]
+    x = data[src]["x"].to(ad.router(dst).weight.dtype)  # [T,H]
     with torch.no_grad():
-        _, pred = ad.select(dst, ad.router_logits(dst, x))                         # [T,k]
+        _, pred = ad.select(dst, ad.router_logits(dst, x))  # [T,k]
     return recall_at_k(pred.numpy(), data[dst]["indices"].numpy())
 
 
@@ -85,11 +99,11 @@ def token_id_recall(token_ids: np.ndarray, indices: np.ndarray, num_experts: int
     """Most frequent k experts per token id, fit on the first half of the rows, scored on the second."""
     n = len(token_ids) // 2
     k = indices.shape[1]
-    counts = np.zeros((vocab, num_experts), np.int64)                              # [V,E]
+    counts = np.zeros((vocab, num_experts), np.int64)  # [V,E]
     np.add.at(counts, (np.repeat(token_ids[:n], k), indices[:n].reshape(-1)), 1)
-    glob = np.argsort(-counts.sum(0), kind="stable")[:k]                           # [k]
-    table = np.argsort(-counts, axis=1, kind="stable")[:, :k]                      # [V,k]
-    seen = counts.sum(1) > 0                                                        # [V]
+    glob = np.argsort(-counts.sum(0), kind="stable")[:k]  # [k]
+    table = np.argsort(-counts, axis=1, kind="stable")[:, :k]  # [V,k]
+    seen = counts.sum(1) > 0  # [V]
     pred = np.where(seen[token_ids[n:], None], table[token_ids[n:]], glob[None, :])  # [N-n,k]
     return recall_at_k(pred, indices[n:])
 
@@ -104,12 +118,13 @@ def popularity_recall(indices: np.ndarray, num_experts: int) -> float:
 
 def prev_token_recall(indices: np.ndarray, seq: int) -> float:
     """Same layer, previous token (within each window of `seq` rows)."""
-    idx = indices.reshape(-1, seq, indices.shape[1])                                # [N,S,k]
+    idx = indices.reshape(-1, seq, indices.shape[1])  # [N,S,k]
     return recall_at_k(idx[:, :-1].reshape(-1, idx.shape[2]), idx[:, 1:].reshape(-1, idx.shape[2]))
 
 
-def routing_stats(model, windows: torch.Tensor, *, decode_prompts: torch.Tensor | None = None,
-                  decode_steps: int = 32) -> dict[str, Any]:
+def routing_stats(
+    model, windows: torch.Tensor, *, decode_prompts: torch.Tensor | None = None, decode_steps: int = 32
+) -> dict[str, Any]:
     """All per-layer statistics of `model` over held-out windows [N,S] (and a decode run)."""
     ad = get_adapter(model)
     spec = ad.spec
@@ -122,21 +137,39 @@ def routing_stats(model, windows: torch.Tensor, *, decode_prompts: torch.Tensor 
         idx = data[l]["indices"].numpy()
         probs = torch.softmax(data[l]["logits"], -1).numpy()
         s = layer_stats(idx, probs, E, layer=l)
-        per.append({"layer": l, "skewness": s.skewness, "router_entropy": s.router_entropy,
-                    "load_entropy": s.load_entropy, "dead": s.dead,
-                    "token_id_recall": token_id_recall(ids, idx, E, model.config.vocab_size),
-                    "prev_token_recall": prev_token_recall(idx, windows.shape[1]),
-                    "popularity_recall": popularity_recall(idx, E)})
+        per.append(
+            {
+                "layer": l,
+                "skewness": s.skewness,
+                "router_entropy": s.router_entropy,
+                "load_entropy": s.load_entropy,
+                "dead": s.dead,
+                "token_id_recall": token_id_recall(ids, idx, E, model.config.vocab_size),
+                "prev_token_recall": prev_token_recall(idx, windows.shape[1]),
+                "popularity_recall": popularity_recall(idx, E),
+            }
+        )
     res["prefill"]["per_layer"] = per
     res["prefill"]["pregate_next"] = [pregate_recall(ad, data, a, b) for a, b in zip(L, L[1:])]
     res["prefill"]["pregate_two_ahead"] = [pregate_recall(ad, data, a, b) for a, b in zip(L, L[2:])]
     if decode_prompts is not None:
         dd = collect_decode(model, decode_prompts, decode_steps)
         res["decode"] = {
-            "prompts": int(decode_prompts.shape[0]), "steps": decode_steps,
-            "per_layer": [{"layer": l, **{k: v for k, v in layer_stats(
-                dd[l]["indices"].numpy(), torch.softmax(dd[l]["logits"], -1).numpy(), E, layer=l).to_dict().items()
-                if k in ("skewness", "router_entropy", "dead")}} for l in L],
+            "prompts": int(decode_prompts.shape[0]),
+            "steps": decode_steps,
+            "per_layer": [
+                {
+                    "layer": l,
+                    **{
+                        k: v
+                        for k, v in layer_stats(dd[l]["indices"].numpy(), torch.softmax(dd[l]["logits"], -1).numpy(), E, layer=l)
+                        .to_dict()
+                        .items()
+                        if k in ("skewness", "router_entropy", "dead")
+                    },
+                }
+                for l in L
+            ],
             "pregate_next": [pregate_recall(ad, dd, a, b) for a, b in zip(L, L[1:])],
         }
     return res
@@ -144,16 +177,18 @@ def routing_stats(model, windows: torch.Tensor, *, decode_prompts: torch.Tensor 
 
 # ---- perplexity, samples, curve -----------------------------------------------------------------------
 
+
 @torch.no_grad()
 def perplexity(model, windows: torch.Tensor, batch: int = 16) -> tuple[float, int]:
     """exp(mean next-token loss) over windows [N,S], and the number of predicted tokens."""
     from .loop import eval_loss
+
     return math.exp(eval_loss(model, windows, batch)), int(windows.shape[0] * (windows.shape[1] - 1))
 
 
 def _loops(ids: list[int], n: int = 4) -> bool:
     """True when some n-gram occurs three times or more (greedy repetition)."""
-    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
     return any(grams.count(g) >= 3 for g in set(grams))
 
 
@@ -165,27 +200,31 @@ def samples(model, tok, max_new_tokens: int = 48) -> list[dict[str, Any]]:
         ids = torch.cat([torch.tensor([[tok.bos_token_id]]), enc.input_ids], 1)
         row: dict[str, Any] = {"prompt": p}
         g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
-        new = g[0, ids.shape[1]:].tolist()
+        new = g[0, ids.shape[1] :].tolist()
         row["greedy"] = tok.decode(new, skip_special_tokens=True)
         row["greedy_loops"] = _loops(new)
         if row["greedy_loops"]:
-            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                               do_sample=False, repetition_penalty=1.3)
-            row["greedy_rep_penalty_1.3"] = tok.decode(g[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+            g = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, repetition_penalty=1.3
+            )
+            row["greedy_rep_penalty_1.3"] = tok.decode(g[0, ids.shape[1] :].tolist(), skip_special_tokens=True)
         out.append(row)
     return out
 
 
 def read_log(folder: Path) -> list[dict]:
     from .build import TRAIN_LOG
+
     p = Path(folder) / TRAIN_LOG
     return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.is_file() else []
 
 
 def plot_curve(history: list[dict], png: Path, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     tr = [r for r in history if "loss" in r]
     va = [r for r in history if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
@@ -195,10 +234,16 @@ def plot_curve(history: list[dict], png: Path, title: str) -> None:
         w = max(1, len(y) // 50)
         ax.plot(x, y, color="0.75", lw=0.8, label="train LM loss")
         if len(y) >= w:
-            ax.plot(x[w - 1:], np.convolve(y, np.ones(w) / w, "valid"), color="C0", lw=1.5, label=f"train (mean of {w})")
+            ax.plot(x[w - 1 :], np.convolve(y, np.ones(w) / w, "valid"), color="C0", lw=1.5, label=f"train (mean of {w})")
     if va:
-        ax.plot([r["tokens"] / 1e6 for r in va], [r["val_loss"] for r in va], "o-", color="C3", ms=4,
-                label="held-out loss (first held-out windows)")
+        ax.plot(
+            [r["tokens"] / 1e6 for r in va],
+            [r["val_loss"] for r in va],
+            "o-",
+            color="C3",
+            ms=4,
+            label="held-out loss (first held-out windows)",
+        )
     ax.set_xlabel("training tokens (M)")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title, fontsize=10)
@@ -211,6 +256,7 @@ def plot_curve(history: list[dict], png: Path, title: str) -> None:
 
 # ---- the card ------------------------------------------------------------------------------------------
 
+
 def param_counts(model) -> dict[str, int]:
     """Total parameters, and parameters active per token (routed experts counted k of E)."""
     ad = get_adapter(model)
@@ -222,19 +268,29 @@ def param_counts(model) -> dict[str, int]:
     return {"total": total, "active": active, "experts": experts, "embeddings": emb}
 
 
-def compute_card(folder: Path, val_tokens: torch.Tensor, *, seed: int = 0, n_windows: int = 200, seq: int = 128,
-                 ppl_seq: int = 256, log: Callable[[str], None] = print) -> dict[str, Any]:
+def compute_card(
+    folder: Path,
+    val_tokens: torch.Tensor,
+    *,
+    seed: int = 0,
+    n_windows: int = 200,
+    seq: int = 128,
+    ppl_seq: int = 256,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Every number of the card of the saved model in `folder` (held-out token stream `val_tokens`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from .build import TRAINING_JSON
     from .loop import val_windows
+
     folder = Path(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(folder)
     meta = json.loads((folder / TRAINING_JSON).read_text()) if (folder / TRAINING_JSON).is_file() else {}
     spec = get_adapter(model).spec
-    windows = val_windows(val_tokens, seq, n_windows)                               # [N,S]
-    dec_prompts = windows[-8:, :32].clone()                                         # [8,32]
+    windows = val_windows(val_tokens, seq, n_windows)  # [N,S]
+    dec_prompts = windows[-8:, :32].clone()  # [8,32]
     log(f"[card {folder.name}] perplexity over the held-out text")
     ppl, n_tok = perplexity(model, val_windows(val_tokens, ppl_seq))
     log(f"[card {folder.name}] routing statistics, trained ({windows.shape[0]} x {seq} tokens + decode)")
@@ -245,11 +301,19 @@ def compute_card(folder: Path, val_tokens: torch.Tensor, *, seed: int = 0, n_win
     random = routing_stats(rnd_model, windows, decode_prompts=dec_prompts)
     rnd_ppl, _ = perplexity(rnd_model, val_windows(val_tokens, ppl_seq, 32))
     disk = sum(f.stat().st_size for f in folder.iterdir() if f.is_file() and f.name.endswith(".safetensors"))
-    return {"name": folder.name, "spec": spec.to_dict(), "vocab_size": int(model.config.vocab_size), "params": param_counts(model), "training": meta,
-            "safetensors_bytes": disk, "val_perplexity": ppl, "val_tokens_scored": n_tok,
-            "random_init_val_perplexity_32_windows": rnd_ppl, "samples": samples(model, tok),
-            "routing": {"trained": trained, "random_init": random, "windows": int(windows.shape[0]), "seq": seq,
-                        "seed": seed}}
+    return {
+        "name": folder.name,
+        "spec": spec.to_dict(),
+        "vocab_size": int(model.config.vocab_size),
+        "params": param_counts(model),
+        "training": meta,
+        "safetensors_bytes": disk,
+        "val_perplexity": ppl,
+        "val_tokens_scored": n_tok,
+        "random_init_val_perplexity_32_windows": rnd_ppl,
+        "samples": samples(model, tok),
+        "routing": {"trained": trained, "random_init": random, "windows": int(windows.shape[0]), "seq": seq, "seed": seed},
+    }
 
 
 def _row(vals, fmt="{:.2f}") -> str:
@@ -275,10 +339,12 @@ def render(card: dict[str, Any]) -> str:
         (f"load skew (max / mean count), layers {lays}", per(tr, "skewness"), per(rn, "skewness")),
         (f"router entropy / log E, layers {lays}", per(tr, "router_entropy"), per(rn, "router_entropy")),
         (f"dead experts (< 1% of mean load), layers {lays}", dead(tr), dead(rn)),
-        (f"next-layer pre-gate recall@{k} ({nxt})", _row(tr["prefill"]["pregate_next"]),
-         _row(rn["prefill"]["pregate_next"])),
-        *([(f"two layers ahead ({two})", _row(tr["prefill"]["pregate_two_ahead"]),
-             _row(rn["prefill"]["pregate_two_ahead"]))] if len(L) > 2 else []),
+        (f"next-layer pre-gate recall@{k} ({nxt})", _row(tr["prefill"]["pregate_next"]), _row(rn["prefill"]["pregate_next"])),
+        *(
+            [(f"two layers ahead ({two})", _row(tr["prefill"]["pregate_two_ahead"]), _row(rn["prefill"]["pregate_two_ahead"]))]
+            if len(L) > 2
+            else []
+        ),
         (f"token-id baseline recall@{k}, layers {lays}", per(tr, "token_id_recall"), per(rn, "token_id_recall")),
         (f"same layer, previous token recall@{k}", per(tr, "prev_token_recall"), per(rn, "prev_token_recall")),
         (f"global top-{k} popularity recall@{k}", per(tr, "popularity_recall"), per(rn, "popularity_recall")),
@@ -288,8 +354,7 @@ def render(card: dict[str, Any]) -> str:
         drows = [
             ("load skew (max / mean count)", per(tr, "skewness", "decode"), per(rn, "skewness", "decode")),
             ("router entropy / log E", per(tr, "router_entropy", "decode"), per(rn, "router_entropy", "decode")),
-            (f"next-layer pre-gate recall@{k} ({nxt})", _row(tr["decode"]["pregate_next"]),
-             _row(rn["decode"]["pregate_next"])),
+            (f"next-layer pre-gate recall@{k} ({nxt})", _row(tr["decode"]["pregate_next"]), _row(rn["decode"]["pregate_next"])),
         ]
     chance = k / s["num_experts"]
     arch_name = {"olmoe": "OLMoE (`OlmoeForCausalLM`)", "mixtral": "Mixtral (`MixtralForCausalLM`)"}.get(s["arch"], s["arch"])
@@ -306,7 +371,8 @@ def render(card: dict[str, Any]) -> str:
         "",
         "## Architecture",
         "",
-        "| | |", "|---|---|",
+        "| | |",
+        "|---|---|",
         f"| architecture | {arch_name} |",
         f"| decoder layers (all MoE) | {s['num_layers']} |",
         f"| routed experts per layer, top-k | {s['num_experts']}, top-{k} |",
@@ -350,8 +416,14 @@ def render(card: dict[str, Any]) -> str:
     for smp in c["samples"]:
         lines += [f"Prompt: `{smp['prompt']!r}`", "", "```", smp["greedy"].strip(), "```", ""]
         if smp.get("greedy_loops"):
-            lines += ["Greedy decoding repeats itself here; with `repetition_penalty=1.3` (still greedy):", "",
-                      "```", smp["greedy_rep_penalty_1.3"].strip(), "```", ""]
+            lines += [
+                "Greedy decoding repeats itself here; with `repetition_penalty=1.3` (still greedy):",
+                "",
+                "```",
+                smp["greedy_rep_penalty_1.3"].strip(),
+                "```",
+                "",
+            ]
     r = c["routing"]
     lines += [
         "## Routing",
@@ -363,18 +435,29 @@ def render(card: dict[str, Any]) -> str:
         "baseline: the most frequent experts per token id and layer, fit on the first half of the windows, scored "
         "on the second half.",
         "",
-        "| measure | trained | random init |", "|---|---|---|",
+        "| measure | trained | random init |",
+        "|---|---|---|",
         *[f"| {a} | {b} | {c_} |" for a, b, c_ in rows],
         "",
     ]
     if drows:
-        lines += [f"Decode: {tr['decode']['prompts']} prompts of 32 held-out tokens, {tr['decode']['steps']} greedy "
-                  "steps with repetition_penalty 1.3 (decode steps only):", "",
-                  "| measure | trained | random init |", "|---|---|---|",
-                  *[f"| {a} | {b} | {c_} |" for a, b, c_ in drows], ""]
-    lines += ["### What the numbers show", "", *observations(card), "",
-              f"All numbers: `{CARD_JSON}`. Regenerate: `.venv/bin/python recipes/train_models.py --card-only "
-              f"--only {c['name']}`.", ""]
+        lines += [
+            f"Decode: {tr['decode']['prompts']} prompts of 32 held-out tokens, {tr['decode']['steps']} greedy "
+            "steps with repetition_penalty 1.3 (decode steps only):",
+            "",
+            "| measure | trained | random init |",
+            "|---|---|---|",
+            *[f"| {a} | {b} | {c_} |" for a, b, c_ in drows],
+            "",
+        ]
+    lines += [
+        "### What the numbers show",
+        "",
+        *observations(card),
+        "",
+        f"All numbers: `{CARD_JSON}`. Regenerate: `.venv/bin/python recipes/train_models.py --card-only --only {c['name']}`.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -384,36 +467,43 @@ def observations(card: dict[str, Any]) -> list[str]:
     k, E = card["spec"]["top_k"], card["spec"]["num_experts"]
     out = []
     dead = [len(r["dead"]) for r in tr["per_layer"]]
-    out.append(f"- Dead experts in the trained model: {sum(dead)} of {E * len(dead)} "
-               f"({', '.join(map(str, dead))} per layer).")
+    out.append(f"- Dead experts in the trained model: {sum(dead)} of {E * len(dead)} ({', '.join(map(str, dead))} per layer).")
     sk_t = np.mean([r["skewness"] for r in tr["per_layer"]])
     sk_r = np.mean([r["skewness"] for r in rn["per_layer"]])
     en_t = np.mean([r["router_entropy"] for r in tr["per_layer"]])
     en_r = np.mean([r["router_entropy"] for r in rn["per_layer"]])
-    verdict = ("the trained routers are more decided than random ones" if en_t < en_r - 0.02 else
-               "the trained routers are about as undecided as random ones")
-    out.append(f"- Mean load skew {sk_t:.2f} trained vs {sk_r:.2f} random; mean router entropy {en_t:.2f} vs "
-               f"{en_r:.2f} of the maximum: {verdict}"
-               + (", and still spread probability widely." if en_t > 0.7 else "."))
+    verdict = (
+        "the trained routers are more decided than random ones"
+        if en_t < en_r - 0.02
+        else "the trained routers are about as undecided as random ones"
+    )
+    out.append(
+        f"- Mean load skew {sk_t:.2f} trained vs {sk_r:.2f} random; mean router entropy {en_t:.2f} vs "
+        f"{en_r:.2f} of the maximum: {verdict}" + (", and still spread probability widely." if en_t > 0.7 else ".")
+    )
     if tr["pregate_next"]:
         pg_t, pg_r = np.mean(tr["pregate_next"]), np.mean(rn["pregate_next"])
-        out.append(f"- Next-layer pre-gate recall@{k} averages {pg_t:.2f} trained vs {pg_r:.2f} random "
-                   f"(chance {k / E:.2f}).")
+        out.append(f"- Next-layer pre-gate recall@{k} averages {pg_t:.2f} trained vs {pg_r:.2f} random (chance {k / E:.2f}).")
         L = card["spec"]["moe_layers"]
         cmp = [(L[i + 1], pg, tr["per_layer"][i + 1]["token_id_recall"]) for i, pg in enumerate(tr["pregate_next"])]
         wins = [f"L{l} ({pg:.2f} vs {tid:.2f})" for l, pg, tid in cmp if pg > tid]
         loses = [f"L{l} ({pg:.2f} vs {tid:.2f})" for l, pg, tid in cmp if pg <= tid]
-        out.append("- Pre-gate vs the token-id baseline, per predicted layer (trained): "
-                   + (f"the pre-gate is better for {', '.join(wins)}" if wins else "the pre-gate is never better")
-                   + (f"; the token-id baseline is as good or better for {', '.join(loses)}." if loses else ".")
-                   + " A learned predictor has to beat both.")
-    out.append("- A random model is a weak 'no structure' control: its residual stream is dominated by the token "
-               "embedding, so token-id and previous-token recall are not at chance.")
+        out.append(
+            "- Pre-gate vs the token-id baseline, per predicted layer (trained): "
+            + (f"the pre-gate is better for {', '.join(wins)}" if wins else "the pre-gate is never better")
+            + (f"; the token-id baseline is as good or better for {', '.join(loses)}." if loses else ".")
+            + " A learned predictor has to beat both."
+        )
+    out.append(
+        "- A random model is a weak 'no structure' control: its residual stream is dominated by the token "
+        "embedding, so token-id and previous-token recall are not at chance."
+    )
     return out
 
 
-def write_card(folder: str | Path, val_tokens: torch.Tensor, *, seed: int = 0,
-               log: Callable[[str], None] = print, **kw: Any) -> dict[str, Any]:
+def write_card(
+    folder: str | Path, val_tokens: torch.Tensor, *, seed: int = 0, log: Callable[[str], None] = print, **kw: Any
+) -> dict[str, Any]:
     """Compute the card of the saved model in `folder`; write README.md, card.json, the curve PNG."""
     folder = Path(folder)
     card = compute_card(folder, val_tokens, seed=seed, log=log, **kw)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 SPECIAL = {"pad": "<|pad|>", "bos": "<|bos|>", "eos": "<|eos|>"}
 
@@ -15,13 +15,18 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2,
-                                  special_tokens=[SPECIAL["pad"], SPECIAL["bos"], SPECIAL["eos"]],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[SPECIAL["pad"], SPECIAL["bos"], SPECIAL["eos"]],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     bos_first(tok)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIAL["bos"], eos_token=SPECIAL["eos"],
-                                   pad_token=SPECIAL["pad"], model_max_length=1024)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=SPECIAL["bos"], eos_token=SPECIAL["eos"], pad_token=SPECIAL["pad"], model_max_length=1024
+    )
     assert (fast.pad_token_id, fast.bos_token_id, fast.eos_token_id) == (0, 1, 2)
     return fast
 
@@ -29,9 +34,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192):
 def bos_first(tok) -> None:
     """Make `tokenizer(text)` start with <bos>, as every training document does (a `tokenizers.Tokenizer`)."""
     from tokenizers import processors
+
     bos = SPECIAL["bos"]
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))])
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
+    )
 
 
 def encode_docs(tok, docs: Iterable[str]) -> list[int]:

@@ -4,5 +4,16 @@ from .adapters import SUPPORTED, Adapter, get_adapter, model_fingerprint, spec_f
 from .hooks import RouterEvent, RouterTap, residual_hooks, residual_norm, router_hooks
 from .spec import MoESpec
 
-__all__ = ["SUPPORTED", "Adapter", "MoESpec", "RouterEvent", "RouterTap", "get_adapter", "model_fingerprint",
-           "residual_hooks", "residual_norm", "router_hooks", "spec_from_config"]
+__all__ = [
+    "SUPPORTED",
+    "Adapter",
+    "MoESpec",
+    "RouterEvent",
+    "RouterTap",
+    "get_adapter",
+    "model_fingerprint",
+    "residual_hooks",
+    "residual_norm",
+    "router_hooks",
+    "spec_from_config",
+]

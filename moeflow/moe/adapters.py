@@ -8,8 +8,9 @@ A `bias` [E] added to the selection scores is how cache-aware routing steers cho
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,12 +25,14 @@ SelectFn = Callable[[Any, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor
 # ---- scoring rules ------------------------------------------------------------------------------
 # Each takes (router module, logits [T,E], bias [E] | None) and returns (weights [T,k], indices [T,k]).
 
-def _softmax_topk(router: Any, logits: torch.Tensor, bias: torch.Tensor | None, *, always_norm: bool,
-                  cast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+
+def _softmax_topk(
+    router: Any, logits: torch.Tensor, bias: torch.Tensor | None, *, always_norm: bool, cast: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """OLMoE / Qwen2-MoE / Qwen3-MoE (norm if `norm_topk_prob`, cast to logits dtype) and Mixtral."""
-    probs = F.softmax(logits.float(), dim=-1)                               # [T,E] fp32
+    probs = F.softmax(logits.float(), dim=-1)  # [T,E] fp32
     if bias is None:
-        top, idx = torch.topk(probs, router.top_k, dim=-1)                  # [T,k]
+        top, idx = torch.topk(probs, router.top_k, dim=-1)  # [T,k]
     else:
         _, idx = torch.topk(probs + bias.to(probs), router.top_k, dim=-1)
         top = probs.gather(-1, idx)
@@ -63,7 +66,7 @@ def select_granitemoe(router, logits, bias=None):
 
 def select_deepseek_v3(router, logits, bias=None):
     """Sigmoid scores + e_score_correction_bias, group-limited top-k, norm, routed scaling."""
-    scores = logits.float().sigmoid()                                       # [T,E]
+    scores = logits.float().sigmoid()  # [T,E]
     choice = scores + router.e_score_correction_bias
     if bias is not None:
         choice = choice + bias.to(choice)
@@ -83,6 +86,7 @@ def select_deepseek_v3(router, logits, bias=None):
 def select_phimoe(router, logits, bias=None):
     """PhiMoE's sparsemixer (eval mode), called from transformers itself."""
     from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
     if bias is not None:
         raise UnsupportedModelError("PhiMoE's sparsemixer has no additive selection bias; use --routing standard")
     return sparsemixer(logits, jitter_eps=router.router_jitter_noise, training=False, top_k=router.top_k)
@@ -90,25 +94,29 @@ def select_phimoe(router, logits, bias=None):
 
 # ---- adapters -----------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class ArchInfo:
     model_type: str
-    block_attr: str          # the MoE block on a decoder layer
-    router_attr: str         # the router on the MoE block
+    block_attr: str  # the MoE block on a decoder layer
+    router_attr: str  # the router on the MoE block
     select: SelectFn
     shared_attr: str | None  # shared expert(s) module on the block, if any
 
 
-ARCHS: dict[str, ArchInfo] = {a.model_type: a for a in [
-    ArchInfo("olmoe", "mlp", "gate", select_olmoe, None),
-    ArchInfo("mixtral", "mlp", "gate", select_mixtral, None),
-    ArchInfo("qwen2_moe", "mlp", "gate", select_olmoe, "shared_expert"),
-    ArchInfo("qwen3_moe", "mlp", "gate", select_olmoe, None),
-    ArchInfo("deepseek_v3", "mlp", "gate", select_deepseek_v3, "shared_experts"),
-    ArchInfo("gpt_oss", "mlp", "router", select_topk_then_softmax, None),
-    ArchInfo("granitemoe", "block_sparse_moe", "router", select_granitemoe, None),
-    ArchInfo("phimoe", "mlp", "router", select_phimoe, None),
-]}
+ARCHS: dict[str, ArchInfo] = {
+    a.model_type: a
+    for a in [
+        ArchInfo("olmoe", "mlp", "gate", select_olmoe, None),
+        ArchInfo("mixtral", "mlp", "gate", select_mixtral, None),
+        ArchInfo("qwen2_moe", "mlp", "gate", select_olmoe, "shared_expert"),
+        ArchInfo("qwen3_moe", "mlp", "gate", select_olmoe, None),
+        ArchInfo("deepseek_v3", "mlp", "gate", select_deepseek_v3, "shared_experts"),
+        ArchInfo("gpt_oss", "mlp", "router", select_topk_then_softmax, None),
+        ArchInfo("granitemoe", "block_sparse_moe", "router", select_granitemoe, None),
+        ArchInfo("phimoe", "mlp", "router", select_phimoe, None),
+    ]
+}
 
 SUPPORTED = tuple(sorted(ARCHS))
 
@@ -127,8 +135,7 @@ class Adapter:
     def __init__(self, model: nn.Module):
         mt = getattr(model.config, "model_type", None)
         if mt not in ARCHS:
-            raise UnsupportedModelError(
-                f"model type {mt!r} is not supported; supported architectures: {', '.join(SUPPORTED)}")
+            raise UnsupportedModelError(f"model type {mt!r} is not supported; supported architectures: {', '.join(SUPPORTED)}")
         self.info = ARCHS[mt]
         self.model = model
         self.layers = _decoder_layers(model)
@@ -153,11 +160,10 @@ class Adapter:
 
     @staticmethod
     def _num_experts(ex: nn.Module) -> int:
-        return int(getattr(ex, "num_experts"))
+        return int(ex.num_experts)
 
     # -- scoring --
-    def select(self, layer: int, logits: torch.Tensor, bias: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, layer: int, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T,k], indices [T,k]) from router logits [T,E], exactly as layer `layer` routes."""
         return self.info.select(self.router(layer), logits, bias)
 
@@ -175,11 +181,16 @@ class Adapter:
         if not per_expert:
             raise UnsupportedModelError(
                 f"layer {first}'s experts hold no stacked [E, ...] weights (offloaded by a moeflow engine?); "
-                f"build the adapter before attaching the engine, or close the engine first")
+                f"build the adapter before attaching the engine, or close the engine first"
+            )
         params = sum(p[0].numel() for p in per_expert)
         nbytes = sum(p[0].numel() * p.element_size() for p in per_expert)
-        inter = getattr(ex, "intermediate_dim", None) or getattr(ex, "intermediate_size", None) \
-            or getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        inter = (
+            getattr(ex, "intermediate_dim", None)
+            or getattr(ex, "intermediate_size", None)
+            or getattr(cfg, "moe_intermediate_size", None)
+            or cfg.intermediate_size
+        )
         block = self.moe_block(first)
         shared = 0
         if self.info.shared_attr and getattr(block, self.info.shared_attr, None) is not None:
@@ -212,6 +223,7 @@ def get_adapter(model: nn.Module) -> Adapter:
 def spec_from_config(config: Any) -> MoESpec:
     """MoESpec of a config without allocating weights (the model is built on the meta device)."""
     from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return Adapter(model).spec
@@ -220,7 +232,9 @@ def spec_from_config(config: Any) -> MoESpec:
 def model_fingerprint(model: nn.Module) -> str:
     """Config plus router weights: differs between checkpoints that route differently."""
     import hashlib
+
     from ..artifacts import config_fingerprint
+
     ad = get_adapter(model)
     h = hashlib.sha256()
     for l in ad.moe_layers:

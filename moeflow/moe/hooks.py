@@ -26,11 +26,11 @@ from .adapters import Adapter
 
 @dataclass
 class RouterEvent:
-    layer: int                 # decoder-layer index
-    x: torch.Tensor            # router input [T,H] (detached)
-    logits: torch.Tensor       # [T,E]
-    weights: torch.Tensor      # [T,k]
-    indices: torch.Tensor      # [T,k]
+    layer: int  # decoder-layer index
+    x: torch.Tensor  # router input [T,H] (detached)
+    logits: torch.Tensor  # [T,E]
+    weights: torch.Tensor  # [T,k]
+    indices: torch.Tensor  # [T,k]
 
 
 RouterCallback = Callable[[RouterEvent], "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"]
@@ -39,7 +39,7 @@ ResidualCallback = Callable[[int, torch.Tensor], None]
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
-    return t.reshape(-1, t.shape[-1])                                           # [T,H]
+    return t.reshape(-1, t.shape[-1])  # [T,H]
 
 
 @contextlib.contextmanager
@@ -55,6 +55,7 @@ def router_hooks(adapter: Adapter, callback: RouterCallback, *, prepend: bool = 
         def hook(module: nn.Module, args, output):
             logits, weights, indices = output
             return callback(RouterEvent(layer, _rows(args[0]), logits.detach(), weights.detach(), indices.detach()))
+
         return hook
 
     try:
@@ -74,8 +75,10 @@ def residual_norm(adapter: Adapter, layer: int, *, hint: str = "") -> nn.Module:
     """
     norm = getattr(adapter.layers[layer], "post_attention_layernorm", None)
     if norm is None:
-        raise UnsupportedModelError(f"{adapter.spec.arch} layer {layer} has no post_attention_layernorm (the "
-                                    f"post-attention residual is not observable){'; ' + hint if hint else ''}")
+        raise UnsupportedModelError(
+            f"{adapter.spec.arch} layer {layer} has no post_attention_layernorm (the "
+            f"post-attention residual is not observable){'; ' + hint if hint else ''}"
+        )
     return norm
 
 
@@ -91,6 +94,7 @@ def residual_hooks(adapter: Adapter, callback: ResidualCallback, *, hint: str | 
     def make(layer: int):
         def hook(module: nn.Module, args):
             callback(layer, _rows(args[0]))
+
         return hook
 
     try:

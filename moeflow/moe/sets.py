@@ -21,14 +21,14 @@ def mass_mask(probs: torch.Tensor, mass: float) -> torch.Tensor:
 
     An expert is kept when the mass strictly before it is below `mass`, so the first is always kept.
     """
-    sorted_p, order = probs.sort(dim=-1, descending=True)                     # [T,E]
-    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < mass                      # [T,E]
+    sorted_p, order = probs.sort(dim=-1, descending=True)  # [T,E]
+    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < mass  # [T,E]
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
 
 def topk_mask(scores: torch.Tensor, m: int) -> torch.Tensor:
     """Boolean [T,E]: per row, the `m` highest-scoring experts."""
-    idx = scores.topk(m, dim=-1).indices                                       # [T,m]
+    idx = scores.topk(m, dim=-1).indices  # [T,m]
     return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter(-1, idx, True)
 
 

@@ -17,17 +17,17 @@ class MoESpec:
     `moe_layers == (1, 2, ...)`.
     """
 
-    arch: str                      # transformers `model_type`, e.g. "olmoe"
-    num_layers: int                # decoder layers, MoE or dense
-    moe_layers: tuple[int, ...]    # decoder-layer indices with routed experts
-    num_experts: int               # routed experts per MoE layer
-    top_k: int                     # experts chosen per token
+    arch: str  # transformers `model_type`, e.g. "olmoe"
+    num_layers: int  # decoder layers, MoE or dense
+    moe_layers: tuple[int, ...]  # decoder-layer indices with routed experts
+    num_experts: int  # routed experts per MoE layer
+    top_k: int  # experts chosen per token
     hidden_size: int
     expert_intermediate_size: int
-    expert_bytes: int              # one routed expert, all its parameters, in `dtype`
-    expert_params: int             # parameters of one routed expert
-    num_shared_experts: int        # always-on experts per MoE layer (0 if none)
-    dtype: str                     # e.g. "float32", "bfloat16"
+    expert_bytes: int  # one routed expert, all its parameters, in `dtype`
+    expert_params: int  # parameters of one routed expert
+    num_shared_experts: int  # always-on experts per MoE layer (0 if none)
+    dtype: str  # e.g. "float32", "bfloat16"
 
     @property
     def num_moe_layers(self) -> int:
@@ -43,7 +43,7 @@ class MoESpec:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "MoESpec":
+    def from_dict(cls, d: dict[str, Any]) -> MoESpec:
         d = dict(d)
         d["moe_layers"] = tuple(d["moe_layers"])
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})

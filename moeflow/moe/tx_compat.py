@@ -27,9 +27,9 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 
-TESTED = ("5.20", "6")                      # transformers >= TESTED[0], < TESTED[1] (as in pyproject.toml)
+TESTED = ("5.20", "6")  # transformers >= TESTED[0], < TESTED[1] (as in pyproject.toml)
 GROUPED_LINEAR_PARAMS = ("input", "weight", "offs", "bias", "is_transposed")
-EXPERTS_ATTRS = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm")   # + _apply_gate or act_fn
+EXPERTS_ATTRS = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm")  # + _apply_gate or act_fn
 
 
 class TransformersVersionError(UnsupportedModelError):
@@ -38,16 +38,20 @@ class TransformersVersionError(UnsupportedModelError):
 
 def _version() -> str:
     import transformers
+
     return str(getattr(transformers, "__version__", "unknown"))
 
 
 def _fail(what: str) -> TransformersVersionError:
-    return TransformersVersionError(f"transformers {_version()} {what}; moeflow's offload engine is tested with "
-                                    f"transformers>={TESTED[0]},<{TESTED[1]}: install a version in that range")
+    return TransformersVersionError(
+        f"transformers {_version()} {what}; moeflow's offload engine is tested with "
+        f"transformers>={TESTED[0]},<{TESTED[1]}: install a version in that range"
+    )
 
 
 def _in_range(version: str) -> bool:
     from packaging.version import InvalidVersion, Version
+
     try:
         v = Version(version)
     except InvalidVersion:
@@ -84,7 +88,7 @@ def _checked() -> Any:
 def check_experts_module(module: nn.Module) -> None:
     """Raise `TransformersVersionError` unless `module` has the attributes the grouped compute reads."""
     missing = [a for a in EXPERTS_ATTRS if not hasattr(module, a)]
-    if not missing:                       # what the flags select: the gate or the activation, the norm
+    if not missing:  # what the flags select: the gate or the activation, the norm
         needs = ["_apply_gate" if module.has_gate else "act_fn"]
         needs += ["post_expert_norm"] if module.has_post_expert_norm else []
         missing = [a for a in needs if not hasattr(module, a)]
@@ -92,8 +96,14 @@ def check_experts_module(module: nn.Module) -> None:
         raise _fail(f"experts module {type(module).__name__} lacks {', '.join(missing)}")
 
 
-def grouped_linear(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, *, bias: torch.Tensor | None = None,
-                   is_transposed: bool = False) -> torch.Tensor:
+def grouped_linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    is_transposed: bool = False,
+) -> torch.Tensor:
     """transformers' `_grouped_linear`: rows offs[g-1]:offs[g] of input [S,in] times expert g's weight -> [S,out]."""
     return _checked()._grouped_linear(input, weight, offs, bias=bias, is_transposed=is_transposed)
 

@@ -3,11 +3,38 @@
 Importing this package registers every built-in policy (`EVICTION.create("lru")`, ...).
 """
 
-from .base import (EVICTION, MISS, PREFETCH, ROUTING, EvictionPolicy, ExpertKey, LayerContext, MissPolicy, Position,
-                   PrefetchPolicy, PrefetchRequest, Registry, RoutingPolicy)
 from . import eviction, miss, prefetch, routing  # noqa: F401  (registration side effects)
+from .base import (
+    EVICTION,
+    MISS,
+    PREFETCH,
+    ROUTING,
+    EvictionPolicy,
+    ExpertKey,
+    LayerContext,
+    MissPolicy,
+    Position,
+    PrefetchPolicy,
+    PrefetchRequest,
+    Registry,
+    RoutingPolicy,
+)
 from .parse import parse_policy
 
-__all__ = ["EVICTION", "MISS", "PREFETCH", "ROUTING", "EvictionPolicy", "ExpertKey", "LayerContext", "MissPolicy",
-           "Position", "PrefetchPolicy", "PrefetchRequest", "Registry", "RoutingPolicy", "parse_policy"]
-from . import learned  # noqa: E402,F401  (router-pf, estimator, hybrid, forest: moeflow train predictors)
+__all__ = [
+    "EVICTION",
+    "MISS",
+    "PREFETCH",
+    "ROUTING",
+    "EvictionPolicy",
+    "ExpertKey",
+    "LayerContext",
+    "MissPolicy",
+    "Position",
+    "PrefetchPolicy",
+    "PrefetchRequest",
+    "Registry",
+    "RoutingPolicy",
+    "parse_policy",
+]
+from . import learned  # noqa: F401  (router-pf, estimator, hybrid, forest: moeflow train predictors)

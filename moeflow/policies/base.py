@@ -14,8 +14,9 @@ policies behave identically in the runtime and in the trace-driven simulator.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Protocol, Sequence, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -28,10 +29,10 @@ ExpertKey = tuple[int, int]  # (decoder layer, expert id)
 class Position:
     """Where execution is: forward pass number (one per generate step) and the MoE layer running."""
 
-    pass_id: int          # increments at the start of each model forward (prefill = pass 0)
-    layer: int            # decoder-layer index currently executing
-    layer_rank: int       # position of `layer` in spec.moe_layers (0 = first MoE layer)
-    time: int             # cache access counter at this moment
+    pass_id: int  # increments at the start of each model forward (prefill = pass 0)
+    layer: int  # decoder-layer index currently executing
+    layer_rank: int  # position of `layer` in spec.moe_layers (0 = first MoE layer)
+    time: int  # cache access counter at this moment
 
 
 @runtime_checkable
@@ -69,27 +70,27 @@ class LayerContext:
     moe_layers: tuple[int, ...]
     num_experts: int
     top_k: int
-    router_input: torch.Tensor            # [T,H]
-    logits: torch.Tensor                  # [T,E] this layer's router logits
-    indices: torch.Tensor                 # [T,k] experts this layer chose
-    weights: torch.Tensor                 # [T,k]
+    router_input: torch.Tensor  # [T,H]
+    logits: torch.Tensor  # [T,E] this layer's router logits
+    indices: torch.Tensor  # [T,k] experts this layer chose
+    weights: torch.Tensor  # [T,k]
     predict_logits: Callable[[int, torch.Tensor], torch.Tensor]
     token_ids: torch.Tensor | None = None  # [T] input ids of this forward pass, when known
-    residual: torch.Tensor | None = None   # [T,H]
-    lookahead: int = 1                     # step size S: how many MoE layers ahead to prefetch
+    residual: torch.Tensor | None = None  # [T,H]
+    lookahead: int = 1  # step size S: how many MoE layers ahead to prefetch
     resident: Callable[[ExpertKey], bool] = field(default=lambda k: False)
 
     def next_layers(self, steps: int | None = None) -> list[int]:
         """The next `steps` (default: lookahead) MoE layers after this one, in the same pass."""
         steps = self.lookahead if steps is None else steps
         r = self.moe_layers.index(self.layer)
-        return list(self.moe_layers[r + 1: r + 1 + steps])
+        return list(self.moe_layers[r + 1 : r + 1 + steps])
 
 
 @dataclass(frozen=True)
 class PrefetchRequest:
     key: ExpertKey
-    priority: float = 0.0   # higher is sooner; the cache issues requests in priority order
+    priority: float = 0.0  # higher is sooner; the cache issues requests in priority order
 
 
 @runtime_checkable
@@ -104,7 +105,7 @@ class PrefetchPolicy(Protocol):
 @runtime_checkable
 class MissPolicy(Protocol):
     name: ClassVar[str]
-    exact: ClassVar[bool]   # True if the layer's output is unchanged (the expert is loaded and run)
+    exact: ClassVar[bool]  # True if the layer's output is unchanged (the expert is loaded and run)
 
     def on_miss(self, key: ExpertKey, pos: Position) -> str:
         """'fetch' (blocking load, exact) — lossy policies may add other actions."""

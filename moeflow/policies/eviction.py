@@ -20,7 +20,8 @@ policy is deterministic.
 
 from __future__ import annotations
 
-from typing import ClassVar, Sequence
+from collections.abc import Sequence
+from typing import ClassVar
 
 from ..errors import ConfigError
 from .base import EVICTION, ExpertKey, Position
@@ -32,8 +33,8 @@ class _Base:
     name: ClassVar[str] = ""
 
     def __init__(self) -> None:
-        self._last: dict[ExpertKey, int] = {}   # resident key -> last use (cache time; insert counts)
-        self._tick = 0                          # local counter so equal cache times still order
+        self._last: dict[ExpertKey, int] = {}  # resident key -> last use (cache time; insert counts)
+        self._tick = 0  # local counter so equal cache times still order
 
     def _touch(self, key: ExpertKey) -> None:
         self._tick += 1
@@ -173,14 +174,14 @@ class TwoLevelLRU(_Base):
         self.high.add(key)
         cap = int(self.high_fraction * len(self._last))
         while len(self.high) > cap:
-            self.high.discard(min(self.high, key=self._age))   # demote the high tier's LRU
+            self.high.discard(min(self.high, key=self._age))  # demote the high tier's LRU
 
     def on_insert(self, key: ExpertKey, pos: Position, *, prefetched: bool) -> None:
         super().on_insert(key, pos, prefetched=prefetched)
         if prefetched:
             self._promote(key)
         else:
-            self._fresh.add(key)   # its first access is the miss that loaded it, not a reuse
+            self._fresh.add(key)  # its first access is the miss that loaded it, not a reuse
 
     def on_access(self, key: ExpertKey, pos: Position, *, score: float) -> None:
         hit = key in self._last and key not in self._fresh
@@ -231,7 +232,7 @@ class LeastStale(_Base):
         self.right = right
         self.pass_id = -1
         self.current: set[ExpertKey] = set()
-        self._entered: dict[ExpertKey, int] = {}   # when the key entered its queue (FIFO tie-break)
+        self._entered: dict[ExpertKey, int] = {}  # when the key entered its queue (FIFO tie-break)
         self._seq = 0
 
     def _enter(self, key: ExpertKey) -> None:
@@ -245,7 +246,7 @@ class LeastStale(_Base):
             self._enter(key)
 
     def _sync(self, pos: Position) -> None:
-        if pos.pass_id != self.pass_id:            # robust if on_pass_start was not reported
+        if pos.pass_id != self.pass_id:  # robust if on_pass_start was not reported
             self.on_pass_start(pos)
 
     def on_pass_start(self, pos: Position) -> None:
@@ -263,7 +264,7 @@ class LeastStale(_Base):
             self._make_current(key, pos)
         else:
             self._sync(pos)
-            self._enter(key)   # demand load: stale until the access that follows makes it current
+            self._enter(key)  # demand load: stale until the access that follows makes it current
 
     def on_access(self, key: ExpertKey, pos: Position, *, score: float) -> None:
         super().on_access(key, pos, score=score)

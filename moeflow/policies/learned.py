@@ -19,7 +19,8 @@ releases it. Bind before the engine offloads the experts (the adapters read the 
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
@@ -35,11 +36,18 @@ class LearnedPrefetch:
     name: ClassVar[str] = ""
     predictor: ClassVar[str] = ""
 
-    def __init__(self, predictors: str | None = None, lookahead: int | None = None, overfetch: float = 1.0,
-                 mass: float | None = None, window: int | None = None) -> None:
+    def __init__(
+        self,
+        predictors: str | None = None,
+        lookahead: int | None = None,
+        overfetch: float = 1.0,
+        mass: float | None = None,
+        window: int | None = None,
+    ) -> None:
         if not predictors:
-            raise ConfigError(f"prefetch policy {self.name!r} needs --prefetch-opt predictors=DIR "
-                              f"(a folder written by `moeflow train`)")
+            raise ConfigError(
+                f"prefetch policy {self.name!r} needs --prefetch-opt predictors=DIR (a folder written by `moeflow train`)"
+            )
         if lookahead is not None and lookahead < 1:
             raise ConfigError(f"{self.name} lookahead must be >= 1, got {lookahead}")
         if overfetch <= 0 or (mass is not None and not 0 < mass <= 1):
@@ -50,21 +58,22 @@ class LearnedPrefetch:
         self.pred: Any = None
         self._hist: dict[int, torch.Tensor] = {}
         self._pass = -1
-        self._tokens: torch.Tensor | None = None       # [T,w] token context of the current pass
-        self._seq: list[int] = []                       # token ids of the current prompt so far (batch 1)
-        self.predict_s = 0.0                            # time spent in propose (predictor overhead)
+        self._tokens: torch.Tensor | None = None  # [T,w] token context of the current pass
+        self._seq: list[int] = []  # token ids of the current prompt so far (batch 1)
+        self.predict_s = 0.0  # time spent in propose (predictor overhead)
         self.calls = 0
 
     # -- binding to the running model --
     def bind(self, model: torch.nn.Module, engine: Any = None) -> Callable[[], None]:
         from ..predict.io import load_predictors
+
         self.model = model
         _, preds = load_predictors(self.folder, model, [self.predictor])
         self.pred = preds[self.predictor]
         if self.window is None:
             self.window = getattr(self.pred, "window", 4)
         ad = get_adapter(model)
-        for l in ad.moe_layers:          # r_l comes from the engine's hook on this norm: refuse a model without it
+        for l in ad.moe_layers:  # r_l comes from the engine's hook on this norm: refuse a model without it
             residual_norm(ad, l, hint=f"prefetch policy {self.name!r} needs the residual r_l")
         return self.close
 
@@ -78,21 +87,31 @@ class LearnedPrefetch:
         self._pass = ctx.pos.pass_id
         self._hist = {}
         ids = ctx.token_ids.reshape(-1).tolist() if ctx.token_ids is not None else []
-        if len(ids) != 1:                      # a prefill: a new prompt (batch 1)
+        if len(ids) != 1:  # a prefill: a new prompt (batch 1)
             self._seq = []
         start = len(self._seq)
         self._seq.extend(ids)
         w = self.window or 1
-        rows = [[-1] * max(0, w - (start + i + 1)) + self._seq[max(0, start + i + 1 - w): start + i + 1]
-                for i in range(len(ids))]
+        rows = [
+            [-1] * max(0, w - (start + i + 1)) + self._seq[max(0, start + i + 1 - w) : start + i + 1] for i in range(len(ids))
+        ]
         self._tokens = torch.tensor(rows, dtype=torch.long) if rows else None
 
     def _batch(self, ctx: LayerContext):
         from ..predict.data import SourceBatch
+
         self._hist[ctx.layer] = ctx.indices
         tokens = self._tokens if self._tokens is not None and len(self._tokens) == len(ctx.indices) else None
-        return SourceBatch(ctx.layer, ctx.router_input.float(), ctx.indices, ctx.weights.float(), residual=ctx.residual,
-                           token_ctx=tokens, history=dict(self._hist), route=ctx.predict_logits)
+        return SourceBatch(
+            ctx.layer,
+            ctx.router_input.float(),
+            ctx.indices,
+            ctx.weights.float(),
+            residual=ctx.residual,
+            token_ctx=tokens,
+            history=dict(self._hist),
+            route=ctx.predict_logits,
+        )
 
     def _submit(self, ctx: LayerContext, batch: Any) -> None:
         """Hook for asynchronous predictors: start work for later layers from this layer's batch."""
@@ -107,9 +126,11 @@ class LearnedPrefetch:
 
     def propose(self, ctx: LayerContext) -> list[PrefetchRequest]:
         import time
+
         if self.pred is None:
-            raise ConfigError(f"prefetch policy {self.name!r} was not bound to the model; the engine must call "
-                              f"policy.bind(model) on attach")
+            raise ConfigError(
+                f"prefetch policy {self.name!r} was not bound to the model; the engine must call policy.bind(model) on attach"
+            )
         t0 = time.perf_counter()
         self._begin(ctx)
         steps = min(self.lookahead or ctx.lookahead, self.pred.max_lookahead)
@@ -119,13 +140,12 @@ class LearnedPrefetch:
         out: list[PrefetchRequest] = []
         with torch.no_grad():
             for s, t in enumerate(targets, start=1):
-                sc = self.scores(t, s, batch).float()                          # [T,E]
+                sc = self.scores(t, s, batch).float()  # [T,E]
                 mask = self._select(sc, ctx.top_k)
                 p = sc / sc.sum(-1, keepdim=True).clamp(min=1e-12)
-                best = p.masked_fill(~mask, -1.0).amax(0)                      # [E]
+                best = p.masked_fill(~mask, -1.0).amax(0)  # [E]
                 near = float(len(targets) - s + 1)
-                out += [PrefetchRequest((t, e), priority=near + float(best[e]))
-                        for e in mask.any(0).nonzero().flatten().tolist()]
+                out += [PrefetchRequest((t, e), priority=near + float(best[e])) for e in mask.any(0).nonzero().flatten().tolist()]
         out.sort(key=lambda r: -r.priority)
         self.predict_s += time.perf_counter() - t0
         self.calls += 1
@@ -161,9 +181,10 @@ class ForestPrefetch(LearnedPrefetch):
     def bind(self, model: torch.nn.Module, engine: Any = None) -> Callable[[], None]:
         from ..predict.forest import AsyncForest
         from ..predict.pregate import PreGatePredictor
+
         unbind = super().bind(model, engine)
         self.runner = AsyncForest(self.pred)
-        self._pregate = PreGatePredictor(model)   # the fallback while a forest prediction is not ready
+        self._pregate = PreGatePredictor(model)  # the fallback while a forest prediction is not ready
         return unbind
 
     def close(self) -> None:
@@ -189,4 +210,3 @@ class ForestPrefetch(LearnedPrefetch):
         if keys and keys[0] is None:
             return pre()
         return self.runner.lookup(target, keys, pre)
-

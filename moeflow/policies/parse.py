@@ -72,8 +72,7 @@ def parse_policy(text: str) -> tuple[str, dict[str, Any]]:
     return name, opts
 
 
-def parse_capacity(spec: str, *, total_experts: int, expert_bytes: int | None,
-                   flag: str = "--capacity") -> int:
+def parse_capacity(spec: str, *, total_experts: int, expert_bytes: int | None, flag: str = "--capacity") -> int:
     """`N` experts, `P%` of all routed experts (rounded, at least 1), or a byte size (`64MB`, `1.5GiB`;
     needs `expert_bytes`) -> experts. `flag` names the option in error messages."""
     s = str(spec).strip()
@@ -92,8 +91,7 @@ def parse_capacity(spec: str, *, total_experts: int, expert_bytes: int | None,
             return int(float(m["n"]) * mult) // expert_bytes
     except ValueError:
         pass
-    raise ConfigError(f"{flag} {spec!r} not understood; use experts (48), a percentage (25%) "
-                      f"or a size (64MB, 1.5GiB)")
+    raise ConfigError(f"{flag} {spec!r} not understood; use experts (48), a percentage (25%) or a size (64MB, 1.5GiB)")
 
 
 def split_list(values: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:

@@ -53,8 +53,14 @@ class PreGatePrefetch:
 
     name: ClassVar[str] = "pregate"
 
-    def __init__(self, overfetch: float = 1.0, percentile: float | None = None, mass: float | None = None,
-                 lookahead: int | None = None, history: int = 4096) -> None:
+    def __init__(
+        self,
+        overfetch: float = 1.0,
+        percentile: float | None = None,
+        mass: float | None = None,
+        lookahead: int | None = None,
+        history: int = 4096,
+    ) -> None:
         if overfetch <= 0:
             raise ConfigError(f"pregate overfetch must be > 0, got {overfetch}")
         if percentile is not None and not 0 <= percentile < 100:
@@ -68,10 +74,10 @@ class PreGatePrefetch:
         self.overfetch, self.percentile, self.mass = overfetch, percentile, mass
         self.lookahead = lookahead
         self.history = history
-        self._scores: dict[int, torch.Tensor] = {}   # target layer -> recent predicted scores [n]
+        self._scores: dict[int, torch.Tensor] = {}  # target layer -> recent predicted scores [n]
 
     def _threshold(self, layer: int, probs: torch.Tensor) -> float:
-        h = torch.cat([self._scores.get(layer, probs.new_zeros(0)), probs.flatten()])[-self.history:]
+        h = torch.cat([self._scores.get(layer, probs.new_zeros(0)), probs.flatten()])[-self.history :]
         self._scores[layer] = h
         return float(torch.quantile(h.float(), self.percentile / 100.0))
 
@@ -90,8 +96,8 @@ class PreGatePrefetch:
         for s, t in enumerate(targets):
             with torch.no_grad():
                 probs = ctx.predict_logits(t, ctx.router_input).float().softmax(-1)  # [T,E]
-            mask = self._select(t, probs, ctx.top_k)                                   # [T,E]
-            best = probs.masked_fill(~mask, -1.0).amax(0)                              # [E]
+            mask = self._select(t, probs, ctx.top_k)  # [T,E]
+            best = probs.masked_fill(~mask, -1.0).amax(0)  # [E]
             near = float(len(targets) - s)
             for e in mask.any(0).nonzero().flatten().tolist():
                 out.append(PrefetchRequest((t, e), priority=near + float(best[e])))
@@ -112,5 +118,8 @@ class AllNextLayer:
 
     def propose(self, ctx: LayerContext) -> list[PrefetchRequest]:
         targets = ctx.next_layers(self.lookahead)
-        return [PrefetchRequest((t, e), priority=float(len(targets) - s))
-                for s, t in enumerate(targets) for e in range(ctx.num_experts)]
+        return [
+            PrefetchRequest((t, e), priority=float(len(targets) - s))
+            for s, t in enumerate(targets)
+            for e in range(ctx.num_experts)
+        ]

@@ -12,7 +12,8 @@ Cache-aware routing (SpecMD eq. 1, Skliar et al.) is planned and registers here 
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 

@@ -9,5 +9,13 @@ from .base import PREDICTORS, Predictor
 from .data import RoutingData, SourceBatch, batch_from_rows, from_trace
 from .io import load_predictors, save_predictors
 
-__all__ = ["PREDICTORS", "Predictor", "RoutingData", "SourceBatch", "batch_from_rows", "from_trace",
-           "load_predictors", "save_predictors"]
+__all__ = [
+    "PREDICTORS",
+    "Predictor",
+    "RoutingData",
+    "SourceBatch",
+    "batch_from_rows",
+    "from_trace",
+    "load_predictors",
+    "save_predictors",
+]

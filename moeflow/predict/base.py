@@ -24,8 +24,8 @@ from .data import RoutingData, SourceBatch
 @runtime_checkable
 class Predictor(Protocol):
     name: ClassVar[str]
-    needs_hidden: ClassVar[bool]      # needs traced hidden states (`moeflow trace --record-hidden`)
-    max_lookahead: int                # largest S it was fitted for
+    needs_hidden: ClassVar[bool]  # needs traced hidden states (`moeflow trace --record-hidden`)
+    max_lookahead: int  # largest S it was fitted for
 
     def fit(self, data: RoutingData, model: torch.nn.Module, cfg: Any) -> None: ...
 
@@ -36,8 +36,7 @@ class Predictor(Protocol):
     def save(self, folder: Path) -> None: ...
 
     @classmethod
-    def load(cls, folder: Path, model: torch.nn.Module) -> "Predictor": ...
+    def load(cls, folder: Path, model: torch.nn.Module) -> Predictor: ...
 
 
 PREDICTORS = Registry("predictor", what="predictor")
-

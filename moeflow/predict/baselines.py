@@ -29,10 +29,10 @@ class Frequency:
 
     def __init__(self, model: torch.nn.Module | None = None, max_lookahead: int = 4):
         self.max_lookahead = max_lookahead
-        self.freq: dict[int, np.ndarray] = {}       # layer -> [E] probabilities
+        self.freq: dict[int, np.ndarray] = {}  # layer -> [E] probabilities
 
     @classmethod
-    def create(cls, model, cfg: Any) -> "Frequency":
+    def create(cls, model, cfg: Any) -> Frequency:
         return cls(model, cfg.max_s)
 
     def fit(self, data: RoutingData, model, cfg: Any) -> None:
@@ -49,7 +49,7 @@ class Frequency:
         (folder / "config.json").write_text(json.dumps({"max_lookahead": self.max_lookahead}))
 
     @classmethod
-    def load(cls, folder: Path, model) -> "Frequency":
+    def load(cls, folder: Path, model) -> Frequency:
         self = cls(model, json.loads((folder / "config.json").read_text())["max_lookahead"])
         with np.load(folder / "frequency.npz") as z:
             self.freq = {int(l): z[l] for l in z.files}
@@ -64,10 +64,10 @@ class TokenId:
     def __init__(self, model: torch.nn.Module | None = None, max_lookahead: int = 4):
         self.max_lookahead = max_lookahead
         self.freq = Frequency(model, max_lookahead)
-        self.table: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # layer -> (sorted token ids [U], probs [U,E])
+        self.table: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> (sorted token ids [U], probs [U,E])
 
     @classmethod
-    def create(cls, model, cfg: Any) -> "TokenId":
+    def create(cls, model, cfg: Any) -> TokenId:
         return cls(model, cfg.max_s)
 
     def fit(self, data: RoutingData, model, cfg: Any) -> None:
@@ -77,7 +77,7 @@ class TokenId:
         for l, a in data.layers.items():
             c = np.zeros((len(uniq), E), dtype=np.float64)
             np.add.at(c, (np.repeat(inv, a.topk_ids.shape[1]), a.topk_ids.reshape(-1)), 1.0)
-            c += 1e-3 * self.freq.freq[l][None]                  # ties and sparse rows follow global frequency
+            c += 1e-3 * self.freq.freq[l][None]  # ties and sparse rows follow global frequency
             self.table[l] = (uniq, (c / c.sum(1, keepdims=True)).astype(np.float32))
 
     def predict(self, target_layer: int, lookahead: int, batch: SourceBatch) -> torch.Tensor:
@@ -90,11 +90,14 @@ class TokenId:
 
     def save(self, folder: Path) -> None:
         self.freq.save(folder)
-        np.savez(folder / "token_id.npz", **{f"ids_{l}": u for l, (u, _) in self.table.items()},
-                 **{f"p_{l}": p for l, (_, p) in self.table.items()})
+        np.savez(
+            folder / "token_id.npz",
+            **{f"ids_{l}": u for l, (u, _) in self.table.items()},
+            **{f"p_{l}": p for l, (_, p) in self.table.items()},
+        )
 
     @classmethod
-    def load(cls, folder: Path, model) -> "TokenId":
+    def load(cls, folder: Path, model) -> TokenId:
         self = cls(model)
         self.freq = Frequency.load(folder, model)
         self.max_lookahead = self.freq.max_lookahead

@@ -15,8 +15,8 @@ runtime policies build one from a `LayerContext`.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -27,28 +27,32 @@ from ..moe import MoESpec
 
 @dataclass
 class LayerArrays:
-    topk_ids: np.ndarray                 # [N,k] int64
-    topk_weights: np.ndarray             # [N,k] float32
-    probs: np.ndarray                    # [N,E] float16
+    topk_ids: np.ndarray  # [N,k] int64
+    topk_weights: np.ndarray  # [N,k] float32
+    probs: np.ndarray  # [N,E] float16
     hidden_in: np.ndarray | None = None  # [N,H] router input
-    resid: np.ndarray | None = None      # [N,H] post-attention residual
+    resid: np.ndarray | None = None  # [N,H] post-attention residual
 
-    def take(self, rows: np.ndarray) -> "LayerArrays":
-        return LayerArrays(self.topk_ids[rows], self.topk_weights[rows], self.probs[rows],
-                           None if self.hidden_in is None else self.hidden_in[rows],
-                           None if self.resid is None else self.resid[rows])
+    def take(self, rows: np.ndarray) -> LayerArrays:
+        return LayerArrays(
+            self.topk_ids[rows],
+            self.topk_weights[rows],
+            self.probs[rows],
+            None if self.hidden_in is None else self.hidden_in[rows],
+            None if self.resid is None else self.resid[rows],
+        )
 
 
 @dataclass
 class RoutingData:
     spec: MoESpec
-    prompt_id: np.ndarray                # [N]
-    position: np.ndarray                 # [N]
-    phase: np.ndarray                    # [N] 0 prefill, 1 decode
-    token_id: np.ndarray                 # [N]
+    prompt_id: np.ndarray  # [N]
+    position: np.ndarray  # [N]
+    phase: np.ndarray  # [N] 0 prefill, 1 decode
+    token_id: np.ndarray  # [N]
     layers: dict[int, LayerArrays]
-    fingerprint: str | None = None       # model fingerprint recorded by the trace
-    source: str = ""                     # where it came from (trace folder)
+    fingerprint: str | None = None  # model fingerprint recorded by the trace
+    source: str = ""  # where it came from (trace folder)
     trace_fingerprint: str | None = None
 
     @property
@@ -59,16 +63,21 @@ class RoutingData:
     def has_hidden(self) -> bool:
         return all(a.hidden_in is not None and a.resid is not None for a in self.layers.values())
 
-    def take(self, rows: np.ndarray) -> "RoutingData":
-        return replace(self, prompt_id=self.prompt_id[rows], position=self.position[rows], phase=self.phase[rows],
-                       token_id=self.token_id[rows], layers={l: a.take(rows) for l, a in self.layers.items()})
+    def take(self, rows: np.ndarray) -> RoutingData:
+        return replace(
+            self,
+            prompt_id=self.prompt_id[rows],
+            position=self.position[rows],
+            phase=self.phase[rows],
+            token_id=self.token_id[rows],
+            layers={l: a.take(rows) for l, a in self.layers.items()},
+        )
 
-    def split(self, holdout: float, seed: int) -> tuple["RoutingData", "RoutingData"]:
+    def split(self, holdout: float, seed: int) -> tuple[RoutingData, RoutingData]:
         """(train, held-out) by whole prompts: no prompt has tokens on both sides."""
         prompts = np.unique(self.prompt_id)
         if len(prompts) < 2:
-            raise ArtifactError(f"the trace has {len(prompts)} prompt(s); a held-out split needs at least 2 "
-                                "(trace more prompts)")
+            raise ArtifactError(f"the trace has {len(prompts)} prompt(s); a held-out split needs at least 2 (trace more prompts)")
         rng = np.random.default_rng(seed)
         n_out = min(len(prompts) - 1, max(1, int(round(holdout * len(prompts)))))
         out = set(rng.choice(prompts, size=n_out, replace=False).tolist())
@@ -97,8 +106,9 @@ def target_of(spec: MoESpec, source: int, s: int) -> int:
 
 # ---- reading a trace folder ---------------------------------------------------------------------
 
+
 def _copy(x: np.ndarray | None) -> np.ndarray | None:
-    return None if x is None else np.array(x, copy=True)   # writable (the reader's arrays may be memory-mapped)
+    return None if x is None else np.array(x, copy=True)  # writable (the reader's arrays may be memory-mapped)
 
 
 def from_trace(path: str, *, need_hidden: bool = False) -> RoutingData:
@@ -110,35 +120,49 @@ def from_trace(path: str, *, need_hidden: bool = False) -> RoutingData:
     tr = Trace(path)
     spec = tr.spec
     if need_hidden and not tr.record_hidden:
-        raise ArtifactError(f"trace {path} has no hidden states; re-run `moeflow trace --record-hidden` "
-                            "(needed by pregate, router-pf, estimator and hybrid) or pass --only forest")
+        raise ArtifactError(
+            f"trace {path} has no hidden states; re-run `moeflow trace --record-hidden` "
+            "(needed by pregate, router-pf, estimator and hybrid) or pass --only forest"
+        )
     toks = tr.tokens()
     layers: dict[int, LayerArrays] = {}
     for l in spec.moe_layers:
         la = tr.layer(l)
-        layers[l] = LayerArrays(np.asarray(la["topk_ids"]).astype(np.int64),
-                                np.asarray(la["topk_weights"]).astype(np.float32), np.asarray(la["probs"]),
-                                _copy(la.get("hidden_in")), _copy(la.get("resid")))
+        layers[l] = LayerArrays(
+            np.asarray(la["topk_ids"]).astype(np.int64),
+            np.asarray(la["topk_weights"]).astype(np.float32),
+            np.asarray(la["probs"]),
+            _copy(la.get("hidden_in")),
+            _copy(la.get("resid")),
+        )
     meta = tr.meta
     shards = "".join(str(s_.get("sha256", "")) for s_ in meta.get("shards", []))
-    return RoutingData(spec, np.asarray(toks["prompt_id"]).astype(np.int64), np.asarray(toks["position"]).astype(np.int64),
-                       np.asarray(toks["phase"]), np.asarray(toks["token_id"]).astype(np.int64),
-                       layers, fingerprint=meta.get("model_fingerprint"), source=str(path),
-                       trace_fingerprint=hashlib.sha256(shards.encode()).hexdigest()[:16])
+    return RoutingData(
+        spec,
+        np.asarray(toks["prompt_id"]).astype(np.int64),
+        np.asarray(toks["position"]).astype(np.int64),
+        np.asarray(toks["phase"]),
+        np.asarray(toks["token_id"]).astype(np.int64),
+        layers,
+        fingerprint=meta.get("model_fingerprint"),
+        source=str(path),
+        trace_fingerprint=hashlib.sha256(shards.encode()).hexdigest()[:16],
+    )
 
 
 # ---- what a predictor sees at a source layer ------------------------------------------------------
+
 
 @dataclass
 class SourceBatch:
     """What is known when MoE layer `layer` has routed, for T tokens of one forward pass."""
 
-    layer: int                                   # source decoder layer
-    router_input: torch.Tensor                   # [T,H] this layer's router input
-    topk_ids: torch.Tensor                       # [T,k] experts this layer chose
-    topk_weights: torch.Tensor                   # [T,k]
-    residual: torch.Tensor | None = None         # [T,H] post-attention residual of this layer
-    token_ctx: torch.Tensor | None = None        # [T,w] last w token ids (this one last, -1 pad)
+    layer: int  # source decoder layer
+    router_input: torch.Tensor  # [T,H] this layer's router input
+    topk_ids: torch.Tensor  # [T,k] experts this layer chose
+    topk_weights: torch.Tensor  # [T,k]
+    residual: torch.Tensor | None = None  # [T,H] post-attention residual of this layer
+    token_ctx: torch.Tensor | None = None  # [T,w] last w token ids (this one last, -1 pad)
     history: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer <= source -> topk ids [T,k]
     route: Callable[[int, torch.Tensor], torch.Tensor] | None = None
     # ^ router logits of a layer for inputs [T,H]; the runtime passes `LayerContext.predict_logits`
@@ -154,16 +178,20 @@ class SourceBatch:
         return int(self.topk_ids.shape[0])
 
 
-def batch_from_rows(data: RoutingData, layer: int, rows: np.ndarray | slice, *,
-                    ctx: np.ndarray | None = None) -> SourceBatch:
+def batch_from_rows(data: RoutingData, layer: int, rows: np.ndarray | slice, *, ctx: np.ndarray | None = None) -> SourceBatch:
     """A SourceBatch for traced rows at source layer `layer` (history: all MoE layers up to it)."""
     a = data.layers[layer]
     f = lambda x: None if x is None else torch.from_numpy(np.ascontiguousarray(x[rows])).float()  # noqa: E731
     hist = {l: torch.from_numpy(data.layers[l].topk_ids[rows]) for l in data.spec.moe_layers if l <= layer}
-    return SourceBatch(layer, f(a.hidden_in) if a.hidden_in is not None else torch.zeros(0),
-                       torch.from_numpy(a.topk_ids[rows]), torch.from_numpy(a.topk_weights[rows]).float(),
-                       residual=f(a.resid), token_ctx=None if ctx is None else torch.from_numpy(ctx[rows]),
-                       history=hist)
+    return SourceBatch(
+        layer,
+        f(a.hidden_in) if a.hidden_in is not None else torch.zeros(0),
+        torch.from_numpy(a.topk_ids[rows]),
+        torch.from_numpy(a.topk_weights[rows]).float(),
+        residual=f(a.resid),
+        token_ctx=None if ctx is None else torch.from_numpy(ctx[rows]),
+        history=hist,
+    )
 
 
 def iter_chunks(n: int, size: int) -> Iterable[slice]:

@@ -33,8 +33,9 @@ from .data import RoutingData, SourceBatch, target_of
 
 
 @torch.no_grad()
-def compute_default_vectors(model: torch.nn.Module, data: RoutingData, *, max_tokens: int = 50_000,
-                            chunk: int = 4096, progress: Any = None) -> dict[int, torch.Tensor]:
+def compute_default_vectors(
+    model: torch.nn.Module, data: RoutingData, *, max_tokens: int = 50_000, chunk: int = 4096, progress: Any = None
+) -> dict[int, torch.Tensor]:
     """layer -> d [E,H] float32: mean (unweighted) output of each expert over the tokens routed to it."""
     ad = get_adapter(model)
     spec = ad.spec
@@ -52,15 +53,15 @@ def compute_default_vectors(model: torch.nn.Module, data: RoutingData, *, max_to
         sums = torch.zeros(E, H, dtype=torch.float64)
         counts = torch.zeros(E, dtype=torch.float64)
         for i in range(0, len(rows), chunk):
-            r = rows[i:i + chunk]
-            x = torch.from_numpy(a.hidden_in[r]).to(dt)                       # [T,H]
-            ids = torch.from_numpy(a.topk_ids[r])                            # [T,k]
+            r = rows[i : i + chunk]
+            x = torch.from_numpy(a.hidden_in[r]).to(dt)  # [T,H]
+            ids = torch.from_numpy(a.topk_ids[r])  # [T,k]
             for j in range(ids.shape[1]):
-                e = ids[:, j:j + 1]                                          # [T,1]
-                y = experts(x, e, torch.ones(e.shape, dtype=dt))             # [T,H] output of expert e[t]
+                e = ids[:, j : j + 1]  # [T,1]
+                y = experts(x, e, torch.ones(e.shape, dtype=dt))  # [T,H] output of expert e[t]
                 sums.index_add_(0, e[:, 0], y.double())
                 counts.index_add_(0, e[:, 0], torch.ones(len(r), dtype=torch.float64))
-        out[l] = (sums / counts.clamp(min=1)[:, None]).float()               # [E,H]; unseen experts: 0
+        out[l] = (sums / counts.clamp(min=1)[:, None]).float()  # [E,H]; unseen experts: 0
         if progress is not None:
             progress()
     return out
@@ -77,8 +78,8 @@ class QuasiHidden:
     @torch.no_grad()
     def step(self, h: torch.Tensor, layer: int, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """h_{next} ~= h + sum_k w_k d_{layer, ids_k}: [T,H] (h is the post-attention residual of `layer`)."""
-        d = self.dvec[layer][ids]                                            # [T,k,H]
-        return h.float() + (w.float().unsqueeze(-1) * d).sum(1)              # [T,H]
+        d = self.dvec[layer][ids]  # [T,k,H]
+        return h.float() + (w.float().unsqueeze(-1) * d).sum(1)  # [T,H]
 
     @torch.no_grad()
     def normed(self, h: torch.Tensor, layer: int) -> torch.Tensor:
@@ -90,18 +91,19 @@ class QuasiHidden:
     def chain(self, batch: SourceBatch, steps: int) -> list[torch.Tensor]:
         """[q_l (for l+1), q for l+2, ...]: `steps` quasi-hidden states, each [T,H]."""
         if batch.residual is None:
-            raise ArtifactError("router-pf needs the post-attention residual; trace with --record-hidden "
-                                "or run with an engine that captures it")
+            raise ArtifactError(
+                "router-pf needs the post-attention residual; trace with --record-hidden or run with an engine that captures it"
+            )
         ml = self.spec.moe_layers
         r = ml.index(batch.layer)
         h = self.step(batch.residual, batch.layer, batch.topk_ids, batch.topk_weights)
         qs = []
         for s in range(1, steps + 1):
             nxt = ml[r + s]
-            q = self.normed(h, nxt)                                          # [T,H]
+            q = self.normed(h, nxt)  # [T,H]
             qs.append(q)
             if s < steps:
-                logits = batch.router_logits(self.adapter, nxt, q)           # [T,E]
+                logits = batch.router_logits(self.adapter, nxt, q)  # [T,E]
                 w, ids = self.adapter.select(nxt, logits)
                 h = self.step(h, nxt, ids, w)
         return qs
@@ -114,13 +116,17 @@ def save_dvec(folder: Path, dvec: dict[int, torch.Tensor]) -> None:
 def load_dvec(folder: Path, model: torch.nn.Module) -> dict[int, torch.Tensor]:
     """layer -> d [E,H] from `default_vectors.pt` (tensors only), checked against `model`'s MoE layers."""
     from .io import artifact_file, load_tensors
+
     path = folder / "default_vectors.pt"
     raw = load_tensors(path)
     with artifact_file(path):
         spec = get_adapter(model).spec
         shape = (spec.num_experts, spec.hidden_size)
-        if (not isinstance(raw, dict) or sorted(int(l) for l in raw) != sorted(spec.moe_layers)
-                or not all(isinstance(v, torch.Tensor) and tuple(v.shape) == shape for v in raw.values())):
+        if (
+            not isinstance(raw, dict)
+            or sorted(int(l) for l in raw) != sorted(spec.moe_layers)
+            or not all(isinstance(v, torch.Tensor) and tuple(v.shape) == shape for v in raw.values())
+        ):
             raise ValueError(f"not one [E,H] = [{shape[0]},{shape[1]}] tensor per MoE layer of this model")
         return {int(l): v.float() for l, v in raw.items()}
 
@@ -142,8 +148,7 @@ class RouterPF:
     def create(cls, model: torch.nn.Module, cfg: Any) -> RouterPF:
         return cls(model, None, cfg.max_s)
 
-    def fit(self, data: RoutingData, model: torch.nn.Module, cfg: Any, dvec: dict[int, torch.Tensor] | None = None
-            ) -> None:
+    def fit(self, data: RoutingData, model: torch.nn.Module, cfg: Any, dvec: dict[int, torch.Tensor] | None = None) -> None:
         self.dvec = dvec if dvec is not None else compute_default_vectors(model, data, max_tokens=cfg.dv_max_tokens)
         self.qh = QuasiHidden(model, self.dvec)
         self.max_lookahead = cfg.max_s
@@ -152,7 +157,7 @@ class RouterPF:
     def predict(self, target_layer: int, lookahead: int, batch: SourceBatch) -> torch.Tensor:
         assert self.qh is not None, "fit or load first"
         assert target_of(self.qh.spec, batch.layer, lookahead) == target_layer
-        q = self.qh.chain(batch, lookahead)[-1]                              # [T,H]
+        q = self.qh.chain(batch, lookahead)[-1]  # [T,H]
         return torch.softmax(batch.router_logits(self.qh.adapter, target_layer, q).float(), -1)  # [T,E]
 
     def save(self, folder: Path) -> None:
@@ -163,6 +168,7 @@ class RouterPF:
     @classmethod
     def load(cls, folder: Path, model: torch.nn.Module) -> RouterPF:
         from .io import artifact_file, read_json_file
+
         cfg = read_json_file(folder / "config.json")
         dvec = load_dvec(folder, model)
         with artifact_file(folder / "config.json"):

@@ -41,9 +41,9 @@ class EstimatorNet(nn.Module):
         self.head = nn.Linear(m, num_experts)
 
     def forward(self, q: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
-        z = self.A(q) + self.pos(pair)                 # [T,m]
-        z = z + self.C(F.silu(self.B(z)))              # [T,m]
-        return self.head(self.norm(z))                 # [T,E] logits
+        z = self.A(q) + self.pos(pair)  # [T,m]
+        z = z + self.C(F.silu(self.B(z)))  # [T,m]
+        return self.head(self.norm(z))  # [T,E] logits
 
 
 def _recall(scores: torch.Tensor, truth: torch.Tensor) -> float:
@@ -61,7 +61,7 @@ class Estimator:
         self.max_lookahead = max_lookahead
         self.m, self.n = m, n
         self.qh: QuasiHidden | None = None
-        self.pairs: list[tuple[int, int]] = []          # (source layer, S) -> embedding row
+        self.pairs: list[tuple[int, int]] = []  # (source layer, S) -> embedding row
         self.net: EstimatorNet | None = None
         self.history: list[dict[str, float]] = []
 
@@ -91,8 +91,14 @@ class Estimator:
                     ys.append(torch.from_numpy(data.layers[tgt].probs[rows[sl]]).float())
         return torch.cat(qs), torch.cat(ps), torch.cat(ys)
 
-    def fit(self, data: RoutingData, model: torch.nn.Module, cfg: Any, dvec: dict[int, torch.Tensor] | None = None,
-            progress: Callable[[float], None] | None = None) -> None:
+    def fit(
+        self,
+        data: RoutingData,
+        model: torch.nn.Module,
+        cfg: Any,
+        dvec: dict[int, torch.Tensor] | None = None,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
         dvec = dvec if dvec is not None else compute_default_vectors(model, data, max_tokens=cfg.dv_max_tokens)
         self.qh = QuasiHidden(model, dvec)
         self.max_lookahead = cfg.max_s
@@ -109,7 +115,7 @@ class Estimator:
         self.net = EstimatorNet(spec.hidden_size, spec.num_experts, len(self.pairs), self.m, self.n)
         opt = torch.optim.AdamW(self.net.parameters(), lr=cfg.est_lr, weight_decay=1e-4)
         per_epoch = (len(q) + cfg.est_batch - 1) // cfg.est_batch
-        epochs = max(cfg.est_epochs, -(-cfg.est_min_steps // per_epoch))   # small traces: at least est_min_steps
+        epochs = max(cfg.est_epochs, -(-cfg.est_min_steps // per_epoch))  # small traces: at least est_min_steps
         steps = epochs * per_epoch
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.est_lr, total_steps=max(1, steps))
         self.net.train()
@@ -118,7 +124,7 @@ class Estimator:
             perm = torch.randperm(len(q))
             tot = 0.0
             for i in range(0, len(q), cfg.est_batch):
-                j = perm[i:i + cfg.est_batch]
+                j = perm[i : i + cfg.est_batch]
                 logq = F.log_softmax(self.net(q[j], pair[j]), -1)
                 loss = F.kl_div(logq, y[j], reduction="batchmean")
                 opt.zero_grad()
@@ -135,22 +141,32 @@ class Estimator:
     @torch.no_grad()
     def predict(self, target_layer: int, lookahead: int, batch: SourceBatch) -> torch.Tensor:
         assert self.net is not None and self.qh is not None, "fit or load first"
-        q = self.qh.chain(batch, lookahead)[-1].float()                     # [T,H]
+        q = self.qh.chain(batch, lookahead)[-1].float()  # [T,H]
         pair = torch.full((len(q),), self._pair(batch.layer, lookahead), dtype=torch.long)
-        return torch.softmax(self.net(q, pair), -1)                           # [T,E]
+        return torch.softmax(self.net(q, pair), -1)  # [T,E]
 
     def save(self, folder: Path) -> None:
         assert self.net is not None and self.qh is not None, "fit first"
         save_dvec(folder, self.qh.dvec)
         torch.save(self.net.state_dict(), folder / "estimator.pt")
         params = sum(int(p.numel()) for p in self.net.parameters())
-        (folder / "config.json").write_text(json.dumps({
-            "max_lookahead": self.max_lookahead, "m": self.m, "n": self.n, "pairs": self.pairs,
-            "history": self.history, "params": params}))
+        (folder / "config.json").write_text(
+            json.dumps(
+                {
+                    "max_lookahead": self.max_lookahead,
+                    "m": self.m,
+                    "n": self.n,
+                    "pairs": self.pairs,
+                    "history": self.history,
+                    "params": params,
+                }
+            )
+        )
 
     @classmethod
     def load(cls, folder: Path, model: torch.nn.Module) -> Estimator:
         from .io import artifact_file, load_tensors, read_json_file
+
         c = read_json_file(folder / "config.json")
         with artifact_file(folder / "config.json"):
             self = cls(model, int(c["max_lookahead"]), int(c["m"]), int(c["n"]))
@@ -161,7 +177,7 @@ class Estimator:
         self.net = EstimatorNet(spec.hidden_size, spec.num_experts, len(self.pairs), self.m, self.n)
         state = load_tensors(folder / "estimator.pt")
         with artifact_file(folder / "estimator.pt"):
-            self.net.load_state_dict(state)                  # a wrong key or shape is refused too
+            self.net.load_state_dict(state)  # a wrong key or shape is refused too
         self.net.eval()
         return self
 
@@ -184,8 +200,15 @@ class Hybrid:
     def create(cls, model: torch.nn.Module, cfg: Any) -> Hybrid:
         return cls(model, cfg.max_s)
 
-    def fit(self, data: RoutingData, model: torch.nn.Module, cfg: Any, dvec: dict[int, torch.Tensor] | None = None,
-            estimator: Estimator | None = None, progress: Callable[[float], None] | None = None) -> None:
+    def fit(
+        self,
+        data: RoutingData,
+        model: torch.nn.Module,
+        cfg: Any,
+        dvec: dict[int, torch.Tensor] | None = None,
+        estimator: Estimator | None = None,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
         """Fits an estimator on part of the training prompts (or reuses `estimator` if it was fitted
         on `fit_part`) and picks the threshold on the rest."""
         fit_part, val = data.split(cfg.hybrid_val, cfg.seed + 1)
@@ -199,8 +222,7 @@ class Hybrid:
             tgt = target_of(data.spec, src, s)
             b = batch_from_rows(val, src, np.arange(val.n))
             truth = torch.from_numpy(val.layers[tgt].topk_ids)
-            rec[(src, s)] = (_recall(self.router_pf.predict(tgt, s, b), truth),
-                             _recall(self.estimator.predict(tgt, s, b), truth))
+            rec[(src, s)] = (_recall(self.router_pf.predict(tgt, s, b), truth), _recall(self.estimator.predict(tgt, s, b), truth))
         best = (-1.0, 0.0)
         for thr in [*sorted({0.0, *[r for r, _ in rec.values()]}), 1.01]:
             mean = float(np.mean([e if r < thr else r for r, e in rec.values()]))
@@ -219,13 +241,21 @@ class Hybrid:
     def save(self, folder: Path) -> None:
         assert self.estimator is not None, "fit first"
         self.estimator.save(folder)
-        (folder / "hybrid.json").write_text(json.dumps({
-            "threshold": self.threshold, "use_estimator": sorted(self.use_estimator), "validation_recall": self.val,
-            "max_lookahead": self.max_lookahead}))
+        (folder / "hybrid.json").write_text(
+            json.dumps(
+                {
+                    "threshold": self.threshold,
+                    "use_estimator": sorted(self.use_estimator),
+                    "validation_recall": self.val,
+                    "max_lookahead": self.max_lookahead,
+                }
+            )
+        )
 
     @classmethod
     def load(cls, folder: Path, model: torch.nn.Module) -> Hybrid:
         from .io import artifact_file, read_json_file
+
         c = read_json_file(folder / "hybrid.json")
         self = cls(model)
         self.estimator = Estimator.load(folder, model)

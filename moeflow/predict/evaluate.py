@@ -15,8 +15,9 @@ For every predictor and every (source layer, S) with S in 1..max_s, on the held-
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,19 +40,26 @@ def set_metrics(scores: torch.Tensor, truth: torch.Tensor, mass: float) -> dict[
     """Sums (not means) over rows: recall@k hits, mass-set hits, mass-set sizes. scores [T,E], truth [T,k]."""
     k = truth.shape[1]
     scores = scores.float().clamp(min=0)
-    top = torch.topk(scores, k, -1).indices                                  # [T,k]
+    top = torch.topk(scores, k, -1).indices  # [T,k]
     hit_k = topk_hits(top, truth).sum()
-    p = scores / scores.sum(-1, keepdim=True).clamp(min=1e-12)               # [T,E]
-    chosen = mass_mask(p, mass)                                              # [T,E] first item always kept
+    p = scores / scores.sum(-1, keepdim=True).clamp(min=1e-12)  # [T,E]
+    chosen = mass_mask(p, mass)  # [T,E] first item always kept
     truth_hot = torch.zeros_like(chosen).scatter(-1, truth, True)
     inter = (chosen & truth_hot).sum()
-    return {"n": float(len(truth)), "hits_k": float(hit_k), "inter": float(inter),
-            "set_size": float(chosen.sum()), "k": float(k)}
+    return {"n": float(len(truth)), "hits_k": float(hit_k), "inter": float(inter), "set_size": float(chosen.sum()), "k": float(k)}
 
 
-def evaluate(predictors: Mapping[str, Any], data: RoutingData, *, max_s: int = 4, window: int = 4,
-             mass: float = 0.8, chunk: int = 2048, progress: Callable[[], None] | None = None,
-             rows: np.ndarray | None = None) -> dict[str, Any]:
+def evaluate(
+    predictors: Mapping[str, Any],
+    data: RoutingData,
+    *,
+    max_s: int = 4,
+    window: int = 4,
+    mass: float = 0.8,
+    chunk: int = 2048,
+    progress: Callable[[], None] | None = None,
+    rows: np.ndarray | None = None,
+) -> dict[str, Any]:
     """{'pairs': [...], 'results': {name: {'src->tgt': metrics}}, 'by_s': {name: {S: mean recall}}, 'fit': {...}}.
 
     `rows` restricts scoring to those records (e.g. decode tokens); token contexts use all of `data`."""
@@ -73,22 +81,40 @@ def evaluate(predictors: Mapping[str, Any], data: RoutingData, *, max_s: int = 4
                 for k_, v in m.items():
                     acc[k_] = acc.get(k_, 0.0) + v if k_ != "k" else v
             n, k = acc["n"], acc["k"]
-            res[f"{src}->{tgt}"] = {"source": src, "target": tgt, "S": s, "recall_at_k": acc["hits_k"] / (n * k),
-                                    "mass_precision": acc["inter"] / max(acc["set_size"], 1.0),
-                                    "mass_recall": acc["inter"] / (n * k), "mass_set_size": acc["set_size"] / n}
+            res[f"{src}->{tgt}"] = {
+                "source": src,
+                "target": tgt,
+                "S": s,
+                "recall_at_k": acc["hits_k"] / (n * k),
+                "mass_precision": acc["inter"] / max(acc["set_size"], 1.0),
+                "mass_recall": acc["inter"] / (n * k),
+                "mass_set_size": acc["set_size"] / n,
+            }
             if progress is not None:
                 progress()
         results[name] = res
-    by_s = {name: {s: float(np.mean([m["recall_at_k"] for m in r.values() if m["S"] == s]))
-                   for s in sorted({m["S"] for m in r.values()})} for name, r in results.items()}
+    by_s = {
+        name: {
+            s: float(np.mean([m["recall_at_k"] for m in r.values() if m["S"] == s])) for s in sorted({m["S"] for m in r.values()})
+        }
+        for name, r in results.items()
+    }
     fits = {name: fit_decay([(m["S"], m["recall_at_k"]) for m in r.values()]) for name, r in results.items()}
     g = fits.get("pregate")
     for name, f in fits.items():
         if f is not None and g is not None:
             f["delta_inf_vs_pregate"] = f["c"] - g["c"]
-    return {"n_tokens": int(len(sel)), "n_prompts": int(len(np.unique(data.prompt_id[sel]))), "mass": mass, "max_s": max_s,
-            "pairs": [[src, s] for src, s in pairs], "results": results, "by_s": by_s, "fit": fits,
-            "paper_table2": {"source": PAPER_CITATION, "values_percent": PAPER_TABLE2}}
+    return {
+        "n_tokens": len(sel),
+        "n_prompts": len(np.unique(data.prompt_id[sel])),
+        "mass": mass,
+        "max_s": max_s,
+        "pairs": [[src, s] for src, s in pairs],
+        "results": results,
+        "by_s": by_s,
+        "fit": fits,
+        "paper_table2": {"source": PAPER_CITATION, "values_percent": PAPER_TABLE2},
+    }
 
 
 def fit_decay(points: list[tuple[int, float]]) -> dict[str, float] | None:
@@ -100,11 +126,14 @@ def fit_decay(points: list[tuple[int, float]]) -> dict[str, float] | None:
     f = lambda t_, a, b, c: a * np.exp(-b * t_) + c  # noqa: E731
     try:
         import warnings
+
         from scipy.optimize import curve_fit
+
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")     # 3 points, 3 parameters: no covariance, expected
-            (a, b, c), _ = curve_fit(f, t, y, p0=(max(y) - min(y) + 1e-3, 0.5, min(y)),
-                                     bounds=([0.0, 0.0, 0.0], [2.0, 5.0, 1.0]), maxfev=20000)
+            warnings.simplefilter("ignore")  # 3 points, 3 parameters: no covariance, expected
+            (a, b, c), _ = curve_fit(
+                f, t, y, p0=(max(y) - min(y) + 1e-3, 0.5, min(y)), bounds=([0.0, 0.0, 0.0], [2.0, 5.0, 1.0]), maxfev=20000
+            )
         method = "scipy.curve_fit"
     except Exception:  # scipy missing or no convergence: grid over b, least squares for a, c
         best = None
@@ -121,18 +150,21 @@ def fit_decay(points: list[tuple[int, float]]) -> dict[str, float] | None:
         _, a, b, c = best
         method = "numpy grid"
     rmse = float(math.sqrt(np.mean((f(t, a, b, c) - y) ** 2)))
-    return {"a": float(a), "b": float(b), "c": float(c), "rmse": rmse, "distinct_S": int(len(np.unique(t))),
-            "method": method}
+    return {"a": float(a), "b": float(b), "c": float(c), "rmse": rmse, "distinct_S": len(np.unique(t)), "method": method}
 
 
 # ---- presentation -------------------------------------------------------------------------------
 
+
 def tables(report: dict[str, Any]) -> list:
     from rich.table import Table
+
     res = report["results"]
     targets = sorted({m["target"] for r in res.values() for m in r.values()})
-    t1 = Table(title=f"held-out recall@k per target layer and step S ({report['n_tokens']} tokens, "
-                     f"{report['n_prompts']} prompts); mass-set precision at mass {report['mass']}")
+    t1 = Table(
+        title=f"held-out recall@k per target layer and step S ({report['n_tokens']} tokens, "
+        f"{report['n_prompts']} prompts); mass-set precision at mass {report['mass']}"
+    )
     t1.add_column("predictor")
     t1.add_column("S", justify="right")
     for tg in targets:
@@ -144,10 +176,14 @@ def tables(report: dict[str, Any]) -> list:
         for s in sorted({m["S"] for m in r.values()}):
             ms = [m for m in r.values() if m["S"] == s]
             by_t = {m["target"]: m["recall_at_k"] for m in ms}
-            t1.add_row(name, str(s), *[f"{by_t[tg]:.3f}" if tg in by_t else "" for tg in targets],
-                       f"{np.mean([m['recall_at_k'] for m in ms]):.3f}",
-                       f"{np.mean([m['mass_precision'] for m in ms]):.3f}",
-                       f"{np.mean([m['mass_set_size'] for m in ms]):.1f}")
+            t1.add_row(
+                name,
+                str(s),
+                *[f"{by_t[tg]:.3f}" if tg in by_t else "" for tg in targets],
+                f"{np.mean([m['recall_at_k'] for m in ms]):.3f}",
+                f"{np.mean([m['mass_precision'] for m in ms]):.3f}",
+                f"{np.mean([m['mass_set_size'] for m in ms]):.1f}",
+            )
     t2 = Table(title="accuracy vs step: f(t) = a e^{-bt} + c fitted to held-out recall@k (this model)")
     for c_ in ("predictor", "a", "b", "c (asymptote)", "Δ∞ = c - c_pregate", "fit rmse", "distinct S"):
         t2.add_column(c_, justify="right")
@@ -156,8 +192,15 @@ def tables(report: dict[str, Any]) -> list:
             t2.add_row(name, "-", "-", "-", "-", "-", "<3 (fit needs 3)")
             continue
         d = f.get("delta_inf_vs_pregate")
-        t2.add_row(name, f"{f['a']:.3f}", f"{f['b']:.3f}", f"{f['c']:.3f}", "" if d is None else f"{d:+.3f}",
-                   f"{f['rmse']:.4f}", str(f["distinct_S"]))
+        t2.add_row(
+            name,
+            f"{f['a']:.3f}",
+            f"{f['b']:.3f}",
+            f"{f['c']:.3f}",
+            "" if d is None else f"{d:+.3f}",
+            f"{f['rmse']:.4f}",
+            str(f["distinct_S"]),
+        )
     t3 = Table(title=f"for comparison, the PAPER's values (not measured here): {PAPER_CITATION}, accuracy in %")
     for c_ in ("model group", "c_p (predictor)", "c_g (pre-gate)", "Δ∞ = c_p - c_g"):
         t3.add_column(c_, justify="right")
@@ -180,8 +223,10 @@ def tables(report: dict[str, Any]) -> list:
 
 def plot(report: dict[str, Any], path: Path) -> Path:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for name, r in report["results"].items():
         ms = sorted((m for m in r.values() if m["S"] == 1), key=lambda m: m["target"])
@@ -197,8 +242,8 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     ax1.set(xlabel="target MoE layer (S = 1)", ylabel="recall@k (hit rate)", title="per-layer recall, held out")
     ax2.set(xlabel="step S", ylabel="mean recall@k", title="recall vs S (dotted: a e^{-bS} + c)")
     ax1.legend(fontsize=7)
-    ax1.grid(alpha=.3)
-    ax2.grid(alpha=.3)
+    ax1.grid(alpha=0.3)
+    ax2.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -82,7 +82,7 @@ class ArrayForest:
             leaf = np.full(t.node_count, -1, np.int64)
             leaf[is_leaf] = n_leaves + np.arange(int(is_leaf.sum()))
             parts["leaf"].append(leaf)
-            parts["value"].append(t.value[is_leaf, :, 0].astype(np.float64))          # [leaves,E]
+            parts["value"].append(t.value[is_leaf, :, 0].astype(np.float64))  # [leaves,E]
             parts["roots"].append(np.array([off], np.int64))
             off += t.node_count
             n_leaves += int(is_leaf.sum())
@@ -91,9 +91,9 @@ class ArrayForest:
     def predict(self, X: np.ndarray) -> np.ndarray:
         """[T,F] -> [T,E] float64: the mean over trees of the leaf each row reaches."""
         a = self.a
-        X = np.asarray(X, dtype=np.float32)                   # scikit-learn compares float32 features
+        X = np.asarray(X, dtype=np.float32)  # scikit-learn compares float32 features
         rows = np.arange(len(X))[:, None]
-        node = np.broadcast_to(a["roots"], (len(X), self.n_estimators)).copy()   # [T,trees]
+        node = np.broadcast_to(a["roots"], (len(X), self.n_estimators)).copy()  # [T,trees]
         while True:
             inner = a["left"][node] >= 0
             if not inner.any():
@@ -102,13 +102,16 @@ class ArrayForest:
             go_left = (x <= a["threshold"][node]) | (np.isnan(x) & a["nan_left"][node])
             node = np.where(inner, np.where(go_left, a["left"][node], a["right"][node]), node)
         out = np.zeros((len(X), a["value"].shape[1]), np.float64)
-        for j in range(self.n_estimators):                    # tree order, as scikit-learn sums
+        for j in range(self.n_estimators):  # tree order, as scikit-learn sums
             out += a["value"][a["leaf"][node[:, j]]]
         return out / self.n_estimators
 
     def save(self, path: Path) -> None:
-        arrays = {**self.a, "n_features": np.int64(self.n_features),
-                  "max_depth": np.int64(-1 if self.max_depth is None else self.max_depth)}
+        arrays = {
+            **self.a,
+            "n_features": np.int64(self.n_features),
+            "max_depth": np.int64(-1 if self.max_depth is None else self.max_depth),
+        }
         np.savez_compressed(path, **arrays)  # type: ignore[arg-type]
 
     @classmethod
@@ -121,16 +124,19 @@ class ArrayForest:
             a = {k: z[k] for k in cls.FIELDS}
             n_features, depth = int(z["n_features"]), int(z["max_depth"])
         n, n_leaves = len(a["left"]), len(a["value"])
-        ok = (all(len(a[k]) == n for k in ("right", "feature", "threshold", "nan_left", "leaf"))
-              and a["value"].ndim == 2 and len(a["roots"]) > 0
-              and all(a[k].dtype.kind == "i" for k in ("left", "right", "feature", "leaf", "roots"))
-              and ((a["left"] >= -1) & (a["left"] < n) & (a["right"] >= -1) & (a["right"] < n)).all()
-              and ((a["roots"] >= 0) & (a["roots"] < n)).all()
-              and ((a["feature"] >= 0) & (a["feature"] < n_features)).all()
-              and ((a["left"] >= 0) == (a["right"] >= 0)).all()
-              and ((a["left"] >= 0) | ((a["leaf"] >= 0) & (a["leaf"] < n_leaves))).all()
-              and ((a["left"] < 0) | (a["left"] > np.arange(n))).all()     # children after parents: no loops
-              and ((a["right"] < 0) | (a["right"] > np.arange(n))).all())
+        ok = (
+            all(len(a[k]) == n for k in ("right", "feature", "threshold", "nan_left", "leaf"))
+            and a["value"].ndim == 2
+            and len(a["roots"]) > 0
+            and all(a[k].dtype.kind == "i" for k in ("left", "right", "feature", "leaf", "roots"))
+            and ((a["left"] >= -1) & (a["left"] < n) & (a["right"] >= -1) & (a["right"] < n)).all()
+            and ((a["roots"] >= 0) & (a["roots"] < n)).all()
+            and ((a["feature"] >= 0) & (a["feature"] < n_features)).all()
+            and ((a["left"] >= 0) == (a["right"] >= 0)).all()
+            and ((a["left"] >= 0) | ((a["leaf"] >= 0) & (a["leaf"] < n_leaves))).all()
+            and ((a["left"] < 0) | (a["left"] > np.arange(n))).all()  # children after parents: no loops
+            and ((a["right"] < 0) | (a["right"] > np.arange(n))).all()
+        )
         if not ok:
             raise ValueError("inconsistent tree arrays")
         return cls(a, n_features, None if depth < 0 else depth)
@@ -139,7 +145,7 @@ class ArrayForest:
 @PREDICTORS.register
 class Forest:
     name: ClassVar[str] = "forest"
-    needs_hidden: ClassVar[bool] = False   # uses the pre-gate as its base only when hidden states exist
+    needs_hidden: ClassVar[bool] = False  # uses the pre-gate as its base only when hidden states exist
 
     def __init__(self, model: torch.nn.Module, max_lookahead: int = 4, window: int = 4, dim: int = 16, seed: int = 0):
         self.adapter = get_adapter(model)
@@ -147,8 +153,7 @@ class Forest:
         self.max_lookahead = max_lookahead
         self.window = window
         self.dim = dim
-        self.table = np.random.default_rng(seed).standard_normal(
-            (int(model.config.vocab_size), dim)).astype(np.float32)  # type: ignore[union-attr,arg-type]          # [V,d] fixed random embedding
+        self.table = np.random.default_rng(seed).standard_normal((int(model.config.vocab_size), dim)).astype(np.float32)  # type: ignore[union-attr,arg-type]          # [V,d] fixed random embedding
         self.delta = True
         self.rf: ArrayForest | None = None
         self.fit_seconds = 0.0
@@ -161,19 +166,19 @@ class Forest:
     def embed(self, ctx: np.ndarray) -> np.ndarray:
         """[T,w] token ids (-1 pad) -> [T,d] mean of the table rows of the valid ids."""
         valid = ctx >= 0
-        e = self.table[np.where(valid, ctx, 0)] * valid[..., None]            # [T,w,d]
+        e = self.table[np.where(valid, ctx, 0)] * valid[..., None]  # [T,w,d]
         return e.sum(1) / np.maximum(valid.sum(1, keepdims=True), 1)
 
     def features(self, target: int, s: int, batch: SourceBatch) -> np.ndarray:
         ml, E = self.spec.moe_layers, self.spec.num_experts
         t = batch.t
         ctx = batch.token_ctx.numpy() if batch.token_ctx is not None else np.full((t, 1), -1)
-        prev = np.zeros((t, len(ml) * E), dtype=np.float32)                   # [T,L*M]
+        prev = np.zeros((t, len(ml) * E), dtype=np.float32)  # [T,L*M]
         for l, ids in batch.history.items():
             r = ml.index(l)
-            prev[:, r * E:(r + 1) * E] = multi_hot(ids, E)
+            prev[:, r * E : (r + 1) * E] = multi_hot(ids, E)
         meta = np.tile(np.array([[s, ml.index(target)]], dtype=np.float32), (t, 1))
-        return np.concatenate([self.embed(ctx), meta, prev], axis=1)          # [T, d+2+L*M]
+        return np.concatenate([self.embed(ctx), meta, prev], axis=1)  # [T, d+2+L*M]
 
     @torch.no_grad()
     def base(self, target: int, batch: SourceBatch) -> tuple[np.ndarray, np.ndarray]:
@@ -191,6 +196,7 @@ class Forest:
         import time
 
         from sklearn.ensemble import RandomForestRegressor
+
         t0 = time.perf_counter()
         self.max_lookahead = cfg.max_s
         self.delta = data.has_hidden
@@ -208,11 +214,16 @@ class Forest:
             base, _ = self.base(tgt, b)
             X.append(self.features(tgt, s, b))
             Y.append(multi_hot(data.layers[tgt].topk_ids[rows], self.spec.num_experts) - base)
-        rf = RandomForestRegressor(n_estimators=cfg.forest_trees, max_depth=cfg.forest_depth,
-                                   min_samples_leaf=cfg.forest_min_leaf, max_features=cfg.forest_max_features,
-                                   n_jobs=cfg.threads, random_state=cfg.seed)
+        rf = RandomForestRegressor(
+            n_estimators=cfg.forest_trees,
+            max_depth=cfg.forest_depth,
+            min_samples_leaf=cfg.forest_min_leaf,
+            max_features=cfg.forest_max_features,
+            n_jobs=cfg.threads,
+            random_state=cfg.seed,
+        )
         rf.fit(np.concatenate(X), np.concatenate(Y))
-        self.rf = ArrayForest.from_sklearn(rf)   # run-time prediction: numpy, one thread, off the model's cores
+        self.rf = ArrayForest.from_sklearn(rf)  # run-time prediction: numpy, one thread, off the model's cores
         self.fit_seconds = time.perf_counter() - t0
 
     def delta_hat(self, target: int, s: int, batch: SourceBatch) -> np.ndarray:
@@ -229,17 +240,30 @@ class Forest:
         assert self.rf is not None, "fit first"
         self.rf.save(folder / FOREST_FILE)
         np.save(folder / "embedding.npy", self.table)
-        (folder / "config.json").write_text(json.dumps({
-            "max_lookahead": self.max_lookahead, "window": self.window, "dim": self.dim, "delta": self.delta,
-            "fit_seconds": self.fit_seconds, "n_estimators": self.rf.n_estimators, "max_depth": self.rf.max_depth}))
+        (folder / "config.json").write_text(
+            json.dumps(
+                {
+                    "max_lookahead": self.max_lookahead,
+                    "window": self.window,
+                    "dim": self.dim,
+                    "delta": self.delta,
+                    "fit_seconds": self.fit_seconds,
+                    "n_estimators": self.rf.n_estimators,
+                    "max_depth": self.rf.max_depth,
+                }
+            )
+        )
 
     @classmethod
     def load(cls, folder: Path, model: torch.nn.Module) -> Forest:
         """Read a forest folder; nothing in it is unpickled (a legacy `forest.joblib` is refused)."""
         from .io import artifact_file, read_json_file
+
         if not (folder / FOREST_FILE).exists() and (folder / LEGACY_FILE).exists():
-            raise ArtifactError(f"{folder / LEGACY_FILE} is a pickle, which moeflow no longer loads (it can run "
-                                f"code); re-run `moeflow train` to save the forest as {FOREST_FILE}")
+            raise ArtifactError(
+                f"{folder / LEGACY_FILE} is a pickle, which moeflow no longer loads (it can run "
+                f"code); re-run `moeflow train` to save the forest as {FOREST_FILE}"
+            )
         c = read_json_file(folder / "config.json")
         with artifact_file(folder / "config.json"):
             self = cls(model, int(c["max_lookahead"]), int(c["window"]), int(c["dim"]))
@@ -254,8 +278,10 @@ class Forest:
             self.rf = ArrayForest.load(folder / FOREST_FILE)
             F = self.dim + 2 + len(self.spec.moe_layers) * self.spec.num_experts
             if self.rf.n_features != F or self.rf.a["value"].shape[1] != self.spec.num_experts:
-                raise ValueError(f"{self.rf.n_features} features -> {self.rf.a['value'].shape[1]} experts, "
-                                 f"this model needs {F} -> {self.spec.num_experts}")
+                raise ValueError(
+                    f"{self.rf.n_features} features -> {self.rf.a['value'].shape[1]} experts, "
+                    f"this model needs {F} -> {self.spec.num_experts}"
+                )
         return self
 
 
@@ -280,6 +306,7 @@ class AsyncForest:
 
     def _run(self, keys: list, target: int, s: int, batch: SourceBatch, base: np.ndarray, probs: np.ndarray) -> None:
         import time
+
         t0 = time.perf_counter()
         score = np.clip(base + self.forest.delta_hat(target, s, batch), 0, None) + 1e-3 * probs + 1e-6
         with self.lock:
@@ -299,10 +326,16 @@ class AsyncForest:
         if not todo:
             return
         idx = torch.tensor(todo)
-        sub = SourceBatch(batch.layer, batch.router_input[idx] if batch.router_input.numel() else batch.router_input,
-                          batch.topk_ids[idx], batch.topk_weights[idx], None,
-                          None if batch.token_ctx is None else batch.token_ctx[idx],
-                          {l: h[idx] for l, h in batch.history.items()}, route=batch.route)
+        sub = SourceBatch(
+            batch.layer,
+            batch.router_input[idx] if batch.router_input.numel() else batch.router_input,
+            batch.topk_ids[idx],
+            batch.topk_weights[idx],
+            None,
+            None if batch.token_ctx is None else batch.token_ctx[idx],
+            {l: h[idx] for l, h in batch.history.items()},
+            route=batch.route,
+        )
         base, probs = self.forest.base(target, sub)
         sub.route = None
         sub_keys = [keys[i] for i in todo]

@@ -38,8 +38,11 @@ def artifact_file(path: Path) -> Iterator[None]:
     except MoeflowError:
         raise
     except Exception as e:
-        why = "it is missing" if isinstance(e, FileNotFoundError) else \
-            f"it is corrupt: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        why = (
+            "it is missing"
+            if isinstance(e, FileNotFoundError)
+            else f"it is corrupt: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        )
         raise ArtifactError(f"cannot load {path} ({why}); re-run `moeflow train`") from e
 
 
@@ -58,9 +61,17 @@ def load_tensors(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def save_predictors(out: str | Path, predictors: Mapping[str, Any], model: torch.nn.Module, *,
-                    trace: str, trace_fingerprint: str | None, config: dict[str, Any], report: dict[str, Any] | None,
-                    plot_fn: Any = None) -> Path:
+def save_predictors(
+    out: str | Path,
+    predictors: Mapping[str, Any],
+    model: torch.nn.Module,
+    *,
+    trace: str,
+    trace_fingerprint: str | None,
+    config: dict[str, Any],
+    report: dict[str, Any] | None,
+    plot_fn: Any = None,
+) -> Path:
     out = Path(out)
     with atomic_dir(out) as tmp:
         for name, p in predictors.items():
@@ -69,8 +80,15 @@ def save_predictors(out: str | Path, predictors: Mapping[str, Any], model: torch
             p.save(sub)
         if report is not None and plot_fn is not None:
             plot_fn(report, tmp / "recall.png")
-        meta = new_meta(KIND, SCHEMA, model_fingerprint(model), trace={"path": str(trace), "fingerprint": trace_fingerprint},
-                        predictors=list(predictors), config=config, eval=report)
+        meta = new_meta(
+            KIND,
+            SCHEMA,
+            model_fingerprint(model),
+            trace={"path": str(trace), "fingerprint": trace_fingerprint},
+            predictors=list(predictors),
+            config=config,
+            eval=report,
+        )
         write_json_atomic(tmp / "meta.json", meta)
     return out
 
@@ -79,12 +97,14 @@ def read_predictor_meta(folder: str | Path) -> dict[str, Any]:
     try:
         return read_meta(folder, KIND, SCHEMA)
     except ArtifactError as e:
-        raise ArtifactError(str(e).replace("moeflow predictors", "moeflow train").replace(
-            "`moeflow predictors", "`moeflow train")) from None
+        raise ArtifactError(
+            str(e).replace("moeflow predictors", "moeflow train").replace("`moeflow predictors", "`moeflow train")
+        ) from None
 
 
-def load_predictors(folder: str | Path, model: torch.nn.Module, names: list[str] | None = None
-                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+def load_predictors(
+    folder: str | Path, model: torch.nn.Module, names: list[str] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(meta, name -> predictor) for `model`; refuses a folder made for another model."""
     folder = Path(folder)
     meta = read_predictor_meta(folder)
@@ -93,8 +113,10 @@ def load_predictors(folder: str | Path, model: torch.nn.Module, names: list[str]
     names = have if names is None else names
     missing = [n for n in names if n not in have]
     if missing:
-        raise ArtifactError(f"{folder} has no {', '.join(missing)} predictor (it has {', '.join(have)}); "
-                            f"re-run `moeflow train --only {' '.join(missing)}`")
+        raise ArtifactError(
+            f"{folder} has no {', '.join(missing)} predictor (it has {', '.join(have)}); "
+            f"re-run `moeflow train --only {' '.join(missing)}`"
+        )
     out = {}
     for n in names:
         if n not in PREDICTORS:

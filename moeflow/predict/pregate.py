@@ -21,14 +21,14 @@ from .data import RoutingData, SourceBatch
 @PREDICTORS.register
 class PreGatePredictor:
     name: ClassVar[str] = "pregate"
-    needs_hidden: ClassVar[bool] = True   # it reads the traced router input
+    needs_hidden: ClassVar[bool] = True  # it reads the traced router input
 
     def __init__(self, model: torch.nn.Module, max_lookahead: int = 4):
         self.adapter = get_adapter(model)
         self.max_lookahead = max_lookahead
 
     @classmethod
-    def create(cls, model: torch.nn.Module, cfg: Any) -> "PreGatePredictor":
+    def create(cls, model: torch.nn.Module, cfg: Any) -> PreGatePredictor:
         return cls(model, cfg.max_s)
 
     def fit(self, data: RoutingData, model: torch.nn.Module, cfg: Any) -> None:
@@ -36,12 +36,12 @@ class PreGatePredictor:
 
     @torch.no_grad()
     def predict(self, target_layer: int, lookahead: int, batch: SourceBatch) -> torch.Tensor:
-        logits = batch.router_logits(self.adapter, target_layer, batch.router_input)   # [T,E]
+        logits = batch.router_logits(self.adapter, target_layer, batch.router_input)  # [T,E]
         return torch.softmax(logits.float(), -1)
 
     def save(self, folder: Path) -> None:
         (folder / "config.json").write_text(json.dumps({"max_lookahead": self.max_lookahead}))
 
     @classmethod
-    def load(cls, folder: Path, model: torch.nn.Module) -> "PreGatePredictor":
+    def load(cls, folder: Path, model: torch.nn.Module) -> PreGatePredictor:
         return cls(model, json.loads((folder / "config.json").read_text())["max_lookahead"])

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -24,8 +25,9 @@ from .data import SourceBatch
 
 
 @contextlib.contextmanager
-def speculative_routing(model: torch.nn.Module, predictor: Any, *, stats: dict | None = None, engine: Any = None,
-                        adapter: Any = None) -> Iterator[dict]:
+def speculative_routing(
+    model: torch.nn.Module, predictor: Any, *, stats: dict | None = None, engine: Any = None, adapter: Any = None
+) -> Iterator[dict]:
     """Replace each MoE layer's routing (after the first) by the prediction made one layer earlier.
 
     The hooks are prepended, so an `OffloadEngine`'s router hooks (registered before or after) see the
@@ -39,7 +41,7 @@ def speculative_routing(model: torch.nn.Module, predictor: Any, *, stats: dict |
     stats = stats if stats is not None else {}
     stats.setdefault("replaced", 0)
     stats.setdefault("agree", 0.0)
-    resid: dict[int, torch.Tensor] = {}              # MoE layer -> its post-attention residual [T,H], this pass
+    resid: dict[int, torch.Tensor] = {}  # MoE layer -> its post-attention residual [T,H], this pass
 
     def route(layer: int, x: torch.Tensor) -> torch.Tensor:
         state["busy"] = True
@@ -54,13 +56,13 @@ def speculative_routing(model: torch.nn.Module, predictor: Any, *, stats: dict |
 
     def on_route(ev: RouterEvent):
         if state["busy"] or (engine is not None and getattr(engine, "_predicting", False)):
-            return None                      # a router call made by a predictor, not the layer's routing
+            return None  # a router call made by a predictor, not the layer's routing
         l = ev.layer
         r = ml.index(l)
         replaced = None
         pred = state["pending"].pop(l, None)
         if pred is not None and pred.shape[0] == ev.indices.shape[0]:
-            logits = torch.log(pred.clamp(min=1e-12)).to(ev.logits.dtype)           # [T,E]
+            logits = torch.log(pred.clamp(min=1e-12)).to(ev.logits.dtype)  # [T,E]
             w, idx = ad.select(l, logits)
             stats["replaced"] += 1
             stats["agree"] += float((idx.sort(-1).values == ev.indices.sort(-1).values).all(-1).float().mean())
@@ -71,8 +73,10 @@ def speculative_routing(model: torch.nn.Module, predictor: Any, *, stats: dict |
         resid.pop(l, None)
         return replaced
 
-    with residual_hooks(ad, resid.__setitem__, hint="speculative routing needs the residual r_l"), \
-            router_hooks(ad, on_route, prepend=True):
+    with (
+        residual_hooks(ad, resid.__setitem__, hint="speculative routing needs the residual r_l"),
+        router_hooks(ad, on_route, prepend=True),
+    ):
         yield stats
 
 
@@ -86,7 +90,7 @@ def measure_quality(model: torch.nn.Module, predictor: Any, sequences: Sequence[
         ids = torch.tensor([list(seq)], dtype=torch.long)
         if ids.shape[1] < 2:
             continue
-        ref = model(ids).logits[0, :-1].float()                                  # [T-1,V]
+        ref = model(ids).logits[0, :-1].float()  # [T-1,V]
         with speculative_routing(model, predictor, stats=stats):
             spec = model(ids).logits[0, :-1].float()
         tgt = ids[0, 1:]
@@ -96,6 +100,11 @@ def measure_quality(model: torch.nn.Module, predictor: Any, sequences: Sequence[
         nll_spec += float(torch.nn.functional.cross_entropy(spec, tgt, reduction="sum"))
     if n == 0:
         return {"tokens": 0}
-    return {"tokens": n, "greedy_agreement": agree / n, "ppl_resident": math.exp(nll_ref / n),
-            "ppl_speculative": math.exp(nll_spec / n), "ppl_ratio": math.exp((nll_spec - nll_ref) / n),
-            "routing_exact_match": stats["agree"] / max(1, stats["replaced"])}
+    return {
+        "tokens": n,
+        "greedy_agreement": agree / n,
+        "ppl_resident": math.exp(nll_ref / n),
+        "ppl_speculative": math.exp(nll_spec / n),
+        "ppl_ratio": math.exp((nll_spec - nll_ref) / n),
+        "routing_exact_match": stats["agree"] / max(1, stats["replaced"]),
+    }

@@ -31,21 +31,21 @@ class TrainConfig:
     trace: str
     out: str
     model: str
-    only: tuple[str, ...] = LEARNED           # learned predictors to fit (pregate and baselines always come along)
-    holdout: float = 0.2                      # fraction of prompts held out for evaluation
+    only: tuple[str, ...] = LEARNED  # learned predictors to fit (pregate and baselines always come along)
+    holdout: float = 0.2  # fraction of prompts held out for evaluation
     seed: int = 0
-    max_s: int = 4                            # largest step S fitted and evaluated
-    mass: float = 0.8                         # cumulative score mass of the evaluated prefetch set
+    max_s: int = 4  # largest step S fitted and evaluated
+    mass: float = 0.8  # cumulative score mass of the evaluated prefetch set
     threads: int = 2
-    dv_max_tokens: int = 50_000               # tokens per layer used for the default vectors
-    est_latent: int = 64                      # estimator m
-    est_hidden: int = 128                     # estimator n
+    dv_max_tokens: int = 50_000  # tokens per layer used for the default vectors
+    est_latent: int = 64  # estimator m
+    est_hidden: int = 128  # estimator n
     est_epochs: int = 6
     est_lr: float = 3e-3
     est_batch: int = 512
     est_max_tokens: int = 30_000
-    est_min_steps: int = 300                  # at least this many optimiser steps (small traces)
-    hybrid_val: float = 0.25                  # part of the training prompts used to pick Hybrid-PF's threshold
+    est_min_steps: int = 300  # at least this many optimiser steps (small traces)
+    hybrid_val: float = 0.25  # part of the training prompts used to pick Hybrid-PF's threshold
     forest_trees: int = 24
     forest_depth: int = 14
     forest_min_leaf: int = 3
@@ -53,11 +53,16 @@ class TrainConfig:
     forest_max_samples: int = 40_000
     forest_window: int = 4
     forest_dim: int = 16
-    force: bool = False                       # replace an existing predictor folder at `out`
+    force: bool = False  # replace an existing predictor folder at `out`
 
     def __post_init__(self) -> None:
-        for flag, v in (("--max-s", self.max_s), ("--threads", self.threads), ("--forest-trees", self.forest_trees),
-                        ("--forest-samples", self.forest_max_samples), ("--est-epochs", self.est_epochs)):
+        for flag, v in (
+            ("--max-s", self.max_s),
+            ("--threads", self.threads),
+            ("--forest-trees", self.forest_trees),
+            ("--forest-samples", self.forest_max_samples),
+            ("--est-epochs", self.est_epochs),
+        ):
             if v < 1:
                 raise ConfigError(f"{flag} must be >= 1 (got {v})")
         if not 0.0 < self.holdout < 1.0:
@@ -78,8 +83,8 @@ class EvalConfig:
     max_s: int = 4
     mass: float = 0.8
     window: int = 4
-    speculative: bool = False                 # also measure speculative execution's quality cost
-    spec_sequences: int = 24                  # trace prompts (prompt + generated tokens) used for that
+    speculative: bool = False  # also measure speculative execution's quality cost
+    spec_sequences: int = 24  # trace prompts (prompt + generated tokens) used for that
 
     def __post_init__(self) -> None:
         for flag, v in (("--max-s", self.max_s), ("--spec-sequences", self.spec_sequences), ("window", self.window)):
@@ -98,12 +103,15 @@ def _check_names(names: tuple[str, ...]) -> None:
 def _check_trace_model(data: RoutingData, model: torch.nn.Module, trace: str) -> None:
     fp = model_fingerprint(model)
     if data.fingerprint is not None and data.fingerprint != fp:
-        raise ArtifactError(f"trace {trace} was recorded with another model (fingerprint {data.fingerprint}, "
-                            f"this model is {fp}); pass the --model it was traced with")
+        raise ArtifactError(
+            f"trace {trace} was recorded with another model (fingerprint {data.fingerprint}, "
+            f"this model is {fp}); pass the --model it was traced with"
+        )
 
 
 def _load_model(path: str) -> torch.nn.Module:
     from ..models import load_model
+
     if not Path(path).is_dir():
         raise ArtifactError(f"model folder {path} does not exist; pass --model DIR")
     model, _ = load_model(path, dtype="float32", device="cpu")
@@ -113,14 +121,14 @@ def _load_model(path: str) -> torch.nn.Module:
 def fit_all(train: RoutingData, model: torch.nn.Module, cfg: TrainConfig, progress: Any = None) -> dict[str, Any]:
     """name -> fitted predictor (baselines, pregate if hidden states exist, then cfg.only)."""
     from .default_vectors import compute_default_vectors
+
     names = list(BASELINES) + (["pregate"] if train.has_hidden else []) + [n for n in cfg.only if n != "pregate"]
     task = (lambda name, total: progress.add_task(name, total=total)) if progress else (lambda *a: None)
     adv = (lambda t, **kw: progress.update(t, **kw)) if progress else (lambda *a, **k: None)
     dvec = None
     if any(n in ("router-pf", "estimator", "hybrid") for n in names):
         t = task("default vectors", len(train.spec.moe_layers))
-        dvec = compute_default_vectors(model, train, max_tokens=cfg.dv_max_tokens,
-                                       progress=lambda: adv(t, advance=1))
+        dvec = compute_default_vectors(model, train, max_tokens=cfg.dv_max_tokens, progress=lambda: adv(t, advance=1))
     out: dict[str, Any] = {}
     for n in names:
         t = task(f"fit {n}", 1.0)
@@ -141,6 +149,7 @@ def fit_all(train: RoutingData, model: torch.nn.Module, cfg: TrainConfig, progre
 def main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
     """`moeflow train`: fit, evaluate on held-out prompts, save the predictor folder; the report."""
     from ..models import torch_threads
+
     with torch_threads(max(1, cfg.threads)):
         return _main(cfg, console)
 
@@ -151,30 +160,49 @@ def _main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
     from ..artifacts import check_out
     from .evaluate import evaluate, plot
     from .io import KIND, save_predictors
+
     _check_names(cfg.only)
     if not 0.0 < cfg.holdout < 1.0:
         raise ConfigError(f"--holdout must be in (0, 1), got {cfg.holdout}")
-    check_out(cfg.out, kind=KIND, inputs=(cfg.trace, cfg.model), force=cfg.force)   # before any work
+    check_out(cfg.out, kind=KIND, inputs=(cfg.trace, cfg.model), force=cfg.force)  # before any work
     model = _load_model(cfg.model)
     need_hidden = any(PREDICTORS[n].needs_hidden for n in cfg.only)
     data = from_trace(cfg.trace, need_hidden=need_hidden)
     _check_trace_model(data, model, cfg.trace)
     train, held = data.split(cfg.holdout, cfg.seed)
-    with Progress(TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                  TimeElapsedColumn(), console=console, transient=False, disable=console is None) as prog:
+    with Progress(
+        TextColumn("{task.description:<22}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>3.0f}%"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+        disable=console is None,
+    ) as prog:
         preds = fit_all(train, model, cfg, prog)
         pairs = len(data.rank_pairs(cfg.max_s))
         t = prog.add_task("evaluate (held out)", total=pairs * len(preds))
-        report = evaluate(preds, held, max_s=cfg.max_s, window=cfg.forest_window, mass=cfg.mass,
-                          progress=lambda: prog.update(t, advance=1))
+        report = evaluate(
+            preds, held, max_s=cfg.max_s, window=cfg.forest_window, mass=cfg.mass, progress=lambda: prog.update(t, advance=1)
+        )
     report["decode_by_s"] = decode_only(preds, held, cfg.max_s, cfg.forest_window, cfg.mass)
     report["fit_seconds"] = {n: round(float(getattr(p, "fit_seconds", 0.0)), 3) for n, p in preds.items()}
     report["train_tokens"], report["heldout_tokens"] = train.n, held.n
     if "hybrid" in preds:
-        report["hybrid"] = {"threshold": preds["hybrid"].threshold,
-                            "estimator_on": [f"{l}+{s}" for l, s in sorted(preds["hybrid"].use_estimator)]}
-    save_predictors(cfg.out, preds, model, trace=cfg.trace, trace_fingerprint=data.trace_fingerprint,
-                    config=cfg.to_dict(), report=report, plot_fn=plot)
+        report["hybrid"] = {
+            "threshold": preds["hybrid"].threshold,
+            "estimator_on": [f"{l}+{s}" for l, s in sorted(preds["hybrid"].use_estimator)],
+        }
+    save_predictors(
+        cfg.out,
+        preds,
+        model,
+        trace=cfg.trace,
+        trace_fingerprint=data.trace_fingerprint,
+        config=cfg.to_dict(),
+        report=report,
+        plot_fn=plot,
+    )
     report["out"] = str(cfg.out)
     return report
 
@@ -182,6 +210,7 @@ def _main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
 def eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from .evaluate import evaluate
     from .io import load_predictors, read_predictor_meta
+
     model = _load_model(cfg.model)
     meta = read_predictor_meta(cfg.predictors)
     names = list(cfg.only) if cfg.only else list(meta.get("predictors", []))
@@ -197,10 +226,12 @@ def eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     report["skipped_no_hidden"] = skipped
     if cfg.speculative:
         from .speculative import measure_quality
+
         seqs = sequences(data, cfg.spec_sequences)
-        report["speculative"] = {n: measure_quality(model, p, seqs) for n, p in preds.items()
-                                 if n in ("router-pf", "estimator", "hybrid", "pregate")}
-    report["trace_overlap_warning"] = (str(Path(meta["trace"]["path"]).resolve()) == str(Path(cfg.trace).resolve()))
+        report["speculative"] = {
+            n: measure_quality(model, p, seqs) for n, p in preds.items() if n in ("router-pf", "estimator", "hybrid", "pregate")
+        }
+    report["trace_overlap_warning"] = str(Path(meta["trace"]["path"]).resolve()) == str(Path(cfg.trace).resolve())
     return report
 
 
@@ -217,6 +248,7 @@ def sequences(data: RoutingData, limit: int, max_len: int = 256) -> list[list[in
 def decode_only(preds: dict[str, Any], data: RoutingData, max_s: int, window: int, mass: float) -> dict | None:
     """Mean recall@k by S on decode tokens only (what a batch-1 decode step prefetches for)."""
     from .evaluate import evaluate
+
     rows = np.flatnonzero(data.phase == 1)
     if len(rows) == 0:
         return None

@@ -33,13 +33,13 @@ class StepSizeController:
     max_s: int = 4
     stall_threshold: int = 4
     overfetch_threshold: int = 32
-    expert_bytes: float | None = None        # E_s
-    bandwidth: float | None = None           # C_s, bytes/s
-    layer_time_s: float | None = None        # T_l
-    experts_per_layer: float | None = None   # N_e
-    ema: float = 0.2                         # weight of a new observation in C_s / T_l
-    num_layers: int = 0                      # decoder layers (to turn a decode pass's time into T_l)
-    listeners: list[Callable[[int], None]] = field(default_factory=list)   # called with the new S on a change
+    expert_bytes: float | None = None  # E_s
+    bandwidth: float | None = None  # C_s, bytes/s
+    layer_time_s: float | None = None  # T_l
+    experts_per_layer: float | None = None  # N_e
+    ema: float = 0.2  # weight of a new observation in C_s / T_l
+    num_layers: int = 0  # decoder layers (to turn a decode pass's time into T_l)
+    listeners: list[Callable[[int], None]] = field(default_factory=list)  # called with the new S on a change
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_s <= self.max_s:
@@ -48,7 +48,7 @@ class StepSizeController:
         self.overfetches = 0
         f = self.formula_s()
         base = ceil_s(f) if f is not None else self.initial_s
-        self.bias = self.initial_s - base      # so that S starts at initial_s
+        self.bias = self.initial_s - base  # so that S starts at initial_s
         self._s = self._clamp(self.initial_s)
         self.history: list[tuple[str, int]] = [("init", self._s)]
 
@@ -108,8 +108,7 @@ class StepSizeController:
 
     def observe_layer_time(self, seconds: float) -> int:
         if seconds > 0:
-            self.layer_time_s = seconds if self.layer_time_s is None else \
-                (1 - self.ema) * self.layer_time_s + self.ema * seconds
+            self.layer_time_s = seconds if self.layer_time_s is None else (1 - self.ema) * self.layer_time_s + self.ema * seconds
             return self._recompute("layer_time")
         return self._s
 
@@ -139,19 +138,27 @@ class StepSizeController:
 
         def set_s(s: int) -> None:
             engine.lookahead = s
+
         self.listeners.append(set_s)
         engine.observers.append(self.on_pass)
 
         def detach() -> None:
             engine.observers.remove(self.on_pass)
             self.listeners.remove(set_s)
+
         return detach
 
     # -- construction --
     @classmethod
     def from_calibration(cls, calib: dict[str, Any], *, max_s: int, **kw: Any) -> StepSizeController:
         """Initial S (`initial_s`) and E_s, C_s, T_l, N_e from a `moeflow calibrate` record (its JSON keys)."""
-        c = cls(initial_s=int(calib.get("initial_s") or 1), max_s=max_s, expert_bytes=calib.get("expert_bytes"),
-                bandwidth=calib.get("bandwidth_bytes_per_s"), layer_time_s=calib.get("layer_time_s"),
-                experts_per_layer=calib.get("experts_per_layer"), **kw)
+        c = cls(
+            initial_s=int(calib.get("initial_s") or 1),
+            max_s=max_s,
+            expert_bytes=calib.get("expert_bytes"),
+            bandwidth=calib.get("bandwidth_bytes_per_s"),
+            layer_time_s=calib.get("layer_time_s"),
+            experts_per_layer=calib.get("experts_per_layer"),
+            **kw,
+        )
         return c

@@ -37,19 +37,19 @@ FREE, LOADING, READY = "free", "loading", "ready"
 class CacheCounters:
     """Monotone counters; subtract two snapshots for a window (one prompt, one forward pass)."""
 
-    accesses: int = 0               # needed experts, one per (forward pass, layer, unique expert)
-    hits: int = 0                   # needed and already in a slot at routing time (ready or copy in flight)
-    misses: int = 0                 # needed and not in a slot: a demand load (misses == demand_loads)
-    late: int = 0                   # hits whose copy was still in flight (a prefetch not finished: stall)
-    loads: int = 0                  # transfers issued (demand + prefetch)
+    accesses: int = 0  # needed experts, one per (forward pass, layer, unique expert)
+    hits: int = 0  # needed and already in a slot at routing time (ready or copy in flight)
+    misses: int = 0  # needed and not in a slot: a demand load (misses == demand_loads)
+    late: int = 0  # hits whose copy was still in flight (a prefetch not finished: stall)
+    loads: int = 0  # transfers issued (demand + prefetch)
     demand_loads: int = 0
-    prefetch_issued: int = 0        # prefetch transfers issued (requests for resident experts are skipped)
-    prefetch_used: int = 0          # prefetched experts accessed before their eviction (counted once)
+    prefetch_issued: int = 0  # prefetch transfers issued (requests for resident experts are skipped)
+    prefetch_used: int = 0  # prefetched experts accessed before their eviction (counted once)
     prefetch_unused_evicted: int = 0  # overfetch: prefetched experts evicted without ever being used
-    collision_misses: int = 0       # needed experts that were evicted earlier in the same forward pass
+    collision_misses: int = 0  # needed experts that were evicted earlier in the same forward pass
     evictions: int = 0
-    bytes_moved: int = 0            # loads x expert row bytes
-    stall_s: float = 0.0            # seconds the compute thread waited for copies
+    bytes_moved: int = 0  # loads x expert row bytes
+    stall_s: float = 0.0  # seconds the compute thread waited for copies
 
     @property
     def ready_hits(self) -> int:
@@ -62,12 +62,10 @@ class CacheCounters:
         return self.misses + self.late
 
     def __sub__(self, other: CacheCounters) -> CacheCounters:
-        return CacheCounters(**{f.name: getattr(self, f.name) - getattr(other, f.name)
-                                for f in dataclasses.fields(self)})
+        return CacheCounters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)})
 
     def __add__(self, other: CacheCounters) -> CacheCounters:
-        return CacheCounters(**{f.name: getattr(self, f.name) + getattr(other, f.name)
-                                for f in dataclasses.fields(self)})
+        return CacheCounters(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)})
 
     def copy(self) -> CacheCounters:
         return dataclasses.replace(self)
@@ -82,14 +80,23 @@ class Slot:
     key: ExpertKey | None = None
     ticket: Ticket | None = None
     pinned: bool = False
-    prefetched: bool = False        # inserted by a prefetch
-    used: bool = False              # accessed since insertion
-    last_use: Any = None            # link marker after the last compute that read this slot
+    prefetched: bool = False  # inserted by a prefetch
+    used: bool = False  # accessed since insertion
+    last_use: Any = None  # link marker after the last compute that read this slot
 
 
 class ExpertCache:
-    def __init__(self, store: HostExpertStore, capacity: int, *, device: torch.device, link: Link,
-                 eviction: EvictionPolicy | None, per_layer: bool = False, retain: bool = True):
+    def __init__(
+        self,
+        store: HostExpertStore,
+        capacity: int,
+        *,
+        device: torch.device,
+        link: Link,
+        eviction: EvictionPolicy | None,
+        per_layer: bool = False,
+        retain: bool = True,
+    ):
         spec = store.spec
         self.spec = spec
         self.store = store
@@ -103,12 +110,12 @@ class ExpertCache:
         self.rank = {l: r for r, l in enumerate(spec.moe_layers)}
         C = self.capacity
         self.buffer = torch.empty(C, store.layout.row_numel, dtype=store.layout.dtype, device=device)  # [C,R]
-        self.views = store.layout.views(self.buffer)                  # name -> [C, *shape]
+        self.views = store.layout.views(self.buffer)  # name -> [C, *shape]
         self.slots = [Slot() for _ in range(C)]
         self.slot_of: dict[ExpertKey, int] = {}
         self.table = torch.full((L, spec.num_experts), -1, dtype=torch.long, device=device)  # [L,E] slot or -1
-        self._resident_in = [0] * L                                   # resident experts per MoE layer
-        self._loading: set[int] = set()                               # slots whose copy may be in flight
+        self._resident_in = [0] * L  # resident experts per MoE layer
+        self._loading: set[int] = set()  # slots whose copy may be in flight
         per = C // L if per_layer else C
         parts = L if per_layer else 1
         self._part_slots = [list(range(p * per, (p + 1) * per)) for p in range(parts)]
@@ -236,7 +243,7 @@ class ExpertCache:
             key = (int(req.key[0]), int(req.key[1]))
             if key[0] not in self.rank or not 0 <= key[1] < self.spec.num_experts:
                 continue
-            if key in self.slot_of:                 # already resident or in flight: tell the policy only
+            if key in self.slot_of:  # already resident or in flight: tell the policy only
                 on_predicted = getattr(self.eviction, "on_predicted", None)
                 if on_predicted is not None:
                     on_predicted(key, pos)
@@ -256,17 +263,23 @@ class ExpertCache:
         if free:
             return free.pop()
         while True:
-            cands = [self.slots[s].key for s in self._part_slots[part]
-                     if not self.slots[s].pinned and s not in protected and self._refresh(s) == READY]
+            cands = [
+                self.slots[s].key
+                for s in self._part_slots[part]
+                if not self.slots[s].pinned and s not in protected and self._refresh(s) == READY
+            ]
             if cands:
                 break
             if not demand:
                 return None
-            loading = [s for s in self._part_slots[part] if self.slots[s].state == LOADING
-                       and not self.slots[s].pinned and s not in protected]
+            loading = [
+                s
+                for s in self._part_slots[part]
+                if self.slots[s].state == LOADING and not self.slots[s].pinned and s not in protected
+            ]
             if not loading:
                 raise RuntimeError(f"no evictable slot for {key}: all {len(self._part_slots[part])} are pinned")
-            self.wait(loading[:1])         # an unfinished prefetch blocks a demand load: real stall
+            self.wait(loading[:1])  # an unfinished prefetch blocks a demand load: real stall
         if self.eviction is None:
             raise RuntimeError("cache is full and has no eviction policy")
         victim = tuple(self.eviction.victim(cands, pos))
@@ -286,7 +299,7 @@ class ExpertCache:
         self._evicted_in_pass[key] = self.pass_id
         del self.slot_of[key]
         r = self.rank[key[0]]
-        self.table[r, key[1]] = -1                                      # device table follows the key
+        self.table[r, key[1]] = -1  # device table follows the key
         self._resident_in[r] -= 1
         last_use = slot.last_use
         self.slots[s] = Slot(last_use=last_use)
@@ -296,7 +309,7 @@ class ExpertCache:
 
     def _load(self, s: int, key: ExpertKey, *, prefetched: bool, pos: Position) -> None:
         slot = self.slots[s]
-        src = self.store.row(*key)                                        # [R] host
+        src = self.store.row(*key)  # [R] host
         slot.ticket = self.link.submit(src, self.buffer[s], after=slot.last_use)
         slot.state = LOADING
         slot.key = key
@@ -304,7 +317,7 @@ class ExpertCache:
         slot.used = False
         self.slot_of[key] = s
         r = self.rank[key[0]]
-        self.table[r, key[1]] = s                                       # device table follows the key
+        self.table[r, key[1]] = s  # device table follows the key
         self._resident_in[r] += 1
         self._loading.add(s)
         self.counters.loads += 1
@@ -326,10 +339,13 @@ def check_capacity(spec: Any, capacity: int, *, per_layer: bool = False) -> None
         if per < need:
             raise ConfigError(
                 f"--capacity {C} with --per-layer-cache gives {per} slots per layer, below top-k={need}; "
-                f"use at least {need * spec.num_moe_layers} experts")
+                f"use at least {need * spec.num_moe_layers} experts"
+            )
     elif C < need:
-        raise ConfigError(f"--capacity {C} experts is below top-k={need}, the experts one decode token "
-                          f"needs per layer; use at least {need}")
+        raise ConfigError(
+            f"--capacity {C} experts is below top-k={need}, the experts one decode token needs per layer; use at least {need}"
+        )
     if C > spec.total_experts:
-        raise ConfigError(f"--capacity {C} exceeds the model's {spec.total_experts} routed experts; "
-                          f"use at most {spec.total_experts} (100%)")
+        raise ConfigError(
+            f"--capacity {C} exceeds the model's {spec.total_experts} routed experts; use at most {spec.total_experts} (100%)"
+        )

@@ -16,24 +16,24 @@ from ..errors import ConfigError
 from ..policies.parse import build_policy, check_capacity_syntax, opts_dict, parse_capacity, parse_opts, policy_args, split_list  # noqa: F401  (their one home)
 
 MODES = ("offload", "resident", "on-demand")
-SPECULATIVE_PREFETCH = ("router-pf", "estimator", "hybrid")   # learned prefetchers whose guess can run (lossy)
+SPECULATIVE_PREFETCH = ("router-pf", "estimator", "hybrid")  # learned prefetchers whose guess can run (lossy)
 
 
 @dataclass(frozen=True)
 class RunConfig:
     model: str
-    prompts: str | None = None                    # file, short set name or HF dataset (moeflow.data.load_prompts)
-    prompt: tuple[str, ...] = ()                  # literal prompt texts (--prompt, repeatable)
+    prompts: str | None = None  # file, short set name or HF dataset (moeflow.data.load_prompts)
+    prompt: tuple[str, ...] = ()  # literal prompt texts (--prompt, repeatable)
     data_dir: str | None = None
-    split: str | None = None                      # split of a prompt set name (e.g. gsm8k: train/test)
-    limit: int | None = None                      # at most this many prompts
-    max_prompt_tokens: int = 256                  # longer prompts are truncated (first tokens kept)
+    split: str | None = None  # split of a prompt set name (e.g. gsm8k: train/test)
+    limit: int | None = None  # at most this many prompts
+    max_prompt_tokens: int = 256  # longer prompts are truncated (first tokens kept)
     max_new_tokens: int = 32
-    min_new_tokens: int | None = None             # set to max_new_tokens to ignore EOS (equal-length outputs)
-    temperature: float = 0.0                      # 0 = greedy
+    min_new_tokens: int | None = None  # set to max_new_tokens to ignore EOS (equal-length outputs)
+    temperature: float = 0.0  # 0 = greedy
     seed: int = 0
-    modes: tuple[str, ...] = ("offload",)         # offload | resident | on-demand (several with --sweep)
-    capacities: tuple[str, ...] = ("25%",)        # N experts, P% of all routed experts, or bytes (64MB)
+    modes: tuple[str, ...] = ("offload",)  # offload | resident | on-demand (several with --sweep)
+    capacities: tuple[str, ...] = ("25%",)  # N experts, P% of all routed experts, or bytes (64MB)
     per_layer_cache: bool = False
     evictions: tuple[str, ...] = ("lru",)
     prefetches: tuple[str, ...] = ("pregate",)
@@ -41,19 +41,19 @@ class RunConfig:
     prefetch_opts: tuple[tuple[str, str], ...] = ()
     miss: str = "fetch"
     routing: str = "standard"
-    link: str = "auto"                            # auto | cuda | direct | emulated:GBPS[,LATENCY_US]
-    lookahead: int | None = None                  # step size S; None = calibration's, else 1
-    calibration: str | None = None                # calibration JSON; None = calibration/<device>.json
+    link: str = "auto"  # auto | cuda | direct | emulated:GBPS[,LATENCY_US]
+    lookahead: int | None = None  # step size S; None = calibration's, else 1
+    calibration: str | None = None  # calibration JSON; None = calibration/<device>.json
     dtype: str = "auto"
     device: str = "cpu"
-    threads: int | None = None                    # torch intra-op threads (None = torch's default)
-    out: str | None = None                        # JSONL: one line per prompt and run
+    threads: int | None = None  # torch intra-op threads (None = torch's default)
+    out: str | None = None  # JSONL: one line per prompt and run
     json: bool = False
     sweep: bool = False
-    adaptive_s: bool = False                      # ExpertFlow's adaptive step size (stall / overfetch counters)
-    speculative: bool = False                     # LOSSY: run the predicted experts instead of the router's
-    column: str | None = None                     # prompt column of a CSV/TSV/JSON prompt file (None: auto)
-    force: bool = False                           # replace an existing `moeflow run` JSONL at `out`
+    adaptive_s: bool = False  # ExpertFlow's adaptive step size (stall / overfetch counters)
+    speculative: bool = False  # LOSSY: run the predicted experts instead of the router's
+    column: str | None = None  # prompt column of a CSV/TSV/JSON prompt file (None: auto)
+    force: bool = False  # replace an existing `moeflow run` JSONL at `out`
 
     def __post_init__(self) -> None:
         for m in self.modes:
@@ -64,8 +64,10 @@ class RunConfig:
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
         if self.min_new_tokens is not None and not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ConfigError(f"--min-new-tokens {self.min_new_tokens} must be between 0 and --max-new-tokens "
-                              f"({self.max_new_tokens}); raise --max-new-tokens or lower --min-new-tokens")
+            raise ConfigError(
+                f"--min-new-tokens {self.min_new_tokens} must be between 0 and --max-new-tokens "
+                f"({self.max_new_tokens}); raise --max-new-tokens or lower --min-new-tokens"
+            )
         if self.max_prompt_tokens < 1:
             raise ConfigError(f"--max-prompt-tokens must be >= 1 (got {self.max_prompt_tokens})")
         if self.limit is not None and self.limit < 1:
@@ -81,15 +83,19 @@ class RunConfig:
         if not self.prompts and not self.prompt:
             raise ConfigError("give --prompts FILE|NAME or --prompt TEXT")
         self._check_policies()
-        if self.speculative and (set(self.modes) != {"offload"} or any(
-                policy_args(p)[0] not in SPECULATIVE_PREFETCH for p in self.prefetches)):
-            raise ConfigError("--speculative needs --mode offload --prefetch router-pf|estimator|hybrid "
-                              "--prefetch-opt predictors=DIR (for every run of a sweep)")
+        if self.speculative and (
+            set(self.modes) != {"offload"} or any(policy_args(p)[0] not in SPECULATIVE_PREFETCH for p in self.prefetches)
+        ):
+            raise ConfigError(
+                "--speculative needs --mode offload --prefetch router-pf|estimator|hybrid "
+                "--prefetch-opt predictors=DIR (for every run of a sweep)"
+            )
 
     def _check_policies(self) -> None:
         """Every capacity's syntax, every eviction / prefetch with its options, miss, routing and link."""
         from ..policies import EVICTION, MISS, PREFETCH, ROUTING
         from .link import parse_link
+
         offload = "offload" in self.modes
         if offload:
             for c in self.capacities:
@@ -110,6 +116,7 @@ class RunConfig:
 
         from ..artifacts import check_out
         from ..checks import check_device
+
         check_device(self.device)
         if self.out:
             inputs = (self.model, self.calibration, self.prompts if self.prompts and Path(self.prompts).exists() else None)

@@ -39,12 +39,13 @@ from .link import Link
 from .store import HostExpertStore
 
 IMPL_NAME = "moeflow"
-MAX_GROUPS = 1024                 # torch._grouped_mm on CUDA refuses more groups than this in one call
-GATHER_BYTES = 1 << 30            # at most this many bytes of expert weights gathered per grouped call
+MAX_GROUPS = 1024  # torch._grouped_mm on CUDA refuses more groups than this in one call
+GATHER_BYTES = 1 << 30  # at most this many bytes of expert weights gathered per grouped call
 
 
-def moeflow_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                            top_k_weights: torch.Tensor) -> torch.Tensor:
+def moeflow_experts_forward(
+    module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """The `moeflow` entry of transformers' ExpertsInterface: dispatch to the module's engine."""
     engine = getattr(module, "_moeflow_engine", None)
     if engine is None:
@@ -62,13 +63,13 @@ class PassStats:
     """What one forward pass (prefill or one decode step) cost; given to every observer."""
 
     pass_id: int
-    tokens: int                   # tokens in this pass (prompt length for prefill, 1 per decode step)
-    wall_s: float                 # forward wall time
-    stall_s: float                # compute waiting on transfers
-    counters: CacheCounters       # this pass's cache counters (hits, misses, loads, overfetch, ...)
-    transfer_s: float             # link busy time of transfers completed during the pass
-    transfer_bytes: int           # bytes of transfers completed during the pass
-    lookahead: int                # step size S used in this pass
+    tokens: int  # tokens in this pass (prompt length for prefill, 1 per decode step)
+    wall_s: float  # forward wall time
+    stall_s: float  # compute waiting on transfers
+    counters: CacheCounters  # this pass's cache counters (hits, misses, loads, overfetch, ...)
+    transfer_s: float  # link busy time of transfers completed during the pass
+    transfer_bytes: int  # bytes of transfers completed during the pass
+    lookahead: int  # step size S used in this pass
     loads_by_layer: dict[int, int] = field(default_factory=dict)  # transfers issued, by the expert's layer
 
     @property
@@ -83,22 +84,34 @@ Observer = Callable[[PassStats], None]
 class _Routed:
     """A layer's routing, seen by the router hook, waiting for the layer's experts call."""
 
-    indices: torch.Tensor               # [T,k] the routing the experts call is expected to receive
-    experts: list[int] | None = None    # unique experts (None: deferred, everything resident)
-    slots: list[int] | None = None      # their pinned slots (None: deferred or more than one wave)
+    indices: torch.Tensor  # [T,k] the routing the experts call is expected to receive
+    experts: list[int] | None = None  # unique experts (None: deferred, everything resident)
+    slots: list[int] | None = None  # their pinned slots (None: deferred or more than one wave)
     scores: dict[int, float] | None = None  # summed gate weight per expert (for waves demanded later)
 
 
 class OffloadEngine:
     """Runs `model` with its routed experts in host memory and a C-slot device cache."""
 
-    def __init__(self, model: nn.Module, *, capacity: int, link: Link, eviction: EvictionPolicy | None,
-                 prefetch: PrefetchPolicy | None = None, miss: MissPolicy | None = None,
-                 routing: RoutingPolicy | None = None, per_layer: bool = False, retain: bool = True,
-                 lookahead: int = 1):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        capacity: int,
+        link: Link,
+        eviction: EvictionPolicy | None,
+        prefetch: PrefetchPolicy | None = None,
+        miss: MissPolicy | None = None,
+        routing: RoutingPolicy | None = None,
+        per_layer: bool = False,
+        retain: bool = True,
+        lookahead: int = 1,
+    ):
         if getattr(model.config, "_experts_implementation", None) not in ("grouped_mm", IMPL_NAME):
-            raise ConfigError(f"offloading replaces the 'grouped_mm' experts implementation, the model uses "
-                              f"{model.config._experts_implementation!r}; load it with experts_implementation='grouped_mm'")
+            raise ConfigError(
+                f"offloading replaces the 'grouped_mm' experts implementation, the model uses "
+                f"{model.config._experts_implementation!r}; load it with experts_implementation='grouped_mm'"
+            )
         tx_compat.check()
         self.model = model
         self.adapter = get_adapter(model)
@@ -107,11 +120,11 @@ class OffloadEngine:
         self.spec = self.adapter.spec
         self.link = link
         self.eviction, self.prefetcher, self.miss, self.routing = eviction, prefetch, miss, routing
-        self._prefetching = prefetch is not None and getattr(prefetch, "name", None) != "none"   # proposes copies
-        self._rerouting = routing is not None and getattr(routing, "name", None) != "standard"   # may bias routing
+        self._prefetching = prefetch is not None and getattr(prefetch, "name", None) != "none"  # proposes copies
+        self._rerouting = routing is not None and getattr(routing, "name", None) != "standard"  # may bias routing
         self.per_layer, self.retain = per_layer, retain
         self.capacity = capacity
-        self.lookahead = int(lookahead)          # step size S; controllers may change it between passes
+        self.lookahead = int(lookahead)  # step size S; controllers may change it between passes
         self.observers: list[Observer] = []
         self.device = next(model.parameters()).device
         self.store = HostExpertStore(self.adapter, pin=self.device.type == "cuda")
@@ -119,8 +132,8 @@ class OffloadEngine:
         self.pass_id = -1
         self._stack: contextlib.ExitStack | None = None
         self._pending: dict[int, _Routed] = {}
-        self._deferred: list[tuple[int, torch.Tensor, torch.Tensor]] = []   # (layer, indices, weights)
-        self.host_syncs = 0                  # device -> host reads the engine made (each one a sync on CUDA)
+        self._deferred: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, indices, weights)
+        self.host_syncs = 0  # device -> host reads the engine made (each one a sync on CUDA)
         self._aranges: dict[int, torch.Tensor] = {}
         self._predicting = False
         self._residual: dict[int, torch.Tensor] = {}
@@ -144,11 +157,18 @@ class OffloadEngine:
             return
         stack = contextlib.ExitStack()
         try:
-            self.cache = ExpertCache(self.store, self.capacity, device=self.device, link=self.link,
-                                     eviction=self.eviction, per_layer=self.per_layer, retain=self.retain)
+            self.cache = ExpertCache(
+                self.store,
+                self.capacity,
+                device=self.device,
+                link=self.link,
+                eviction=self.eviction,
+                per_layer=self.per_layer,
+                retain=self.retain,
+            )
             stack.callback(self.link.close)
             bind = getattr(self.prefetcher, "bind", None)
-            if bind is not None:   # learned prefetchers load their predictors and read experts: before offload
+            if bind is not None:  # learned prefetchers load their predictors and read experts: before offload
                 stack.callback(bind(self.model, self))
             self.store.offload()
             stack.callback(self.store.restore)
@@ -160,7 +180,7 @@ class OffloadEngine:
             self._prev_impl = self.model.config._experts_implementation
             self.model.set_experts_implementation(IMPL_NAME)
             stack.callback(self.model.set_experts_implementation, self._prev_impl)
-            if self._prefetching:                    # post-attention residual (None where a family has no norm)
+            if self._prefetching:  # post-attention residual (None where a family has no norm)
                 stack.enter_context(residual_hooks(self.adapter, self._residual.__setitem__, hint=None))
             stack.enter_context(router_hooks(self.adapter, self._on_route))
             h1 = self.model.register_forward_pre_hook(self._on_pass_start, with_kwargs=True)
@@ -210,7 +230,7 @@ class OffloadEngine:
 
     def _on_pass_end(self, module, args, output) -> None:
         self.flush()
-        for r in self._pending.values():                       # a layer routed but never computed
+        for r in self._pending.values():  # a layer routed but never computed
             if r.slots is not None:
                 self.cache.release(r.slots)
         self._pending.clear()
@@ -235,7 +255,7 @@ class OffloadEngine:
 
     # ---- routing: demand loads and prefetch, as early as possible -------------------------------------
     def _on_route(self, ev: RouterEvent):
-        if self._predicting:                     # a prefetch policy applying another layer's router
+        if self._predicting:  # a prefetch policy applying another layer's router
             return None
         cache, l = self.cache, ev.layer
         logits, weights, indices = ev.logits, ev.weights, ev.indices
@@ -243,7 +263,7 @@ class OffloadEngine:
             self._deferred.append((l, indices, weights))
             self._pending[l] = _Routed(indices)
             return None
-        self.flush()                             # earlier layers' accesses first: events stay in order
+        self.flush()  # earlier layers' accesses first: events stay in order
         cache.begin_layer(l)
         replaced = None
         if self._rerouting:
@@ -265,9 +285,13 @@ class OffloadEngine:
 
     def _can_defer(self, layer: int, indices: torch.Tensor) -> bool:
         """No access of this layer can miss and nothing needs its routing on the host before compute."""
-        return (not self._prefetching and not self._rerouting and self.retain
-                and min(indices.numel(), self.spec.num_experts) <= self._wave_capacity()
-                and self.cache.layer_all_ready(layer))
+        return (
+            not self._prefetching
+            and not self._rerouting
+            and self.retain
+            and min(indices.numel(), self.spec.num_experts) <= self._wave_capacity()
+            and self.cache.layer_all_ready(layer)
+        )
 
     def flush(self) -> None:
         """Replay the deferred accesses into the cache (one host synchronization for all of them)."""
@@ -278,17 +302,17 @@ class OffloadEngine:
         for (l, _, _), (ids, w) in zip(deferred, self._to_host([(i, w) for _, i, w in deferred])):
             experts, scores = self._needs_host(ids, w)
             cache.begin_layer(l)
-            cache.release(cache.demand(l, experts, scores))       # all hits: pins nothing past this line
+            cache.release(cache.demand(l, experts, scores))  # all hits: pins nothing past this line
 
     def _to_host(self, routings: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Expert ids and gate weights of several routings, copied to the host in ONE transfer."""
-        flat = [t.reshape(-1).to(torch.float64) for i, w in routings for t in (i, w)]   # f64: ids and weights exact
+        flat = [t.reshape(-1).to(torch.float64) for i, w in routings for t in (i, w)]  # f64: ids and weights exact
         packed = torch.cat(flat).cpu() if len(flat) > 1 else flat[0].cpu()
         self.host_syncs += 1
         out, o = [], 0
         for i, _ in routings:
             n = i.numel()
-            out.append((packed[o:o + n].long(), packed[o + n:o + 2 * n].float()))       # [S] ids, [S] weights
+            out.append((packed[o : o + n].long(), packed[o + n : o + 2 * n].float()))  # [S] ids, [S] weights
             o += 2 * n
         return out
 
@@ -296,11 +320,11 @@ class OffloadEngine:
     def _needs_host(flat: torch.Tensor, weights: torch.Tensor) -> tuple[list[int], dict[int, float]]:
         """Unique experts of a call (host tensors `[S]`) and their summed gate weight over its tokens."""
         ids = flat.tolist()
-        if len(set(ids)) == len(ids):             # every expert once (a decode step): nothing to sum
+        if len(set(ids)) == len(ids):  # every expert once (a decode step): nothing to sum
             ws = weights.tolist()
             order = sorted(range(len(ids)), key=ids.__getitem__)
             return [ids[i] for i in order], {ids[i]: ws[i] for i in order}
-        uniq = torch.unique(flat)                                               # sorted [U]
+        uniq = torch.unique(flat)  # sorted [U]
         summed = torch.zeros(uniq.numel(), dtype=torch.float32)
         summed.index_add_(0, torch.searchsorted(uniq, flat), weights)
         experts = uniq.tolist()
@@ -317,8 +341,9 @@ class OffloadEngine:
             if not self.cache.resident((layer, e)):
                 action = self.miss.on_miss((layer, e), self.cache.position(layer))
                 if action != "fetch":
-                    raise ConfigError(f"miss policy {self.miss.name!r} asked for {action!r}; the runtime "
-                                      f"implements only 'fetch' so far")
+                    raise ConfigError(
+                        f"miss policy {self.miss.name!r} asked for {action!r}; the runtime implements only 'fetch' so far"
+                    )
 
     def _count_loads(self, layer: int, n: int) -> None:
         if n:
@@ -334,12 +359,21 @@ class OffloadEngine:
                 self._predicting = False
 
         ctx = LayerContext(
-            pos=self.cache.position(layer), layer=layer, moe_layers=self.spec.moe_layers,
-            num_experts=self.spec.num_experts, top_k=self.spec.top_k, router_input=x,
-            logits=logits.reshape(-1, logits.shape[-1]), indices=indices.reshape(-1, indices.shape[-1]),
-            weights=weights.reshape(-1, weights.shape[-1]), predict_logits=predict_logits,
-            token_ids=self._token_ids, residual=self._residual.get(layer), lookahead=self.lookahead,
-            resident=self.cache.resident)
+            pos=self.cache.position(layer),
+            layer=layer,
+            moe_layers=self.spec.moe_layers,
+            num_experts=self.spec.num_experts,
+            top_k=self.spec.top_k,
+            router_input=x,
+            logits=logits.reshape(-1, logits.shape[-1]),
+            indices=indices.reshape(-1, indices.shape[-1]),
+            weights=weights.reshape(-1, weights.shape[-1]),
+            predict_logits=predict_logits,
+            token_ids=self._token_ids,
+            residual=self._residual.get(layer),
+            lookahead=self.lookahead,
+            resident=self.cache.resident,
+        )
         reqs = self.prefetcher.propose(ctx)
         if reqs:
             keys0 = set(self.cache.slot_of)
@@ -348,13 +382,14 @@ class OffloadEngine:
                     self._count_loads(k[0], 1)
 
     # ---- the experts call ------------------------------------------------------------------------------
-    def experts_forward(self, module: nn.Module, layer: int, hidden_states: torch.Tensor,
-                        top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def experts_forward(
+        self, module: nn.Module, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         routed = self._pending.pop(layer, None)
-        if routed is not None and routed.experts is None:                       # deferred: all resident, ready
+        if routed is not None and routed.experts is None:  # deferred: all resident, ready
             groups = min(top_k_index.numel(), self.spec.num_experts)
             return self._compute(module, layer, hidden_states, top_k_index, top_k_weights, [(None, None)], groups)
-        if routed is None or not self._same_routing(routed, top_k_index):       # not the tensor the hook saw
+        if routed is None or not self._same_routing(routed, top_k_index):  # not the tensor the hook saw
             self.flush()
             experts, scores = self._needs_host(*self._to_host([(top_k_index, top_k_weights)])[0])
             if routed is not None and routed.experts != experts:
@@ -364,7 +399,7 @@ class OffloadEngine:
             routed = routed or _Routed(top_k_index, experts, scores=scores)
         if routed.slots is not None:
             waves = [(routed.experts, routed.slots)]
-        else:                                                                   # prefill beyond capacity
+        else:  # prefill beyond capacity
             waves = self._plan_waves(layer, routed.experts, routed.scores)
         return self._compute(module, layer, hidden_states, top_k_index, top_k_weights, waves, len(routed.experts))
 
@@ -372,14 +407,13 @@ class OffloadEngine:
     def _same_routing(routed: _Routed, top_k_index: torch.Tensor) -> bool:
         """The experts call got the tensor the router hook saw (no host read: same storage and layout)."""
         a, b = routed.indices, top_k_index
-        return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-                          and a.dtype == b.dtype)
+        return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
 
     def _plan_waves(self, layer: int, experts: list[int], scores: dict[int, float]):
         """Chunks of <= wave-capacity experts, resident ones first (they need no copy); slots issued later."""
         cap = self._wave_capacity()
         ordered = sorted(experts, key=lambda e: (not self.cache.resident((layer, e)), e))
-        return [(sorted(ordered[i:i + cap]), scores) for i in range(0, len(ordered), cap)]
+        return [(sorted(ordered[i : i + cap]), scores) for i in range(0, len(ordered), cap)]
 
     def _arange(self, n: int, device: torch.device) -> torch.Tensor:
         a = self._aranges.get(n)
@@ -396,17 +430,17 @@ class OffloadEngine:
         cache = self.cache
         T, H = hidden_states.shape
         k = top_k_index.size(-1)
-        table = cache.table[cache.rank[layer]]                                  # [E] slot of each expert, -1
-        sample_weights = top_k_weights.reshape(-1)                              # [S]
-        expert_ids = top_k_index.reshape(-1)                                    # [S]
-        expert_ids_g, perm = torch.sort(expert_ids)                             # same order as grouped_mm
-        x_g = hidden_states[perm // k]                                          # [S,H]
-        w_g = sample_weights[perm]                                              # [S]
+        table = cache.table[cache.rank[layer]]  # [E] slot of each expert, -1
+        sample_weights = top_k_weights.reshape(-1)  # [S]
+        expert_ids = top_k_index.reshape(-1)  # [S]
+        expert_ids_g, perm = torch.sort(expert_ids)  # same order as grouped_mm
+        x_g = hidden_states[perm // k]  # [S,H]
+        w_g = sample_weights[perm]  # [S]
         if len(waves) == 1:
             experts, slots = waves[0]
             if experts is not None:
                 slots = self._demand_wave(layer, experts, slots)
-            out_g = self._grouped(module, x_g, expert_ids_g, table[expert_ids_g], groups)   # [S,H]
+            out_g = self._grouped(module, x_g, expert_ids_g, table[expert_ids_g], groups)  # [S,H]
             if experts is not None:
                 cache.release(slots)
         else:
@@ -414,19 +448,19 @@ class OffloadEngine:
             for experts, scores in waves:
                 slots = self._demand_wave(layer, experts, scores)
                 member = torch.zeros(self.spec.num_experts, dtype=torch.bool, device=x_g.device)
-                member[torch.tensor(experts, device=x_g.device)] = True        # [E] experts of this wave
-                rows = torch.nonzero(member[expert_ids_g]).squeeze(1)           # [S_w] rows of this wave
-                eg = expert_ids_g[rows]                                         # [S_w] sorted
-                proj = self._grouped(module, x_g[rows], eg, table[eg], len(experts))   # [S_w,H]
+                member[torch.tensor(experts, device=x_g.device)] = True  # [E] experts of this wave
+                rows = torch.nonzero(member[expert_ids_g]).squeeze(1)  # [S_w] rows of this wave
+                eg = expert_ids_g[rows]  # [S_w] sorted
+                proj = self._grouped(module, x_g[rows], eg, table[eg], len(experts))  # [S_w,H]
                 if out_g is None:
                     out_g = torch.empty(expert_ids.numel(), proj.shape[-1], dtype=proj.dtype, device=x_g.device)
                 out_g[rows] = proj
                 cache.release(slots)
-        weighted = out_g * w_g.unsqueeze(-1)                                    # [S,H]
+        weighted = out_g * w_g.unsqueeze(-1)  # [S,H]
         inv_perm = torch.empty_like(perm)
         inv_perm[perm] = self._arange(perm.size(0), perm.device)
-        weighted = weighted[inv_perm]                                           # [S,H] original order
-        return weighted.view(T, k, H).sum(dim=1).to(hidden_states.dtype)        # [T,H]
+        weighted = weighted[inv_perm]  # [S,H] original order
+        return weighted.view(T, k, H).sum(dim=1).to(hidden_states.dtype)  # [T,H]
 
     def _demand_wave(self, layer: int, experts: list[int], slots_or_scores) -> list[int]:
         """Slots of a wave: already pinned by the router hook (a list), or demanded now (scores given)."""
@@ -448,18 +482,20 @@ class OffloadEngine:
         """
         views = self.cache.views
         N = eg.numel()
-        gid = torch.zeros(N, dtype=torch.long, device=eg.device)                # [N] group of each row
+        gid = torch.zeros(N, dtype=torch.long, device=eg.device)  # [N] group of each row
         torch.cumsum(eg[1:] != eg[:-1], 0, out=gid[1:])
         offsets = torch.searchsorted(gid, self._arange(groups, eg.device), right=True, out_int32=True)  # [G]
-        slot_g = torch.zeros(groups, dtype=torch.long, device=eg.device).scatter_(0, gid, slot_rows)   # [G]
+        slot_g = torch.zeros(groups, dtype=torch.long, device=eg.device).scatter_(0, gid, slot_rows)  # [G]
         up_name = "gate_up_proj" if module.has_gate else "up_proj"
-        bias = views[up_name + "_bias"][slot_rows] if module.has_bias else None    # [N, 2I] or [N, I]
-        proj = tx_compat.grouped_linear(x, views[up_name].index_select(0, slot_g), offsets, bias=bias,
-                               is_transposed=module.is_transposed)              # [N, 2I] or [N, I]
-        proj = module._apply_gate(proj) if module.has_gate else module.act_fn(proj)   # [N, I]
+        bias = views[up_name + "_bias"][slot_rows] if module.has_bias else None  # [N, 2I] or [N, I]
+        proj = tx_compat.grouped_linear(
+            x, views[up_name].index_select(0, slot_g), offsets, bias=bias, is_transposed=module.is_transposed
+        )  # [N, 2I] or [N, I]
+        proj = module._apply_gate(proj) if module.has_gate else module.act_fn(proj)  # [N, I]
         bias = views["down_proj_bias"][slot_rows] if module.has_bias else None  # [N, H]
-        proj = tx_compat.grouped_linear(proj, views["down_proj"].index_select(0, slot_g), offsets, bias=bias,
-                               is_transposed=module.is_transposed)              # [N, H]
+        proj = tx_compat.grouped_linear(
+            proj, views["down_proj"].index_select(0, slot_g), offsets, bias=bias, is_transposed=module.is_transposed
+        )  # [N, H]
         if module.has_post_expert_norm:
             proj = module.post_expert_norm(proj)
         return proj

@@ -29,26 +29,51 @@ def create_policy(registry: Registry, name: str, opts: dict[str, Any] | None = N
         raise ConfigError(f"{registry.kind} policy {name!r} does not take options {sorted(opts or {})}: {e}") from e
 
 
-def build_engine(model: nn.Module, *, mode: str, link: Link, capacity: int = 0, eviction: str = "lru",
-                 prefetch: str = "none", miss: str = "fetch", routing: str = "standard",
-                 per_layer: bool = False, lookahead: int = 1, eviction_opts: dict[str, Any] | None = None,
-                 prefetch_opts: dict[str, Any] | None = None) -> OffloadEngine | None:
+def build_engine(
+    model: nn.Module,
+    *,
+    mode: str,
+    link: Link,
+    capacity: int = 0,
+    eviction: str = "lru",
+    prefetch: str = "none",
+    miss: str = "fetch",
+    routing: str = "standard",
+    per_layer: bool = False,
+    lookahead: int = 1,
+    eviction_opts: dict[str, Any] | None = None,
+    prefetch_opts: dict[str, Any] | None = None,
+) -> OffloadEngine | None:
     """`resident` -> None (stock model); `on-demand` -> load after routing, keep nothing past the layer;
     `offload` -> C-slot cache with the named policies. The engine is not attached yet (use `with`)."""
     if mode == "resident":
         return None
     spec = get_adapter(model).spec
     if mode == "on-demand":
-        return OffloadEngine(model, capacity=spec.num_experts, link=link, eviction=None, prefetch=None,
-                             miss=create_policy(MISS, "fetch"), routing=None, retain=False, lookahead=lookahead)
+        return OffloadEngine(
+            model,
+            capacity=spec.num_experts,
+            link=link,
+            eviction=None,
+            prefetch=None,
+            miss=create_policy(MISS, "fetch"),
+            routing=None,
+            retain=False,
+            lookahead=lookahead,
+        )
     if mode != "offload":
         raise ConfigError(f"--mode {mode!r} unknown; use offload, resident or on-demand")
     return OffloadEngine(
-        model, capacity=capacity, link=link,
+        model,
+        capacity=capacity,
+        link=link,
         eviction=create_policy(EVICTION, eviction, eviction_opts),
         prefetch=create_policy(PREFETCH, prefetch, prefetch_opts),
-        miss=create_policy(MISS, miss), routing=create_policy(ROUTING, routing),
-        per_layer=per_layer, lookahead=lookahead)
+        miss=create_policy(MISS, miss),
+        routing=create_policy(ROUTING, routing),
+        per_layer=per_layer,
+        lookahead=lookahead,
+    )
 
 
 class PassClock:
@@ -69,10 +94,19 @@ class PassClock:
         self._h.remove()
 
 
-def generate_one(model: nn.Module, input_ids: torch.Tensor, engine: OffloadEngine | None, *,
-                 max_new_tokens: int, min_new_tokens: int | None = None, temperature: float = 0.0,
-                 seed: int = 0, eos_token_id: int | None = None, pad_token_id: int | None = None,
-                 label: str = "") -> tuple[torch.Tensor, RunMetrics]:
+def generate_one(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    engine: OffloadEngine | None,
+    *,
+    max_new_tokens: int,
+    min_new_tokens: int | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    label: str = "",
+) -> tuple[torch.Tensor, RunMetrics]:
     """Generate for one prompt `input_ids [1,P]`; return (new token ids [N], metrics of this prompt)."""
     device = next(model.parameters()).device if engine is None else engine.device
     input_ids = input_ids.to(device)
@@ -84,8 +118,7 @@ def generate_one(model: nn.Module, input_ids: torch.Tensor, engine: OffloadEngin
         else:
             phases["decode"].append(st.counters)
 
-    kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                              attention_mask=torch.ones_like(input_ids))
+    kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0, attention_mask=torch.ones_like(input_ids))
     if temperature > 0:
         kw.update(temperature=temperature, top_k=None, top_p=None)
     if min_new_tokens is not None:
@@ -117,11 +150,18 @@ def generate_one(model: nn.Module, input_ids: torch.Tensor, engine: OffloadEngin
         clock.remove()
         if engine is not None:
             engine.observers.remove(observe)
-    new = out[0, input_ids.shape[1]:]
+    new = out[0, input_ids.shape[1] :]
     ends = clock.ends
-    m = RunMetrics(label=label, prompts=1, prompt_tokens=int(input_ids.shape[1]), new_tokens=int(new.numel()),
-                   decode_tokens=max(0, len(ends) - 1), wall_s=wall,
-                   ttft_s_sum=(ends[0] - t0) if ends else wall, decode_s=(ends[-1] - ends[0]) if ends else 0.0)
+    m = RunMetrics(
+        label=label,
+        prompts=1,
+        prompt_tokens=int(input_ids.shape[1]),
+        new_tokens=int(new.numel()),
+        decode_tokens=max(0, len(ends) - 1),
+        wall_s=wall,
+        ttft_s_sum=(ends[0] - t0) if ends else wall,
+        decode_s=(ends[-1] - ends[0]) if ends else 0.0,
+    )
     if engine is not None:
         m.counters = engine.cache.counters - c0
         for c in phases["decode"]:

@@ -32,12 +32,12 @@ from ..errors import ConfigError
 class Ticket:
     nbytes: int
     done: threading.Event = field(default_factory=threading.Event)
-    event: Any = None           # CUDA event (CudaLink)
+    event: Any = None  # CUDA event (CudaLink)
     start_event: Any = None
-    busy_s: float = 0.0         # link time this transfer took, once known
+    busy_s: float = 0.0  # link time this transfer took, once known
     error: BaseException | None = None
-    due: float = 0.0            # EmulatedLink: perf_counter time at which the transfer completes
-    copied: Any = None          # EmulatedLink: set when the worker's real copy is done
+    due: float = 0.0  # EmulatedLink: perf_counter time at which the transfer completes
+    copied: Any = None  # EmulatedLink: set when the worker's real copy is done
 
 
 class Link:
@@ -46,8 +46,8 @@ class Link:
     name = "link"
 
     def __init__(self) -> None:
-        self._busy_s = 0.0       # seconds the link spent on completed transfers
-        self._bytes = 0          # bytes of completed transfers
+        self._busy_s = 0.0  # seconds the link spent on completed transfers
+        self._bytes = 0  # bytes of completed transfers
         self._transfers = 0
 
     def _settle(self) -> None:
@@ -124,15 +124,21 @@ class EmulatedLink(Link):
 
     name = "emulated"
 
-    def __init__(self, gbps: float, latency_s: float = 0.0, *,
-                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self,
+        gbps: float,
+        latency_s: float = 0.0,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         super().__init__()
         self._clock, self._sleep = clock, sleep
         if gbps <= 0:
             raise ConfigError(f"emulated link bandwidth must be > 0 GB/s, got {gbps}")
         self.gbps = gbps
         self.latency_s = latency_s
-        self._free_at = 0.0                        # when the last scheduled transfer is due
+        self._free_at = 0.0  # when the last scheduled transfer is due
         self._inflight: collections.deque[Ticket] = collections.deque()
         self._q: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._copy_loop, name="moeflow-emulated-link", daemon=True)
@@ -191,7 +197,7 @@ class EmulatedLink(Link):
         if t.error is not None:
             raise t.error
         self._settle()
-        if not t.done.is_set():          # an earlier copy still running (FIFO): wait for it too
+        if not t.done.is_set():  # an earlier copy still running (FIFO): wait for it too
             self.drain()
         return self._clock() - t0
 
@@ -233,7 +239,7 @@ class CudaLink(Link):
         t.event = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             if after is not None:
-                self.stream.wait_event(after)            # the last computation reading this slot is done
+                self.stream.wait_event(after)  # the last computation reading this slot is done
             t.start_event.record(self.stream)
             dst.copy_(src, non_blocking=True)
             t.event.record(self.stream)
@@ -292,8 +298,7 @@ def parse_link(spec: str) -> tuple[str, float, float]:
         return s, 0.0, 0.0
     m = _EMU.match(s)
     if not m:
-        raise ConfigError(f"--link {spec!r} not understood; use cuda, direct or emulated:GBPS[,LATENCY_US] "
-                          f"(e.g. emulated:2,10)")
+        raise ConfigError(f"--link {spec!r} not understood; use cuda, direct or emulated:GBPS[,LATENCY_US] (e.g. emulated:2,10)")
     try:
         gbps = float(m["gbps"])
         lat = float(m["lat"]) * 1e-6 if m["lat"] else 0.0

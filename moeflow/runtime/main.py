@@ -26,9 +26,10 @@ from .generate import build_engine, generate_one
 from .link import make_link, parse_link
 from .metrics import RunMetrics, metrics_table
 
-RESULT_KIND = "run"   # the "kind" of every `--out` JSONL line (moeflow.artifacts.check_out recognises it)
+RESULT_KIND = "run"  # the "kind" of every `--out` JSONL line (moeflow.artifacts.check_out recognises it)
 
 # ---- calibration -------------------------------------------------------------------------------------
+
 
 def resolve_link(cfg: RunConfig, device: torch.device) -> str:
     """`auto` is `cuda` on a CUDA device and `direct` (a plain copy, no emulation) on CPU."""
@@ -43,6 +44,7 @@ def read_calibration(cfg: RunConfig, model: Any, link_spec: str) -> tuple[dict[s
     this device and link (`calibration/cpu.json`, `calibration/cpu-emulated-2gbps.json`, `calibration/cuda-....json`).
     A calibration made for another model is refused (moeflow.calibrate.load_calibration checks the fingerprint)."""
     from ..calibrate import calibration_path, device_name, load_calibration
+
     kind, gbps, _ = parse_link(link_spec)
     if cfg.calibration:
         path = Path(cfg.calibration)
@@ -62,26 +64,33 @@ def check_step_size(cal: dict[str, Any], path: str | Path) -> None:
     layer that is already running)."""
     s = cal.get("initial_s")
     if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
-        raise ArtifactError(f"calibration {path} has step size S = {s!r}, S must be an integer >= 1; "
-                            f"re-run `moeflow calibrate` or pass another --calibration")
+        raise ArtifactError(
+            f"calibration {path} has step size S = {s!r}, S must be an integer >= 1; "
+            f"re-run `moeflow calibrate` or pass another --calibration"
+        )
 
 
 # ---- prompts -----------------------------------------------------------------------------------------
+
 
 def read_prompts(cfg: RunConfig) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = [(f"prompt-{i}", t) for i, t in enumerate(cfg.prompt)]
     if cfg.prompts:
         from ..data.prompts import load_prompts
-        out += [(p.id, p.text) for p in load_prompts(cfg.prompts, data_dir=cfg.data_dir, limit=cfg.limit,
-                                                    split=cfg.split, column=cfg.column)]
+
+        out += [
+            (p.id, p.text)
+            for p in load_prompts(cfg.prompts, data_dir=cfg.data_dir, limit=cfg.limit, split=cfg.split, column=cfg.column)
+        ]
     if cfg.limit is not None:
-        out = out[:cfg.limit]
+        out = out[: cfg.limit]
     if not out:
         raise ConfigError("no prompts to run")
     return out
 
 
 # ---- runs -----------------------------------------------------------------------------------------------
+
 
 def plan_runs(cfg: RunConfig) -> list[dict[str, Any]]:
     """Every (mode, capacity, eviction, prefetch) combination, in flag order (non-offload modes once)."""
@@ -100,6 +109,7 @@ def plan_runs(cfg: RunConfig) -> list[dict[str, Any]]:
 def expert_bytes_of(model: Any) -> int:
     """Bytes of one routed expert as the host store lays it out (the unit of a byte-size --capacity)."""
     from .store import ExpertLayout
+
     ad = get_adapter(model)
     first = ad.per_expert_params(ad.spec.moe_layers[0])
     return ExpertLayout.of({n: p.detach() for n, p in first.items()}).row_bytes
@@ -112,6 +122,7 @@ def check_runs(cfg: RunConfig, model: Any, runs: list[dict[str, Any]]) -> dict[s
     from ..policies import PREFETCH
     from ..policies.learned import LearnedPrefetch
     from .cache import check_capacity
+
     spec = get_adapter(model).spec
     caps: dict[str, int] = {}
     if any(r["mode"] == "offload" for r in runs):
@@ -125,11 +136,14 @@ def check_runs(cfg: RunConfig, model: Any, runs: list[dict[str, Any]]) -> dict[s
                 from ..artifacts import check_fingerprint
                 from ..moe import model_fingerprint
                 from ..predict.io import read_predictor_meta
+
                 meta = read_predictor_meta(pol.folder)
                 check_fingerprint(meta, model_fingerprint(model), "predictor folder", pol.folder)
                 if pol.predictor not in meta.get("predictors", []):
-                    raise ArtifactError(f"{pol.folder} has no {pol.predictor} predictor; re-run "
-                                        f"`moeflow train --only {pol.predictor}` or pick another --prefetch")
+                    raise ArtifactError(
+                        f"{pol.folder} has no {pol.predictor} predictor; re-run "
+                        f"`moeflow train --only {pol.predictor}` or pick another --prefetch"
+                    )
     return caps
 
 
@@ -138,10 +152,11 @@ def encode_prompts(cfg: RunConfig, model: Any, tok: Any, prompts: list[tuple[str
     --max-prompt-tokens, or a prompt + --max-new-tokens, beyond the model's maximum position is refused
     before the first generation (`moeflow.models.check_lengths`); nothing is cut to make it fit."""
     from ..models import check_lengths
+
     check_lengths(model, cfg.max_prompt_tokens, 0)
     encoded = []
     for pid, text in prompts:
-        ids = tok(text, return_tensors="pt").input_ids[:, :cfg.max_prompt_tokens]       # [1,P]
+        ids = tok(text, return_tensors="pt").input_ids[:, : cfg.max_prompt_tokens]  # [1,P]
         check_lengths(model, ids.shape[1], cfg.max_new_tokens, what=f"prompt {pid} ({text[:30]!r})")
         encoded.append((pid, text, ids))
     return encoded
@@ -153,16 +168,22 @@ def _run_hooks(cfg: RunConfig, model: Any, spec: Any, engine: Any, cal: dict[str
     with contextlib.ExitStack() as st:
         if cfg.adaptive_s and engine is not None:
             from .adaptive_s import StepSizeController
+
             hi = max(1, spec.num_moe_layers - 1)
-            ctrl = (StepSizeController.from_calibration(cal, max_s=hi, num_layers=spec.num_layers) if cal
-                    else StepSizeController(initial_s=min(lookahead, hi), max_s=hi, num_layers=spec.num_layers))
+            ctrl = (
+                StepSizeController.from_calibration(cal, max_s=hi, num_layers=spec.num_layers)
+                if cal
+                else StepSizeController(initial_s=min(lookahead, hi), max_s=hi, num_layers=spec.num_layers)
+            )
             st.callback(ctrl.attach(engine))
         if cfg.speculative:
             pred = getattr(getattr(engine, "prefetcher", None), "pred", None)
             if pred is None or getattr(pred, "name", "") == "forest":
-                raise ConfigError("--speculative needs --mode offload --prefetch router-pf|estimator|hybrid "
-                                  "--prefetch-opt predictors=DIR")
+                raise ConfigError(
+                    "--speculative needs --mode offload --prefetch router-pf|estimator|hybrid --prefetch-opt predictors=DIR"
+                )
             from ..predict.speculative import speculative_routing
+
             st.enter_context(speculative_routing(model, pred, engine=engine, adapter=engine.adapter))
         yield
 
@@ -181,12 +202,14 @@ def main(cfg: RunConfig, console: Console | None = None) -> list[dict[str, Any]]
         stream = sys.stderr if cfg.json else sys.stdout
         console = Console(stderr=cfg.json, width=None if stream.isatty() else 160)
     from ..models import torch_threads
+
     with torch_threads(cfg.threads):
         return _main(cfg, console)
 
 
 def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
     from ..models import load_model
+
     device = torch.device(cfg.device)
     prompts = read_prompts(cfg)
     model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, experts_implementation="grouped_mm")
@@ -196,15 +219,19 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
     link_spec = resolve_link(cfg, device)
     cal, cal_path = read_calibration(cfg, model, link_spec)
     if cal is None:
-        console.print(f"[bold yellow]WARNING: no calibration at {cal_path}: step size S defaults to 1 "
-                      f"(run `moeflow calibrate` for this device and link).[/]")
+        console.print(
+            f"[bold yellow]WARNING: no calibration at {cal_path}: step size S defaults to 1 "
+            f"(run `moeflow calibrate` for this device and link).[/]"
+        )
     lookahead = cfg.lookahead or int((cal or {}).get("initial_s") or 1)
     runs = plan_runs(cfg)
     caps = check_runs(cfg, model, runs)
     encoded = encode_prompts(cfg, model, tok, prompts)
     eos = tok.eos_token_id if tok.eos_token_id is not None else getattr(model.config, "eos_token_id", None)
-    console.print(f"[dim]{spec.arch}: {spec.num_moe_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}, "
-                  f"{spec.total_experts} routed experts; link {link_spec}; S={lookahead}; {len(prompts)} prompt(s)[/]")
+    console.print(
+        f"[dim]{spec.arch}: {spec.num_moe_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}, "
+        f"{spec.total_experts} routed experts; link {link_spec}; S={lookahead}; {len(prompts)} prompt(s)[/]"
+    )
 
     out_f = atomic_write(cfg.out) if cfg.out else contextlib.nullcontext()
     results: list[dict[str, Any]] = []
@@ -216,29 +243,57 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
             label = _label(run, capacity, spec.total_experts, cfg)
             ev_name, ev_opts = policy_args(run["eviction"] or "lru", cfg.eviction_opts)
             pf_name, pf_opts = policy_args(run["prefetch"] or "none", cfg.prefetch_opts)
-            engine = build_engine(model, mode=run["mode"], link=link, capacity=capacity or 0,
-                                  eviction=ev_name, prefetch=pf_name,
-                                  miss=cfg.miss, routing=cfg.routing, per_layer=cfg.per_layer_cache,
-                                  lookahead=lookahead, eviction_opts=ev_opts, prefetch_opts=pf_opts)
+            engine = build_engine(
+                model,
+                mode=run["mode"],
+                link=link,
+                capacity=capacity or 0,
+                eviction=ev_name,
+                prefetch=pf_name,
+                miss=cfg.miss,
+                routing=cfg.routing,
+                per_layer=cfg.per_layer_cache,
+                lookahead=lookahead,
+                eviction_opts=ev_opts,
+                prefetch_opts=pf_opts,
+            )
             per_prompt: list[RunMetrics] = []
             outputs: list[dict[str, Any]] = []
             try:
-                with (engine if engine is not None else contextlib.nullcontext()), \
-                        _run_hooks(cfg, model, spec, engine, cal, lookahead):
+                with (
+                    engine if engine is not None else contextlib.nullcontext(),
+                    _run_hooks(cfg, model, spec, engine, cal, lookahead),
+                ):
                     from rich.progress import Progress
+
                     with Progress(console=console, transient=True, disable=not console.is_terminal) as prog:
                         task = prog.add_task(label, total=len(encoded))
                         for pid, text, ids in encoded:
-                            new, m = generate_one(model, ids, engine, max_new_tokens=cfg.max_new_tokens,
-                                                  min_new_tokens=cfg.min_new_tokens, temperature=cfg.temperature,
-                                                  seed=cfg.seed, eos_token_id=eos, label=label)
+                            new, m = generate_one(
+                                model,
+                                ids,
+                                engine,
+                                max_new_tokens=cfg.max_new_tokens,
+                                min_new_tokens=cfg.min_new_tokens,
+                                temperature=cfg.temperature,
+                                seed=cfg.seed,
+                                eos_token_id=eos,
+                                label=label,
+                            )
                             gen = tok.decode(new, skip_special_tokens=True)
                             per_prompt.append(m)
-                            outputs.append({"prompt_id": pid, "prompt": text, "text": gen,
-                                            "new_tokens": int(new.numel())})
-                            rec = {"kind": RESULT_KIND, "run": label, **run, "capacity_experts": capacity,
-                                   "link": link.describe(), "prompt_id": pid, "prompt": text, "text": gen,
-                                   "metrics": m.to_dict()}
+                            outputs.append({"prompt_id": pid, "prompt": text, "text": gen, "new_tokens": int(new.numel())})
+                            rec = {
+                                "kind": RESULT_KIND,
+                                "run": label,
+                                **run,
+                                "capacity_experts": capacity,
+                                "link": link.describe(),
+                                "prompt_id": pid,
+                                "prompt": text,
+                                "text": gen,
+                                "metrics": m.to_dict(),
+                            }
                             if fh is not None:
                                 fh.write(json.dumps(rec, default=str) + "\n")
                             if not cfg.sweep and not cfg.json:
@@ -249,10 +304,20 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                     link.close()
             total = RunMetrics.total(per_prompt, label=label)
             rows.append(total)
-            results.append({"run": label, **run, "capacity_experts": capacity, "link": link.describe(),
-                            "lookahead": lookahead, "metrics": total.to_dict(), "outputs": outputs})
+            results.append(
+                {
+                    "run": label,
+                    **run,
+                    "capacity_experts": capacity,
+                    "link": link.describe(),
+                    "lookahead": lookahead,
+                    "metrics": total.to_dict(),
+                    "outputs": outputs,
+                }
+            )
     console.print(metrics_table(rows, title=f"moeflow run — {Path(cfg.model).name}, {link_spec}"))
     if cfg.json:
-        sys.stdout.write(json.dumps({"model": cfg.model, "calibration": cal_path if cal else None, "runs": results},
-                                    default=str) + "\n")
+        sys.stdout.write(
+            json.dumps({"model": cfg.model, "calibration": cal_path if cal else None, "runs": results}, default=str) + "\n"
+        )
     return results

@@ -28,14 +28,14 @@ def _ratio(a: float, b: float) -> float | None:
 
 @dataclass
 class RunMetrics:
-    label: str = ""                       # e.g. "offload C=25% lru+pregate"
+    label: str = ""  # e.g. "offload C=25% lru+pregate"
     prompts: int = 0
     prompt_tokens: int = 0
     new_tokens: int = 0
-    decode_tokens: int = 0                # new tokens after the first (each one decode pass)
+    decode_tokens: int = 0  # new tokens after the first (each one decode pass)
     wall_s: float = 0.0
-    ttft_s_sum: float = 0.0               # summed over prompts (mean = ttft_s)
-    decode_s: float = 0.0                 # wall time of all decode steps
+    ttft_s_sum: float = 0.0  # summed over prompts (mean = ttft_s)
+    decode_s: float = 0.0  # wall time of all decode steps
     counters: CacheCounters = field(default_factory=CacheCounters)
     decode_counters: CacheCounters = field(default_factory=CacheCounters)
     link_busy_s: float = 0.0
@@ -99,8 +99,17 @@ class RunMetrics:
     # ---- combine / export ---------------------------------------------------------------------------
     def merge(self, other: RunMetrics) -> RunMetrics:
         out = dataclasses.replace(self)
-        for f in ("prompts", "prompt_tokens", "new_tokens", "decode_tokens", "wall_s", "ttft_s_sum", "decode_s",
-                  "link_busy_s", "link_bytes"):
+        for f in (
+            "prompts",
+            "prompt_tokens",
+            "new_tokens",
+            "decode_tokens",
+            "wall_s",
+            "ttft_s_sum",
+            "decode_s",
+            "link_busy_s",
+            "link_bytes",
+        ):
             setattr(out, f, getattr(self, f) + getattr(other, f))
         out.counters = self.counters + other.counters
         out.decode_counters = self.decode_counters + other.decode_counters
@@ -117,18 +126,33 @@ class RunMetrics:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "label": self.label, "prompts": self.prompts, "prompt_tokens": self.prompt_tokens,
-            "new_tokens": self.new_tokens, "wall_s": self.wall_s, "ttft_s": self.ttft_s, "tpot_s": self.tpot_s,
-            "tokens_per_s": self.tokens_per_s, "stall_s": self.counters.stall_s, "stall_share": self.stall_share,
-            "hit_rate": self.hit_rate, "decode_hit_rate": self.decode_hit_rate, "late_hits": self.counters.late,
-            "prefetch_precision": self.prefetch_precision, "prefetch_recall": self.prefetch_recall,
+            "label": self.label,
+            "prompts": self.prompts,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "wall_s": self.wall_s,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "tokens_per_s": self.tokens_per_s,
+            "stall_s": self.counters.stall_s,
+            "stall_share": self.stall_share,
+            "hit_rate": self.hit_rate,
+            "decode_hit_rate": self.decode_hit_rate,
+            "late_hits": self.counters.late,
+            "prefetch_precision": self.prefetch_precision,
+            "prefetch_recall": self.prefetch_recall,
             "decode_prefetch_precision": self.decode_prefetch_precision,
             "decode_prefetch_recall": self.decode_prefetch_recall,
-            "collision_misses": self.counters.collision_misses, "overfetch": self.counters.prefetch_unused_evicted,
-            "bytes_moved": self.counters.bytes_moved, "transfers": self.counters.loads,
-            "transfers_per_token": self.transfers_per_token, "bytes_per_token": self.bytes_per_token,
-            "effective_gbps": self.effective_gbps, "expert_bytes": self.expert_bytes,
-            "counters": self.counters.to_dict(), "decode_counters": self.decode_counters.to_dict(),
+            "collision_misses": self.counters.collision_misses,
+            "overfetch": self.counters.prefetch_unused_evicted,
+            "bytes_moved": self.counters.bytes_moved,
+            "transfers": self.counters.loads,
+            "transfers_per_token": self.transfers_per_token,
+            "bytes_per_token": self.bytes_per_token,
+            "effective_gbps": self.effective_gbps,
+            "expert_bytes": self.expert_bytes,
+            "counters": self.counters.to_dict(),
+            "decode_counters": self.decode_counters.to_dict(),
         }
 
 
@@ -146,14 +170,27 @@ def _bytes(n: float | None) -> str:
     return str(n)
 
 
-COLUMNS = ("run", "TTFT ms", "TPOT ms", "tok/s", "stall %", "dec hit", "dec prec", "dec recall", "collis.",
-           "xfer/tok", "bytes/tok", "eff GB/s")
+COLUMNS = (
+    "run",
+    "TTFT ms",
+    "TPOT ms",
+    "tok/s",
+    "stall %",
+    "dec hit",
+    "dec prec",
+    "dec recall",
+    "collis.",
+    "xfer/tok",
+    "bytes/tok",
+    "eff GB/s",
+)
 
 
 def metrics_table(rows: Iterable[RunMetrics], title: str = "moeflow run"):
     """A rich Table with one row per RunMetrics: hit rate, prefetch precision/recall, transfers and bytes
     over decode passes (per decode token); stall share over the whole generation; collisions over all passes."""
     from rich.table import Table
+
     t = Table(title=title, show_lines=False)
     for c in COLUMNS:
         t.add_column(c, justify="left" if c == "run" else "right", no_wrap=c != "run")

@@ -24,9 +24,9 @@ ALIGN_BYTES = 64
 
 @dataclass(frozen=True)
 class ParamSlice:
-    name: str                 # attribute on the experts module, e.g. "gate_up_proj"
-    shape: tuple[int, ...]    # one expert's shape, e.g. (2I, H)
-    offset: int               # start inside the expert row, in elements
+    name: str  # attribute on the experts module, e.g. "gate_up_proj"
+    shape: tuple[int, ...]  # one expert's shape, e.g. (2I, H)
+    offset: int  # start inside the expert row, in elements
     numel: int
 
 
@@ -35,7 +35,7 @@ class ExpertLayout:
     """Where each per-expert parameter sits inside one flat expert row (same for every MoE layer)."""
 
     params: tuple[ParamSlice, ...]
-    row_numel: int            # padded row length, in elements
+    row_numel: int  # padded row length, in elements
     dtype: torch.dtype
 
     @property
@@ -46,7 +46,7 @@ class ExpertLayout:
         """Per-parameter views `[N, *shape]` of a `[N, row_numel]` tensor (no copy)."""
         out = {}
         for p in self.params:
-            out[p.name] = rows[:, p.offset:p.offset + p.numel].unflatten(1, p.shape)
+            out[p.name] = rows[:, p.offset : p.offset + p.numel].unflatten(1, p.shape)
         return out
 
     @classmethod
@@ -93,7 +93,7 @@ class HostExpertStore:
         return self.layout.row_bytes
 
     def row(self, layer: int, expert: int) -> torch.Tensor:
-        return self.rows[layer][expert]                                       # [row_numel] contiguous
+        return self.rows[layer][expert]  # [row_numel] contiguous
 
     def offload(self) -> None:
         """Copy every layer's stacked experts into host rows and free them on the device."""
@@ -104,7 +104,7 @@ class HostExpertStore:
             params = self.adapter.per_expert_params(l)
             if set(params) != {p.name for p in self.layout.params}:
                 raise ConfigError(f"layer {l} has expert parameters {sorted(params)}, unlike the first MoE layer")
-            host = torch.zeros(E, self.layout.row_numel, dtype=self.layout.dtype)   # [E,R]
+            host = torch.zeros(E, self.layout.row_numel, dtype=self.layout.dtype)  # [E,R]
             views = self.layout.views(host)
             with torch.no_grad():
                 for name, p in params.items():
@@ -112,7 +112,7 @@ class HostExpertStore:
             self.rows[l] = _pin(host) if self.pin else host
             self._params[l] = dict(params)
             self._device[l] = next(iter(params.values())).device
-            for p in params.values():                     # free the device copy; keep the Parameter object
+            for p in params.values():  # free the device copy; keep the Parameter object
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.offloaded = True
 

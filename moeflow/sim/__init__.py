@@ -3,5 +3,15 @@
 from .access import AccessTrace, LayerStep, Pass, from_trace, record_generate, synthetic
 from .simulator import Belady, SimStats, belady, simulate
 
-__all__ = ["AccessTrace", "Belady", "LayerStep", "Pass", "SimStats", "belady", "from_trace", "record_generate",
-           "simulate", "synthetic"]
+__all__ = [
+    "AccessTrace",
+    "Belady",
+    "LayerStep",
+    "Pass",
+    "SimStats",
+    "belady",
+    "from_trace",
+    "record_generate",
+    "simulate",
+    "synthetic",
+]

@@ -24,10 +24,10 @@ import torch
 
 @dataclass
 class LayerStep:
-    layer: int                                   # decoder-layer index
-    indices: np.ndarray                          # [T,k] int: experts chosen per token
-    weights: np.ndarray | None = None            # [T,k] float: gate weights (score-based eviction)
-    router_input: torch.Tensor | None = None     # [T,H] (pre-gating replay)
+    layer: int  # decoder-layer index
+    indices: np.ndarray  # [T,k] int: experts chosen per token
+    weights: np.ndarray | None = None  # [T,k] float: gate weights (score-based eviction)
+    router_input: torch.Tensor | None = None  # [T,H] (pre-gating replay)
 
     def needed(self) -> list[int]:
         """Unique experts of this step, in order of first use (token-major, rank-minor)."""
@@ -44,7 +44,7 @@ class LayerStep:
 
 @dataclass
 class Pass:
-    phase: int                                   # 0 prefill, 1 decode
+    phase: int  # 0 prefill, 1 decode
     prompt_id: int
     steps: list[LayerStep] = field(default_factory=list)
 
@@ -78,15 +78,24 @@ class AccessTrace:
 
 # ---- builders ---------------------------------------------------------------------------------
 
-def record_generate(model: Any, prompts: Iterable[torch.Tensor], *, max_new_tokens: int = 32,
-                    do_sample: bool = True, seed: int = 0, keep_router_input: bool = True,
-                    **generate_kwargs: Any) -> AccessTrace:
+
+def record_generate(
+    model: Any,
+    prompts: Iterable[torch.Tensor],
+    *,
+    max_new_tokens: int = 32,
+    do_sample: bool = True,
+    seed: int = 0,
+    keep_router_input: bool = True,
+    **generate_kwargs: Any,
+) -> AccessTrace:
     """Generate from each prompt (token ids [S] or [1,S]) under router hooks; one pass per model forward.
 
     Sampling is the default: a briefly trained small model loops under greedy decoding, which makes
     temporal reuse look higher than it is (see shared/notes/pilot-training-run.md).
     """
     from ..moe import RouterTap, get_adapter
+
     ad = get_adapter(model)
     spec = ad.spec
     acc = AccessTrace(spec.moe_layers, spec.num_experts, spec.top_k)
@@ -95,16 +104,26 @@ def record_generate(model: Any, prompts: Iterable[torch.Tensor], *, max_new_toke
         ids = ids.reshape(1, -1).to(next(model.parameters()).device)
         tap = RouterTap(ad, keep_x=keep_router_input)
         with tap.attach(), torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                           min_new_tokens=max_new_tokens, do_sample=do_sample, eos_token_id=None,
-                           pad_token_id=getattr(model.config, "pad_token_id", None) or 0, **generate_kwargs)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=do_sample,
+                eos_token_id=None,
+                pad_token_id=getattr(model.config, "pad_token_id", None) or 0,
+                **generate_kwargs,
+            )
         n = len(tap.events[spec.moe_layers[0]])
         for i in range(n):
             p = Pass(phase=0 if i == 0 else 1, prompt_id=pid)
             for l in spec.moe_layers:
                 ev = tap.events[l][i]
-                p.steps.append(LayerStep(l, ev.indices.cpu().numpy(), ev.weights.float().cpu().numpy(),
-                                         ev.x.cpu() if keep_router_input else None))
+                p.steps.append(
+                    LayerStep(
+                        l, ev.indices.cpu().numpy(), ev.weights.float().cpu().numpy(), ev.x.cpu() if keep_router_input else None
+                    )
+                )
             acc.passes.append(p)
     return acc
 
@@ -118,8 +137,9 @@ def _field(obj: Any, name: str) -> Any:
         return getattr(obj, name, None)
 
 
-def from_trace(trace: Any, *, phase: int | None = None, max_prompts: int | None = None,
-               with_router_input: bool = False) -> AccessTrace:
+def from_trace(
+    trace: Any, *, phase: int | None = None, max_prompts: int | None = None, with_router_input: bool = False
+) -> AccessTrace:
     """Passes from a `moeflow.trace.Trace`: `trace.tokens()` (prompt_id, position, phase) and
     `trace.layer(l)` (`topk_ids [N,k]`, `topk_weights [N,k]`, `hidden_in [N,H]` if recorded).
 
@@ -127,12 +147,13 @@ def from_trace(trace: Any, *, phase: int | None = None, max_prompts: int | None 
     ordered by (prompt, position); prompts are replayed one after another (batch 1).
     """
     from ..moe import MoESpec
+
     spec = trace.spec if isinstance(getattr(trace, "spec", None), MoESpec) else MoESpec.from_dict(trace.meta["spec"])
     tok = trace.tokens()
     pid = np.asarray(_field(tok, "prompt_id"))
     pos = np.asarray(_field(tok, "position"))
     ph = np.asarray(_field(tok, "phase"))
-    order = np.lexsort((pos, ph, pid))                                  # by prompt, prefill first, position
+    order = np.lexsort((pos, ph, pid))  # by prompt, prefill first, position
     prompts = list(dict.fromkeys(pid[order].tolist()))[:max_prompts]
     keep = np.isin(pid[order], prompts)
     if phase is not None:
@@ -150,7 +171,7 @@ def from_trace(trace: Any, *, phase: int | None = None, max_prompts: int | None 
     for l in spec.moe_layers:
         try:
             lay = trace.layer(l, fields=wanted)
-        except TypeError:               # a reader without field selection
+        except TypeError:  # a reader without field selection
             lay = trace.layer(l)
         ids = np.asarray(_field(lay, "topk_ids"))
         w = _field(lay, "topk_weights")
@@ -161,14 +182,27 @@ def from_trace(trace: Any, *, phase: int | None = None, max_prompts: int | None 
         p = Pass(phase=int(ph[g[0]]), prompt_id=int(pid[g[0]]))
         for l in spec.moe_layers:
             ids, w, x = per_layer[l]
-            p.steps.append(LayerStep(l, ids[g], None if w is None else w[g],
-                                     None if x is None else torch.from_numpy(np.asarray(x[g], dtype=np.float32))))
+            p.steps.append(
+                LayerStep(
+                    l,
+                    ids[g],
+                    None if w is None else w[g],
+                    None if x is None else torch.from_numpy(np.asarray(x[g], dtype=np.float32)),
+                )
+            )
         acc.passes.append(p)
     return acc
 
 
-def synthetic(num_passes: int, moe_layers: Sequence[int] = (0, 1, 2, 3), num_experts: int = 16, top_k: int = 2,
-              tokens: int = 1, seed: int = 0, skew: float = 1.0) -> AccessTrace:
+def synthetic(
+    num_passes: int,
+    moe_layers: Sequence[int] = (0, 1, 2, 3),
+    num_experts: int = 16,
+    top_k: int = 2,
+    tokens: int = 1,
+    seed: int = 0,
+    skew: float = 1.0,
+) -> AccessTrace:
     """Random routing with a Zipf-like popularity per layer (`skew` 0 = uniform) for tests."""
     rng = np.random.default_rng(seed)
     acc = AccessTrace(tuple(moe_layers), num_experts, top_k)

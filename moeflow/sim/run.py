@@ -12,18 +12,18 @@ from ..policies.parse import build_policy, parse_capacity, policy_args
 
 @dataclass(frozen=True)
 class SimulateConfig:
-    trace: str                                   # folder written by `moeflow trace`
-    capacities: tuple[str, ...] = ("10%",)       # experts ("13") or percent of all routed experts ("10%")
-    evictions: tuple[str, ...] = ("lru",)        # name[:k=v,...]
+    trace: str  # folder written by `moeflow trace`
+    capacities: tuple[str, ...] = ("10%",)  # experts ("13") or percent of all routed experts ("10%")
+    evictions: tuple[str, ...] = ("lru",)  # name[:k=v,...]
     prefetches: tuple[str, ...] = ("none",)
-    lookahead: int = 1                           # step size S handed to prefetchers
-    phase: str = "decode"                        # decode | prefill | all
-    max_prompts: int | None = None               # --limit: replay only the first N prompts
-    model: str | None = None                     # needed for pregate (routers) and checked against the trace
+    lookahead: int = 1  # step size S handed to prefetchers
+    phase: str = "decode"  # decode | prefill | all
+    max_prompts: int | None = None  # --limit: replay only the first N prompts
+    model: str | None = None  # needed for pregate (routers) and checked against the trace
     belady: bool = True
     progress: bool = True
-    eviction_opts: tuple[tuple[str, str], ...] = ()   # --eviction-opt key=value, for every eviction policy
-    prefetch_opts: tuple[tuple[str, str], ...] = ()   # --prefetch-opt key=value, for every prefetch policy
+    eviction_opts: tuple[tuple[str, str], ...] = ()  # --eviction-opt key=value, for every eviction policy
+    prefetch_opts: tuple[tuple[str, str], ...] = ()  # --prefetch-opt key=value, for every prefetch policy
 
     def __post_init__(self) -> None:
         """Check every value before any work: phase, S, each capacity's syntax, each policy with its options
@@ -58,8 +58,10 @@ def capacity_slots(text: str, total: int, expert_bytes: int | None = None, top_k
     below top-k cannot hold the experts one token needs in one layer."""
     c = parse_capacity(text, total_experts=total, expert_bytes=expert_bytes)
     if not top_k <= c <= total:
-        raise ConfigError(f"--capacity {text!r} = {c} experts; use {top_k} (top-k, the experts one token needs "
-                          f"per layer) .. {total} (all routed experts)")
+        raise ConfigError(
+            f"--capacity {text!r} = {c} experts; use {top_k} (top-k, the experts one token needs "
+            f"per layer) .. {total} (all routed experts)"
+        )
     return c
 
 
@@ -79,10 +81,12 @@ def main(cfg: SimulateConfig) -> dict[str, Any]:
         if not cfg.model:
             raise ConfigError("--prefetch pregate needs --model (the routers of later layers)")
         if not tr.record_hidden:
-            raise ConfigError(f"--prefetch pregate needs router inputs: re-run `moeflow trace --record-hidden` "
-                              f"({cfg.trace} has none)")
+            raise ConfigError(
+                f"--prefetch pregate needs router inputs: re-run `moeflow trace --record-hidden` ({cfg.trace} has none)"
+            )
         from ..models import load_model
         from ..moe import get_adapter
+
         model, _ = load_model(cfg.model)
         tr.check_model(model)
         predict = get_adapter(model).router_logits
@@ -103,13 +107,31 @@ def main(cfg: SimulateConfig) -> dict[str, Any]:
             for c in caps:
                 rows.append({"capacity": c, "eviction": "belady", "prefetch": "none", **_summary(belady(acc, c))})
                 prog.advance(task)
-    return {"trace": cfg.trace, "phase": cfg.phase, "passes": len(acc.passes),
-            "tokens": sum(p.tokens for p in acc.passes), "total_experts": total,
-            "working_set": acc.working_set(), "rows": rows}
+    return {
+        "trace": cfg.trace,
+        "phase": cfg.phase,
+        "passes": len(acc.passes),
+        "tokens": sum(p.tokens for p in acc.passes),
+        "total_experts": total,
+        "working_set": acc.working_set(),
+        "rows": rows,
+    }
 
 
 def _summary(st) -> dict[str, Any]:
     d = st.to_dict()
-    keep = ("hit_rate", "hits", "misses", "collisions", "collision_rate", "loads", "loads_per_token",
-            "prefetch_loads", "prefetch_precision", "prefetch_recall", "evictions", "max_resident")
+    keep = (
+        "hit_rate",
+        "hits",
+        "misses",
+        "collisions",
+        "collision_rate",
+        "loads",
+        "loads_per_token",
+        "prefetch_loads",
+        "prefetch_precision",
+        "prefetch_recall",
+        "evictions",
+        "max_resident",
+    )
     return {k: d[k] for k in keep}

@@ -44,12 +44,12 @@ class SimStats:
     accesses: int = 0
     hits: int = 0
     misses: int = 0
-    collisions: int = 0               # misses on an expert evicted earlier in the same pass
+    collisions: int = 0  # misses on an expert evicted earlier in the same pass
     demand_loads: int = 0
     prefetch_loads: int = 0
-    prefetch_used: int = 0            # prefetched experts accessed before their eviction
-    prefetch_hits: int = 0            # hits whose expert was brought in by a prefetch and not used yet
-    proposed_accesses: int = 0        # accesses whose expert the prefetcher proposed earlier in the pass
+    prefetch_used: int = 0  # prefetched experts accessed before their eviction
+    prefetch_hits: int = 0  # hits whose expert was brought in by a prefetch and not used yet
+    proposed_accesses: int = 0  # accesses whose expert the prefetcher proposed earlier in the pass
     proposals: int = 0
     evictions: int = 0
     max_resident: int = 0
@@ -117,27 +117,43 @@ class Belady:
     def victim(self, candidates: Sequence[ExpertKey], pos: Position) -> ExpertKey:
         return max(candidates, key=lambda k: (self.next_use(k), k))
 
-    def on_insert(self, key, pos, *, prefetched): pass
-    def on_access(self, key, pos, *, score): pass
-    def on_evict(self, key): pass
-    def on_pass_start(self, pos): pass
-    def on_predicted(self, key, pos): pass
+    def on_insert(self, key, pos, *, prefetched):
+        pass
+
+    def on_access(self, key, pos, *, score):
+        pass
+
+    def on_evict(self, key):
+        pass
+
+    def on_pass_start(self, pos):
+        pass
+
+    def on_predicted(self, key, pos):
+        pass
 
 
 def _resolve(registry, spec: Any, what: str) -> tuple[Any, str]:
     if isinstance(spec, str):
         return registry.create(spec), spec
-    if isinstance(spec, tuple):                  # (name, {options})
+    if isinstance(spec, tuple):  # (name, {options})
         name, opts = spec
         label = name + ("(" + ",".join(f"{k}={v}" for k, v in opts.items()) + ")" if opts else "")
         return registry.create(name, **opts), label
     return spec, getattr(spec, "label", None) or getattr(spec, "name", what)
 
 
-def simulate(acc: AccessTrace, capacity: int, eviction: Any = "lru", prefetch: Any = "none", *,
-             miss: Any = "fetch", lookahead: int = 1,
-             predict_logits: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
-             check: bool = False) -> SimStats:
+def simulate(
+    acc: AccessTrace,
+    capacity: int,
+    eviction: Any = "lru",
+    prefetch: Any = "none",
+    *,
+    miss: Any = "fetch",
+    lookahead: int = 1,
+    predict_logits: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    check: bool = False,
+) -> SimStats:
     """Replay `acc` through a cache of `capacity` experts. Policies are names, (name, options) or objects."""
     if capacity < 1:
         raise ConfigError(f"capacity must be >= 1 expert, got {capacity}")
@@ -147,7 +163,7 @@ def simulate(acc: AccessTrace, capacity: int, eviction: Any = "lru", prefetch: A
     uses_prefetch = pf_name != "none"
     st = SimStats(capacity=capacity, eviction=ev_name, prefetch=pf_name)
     resident: set[ExpertKey] = set()
-    fresh_prefetch: set[ExpertKey] = set()        # prefetched, not accessed yet
+    fresh_prefetch: set[ExpertKey] = set()  # prefetched, not accessed yet
     time = 0
     moe = tuple(acc.moe_layers)
 
@@ -208,7 +224,7 @@ def simulate(acc: AccessTrace, capacity: int, eviction: Any = "lru", prefetch: A
                     if action != "fetch":
                         raise ConfigError(f"the simulator replays exact policies only; miss action {action!r}")
                     if not insert(key, pos, pinned, prefetched=False):
-                        pinned -= done                 # wave boundary: experts already run are released
+                        pinned -= done  # wave boundary: experts already run are released
                         if not insert(key, pos, pinned, prefetched=False):
                             raise RuntimeError("no victim even after a wave boundary")
                     st.demand_loads += 1
@@ -238,21 +254,35 @@ def simulate(acc: AccessTrace, capacity: int, eviction: Any = "lru", prefetch: A
     return st
 
 
-def _context(acc: AccessTrace, step, pos: Position, moe: tuple[int, ...], lookahead: int,
-             predict_logits, resident: set[ExpertKey]) -> LayerContext:
+def _context(
+    acc: AccessTrace, step, pos: Position, moe: tuple[int, ...], lookahead: int, predict_logits, resident: set[ExpertKey]
+) -> LayerContext:
     x = step.router_input
-    idx = torch.as_tensor(step.indices)                                   # [T,k]
+    idx = torch.as_tensor(step.indices)  # [T,k]
     w = torch.as_tensor(step.weights) if step.weights is not None else torch.ones(idx.shape)
 
     def no_router(layer: int, x: torch.Tensor) -> torch.Tensor:
-        raise ConfigError("this prefetch policy needs the model's routers: pass predict_logits "
-                          "(e.g. get_adapter(model).router_logits) and an access trace with router inputs")
+        raise ConfigError(
+            "this prefetch policy needs the model's routers: pass predict_logits "
+            "(e.g. get_adapter(model).router_logits) and an access trace with router inputs"
+        )
+
     if x is None:
         x = torch.zeros(idx.shape[0], 0)
-    return LayerContext(pos=pos, layer=step.layer, moe_layers=moe, num_experts=acc.num_experts, top_k=acc.top_k,
-                        router_input=x, logits=torch.zeros(idx.shape[0], acc.num_experts), indices=idx, weights=w,
-                        predict_logits=predict_logits or no_router, lookahead=lookahead,
-                        resident=lambda k: k in resident)
+    return LayerContext(
+        pos=pos,
+        layer=step.layer,
+        moe_layers=moe,
+        num_experts=acc.num_experts,
+        top_k=acc.top_k,
+        router_input=x,
+        logits=torch.zeros(idx.shape[0], acc.num_experts),
+        indices=idx,
+        weights=w,
+        predict_logits=predict_logits or no_router,
+        lookahead=lookahead,
+        resident=lambda k: k in resident,
+    )
 
 
 def belady(acc: AccessTrace, capacity: int) -> SimStats:

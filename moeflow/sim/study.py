@@ -50,8 +50,7 @@ def gsm8k_prompts(tok: Any, n: int, data_dir: str | Path, max_tokens: int = 48) 
 
 def sampled_trace(model: Any, prompts: Iterable[torch.Tensor], new_tokens: int, seed: int = 0) -> AccessTrace:
     """Prefill and decode passes of sampled generation (T=0.8, top-p 0.95), with router inputs for pre-gating."""
-    return record_generate(model, prompts, max_new_tokens=new_tokens, do_sample=True, seed=seed,
-                           temperature=0.8, top_p=0.95)
+    return record_generate(model, prompts, max_new_tokens=new_tokens, do_sample=True, seed=seed, temperature=0.8, top_p=0.95)
 
 
 def decode_trace(model: Any, prompts: Iterable[torch.Tensor], new_tokens: int, seed: int = 0) -> AccessTrace:
@@ -59,23 +58,38 @@ def decode_trace(model: Any, prompts: Iterable[torch.Tensor], new_tokens: int, s
     return sampled_trace(model, prompts, new_tokens, seed).select(phase=1)
 
 
-def sweep(acc: AccessTrace, fractions: Sequence[float], configs: Sequence[tuple[str, Any, Any]] = DEFAULT_CONFIGS,
-          predict_logits: Callable | None = None, lookahead: int = 1,
-          progress: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+def sweep(
+    acc: AccessTrace,
+    fractions: Sequence[float],
+    configs: Sequence[tuple[str, Any, Any]] = DEFAULT_CONFIGS,
+    predict_logits: Callable | None = None,
+    lookahead: int = 1,
+    progress: Callable[[], None] | None = None,
+) -> list[dict[str, Any]]:
     rows = []
     for f in fractions:
         cap = capacity_of(acc, f)
         b = belady(acc, cap)
         for label, ev, pf in [*configs, ("belady", None, None)]:
-            st = b if label == "belady" else simulate(acc, cap, ev, pf, lookahead=lookahead,
-                                                      predict_logits=predict_logits)
-            rows.append({"fraction": f, "capacity": cap, "config": label, "hit_rate": st.hit_rate,
-                         "collisions": st.collisions, "collision_rate": st.collision_rate,
-                         "misses": st.misses, "loads_per_token": st.loads_per_token,
-                         "prefetch_precision": st.prefetch_precision, "prefetch_recall": st.prefetch_recall,
-                         "belady_hit_rate": b.hit_rate,
-                         "hit_rate_per_layer": [st.hits_per_layer.get(l, 0) / max(1, st.accesses_per_layer.get(l, 0))
-                                                for l in acc.moe_layers]})
+            st = b if label == "belady" else simulate(acc, cap, ev, pf, lookahead=lookahead, predict_logits=predict_logits)
+            rows.append(
+                {
+                    "fraction": f,
+                    "capacity": cap,
+                    "config": label,
+                    "hit_rate": st.hit_rate,
+                    "collisions": st.collisions,
+                    "collision_rate": st.collision_rate,
+                    "misses": st.misses,
+                    "loads_per_token": st.loads_per_token,
+                    "prefetch_precision": st.prefetch_precision,
+                    "prefetch_recall": st.prefetch_recall,
+                    "belady_hit_rate": b.hit_rate,
+                    "hit_rate_per_layer": [
+                        st.hits_per_layer.get(l, 0) / max(1, st.accesses_per_layer.get(l, 0)) for l in acc.moe_layers
+                    ],
+                }
+            )
             if progress:
                 progress()
     return rows

@@ -8,5 +8,14 @@ from .run import main, run_trace
 from .summary import layer_stats, trace_summary
 from .writer import RoutingRecorder, TraceWriter
 
-__all__ = ["SCHEMA", "RoutingRecorder", "Trace", "TraceConfig", "TraceWriter", "layer_stats", "main", "run_trace",
-           "trace_summary"]
+__all__ = [
+    "SCHEMA",
+    "RoutingRecorder",
+    "Trace",
+    "TraceConfig",
+    "TraceWriter",
+    "layer_stats",
+    "main",
+    "run_trace",
+    "trace_summary",
+]

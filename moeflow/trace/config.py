@@ -11,30 +11,31 @@ from ..errors import ConfigError
 
 @dataclass(frozen=True)
 class TraceConfig:
-    model: str                          # local checkpoint folder
-    prompts: str                        # file path, short set name or HF dataset name
-    out: str                            # trace folder (created, or appended to)
-    max_new_tokens: int = 32            # decode steps per prompt
-    limit: int | None = None            # at most this many prompts (after deduplication)
-    record_hidden: bool = False         # also store router input and post-attention residual (float16)
-    temperature: float = 0.0            # 0 = greedy
+    model: str  # local checkpoint folder
+    prompts: str  # file path, short set name or HF dataset name
+    out: str  # trace folder (created, or appended to)
+    max_new_tokens: int = 32  # decode steps per prompt
+    limit: int | None = None  # at most this many prompts (after deduplication)
+    record_hidden: bool = False  # also store router input and post-attention residual (float16)
+    temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     repetition_penalty: float = 1.0
-    seed: int = 0                       # per-prompt seed = seed + hash(prompt) (sampling only)
-    max_prompt_tokens: int = 256        # longer prompts are truncated (keep the beginning)
+    seed: int = 0  # per-prompt seed = seed + hash(prompt) (sampling only)
+    max_prompt_tokens: int = 256  # longer prompts are truncated (keep the beginning)
     data_dir: str | None = None
-    split: str | None = None            # split of a short set name or HF dataset
-    column: str | None = None           # prompt field of csv/tsv/json/jsonl records (None: detected)
+    split: str | None = None  # split of a short set name or HF dataset
+    column: str | None = None  # prompt field of csv/tsv/json/jsonl records (None: detected)
     dtype: str = "auto"
     device: str = "cpu"
-    shard_size: int | None = None       # token records per Arrow shard (None: about 256 MiB); closes at a prompt boundary
-    threads: int | None = None          # torch intra-op threads (None: torch's default)
+    shard_size: int | None = None  # token records per Arrow shard (None: about 256 MiB); closes at a prompt boundary
+    threads: int | None = None  # torch intra-op threads (None: torch's default)
     progress: bool = True
 
     def __post_init__(self) -> None:
         if not self.prompts or not self.out:
-            raise ConfigError("moeflow trace needs --prompts and --out; see `moeflow trace --help` "
-                              "(`moeflow inspect DIR` summarises a trace)")
+            raise ConfigError(
+                "moeflow trace needs --prompts and --out; see `moeflow trace --help` (`moeflow inspect DIR` summarises a trace)"
+            )
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
         if self.limit is not None and self.limit < 1:
@@ -55,13 +56,20 @@ class TraceConfig:
     def preflight(self) -> None:
         """What depends on this machine, checked before anything loads: the device."""
         from ..checks import check_device
+
         check_device(self.device)
 
     def generation(self) -> dict[str, Any]:
         """The settings that shape the generated tokens (stored in meta.json)."""
-        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "repetition_penalty": self.repetition_penalty, "seed": self.seed,
-                "max_prompt_tokens": self.max_prompt_tokens, "do_sample": self.temperature > 0}
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed,
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "do_sample": self.temperature > 0,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

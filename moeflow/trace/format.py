@@ -38,7 +38,7 @@ DATA_FILE = "data.arrow"
 TOKEN_FIELDS = ("prompt_id", "position", "phase", "token_id")
 LAYER_FIELDS = ("topk_ids", "topk_weights", "probs")
 HIDDEN_FIELDS = ("hidden_in", "resid")
-PROMPTS_KEY = b"moeflow.prompt_ids"     # shard schema metadata: JSON list of the shard's prompt ids
+PROMPTS_KEY = b"moeflow.prompt_ids"  # shard schema metadata: JSON list of the shard's prompt ids
 
 # Shards up to FULL_HASH_MAX bytes are verified by the sha256 of the whole file; larger ones by
 # `ends_sha256` (sha256 of the first and last ENDS_BYTES and the size), stored as `sha256_ends`:

@@ -37,15 +37,27 @@ from .format import (
 )
 
 # meta.json fields every trace must have, and their JSON types (checked before anything is read)
-REQUIRED: dict[str, tuple[type, ...]] = {"model_fingerprint": (str,), "spec": (dict,), "prompt_ids": (list,),
-                                        "shards": (list,), "num_tokens": (int,), "record_hidden": (bool,)}
-SHARD_REQUIRED: dict[str, tuple[type, ...]] = {"name": (str,), "file": (str,), "records": (int,), "bytes": (int,),
-                                              "sha256": (str,), "prompts": (int,)}
+REQUIRED: dict[str, tuple[type, ...]] = {
+    "model_fingerprint": (str,),
+    "spec": (dict,),
+    "prompt_ids": (list,),
+    "shards": (list,),
+    "num_tokens": (int,),
+    "record_hidden": (bool,),
+}
+SHARD_REQUIRED: dict[str, tuple[type, ...]] = {
+    "name": (str,),
+    "file": (str,),
+    "records": (int,),
+    "bytes": (int,),
+    "sha256": (str,),
+    "prompts": (int,),
+}
 _JSON_TYPE = {str: "a string", dict: "an object", list: "a list", int: "an integer", bool: "true/false"}
 
 
 def _type_ok(value: Any, types: tuple[type, ...]) -> bool:
-    if isinstance(value, bool) and bool not in types:      # JSON true is not an integer here
+    if isinstance(value, bool) and bool not in types:  # JSON true is not an integer here
         return False
     return isinstance(value, types)
 
@@ -60,8 +72,10 @@ def check_meta(meta: dict[str, Any], path: Path) -> None:
             if name not in d:
                 raise ArtifactError(f"{where} lacks the field '{prefix}{name}'; {fix}")
             if not _type_ok(d[name], types):
-                raise ArtifactError(f"{where} field '{prefix}{name}' must be {_JSON_TYPE[types[0]]}, "
-                                    f"not {type(d[name]).__name__}; {fix}")
+                raise ArtifactError(
+                    f"{where} field '{prefix}{name}' must be {_JSON_TYPE[types[0]]}, not {type(d[name]).__name__}; {fix}"
+                )
+
     need(meta, REQUIRED, "")
     by_name: dict[str, tuple[type, ...]] = {"int": (int,), "str": (str,)}
     spec_types = {f.name: by_name.get(str(f.type), (list,)) for f in dataclasses.fields(MoESpec)}
@@ -96,8 +110,9 @@ class Trace:
         try:
             self.spec = MoESpec.from_dict(self.meta["spec"])
         except (KeyError, TypeError, ValueError) as e:
-            raise ArtifactError(f"{self.path}/meta.json field 'spec' is invalid ({e}); "
-                                f"delete {self.path} and re-run `moeflow trace`") from e
+            raise ArtifactError(
+                f"{self.path}/meta.json field 'spec' is invalid ({e}); delete {self.path} and re-run `moeflow trace`"
+            ) from e
         self.prompt_ids: list[str] = list(self.meta["prompt_ids"])
         self.record_hidden = bool(self.meta["record_hidden"])
         self._tables = []
@@ -140,24 +155,26 @@ class Trace:
         n = info["prompts"]
         fix = self._fix()
         if base + n > len(self.prompt_ids):
-            raise ArtifactError(f"trace shard {f} holds prompts {base}..{base + n - 1} but meta.json lists only "
-                                f"{len(self.prompt_ids)} prompt_ids; {fix}")
+            raise ArtifactError(
+                f"trace shard {f} holds prompts {base}..{base + n - 1} but meta.json lists only "
+                f"{len(self.prompt_ids)} prompt_ids; {fix}"
+            )
         md = table.schema.metadata or {}
-        if PROMPTS_KEY in md:                  # traces written before this check carry no list
+        if PROMPTS_KEY in md:  # traces written before this check carry no list
             try:
                 own = json.loads(md[PROMPTS_KEY])
             except (json.JSONDecodeError, UnicodeDecodeError):
                 own = None
-            if own != self.prompt_ids[base:base + n]:
-                raise ArtifactError(f"trace shard {f} holds other prompts than meta.json's prompt_ids "
-                                    f"[{base}:{base + n}]; {fix}")
+            if own != self.prompt_ids[base : base + n]:
+                raise ArtifactError(f"trace shard {f} holds other prompts than meta.json's prompt_ids [{base}:{base + n}]; {fix}")
         if "prompt_id" not in table.column_names:
             raise ArtifactError(f"trace shard {f} has no prompt_id column; {fix}")
-        pid = table.column("prompt_id").to_numpy()                                       # [N]
-        if pid.size and (pid.min() < base or pid.max() >= base + n or (np.diff(pid) < 0).any()
-                         or np.unique(pid).size != n):
-            raise ArtifactError(f"trace shard {f}'s prompt_id column does not match its {n} prompts "
-                                f"(indices {base}..{base + n - 1} in order); {fix}")
+        pid = table.column("prompt_id").to_numpy()  # [N]
+        if pid.size and (pid.min() < base or pid.max() >= base + n or (np.diff(pid) < 0).any() or np.unique(pid).size != n):
+            raise ArtifactError(
+                f"trace shard {f}'s prompt_id column does not match its {n} prompts "
+                f"(indices {base}..{base + n - 1} in order); {fix}"
+            )
         if not pid.size and n:
             raise ArtifactError(f"trace shard {f} has no rows for its {n} prompts; {fix}")
 
@@ -170,12 +187,14 @@ class Trace:
             raise ArtifactError(f"{where} lists prompt {dup} twice; {self._fix('the later shard and its entry')}")
         covered = sum(s["prompts"] for s in self.meta["shards"])
         if covered != len(ids):
-            raise ArtifactError(f"{where} lists {len(ids)} prompt_ids but its shards hold {covered} prompts; "
-                                f"{self._fix('meta.json')}")
+            raise ArtifactError(
+                f"{where} lists {len(ids)} prompt_ids but its shards hold {covered} prompts; {self._fix('meta.json')}"
+            )
         rows = sum(t.num_rows for t in self._tables)
         if rows != self.meta["num_tokens"]:
-            raise ArtifactError(f"{where} says num_tokens {self.meta['num_tokens']} but its shards hold {rows} "
-                                f"records; {self._fix('meta.json')}")
+            raise ArtifactError(
+                f"{where} says num_tokens {self.meta['num_tokens']} but its shards hold {rows} records; {self._fix('meta.json')}"
+            )
 
     # -- sizes --
     def __len__(self) -> int:
@@ -194,9 +213,11 @@ class Trace:
         return self.meta["model_fingerprint"]
 
     def __repr__(self) -> str:
-        return (f"Trace({str(self.path)!r}, {self.num_prompts} prompts, {self.num_tokens} tokens, "
-                f"{self.spec.arch} {self.spec.num_moe_layers} MoE layers x {self.spec.num_experts} experts "
-                f"top-{self.spec.top_k})")
+        return (
+            f"Trace({str(self.path)!r}, {self.num_prompts} prompts, {self.num_tokens} tokens, "
+            f"{self.spec.arch} {self.spec.num_moe_layers} MoE layers x {self.spec.num_experts} experts "
+            f"top-{self.spec.top_k})"
+        )
 
     # -- reading --
     def _column(self, name: str) -> np.ndarray:
@@ -237,8 +258,13 @@ class Trace:
             raise ArtifactError(f"trace field {bad[0]!r} not available{extra}; fields: {', '.join(self.fields)}")
         if not self._tables:
             k, E, H = self.spec.top_k, self.spec.num_experts, self.spec.hidden_size
-            empty = {"topk_ids": (k, np.int16), "topk_weights": (k, np.float32), "probs": (E, np.float16),
-                     "hidden_in": (H, np.float16), "resid": (H, np.float16)}
+            empty = {
+                "topk_ids": (k, np.int16),
+                "topk_weights": (k, np.float32),
+                "probs": (E, np.float16),
+                "hidden_in": (H, np.float16),
+                "resid": (H, np.float16),
+            }
             return {f: np.zeros((0, empty[f][0]), empty[f][1]) for f in fields}
         return {f: self._column(column(f, layer)) for f in fields}
 
@@ -257,7 +283,10 @@ class Trace:
     def check_model(self, model: Any) -> None:
         """Raise ArtifactError if `model` is not the model this trace was recorded with."""
         from ..moe import model_fingerprint
+
         fp = model_fingerprint(model)
         if fp != self.fingerprint:
-            raise ArtifactError(f"trace at {self.path} is a trace of another model (fingerprint {self.fingerprint}, "
-                                f"this model is {fp}); re-run `moeflow trace` with this --model")
+            raise ArtifactError(
+                f"trace at {self.path} is a trace of another model (fingerprint {self.fingerprint}, "
+                f"this model is {fp}); re-run `moeflow trace` with this --model"
+            )

@@ -27,10 +27,20 @@ from .writer import RoutingRecorder, TraceWriter, generation_kwargs, trace_one
 
 def _progress(console: Any, enabled: bool):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-    return Progress(TextColumn("[bold]tracing"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
-                    TextColumn("{task.fields[tokens]} tokens, {task.fields[tps]:.0f} tok/s"),
-                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                    console=console, disable=not enabled, transient=False)
+
+    return Progress(
+        TextColumn("[bold]tracing"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("prompts"),
+        TextColumn("{task.fields[tokens]} tokens, {task.fields[tps]:.0f} tok/s"),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not enabled,
+        transient=False,
+    )
 
 
 def prompt_seed(seed: int, prompt_id: str) -> int:
@@ -48,6 +58,7 @@ def sigterm_interrupts() -> Iterator[None]:
 
     def handler(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt("terminated (SIGTERM)")
+
     old = signal.signal(signal.SIGTERM, handler)
     try:
         yield
@@ -61,15 +72,17 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt], cfg: TraceConfig, 
     check_lengths(model, cfg.max_prompt_tokens, 0)
     out = []
     for p in prompts:
-        ids = tokenizer(p.text, return_tensors="pt", truncation=True, max_length=cfg.max_prompt_tokens,
-                        add_special_tokens=True)["input_ids"][:, :cfg.max_prompt_tokens]                   # [1,S]
+        ids = tokenizer(p.text, return_tensors="pt", truncation=True, max_length=cfg.max_prompt_tokens, add_special_tokens=True)[
+            "input_ids"
+        ][:, : cfg.max_prompt_tokens]  # [1,S]
         check_lengths(model, ids.shape[1], cfg.max_new_tokens, what=f"prompt {p.id} ({p.text[:30]!r})")
         out.append(ids)
     return out
 
 
-def run_trace(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[Prompt], cfg: TraceConfig,
-              console: Any = None) -> dict[str, Any]:
+def run_trace(
+    model: torch.nn.Module, tokenizer: Any, prompts: Sequence[Prompt], cfg: TraceConfig, console: Any = None
+) -> dict[str, Any]:
     """Trace `prompts` through `model` into `cfg.out` (appending; prompts already there are skipped).
 
     An interrupt (Ctrl-C, SIGTERM, any error) keeps every prompt finished so far in the trace."""
@@ -79,14 +92,25 @@ def run_trace(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[Prompt],
     gen_kw = generation_kwargs(gen, pad if pad is not None else getattr(model.config, "eos_token_id", None))
     recorder = RoutingRecorder(adapter, cfg.record_hidden)
     device = next(model.parameters()).device
-    writer = TraceWriter(cfg.out, fingerprint=model_fingerprint(model), spec=adapter.spec.to_dict(),
-                         record_hidden=cfg.record_hidden, generation=gen, prompt_source=cfg.prompts,
-                         shard_size=cfg.shard_size, split=cfg.split, limit=cfg.limit, column=cfg.column)
+    writer = TraceWriter(
+        cfg.out,
+        fingerprint=model_fingerprint(model),
+        spec=adapter.spec.to_dict(),
+        record_hidden=cfg.record_hidden,
+        generation=gen,
+        prompt_source=cfg.prompts,
+        shard_size=cfg.shard_size,
+        split=cfg.split,
+        limit=cfg.limit,
+        column=cfg.column,
+    )
     tokens, gen_tokens, t0 = 0, 0, time.perf_counter()
     with sigterm_interrupts(), writer, _progress(console, cfg.progress and console is not None) as bar:
         if writer.meta["shards"] and writer.meta.get("generation") != gen and console is not None:
-            console.print(f"[yellow]note:[/] {cfg.out} was traced with other generation settings "
-                          f"({writer.meta.get('generation')}); each run's settings are in meta.json `runs`")
+            console.print(
+                f"[yellow]note:[/] {cfg.out} was traced with other generation settings "
+                f"({writer.meta.get('generation')}); each run's settings are in meta.json `runs`"
+            )
         todo = [p for p in prompts if not writer.has(p.id)]
         skipped = len(prompts) - len(todo)
         encoded = encode_prompts(tokenizer, todo, cfg, model)
@@ -95,18 +119,26 @@ def run_trace(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[Prompt],
             if ids.shape[1] == 0:
                 bar.advance(task)
                 continue
-            ids = ids.to(device)                                                                       # [1,S]
+            ids = ids.to(device)  # [1,S]
             rows, seq = trace_one(model, recorder, ids, gen_kw, prompt_seed(cfg.seed, p.id) if gen["do_sample"] else None)
             writer.add(p.id, rows)
             tokens += len(rows["position"])
             gen_tokens += seq.shape[0] - ids.shape[1]
             bar.update(task, advance=1, tokens=tokens, tps=tokens / max(time.perf_counter() - t0, 1e-9))
     dt = time.perf_counter() - t0
-    return {"out": str(cfg.out), "prompts_total": len(prompts), "prompts_skipped": skipped,
-            "prompts_added": writer.added_prompts, "tokens_added": writer.added_tokens,
-            "generated_tokens": gen_tokens, "shards_added": writer.new_shards,
-            "trace_prompts": len(writer.meta["prompt_ids"]), "trace_tokens": int(writer.meta["num_tokens"]),
-            "seconds": round(dt, 3), "tokens_per_s": round(tokens / dt, 1) if dt > 0 else None}
+    return {
+        "out": str(cfg.out),
+        "prompts_total": len(prompts),
+        "prompts_skipped": skipped,
+        "prompts_added": writer.added_prompts,
+        "tokens_added": writer.added_tokens,
+        "generated_tokens": gen_tokens,
+        "shards_added": writer.new_shards,
+        "trace_prompts": len(writer.meta["prompt_ids"]),
+        "trace_tokens": int(writer.meta["num_tokens"]),
+        "seconds": round(dt, 3),
+        "tokens_per_s": round(tokens / dt, 1) if dt > 0 else None,
+    }
 
 
 def check_trace_out(cfg: TraceConfig) -> None:
@@ -125,6 +157,7 @@ def main(cfg: TraceConfig, console: Any = None, json_out: bool = False) -> dict[
     from rich.console import Console
 
     from ..models import load_model, torch_threads
+
     console = console or Console(stderr=True)
     cfg.preflight()
     check_trace_out(cfg)
@@ -137,7 +170,9 @@ def main(cfg: TraceConfig, console: Any = None, json_out: bool = False) -> dict[
     if json_out:
         print(json.dumps(res))
     else:
-        console.print(f"traced {res['prompts_added']} prompts ({res['prompts_skipped']} already in the trace), "
-                      f"{res['tokens_added']} tokens at {res['tokens_per_s']} tok/s -> {res['out']} "
-                      f"({res['trace_prompts']} prompts, {res['trace_tokens']} tokens in all)")
+        console.print(
+            f"traced {res['prompts_added']} prompts ({res['prompts_skipped']} already in the trace), "
+            f"{res['tokens_added']} tokens at {res['tokens_per_s']} tok/s -> {res['out']} "
+            f"({res['trace_prompts']} prompts, {res['trace_tokens']} tokens in all)"
+        )
     return res

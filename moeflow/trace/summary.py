@@ -44,8 +44,8 @@ def router_entropy(probs: np.ndarray, chunk: int = 65536) -> float:
         return float("nan")
     total = 0.0
     for s in range(0, N, chunk):
-        p = np.asarray(probs[s:s + chunk], dtype=np.float32)                     # [n,E]
-        p = p / np.maximum(p.sum(-1, keepdims=True), 1e-12)                      # fp16 rounding
+        p = np.asarray(probs[s : s + chunk], dtype=np.float32)  # [n,E]
+        p = p / np.maximum(p.sum(-1, keepdims=True), 1e-12)  # fp16 rounding
         total += float(-(p * np.log(np.maximum(p, 1e-12))).sum())
     return total / N / math.log(E)
 
@@ -63,27 +63,33 @@ def load_entropy(counts: np.ndarray) -> float:
 @dataclass(frozen=True)
 class LayerStats:
     layer: int
-    tokens: int                  # rows (tokens routed through this layer)
-    assignments: int             # tokens x k
-    dead: list[int]              # experts under 1% of mean load
-    skewness: float              # max / mean load
-    router_entropy: float        # mean per-token entropy / log E
-    load_entropy: float          # entropy of the load distribution / log E
-    counts: list[int]            # load per expert
+    tokens: int  # rows (tokens routed through this layer)
+    assignments: int  # tokens x k
+    dead: list[int]  # experts under 1% of mean load
+    skewness: float  # max / mean load
+    router_entropy: float  # mean per-token entropy / log E
+    load_entropy: float  # entropy of the load distribution / log E
+    counts: list[int]  # load per expert
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def layer_stats(topk_ids: np.ndarray, probs: np.ndarray | None, num_experts: int, layer: int = -1,
-                dead_frac: float = 0.01) -> LayerStats:
+def layer_stats(
+    topk_ids: np.ndarray, probs: np.ndarray | None, num_experts: int, layer: int = -1, dead_frac: float = 0.01
+) -> LayerStats:
     """All statistics of one layer from its top-k ids [N,k] and (optionally) router probabilities [N,E]."""
     counts = expert_counts(topk_ids, num_experts)
     return LayerStats(
-        layer=layer, tokens=len(topk_ids), assignments=int(counts.sum()),
-        dead=[int(e) for e in dead_experts(counts, dead_frac)], skewness=skewness(counts),
+        layer=layer,
+        tokens=len(topk_ids),
+        assignments=int(counts.sum()),
+        dead=[int(e) for e in dead_experts(counts, dead_frac)],
+        skewness=skewness(counts),
         router_entropy=router_entropy(probs) if probs is not None else float("nan"),
-        load_entropy=load_entropy(counts), counts=[int(c) for c in counts])
+        load_entropy=load_entropy(counts),
+        counts=[int(c) for c in counts],
+    )
 
 
 def trace_summary(trace: Any, phase: str | None = None) -> dict[str, Any]:
@@ -97,29 +103,52 @@ def trace_summary(trace: Any, phase: str | None = None) -> dict[str, Any]:
         ids, probs = (d["topk_ids"], d["probs"]) if phase is None else (d["topk_ids"][mask], d["probs"][mask])
         layers.append(layer_stats(ids, probs, spec.num_experts, layer=l).to_dict())
     return {
-        "path": str(trace.path), "model_fingerprint": trace.fingerprint, "arch": spec.arch,
-        "num_experts": spec.num_experts, "top_k": spec.top_k, "moe_layers": list(spec.moe_layers),
-        "prompts": trace.num_prompts, "tokens": int(mask.sum()), "phase": phase or "all",
-        "prefill_tokens": int((tok["phase"] == 0).sum()), "decode_tokens": int((tok["phase"] == 1).sum()),
-        "record_hidden": trace.record_hidden, "shards": len(trace.meta["shards"]),
-        "generation": trace.meta.get("generation"), "layers": layers,
+        "path": str(trace.path),
+        "model_fingerprint": trace.fingerprint,
+        "arch": spec.arch,
+        "num_experts": spec.num_experts,
+        "top_k": spec.top_k,
+        "moe_layers": list(spec.moe_layers),
+        "prompts": trace.num_prompts,
+        "tokens": int(mask.sum()),
+        "phase": phase or "all",
+        "prefill_tokens": int((tok["phase"] == 0).sum()),
+        "decode_tokens": int((tok["phase"] == 1).sum()),
+        "record_hidden": trace.record_hidden,
+        "shards": len(trace.meta["shards"]),
+        "generation": trace.meta.get("generation"),
+        "layers": layers,
     }
 
 
 def render_summary(summary: dict[str, Any], console: Any) -> None:
     """A rich table of `trace_summary(...)`."""
     from rich.table import Table
+
     s = summary
-    title = (f"{s['path']}: {s['arch']}, {s['prompts']} prompts, {s['tokens']} tokens ({s['phase']}; "
-             f"prefill {s['prefill_tokens']}, decode {s['decode_tokens']}), {s['num_experts']} experts top-{s['top_k']}")
-    t = Table(title=title, title_justify="left",
-              caption="dead: experts under 1% of mean load; skew: max/mean load (MoE-GPS); H router: mean per-token "
-                      "router entropy / log E; H load: entropy of the load / log E", caption_justify="left")
+    title = (
+        f"{s['path']}: {s['arch']}, {s['prompts']} prompts, {s['tokens']} tokens ({s['phase']}; "
+        f"prefill {s['prefill_tokens']}, decode {s['decode_tokens']}), {s['num_experts']} experts top-{s['top_k']}"
+    )
+    t = Table(
+        title=title,
+        title_justify="left",
+        caption="dead: experts under 1% of mean load; skew: max/mean load (MoE-GPS); H router: mean per-token "
+        "router entropy / log E; H load: entropy of the load / log E",
+        caption_justify="left",
+    )
     for name in ("layer", "tokens", "dead", "skew", "H router", "H load", "busiest"):
         t.add_column(name, justify="left" if name == "dead" else "right")
     for L in s["layers"]:
         dead = f"{len(L['dead'])}" + (f"  {L['dead'][:8]}{'…' if len(L['dead']) > 8 else ''}" if L["dead"] else "")
         busiest = int(np.argmax(L["counts"])) if L["assignments"] else "-"
-        t.add_row(str(L["layer"]), str(L["tokens"]), dead, f"{L['skewness']:.2f}", f"{L['router_entropy']:.3f}",
-                  f"{L['load_entropy']:.3f}", str(busiest))
+        t.add_row(
+            str(L["layer"]),
+            str(L["tokens"]),
+            dead,
+            f"{L['skewness']:.2f}",
+            f"{L['router_entropy']:.3f}",
+            f"{L['load_entropy']:.3f}",
+            str(busiest),
+        )
     console.print(t)

@@ -56,7 +56,7 @@ class RoutingRecorder:
     def _on_route(self, ev: RouterEvent) -> None:
         self._route.setdefault(ev.layer, []).append((ev.logits, ev.weights, ev.indices))
         if self.record_hidden:
-            self._x.setdefault(ev.layer, []).append(ev.x)                 # [T,H]
+            self._x.setdefault(ev.layer, []).append(ev.x)  # [T,H]
         return None
 
     @contextlib.contextmanager
@@ -68,7 +68,7 @@ class RoutingRecorder:
             yield self
 
     def _on_resid(self, layer: int, r: torch.Tensor) -> None:
-        self._resid.setdefault(layer, []).append(r)                               # [T,H]
+        self._resid.setdefault(layer, []).append(r)  # [T,H]
 
     def clear(self) -> None:
         self._route.clear()
@@ -82,16 +82,16 @@ class RoutingRecorder:
             parts = self._route.get(l, [])
             if not parts:
                 raise RuntimeError(f"layer {l} routed no tokens during generate")
-            logits = _cat([p[0] for p in parts], np.float32)                 # [T,E]
+            logits = _cat([p[0] for p in parts], np.float32)  # [T,E]
             logits = logits - logits.max(-1, keepdims=True)
             probs = np.exp(logits)
             probs /= probs.sum(-1, keepdims=True)
-            out[column("topk_ids", l)] = _cat([p[2] for p in parts], self._ids_dtype)      # [T,k]
-            out[column("topk_weights", l)] = _cat([p[1] for p in parts], np.float32)       # [T,k]
-            out[column("probs", l)] = probs.astype(np.float16)                            # [T,E]
+            out[column("topk_ids", l)] = _cat([p[2] for p in parts], self._ids_dtype)  # [T,k]
+            out[column("topk_weights", l)] = _cat([p[1] for p in parts], np.float32)  # [T,k]
+            out[column("probs", l)] = probs.astype(np.float16)  # [T,E]
             if self.record_hidden:
-                out[column("hidden_in", l)] = _cat(self._x[l], np.float16)                 # [T,H]
-                out[column("resid", l)] = _cat(self._resid[l], np.float16)                 # [T,H]
+                out[column("hidden_in", l)] = _cat(self._x[l], np.float16)  # [T,H]
+                out[column("resid", l)] = _cat(self._resid[l], np.float16)  # [T,H]
         self.clear()
         return out
 
@@ -109,8 +109,12 @@ def _cat(parts: list[torch.Tensor], dtype: Any) -> np.ndarray:
 
 
 def generation_kwargs(gen: dict[str, Any], pad_token_id: int | None) -> dict[str, Any]:
-    kw: dict[str, Any] = {"max_new_tokens": gen["max_new_tokens"], "do_sample": gen["temperature"] > 0,
-                          "disable_compile": True, "pad_token_id": pad_token_id}
+    kw: dict[str, Any] = {
+        "max_new_tokens": gen["max_new_tokens"],
+        "do_sample": gen["temperature"] > 0,
+        "disable_compile": True,
+        "pad_token_id": pad_token_id,
+    }
     if gen["temperature"] > 0:
         kw.update(temperature=gen["temperature"], top_p=gen["top_p"], top_k=None)
     if gen["repetition_penalty"] != 1.0:
@@ -118,8 +122,13 @@ def generation_kwargs(gen: dict[str, Any], pad_token_id: int | None) -> dict[str
     return kw
 
 
-def trace_one(model: torch.nn.Module, recorder: RoutingRecorder, input_ids: torch.Tensor,
-              gen_kwargs: dict[str, Any], seed: int | None = None) -> tuple[dict[str, np.ndarray], torch.Tensor]:
+def trace_one(
+    model: torch.nn.Module,
+    recorder: RoutingRecorder,
+    input_ids: torch.Tensor,
+    gen_kwargs: dict[str, Any],
+    seed: int | None = None,
+) -> tuple[dict[str, np.ndarray], torch.Tensor]:
     """Generate from one prompt (`input_ids` [1,S], no padding) and return its records and the sequence."""
     if seed is not None:
         torch.manual_seed(seed)
@@ -130,8 +139,10 @@ def trace_one(model: torch.nn.Module, recorder: RoutingRecorder, input_ids: torc
     n = next(iter(rows.values())).shape[0]
     S = input_ids.shape[1]
     if n != seq.shape[0] - 1:
-        raise RuntimeError(f"routed {n} tokens but generate returned {seq.shape[0]} (prompt {S}); "
-                           f"expected every token but the last to be routed once")
+        raise RuntimeError(
+            f"routed {n} tokens but generate returned {seq.shape[0]} (prompt {S}); "
+            f"expected every token but the last to be routed once"
+        )
     seq = seq.cpu()
     pos = np.arange(n, dtype=np.int32)
     rows["position"] = pos
@@ -142,13 +153,14 @@ def trace_one(model: torch.nn.Module, recorder: RoutingRecorder, input_ids: torc
 
 # ---- the trace folder ----------------------------------------------------------------------------
 
+
 def _to_table(cols: dict[str, np.ndarray], prompt_ids: list[str]) -> pa.Table:
     arrays, names = [], []
     for name, a in cols.items():
         names.append(name)
         if a.ndim == 1:
             arrays.append(pa.array(a))
-        else:                                                   # [N,w] -> fixed_size_list[w]
+        else:  # [N,w] -> fixed_size_list[w]
             arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(a).reshape(-1)), a.shape[1]))
     return pa.Table.from_arrays(arrays, names=names, metadata={PROMPTS_KEY: json.dumps(prompt_ids).encode()})
 
@@ -162,12 +174,17 @@ def write_shard(folder: Path, cols: dict[str, np.ndarray], prompt_ids: list[str]
         folder.unlink()
     elif folder.exists():
         shutil.rmtree(folder)
-    with atomic_dir(folder, versioned=False) as tmp:   # a new shard: one rename, no symlink
+    with atomic_dir(folder, versioned=False) as tmp:  # a new shard: one rename, no symlink
         path = tmp / DATA_FILE
         with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
             w.write_table(table)
-        info = {"name": folder.name, "file": f"{folder.name}/{DATA_FILE}", "records": table.num_rows,
-                "bytes": path.stat().st_size, "sha256": file_sha256(path)}
+        info = {
+            "name": folder.name,
+            "file": f"{folder.name}/{DATA_FILE}",
+            "records": table.num_rows,
+            "bytes": path.stat().st_size,
+            "sha256": file_sha256(path),
+        }
         if info["bytes"] > FULL_HASH_MAX:
             info["sha256_ends"] = ends_sha256(path)
     return info
@@ -236,11 +253,13 @@ def _sources_of(meta: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for r in meta.get("runs") or []:
         if isinstance(r, dict) and r.get("prompt_source") is not None:
-            _count(out, {"source": r["prompt_source"], "split": r.get("split"), "column": r.get("column")},
-                   int(r.get("prompts_added") or 0))
+            _count(
+                out,
+                {"source": r["prompt_source"], "split": r.get("split"), "column": r.get("column")},
+                int(r.get("prompts_added") or 0),
+            )
     if not out and meta.get("prompt_source") is not None:
-        out.append({"source": meta["prompt_source"], "split": None, "column": None,
-                    "prompts": len(meta.get("prompt_ids") or [])})
+        out.append({"source": meta["prompt_source"], "split": None, "column": None, "prompts": len(meta.get("prompt_ids") or [])})
     return out
 
 
@@ -264,9 +283,20 @@ class TraceWriter:
     of prompts of the trace that came from it.
     """
 
-    def __init__(self, out: str | os.PathLike, *, fingerprint: str, spec: dict[str, Any], record_hidden: bool,
-                 generation: dict[str, Any], prompt_source: str, shard_size: int | None = None,
-                 split: str | None = None, limit: int | None = None, column: str | None = None):
+    def __init__(
+        self,
+        out: str | os.PathLike,
+        *,
+        fingerprint: str,
+        spec: dict[str, Any],
+        record_hidden: bool,
+        generation: dict[str, Any],
+        prompt_source: str,
+        shard_size: int | None = None,
+        split: str | None = None,
+        limit: int | None = None,
+        column: str | None = None,
+    ):
         self.out = Path(out)
         self.shard_size = shard_size or auto_shard_size(spec, record_hidden)
         self._args = (fingerprint, spec, record_hidden, generation)
@@ -278,9 +308,16 @@ class TraceWriter:
         self.added_tokens = 0
         self.new_shards: list[str] = []
         self._source = {"source": prompt_source, "split": split, "column": column}
-        self._run: dict[str, Any] = {"started_at": now_iso(), "prompt_source": prompt_source, "split": split,
-                                     "limit": limit, "column": column, "generation": generation, "shards": [],
-                                     "prompts_added": 0}
+        self._run: dict[str, Any] = {
+            "started_at": now_iso(),
+            "prompt_source": prompt_source,
+            "split": split,
+            "limit": limit,
+            "column": column,
+            "generation": generation,
+            "shards": [],
+            "prompts_added": 0,
+        }
         self._lock: contextlib.ExitStack | None = None
         self._created = False
 
@@ -293,32 +330,46 @@ class TraceWriter:
             raise ArtifactError(f"--out {out} is a file; pass a folder")
         if (out / META).exists():
             from .reader import Trace  # validates every shard before we add to it
+
             meta = Trace(out, verify=verify).meta
             check_fingerprint(meta, fingerprint, "the trace", out)
             if bool(meta["record_hidden"]) != record_hidden:
                 have = "with" if meta["record_hidden"] else "without"
-                raise ArtifactError(f"trace at {out} was recorded {have} --record-hidden; use the same setting "
-                                    f"to append, or another --out")
+                raise ArtifactError(
+                    f"trace at {out} was recorded {have} --record-hidden; use the same setting to append, or another --out"
+                )
             meta["sources"] = _sources_of(meta)
-            meta.pop("prompt_source", None)       # one source per trace was never true after an append
+            meta.pop("prompt_source", None)  # one source per trace was never true after an append
             meta["runs"] = list(meta.get("runs") or [])
             return meta
         if out.is_dir():
             strays = [p.name for p in out.iterdir() if not (p.name.startswith(".") or p.name.startswith("shard-"))]
             if strays:
-                raise ArtifactError(f"--out {out} exists and is not a trace folder (holds {strays[0]}); "
-                                    f"choose an empty or new folder")
-        return new_meta(KIND, SCHEMA, fingerprint, spec=spec, generation=generation, record_hidden=record_hidden,
-                        num_tokens=0, prompt_ids=[], shards=[], sources=[], runs=[])
+                raise ArtifactError(
+                    f"--out {out} exists and is not a trace folder (holds {strays[0]}); choose an empty or new folder"
+                )
+        return new_meta(
+            KIND,
+            SCHEMA,
+            fingerprint,
+            spec=spec,
+            generation=generation,
+            record_hidden=record_hidden,
+            num_tokens=0,
+            prompt_ids=[],
+            shards=[],
+            sources=[],
+            runs=[],
+        )
 
     def __enter__(self) -> TraceWriter:
-        self._open(verify=False)                       # refuse before creating anything
+        self._open(verify=False)  # refuse before creating anything
         self._created = not self.out.exists()
         self.out.mkdir(parents=True, exist_ok=True)
         self._lock = contextlib.ExitStack()
         self._lock.enter_context(_locked(self.out))
         try:
-            self.meta = self._open()                   # again under the lock: another run may have appended
+            self.meta = self._open()  # again under the lock: another run may have appended
         except BaseException:
             self._release()
             raise
@@ -327,7 +378,7 @@ class TraceWriter:
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            self.flush()                               # keep every finished prompt, also on an interrupt
+            self.flush()  # keep every finished prompt, also on an interrupt
         finally:
             self._release()
 
@@ -335,7 +386,7 @@ class TraceWriter:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
-        if self._created and not (self.out / META).exists():   # nothing written: leave no folder behind
+        if self._created and not (self.out / META).exists():  # nothing written: leave no folder behind
             with contextlib.suppress(OSError):
                 (self.out / ".lock").unlink()
                 self.out.rmdir()
@@ -364,17 +415,21 @@ class TraceWriter:
         base = len(self.meta["prompt_ids"])
         ids = [pid for pid, _ in self._buf]
         first = self._buf[0][1]
-        names = [*TOKEN_FIELDS[1:], *(n for n in first if n not in TOKEN_FIELDS)]   # fixed column order
+        names = [*TOKEN_FIELDS[1:], *(n for n in first if n not in TOKEN_FIELDS)]  # fixed column order
         cols: dict[str, np.ndarray] = {
-            "prompt_id": np.concatenate([np.full(len(r["position"]), base + i, np.int32)
-                                         for i, (_, r) in enumerate(self._buf)])}
+            "prompt_id": np.concatenate([np.full(len(r["position"]), base + i, np.int32) for i, (_, r) in enumerate(self._buf)])
+        }
         for name in names:
             cols[name] = np.concatenate([r[name] for _, r in self._buf])
         index = max((int(s["name"].rsplit("-", 1)[1]) for s in self.meta["shards"]), default=-1) + 1
         info = write_shard(self.out / shard_name(index), cols, ids)
         info["prompts"] = len(ids)
-        run = {**self._run, "shards": [*self._run["shards"], info["name"]], "finished_at": now_iso(),
-               "prompts_added": self.added_prompts + len(ids)}
+        run = {
+            **self._run,
+            "shards": [*self._run["shards"], info["name"]],
+            "finished_at": now_iso(),
+            "prompts_added": self.added_prompts + len(ids),
+        }
         sources = [dict(s) for s in self.meta["sources"]]
         _count(sources, self._source, len(ids))
         meta = dict(self.meta)
