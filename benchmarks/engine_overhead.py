@@ -8,7 +8,7 @@ rounds alternate the order (resident, engine / engine, resident) so machine load
 the ratio is of the medians. torch.profiler then counts, per MoE layer per decode step (inside the MoE
 block's forward), kernel launches (CUDA) or top-level aten ops (CPU, the proxy) and host
 synchronizations (CUDA: stream/device/event synchronize calls; CPU: the engine's own device->host
-reads, `engine.host_syncs`).
+reads, `engine.host_syncs`, over decode passes), all with `benchmarks/_profile.py`.
 
     python benchmarks/engine_overhead.py --model models/olmoe-mini --threads 1
     python benchmarks/engine_overhead.py --make-model olmoe-1b-7b-shape /tmp/olmoe-7b   # then:
@@ -20,13 +20,13 @@ Targets (issue 10): <= 1.10x resident on the GPU shape, <= 1.05x on CPU. Prints 
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from _profile import profile_counts  # benchmarks/_profile.py (shared with offload.py)
 
 SHAPES = {  # OlmoeConfig kwargs
     "olmoe-1b-7b-shape": dict(
@@ -48,9 +48,6 @@ SHAPES = {  # OlmoeConfig kwargs
         vocab_size=1024,
     ),
 }
-LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"}
-SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
-DECODE_RANGE = "moeflow::moe_layer_decode"
 
 
 def make_model(shape: str, out: Path) -> None:
@@ -70,71 +67,6 @@ def _tpot(model, ids, engine, new: int) -> float:
 
     _, m = generate_one(model, ids, engine, max_new_tokens=new, min_new_tokens=new)
     return m.tpot_s
-
-
-class _LayerRanges:
-    """Forward hooks on every MoE block: a profiler range per decode-step call (one token)."""
-
-    def __init__(self, adapter):
-        self.handles, self.open = [], []
-        for l in adapter.moe_layers:
-            block = adapter.moe_block(l)
-            self.handles.append(block.register_forward_pre_hook(self._enter))
-            self.handles.append(block.register_forward_hook(self._exit))
-
-    def _enter(self, module, args):
-        x = args[0]
-        rf = torch.autograd.profiler.record_function(DECODE_RANGE if x.numel() == x.shape[-1] else "moeflow::moe_layer")
-        rf.__enter__()
-        self.open.append(rf)
-
-    def _exit(self, module, args, output):
-        self.open.pop().__exit__(None, None, None)
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
-
-def profile_counts(model, adapter, ids, engine, new: int, cuda: bool) -> dict:
-    """Per MoE layer per decode step: kernel launches or aten ops, host synchronizations."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from moeflow.runtime.generate import generate_one
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    ranges = _LayerRanges(adapter)
-    s0 = engine.host_syncs if engine is not None else 0
-    try:
-        with profile(activities=acts) as prof:
-            generate_one(model, ids, engine, max_new_tokens=new, min_new_tokens=new)
-    finally:
-        ranges.remove()
-    events = list(prof.events())
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == DECODE_RANGE)
-    starts = [s for s, _ in spans]
-
-    def inside(e) -> bool:
-        i = bisect.bisect_right(starts, e.time_range.start) - 1
-        return i >= 0 and e.time_range.start <= spans[i][1]
-
-    n = max(1, len(spans))
-    launches = sum(1 for e in events if e.name in LAUNCHES and inside(e))
-    syncs = sum(1 for e in events if e.name in SYNCS and inside(e))
-    aten = sum(
-        1
-        for e in events
-        if e.name.startswith("aten::") and inside(e) and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))
-    )
-    out = {"decode_layer_calls": len(spans), "aten_ops": aten / n}
-    if cuda:
-        out.update(kernel_launches=launches / n, host_syncs=syncs / n)
-    elif engine is not None:  # CPU: the engine's own device->host reads
-        passes = new  # routed passes: prefill + new-1 decode steps
-        out["host_syncs"] = (engine.host_syncs - s0) / max(1, passes * adapter.spec.num_moe_layers)
-    else:
-        out["host_syncs"] = 0.0
-    return out
 
 
 def main() -> None:

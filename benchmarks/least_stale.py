@@ -29,7 +29,8 @@ from moeflow.moe import get_adapter  # noqa: E402
 from moeflow.sim import from_trace  # noqa: E402
 from moeflow.sim.study import DEFAULT_CONFIGS, gsm8k_prompts, sampled_trace, sweep  # noqa: E402
 
-CONFIGS = DEFAULT_CONFIGS + (
+CONFIGS = (
+    *DEFAULT_CONFIGS,
     ("least-stale(right=farthest)", ("least-stale", {"right": "farthest"}), "none"),
     ("least-stale(right=farthest)+pregate", ("least-stale", {"right": "farthest"}), ("pregate", {})),
 )

@@ -11,19 +11,30 @@ against `on-demand` loading, the resident model and the physical bound, measured
    (`bound`), and with on-demand traffic (`bound_od`: the best any perfect overlap of demand traffic gives).
 
     .venv/bin/python benchmarks/offload.py --model models/olmoe-mini
+    .venv/bin/python benchmarks/offload.py --model DIR --device cuda --link cuda   # the real PCIe link
+
+`--device cuda --link cuda`: copies on the CUDA side stream (`CudaLink`), bandwidth = pinned host->device
+copies of one expert row measured here (or `--gbps`), no emulation. Every configuration gets an untimed
+warm-up generation on an engine of its own first; the resident reference uses the faster stock experts
+implementation (batched_mm / grouped_mm, measured; exactness is checked against grouped_mm).
 Hit rate, prefetch precision/recall, transfers per token and collision misses are over decode passes.
+Per MoE layer per decode step: the engine's host synchronizations (`engine.host_syncs`), and from
+torch.profiler (`benchmarks/_profile.py`, one extra profiled generation per configuration) kernel
+launches on CUDA, top-level aten ops on CPU.
 Prints a rich table, then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 import time
 
 import torch
+from _profile import engine_syncs_per_decode_layer, profile_counts  # benchmarks/_profile.py
 from rich.console import Console
 from rich.table import Table
 
@@ -33,14 +44,14 @@ from moeflow.models import load_model
 from moeflow.moe import get_adapter
 from moeflow.policies import EVICTION
 from moeflow.policies.parse import parse_capacity
-from moeflow.runtime.generate import build_engine, generate_one
-from moeflow.runtime.link import EmulatedLink
+from moeflow.runtime.generate import build_engine, fastest_experts_impl, generate_one
+from moeflow.runtime.link import CudaLink, EmulatedLink
 from moeflow.runtime.metrics import RunMetrics
 from moeflow.runtime.store import ExpertLayout
 
 
-def layer_timer(adapter):
-    """Forward hooks on every decoder layer: seconds per layer, per forward pass."""
+def layer_timer(adapter, cuda: bool = False):
+    """Forward hooks on every decoder layer: seconds per layer, per forward pass (synchronized on CUDA)."""
     passes: list[dict[int, float]] = []
     t0: dict[int, float] = {}
     handles = []
@@ -49,12 +60,16 @@ def layer_timer(adapter):
         def f(m, a):
             if i == 0:
                 passes.append({})
+            if cuda:
+                torch.cuda.synchronize()
             t0[i] = time.perf_counter()
 
         return f
 
     def post(i):
         def f(m, a, o):
+            if cuda:
+                torch.cuda.synchronize()
             passes[-1][i] = time.perf_counter() - t0[i]
 
         return f
@@ -65,19 +80,40 @@ def layer_timer(adapter):
     return passes, handles
 
 
-def run_prompts(model, prompts, engine, args, label):
+def run_prompts(model, prompts, engine, args, label, new_tokens=None):
+    new_tokens = new_tokens or args.new_tokens
     per_layer_loads: list[dict[int, int]] = []
+    obs = lambda st: per_layer_loads.append(st.loads_by_layer)  # noqa: E731
     if engine is not None:
-        engine.observers.append(lambda st: per_layer_loads.append(st.loads_by_layer))
+        engine.observers.append(obs)
     ms = []
     outs = []
-    for ids in prompts:
-        new, m = generate_one(model, ids, engine, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, label=label)
-        ms.append(m)
-        outs.append(new)
+    try:
+        for ids in prompts:
+            new, m = generate_one(model, ids, engine, max_new_tokens=new_tokens, min_new_tokens=new_tokens, label=label)
+            ms.append(m)
+            outs.append(new)
+    finally:
+        if engine is not None:
+            engine.observers.remove(obs)
     # decode passes only: drop each prompt's first pass (prefill)
-    decode_loads = [d for i, d in enumerate(per_layer_loads) if i % args.new_tokens != 0]
+    decode_loads = [d for i, d in enumerate(per_layer_loads) if i % new_tokens != 0]
     return RunMetrics.total(ms, label), outs, decode_loads
+
+
+def h2d_gbps(nbytes: int, device: torch.device, reps: int = 20) -> float:
+    """Pinned host -> device copies of `nbytes` (one expert row), timed with CUDA events: GB/s."""
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    b.record()
+    b.synchronize()
+    return nbytes * reps / (a.elapsed_time(b) / 1e3) / 1e9
 
 
 def main() -> None:
@@ -92,12 +128,22 @@ def main() -> None:
     ap.add_argument("--gbps", type=float, default=None, help="link bandwidth (overrides --copy-share)")
     ap.add_argument("--latency-us", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument(
+        "--link", default="emulated", choices=("emulated", "cuda"), help="emulated (default: bandwidth-bound regime) or cuda"
+    )
+    ap.add_argument("--profile-tokens", type=int, default=6, help="new tokens of the profiled generation per configuration")
     ap.add_argument("--policies", default=None, help="comma list of evictions (default: all registered)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     con = Console(width=160)
-    model, tok = load_model(args.model, experts_implementation="grouped_mm")
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if args.link == "cuda" and not cuda:
+        ap.error("--link cuda needs --device cuda")
+    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, experts_implementation="grouped_mm")
     ad = get_adapter(model)
     spec = ad.spec
     prompts = [
@@ -107,12 +153,17 @@ def main() -> None:
     layout = ExpertLayout.of({n: p.detach() for n, p in ad.per_expert_params(spec.moe_layers[0]).items()})
     eb = layout.row_bytes
 
-    # 1. resident: TPOT and per-layer decode compute
-    run_prompts(model, prompts[:1], None, args, "warm-up")
-    passes, handles = layer_timer(ad)
-    resident, ref_out, _ = run_prompts(model, prompts, None, args, "resident")
+    # 1. resident: the faster stock experts implementation (measured), TPOT, per-layer decode compute
+    impl, impl_s = fastest_experts_impl(model, prompts[0])
+    run_prompts(model, prompts[:1], None, args, "warm-up", new_tokens=4)
+    resident, res_out, _ = run_prompts(model, prompts, None, args, f"resident [{impl}]")
+    model.set_experts_implementation("grouped_mm")  # the engines' (bit-exact) reference
+    ref_out = res_out if impl == "grouped_mm" else run_prompts(model, prompts, None, args, "reference")[1]
+    passes, handles = layer_timer(ad, cuda)
+    run_prompts(model, prompts, None, args, "layer times")
     for h in handles:
         h.remove()
+    resident_counts = profile_counts(model, ad, prompts[0], None, args.profile_tokens, cuda)
     decode_passes = [p for i, p in enumerate(passes) if i % args.new_tokens != 0]
     compute_l = {i: statistics.mean(p[i] for p in decode_passes) for i in range(spec.num_layers)}
     layers_s = sum(compute_l.values())
@@ -120,15 +171,20 @@ def main() -> None:
 
     # 2. the regime
     od_bytes_per_token = spec.num_moe_layers * spec.top_k * eb
-    bw = args.gbps * 1e9 if args.gbps else copy_share_bandwidth(od_bytes_per_token, resident.tpot_s, args.copy_share)
+    if args.link == "cuda":
+        bw = args.gbps * 1e9 if args.gbps else h2d_gbps(eb, device) * 1e9
+    else:
+        bw = args.gbps * 1e9 if args.gbps else copy_share_bandwidth(od_bytes_per_token, resident.tpot_s, args.copy_share)
     lat = args.latency_us * 1e-6
     capacity = parse_capacity(args.capacity, total_experts=spec.total_experts, expert_bytes=eb)
     con.print(
         f"[bold]{spec.arch}[/] {spec.num_moe_layers} MoE layers x {spec.num_experts} experts top-{spec.top_k}, "
         f"expert {eb / 1e3:.1f} KB; resident TPOT {resident.tpot_s * 1e3:.2f} ms; "
-        f"link {bw / 1e9:.4g} GB/s + {args.latency_us:g} us: on-demand copy "
-        f"{od_bytes_per_token / bw * 1e3:.2f} ms/token = {args.copy_share if not args.gbps else float('nan'):.2f} "
-        f"of on-demand TPOT (bandwidth-bound); cache C={capacity} ({100 * capacity / spec.total_experts:.0f}%)"
+        f"link {args.link} {bw / 1e9:.4g} GB/s + {args.latency_us:g} us: on-demand copy "
+        f"{od_bytes_per_token / bw * 1e3:.2f} ms/token"
+        + (f" = {args.copy_share:.2f} of on-demand TPOT (bandwidth-bound)" if args.link == "emulated" and not args.gbps else "")
+        + f"; cache C={capacity} ({100 * capacity / spec.total_experts:.0f}%); resident experts: {impl} "
+        f"({', '.join(f'{k} {v * 1e3:.2f} ms' for k, v in impl_s.items())})"
     )
 
     def bound(loads_per_pass: list[dict[int, int]]) -> float:
@@ -148,15 +204,23 @@ def main() -> None:
     evictions = args.policies.split(",") if args.policies else sorted(EVICTION)
     plan = [("on-demand", None, None)] + [("offload", ev, "pregate") for ev in evictions] + [("offload", "lru", "none")]
     rows = []
+
+    def make_engine(mode, ev, pf):
+        link = CudaLink(device) if args.link == "cuda" else EmulatedLink(bw / 1e9, lat)
+        return build_engine(model, mode=mode, link=link, capacity=capacity, eviction=ev or "lru", prefetch=pf or "none")
+
     for mode, ev, pf in plan:
-        link = EmulatedLink(bw / 1e9, lat)
-        eng = build_engine(model, mode=mode, link=link, capacity=capacity, eviction=ev or "lru", prefetch=pf or "none")
         label = mode if mode == "on-demand" else f"{ev}+{pf}"
         with con.status(label):
-            with eng:
-                m, outs, loads = run_prompts(model, prompts, eng, args, label)
+            with make_engine(mode, ev, pf) as weng:  # untimed warm-up on an engine of its own
+                run_prompts(model, prompts[:1], weng, args, "warm-up", new_tokens=4)
+            with make_engine(mode, ev, pf) as eng:
+                timed = functools.partial(run_prompts, model, prompts, eng, args, label)
+                (m, outs, loads), syncs = engine_syncs_per_decode_layer(eng, timed)
+                counts = profile_counts(model, ad, prompts[0], eng, args.profile_tokens, cuda)  # after the timed run
+        counts["engine_host_syncs"] = syncs  # of the timed run
         exact = all(torch.equal(a, b) for a, b in zip(outs, ref_out))
-        rows.append((m, bound(loads), exact))
+        rows.append((m, bound(loads), exact, counts))
 
     od_tpot = rows[0][0].tpot_s
     t = Table(title=f"offloaded decode, bandwidth-bound ({bw / 1e9:.4g} GB/s), C={capacity}")
@@ -173,10 +237,21 @@ def main() -> None:
         "recall",
         "xfer/tok",
         "collis.",
+        "syncs/layer",
+        "launches/layer" if cuda else "aten ops/layer",
         "exact",
     ):
         t.add_column(c, justify="left" if c == "run" else "right")
-    t.add_row("resident", f"{resident.tpot_s * 1e3:.2f}", "1.00", "-", "-", "-", "0.0", "-", "-", "-", "0", "-", "ref")
+    ops_key = "kernel_launches" if cuda else "aten_ops"
+    t.add_row(
+        resident.label,
+        f"{resident.tpot_s * 1e3:.2f}",
+        "1.00",
+        *("-", "-", "-", "0.0", "-", "-", "-", "0", "-"),
+        f"{resident_counts.get('host_syncs', 0.0):.2f}" if cuda else "0",
+        f"{resident_counts[ops_key]:.1f}",
+        "ref" if impl == "grouped_mm" else "-",
+    )
     result = {
         "model": args.model,
         "arch": spec.arch,
@@ -184,14 +259,22 @@ def main() -> None:
         "gbps": bw / 1e9,
         "latency_us": args.latency_us,
         "copy_share": None if args.gbps else args.copy_share,
+        "device": args.device,
+        "link": args.link,
+        "resident_experts_impl": impl,
+        "resident_impl_probe_s": impl_s,
         "resident_tpot_s": resident.tpot_s,
+        "resident_per_moe_layer_per_decode_step": resident_counts,
         "compute_layers_s": layers_s,
         "other_s": other_s,
         "bound_on_demand_traffic_s": od_bound,
         "runs": [],
     }
-    for m, b, exact in rows:
-        f = lambda v, s=".3f": "-" if v is None else format(v, s)
+
+    def f(v, s=".3f"):
+        return "-" if v is None else format(v, s)
+
+    for m, b, exact, counts in rows:
         t.add_row(
             m.label,
             f"{m.tpot_s * 1e3:.2f}",
@@ -205,6 +288,8 @@ def main() -> None:
             f(m.decode_prefetch_recall),
             f(m.transfers_per_token, ".2f"),
             str(m.decode_counters.collision_misses),
+            f(counts["engine_host_syncs"], ".2f"),
+            f(counts.get(ops_key), ".1f"),
             "yes" if exact else "NO",
         )
         result["runs"].append(
@@ -222,6 +307,7 @@ def main() -> None:
                 "transfers_per_token": m.transfers_per_token,
                 "collision_misses_decode": m.decode_counters.collision_misses,
                 "exact": exact,
+                "per_moe_layer_per_decode_step": counts,
             }
         )
     con.print(t)

@@ -46,7 +46,6 @@ def main() -> None:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    console = Console(stderr=True)
     model, tok = load_model(a.model or default_model_path())
     ad = get_adapter(model)
     prompts = load_prompts(a.prompts, data_dir=a.data_dir, limit=a.n)

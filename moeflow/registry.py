@@ -4,7 +4,7 @@ policies in `moeflow.policies`, predictors in `moeflow.predict`), chosen by name
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from .errors import ConfigError
@@ -12,7 +12,7 @@ from .errors import ConfigError
 P = TypeVar("P")
 
 
-class Registry(dict[str, Callable[..., Any]]):
+class Registry(dict[str, type[Any]]):
     """Name -> class for one kind. `create(name, **options)` builds one, or explains the choices.
 
     `what` names one entry in messages ("eviction policy", "predictor")."""

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-NAMES = ("olmoe-mini", "mixtral-mini")
+NAMES = ("olmoe-mini", "olmoe-deep", "mixtral-mini")
 
 
 def parse(argv=None) -> argparse.Namespace:

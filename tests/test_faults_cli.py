@@ -179,7 +179,7 @@ def test_calibration_with_step_size_below_one_is_refused_when_read(ckpt, tmp_pat
     rec["initial_s"] = 0
     cal.write_text(json.dumps(rec))
     calls = []
-    monkeypatch.setattr("moeflow.runtime.main.generate_one", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr("moeflow.runtime.main.generate_batch", lambda *a, **k: calls.append(1))
     one_line_error(
         ["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--calibration", cal], capsys, "step size S = 0", "integer >= 1"
     )
@@ -196,7 +196,7 @@ def test_sweep_bad_late_value_fails_before_any_generation(ckpt, tmp_path, capsys
         calls.append(1)
         raise AssertionError("generation started before every sweep value was checked")
 
-    monkeypatch.setattr("moeflow.runtime.main.generate_one", counting)
+    monkeypatch.setattr("moeflow.runtime.main.generate_batch", counting)
     out = tmp_path / "gen.jsonl"
     base = ["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--sweep", "--threads", "1", "--out", out]
     # the last capacity is below top-k = 2: known only with the model, still refused before the first run
@@ -217,7 +217,7 @@ def test_ctrl_c_prints_interrupted_exits_130_and_writes_nothing(ckpt, tmp_path, 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("moeflow.runtime.main.generate_one", interrupted)
+    monkeypatch.setattr("moeflow.runtime.main.generate_batch", interrupted)
     out = tmp_path / "gen.jsonl"
     code, _, err = cli(["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--mode", "resident", "--out", out], capsys)
     assert code == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
@@ -230,7 +230,7 @@ def test_sigterm_becomes_an_exception_exits_143(ckpt, tmp_path, capsys, monkeypa
         time.sleep(30)  # the handler raises in this thread; the sleep never finishes
         raise AssertionError("SIGTERM did not interrupt the stage")
 
-    monkeypatch.setattr("moeflow.runtime.main.generate_one", terminated)
+    monkeypatch.setattr("moeflow.runtime.main.generate_batch", terminated)
     before = signal.getsignal(signal.SIGTERM)
     out = tmp_path / "gen.jsonl"
     code, _, err = cli(["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--mode", "resident", "--out", out], capsys)
@@ -245,7 +245,7 @@ def test_real_sigint_to_python_m_moeflow(ckpt, tmp_path):
         "import sys, time, moeflow.runtime.main as m\n"
         "def slow(*a, **k):\n"
         "    print('generating', flush=True); time.sleep(60)\n"
-        "m.generate_one = slow\n"
+        "m.generate_batch = slow\n"
         "from moeflow.__main__ import main\n"
         "main(sys.argv[1:])\n"
     )

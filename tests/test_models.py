@@ -33,7 +33,7 @@ def committed(request):
 
 
 def test_folder_is_small_and_complete(committed):
-    name, folder, _, _ = committed
+    _, folder, _, _ = committed
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     assert size <= MAX_BYTES, f"{folder} is {size / 2**20:.1f} MiB"
     for f in (
@@ -92,7 +92,7 @@ def test_generates_and_is_trained(committed):
 
 
 def test_card_numbers_are_consistent(committed):
-    name, folder, model, _ = committed
+    _, folder, model, _ = committed
     card = json.loads((folder / "card.json").read_text())
     assert card["params"]["total"] == sum(p.numel() for p in model.parameters())
     assert card["params"]["active"] < card["params"]["total"]

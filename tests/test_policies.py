@@ -22,7 +22,7 @@ def load(pol, key, pos, score=1.0, prefetched=False):
 
 
 def test_registries_and_errors():
-    assert set(EVICTION) == {"lru", "lfu", "fld", "score", "lru2", "least-stale"}
+    assert set(EVICTION) == {"lru", "lfu", "fld", "score", "lru2", "least-stale", "belady-approx"}
     assert set(PREFETCH) >= {"none", "pregate", "all-next-layer"}
     assert MISS.create("fetch").on_miss((0, 1), P(0, 0)) == "fetch" and MISS.create("fetch").exact
     assert ROUTING.create("standard").bias(0, 8, lambda k: True) is None
@@ -30,7 +30,7 @@ def test_registries_and_errors():
         assert isinstance(EVICTION.create(n), EvictionPolicy)
     for n in ("none", "pregate", "all-next-layer"):  # learned prefetchers need a predictors folder
         assert isinstance(PREFETCH.create(n), PrefetchPolicy)
-    with pytest.raises(ConfigError, match="choose one of: fld, least-stale"):
+    with pytest.raises(ConfigError, match="choose one of: belady-approx, fld, least-stale"):
         EVICTION.create("mru")
     with pytest.raises(ConfigError, match="no option 'factor'.*overfetch"):
         PREFETCH.create("pregate", factor=2)

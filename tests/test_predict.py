@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -51,7 +52,7 @@ def structured_prompts(n: int, length: int, seed: int = 0, vocab: int = 256) -> 
     """Prompts from a few repeated phrases, so token ids carry routing information across prompts."""
     rng = np.random.default_rng(seed)
     phrases = [rng.integers(3, vocab, size=6).tolist() for _ in range(8)]
-    return [sum((phrases[j] for j in rng.integers(0, len(phrases), size=length // 6 + 1)), [])[:length] for _ in range(n)]
+    return [[t for j in rng.integers(0, len(phrases), size=length // 6 + 1) for t in phrases[j]][:length] for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def small_cfg(**kw):
 
 
 def test_trace_roundtrip_shapes(tiny_setup):
-    model, path, data = tiny_setup
+    _, _, data = tiny_setup
     spec = data.spec
     assert data.has_hidden and data.n == 10 * (16 + 4 - 1)
     for l in spec.moe_layers:
@@ -210,7 +211,7 @@ def trained_folder(tiny_setup, tmp_path_factory):
 
 
 def test_cli_train_writes_folder_and_report(trained_folder):
-    model, root, out, rep = trained_folder
+    _, _, out, rep = trained_folder
     meta = json.loads((out / "meta.json").read_text())
     assert meta["kind"] == "predictors" and set(meta["predictors"]) == {"frequency", "token-id", "pregate", "router-pf", "forest"}
     assert (out / "recall.png").stat().st_size > 1000 and (out / "forest" / "forest.npz").is_file()
@@ -258,7 +259,6 @@ def test_cli_eval_and_refusals(trained_folder, tiny_setup, tmp_path):
     from moeflow.cli.app import app
 
     model, root, out, _ = trained_folder
-    _, trace, _ = tiny_setup
     held = write_trace(model, tmp_path / "held", structured_prompts(3, 20, seed=5), new_tokens=4)
     r = CliRunner().invoke(
         app, ["eval", "--predictors", str(out), "--trace", str(held), "--model", str(root / "model"), "--max-s", "2", "--json"]
@@ -364,7 +364,7 @@ def test_speculative_execution_with_a_perfect_predictor_is_lossless(tiny_setup):
 
     class Perfect:
         max_lookahead = 1
-        calls: list[int] = []
+        calls: ClassVar[list[int]] = []
 
         def predict(self, target, s, batch: SourceBatch):
             assert s == 1 and batch.layer == ml[ml.index(target) - 1]  # asked one MoE layer ahead
@@ -427,7 +427,7 @@ def test_speculative_under_offload_matches_speculative_resident(trained_folder, 
     from moeflow.runtime.generate import build_engine, generate_one
     from moeflow.runtime.link import DirectLink
 
-    model, root, out, _ = trained_folder
+    model, _, out, _ = trained_folder
     model.set_experts_implementation("grouped_mm")
     prompt = torch.tensor([structured_prompts(1, 9, seed=4)[0]])
     eng = build_engine(

@@ -81,9 +81,7 @@ def plain_router_hooks(model, arch: str):
     def hook(l):
         def f(module, args, out):
             x = args[0].detach()
-            seen.setdefault(l, []).append(
-                (x.reshape(-1, x.shape[-1]),) + tuple(o.detach().reshape(-1, o.shape[-1]) for o in out[:3])
-            )
+            seen.setdefault(l, []).append((x.reshape(-1, x.shape[-1]), *(o.detach().reshape(-1, o.shape[-1]) for o in out[:3])))
 
         return f
 
@@ -122,7 +120,7 @@ def test_recorded_routing_equals_router(tiny_models, arch):
         np.testing.assert_allclose(rows[f"hidden_in_{l}"].astype(np.float32), x.numpy(), rtol=1e-2, atol=1e-2)
         # the router re-run on its recorded input chooses the recorded experts
         with torch.no_grad():
-            w2, idx2 = ad.select(l, ad.router_logits(l, x))
+            _, idx2 = ad.select(l, ad.router_logits(l, x))
         assert torch.equal(idx2.reshape(idx.shape), idx)
         # post_attention_layernorm(resid) is the router input
         resid = torch.from_numpy(rows[f"resid_{l}"].astype(np.float32))
@@ -322,7 +320,7 @@ def test_bfloat16_model_is_recorded(tiny_models):
     model = tiny_model("mixtral", dtype=torch.bfloat16)
     ad = get_adapter(model)
     with plain_router_hooks(model, "mixtral") as seen:
-        rows, seq = trace_one(
+        rows, _ = trace_one(
             model, RoutingRecorder(ad, record_hidden=True), torch.tensor([[4, 8, 15, 16]]), generation_kwargs(GEN, 0)
         )
     l = ad.moe_layers[-1]

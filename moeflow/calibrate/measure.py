@@ -1,11 +1,10 @@
 """Measurements: host->device bandwidth over transfer sizes, per-layer decode compute, one expert's compute.
 
 Copies and the single-expert timing take the minimum over repeats after a warm-up (robust to the
-scheduler preempting a shared machine); per-layer decode times are medians over decode steps. On CUDA: pinned host -> device copies timed
-with CUDA events, module timings with synchronisation. Without CUDA: host memcpy (`Tensor.copy_`, one
-thread),
-and, when asked, the runtime's `EmulatedLink` (submit + wait, wall time) so the numbers include its
-worker-thread overhead.
+scheduler preempting a shared machine); per-layer decode times are medians over decode steps. On CUDA:
+pinned host -> device copies timed with CUDA events, module timings with synchronisation. Without CUDA:
+host memcpy (`Tensor.copy_`, one thread), and, when asked, the runtime's `EmulatedLink` (submit + wait,
+wall time) so the numbers include its worker-thread overhead.
 """
 
 from __future__ import annotations

@@ -104,6 +104,21 @@ def run(
         "predicted instead of the router's (Speculating Experts sec. 4). Off by "
         "default; quality cost: `moeflow eval --speculative`.",
     ),
+    batch_size: int = typer.Option(
+        1,
+        "--batch-size",
+        "-b",
+        help="Decode this many prompts together (left-padded); greedy output per prompt as at batch size 1.",
+    ),
+    warmup: bool = typer.Option(
+        True, "--warmup/--no-warmup", help="One untimed short generation per run before the timed one (default on)."
+    ),
+    experts_impl: str = typer.Option(
+        "auto",
+        "--experts-impl",
+        help="Stock experts implementation of --mode resident: auto (batched_mm or grouped_mm, "
+        "whichever a short timed probe finds faster), batched_mm or grouped_mm.",
+    ),
     sweep: bool = typer.Option(
         False,
         "--sweep",
@@ -151,5 +166,8 @@ def run(
         threads=threads,
         adaptive_s=adaptive_s,
         speculative=speculative,
+        batch_size=batch_size,
+        warmup=warmup,
+        experts_impl=experts_impl,
     )
     main(cfg)

@@ -26,10 +26,12 @@ def render(res: dict[str, Any]) -> None:
     from rich.table import Table
 
     t = Table(
-        title=f"{res['trace']}: {res['passes']} {res['phase']} passes, {res['tokens']} tokens, "
-        f"{res['working_set']:.1f} experts needed per pass of {res['total_experts']}"
+        title=f"{res['trace']}: {res['passes']} {res['phase']} passes ({res['replayed_passes']} replayed), "
+        f"{res['tokens']} tokens, {res['working_set']:.1f} experts needed per pass of {res['total_experts']}; "
+        f"link {res['link']}; {res['accesses_per_s'] / 1e6:.2f} M accesses/s"
     )
-    for c in ("capacity", "eviction", "prefetch", "hit rate", "collision misses", "transfers/token", "pf precision", "pf recall"):
+    cols = ("capacity", "eviction", "prefetch", "hit rate", "collision misses", "transfers/token", "pf precision", "pf recall")
+    for c in (*cols, "stall s", "M acc/s"):
         t.add_column(c, justify="left" if c in ("eviction", "prefetch") else "right")
     for r in res["rows"]:
         t.add_row(
@@ -41,6 +43,8 @@ def render(res: dict[str, Any]) -> None:
             f"{r['loads_per_token']:.2f}",
             f"{r['prefetch_precision']:.2f}",
             f"{r['prefetch_recall']:.2f}",
+            f"{r['stall_s']:.4f}",
+            f"{r['accesses_per_s'] / 1e6:.2f}",
         )
     Console().print(t)
 
@@ -64,9 +68,19 @@ def simulate_cmd(
         None, "--model", "-m", help="Checkpoint whose routers pre-gating applies (must be the traced model)."
     ),
     no_belady: bool = typer.Option(False, "--no-belady", help="Skip Belady's MIN (the demand-paging optimum)."),
+    link: str = typer.Option(
+        "instant",
+        "--link",
+        help="instant (copies complete at once, as --link direct) or emulated:GBPS[,LATENCY_US] "
+        "(EmulatedLink's FIFO schedule on a virtual clock).",
+    ),
+    layer_time_us: float = typer.Option(
+        0.0, "--layer-time-us", help="Compute per MoE layer per pass on the modelled link's virtual clock (microseconds)."
+    ),
     as_json: bool = json_option(),
 ) -> None:
-    """Replay a routing trace through a simulated expert cache: hit rate, collision misses, transfers per token."""
+    """Replay a routing trace through the runtime's expert cache (no weights): hit rate, collision misses, transfers
+    per token; `--json` rows carry `decode_counters` with the fields of `moeflow run --json`."""
     from ..policies.parse import parse_opts, split_list
     from ..sim.run import SimulateConfig, main
 
@@ -83,6 +97,8 @@ def simulate_cmd(
         model=model,
         belady=not no_belady,
         progress=not as_json,
+        link=link,
+        layer_time_us=layer_time_us,
     )
     res = main(cfg)
     if as_json:

@@ -24,6 +24,7 @@ def build_config(
     max_new_tokens: int = 32,
     limit: int | None = None,
     record_hidden: bool = False,
+    hidden_dtype: str = "float16",
     temperature: float = 0.0,
     top_p: float = 1.0,
     repetition_penalty: float = 1.0,
@@ -48,6 +49,7 @@ def build_config(
         max_new_tokens=max_new_tokens,
         limit=limit,
         record_hidden=record_hidden,
+        hidden_dtype=hidden_dtype,
         temperature=temperature,
         top_p=top_p,
         repetition_penalty=repetition_penalty,
@@ -94,6 +96,12 @@ def trace_cmd(
         help="Also store each MoE layer's router input "
         "and post-attention residual (float16, 2 x H x 2 bytes per token and layer).",
     ),
+    hidden_dtype: str = typer.Option(
+        "float16",
+        "--hidden-dtype",
+        help="Storage of --record-hidden states: float16, or float32 (exact router inputs of fp32/bf16 models, "
+        "so `moeflow simulate --prefetch pregate` predicts exactly what `moeflow run` does).",
+    ),
     temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature; 0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temperature > 0)."),
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="1.0 = off."),
@@ -138,6 +146,7 @@ def trace_cmd(
         max_new_tokens=max_new_tokens,
         limit=limit,
         record_hidden=record_hidden,
+        hidden_dtype=hidden_dtype,
         temperature=temperature,
         top_p=top_p,
         repetition_penalty=repetition_penalty,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ class BuildConfig:
     data_dir: str
     out: str  # parent folder: the model goes to out/name
     log_dir: str
-    train: LMTrainConfig = LMTrainConfig()
+    train: LMTrainConfig = field(default_factory=LMTrainConfig)
     vocab_size: int = 8192
     val_fraction: float = 0.02
     threads: int = 1

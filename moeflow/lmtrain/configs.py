@@ -23,6 +23,22 @@ MODELS: dict[str, dict[str, Any]] = {
         max_position_embeddings=1024,
         tie_word_embeddings=False,
     ),
+    # OLMoE, deep: 12 MoE layers of 32 experts top-4, the per-layer shape of olmoe-mini (issue 11: a step
+    # size S can range over 1..11 and a layer-ahead predictor has 11 source layers).
+    "olmoe-deep": dict(
+        arch="olmoe",
+        vocab_size=8192,
+        hidden_size=128,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=128,
+        num_experts=32,
+        num_experts_per_tok=4,
+        norm_topk_prob=False,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    ),
     # Mixtral: few larger experts, top-2 of 8; same active expert width per token (2 x 256 = 4 x 128).
     "mixtral-mini": dict(
         arch="mixtral",
@@ -53,6 +69,16 @@ TINY: dict[str, dict[str, Any]] = {
         num_experts=8,
         num_experts_per_tok=2,
     ),
+    "olmoe-deep": dict(
+        vocab_size=512,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+    ),
     "mixtral-mini": dict(
         vocab_size=512,
         hidden_size=32,
@@ -68,7 +94,7 @@ TINY: dict[str, dict[str, Any]] = {
 
 
 def model_config(name: str, *, tiny: bool = False, vocab_size: int | None = None, **over: Any):
-    """A transformers config for embedded model `name` (`olmoe-mini` or `mixtral-mini`)."""
+    """A transformers config for embedded model `name` (`olmoe-mini`, `olmoe-deep` or `mixtral-mini`)."""
     from transformers import AutoConfig
 
     from ..errors import ConfigError

@@ -390,7 +390,8 @@ def render(card: dict[str, Any]) -> str:
         f"{t.get('val_fraction', 0.02):.0%} of each source held out, {t.get('corpus_val_tokens', 0):,} tokens). "
         "Alpaca and ShareGPT are excluded: they are the workloads.",
         f"- {t.get('steps', 0)} steps of {cfg.get('batch_size')} x {cfg.get('seq_len')} tokens = "
-        f"{t.get('train_tokens_seen', 0) / 1e6:.2f}M tokens seen (about {t.get('train_tokens_seen', 0) / max(1, t.get('corpus_train_tokens', 1)):.2f} epochs) "
+        f"{t.get('train_tokens_seen', 0) / 1e6:.2f}M tokens seen "
+        f"(about {t.get('train_tokens_seen', 0) / max(1, t.get('corpus_train_tokens', 1)):.2f} epochs) "
         f"in {t.get('train_seconds', 0) / 60:.1f} minutes on {t.get('threads', 1)} CPU thread(s) of a shared 2-core machine.",
         f"- AdamW (betas 0.9/0.95, weight decay {cfg.get('weight_decay')}), peak lr {cfg.get('lr')}, "
         f"{cfg.get('warmup_steps')} warmup steps, cosine decay to {cfg.get('min_lr_ratio')} x peak over the wall-clock budget; "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,9 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from .spec import MoESpec, dtype_name
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 SelectFn = Callable[[Any, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
@@ -156,11 +159,11 @@ class Adapter:
         return getattr(self.moe_block(layer), self.info.router_attr)
 
     def experts(self, layer: int) -> nn.Module:
-        return self.moe_block(layer).experts
+        return cast(nn.Module, self.moe_block(layer).experts)
 
     @staticmethod
     def _num_experts(ex: nn.Module) -> int:
-        return int(ex.num_experts)
+        return int(cast(int, ex.num_experts))
 
     # -- scoring --
     def select(self, layer: int, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +176,7 @@ class Adapter:
 
     # -- spec --
     def _read_spec(self) -> MoESpec:
-        cfg = self.model.config
+        cfg = cast("PretrainedConfig", self.model.config)
         first = self.moe_layers[0]
         ex = self.experts(first)
         E = self._num_experts(ex)
@@ -200,7 +203,7 @@ class Adapter:
             num_layers=len(self.layers),
             moe_layers=self.moe_layers,
             num_experts=E,
-            top_k=int(self.router(first).top_k),
+            top_k=int(cast(int, self.router(first).top_k)),
             hidden_size=int(cfg.hidden_size),
             expert_intermediate_size=int(inter),
             expert_bytes=int(nbytes),
@@ -238,6 +241,6 @@ def model_fingerprint(model: nn.Module) -> str:
     ad = get_adapter(model)
     h = hashlib.sha256()
     for l in ad.moe_layers:
-        w = ad.router(l).weight.detach().float().cpu().contiguous()
+        w = cast(torch.Tensor, ad.router(l).weight).detach().float().cpu().contiguous()
         h.update(w.numpy().tobytes())
     return config_fingerprint(model.config, h.digest())

@@ -5,11 +5,13 @@
 | router-pf | router_{l+s}(quasi-hidden state q chained from layer l) | Speculating Experts 3 |
 | estimator | the neural estimator's logits from q | Speculating Experts 6.1 |
 | hybrid | estimator on the (layer, S) pairs where Router-PF was weak in training, else Router-PF | Speculating Experts 6.3 |
-| forest | ExpertFlow's random-forest delta over pre-gate, evaluated asynchronously on CPU; cached per (token sequence, layer, S); pre-gate top-k while not ready | ExpertFlow 3.2.2 |
+| forest | ExpertFlow's random-forest delta over pre-gate, evaluated asynchronously on CPU (see below) | ExpertFlow 3.2.2 |
 
 Options (`--prefetch-opt key=value`): `predictors=DIR` (required: a `moeflow train` folder for this
 model), `lookahead=S` (default: the engine's S), `overfetch=1.0` (top round(k*overfetch) per token)
 or `mass=0.9` (experts in descending score up to that cumulative mass).
+
+forest's predictions are cached per (token sequence, layer, S); until one is ready the policy uses pre-gate top-k.
 
 The policy needs the running model (routers and norms) and the post-attention residual r_l, which
 the engine captures and passes as `LayerContext.residual`: the engine calls `policy.bind(model)` when
@@ -54,7 +56,7 @@ class LearnedPrefetch:
             raise ConfigError(f"{self.name}: overfetch must be > 0 and mass in (0, 1]")
         self.folder, self.lookahead, self.overfetch, self.mass = str(predictors), lookahead, overfetch, mass
         self.window = window
-        self.model = None
+        self.model: torch.nn.Module | None = None
         self.pred: Any = None
         self._hist: dict[int, torch.Tensor] = {}
         self._pass = -1

@@ -3,11 +3,13 @@
 | name | proposes | source |
 |---|---|---|
 | none | nothing (demand paging) | - |
-| pregate | layer l+s's own router applied to layer l's router input, s = 1..S; top-k x overfetch, or a score percentile / cumulative mass | pre-gating (ExpertFlow 3.2, SpecMD 3.1.4) |
+| pregate | layer l+s's own router applied to layer l's router input, s = 1..S | pre-gating (ExpertFlow 3.2, SpecMD 3.1.4) |
 | all-next-layer | every expert of the next MoE layer(s) | SE-MoE style (SpecMD/CasMoE baselines) |
 
 Priorities: nearer layers first (S - s + 1 per layer), then higher predicted probability, so the
 cache issues the most urgent and most likely loads first.
+
+pregate selects per token the top-k x overfetch experts, or by a score percentile or a cumulative mass.
 """
 
 from __future__ import annotations
@@ -76,16 +78,16 @@ class PreGatePrefetch:
         self.history = history
         self._scores: dict[int, torch.Tensor] = {}  # target layer -> recent predicted scores [n]
 
-    def _threshold(self, layer: int, probs: torch.Tensor) -> float:
+    def _threshold(self, layer: int, probs: torch.Tensor, percentile: float) -> float:
         h = torch.cat([self._scores.get(layer, probs.new_zeros(0)), probs.flatten()])[-self.history :]
         self._scores[layer] = h
-        return float(torch.quantile(h.float(), self.percentile / 100.0))
+        return float(torch.quantile(h.float(), percentile / 100.0))
 
     def _select(self, layer: int, probs: torch.Tensor, k: int) -> torch.Tensor:
         """Boolean mask [T,E] of the experts to prefetch for `layer` from predicted probs [T,E]."""
         E = probs.shape[1]
         if self.percentile is not None:
-            return probs >= self._threshold(layer, probs)
+            return probs >= self._threshold(layer, probs, self.percentile)
         if self.mass is not None:
             return mass_mask(probs, self.mass)
         return topk_mask(probs, min(E, max(1, round(k * self.overfetch))))

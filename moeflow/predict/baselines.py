@@ -45,7 +45,8 @@ class Frequency:
         return torch.from_numpy(np.tile(self.freq[target_layer], (batch.t, 1)))
 
     def save(self, folder: Path) -> None:
-        np.savez(folder / "frequency.npz", **{str(l): v for l, v in self.freq.items()})
+        # numpy's stub types **kwds next to `allow_pickle: bool`, and mypy checks an unpacked dict against both
+        np.savez(folder / "frequency.npz", **{str(l): v for l, v in self.freq.items()})  # type: ignore[arg-type]
         (folder / "config.json").write_text(json.dumps({"max_lookahead": self.max_lookahead}))
 
     @classmethod
@@ -82,6 +83,8 @@ class TokenId:
 
     def predict(self, target_layer: int, lookahead: int, batch: SourceBatch) -> torch.Tensor:
         uniq, probs = self.table[target_layer]
+        if batch.token_ctx is None:
+            raise TypeError("the token-id predictor needs the batch's token context (SourceBatch.token_ctx)")
         tok = batch.token_ctx[:, -1].numpy()
         pos = np.clip(np.searchsorted(uniq, tok), 0, len(uniq) - 1)
         known = uniq[pos] == tok
@@ -90,11 +93,11 @@ class TokenId:
 
     def save(self, folder: Path) -> None:
         self.freq.save(folder)
-        np.savez(
-            folder / "token_id.npz",
+        arrays = {
             **{f"ids_{l}": u for l, (u, _) in self.table.items()},
             **{f"p_{l}": p for l, (_, p) in self.table.items()},
-        )
+        }
+        np.savez(folder / "token_id.npz", **arrays)  # type: ignore[arg-type]  # numpy stub: see Frequency.save
 
     @classmethod
     def load(cls, folder: Path, model) -> TokenId:

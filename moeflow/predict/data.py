@@ -79,7 +79,7 @@ class RoutingData:
         if len(prompts) < 2:
             raise ArtifactError(f"the trace has {len(prompts)} prompt(s); a held-out split needs at least 2 (trace more prompts)")
         rng = np.random.default_rng(seed)
-        n_out = min(len(prompts) - 1, max(1, int(round(holdout * len(prompts)))))
+        n_out = min(len(prompts) - 1, max(1, round(holdout * len(prompts))))
         out = set(rng.choice(prompts, size=n_out, replace=False).tolist())
         mask = np.isin(self.prompt_id, list(out))
         return self.take(np.flatnonzero(~mask)), self.take(np.flatnonzero(mask))
@@ -181,14 +181,17 @@ class SourceBatch:
 def batch_from_rows(data: RoutingData, layer: int, rows: np.ndarray | slice, *, ctx: np.ndarray | None = None) -> SourceBatch:
     """A SourceBatch for traced rows at source layer `layer` (history: all MoE layers up to it)."""
     a = data.layers[layer]
-    f = lambda x: None if x is None else torch.from_numpy(np.ascontiguousarray(x[rows])).float()  # noqa: E731
+
+    def f(x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(x[rows])).float()
+
     hist = {l: torch.from_numpy(data.layers[l].topk_ids[rows]) for l in data.spec.moe_layers if l <= layer}
     return SourceBatch(
         layer,
         f(a.hidden_in) if a.hidden_in is not None else torch.zeros(0),
         torch.from_numpy(a.topk_ids[rows]),
         torch.from_numpy(a.topk_weights[rows]).float(),
-        residual=f(a.resid),
+        residual=None if a.resid is None else f(a.resid),
         token_ctx=None if ctx is None else torch.from_numpy(ctx[rows]),
         history=hist,
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import numpy as np
 import torch
@@ -34,6 +34,18 @@ PAPER_TABLE2 = {
     "Qwen2": {"c_p": 60.45, "c_g": 29.61, "delta_inf": 30.84},
 }
 PAPER_CITATION = "ExpertFlow (shared/papers/expertflow.txt), Table 2, section 4.3"
+
+
+class DecayFit(TypedDict):
+    """`fit_decay`'s result: f(t) = a e^{-bt} + c, its rmse, the number of distinct t and the fit method."""
+
+    a: float
+    b: float
+    c: float
+    rmse: float
+    distinct_S: int
+    method: str
+    delta_inf_vs_pregate: NotRequired[float]  # set by `evaluate`: c - c of pre-gate
 
 
 def set_metrics(scores: torch.Tensor, truth: torch.Tensor, mass: float) -> dict[str, float]:
@@ -101,7 +113,7 @@ def evaluate(
     }
     fits = {name: fit_decay([(m["S"], m["recall_at_k"]) for m in r.values()]) for name, r in results.items()}
     g = fits.get("pregate")
-    for name, f in fits.items():
+    for f in fits.values():
         if f is not None and g is not None:
             f["delta_inf_vs_pregate"] = f["c"] - g["c"]
     return {
@@ -117,7 +129,7 @@ def evaluate(
     }
 
 
-def fit_decay(points: list[tuple[int, float]]) -> dict[str, float] | None:
+def fit_decay(points: list[tuple[float, float]]) -> DecayFit | None:
     """Fit f(t) = a e^{-bt} + c to (t, accuracy) points; None with fewer than 3 distinct t."""
     t = np.array([p[0] for p in points], dtype=float)
     y = np.array([p[1] for p in points], dtype=float)
@@ -215,8 +227,8 @@ def tables(report: dict[str, Any]) -> list:
         for s in ss:
             t4.add_column(f"S={s}", justify="right")
         for name, v in dec.items():
-            v = {int(k): x for k, x in v.items()}
-            t4.add_row(name, *[f"{v[s]:.3f}" if s in v else "" for s in ss])
+            by_step = {int(k): x for k, x in v.items()}
+            t4.add_row(name, *[f"{by_step[s]:.3f}" if s in by_step else "" for s in ss])
         out.append(t4)
     return out
 

@@ -2,19 +2,28 @@
 
 Samples (3.2.3-3.2.4): one per token record, source layer and step S. The "token sequence" of a
 record is the window of its last `window` token ids in its prompt (this one last); records are
-grouped by (token sequence, S) as in the paper, each group giving one example per layer. Features:
+grouped by (token sequence, S) as in the paper, each group giving one example per layer. Features
+(the paper's three inputs, 3.2.2: the pre-gate output, the token ids, the expert history):
 
     x = [ mean-pooled fixed random embedding of the token sequence (d, seeded, saved),
           S, target layer rank l,
-          prev_act in {0,1}^{L*M}: the experts each MoE layer up to the source chose (later layers 0) ]
+          prev_act in {0,1}^{L*M}: the experts each MoE layer up to the source chose (later layers 0),
+          pregate [M]: the target layer's router applied to the source layer's router input (probabilities;
+                       0 without traced hidden states),
+          prior [M] + log(1 + n): the target layer's expert frequencies of the current token id over the
+                       training tokens (n occurrences; `token-id` baseline's table, global frequency for an
+                       unseen id); while fitting, each prompt's own tokens are left out of its rows' prior ]
 
-so F = d + 2 + L*M. The label is the target layer's activation vector y in {0,1}^M. ExpertFlow
+so F = d + 2 + L*M + 2M + 1. The label is the target layer's activation vector y in {0,1}^M. ExpertFlow
 learns the deviation (Delta) of the truth from the pre-gate estimate: the regressor is trained on
 y - pregate_topk (multi-hot of the pre-gate's top-k) and predicts score = pregate_topk + Delta_hat
 (+ a 1e-3 * pre-gate probability tie-break). Without traced hidden states (no pre-gate) the base
 is 0 and the forest predicts y directly. scikit-learn `RandomForestRegressor` (MSE) fits it; it is
 then kept, saved and evaluated as plain arrays (`ArrayForest`, `forest.npz`): loading runs no code
 from the file (no pickle), and a legacy `forest.joblib` is refused.
+
+`predict_group(pairs, batch)` serves every (target, S) of a source layer with ONE forest call (the rows
+of all pairs stacked), which is what the run-time policy does per layer.
 
 `AsyncForest` evaluates it on CPU in a worker thread, asynchronously to the model: results land in
 a prediction cache keyed by (token sequence, target layer, S); a lookup that finds nothing ready
@@ -39,6 +48,9 @@ from .base import PREDICTORS
 from .data import RoutingData, SourceBatch, batch_from_rows, target_of
 
 FOREST_FILE = "forest.npz"
+PRIOR_FILE = "prior.npz"  # the token-id prior (arrays)
+BASES = ("pregate", "prior", "none")
+FEATURES_VERSION = 2  # 1: [e, S, l, prev_act] (older folders are refused with a message)
 LEGACY_FILE = "forest.joblib"
 
 
@@ -154,13 +166,22 @@ class Forest:
         self.window = window
         self.dim = dim
         self.table = np.random.default_rng(seed).standard_normal((int(model.config.vocab_size), dim)).astype(np.float32)  # type: ignore[union-attr,arg-type]          # [V,d] fixed random embedding
-        self.delta = True
+        self.base_kind = "pregate"  # what the forest learns the delta over: pregate | prior | none
         self.rf: ArrayForest | None = None
         self.fit_seconds = 0.0
+        L, E = len(self.spec.moe_layers), self.spec.num_experts
+        self.prior_ids = np.zeros(0, np.int64)  # [U] sorted token ids seen in training
+        self.prior_counts = np.zeros((L, 0, E), np.float32)  # [L,U,E] expert counts per target rank and id
+        self.prior_freq = np.full((L, E), 1.0 / E, np.float32)  # [L,E] global frequency (unseen ids)
 
     @classmethod
     def create(cls, model: torch.nn.Module, cfg: Any) -> Forest:
         return cls(model, cfg.max_s, cfg.forest_window, cfg.forest_dim, cfg.seed)
+
+    @property
+    def n_features(self) -> int:
+        L, E = len(self.spec.moe_layers), self.spec.num_experts
+        return self.dim + 2 + L * E + 2 * E + 1
 
     # -- features --
     def embed(self, ctx: np.ndarray) -> np.ndarray:
@@ -169,7 +190,26 @@ class Forest:
         e = self.table[np.where(valid, ctx, 0)] * valid[..., None]  # [T,w,d]
         return e.sum(1) / np.maximum(valid.sum(1, keepdims=True), 1)
 
-    def features(self, target: int, s: int, batch: SourceBatch) -> np.ndarray:
+    def prior(self, target: int, tok: np.ndarray, minus: np.ndarray | None = None) -> np.ndarray:
+        """[T,M+1]: the target layer's expert frequencies for token ids `tok` [T] and log(1 + count);
+        `minus` [T,M] counts to leave out (a training row's own prompt)."""
+        r = self.spec.moe_layers.index(target)
+        E = self.spec.num_experts
+        c = np.zeros((len(tok), E), np.float32)
+        if len(self.prior_ids):
+            pos = np.clip(np.searchsorted(self.prior_ids, tok), 0, len(self.prior_ids) - 1)
+            known = self.prior_ids[pos] == tok
+            c[known] = self.prior_counts[r, pos[known]]
+        if minus is not None:
+            c = np.maximum(c - minus, 0.0)
+        n = c.sum(1, keepdims=True) / self.spec.top_k  # occurrences
+        p = (c + 0.5 * self.prior_freq[r][None]) / (c.sum(1, keepdims=True) + 0.5)
+        return np.concatenate([p, np.log1p(n)], 1).astype(np.float32)
+
+    def features(
+        self, target: int, s: int, batch: SourceBatch, probs: np.ndarray | None = None, minus: np.ndarray | None = None
+    ) -> np.ndarray:
+        """[T,F] (see the module docstring); `probs` = the pre-gate probabilities of `target` when known."""
         ml, E = self.spec.moe_layers, self.spec.num_experts
         t = batch.t
         ctx = batch.token_ctx.numpy() if batch.token_ctx is not None else np.full((t, 1), -1)
@@ -178,18 +218,45 @@ class Forest:
             r = ml.index(l)
             prev[:, r * E : (r + 1) * E] = multi_hot(ids, E)
         meta = np.tile(np.array([[s, ml.index(target)]], dtype=np.float32), (t, 1))
-        return np.concatenate([self.embed(ctx), meta, prev], axis=1)  # [T, d+2+L*M]
+        if probs is None:
+            probs = self.base(target, batch)[1]
+        return np.concatenate([self.embed(ctx), meta, prev, probs, self.prior(target, ctx[:, -1], minus)], axis=1)
 
     @torch.no_grad()
-    def base(self, target: int, batch: SourceBatch) -> tuple[np.ndarray, np.ndarray]:
-        """(pre-gate top-k multi-hot [T,E], pre-gate probs [T,E]); zeros without a router input."""
+    def base(self, target: int, batch: SourceBatch, minus: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(base [T,E], pre-gate probs [T,E]; 0 without a router input). The base the forest learns the delta
+        over: `pregate` the pre-gate's top-k multi-hot (ExpertFlow; 0 without a router input), `prior` k x the
+        token-id prior of the current token, `none` 0."""
         E = self.spec.num_experts
-        if not self.delta or batch.router_input.numel() == 0:
-            z = np.zeros((batch.t, E), dtype=np.float32)
-            return z, z
-        probs = torch.softmax(batch.router_logits(self.adapter, target, batch.router_input).float(), -1)
-        ids = torch.topk(probs, self.spec.top_k, -1).indices
-        return multi_hot(ids, E), probs.numpy()
+        z = np.zeros((batch.t, E), dtype=np.float32)
+        probs = z
+        if batch.router_input.numel():
+            probs = torch.softmax(batch.router_logits(self.adapter, target, batch.router_input).float(), -1).numpy()
+        if self.base_kind == "prior":
+            tok = batch.token_ctx[:, -1].numpy() if batch.token_ctx is not None else np.full(batch.t, -1)
+            return self.spec.top_k * self.prior(target, tok, minus)[:, :E], probs
+        if self.base_kind == "pregate" and batch.router_input.numel():
+            return multi_hot(np.argsort(-probs, 1, kind="stable")[:, : self.spec.top_k], E), probs
+        return z, probs
+
+    def _fit_prior(self, data: RoutingData) -> tuple[np.ndarray, np.ndarray]:
+        """Token-id tables from `data`; returns (per-row index of (prompt, token) [N], its counts [G,L,E])
+        so a training row's own prompt can be left out of its prior."""
+        ml, E = list(self.spec.moe_layers), self.spec.num_experts
+        uniq, inv = np.unique(data.token_id, return_inverse=True)
+        self.prior_ids = uniq.astype(np.int64)
+        self.prior_counts = np.zeros((len(ml), len(uniq), E), np.float32)
+        pk, pinv = np.unique(np.stack([data.prompt_id, data.token_id], 1), axis=0, return_inverse=True)
+        pinv = pinv.reshape(-1)
+        own = np.zeros((len(pk), len(ml), E), np.float32)
+        for r, l in enumerate(ml):
+            ids = data.layers[l].topk_ids
+            k = ids.shape[1]
+            np.add.at(self.prior_counts[r], (np.repeat(inv, k), ids.reshape(-1)), 1.0)
+            np.add.at(own[:, r], (np.repeat(pinv, k), ids.reshape(-1)), 1.0)
+            f = np.bincount(ids.reshape(-1), minlength=E).astype(np.float64) + 1.0
+            self.prior_freq[r] = f / f.sum()
+        return pinv, own
 
     # -- fit / predict --
     def fit(self, data: RoutingData, model: torch.nn.Module, cfg: Any, progress: Any = None) -> None:
@@ -199,11 +266,13 @@ class Forest:
 
         t0 = time.perf_counter()
         self.max_lookahead = cfg.max_s
-        self.delta = data.has_hidden
+        self.base_kind = cfg.forest_base if (data.has_hidden or cfg.forest_base != "pregate") else "none"
         ctx = data.context(self.window)
+        pinv, own = self._fit_prior(data)
         rng = np.random.default_rng(cfg.seed)
         pairs = data.rank_pairs(cfg.max_s)
         per = max(1, cfg.forest_max_samples // max(1, len(pairs)))
+        ml = list(self.spec.moe_layers)
         X, Y = [], []
         for src, s in pairs:
             tgt = target_of(data.spec, src, s)
@@ -211,8 +280,9 @@ class Forest:
             if len(rows) > per:
                 rows = np.sort(rng.choice(rows, per, replace=False))
             b = batch_from_rows(data, src, rows, ctx=ctx)
-            base, _ = self.base(tgt, b)
-            X.append(self.features(tgt, s, b))
+            minus = own[pinv[rows], ml.index(tgt)]  # the row's own prompt, left out of its token prior
+            base, probs = self.base(tgt, b if data.has_hidden else _no_router(b), minus)
+            X.append(self.features(tgt, s, b, probs, minus))
             Y.append(multi_hot(data.layers[tgt].topk_ids[rows], self.spec.num_experts) - base)
         rf = RandomForestRegressor(
             n_estimators=cfg.forest_trees,
@@ -226,27 +296,37 @@ class Forest:
         self.rf = ArrayForest.from_sklearn(rf)  # run-time prediction: numpy, one thread, off the model's cores
         self.fit_seconds = time.perf_counter() - t0
 
-    def delta_hat(self, target: int, s: int, batch: SourceBatch) -> np.ndarray:
+    def delta_hat(self, target: int, s: int, batch: SourceBatch, probs: np.ndarray | None = None) -> np.ndarray:
         assert self.rf is not None, "fit or load first"
-        return self.rf.predict(self.features(target, s, batch)).astype(np.float32)  # [T,E]
+        return self.rf.predict(self.features(target, s, batch, probs)).astype(np.float32)  # [T,E]
+
+    def predict_group(
+        self, pairs: list[tuple[int, int]], batch: SourceBatch, bases: list[tuple[np.ndarray, np.ndarray]] | None = None
+    ) -> list[np.ndarray]:
+        """Scores [T,E] for every (target, S) in `pairs` from one source batch, with ONE forest call
+        (the feature rows of all pairs stacked). `bases`: their (base, probs) if already computed."""
+        assert self.rf is not None, "fit or load first"
+        bases = bases if bases is not None else [self.base(t, batch) for t, _ in pairs]
+        X = np.concatenate([self.features(t, s, batch, pr) for (t, s), (_, pr) in zip(pairs, bases)])
+        d = self.rf.predict(X).astype(np.float32).reshape(len(pairs), batch.t, -1)
+        return [np.clip(b + d[i], 0.0, None) + 1e-3 * pr + 1e-6 for i, (b, pr) in enumerate(bases)]
 
     def predict(self, target_layer: int, lookahead: int, batch: SourceBatch) -> torch.Tensor:
-        assert self.rf is not None, "fit or load first"
-        base, probs = self.base(target_layer, batch)
-        score = base + self.delta_hat(target_layer, lookahead, batch) + 1e-3 * probs
-        return torch.from_numpy(np.clip(score, 0.0, None) + 1e-6)
+        return torch.from_numpy(self.predict_group([(target_layer, lookahead)], batch)[0])
 
     def save(self, folder: Path) -> None:
         assert self.rf is not None, "fit first"
         self.rf.save(folder / FOREST_FILE)
         np.save(folder / "embedding.npy", self.table)
+        np.savez_compressed(folder / PRIOR_FILE, ids=self.prior_ids, counts=self.prior_counts, freq=self.prior_freq)
         (folder / "config.json").write_text(
             json.dumps(
                 {
+                    "features": FEATURES_VERSION,
                     "max_lookahead": self.max_lookahead,
                     "window": self.window,
                     "dim": self.dim,
-                    "delta": self.delta,
+                    "base": self.base_kind,
                     "fit_seconds": self.fit_seconds,
                     "n_estimators": self.rf.n_estimators,
                     "max_depth": self.rf.max_depth,
@@ -265,30 +345,48 @@ class Forest:
                 f"code); re-run `moeflow train` to save the forest as {FOREST_FILE}"
             )
         c = read_json_file(folder / "config.json")
+        if int(c.get("features", 1)) != FEATURES_VERSION:
+            raise ArtifactError(
+                f"{folder} holds a forest with features v{c.get('features', 1)}; this moeflow needs "
+                f"v{FEATURES_VERSION}: re-run `moeflow train`"
+            )
         with artifact_file(folder / "config.json"):
             self = cls(model, int(c["max_lookahead"]), int(c["window"]), int(c["dim"]))
-            self.delta = bool(c["delta"])
+            self.base_kind = str(c["base"])
+            if self.base_kind not in BASES:
+                raise ValueError(f"base {self.base_kind!r}, expected one of {BASES}")
             self.fit_seconds = float(c.get("fit_seconds", 0.0))
         with artifact_file(folder / "embedding.npy"):
             table = np.load(folder / "embedding.npy", allow_pickle=False)
             if table.shape != self.table.shape or table.dtype != np.float32:
                 raise ValueError(f"shape {table.shape} {table.dtype}, expected {self.table.shape} float32")
             self.table = table
+        with artifact_file(folder / PRIOR_FILE):
+            with np.load(folder / PRIOR_FILE, allow_pickle=False) as z:
+                ids, counts, freq = z["ids"], z["counts"], z["freq"]
+            L, E = len(self.spec.moe_layers), self.spec.num_experts
+            if ids.ndim != 1 or counts.shape != (L, len(ids), E) or freq.shape != (L, E) or (np.diff(ids) <= 0).any():
+                raise ValueError(f"token prior shapes {ids.shape} {counts.shape} {freq.shape}, expected [U], [{L},U,{E}], [{L},{E}]")
+            self.prior_ids, self.prior_counts, self.prior_freq = ids.astype(np.int64), counts.astype(np.float32), freq.astype(np.float32)
         with artifact_file(folder / FOREST_FILE):
             self.rf = ArrayForest.load(folder / FOREST_FILE)
-            F = self.dim + 2 + len(self.spec.moe_layers) * self.spec.num_experts
-            if self.rf.n_features != F or self.rf.a["value"].shape[1] != self.spec.num_experts:
+            if self.rf.n_features != self.n_features or self.rf.a["value"].shape[1] != self.spec.num_experts:
                 raise ValueError(
                     f"{self.rf.n_features} features -> {self.rf.a['value'].shape[1]} experts, "
-                    f"this model needs {F} -> {self.spec.num_experts}"
+                    f"this model needs {self.n_features} -> {self.spec.num_experts}"
                 )
         return self
+
+
+def _no_router(batch: SourceBatch) -> SourceBatch:
+    return SourceBatch(batch.layer, torch.zeros(0), batch.topk_ids, batch.topk_weights, None, batch.token_ctx, batch.history)
 
 
 class AsyncForest:
     """Runs `Forest` predictions in a worker thread; a cache keyed by (token sequence, layer, S).
 
-    `submit(target, s, batch)` queues the rows whose key is not cached or pending; `lookup(target,
+    `submit_group(pairs, batch, keys)` queues, as ONE forest call for all (target, S) in `pairs`, the rows
+    whose keys are not cached or pending (`submit(target, s, ...)`: one pair); `lookup(target,
     batch)` returns, per row, the ready prediction with the smallest S for that target (any source),
     else the pre-gate top-k fallback. Counters say how often each path was taken.
     """
@@ -303,27 +401,35 @@ class AsyncForest:
         self.hits = 0
         self.fallbacks = 0
         self.busy_s = 0.0
+        self.calls = 0  # forest calls (one per submitted source layer)
 
-    def _run(self, keys: list, target: int, s: int, batch: SourceBatch, base: np.ndarray, probs: np.ndarray) -> None:
+    def _run(self, pairs: list[tuple[int, int]], keys: list, batch: SourceBatch, bases: list) -> None:
         import time
 
         t0 = time.perf_counter()
-        score = np.clip(base + self.forest.delta_hat(target, s, batch), 0, None) + 1e-3 * probs + 1e-6
+        scores = self.forest.predict_group(pairs, batch, bases)  # one forest call for every (target, S)
         with self.lock:
-            for i, k in enumerate(keys):
-                self.cache[k] = score[i]
-                self.pending.pop(k, None)
+            for (t, s), sc in zip(pairs, scores):
+                for i, q in enumerate(keys):
+                    self.cache[(q, t, s)] = sc[i]
+                    self.pending.pop((q, t, s), None)
             while len(self.cache) > self.max_entries:
                 self.cache.pop(next(iter(self.cache)))
             self.busy_s += time.perf_counter() - t0
+            self.calls += 1
 
     def submit(self, target: int, s: int, batch: SourceBatch, seq_keys: list[Hashable]) -> None:
-        """Queue the forest for rows not cached or pending. The pre-gate base is computed here, on the
-        caller's thread (it calls the model's router); the worker runs only scikit-learn."""
-        keys = [(q, target, s) for q in seq_keys]
+        self.submit_group([(target, s)], batch, seq_keys)
+
+    def submit_group(self, pairs: list[tuple[int, int]], batch: SourceBatch, seq_keys: list[Hashable]) -> None:
+        """Queue ONE forest job for every (target, S) in `pairs`, for the rows with any of them not cached
+        or pending. The pre-gate probabilities are computed here, on the caller's thread (they call the
+        model's router); the worker runs only the forest (numpy)."""
         with self.lock:
-            todo = [i for i, k in enumerate(keys) if k not in self.cache and k not in self.pending]
-        if not todo:
+            todo = [
+                i for i, q in enumerate(seq_keys) if any((q, t, s) not in self.cache and (q, t, s) not in self.pending for t, s in pairs)
+            ]
+        if not todo or not pairs:
             return
         idx = torch.tensor(todo)
         sub = SourceBatch(
@@ -336,13 +442,14 @@ class AsyncForest:
             {l: h[idx] for l, h in batch.history.items()},
             route=batch.route,
         )
-        base, probs = self.forest.base(target, sub)
+        bases = [self.forest.base(t, sub) for t, _ in pairs]
         sub.route = None
-        sub_keys = [keys[i] for i in todo]
+        sub_keys = [seq_keys[i] for i in todo]
         with self.lock:
-            fut = self.pool.submit(self._run, sub_keys, target, s, sub, base, probs)
-            for k in sub_keys:
-                self.pending[k] = fut
+            fut = self.pool.submit(self._run, list(pairs), sub_keys, sub, bases)
+            for q in sub_keys:
+                for t, s in pairs:
+                    self.pending[(q, t, s)] = fut
 
     def lookup(self, target: int, seq_keys: list[Hashable], fallback: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Scores [T,E]: cached forest rows where ready (smallest S first), the fallback's rows elsewhere."""

@@ -122,5 +122,5 @@ def load_predictors(
         if n not in PREDICTORS:
             raise ArtifactError(f"{folder} holds predictor {n!r} that this moeflow does not know")
         with artifact_file(folder / n):
-            out[n] = PREDICTORS[n].load(folder / n, model)  # type: ignore[attr-defined]
+            out[n] = PREDICTORS[n].load(folder / n, model)
     return meta, out

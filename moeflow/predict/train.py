@@ -38,12 +38,17 @@ class TrainConfig:
     mass: float = 0.8  # cumulative score mass of the evaluated prefetch set
     threads: int = 2
     dv_max_tokens: int = 50_000  # tokens per layer used for the default vectors
-    est_latent: int = 64  # estimator m
-    est_hidden: int = 128  # estimator n
+    est_latent: int = 128  # estimator m
+    est_hidden: int = 256  # estimator n
+    est_blocks: int = 1  # residual SiLU blocks
+    est_context: int = 2  # input embeddings of the last tokens fed to the estimator
     est_epochs: int = 6
     est_lr: float = 3e-3
+    est_weight_decay: float = 1e-4
+    est_bce: float = 1.0  # weight of the multi-label top-k loss beside the KL distillation
     est_batch: int = 512
-    est_max_tokens: int = 30_000
+    est_max_tokens: int = 30_000  # training rows (tokens), each used for every (layer, S) pair
+    est_max_samples: int = 240_000  # rows x pairs cap (memory: the chained q of every pair is kept)
     est_min_steps: int = 300  # at least this many optimiser steps (small traces)
     hybrid_val: float = 0.25  # part of the training prompts used to pick Hybrid-PF's threshold
     forest_trees: int = 24
@@ -52,6 +57,7 @@ class TrainConfig:
     forest_max_features: float = 0.5
     forest_max_samples: int = 40_000
     forest_window: int = 4
+    forest_base: str = "pregate"  # the forest learns the delta over: pregate (top-k; ExpertFlow) | prior | none
     forest_dim: int = 16
     force: bool = False  # replace an existing predictor folder at `out`
 
@@ -97,7 +103,7 @@ class EvalConfig:
 def _check_names(names: tuple[str, ...]) -> None:
     bad = [n for n in names if n not in PREDICTORS]
     if bad:
-        raise ConfigError(f"unknown predictor {', '.join(bad)}; choose from: {', '.join(LEARNED + ('pregate',) + BASELINES)}")
+        raise ConfigError(f"unknown predictor {', '.join(bad)}; choose from: {', '.join((*LEARNED, 'pregate', *BASELINES))}")
 
 
 def _check_trace_model(data: RoutingData, model: torch.nn.Module, trace: str) -> None:

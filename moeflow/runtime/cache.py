@@ -14,6 +14,18 @@ Slot states: free -> loading (copy in flight) -> ready; a ready or loading slot 
 pinned by the running layer (it will be read by this layer's expert compute and cannot be evicted).
 With `per_layer=True` the C slots are split evenly between MoE layers and a layer only evicts its own.
 With `retain=False` (the `on-demand` baseline) a layer's slots are freed as soon as its compute ends.
+
+Without a store (`store=None, spec=...`: the trace-driven simulator, `moeflow.sim`) the cache holds no
+tensors: no buffer, no views, no device table; `_load` moves bookkeeping only and asks the link for a
+transfer of `expert_bytes` (`link.submit_nbytes`). Every decision, event and counter is the same code.
+
+One access order (the engine's router hook and experts call, and the simulator, call these in this order,
+per forward pass `begin_pass`, then per MoE layer):
+  `begin_layer` -> unique routed experts sorted by id with summed gate weights (`needed_experts`) ->
+  `route` (the miss policy, then `demand`: hits pinned first, then misses in id order) when they fit one
+  wave (`wave_capacity`), else nothing yet -> `prefetch(proposals)` (priority order) -> per wave
+  (`plan_waves`: resident experts first; one wave = the routed slots): `demand_wave` (only when `route`
+  demanded nothing), `wait`, the layer's compute, `release`.
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, cast, overload
 
 import torch
 
@@ -31,6 +43,38 @@ from .link import Link, Ticket
 from .store import HostExpertStore
 
 FREE, LOADING, READY = "free", "loading", "ready"
+MAX_GROUPS = 1024  # torch._grouped_mm on CUDA refuses more groups than this in one call
+GATHER_BYTES = 1 << 30  # at most this many bytes of expert weights gathered per grouped call
+
+
+_new = object.__new__
+
+
+def _position(pass_id: int, layer: int, layer_rank: int, time: int) -> Position:
+    """`Position(...)` without the frozen dataclass's per-field `object.__setattr__` (equal, same hash)."""
+    p = _new(Position)
+    p.__dict__.update(pass_id=pass_id, layer=layer, layer_rank=layer_rank, time=time)
+    return p
+
+
+def wave_capacity(part_capacity: int, expert_bytes: int) -> int:
+    """Most experts one grouped call (one wave) may cover: slots, the kernel's group limit, the gather budget."""
+    return max(1, min(part_capacity, MAX_GROUPS, GATHER_BYTES // max(1, expert_bytes)))
+
+
+def needed_experts(flat: torch.Tensor, weights: torch.Tensor) -> tuple[list[int], dict[int, float]]:
+    """Unique experts of a call (host tensors `[S]` ids, `[S]` float32 gate weights), sorted by id, and their
+    gate weight summed over the call's tokens (float32, in row order): the order of every cache access."""
+    ids = flat.tolist()
+    if len(set(ids)) == len(ids):  # every expert once (a decode step): nothing to sum
+        ws = weights.tolist()
+        order = sorted(range(len(ids)), key=ids.__getitem__)
+        return [ids[i] for i in order], {ids[i]: ws[i] for i in order}
+    uniq = torch.unique(flat)  # sorted [U]
+    summed = torch.zeros(uniq.numel(), dtype=torch.float32)
+    summed.index_add_(0, torch.searchsorted(uniq, flat), weights)
+    experts = uniq.tolist()
+    return experts, dict(zip(experts, summed.tolist()))
 
 
 @dataclass
@@ -88,18 +132,24 @@ class Slot:
 class ExpertCache:
     def __init__(
         self,
-        store: HostExpertStore,
+        store: HostExpertStore | None,
         capacity: int,
         *,
-        device: torch.device,
+        device: torch.device | None = None,
         link: Link,
         eviction: EvictionPolicy | None,
         per_layer: bool = False,
         retain: bool = True,
+        spec: Any = None,
+        expert_bytes: int | None = None,
     ):
-        spec = store.spec
+        """`store=None` (with `spec`, optionally `expert_bytes`): bookkeeping only, no tensors (the simulator)."""
+        if store is None and spec is None:
+            raise ValueError("ExpertCache needs a store, or spec= for a tensor-free (simulated) cache")
+        spec = store.spec if store is not None else spec
         self.spec = spec
         self.store = store
+        self.expert_bytes = int(store.expert_bytes if store is not None else (expert_bytes or spec.expert_bytes))
         self.link = link
         self.eviction = eviction
         self.retain = retain
@@ -109,11 +159,16 @@ class ExpertCache:
         L = spec.num_moe_layers
         self.rank = {l: r for r, l in enumerate(spec.moe_layers)}
         C = self.capacity
-        self.buffer = torch.empty(C, store.layout.row_numel, dtype=store.layout.dtype, device=device)  # [C,R]
-        self.views = store.layout.views(self.buffer)  # name -> [C, *shape]
+        self.buffer: torch.Tensor | None = None  # [C,R] (None without a store)
+        self.views: dict[str, torch.Tensor] = {}  # name -> [C, *shape]
+        self.table: torch.Tensor | None = None  # [L,E] slot or -1, on the device
+        if store is not None:
+            self.buffer = torch.empty(C, store.layout.row_numel, dtype=store.layout.dtype, device=device)
+            self.views = store.layout.views(self.buffer)
+            self.table = torch.full((L, spec.num_experts), -1, dtype=torch.long, device=device)
+        self._instant = bool(getattr(link, "instant", False))  # copies complete at submit (simulator links)
         self.slots = [Slot() for _ in range(C)]
         self.slot_of: dict[ExpertKey, int] = {}
-        self.table = torch.full((L, spec.num_experts), -1, dtype=torch.long, device=device)  # [L,E] slot or -1
         self._resident_in = [0] * L  # resident experts per MoE layer
         self._loading: set[int] = set()  # slots whose copy may be in flight
         per = C // L if per_layer else C
@@ -132,7 +187,7 @@ class ExpertCache:
 
     # ---- positions and events -------------------------------------------------------------------
     def position(self, layer: int) -> Position:
-        return Position(self.pass_id, layer, self.rank[layer], self.time)
+        return _position(self.pass_id, layer, self.rank[layer], self.time)
 
     def begin_pass(self, pass_id: int) -> None:
         self.pass_id = pass_id
@@ -159,7 +214,7 @@ class ExpertCache:
 
     def _refresh(self, s: int) -> str:
         slot = self.slots[s]
-        if slot.state == LOADING and self.link.ready(slot.ticket):
+        if slot.state == LOADING and slot.ticket is not None and self.link.ready(slot.ticket):  # LOADING has a ticket
             slot.state = READY
             self._loading.discard(s)
         return slot.state
@@ -169,7 +224,7 @@ class ExpertCache:
         if self._resident_in[self.rank[layer]] < self.spec.num_experts:
             return False
         for s in list(self._loading):
-            if self._refresh(s) != READY and self.slots[s].key[0] == layer:
+            if self._refresh(s) != READY and (key := self.slots[s].key) is not None and key[0] == layer:
                 return False
         return True
 
@@ -181,43 +236,81 @@ class ExpertCache:
         """
         if len(experts) > self.part_capacity:
             raise RuntimeError(f"demand of {len(experts)} experts exceeds {self.part_capacity} slots; use waves")
+        slot_of, slots, c, ev = self.slot_of, self.slots, self.counters, self.eviction
         for e in experts:
-            s = self.slot_of.get((layer, e))
+            s = slot_of.get((layer, e))
             if s is not None:
-                self.slots[s].pinned = True
+                slots[s].pinned = True
+        rank, pass_id = self.rank[layer], self.pass_id
         out = []
         for e in experts:
             key = (layer, e)
-            s = self.slot_of.get(key)
-            self.counters.accesses += 1
+            s = slot_of.get(key)
+            c.accesses += 1
             if s is not None:
-                self.counters.hits += 1
-                if self._refresh(s) != READY:
-                    self.counters.late += 1
+                c.hits += 1
+                if slots[s].state != READY and self._refresh(s) != READY:
+                    c.late += 1
             else:
-                self.counters.misses += 1
-                if self._evicted_in_pass.get(key) == self.pass_id:
-                    self.counters.collision_misses += 1
-                s = self._acquire(key, self.position(layer), demand=True, protected=())
-                self._load(s, key, prefetched=False, pos=self.position(layer))
-                self.counters.demand_loads += 1
-                self.slots[s].pinned = True
-            slot = self.slots[s]
+                c.misses += 1
+                if self._evicted_in_pass.get(key) == pass_id:
+                    c.collision_misses += 1
+                pos = _position(pass_id, layer, rank, self.time)
+                s = self._acquire(key, pos, demand=True, protected=())
+                self._load(s, key, prefetched=False, pos=pos)
+                c.demand_loads += 1
+                slots[s].pinned = True
+            slot = slots[s]
             if slot.prefetched and not slot.used:
-                self.counters.prefetch_used += 1
+                c.prefetch_used += 1
             slot.used = True
             self.time += 1
-            if self.eviction is not None:
-                self.eviction.on_access(key, self.position(layer), score=float(scores.get(e, 0.0)))
+            if ev is not None:
+                ev.on_access(key, _position(pass_id, layer, rank, self.time), score=float(scores.get(e, 0.0)))
             out.append(s)
         return out
 
+    def check_misses(self, miss: Any, layer: int, experts: Sequence[int]) -> None:
+        """Ask the miss policy about every needed expert without a slot; only 'fetch' is implemented."""
+        if miss is None:
+            return
+        for e in experts:
+            if (layer, e) not in self.slot_of:
+                action = miss.on_miss((layer, e), self.position(layer))
+                if action != "fetch":
+                    raise ConfigError(
+                        f"miss policy {miss.name!r} asked for {action!r}; the runtime implements only 'fetch' so far"
+                    )
+
+    def route(
+        self, layer: int, experts: Sequence[int], scores: dict[int, float], wave_cap: int, miss: Any = None
+    ) -> list[int] | None:
+        """At routing time: demand the layer's experts (pinned) when they fit one wave, else None (waves later)."""
+        if len(experts) > wave_cap:
+            return None
+        self.check_misses(miss, layer, experts)
+        return self.demand(layer, experts, scores)
+
+    def plan_waves(self, layer: int, experts: Sequence[int], wave_cap: int) -> list[list[int]]:
+        """Chunks of <= wave_cap experts, resident ones first (they need no copy), each sorted by id."""
+        ordered = sorted(experts, key=lambda e: ((layer, e) not in self.slot_of, e))
+        return [sorted(ordered[i : i + wave_cap]) for i in range(0, len(ordered), wave_cap)]
+
+    def demand_wave(self, layer: int, experts: Sequence[int], scores: dict[int, float], miss: Any = None) -> list[int]:
+        """One wave planned by `plan_waves`: the miss policy, `demand`, `wait`; returns its slots."""
+        self.check_misses(miss, layer, experts)
+        slots = self.demand(layer, experts, {e: scores[e] for e in experts})
+        self.wait(slots)
+        return slots
+
     def wait(self, slots: Sequence[int]) -> float:
         """Block until every slot in `slots` may be read by compute; return the seconds waited."""
+        if not self._loading:  # every LOADING slot is in `_loading`: nothing can be in flight
+            return 0.0
         stall = 0.0
         for s in slots:
             slot = self.slots[s]
-            if slot.state == LOADING:
+            if slot.state == LOADING and slot.ticket is not None:  # LOADING has a ticket
                 stall += self.link.wait(slot.ticket)
                 slot.state = READY
                 self._loading.discard(s)
@@ -257,32 +350,41 @@ class ExpertCache:
         return len(issued)
 
     # ---- slots ----------------------------------------------------------------------------------------
+    @overload
+    def _acquire(self, key: ExpertKey, pos: Position, *, demand: Literal[True], protected) -> int: ...
+    @overload
+    def _acquire(self, key: ExpertKey, pos: Position, *, demand: bool, protected) -> int | None: ...
     def _acquire(self, key: ExpertKey, pos: Position, *, demand: bool, protected) -> int | None:
+        """A free slot of `key`'s part, evicting a victim if needed; None only when not `demand` and nothing is evictable."""
         part = self._part(key[0])
         free = self._free[part]
         if free:
             return free.pop()
         while True:
-            cands = [
-                self.slots[s].key
-                for s in self._part_slots[part]
-                if not self.slots[s].pinned and s not in protected and self._refresh(s) == READY
-            ]
+            slots, loading = self.slots, self._loading  # a slot of a full part not in `_loading` is ready
+            if not loading and not protected and not self.per_layer:  # common case: every slot is ready
+                cands = [sl.key for sl in slots if not sl.pinned]
+            else:
+                cands = [
+                    slots[s].key
+                    for s in self._part_slots[part]
+                    if not slots[s].pinned and s not in protected and (s not in loading or self._refresh(s) == READY)
+                ]
             if cands:
                 break
             if not demand:
                 return None
-            loading = [
+            in_flight = [
                 s
                 for s in self._part_slots[part]
                 if self.slots[s].state == LOADING and not self.slots[s].pinned and s not in protected
             ]
-            if not loading:
+            if not in_flight:
                 raise RuntimeError(f"no evictable slot for {key}: all {len(self._part_slots[part])} are pinned")
-            self.wait(loading[:1])  # an unfinished prefetch blocks a demand load: real stall
+            self.wait(in_flight[:1])  # an unfinished prefetch blocks a demand load: real stall
         if self.eviction is None:
             raise RuntimeError("cache is full and has no eviction policy")
-        victim = tuple(self.eviction.victim(cands, pos))
+        victim = tuple(self.eviction.victim(cast(list[ExpertKey], cands), pos))  # a full part's slots all hold a key
         if victim not in cands:
             raise RuntimeError(f"eviction policy {self.eviction.name!r} chose {victim}, not one of the candidates")
         s = self.slot_of[victim]
@@ -299,7 +401,8 @@ class ExpertCache:
         self._evicted_in_pass[key] = self.pass_id
         del self.slot_of[key]
         r = self.rank[key[0]]
-        self.table[r, key[1]] = -1  # device table follows the key
+        if self.table is not None:
+            self.table[r, key[1]] = -1  # device table follows the key
         self._resident_in[r] -= 1
         last_use = slot.last_use
         self.slots[s] = Slot(last_use=last_use)
@@ -309,19 +412,25 @@ class ExpertCache:
 
     def _load(self, s: int, key: ExpertKey, *, prefetched: bool, pos: Position) -> None:
         slot = self.slots[s]
-        src = self.store.row(*key)  # [R] host
-        slot.ticket = self.link.submit(src, self.buffer[s], after=slot.last_use)
-        slot.state = LOADING
+        store, buffer = self.store, self.buffer
+        if store is not None and buffer is not None:  # the buffer exists exactly when the store does
+            src = store.row(*key)  # [R] host
+            slot.ticket = self.link.submit(src, buffer[s], after=slot.last_use)
+        else:  # simulated: the link models the transfer of one expert row, nothing is copied
+            slot.ticket = self.link.submit_nbytes(self.expert_bytes, after=slot.last_use)  # type: ignore[attr-defined]
+        slot.state = READY if self._instant else LOADING
         slot.key = key
         slot.prefetched = prefetched
         slot.used = False
         self.slot_of[key] = s
         r = self.rank[key[0]]
-        self.table[r, key[1]] = s  # device table follows the key
+        if self.table is not None:
+            self.table[r, key[1]] = s  # device table follows the key
         self._resident_in[r] += 1
-        self._loading.add(s)
+        if not self._instant:
+            self._loading.add(s)
         self.counters.loads += 1
-        self.counters.bytes_moved += self.store.expert_bytes
+        self.counters.bytes_moved += self.expert_bytes
         if self.eviction is not None:
             self.eviction.on_insert(key, pos, prefetched=prefetched)
 

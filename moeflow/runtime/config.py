@@ -16,6 +16,7 @@ from ..errors import ConfigError
 from ..policies.parse import build_policy, check_capacity_syntax, opts_dict, parse_capacity, parse_opts, policy_args, split_list  # noqa: F401  (their one home)
 
 MODES = ("offload", "resident", "on-demand")
+EXPERTS_IMPLS = ("auto", "batched_mm", "grouped_mm")  # resident's stock experts implementation (auto: measured)
 SPECULATIVE_PREFETCH = ("router-pf", "estimator", "hybrid")  # learned prefetchers whose guess can run (lossy)
 
 
@@ -54,6 +55,9 @@ class RunConfig:
     speculative: bool = False  # LOSSY: run the predicted experts instead of the router's
     column: str | None = None  # prompt column of a CSV/TSV/JSON prompt file (None: auto)
     force: bool = False  # replace an existing `moeflow run` JSONL at `out`
+    batch_size: int = 1  # prompts decoded together (left-padded)
+    warmup: bool = True  # one untimed short generation per run before the timed one
+    experts_impl: str = "auto"  # resident: auto (fastest of batched_mm / grouped_mm, measured) or a name
 
     def __post_init__(self) -> None:
         for m in self.modes:
@@ -74,6 +78,10 @@ class RunConfig:
             raise ConfigError(f"--limit must be >= 1 (got {self.limit})")
         if self.lookahead is not None and self.lookahead < 1:
             raise ConfigError(f"--lookahead must be >= 1 (got {self.lookahead})")
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size must be >= 1 (got {self.batch_size})")
+        if self.experts_impl not in EXPERTS_IMPLS:
+            raise ConfigError(f"--experts-impl {self.experts_impl!r} unknown; use one of {', '.join(EXPERTS_IMPLS)}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1 (got {self.threads})")
         if self.temperature < 0:

@@ -17,7 +17,10 @@ computes from the device table with no host synchronization, and the queued acce
 the cache (same events, same order, same counters) at the next layer that needs the host or at the end
 of the pass, with one synchronization for all of them.
 A forward pre-hook on the model marks pass boundaries (`pass_id += 1`); a post-hook publishes a
-`PassStats` to every callable in `engine.observers` (step-size controllers, learned prefetchers).
+`PassStats` to every callable in `engine.observers` (step-size controllers, learned prefetchers), with
+the pass's compute time outside the engine's bookkeeping (gaps between experts calls up to each router
+hook, i.e. attention + router, plus each experts call less its demand loads and waits) and the number of
+proposed experts that were not resident (the step-size controller's N_e).
 `engine.lookahead` (step size S) is read into every `LayerContext`, so it may change between passes.
 """
 
@@ -27,6 +30,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -34,13 +38,14 @@ from torch import nn
 from ..errors import ConfigError
 from ..moe import RouterEvent, get_adapter, residual_hooks, router_hooks, tx_compat
 from ..policies.base import EvictionPolicy, LayerContext, MissPolicy, PrefetchPolicy, PrefetchRequest, RoutingPolicy
-from .cache import CacheCounters, ExpertCache
+from .cache import GATHER_BYTES, MAX_GROUPS, CacheCounters, ExpertCache, needed_experts, wave_capacity  # noqa: F401
 from .link import Link
 from .store import HostExpertStore
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 IMPL_NAME = "moeflow"
-MAX_GROUPS = 1024  # torch._grouped_mm on CUDA refuses more groups than this in one call
-GATHER_BYTES = 1 << 30  # at most this many bytes of expert weights gathered per grouped call
 
 
 def moeflow_experts_forward(
@@ -71,6 +76,13 @@ class PassStats:
     transfer_bytes: int  # bytes of transfers completed during the pass
     lookahead: int  # step size S used in this pass
     loads_by_layer: dict[int, int] = field(default_factory=dict)  # transfers issued, by the expert's layer
+    # for the step-size controller (moeflow.runtime.adaptive_s):
+    decode: bool = False  # one new token per row (input_ids [B,1]); False for a prefill
+    compute_s: float = 0.0  # model compute without the engine's bookkeeping: attention/router gaps + expert compute
+    moe_layers_run: int = 0  # experts calls in this pass
+    predicted: int = 0  # distinct experts the prefetch policy proposed in this pass
+    predicted_new: int = 0  # ... of which were not resident when first proposed (N_e's numerator)
+    token_ids: torch.Tensor | None = None  # [B*T] input ids of this pass (Dist(t))
 
     @property
     def overfetch(self) -> int:
@@ -107,13 +119,14 @@ class OffloadEngine:
         retain: bool = True,
         lookahead: int = 1,
     ):
-        if getattr(model.config, "_experts_implementation", None) not in ("grouped_mm", IMPL_NAME):
+        impl = getattr(model.config, "_experts_implementation", None)
+        if impl not in ("grouped_mm", IMPL_NAME):
             raise ConfigError(
                 f"offloading replaces the 'grouped_mm' experts implementation, the model uses "
-                f"{model.config._experts_implementation!r}; load it with experts_implementation='grouped_mm'"
+                f"{impl!r}; load it with experts_implementation='grouped_mm'"
             )
         tx_compat.check()
-        self.model = model
+        self.model = cast("PreTrainedModel", model)  # a transformers model: `config`, `set_experts_implementation`
         self.adapter = get_adapter(model)
         for l in self.adapter.moe_layers:
             tx_compat.check_experts_module(self.adapter.experts(l))
@@ -128,7 +141,7 @@ class OffloadEngine:
         self.observers: list[Observer] = []
         self.device = next(model.parameters()).device
         self.store = HostExpertStore(self.adapter, pin=self.device.type == "cuda")
-        self.cache: ExpertCache | None = None
+        self._cache: ExpertCache | None = None  # created by `attach`
         self.pass_id = -1
         self._stack: contextlib.ExitStack | None = None
         self._pending: dict[int, _Routed] = {}
@@ -143,6 +156,21 @@ class OffloadEngine:
         self._pass_link0 = (0.0, 0)
         self._loads_by_layer: dict[int, int] = {}
         self._prev_impl: str | None = None
+        self._decode = False
+        self._compute_s = 0.0  # this pass: compute outside the engine's bookkeeping (PassStats.compute_s)
+        self._book_s = 0.0  # time inside experts calls spent on demand loads / waits (subtracted)
+        self._t_mark = 0.0  # end of the last experts call (or pass start)
+        self._moe_run = 0
+        self._pred_keys: set[tuple[int, int]] = set()
+        self._pred_new = 0
+
+    @property
+    def cache(self) -> ExpertCache:
+        """The expert cache; exists once the engine has been attached (`with engine:` or `attach()`)."""
+        cache = self._cache
+        if cache is None:
+            raise RuntimeError("the OffloadEngine is not attached: use `with engine:` or call `engine.attach()` first")
+        return cache
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     def __enter__(self) -> OffloadEngine:
@@ -157,7 +185,7 @@ class OffloadEngine:
             return
         stack = contextlib.ExitStack()
         try:
-            self.cache = ExpertCache(
+            self._cache = ExpertCache(
                 self.store,
                 self.capacity,
                 device=self.device,
@@ -174,7 +202,8 @@ class OffloadEngine:
             stack.callback(self.store.restore)
             for l in self.spec.moe_layers:
                 ex = self.adapter.experts(l)
-                ex._moeflow_engine, ex._moeflow_layer = self, l
+                # torch's stub types Module.__setattr__ values as Tensor | Module; any object is accepted
+                ex._moeflow_engine, ex._moeflow_layer = self, l  # type: ignore[assignment]
                 stack.callback(self._untag, ex)
             register_experts_implementation()
             self._prev_impl = self.model.config._experts_implementation
@@ -195,8 +224,8 @@ class OffloadEngine:
     def close(self) -> None:
         """Restore the model exactly as it was (experts back on the device, stock implementation)."""
         if self._stack is not None:
-            if self.cache is not None:
-                self.cache.close()
+            if self._cache is not None:
+                self._cache.close()
             stack, self._stack = self._stack, None
             stack.close()
 
@@ -220,12 +249,16 @@ class OffloadEngine:
         self.pass_id += 1
         ids = kwargs.get("input_ids", args[0] if args else None)
         self._token_ids = ids.reshape(-1) if isinstance(ids, torch.Tensor) else None
+        self._decode = isinstance(ids, torch.Tensor) and ids.dim() >= 1 and ids.shape[-1] == 1
+        self._compute_s, self._moe_run, self._pred_new = 0.0, 0, 0
+        self._pred_keys = set()
         self._pending.clear()
         self._residual.clear()
         self._loads_by_layer = {}
         self._pass_c0 = self.cache.counters.copy()
         self._pass_link0 = (self.link.busy_s, self.link.bytes)
         self._pass_t0 = time.perf_counter()
+        self._t_mark = self._pass_t0
         self.cache.begin_pass(self.pass_id)
 
     def _on_pass_end(self, module, args, output) -> None:
@@ -249,6 +282,12 @@ class OffloadEngine:
             transfer_bytes=self.link.bytes - self._pass_link0[1],
             lookahead=self.lookahead,
             loads_by_layer=dict(self._loads_by_layer),
+            decode=self._decode,
+            compute_s=self._compute_s,
+            moe_layers_run=self._moe_run,
+            predicted=len(self._pred_keys),
+            predicted_new=self._pred_new,
+            token_ids=self._token_ids,
         )
         for obs in list(self.observers):
             obs(stats)
@@ -257,6 +296,7 @@ class OffloadEngine:
     def _on_route(self, ev: RouterEvent):
         if self._predicting:  # a prefetch policy applying another layer's router
             return None
+        self._compute_s += max(0.0, time.perf_counter() - self._t_mark)  # attention + router since the last experts call
         cache, l = self.cache, ev.layer
         logits, weights, indices = ev.logits, ev.weights, ev.indices
         if self._can_defer(l, indices):
@@ -266,18 +306,16 @@ class OffloadEngine:
         self.flush()  # earlier layers' accesses first: events stay in order
         cache.begin_layer(l)
         replaced = None
-        if self._rerouting:
+        if self._rerouting and self.routing is not None:  # `_rerouting` implies a routing policy
             bias = self.routing.bias(l, self.spec.num_experts, cache.is_ready)
             if bias is not None:
                 weights, indices = self.adapter.select(l, logits, bias)
                 replaced = (logits, weights, indices)
         experts, scores = self._needs_host(*self._to_host([(indices, weights)])[0])
         routed = _Routed(indices, experts, scores=scores)
-        if len(experts) <= self._wave_capacity():
-            self._check_misses(l, experts)
-            loads0 = cache.counters.loads
-            routed.slots = cache.demand(l, experts, scores)
-            self._count_loads(l, cache.counters.loads - loads0)
+        loads0 = cache.counters.loads  # the access order of `moeflow.runtime.cache` (shared with the simulator)
+        routed.slots = cache.route(l, experts, scores, self._wave_capacity(), self.miss)
+        self._count_loads(l, cache.counters.loads - loads0)
         self._pending[l] = routed
         if self._prefetching:
             self._prefetch(l, ev.x, logits, indices, weights)
@@ -319,31 +357,11 @@ class OffloadEngine:
     @staticmethod
     def _needs_host(flat: torch.Tensor, weights: torch.Tensor) -> tuple[list[int], dict[int, float]]:
         """Unique experts of a call (host tensors `[S]`) and their summed gate weight over its tokens."""
-        ids = flat.tolist()
-        if len(set(ids)) == len(ids):  # every expert once (a decode step): nothing to sum
-            ws = weights.tolist()
-            order = sorted(range(len(ids)), key=ids.__getitem__)
-            return [ids[i] for i in order], {ids[i]: ws[i] for i in order}
-        uniq = torch.unique(flat)  # sorted [U]
-        summed = torch.zeros(uniq.numel(), dtype=torch.float32)
-        summed.index_add_(0, torch.searchsorted(uniq, flat), weights)
-        experts = uniq.tolist()
-        return experts, dict(zip(experts, summed.tolist()))
+        return needed_experts(flat, weights)
 
     def _wave_capacity(self) -> int:
         """Most experts one grouped call may cover: slots, the kernel's group limit, the gather budget."""
-        return max(1, min(self.cache.part_capacity, MAX_GROUPS, GATHER_BYTES // self.store.expert_bytes))
-
-    def _check_misses(self, layer: int, experts: list[int]) -> None:
-        if self.miss is None:
-            return
-        for e in experts:
-            if not self.cache.resident((layer, e)):
-                action = self.miss.on_miss((layer, e), self.cache.position(layer))
-                if action != "fetch":
-                    raise ConfigError(
-                        f"miss policy {self.miss.name!r} asked for {action!r}; the runtime implements only 'fetch' so far"
-                    )
+        return wave_capacity(self.cache.part_capacity, self.store.expert_bytes)
 
     def _count_loads(self, layer: int, n: int) -> None:
         if n:
@@ -374,15 +392,37 @@ class OffloadEngine:
             lookahead=self.lookahead,
             resident=self.cache.resident,
         )
+        if self.prefetcher is None:  # unreachable: `_prefetching` implies a prefetch policy
+            raise RuntimeError("OffloadEngine._prefetch called without a prefetch policy")
         reqs = self.prefetcher.propose(ctx)
+        for r in reqs:  # N_e for the step-size controller: proposed experts not yet resident
+            key = (int(r.key[0]), int(r.key[1]))
+            if key not in self._pred_keys:
+                self._pred_keys.add(key)
+                self._pred_new += not self.cache.resident(key)
         if reqs:
-            keys0 = set(self.cache.slot_of)
-            if self.cache.prefetch(reqs, layer):
-                for k in set(self.cache.slot_of) - keys0:
-                    self._count_loads(k[0], 1)
+            cache = self.cache
+            keys = {(int(r.key[0]), int(r.key[1])) for r in reqs}
+            before = {k: cache.slots[s].ticket for k in keys if (s := cache.slot_of.get(k)) is not None}
+            if cache.prefetch(reqs, layer):  # a load = a requested key with a new ticket (also evicted + reloaded)
+                for k in keys:
+                    s = cache.slot_of.get(k)
+                    if s is not None and cache.slots[s].ticket is not before.get(k):
+                        self._count_loads(k[0], 1)
 
     # ---- the experts call ------------------------------------------------------------------------------
     def experts_forward(
+        self, module: nn.Module, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The layer's experts; its time minus demand loads and waits counts as compute (PassStats.compute_s)."""
+        t0, b0 = time.perf_counter(), self._book_s
+        out = self._experts_forward(module, layer, hidden_states, top_k_index, top_k_weights)
+        self._t_mark = time.perf_counter()
+        self._compute_s += max(0.0, self._t_mark - t0 - (self._book_s - b0))
+        self._moe_run += 1
+        return out
+
+    def _experts_forward(
         self, module: nn.Module, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         routed = self._pending.pop(layer, None)
@@ -397,11 +437,14 @@ class OffloadEngine:
                     self.cache.release(routed.slots)
                 routed = None
             routed = routed or _Routed(top_k_index, experts, scores=scores)
+        needed, gate = routed.experts, routed.scores
+        if needed is None or gate is None:  # unreachable: only deferred layers (returned above) lack them
+            raise RuntimeError(f"layer {layer}: the router hook recorded no experts for this call")
         if routed.slots is not None:
-            waves = [(routed.experts, routed.slots)]
+            waves = [(needed, routed.slots)]
         else:  # prefill beyond capacity
-            waves = self._plan_waves(layer, routed.experts, routed.scores)
-        return self._compute(module, layer, hidden_states, top_k_index, top_k_weights, waves, len(routed.experts))
+            waves = self._plan_waves(layer, needed, gate)
+        return self._compute(module, layer, hidden_states, top_k_index, top_k_weights, waves, len(needed))
 
     @staticmethod
     def _same_routing(routed: _Routed, top_k_index: torch.Tensor) -> bool:
@@ -411,9 +454,7 @@ class OffloadEngine:
 
     def _plan_waves(self, layer: int, experts: list[int], scores: dict[int, float]):
         """Chunks of <= wave-capacity experts, resident ones first (they need no copy); slots issued later."""
-        cap = self._wave_capacity()
-        ordered = sorted(experts, key=lambda e: (not self.cache.resident((layer, e)), e))
-        return [(sorted(ordered[i : i + cap]), scores) for i in range(0, len(ordered), cap)]
+        return [(wave, scores) for wave in self.cache.plan_waves(layer, experts, self._wave_capacity())]
 
     def _arange(self, n: int, device: torch.device) -> torch.Tensor:
         a = self._aranges.get(n)
@@ -430,6 +471,8 @@ class OffloadEngine:
         cache = self.cache
         T, H = hidden_states.shape
         k = top_k_index.size(-1)
+        if cache.table is None:  # unreachable: an engine's cache has a store, hence a device table
+            raise RuntimeError("the expert cache has no device slot table")
         table = cache.table[cache.rank[layer]]  # [E] slot of each expert, -1
         sample_weights = top_k_weights.reshape(-1)  # [S]
         expert_ids = top_k_index.reshape(-1)  # [S]
@@ -464,14 +507,15 @@ class OffloadEngine:
 
     def _demand_wave(self, layer: int, experts: list[int], slots_or_scores) -> list[int]:
         """Slots of a wave: already pinned by the router hook (a list), or demanded now (scores given)."""
+        t0 = time.perf_counter()
         if isinstance(slots_or_scores, list):
             slots = slots_or_scores
+            self.cache.wait(slots)
         else:
-            self._check_misses(layer, experts)
             loads0 = self.cache.counters.loads
-            slots = self.cache.demand(layer, experts, {e: slots_or_scores[e] for e in experts})
+            slots = self.cache.demand_wave(layer, experts, slots_or_scores, self.miss)
             self._count_loads(layer, self.cache.counters.loads - loads0)
-        self.cache.wait(slots)
+        self._book_s += time.perf_counter() - t0
         return slots
 
     def _grouped(self, module, x: torch.Tensor, eg: torch.Tensor, slot_rows: torch.Tensor, groups: int) -> torch.Tensor:

@@ -1,14 +1,16 @@
-"""The generate loop: one prompt at a time (batch 1), timed per forward pass, with per-phase cache counters.
+"""The generate loop: B prompts at a time (left-padded; B=1 by default), timed per forward pass, with
+per-phase cache counters.
 
 `build_engine(model, mode=...)` turns a mode and policy names into an `OffloadEngine` (or None for
-`resident`, the stock model); `generate_one(model, input_ids, engine)` runs `model.generate` and
-returns the new token ids and a `RunMetrics` for that prompt.
+`resident`, the stock model); `generate_batch(model, [input_ids...], engine)` runs `model.generate` and
+returns each prompt's new token ids and a `RunMetrics` for the batch (`generate_one`: one prompt);
+`fastest_experts_impl` picks the resident reference's stock experts implementation by measuring it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,6 +21,12 @@ from ..policies import EVICTION, MISS, PREFETCH, ROUTING, Registry
 from .engine import OffloadEngine, PassStats
 from .link import Link
 from .metrics import RunMetrics
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin, PreTrainedModel
+
+    class CausalLM(PreTrainedModel, GenerationMixin):
+        """What `AutoModelForCausalLM` loads: a transformers model with `generate` (for the type checker only)."""
 
 
 def create_policy(registry: Registry, name: str, opts: dict[str, Any] | None = None) -> Any:
@@ -94,9 +102,42 @@ class PassClock:
         self._h.remove()
 
 
-def generate_one(
-    model: nn.Module,
-    input_ids: torch.Tensor,
+def pad_left(prompts: list[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad prompts `[1,P_i]` into `ids [B,P]` and `attention_mask [B,P]` (0 on the padding)."""
+    P = max(int(p.shape[-1]) for p in prompts)
+    ids = torch.full((len(prompts), P), int(pad_token_id), dtype=torch.long)
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        n = int(p.shape[-1])
+        ids[i, P - n :] = p.reshape(-1)
+        mask[i, P - n :] = 1
+    return ids, mask
+
+
+def _eos_ids(model: nn.Module, eos_token_id: int | None) -> set[int]:
+    eos: Any = eos_token_id
+    if eos is None:
+        gc = getattr(model, "generation_config", None)
+        eos = getattr(gc, "eos_token_id", None) if gc is not None else None
+        if eos is None:
+            eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def _cut_at_eos(row: torch.Tensor, eos: set[int]) -> torch.Tensor:
+    """A batch row's new tokens up to and including its first EOS (what a batch-1 generate returns:
+    generate fills a finished row with padding until the whole batch stops)."""
+    if not eos:
+        return row
+    hit = torch.isin(row, torch.tensor(sorted(eos), dtype=row.dtype, device=row.device)).nonzero()
+    return row if hit.numel() == 0 else row[: int(hit[0, 0]) + 1]
+
+
+def generate_batch(
+    model: CausalLM,
+    prompts: list[torch.Tensor],
     engine: OffloadEngine | None,
     *,
     max_new_tokens: int,
@@ -106,10 +147,18 @@ def generate_one(
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
     label: str = "",
-) -> tuple[torch.Tensor, RunMetrics]:
-    """Generate for one prompt `input_ids [1,P]`; return (new token ids [N], metrics of this prompt)."""
+) -> tuple[list[torch.Tensor], RunMetrics]:
+    """Generate for B prompts `[1,P_i]` together (left-padded, attention mask; B=1: no padding); return
+    (each prompt's new token ids [N_i], metrics of the batch). Greedy rows are the tokens a batch-1 run
+    gives where the stock model's numerics allow it (`tests/test_runtime_batch.py`); each decode pass
+    routes B rows (finished rows keep decoding padding until the batch stops, as in transformers).
+
+    The link is drained after the timed region, so `link_bytes` counts every copy the cache issued for
+    this batch, including prefetches still in flight when generation ended (`== counters.bytes_moved`)."""
     device = next(model.parameters()).device if engine is None else engine.device
-    input_ids = input_ids.to(device)
+    B = len(prompts)
+    if B < 1:
+        raise ValueError("generate_batch needs at least one prompt")
     phases: dict[str, Any] = {"prefill": None, "decode": []}
 
     def observe(st: PassStats) -> None:
@@ -118,14 +167,22 @@ def generate_one(
         else:
             phases["decode"].append(st.counters)
 
-    kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0, attention_mask=torch.ones_like(input_ids))
+    pad = pad_token_id if pad_token_id is not None else getattr(model.config, "pad_token_id", None)
+    if pad is None:
+        pad = eos_token_id if eos_token_id is not None else getattr(model.config, "eos_token_id", None)
+    if isinstance(pad, (list, tuple)):
+        pad = pad[0] if pad else None
+    if B == 1:
+        input_ids = prompts[0].reshape(1, -1)
+        mask = torch.ones_like(input_ids)
+    else:
+        input_ids, mask = pad_left(prompts, pad if pad is not None else 0)
+    input_ids, mask = input_ids.to(device), mask.to(device)
+    kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0, attention_mask=mask)
     if temperature > 0:
         kw.update(temperature=temperature, top_k=None, top_p=None)
     if min_new_tokens is not None:
         kw["min_new_tokens"] = min_new_tokens
-    pad = pad_token_id if pad_token_id is not None else getattr(model.config, "pad_token_id", None)
-    if pad is None:
-        pad = eos_token_id if eos_token_id is not None else getattr(model.config, "eos_token_id", None)
     if pad is not None:
         kw["pad_token_id"] = pad
     if eos_token_id is not None:
@@ -142,7 +199,8 @@ def generate_one(
     try:
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(input_ids, **kw)
+            # transformers annotates `generate`'s self with a Protocol written for the `ty` checker; mypy cannot match it
+            out = model.generate(input_ids, **kw)  # type: ignore[misc]
         if device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
@@ -150,23 +208,109 @@ def generate_one(
         clock.remove()
         if engine is not None:
             engine.observers.remove(observe)
-    new = out[0, input_ids.shape[1] :]
+    P = input_ids.shape[1]
+    eos = _eos_ids(model, eos_token_id) if B > 1 else set()
+    news = [_cut_at_eos(out[i, P:], eos).cpu() for i in range(B)]
     ends = clock.ends
+    ttft = (ends[0] - t0) if ends else wall
     m = RunMetrics(
         label=label,
-        prompts=1,
-        prompt_tokens=int(input_ids.shape[1]),
-        new_tokens=int(new.numel()),
+        prompts=B,
+        prompt_tokens=sum(int(p.shape[-1]) for p in prompts),
+        new_tokens=sum(int(n.numel()) for n in news),
         decode_tokens=max(0, len(ends) - 1),
+        decode_row_tokens=sum(max(0, int(n.numel()) - 1) for n in news),
         wall_s=wall,
-        ttft_s_sum=(ends[0] - t0) if ends else wall,
+        ttft_s_sum=ttft * B,
         decode_s=(ends[-1] - ends[0]) if ends else 0.0,
+        batch_size=B,
     )
     if engine is not None:
+        engine.link.drain()  # untimed: copies still in flight (a last prefetch) complete and are counted
         m.counters = engine.cache.counters - c0
         for c in phases["decode"]:
             m.decode_counters = m.decode_counters + c
         m.link_busy_s = engine.link.busy_s - l0[0]
         m.link_bytes = engine.link.bytes - l0[1]
         m.expert_bytes = engine.store.expert_bytes
-    return new.cpu(), m
+    return news, m
+
+
+def generate_one(
+    model: CausalLM,
+    input_ids: torch.Tensor,
+    engine: OffloadEngine | None,
+    *,
+    max_new_tokens: int,
+    min_new_tokens: int | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    label: str = "",
+) -> tuple[torch.Tensor, RunMetrics]:
+    """Generate for one prompt `input_ids [1,P]`; return (new token ids [N], metrics of this prompt)."""
+    news, m = generate_batch(
+        model,
+        [input_ids],
+        engine,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        label=label,
+    )
+    return news[0], m
+
+
+# ---- the resident reference: the fastest stock experts implementation ------------------------------------
+
+STOCK_EXPERTS_IMPLS = ("batched_mm", "grouped_mm")
+
+
+def fastest_experts_impl(
+    model: CausalLM,
+    input_ids: torch.Tensor,
+    *,
+    candidates: tuple[str, ...] = STOCK_EXPERTS_IMPLS,
+    steps: int = 4,
+    rounds: int = 2,
+) -> tuple[str, dict[str, float]]:
+    """Time `steps` decode passes of a greedy generate of `input_ids [B,P]` with each stock experts
+    implementation (after one untimed warm-up generate of each; `rounds` rounds in alternating order,
+    the minimum kept) and switch the model to the fastest. Returns (name, {name: mean decode pass s})."""
+    ids = input_ids.to(next(model.parameters()).device)
+    kw: dict[str, Any] = dict(
+        max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False, attention_mask=torch.ones_like(ids)
+    )
+    pad = getattr(model.config, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(model.config, "eos_token_id", None)
+    if pad is not None:
+        kw["pad_token_id"] = pad[0] if isinstance(pad, (list, tuple)) else pad
+    if ids.device.type == "cuda":
+        kw["disable_compile"] = True
+    best: dict[str, float] = {}
+
+    def timed(impl: str) -> float:
+        model.set_experts_implementation(impl)
+        clock = PassClock(model)
+        try:
+            with torch.no_grad():
+                model.generate(ids, **kw)  # type: ignore[misc]  # transformers' `generate` self type: see generate_batch
+        finally:
+            clock.remove()
+        e = clock.ends
+        return (e[-1] - e[0]) / max(1, len(e) - 1)
+
+    for impl in candidates:
+        timed(impl)  # warm-up
+    for r in range(rounds):
+        for impl in candidates if r % 2 == 0 else tuple(reversed(candidates)):
+            t = timed(impl)
+            best[impl] = min(best.get(impl, t), t)
+    name = min(best, key=best.__getitem__)
+    model.set_experts_implementation(name)
+    return name, best

@@ -9,7 +9,11 @@
   event recorded after the last computation that read that slot.
 
 Every link returns a `Ticket` from `submit`; `wait(ticket)` blocks until the slot may be read and
-returns the seconds the caller waited (stall). `busy_s` / `bytes` add up completed transfers.
+returns the seconds the caller waited (stall). Accounting is the base class's, one code path for every
+link: `_submitted(ticket)` at submit (`submitted_bytes`), `_account(ticket)` once per transfer when it is
+known complete (`busy_s`, `bytes`, `transfers`); `_settle()` accounts whatever completed since (the
+emulated schedule, CUDA events queried), so after `drain()` `bytes == submitted_bytes`, which is the
+cache's `bytes_moved` (every copy the cache issues goes through `submit`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,20 @@ class Link:
         self._busy_s = 0.0  # seconds the link spent on completed transfers
         self._bytes = 0  # bytes of completed transfers
         self._transfers = 0
+        self._submitted_bytes = 0  # bytes of every transfer submitted (complete or not)
+
+    def _submitted(self, t: Ticket) -> Ticket:
+        self._submitted_bytes += t.nbytes
+        return t
+
+    def _account(self, t: Ticket) -> None:
+        """Count a completed transfer exactly once (busy seconds, bytes) and mark it done."""
+        if t.done.is_set():
+            return
+        self._busy_s += t.busy_s
+        self._bytes += t.nbytes
+        self._transfers += 1
+        t.done.set()
 
     def _settle(self) -> None:
         """Account transfers that have completed by now (links that learn completion lazily)."""
@@ -67,6 +85,11 @@ class Link:
     def transfers(self) -> int:
         self._settle()
         return self._transfers
+
+    @property
+    def submitted_bytes(self) -> int:
+        """Bytes of every transfer submitted so far, complete or still in flight."""
+        return self._submitted_bytes
 
     def submit(self, src: torch.Tensor, dst: torch.Tensor, *, after: Any = None) -> Ticket:
         raise NotImplementedError
@@ -97,12 +120,9 @@ class DirectLink(Link):
     def submit(self, src, dst, *, after=None) -> Ticket:
         t0 = time.perf_counter()
         dst.copy_(src)
-        t = Ticket(src.numel() * src.element_size())
+        t = self._submitted(Ticket(src.numel() * src.element_size()))
         t.busy_s = time.perf_counter() - t0
-        self._busy_s += t.busy_s
-        self._bytes += t.nbytes
-        self._transfers += 1
-        t.done.set()
+        self._account(t)
         return t
 
     def wait(self, t: Ticket) -> float:
@@ -162,7 +182,7 @@ class EmulatedLink(Link):
     def submit(self, src, dst, *, after=None) -> Ticket:
         if not self._worker.is_alive():
             raise RuntimeError("emulated link is closed; create a new one")
-        t = Ticket(src.numel() * src.element_size())
+        t = self._submitted(Ticket(src.numel() * src.element_size()))
         t.copied = threading.Event()
         t.busy_s = self.transfer_s(t.nbytes)
         t.due = max(self._clock(), self._free_at) + t.busy_s
@@ -174,11 +194,7 @@ class EmulatedLink(Link):
     def _settle(self) -> None:
         now = self._clock()
         while self._inflight and self._inflight[0].due <= now and self._inflight[0].copied.is_set():
-            t = self._inflight.popleft()
-            self._busy_s += t.busy_s
-            self._bytes += t.nbytes
-            self._transfers += 1
-            t.done.set()
+            self._account(self._inflight.popleft())
 
     def ready(self, t: Ticket) -> bool:
         if not t.done.is_set():
@@ -234,7 +250,7 @@ class CudaLink(Link):
         self._pending: list[Ticket] = []
 
     def submit(self, src, dst, *, after=None) -> Ticket:
-        t = Ticket(src.numel() * src.element_size())
+        t = self._submitted(Ticket(src.numel() * src.element_size()))
         t.start_event = torch.cuda.Event(enable_timing=True)
         t.event = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
@@ -257,10 +273,16 @@ class CudaLink(Link):
         if t.done.is_set():
             return
         t.busy_s = t.start_event.elapsed_time(t.event) / 1e3
-        self._busy_s += t.busy_s
-        self._bytes += t.nbytes
-        self._transfers += 1
-        t.done.set()
+        self._account(t)
+
+    def _settle(self) -> None:
+        """Account every pending copy whose event has fired (was: only copies someone waited for or
+        queried, so `bytes` missed prefetches that completed unobserved; issue 10)."""
+        if self._pending:
+            for t in self._pending:
+                if t.event.query():
+                    self._complete(t)
+            self._pending = [p for p in self._pending if not p.done.is_set()]
 
     def wait(self, t: Ticket) -> float:
         stall = 0.0

@@ -22,7 +22,7 @@ from ..errors import ArtifactError, ConfigError, MoeflowError
 from ..moe import get_adapter
 from ..policies.parse import build_policy, parse_capacity, policy_args
 from .config import RunConfig
-from .generate import build_engine, generate_one
+from .generate import build_engine, fastest_experts_impl, generate_batch
 from .link import make_link, parse_link
 from .metrics import RunMetrics, metrics_table
 
@@ -188,11 +188,45 @@ def _run_hooks(cfg: RunConfig, model: Any, spec: Any, engine: Any, cal: dict[str
         yield
 
 
+class _SRecorder:
+    """The step size S (`engine.lookahead`) of every pass of one generate call; `done()` unsubscribes and
+    returns the decode passes' (the first pass is the prefill): `RunMetrics.s_history`."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.used: list[int] = []
+        if engine is not None:
+            engine.observers.append(self.observe)
+
+    def observe(self, st: Any) -> None:
+        self.used.append(int(st.lookahead))
+
+    def done(self) -> list[int]:
+        if self.engine is not None and self.observe in self.engine.observers:
+            self.engine.observers.remove(self.observe)
+        return self.used[1:]
+
+
 def _label(run: dict[str, Any], capacity: int | None, total: int, cfg: RunConfig | None = None) -> str:
     suffix = (" adaptive-S" if cfg and cfg.adaptive_s else "") + (" SPECULATIVE(lossy)" if cfg and cfg.speculative else "")
     if run["mode"] != "offload" or capacity is None:
         return str(run["mode"])
     return f"C={capacity} ({100 * capacity / total:.0f}%) {run['eviction']}+{run['prefetch']}{suffix}"
+
+
+def _pick_impl(cfg: RunConfig, model: Any, batch: list[tuple[str, str, Any]], console: Console) -> str:
+    """`--experts-impl` for the resident run; `auto`: time decode passes of the first prompt (repeated to the
+    batch size: decode-shaped) with batched_mm and grouped_mm, after a warm-up of each, and keep the faster."""
+    if cfg.experts_impl != "auto":
+        return cfg.experts_impl
+    ids = batch[0][2].expand(cfg.batch_size, -1)  # [B,P]
+    name, times = fastest_experts_impl(model, ids)
+    console.print(
+        "[dim]resident experts implementation: "
+        + ", ".join(f"{k} {v * 1e3:.2f} ms/pass" for k, v in times.items())
+        + f" -> {name}[/]"
+    )
+    return name
 
 
 def main(cfg: RunConfig, console: Console | None = None) -> list[dict[str, Any]]:
@@ -233,88 +267,129 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
         f"{spec.total_experts} routed experts; link {link_spec}; S={lookahead}; {len(prompts)} prompt(s)[/]"
     )
 
+    batches = [encoded[i : i + cfg.batch_size] for i in range(0, len(encoded), cfg.batch_size)]
+    gen_kw: dict[str, Any] = dict(min_new_tokens=cfg.min_new_tokens, temperature=cfg.temperature, seed=cfg.seed, eos_token_id=eos)
+    warm_new = min(4, cfg.max_new_tokens)
+    resident_impl: str | None = None
+
+    def make_engine(run: dict[str, Any], capacity: int | None, link: Any) -> Any:
+        ev_name, ev_opts = policy_args(run["eviction"] or "lru", cfg.eviction_opts)
+        pf_name, pf_opts = policy_args(run["prefetch"] or "none", cfg.prefetch_opts)
+        return build_engine(
+            model,
+            mode=run["mode"],
+            link=link,
+            capacity=capacity or 0,
+            eviction=ev_name,
+            prefetch=pf_name,
+            miss=cfg.miss,
+            routing=cfg.routing,
+            per_layer=cfg.per_layer_cache,
+            lookahead=lookahead,
+            eviction_opts=ev_opts,
+            prefetch_opts=pf_opts,
+        )
+
     out_f = atomic_write(cfg.out) if cfg.out else contextlib.nullcontext()
     results: list[dict[str, Any]] = []
     rows: list[RunMetrics] = []
-    with out_f as fh:
-        for run in runs:
-            link = make_link(link_spec, device)
-            capacity = caps.get(run["capacity"]) if run["mode"] == "offload" else None
-            label = _label(run, capacity, spec.total_experts, cfg)
-            ev_name, ev_opts = policy_args(run["eviction"] or "lru", cfg.eviction_opts)
-            pf_name, pf_opts = policy_args(run["prefetch"] or "none", cfg.prefetch_opts)
-            engine = build_engine(
-                model,
-                mode=run["mode"],
-                link=link,
-                capacity=capacity or 0,
-                eviction=ev_name,
-                prefetch=pf_name,
-                miss=cfg.miss,
-                routing=cfg.routing,
-                per_layer=cfg.per_layer_cache,
-                lookahead=lookahead,
-                eviction_opts=ev_opts,
-                prefetch_opts=pf_opts,
-            )
-            per_prompt: list[RunMetrics] = []
-            outputs: list[dict[str, Any]] = []
-            try:
-                with (
-                    engine if engine is not None else contextlib.nullcontext(),
-                    _run_hooks(cfg, model, spec, engine, cal, lookahead),
-                ):
-                    from rich.progress import Progress
+    try:
+        with out_f as fh:
+            for run in runs:
+                capacity = caps.get(run["capacity"]) if run["mode"] == "offload" else None
+                label = _label(run, capacity, spec.total_experts, cfg)
+                impl = None
+                if run["mode"] == "resident":  # the stock model with its fastest stock experts implementation
+                    if resident_impl is None:
+                        resident_impl = _pick_impl(cfg, model, batches[0], console)
+                    model.set_experts_implementation(resident_impl)
+                    impl = resident_impl
+                else:  # the engine replaces grouped_mm (and is bit-exact to it)
+                    model.set_experts_implementation("grouped_mm")
+                if cfg.warmup:  # untimed, on an engine of its own: nothing of it reaches counters or outputs
+                    wlink = make_link(link_spec, device)
+                    weng = make_engine(run, capacity, wlink)
+                    try:
+                        with (
+                            weng if weng is not None else contextlib.nullcontext(),
+                            _run_hooks(cfg, model, spec, weng, cal, lookahead),
+                        ):
+                            wkw = {**gen_kw, "min_new_tokens": min(cfg.min_new_tokens or 0, warm_new) or None}
+                            generate_batch(model, [ids for _, _, ids in batches[0]], weng, max_new_tokens=warm_new, **wkw)
+                    finally:
+                        if weng is None:
+                            wlink.close()
+                link = make_link(link_spec, device)
+                engine = make_engine(run, capacity, link)
+                per_batch: list[RunMetrics] = []
+                outputs: list[dict[str, Any]] = []
+                try:
+                    with (
+                        engine if engine is not None else contextlib.nullcontext(),
+                        _run_hooks(cfg, model, spec, engine, cal, lookahead),
+                    ):
+                        from rich.progress import Progress
 
-                    with Progress(console=console, transient=True, disable=not console.is_terminal) as prog:
-                        task = prog.add_task(label, total=len(encoded))
-                        for pid, text, ids in encoded:
-                            new, m = generate_one(
-                                model,
-                                ids,
-                                engine,
-                                max_new_tokens=cfg.max_new_tokens,
-                                min_new_tokens=cfg.min_new_tokens,
-                                temperature=cfg.temperature,
-                                seed=cfg.seed,
-                                eos_token_id=eos,
-                                label=label,
-                            )
-                            gen = tok.decode(new, skip_special_tokens=True)
-                            per_prompt.append(m)
-                            outputs.append({"prompt_id": pid, "prompt": text, "text": gen, "new_tokens": int(new.numel())})
-                            rec = {
-                                "kind": RESULT_KIND,
-                                "run": label,
-                                **run,
-                                "capacity_experts": capacity,
-                                "link": link.describe(),
-                                "prompt_id": pid,
-                                "prompt": text,
-                                "text": gen,
-                                "metrics": m.to_dict(),
-                            }
-                            if fh is not None:
-                                fh.write(json.dumps(rec, default=str) + "\n")
-                            if not cfg.sweep and not cfg.json:
-                                console.print(f"[bold]{pid}[/] {text[:80]!r}\n[green]{gen}[/]")
-                            prog.advance(task)
-            finally:
-                if engine is None:
-                    link.close()
-            total = RunMetrics.total(per_prompt, label=label)
-            rows.append(total)
-            results.append(
-                {
-                    "run": label,
-                    **run,
-                    "capacity_experts": capacity,
-                    "link": link.describe(),
-                    "lookahead": lookahead,
-                    "metrics": total.to_dict(),
-                    "outputs": outputs,
-                }
-            )
+                        with Progress(console=console, transient=True, disable=not console.is_terminal) as prog:
+                            task = prog.add_task(label, total=len(encoded))
+                            for bi, batch in enumerate(batches):
+                                s_rec = _SRecorder(engine)
+                                news, m = generate_batch(
+                                    model,
+                                    [ids for _, _, ids in batch],
+                                    engine,
+                                    max_new_tokens=cfg.max_new_tokens,
+                                    label=label,
+                                    **gen_kw,
+                                )
+                                m.experts_impl = impl
+                                m.s_history = s_rec.done()
+                                per_batch.append(m)
+                                for (pid, text, _), new in zip(batch, news):
+                                    gen = tok.decode(new, skip_special_tokens=True)
+                                    outputs.append(
+                                        {"prompt_id": pid, "prompt": text, "text": gen, "new_tokens": int(new.numel())}
+                                    )
+                                    rec = {
+                                        "kind": RESULT_KIND,
+                                        "run": label,
+                                        **run,
+                                        "capacity_experts": capacity,
+                                        "link": link.describe(),
+                                        "experts_impl": impl,
+                                        "batch": bi,
+                                        "prompt_id": pid,
+                                        "prompt": text,
+                                        "text": gen,
+                                        "metrics": m.to_dict(),  # the batch's (the prompt's at --batch-size 1)
+                                    }
+                                    if fh is not None:
+                                        fh.write(json.dumps(rec, default=str) + "\n")
+                                    if not cfg.sweep and not cfg.json:
+                                        console.print(f"[bold]{pid}[/] {text[:80]!r}\n[green]{gen}[/]")
+                                    prog.advance(task)
+                finally:
+                    if engine is None:
+                        link.close()
+                total = RunMetrics.total(per_batch, label=label)
+                total.experts_impl = impl
+                rows.append(total)
+                results.append(
+                    {
+                        "run": label,
+                        **run,
+                        "capacity_experts": capacity,
+                        "link": link.describe(),
+                        "lookahead": lookahead,
+                        "batch_size": cfg.batch_size,
+                        "experts_impl": impl,
+                        "warmup": cfg.warmup,
+                        "metrics": total.to_dict(),
+                        "outputs": outputs,
+                    }
+                )
+    finally:
+        model.set_experts_implementation("grouped_mm")
     console.print(metrics_table(rows, title=f"moeflow run — {Path(cfg.model).name}, {link_spec}"))
     if cfg.json:
         sys.stdout.write(

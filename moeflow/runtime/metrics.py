@@ -2,7 +2,10 @@
 
 Definitions (docs/architecture.md, "Metrics vocabulary"):
 - TTFT: wall time from the start of `generate` to the end of the prefill pass (the first token).
-- TPOT: mean wall time per decode token after the first.
+- TPOT: mean wall time per decode pass after the first token (one token per prompt of the batch; at
+  batch size 1, per decode token).
+- throughput (decode tok/s): tokens the decode passes generated for all prompts of a batch / decode wall
+  time (= B / TPOT while no prompt of the batch has stopped); tok/s: all new tokens / whole wall time.
 - stall: seconds the compute thread waited for an expert copy; stall share = stall / wall.
 - hit rate: needed experts already in a slot (ready, or a prefetch still in flight: `late`) when the layer
   routed / needed experts; the same definition as the simulator's. Late hits cost stall, not a transfer.
@@ -32,7 +35,10 @@ class RunMetrics:
     prompts: int = 0
     prompt_tokens: int = 0
     new_tokens: int = 0
-    decode_tokens: int = 0  # new tokens after the first (each one decode pass)
+    decode_tokens: int = 0  # decode passes (new tokens after the first; one per prompt of a batch)
+    decode_row_tokens: int = 0  # tokens the decode passes generated, all prompts of the batch (throughput)
+    batch_size: int = 1  # prompts decoded together
+    experts_impl: str | None = None  # resident: the stock experts implementation measured fastest
     wall_s: float = 0.0
     ttft_s_sum: float = 0.0  # summed over prompts (mean = ttft_s)
     decode_s: float = 0.0  # wall time of all decode steps
@@ -41,6 +47,7 @@ class RunMetrics:
     link_busy_s: float = 0.0
     link_bytes: int = 0
     expert_bytes: int = 0
+    s_history: list[int] = field(default_factory=list)  # step size S used at each decode pass (adaptive S)
 
     # ---- derived ----------------------------------------------------------------------------------
     @property
@@ -54,6 +61,10 @@ class RunMetrics:
     @property
     def tokens_per_s(self) -> float | None:
         return _ratio(self.new_tokens, self.wall_s)
+
+    @property
+    def throughput_tok_s(self) -> float | None:
+        return _ratio(self.decode_row_tokens, self.decode_s)
 
     @property
     def stall_share(self) -> float | None:
@@ -104,6 +115,7 @@ class RunMetrics:
             "prompt_tokens",
             "new_tokens",
             "decode_tokens",
+            "decode_row_tokens",
             "wall_s",
             "ttft_s_sum",
             "decode_s",
@@ -114,6 +126,9 @@ class RunMetrics:
         out.counters = self.counters + other.counters
         out.decode_counters = self.decode_counters + other.decode_counters
         out.expert_bytes = self.expert_bytes or other.expert_bytes
+        out.s_history = self.s_history + other.s_history
+        out.batch_size = max(self.batch_size, other.batch_size)
+        out.experts_impl = self.experts_impl or other.experts_impl
         return out
 
     @classmethod
@@ -130,9 +145,14 @@ class RunMetrics:
             "prompts": self.prompts,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
+            "batch_size": self.batch_size,
+            "experts_impl": self.experts_impl,
             "wall_s": self.wall_s,
             "ttft_s": self.ttft_s,
             "tpot_s": self.tpot_s,
+            "decode_passes": self.decode_tokens,
+            "decode_tokens": self.decode_row_tokens,
+            "throughput_tok_s": self.throughput_tok_s,
             "tokens_per_s": self.tokens_per_s,
             "stall_s": self.counters.stall_s,
             "stall_share": self.stall_share,
@@ -151,6 +171,7 @@ class RunMetrics:
             "bytes_per_token": self.bytes_per_token,
             "effective_gbps": self.effective_gbps,
             "expert_bytes": self.expert_bytes,
+            "s_history": list(self.s_history),
             "counters": self.counters.to_dict(),
             "decode_counters": self.decode_counters.to_dict(),
         }
@@ -174,6 +195,7 @@ COLUMNS = (
     "run",
     "TTFT ms",
     "TPOT ms",
+    "dec tok/s",
     "tok/s",
     "stall %",
     "dec hit",
@@ -196,9 +218,10 @@ def metrics_table(rows: Iterable[RunMetrics], title: str = "moeflow run"):
         t.add_column(c, justify="left" if c == "run" else "right", no_wrap=c != "run")
     for m in rows:
         t.add_row(
-            m.label,
+            m.label + (f" [{m.experts_impl}]" if m.experts_impl else "") + (f" B={m.batch_size}" if m.batch_size > 1 else ""),
             _f(m.ttft_s * 1e3 if m.ttft_s is not None else None, ".1f"),
             _f(m.tpot_s * 1e3 if m.tpot_s is not None else None, ".2f"),
+            _f(m.throughput_tok_s, ".1f"),
             _f(m.tokens_per_s, ".1f"),
             _f(m.stall_share * 100 if m.stall_share is not None else None, ".1f"),
             _f(m.decode_hit_rate, ".3f"),

@@ -59,11 +59,12 @@ class AccessTrace:
     num_experts: int
     top_k: int
     passes: list[Pass] = field(default_factory=list)
+    expert_bytes: int = 0  # one routed expert (MoESpec.expert_bytes); 0 = unknown (bytes counters then count 1 per load)
 
     def select(self, phase: int | None = None, max_passes: int | None = None) -> AccessTrace:
         """Only prefill (0) or decode (1) passes, the first `max_passes` of them."""
         ps = [p for p in self.passes if phase is None or p.phase == phase]
-        return AccessTrace(self.moe_layers, self.num_experts, self.top_k, ps[:max_passes])
+        return AccessTrace(self.moe_layers, self.num_experts, self.top_k, ps[:max_passes], self.expert_bytes)
 
     @property
     def has_router_input(self) -> bool:
@@ -98,7 +99,7 @@ def record_generate(
 
     ad = get_adapter(model)
     spec = ad.spec
-    acc = AccessTrace(spec.moe_layers, spec.num_experts, spec.top_k)
+    acc = AccessTrace(spec.moe_layers, spec.num_experts, spec.top_k, expert_bytes=spec.expert_bytes)
     torch.manual_seed(seed)
     for pid, ids in enumerate(prompts):
         ids = ids.reshape(1, -1).to(next(model.parameters()).device)
@@ -177,7 +178,7 @@ def from_trace(
         w = _field(lay, "topk_weights")
         x = _field(lay, "hidden_in") if with_router_input else None
         per_layer[l] = (ids, None if w is None else np.asarray(w), None if x is None else np.asarray(x))
-    acc = AccessTrace(spec.moe_layers, spec.num_experts, spec.top_k)
+    acc = AccessTrace(spec.moe_layers, spec.num_experts, spec.top_k, expert_bytes=spec.expert_bytes)
     for g in groups:
         p = Pass(phase=int(ph[g[0]]), prompt_id=int(pid[g[0]]))
         for l in spec.moe_layers:
@@ -208,7 +209,7 @@ def synthetic(
     acc = AccessTrace(tuple(moe_layers), num_experts, top_k)
     pop = {l: rng.permutation(num_experts) for l in moe_layers}
     p_rank = 1.0 / np.arange(1, num_experts + 1) ** skew
-    for i in range(num_passes):
+    for _ in range(num_passes):
         p = Pass(phase=1, prompt_id=0)
         for l in moe_layers:
             probs = np.empty(num_experts)

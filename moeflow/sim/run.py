@@ -17,13 +17,15 @@ class SimulateConfig:
     evictions: tuple[str, ...] = ("lru",)  # name[:k=v,...]
     prefetches: tuple[str, ...] = ("none",)
     lookahead: int = 1  # step size S handed to prefetchers
-    phase: str = "decode"  # decode | prefill | all
+    phase: str = "decode"  # decode | prefill | all: whose counters the rows' headline metrics count (all passes replay)
     max_prompts: int | None = None  # --limit: replay only the first N prompts
     model: str | None = None  # needed for pregate (routers) and checked against the trace
     belady: bool = True
     progress: bool = True
     eviction_opts: tuple[tuple[str, str], ...] = ()  # --eviction-opt key=value, for every eviction policy
     prefetch_opts: tuple[tuple[str, str], ...] = ()  # --prefetch-opt key=value, for every prefetch policy
+    link: str = "instant"  # instant | emulated:GBPS[,LATENCY_US] (modelled on a virtual clock)
+    layer_time_us: float = 0.0  # compute per MoE layer per pass on the modelled link's clock
 
     def __post_init__(self) -> None:
         """Check every value before any work: phase, S, each capacity's syntax, each policy with its options
@@ -32,6 +34,11 @@ class SimulateConfig:
             raise ConfigError(f"--phase must be decode, prefill or all (got {self.phase!r})")
         if self.lookahead < 1:
             raise ConfigError(f"--lookahead must be >= 1 (got {self.lookahead})")
+        if self.layer_time_us < 0:
+            raise ConfigError(f"--layer-time-us must be >= 0 (got {self.layer_time_us})")
+        from .link import make_sim_link
+
+        make_sim_link(self.link)
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ConfigError(f"--limit must be >= 1 (got {self.max_prompts})")
         if not self.capacities or not self.evictions or not self.prefetches:
@@ -66,6 +73,12 @@ def capacity_slots(text: str, total: int, expert_bytes: int | None = None, top_k
 
 
 def main(cfg: SimulateConfig) -> dict[str, Any]:
+    """Replay the trace (every pass, prompts in order, as `moeflow run` runs them) for every capacity x
+    eviction x prefetch, plus Belady per capacity. Each row: the headline metrics over `--phase` passes,
+    `decode_counters` (CacheCounters of decode passes, the key and field names of `moeflow run --json`),
+    `counters` (all passes) and `accesses_per_s` (replayed accesses / replay seconds)."""
+    import time
+
     from rich.progress import Progress
 
     from ..trace import Trace
@@ -89,33 +102,59 @@ def main(cfg: SimulateConfig) -> dict[str, Any]:
 
         model, _ = load_model(cfg.model)
         tr.check_model(model)
-        predict = get_adapter(model).router_logits
-    phase = {"decode": 1, "prefill": 0, "all": None}[cfg.phase]
-    acc = from_trace(tr, phase=phase, max_prompts=cfg.max_prompts, with_router_input=needs_router)
-    if not acc.passes:
+        predict = _router_predictor(get_adapter(model))
+    count = {"decode": 1, "prefill": 0, "all": None}[cfg.phase]
+    acc = from_trace(tr, max_prompts=cfg.max_prompts, with_router_input=needs_router)
+    if not any(count is None or p.phase == count for p in acc.passes):
         raise ConfigError(f"{cfg.trace} has no {cfg.phase} passes")
     total = len(acc.moe_layers) * acc.num_experts
+    kw: dict[str, Any] = dict(link=cfg.link, layer_time_s=cfg.layer_time_us * 1e-6, count_phase=count)
     rows = []
     jobs = [(c, e, p) for c in caps for e in cfg.evictions for p in cfg.prefetches]
+    replayed, seconds = 0, 0.0
     with Progress(transient=True, disable=not cfg.progress) as prog:
         task = prog.add_task("simulating", total=len(jobs) + (len(caps) if cfg.belady else 0))
         for c, e, p in jobs:
-            st = simulate(acc, c, cfg.eviction(e), cfg.prefetch(p), lookahead=cfg.lookahead, predict_logits=predict)
+            st = simulate(acc, c, cfg.eviction(e), cfg.prefetch(p), lookahead=cfg.lookahead, predict_logits=predict, **kw)
             rows.append({"capacity": c, "eviction": e, "prefetch": p, **_summary(st)})
+            replayed, seconds = replayed + st.replayed_accesses, seconds + st.seconds
             prog.advance(task)
         if cfg.belady:
             for c in caps:
-                rows.append({"capacity": c, "eviction": "belady", "prefetch": "none", **_summary(belady(acc, c))})
+                t0 = time.perf_counter()
+                st = belady(acc, c, **kw)
+                st.seconds = time.perf_counter() - t0  # next-use precomputation included
+                rows.append({"capacity": c, "eviction": "belady", "prefetch": "none", **_summary(st)})
+                replayed, seconds = replayed + st.replayed_accesses, seconds + st.seconds
                 prog.advance(task)
+    counted = [p for p in acc.passes if count is None or p.phase == count]
     return {
         "trace": cfg.trace,
         "phase": cfg.phase,
-        "passes": len(acc.passes),
-        "tokens": sum(p.tokens for p in acc.passes),
+        "link": rows[0]["link"] if rows else cfg.link,
+        "passes": len(counted),
+        "replayed_passes": len(acc.passes),
+        "tokens": sum(p.tokens for p in counted),
         "total_experts": total,
-        "working_set": acc.working_set(),
+        "working_set": float(sum(sum(len(s.needed()) for s in p.steps) for p in counted) / max(1, len(counted))),
+        "accesses": replayed,
+        "seconds": seconds,
+        "accesses_per_s": replayed / seconds if seconds > 0 else 0.0,
         "rows": rows,
     }
+
+
+def _router_predictor(adapter: Any):
+    """`predict_logits(layer, x)`: the layer's own router on x cast to the router's dtype (the runtime applies
+    it to the live router input, in the model's dtype)."""
+    import torch
+
+    def predict(layer: int, x: Any) -> Any:
+        w = next(adapter.router(layer).parameters())
+        with torch.no_grad():
+            return adapter.router_logits(layer, x.to(w.dtype))
+
+    return predict
 
 
 def _summary(st) -> dict[str, Any]:
@@ -133,5 +172,13 @@ def _summary(st) -> dict[str, Any]:
         "prefetch_recall",
         "evictions",
         "max_resident",
+        "late",
+        "stall_s",
+        "decode_counters",
+        "counters",
+        "replayed_accesses",
+        "seconds",
+        "accesses_per_s",
+        "link",
     )
     return {k: d[k] for k in keep}

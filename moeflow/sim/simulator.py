@@ -1,37 +1,45 @@
-"""Trace-driven cache simulator: the runtime's policies and event protocol, no weights, no clock.
+"""Trace-driven cache simulator: THE runtime cache (`moeflow.runtime.cache.ExpertCache`, tensor-free) and the
+same policy objects, driven in the engine's access order through a link model.
 
-For every pass and MoE layer, in execution order:
-1. `on_layer_start`; the layer's needed experts (unique, order of first use) are pinned while it runs;
-2. each needed expert: hit (`on_access`) or miss -> the miss policy ('fetch') -> if the cache is
-   full, the eviction policy picks a victim among resident, unpinned experts -> `on_evict`,
-   `on_insert(prefetched=False)`, `on_access`. If every resident expert is pinned (a layer needs more
-   experts than the capacity, e.g. a long prefill), the layer runs in waves: the experts done so far
-   are unpinned;
-3. after the layer, the prefetch policy proposes experts of later layers (`LayerContext`); resident
-   ones get `on_predicted`, others are loaded in priority order, evicting unpinned experts that were
-   not loaded by this same proposal (in flight); proposals that find no victim are dropped.
+Per forward pass (`begin_pass`) and MoE layer, exactly the engine's sequence of cache calls
+(`moeflow.runtime.cache`, "One access order"):
+1. `begin_layer`; the layer's unique routed experts sorted by id, with their gate weight summed over the
+   pass's tokens (`needed_experts`, float32 like the engine);
+2. `route`: when they fit one wave (`wave_capacity`), the miss policy ('fetch') and `demand` (hits pinned
+   first, then misses in id order, each miss evicting the eviction policy's victim);
+3. the prefetch policy's proposals (`LayerContext`, router input from the trace) -> `prefetch` (priority
+   order; resident or in-flight experts get `on_predicted`; a proposal finding no victim is dropped);
+4. the layer's compute: `wait` for its slots, the link's clock advances by `layer_time_s`, `release`; a
+   layer needing more experts than a wave holds (a long prefill) runs in waves (`plan_waves`: resident
+   experts first; `demand_wave`, compute, `release` per wave).
 
-Counted: accesses, hits, misses, loads (demand + prefetch = transfers), collision misses (a miss on an
-expert evicted earlier in the same forward pass), prefetch loads / prefetched experts used before
-eviction (precision), accesses proposed by the prefetcher earlier in the pass (recall), prefetch hits.
-The cache never holds more than `capacity` experts (checked on every insert).
+Links (`moeflow.sim.link`): `InstantLink` (copies complete at once: `DirectLink`'s behaviour) or
+`ModelledLink(gbps, latency)` (`EmulatedLink`'s FIFO schedule on a virtual clock; no threads, no sleeping).
+
+Every pass of the access trace is replayed in order (prefill passes too: the cache carries over, as in
+`moeflow run`); `decode_counters` are the `CacheCounters` of decode passes, `counters` of all passes, and
+the `SimStats` headline fields count the passes of `count_phase` (None: all).
 
 `belady(...)`: Belady's MIN for demand paging (evict the resident expert whose next use is farthest in
-the future): the best hit rate any eviction policy can reach without prefetching.
+the future), through the same cache: the best hit count any eviction policy can reach without prefetching.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError
 from ..policies import EVICTION, MISS, PREFETCH, ExpertKey, LayerContext, Position
+from ..runtime.cache import CacheCounters, ExpertCache, needed_experts, wave_capacity
 from .access import AccessTrace
+from .link import make_sim_link
 
 
 @dataclass
@@ -39,23 +47,30 @@ class SimStats:
     capacity: int
     eviction: str
     prefetch: str
-    passes: int = 0
+    passes: int = 0  # passes counted (of `count_phase`)
     tokens: int = 0
     accesses: int = 0
     hits: int = 0
     misses: int = 0
-    collisions: int = 0  # misses on an expert evicted earlier in the same pass
+    collisions: int = 0  # misses on an expert evicted earlier in the same pass (CacheCounters.collision_misses)
     demand_loads: int = 0
-    prefetch_loads: int = 0
+    prefetch_loads: int = 0  # CacheCounters.prefetch_issued
     prefetch_used: int = 0  # prefetched experts accessed before their eviction
-    prefetch_hits: int = 0  # hits whose expert was brought in by a prefetch and not used yet
+    prefetch_hits: int = 0  # hits on a prefetched expert not used before (= prefetch_used with the shared cache)
     proposed_accesses: int = 0  # accesses whose expert the prefetcher proposed earlier in the pass
     proposals: int = 0
     evictions: int = 0
+    late: int = 0  # hits whose copy was still in flight (modelled link)
+    stall_s: float = 0.0  # virtual seconds waited for copies (modelled link)
     max_resident: int = 0
     collisions_per_layer: dict[int, int] = field(default_factory=dict)
     hits_per_layer: dict[int, int] = field(default_factory=dict)
     accesses_per_layer: dict[int, int] = field(default_factory=dict)
+    counters: CacheCounters = field(default_factory=CacheCounters)  # every replayed pass
+    decode_counters: CacheCounters = field(default_factory=CacheCounters)  # decode passes (as `moeflow run`)
+    replayed_accesses: int = 0  # accesses of every replayed pass
+    seconds: float = 0.0  # wall time of the replay (cache, policies, link model)
+    link: str = "instant"
 
     @property
     def loads(self) -> int:
@@ -81,56 +96,160 @@ class SimStats:
     def prefetch_recall(self) -> float:
         return self.proposed_accesses / self.accesses if self.accesses else 0.0
 
+    @property
+    def accesses_per_s(self) -> float:
+        return self.replayed_accesses / self.seconds if self.seconds > 0 else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("loads", "hit_rate", "collision_rate", "loads_per_token", "prefetch_precision", "prefetch_recall"):
+        for k in (
+            "loads",
+            "hit_rate",
+            "collision_rate",
+            "loads_per_token",
+            "prefetch_precision",
+            "prefetch_recall",
+            "accesses_per_s",
+        ):
             d[k] = getattr(self, k)
         return d
 
 
+# ---- the access trace in the engine's order, computed once per trace ----------------------------------
+
+
+@dataclass
+class _Compiled:
+    """Per pass: (phase, tokens, [(layer, rank, experts sorted by id, {expert: summed gate weight}, step)])."""
+
+    passes: list[tuple[int, int, list[tuple[int, int, list[int], dict[int, float], Any]]]]
+    accesses: int
+    codes: np.ndarray  # [A] step * M + rank * E + expert, one per access, in replay order
+    steps: int
+
+
+def _compile(acc: AccessTrace) -> _Compiled:
+    key = (id(acc.passes), len(acc.passes))
+    cached = getattr(acc, "_compiled", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    E = acc.num_experts
+    M = len(acc.moe_layers) * E
+    rank_of = {l: r for r, l in enumerate(acc.moe_layers)}
+    passes = []
+    codes: list[int] = []
+    n = step_no = 0
+    for p in acc.passes:
+        steps = []
+        for s in p.steps:
+            r = rank_of[s.layer]
+            idx = s.indices
+            w = np.ones(idx.shape, dtype=np.float32) if s.weights is None else s.weights
+            if idx.shape[0] == 1:  # one token: k distinct experts, the engine's no-sum path
+                ids = idx[0].tolist()
+                ws = w[0].astype(np.float32, copy=False).tolist()
+                order = sorted(range(len(ids)), key=ids.__getitem__)
+                experts = [ids[i] for i in order]
+                scores = {ids[i]: ws[i] for i in order}
+                if len(scores) != len(ids):  # a repeated id: sum as the engine does
+                    experts, scores = _needed(idx, w)
+            else:
+                experts, scores = _needed(idx, w)
+            base = step_no * M + r * E
+            codes.extend(base + e for e in experts)
+            n += len(experts)
+            steps.append((s.layer, r, experts, scores, s))
+            step_no += 1
+        passes.append((p.phase, p.tokens, steps))
+    out = _Compiled(passes, n, np.asarray(codes, dtype=np.int64), step_no)
+    acc._compiled = (key, out)  # type: ignore[attr-defined]
+    return out
+
+
+def _needed(idx: np.ndarray, w: np.ndarray) -> tuple[list[int], dict[int, float]]:
+    flat = torch.from_numpy(np.ascontiguousarray(idx.reshape(-1)).astype(np.int64))
+    return needed_experts(flat, torch.from_numpy(np.ascontiguousarray(w.reshape(-1), dtype=np.float32)))
+
+
+# ---- Belady's MIN ------------------------------------------------------------------------------------------
+
+
 class Belady:
-    """MIN: the victim is the candidate whose next use (layer step) is farthest away (never = infinity).
+    """MIN: the victim is the candidate whose next use (layer step) is farthest away (never = after the end);
+    ties go to the larger key. Built from the access trace it will be replayed on (every pass, in the
+    simulator's order); it counts layer steps from `on_layer_start`. Next uses are precomputed with numpy
+    (one dict lookup per access); `victim` is one C-level `max` over the candidates."""
 
-    Built from the access trace it will be replayed on; it counts layer steps from `on_layer_start`.
-    """
-
-    name = "belady"
+    name: ClassVar[str] = "belady"
 
     def __init__(self, acc: AccessTrace):
-        self._uses: dict[ExpertKey, list[int]] = {}
-        step = 0
-        for p in acc.passes:
-            for s in p.steps:
-                for e in s.needed():
-                    self._uses.setdefault((s.layer, e), []).append(step)
-                step += 1
+        comp = _compile(acc)
+        self.E = acc.num_experts
+        self.M = len(acc.moe_layers) * self.E
+        self.never = comp.steps + 1
+        codes = comp.codes
+        step, ki = codes // self.M, codes % self.M
+        order = np.lexsort((step, ki))  # by key, then step
+        s_sorted, k_sorted = step[order], ki[order]
+        nxt = np.full(len(codes), self.never, dtype=np.int64)
+        same = k_sorted[1:] == k_sorted[:-1]
+        nxt[:-1][same] = s_sorted[1:][same]
+        self._next = dict(zip(codes[order].tolist(), nxt.tolist()))  # code of an access -> step of the next use
+        self._k_sorted, self._s_sorted = k_sorted, s_sorted
+        self._score: dict[ExpertKey, int] = {}  # resident key -> next use * M + key index (larger = evict)
         self.step = -1
 
     def on_layer_start(self, pos: Position) -> None:
         self.step += 1
 
-    def next_use(self, key: ExpertKey) -> float:
-        u = self._uses.get(key, [])
-        i = bisect.bisect_left(u, self.step)
-        return u[i] if i < len(u) else float("inf")
+    def next_use(self, key: ExpertKey, rank: int) -> int:
+        """First use of `key` at or after the current step (`never` if none)."""
+        ki = rank * self.E + key[1]
+        lo = int(np.searchsorted(self._k_sorted, ki, "left"))
+        hi = int(np.searchsorted(self._k_sorted, ki, "right"))
+        i = lo + bisect.bisect_left(self._s_sorted[lo:hi].tolist(), self.step)
+        return int(self._s_sorted[i]) if i < hi else self.never
 
     def victim(self, candidates: Sequence[ExpertKey], pos: Position) -> ExpertKey:
-        return max(candidates, key=lambda k: (self.next_use(k), k))
+        return max(candidates, key=self._score.__getitem__)
 
     def on_insert(self, key, pos, *, prefetched):
-        pass
+        if prefetched:  # not accessed now: its next use from here
+            self._score[key] = self.next_use(key, pos.layer_rank) * self.M + pos.layer_rank * self.E + key[1]
 
     def on_access(self, key, pos, *, score):
-        pass
+        ki = pos.layer_rank * self.E + key[1]
+        self._score[key] = self._next.get(self.step * self.M + ki, self.never) * self.M + ki
 
     def on_evict(self, key):
-        pass
+        self._score.pop(key, None)
 
     def on_pass_start(self, pos):
         pass
 
     def on_predicted(self, key, pos):
         pass
+
+
+# ---- replay ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What ExpertCache needs of a MoESpec (the access trace's shape)."""
+
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    expert_bytes: int
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    @property
+    def total_experts(self) -> int:
+        return len(self.moe_layers) * self.num_experts
 
 
 def _resolve(registry, spec: Any, what: str) -> tuple[Any, str]:
@@ -140,7 +259,7 @@ def _resolve(registry, spec: Any, what: str) -> tuple[Any, str]:
         name, opts = spec
         label = name + ("(" + ",".join(f"{k}={v}" for k, v in opts.items()) + ")" if opts else "")
         return registry.create(name, **opts), label
-    return spec, getattr(spec, "label", None) or getattr(spec, "name", what)
+    return spec, getattr(spec, "label", None) or str(getattr(spec, "name", what))  # policies have a str `name`
 
 
 def simulate(
@@ -153,109 +272,108 @@ def simulate(
     lookahead: int = 1,
     predict_logits: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     check: bool = False,
+    link: Any = None,
+    layer_time_s: float = 0.0,
+    per_layer: bool = False,
+    count_phase: int | None = None,
 ) -> SimStats:
-    """Replay `acc` through a cache of `capacity` experts. Policies are names, (name, options) or objects."""
+    """Replay `acc` through a tensor-free `ExpertCache` of `capacity` experts (policies: names, (name, options)
+    or objects; `link`: None/'instant', 'emulated:GBPS[,LATENCY_US]' or a sim link object)."""
     if capacity < 1:
         raise ConfigError(f"capacity must be >= 1 expert, got {capacity}")
     ev, ev_name = (eviction, "belady") if isinstance(eviction, Belady) else _resolve(EVICTION, eviction, "eviction")
     pf, pf_name = _resolve(PREFETCH, prefetch, "prefetch")
     ms, _ = _resolve(MISS, miss, "miss")
-    uses_prefetch = pf_name != "none"
-    st = SimStats(capacity=capacity, eviction=ev_name, prefetch=pf_name)
-    resident: set[ExpertKey] = set()
-    fresh_prefetch: set[ExpertKey] = set()  # prefetched, not accessed yet
-    time = 0
+    if type(ms).__name__ == "Fetch" and getattr(ms, "name", None) == "fetch":
+        ms = None  # the built-in exact policy: stateless, always 'fetch' (what the cache does without one)
+    prefetching = getattr(pf, "name", pf_name) != "none"
+    comp = _compile(acc)
+    spec = _Spec(tuple(acc.moe_layers), acc.num_experts, acc.top_k, int(acc.expert_bytes or 1))
+    lk = make_sim_link(link)
+    cache = ExpertCache(None, capacity, link=lk, eviction=ev, per_layer=per_layer, spec=spec)
+    wcap = wave_capacity(cache.part_capacity, cache.expert_bytes)
+    st = SimStats(capacity=capacity, eviction=ev_name, prefetch=pf_name, link=lk.describe())
     moe = tuple(acc.moe_layers)
-
-    def insert(key: ExpertKey, pos: Position, protect: set[ExpertKey], prefetched: bool) -> bool:
-        if len(resident) >= capacity:
-            cands = sorted(resident - protect)
-            if not cands:
-                return False
-            v = ev.victim(cands, pos)
-            if v not in resident or v in protect:
-                raise RuntimeError(f"{ev_name} chose {v}, not a candidate")
-            resident.discard(v)
-            fresh_prefetch.discard(v)
-            evicted_this_pass.add(v)
-            ev.on_evict(v)
-            st.evictions += 1
-        resident.add(key)
-        evicted_this_pass.discard(key)
-        st.max_resident = max(st.max_resident, len(resident))
-        if len(resident) > capacity:
-            raise RuntimeError("cache over capacity")
-        ev.on_insert(key, pos, prefetched=prefetched)
-        return True
-
-    for pass_id, p in enumerate(acc.passes):
-        evicted_this_pass: set[ExpertKey] = set()
-        proposed: set[ExpertKey] = set()
-        st.passes += 1
-        st.tokens += p.tokens
-        for rank, step in enumerate(p.steps):
-            l = step.layer
-            pos = Position(pass_id, l, rank, time)
-            if rank == 0:
-                ev.on_pass_start(pos)
-            ev.on_layer_start(pos)
-            needed = [(l, e) for e in step.needed()]
-            scores = step.scores()
-            pinned = {k for k in needed if k in resident}
-            done: set[ExpertKey] = set()
-            for key in needed:
-                time += 1
-                pos = Position(pass_id, l, rank, time)
-                st.accesses += 1
-                st.accesses_per_layer[l] = st.accesses_per_layer.get(l, 0) + 1
-                if key in proposed:
-                    st.proposed_accesses += 1
-                if key in resident:
-                    st.hits += 1
-                    st.hits_per_layer[l] = st.hits_per_layer.get(l, 0) + 1
-                    if key in fresh_prefetch:
-                        st.prefetch_hits += 1
-                else:
-                    st.misses += 1
-                    if key in evicted_this_pass:
-                        st.collisions += 1
-                        st.collisions_per_layer[l] = st.collisions_per_layer.get(l, 0) + 1
-                    action = ms.on_miss(key, pos)
-                    if action != "fetch":
-                        raise ConfigError(f"the simulator replays exact policies only; miss action {action!r}")
-                    if not insert(key, pos, pinned, prefetched=False):
-                        pinned -= done  # wave boundary: experts already run are released
-                        if not insert(key, pos, pinned, prefetched=False):
-                            raise RuntimeError("no victim even after a wave boundary")
-                    st.demand_loads += 1
-                    pinned.add(key)
-                if key in fresh_prefetch:
-                    fresh_prefetch.discard(key)
-                    st.prefetch_used += 1
-                ev.on_access(key, pos, score=scores[key[1]])
-                done.add(key)
-            if check:
-                assert len(resident) <= capacity
-            if not uses_prefetch or rank + 1 >= len(p.steps):
-                continue
-            ctx = _context(acc, step, pos, moe, lookahead, predict_logits, resident)
-            reqs = pf.propose(ctx)
-            st.proposals += len(reqs)
-            in_flight: set[ExpertKey] = set()
-            for r in reqs:
-                proposed.add(r.key)
-                if r.key in resident:
-                    ev.on_predicted(r.key, pos)
-                    continue
-                if insert(r.key, pos, pinned | in_flight, prefetched=True):
-                    in_flight.add(r.key)
-                    fresh_prefetch.add(r.key)
-                    st.prefetch_loads += 1
+    c = cache.counters
+    L = len(moe)
+    hits_l, acc_l, col_l = [0] * L, [0] * L, [0] * L
+    phase_sums: dict[int, CacheCounters] = {}
+    seg_phase, seg0 = None, c.copy()
+    route, prefetch_, wait, release, advance = cache.route, cache.prefetch, cache.wait, cache.release, lk.advance
+    begin_layer = cache.begin_layer
+    proposed: set[ExpertKey] = set()
+    t0 = time.perf_counter()
+    for pass_id, (phase, tokens, steps) in enumerate(comp.passes):
+        if phase != seg_phase:
+            if seg_phase is not None:
+                phase_sums[seg_phase] = phase_sums.get(seg_phase, CacheCounters()) + (c - seg0)
+            seg_phase, seg0 = phase, c.copy()
+        counted = count_phase is None or phase == count_phase
+        if counted:
+            st.passes += 1
+            st.tokens += tokens
+        cache.begin_pass(pass_id)
+        if prefetching:
+            proposed.clear()
+        for layer, rank, experts, scores, step in steps:
+            if counted:
+                h0, a0, k0 = c.hits, c.accesses, c.collision_misses
+            begin_layer(layer)
+            slots = route(layer, experts, scores, wcap, ms)
+            if counted:
+                hits_l[rank] += c.hits - h0
+                acc_l[rank] += c.accesses - a0
+                col_l[rank] += c.collision_misses - k0
+                if proposed:
+                    st.proposed_accesses += sum(1 for e in experts if (layer, e) in proposed)
+            if prefetching:
+                ctx = _context(acc, step, cache.position(layer), moe, lookahead, predict_logits, cache.resident)
+                reqs = pf.propose(ctx)
+                if reqs:
+                    if counted:
+                        st.proposals += len(reqs)
+                    proposed.update(r.key for r in reqs)
+                    prefetch_(reqs, layer)
+            if slots is not None:
+                wait(slots)
+                advance(layer_time_s)
+                release(slots)
+            else:  # more experts than one wave holds: waves, resident experts first
+                waves = cache.plan_waves(layer, experts, wcap)
+                for wave in waves:
+                    if counted:
+                        h0, a0, k0 = c.hits, c.accesses, c.collision_misses
+                    s = cache.demand_wave(layer, wave, scores, ms)
+                    if counted:
+                        hits_l[rank] += c.hits - h0
+                        acc_l[rank] += c.accesses - a0
+                        col_l[rank] += c.collision_misses - k0
+                        if proposed:
+                            st.proposed_accesses += sum(1 for e in wave if (layer, e) in proposed)
+                    advance(layer_time_s / len(waves))
+                    release(s)
+            if check and cache.num_resident() > capacity:
+                raise RuntimeError("cache over capacity")
+    st.seconds = time.perf_counter() - t0
+    if seg_phase is not None:
+        phase_sums[seg_phase] = phase_sums.get(seg_phase, CacheCounters()) + (c - seg0)
+    lk.drain()
+    st.counters = c.copy()
+    st.decode_counters = phase_sums.get(1, CacheCounters())
+    st.replayed_accesses = c.accesses
+    h = c if count_phase is None else phase_sums.get(count_phase, CacheCounters())
+    st.accesses, st.hits, st.misses, st.collisions = h.accesses, h.hits, h.misses, h.collision_misses
+    st.demand_loads, st.prefetch_loads, st.prefetch_used = h.demand_loads, h.prefetch_issued, h.prefetch_used
+    st.prefetch_hits, st.evictions, st.late, st.stall_s = h.prefetch_used, h.evictions, h.late, h.stall_s
+    st.max_resident = cache.num_resident()  # residency never shrinks with retained slots
+    st.hits_per_layer = {l: hits_l[r] for r, l in enumerate(moe) if acc_l[r]}
+    st.accesses_per_layer = {l: acc_l[r] for r, l in enumerate(moe) if acc_l[r]}
+    st.collisions_per_layer = {l: col_l[r] for r, l in enumerate(moe) if col_l[r]}
     return st
 
 
 def _context(
-    acc: AccessTrace, step, pos: Position, moe: tuple[int, ...], lookahead: int, predict_logits, resident: set[ExpertKey]
+    acc: AccessTrace, step, pos: Position, moe: tuple[int, ...], lookahead: int, predict_logits, resident
 ) -> LayerContext:
     x = step.router_input
     idx = torch.as_tensor(step.indices)  # [T,k]
@@ -281,10 +399,10 @@ def _context(
         weights=w,
         predict_logits=predict_logits or no_router,
         lookahead=lookahead,
-        resident=lambda k: k in resident,
+        resident=resident,
     )
 
 
-def belady(acc: AccessTrace, capacity: int) -> SimStats:
+def belady(acc: AccessTrace, capacity: int, **kw: Any) -> SimStats:
     """Belady's MIN on `acc` at `capacity` (demand paging, no prefetch)."""
-    return simulate(acc, capacity, Belady(acc), "none")
+    return simulate(acc, capacity, Belady(acc), "none", **kw)

@@ -16,7 +16,8 @@ class TraceConfig:
     out: str  # trace folder (created, or appended to)
     max_new_tokens: int = 32  # decode steps per prompt
     limit: int | None = None  # at most this many prompts (after deduplication)
-    record_hidden: bool = False  # also store router input and post-attention residual (float16)
+    record_hidden: bool = False  # also store router input and post-attention residual
+    hidden_dtype: str = "float16"  # storage of the hidden states: float16, or float32 (exact for fp32/bf16 models)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     repetition_penalty: float = 1.0
@@ -36,6 +37,8 @@ class TraceConfig:
             raise ConfigError(
                 "moeflow trace needs --prompts and --out; see `moeflow trace --help` (`moeflow inspect DIR` summarises a trace)"
             )
+        if self.hidden_dtype not in ("float16", "float32"):
+            raise ConfigError(f"--hidden-dtype must be float16 or float32 (got {self.hidden_dtype!r})")
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
         if self.limit is not None and self.limit < 1:

@@ -262,8 +262,8 @@ class Trace:
                 "topk_ids": (k, np.int16),
                 "topk_weights": (k, np.float32),
                 "probs": (E, np.float16),
-                "hidden_in": (H, np.float16),
-                "resid": (H, np.float16),
+                "hidden_in": (H, np.dtype(self.meta.get("hidden_dtype", "float16"))),
+                "resid": (H, np.dtype(self.meta.get("hidden_dtype", "float16"))),
             }
             return {f: np.zeros((0, empty[f][0]), empty[f][1]) for f in fields}
         return {f: self._column(column(f, layer)) for f in fields}

@@ -90,7 +90,7 @@ def run_trace(
     gen = cfg.generation()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     gen_kw = generation_kwargs(gen, pad if pad is not None else getattr(model.config, "eos_token_id", None))
-    recorder = RoutingRecorder(adapter, cfg.record_hidden)
+    recorder = RoutingRecorder(adapter, cfg.record_hidden, cfg.hidden_dtype)
     device = next(model.parameters()).device
     writer = TraceWriter(
         cfg.out,
@@ -103,6 +103,7 @@ def run_trace(
         split=cfg.split,
         limit=cfg.limit,
         column=cfg.column,
+        hidden_dtype=cfg.hidden_dtype,
     )
     tokens, gen_tokens, t0 = 0, 0, time.perf_counter()
     with sigterm_interrupts(), writer, _progress(console, cfg.progress and console is not None) as bar:

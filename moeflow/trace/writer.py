@@ -45,9 +45,10 @@ from .format import (
 class RoutingRecorder:
     """Keeps the routing of every forward pass since the last `take()`, per MoE layer."""
 
-    def __init__(self, adapter: Adapter, record_hidden: bool = False):
+    def __init__(self, adapter: Adapter, record_hidden: bool = False, hidden_dtype: str = "float16"):
         self.adapter = adapter
         self.record_hidden = record_hidden
+        self._hidden_dtype = np.dtype(hidden_dtype)  # float16 or float32 (exact router inputs of fp32/bf16 models)
         self._ids_dtype = np.dtype(ids_dtype(adapter.spec.num_experts))
         self._route: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self._x: dict[int, list[torch.Tensor]] = {}
@@ -90,8 +91,8 @@ class RoutingRecorder:
             out[column("topk_weights", l)] = _cat([p[1] for p in parts], np.float32)  # [T,k]
             out[column("probs", l)] = probs.astype(np.float16)  # [T,E]
             if self.record_hidden:
-                out[column("hidden_in", l)] = _cat(self._x[l], np.float16)  # [T,H]
-                out[column("resid", l)] = _cat(self._resid[l], np.float16)  # [T,H]
+                out[column("hidden_in", l)] = _cat(self._x[l], self._hidden_dtype)  # [T,H]
+                out[column("resid", l)] = _cat(self._resid[l], self._hidden_dtype)  # [T,H]
         self.clear()
         return out
 
@@ -296,8 +297,10 @@ class TraceWriter:
         split: str | None = None,
         limit: int | None = None,
         column: str | None = None,
+        hidden_dtype: str = "float16",
     ):
         self.out = Path(out)
+        self.hidden_dtype = hidden_dtype
         self.shard_size = shard_size or auto_shard_size(spec, record_hidden)
         self._args = (fingerprint, spec, record_hidden, generation)
         self.meta: dict[str, Any] = {}
@@ -338,6 +341,11 @@ class TraceWriter:
                 raise ArtifactError(
                     f"trace at {out} was recorded {have} --record-hidden; use the same setting to append, or another --out"
                 )
+            if record_hidden and meta.get("hidden_dtype", "float16") != self.hidden_dtype:
+                raise ArtifactError(
+                    f"trace at {out} stores hidden states as {meta.get('hidden_dtype', 'float16')}; "
+                    f"append with --hidden-dtype {meta.get('hidden_dtype', 'float16')}, or use another --out"
+                )
             meta["sources"] = _sources_of(meta)
             meta.pop("prompt_source", None)  # one source per trace was never true after an append
             meta["runs"] = list(meta.get("runs") or [])
@@ -355,6 +363,7 @@ class TraceWriter:
             spec=spec,
             generation=generation,
             record_hidden=record_hidden,
+            hidden_dtype=self.hidden_dtype,
             num_tokens=0,
             prompt_ids=[],
             shards=[],
