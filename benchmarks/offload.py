@@ -8,7 +8,18 @@ against `on-demand` loading, the resident model and the physical bound, measured
    `--capacity`, all on that link, same prompts, greedy, equal lengths;
 4. bound per decode token = other_s + sum over MoE layers of max(compute_l, bytes that must move for
    layer l / bandwidth), with the bytes each run actually moved for layer l per decode token
-   (`bound`), and with on-demand traffic (`bound_od`: the best any perfect overlap of demand traffic gives).
+   (`bound`), and with on-demand traffic (`bound_od`: the best any perfect overlap of demand traffic gives);
+5. the physical bound `bound_min` = max(resident TPOT, Belady-minimum transfers per decode token x (latency +
+   expert bytes / bandwidth)), Belady's MIN replayed by the simulator (`moeflow.sim.belady`) on the run's own
+   routing (recorded greedily from the resident model: the offloaded runs are token-identical, so their
+   accesses are the same). The final JSON line carries `bound_ratio` (best TPOT / bound_min),
+   `transfers_vs_belady` (the best run's decode transfers per token / Belady's), `predictor_share`
+   (the best prefetching run's `propose` time per decode token / its TPOT) and, with `--adaptive-s`,
+   lru+pregate at fixed S = 1..3 and adaptive S (`adaptive_vs_best_fixed`).
+
+Every `pregate` run goes through the traffic-aware prefetch gate (`PrefetchGate`, default on); the row
+`lru+pregate (gate=off)` is the same prefetcher with `--prefetch-opt gate=off,cancel=off` (every proposal
+issued, no stale cancellation), side by side with `lru+none` and `on-demand`.
 
     .venv/bin/python benchmarks/offload.py --model models/olmoe-mini
     .venv/bin/python benchmarks/offload.py --model DIR --device cuda --link cuda   # the real PCIe link
@@ -80,6 +91,25 @@ def layer_timer(adapter, cuda: bool = False):
     return passes, handles
 
 
+def timed_propose(policy) -> dict[str, float]:
+    """Wrap `policy.propose` with a timer (every prefetch policy's predictor cost, in seconds)."""
+    acc = {"s": 0.0, "calls": 0}
+    if policy is None or getattr(policy, "name", "none") == "none":
+        return acc
+    inner = policy.propose
+
+    def propose(ctx):
+        t0 = time.perf_counter()
+        try:
+            return inner(ctx)
+        finally:
+            acc["s"] += time.perf_counter() - t0
+            acc["calls"] += 1
+
+    policy.propose = propose
+    return acc
+
+
 def run_prompts(model, prompts, engine, args, label, new_tokens=None):
     new_tokens = new_tokens or args.new_tokens
     per_layer_loads: list[dict[int, int]] = []
@@ -135,6 +165,8 @@ def main() -> None:
     )
     ap.add_argument("--profile-tokens", type=int, default=6, help="new tokens of the profiled generation per configuration")
     ap.add_argument("--policies", default=None, help="comma list of evictions (default: all registered)")
+    ap.add_argument("--adaptive-s", action="store_true", help="add lru+pregate at fixed S=1..3 and adaptive S")
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiled generations (faster)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -163,7 +195,11 @@ def main() -> None:
     run_prompts(model, prompts, None, args, "layer times")
     for h in handles:
         h.remove()
-    resident_counts = profile_counts(model, ad, prompts[0], None, args.profile_tokens, cuda)
+    resident_counts = (
+        {"aten_ops": float("nan"), "kernel_launches": float("nan")}
+        if args.no_profile
+        else profile_counts(model, ad, prompts[0], None, args.profile_tokens, cuda)
+    )
     decode_passes = [p for i, p in enumerate(passes) if i % args.new_tokens != 0]
     compute_l = {i: statistics.mean(p[i] for p in decode_passes) for i in range(spec.num_layers)}
     layers_s = sum(compute_l.values())
@@ -200,25 +236,71 @@ def main() -> None:
 
     od_bound = bound([{l: spec.top_k for l in spec.moe_layers}])
 
-    # 3. runs
+    # Belady's MIN on this run's routing (greedy, same prompts and lengths): decode transfers per token
+    from moeflow.sim import belady
+    from moeflow.sim.access import record_generate
+
+    acc = record_generate(model, prompts, max_new_tokens=args.new_tokens, do_sample=False, keep_router_input=False)
+    acc.expert_bytes = eb
+    bel = belady(acc, capacity, count_phase=1)
+    belady_tpt = bel.loads_per_token
+    bound_min = max(resident.tpot_s, belady_tpt * (lat + eb / bw))
+
+    # 3. runs: (mode, eviction, prefetch, prefetch options, lookahead, adaptive)
     evictions = args.policies.split(",") if args.policies else sorted(EVICTION)
-    plan = [("on-demand", None, None)] + [("offload", ev, "pregate") for ev in evictions] + [("offload", "lru", "none")]
+    off = {"gate": "off", "cancel": "off"}
+    plan = [("on-demand", None, None, None, 1, False)] + [("offload", ev, "pregate", None, 1, False) for ev in evictions]
+    plan += [("offload", "lru", "pregate", off, 1, False), ("offload", "lru", "none", None, 1, False)]
+    if args.adaptive_s:
+        plan += [("offload", "lru", "pregate", None, s, False) for s in (2, 3) if s < spec.num_moe_layers]
+        plan += [("offload", "lru", "pregate", None, 1, True)]
     rows = []
 
-    def make_engine(mode, ev, pf):
+    def make_engine(mode, ev, pf, opts, s):
         link = CudaLink(device) if args.link == "cuda" else EmulatedLink(bw / 1e9, lat)
-        return build_engine(model, mode=mode, link=link, capacity=capacity, eviction=ev or "lru", prefetch=pf or "none")
+        return build_engine(
+            model,
+            mode=mode,
+            link=link,
+            capacity=capacity,
+            eviction=ev or "lru",
+            prefetch=pf or "none",
+            prefetch_opts=opts,
+            lookahead=s,
+        )
 
-    for mode, ev, pf in plan:
+    def attach_adaptive(eng):
+        from moeflow.runtime.adaptive_s import StepSizeController
+
+        return StepSizeController(initial_s=1, max_s=spec.num_moe_layers - 1, num_layers=spec.num_layers).attach(eng)
+
+    for mode, ev, pf, opts, s, adaptive in plan:
         label = mode if mode == "on-demand" else f"{ev}+{pf}"
+        if opts:
+            label += " (gate=off)"
+        if args.adaptive_s and pf == "pregate" and ev == "lru" and not opts:
+            label += " adaptive S" if adaptive else f" S={s}"
         with con.status(label):
-            with make_engine(mode, ev, pf) as weng:  # untimed warm-up on an engine of its own
+            with make_engine(mode, ev, pf, opts, s) as weng:  # untimed warm-up on an engine of its own
+                detach = attach_adaptive(weng) if adaptive else None
                 run_prompts(model, prompts[:1], weng, args, "warm-up", new_tokens=4)
-            with make_engine(mode, ev, pf) as eng:
+                if detach:
+                    detach()
+            with make_engine(mode, ev, pf, opts, s) as eng:
+                detach = attach_adaptive(eng) if adaptive else None
+                pred = timed_propose(eng.prefetcher)
                 timed = functools.partial(run_prompts, model, prompts, eng, args, label)
                 (m, outs, loads), syncs = engine_syncs_per_decode_layer(eng, timed)
-                counts = profile_counts(model, ad, prompts[0], eng, args.profile_tokens, cuda)  # after the timed run
+                pred_per_token = pred["s"] / max(1, len(prompts) * args.new_tokens)
+                if detach:
+                    detach()
+                counts = (
+                    {}
+                    if args.no_profile
+                    else profile_counts(model, ad, prompts[0], eng, args.profile_tokens, cuda)  # after the timed run
+                )
         counts["engine_host_syncs"] = syncs  # of the timed run
+        counts["predictor_s_per_token"] = pred_per_token
         exact = all(torch.equal(a, b) for a, b in zip(outs, ref_out))
         rows.append((m, bound(loads), exact, counts))
 
@@ -268,6 +350,8 @@ def main() -> None:
         "compute_layers_s": layers_s,
         "other_s": other_s,
         "bound_on_demand_traffic_s": od_bound,
+        "belady_transfers_per_token": belady_tpt,
+        "bound_min_s": bound_min,
         "runs": [],
     }
 
@@ -292,6 +376,7 @@ def main() -> None:
             f(counts.get(ops_key), ".1f"),
             "yes" if exact else "NO",
         )
+        c = m.decode_counters
         result["runs"].append(
             {
                 "run": m.label,
@@ -306,6 +391,12 @@ def main() -> None:
                 "prefetch_recall": m.decode_prefetch_recall,
                 "transfers_per_token": m.transfers_per_token,
                 "collision_misses_decode": m.decode_counters.collision_misses,
+                "prefetch_issued_decode": c.prefetch_issued,
+                "prefetch_refused_decode": c.prefetch_refused,
+                "prefetch_cancelled_decode": c.prefetch_cancelled,
+                "tpot_over_bound_min": m.tpot_s / bound_min,
+                "transfers_vs_belady": (m.transfers_per_token or 0.0) / belady_tpt if belady_tpt else None,
+                "predictor_share": counts["predictor_s_per_token"] / m.tpot_s,
                 "exact": exact,
                 "per_moe_layer_per_decode_step": counts,
             }
@@ -314,6 +405,34 @@ def main() -> None:
     con.print(
         f"bound_od (on-demand traffic, perfect overlap) = {od_bound * 1e3:.2f} ms/token; compute of all "
         f"layers {layers_s * 1e3:.2f} ms + other {other_s * 1e3:.2f} ms"
+    )
+    runs = result["runs"]
+    best = min(runs, key=lambda r: r["tpot_s"])
+    prefetching = [r for r in runs if "none" not in r["run"] and r["run"] != "on-demand"]
+    best_pf = min(prefetching, key=lambda r: r["tpot_s"]) if prefetching else None
+    by = {r["run"]: r for r in runs}
+
+    def ratio(a, b):
+        return a["tpot_s"] / b["tpot_s"] if a and b else None
+
+    fixed = [r for r in runs if " S=" in r["run"]]
+    ada = [r for r in runs if r["run"].endswith("adaptive S")]
+    result.update(
+        best_run=best["run"],
+        bound_ratio=best["tpot_s"] / bound_min,
+        transfers_vs_belady=best["transfers_vs_belady"],
+        transfers_vs_belady_min_over_runs=min(
+            (r["transfers_vs_belady"] for r in runs if r["run"] != "on-demand" and r["transfers_vs_belady"]), default=None
+        ),
+        predictor_share=best_pf["predictor_share"] if best_pf else None,
+        gated_vs_none=ratio(by.get("lru+pregate") or by.get("lru+pregate S=1"), by.get("lru+none")),
+        ungated_vs_none=ratio(by.get("lru+pregate (gate=off)"), by.get("lru+none")),
+        adaptive_vs_best_fixed=(ada[0]["tpot_s"] / min(r["tpot_s"] for r in fixed)) if ada and fixed else None,
+    )
+    con.print(
+        f"bound_min = max(resident {resident.tpot_s * 1e3:.2f} ms, Belady {belady_tpt:.2f} transfers/token x "
+        f"{(lat + eb / bw) * 1e3:.3f} ms) = {bound_min * 1e3:.2f} ms; best {best['run']}: bound_ratio "
+        f"{result['bound_ratio']:.2f}, transfers_vs_belady {best['transfers_vs_belady']:.2f}"
     )
     sys.stdout.write(json.dumps(result) + "\n")
 

@@ -9,6 +9,15 @@ The link is emulated (a worker thread moving bytes at a set rate, so transfers o
 time). By default its bandwidth is chosen so that copies are `--copy-share` of TPOT under on-demand
 loading, measured against the resident model in this run (Speculating Experts' A6000 regime is 0.85).
 Prompts are the held-out prompts of the trace the predictors were trained on (their prompt tokens).
+
+The final JSON line also carries the issue-11 ratios: `bound_ratio` (best TPOT / bound, bound = max(resident
+TPOT, Belady-minimum transfers per decode token x expert bytes / bandwidth), Belady's MIN replayed by the
+simulator on this run's own routing, recorded greedily from the resident model), `transfers_vs_belady` (the
+best run's decode transfers per token / Belady's), `recall_at_k` (held-out recall@k by predictor and S from
+the predictor folder's evaluation, decode tokens), `predictor_share` (the best learned run's predictor
+time per pass / its TPOT) and, with `--adaptive-s`, fixed S = 1..3 rows per policy next to adaptive S
+(`adaptive_vs_best_fixed`: adaptive TPOT / best fixed TPOT, per policy). Every prefetcher goes through the
+traffic-aware gate (`PrefetchGate`, default on; `--prefetch-opt gate=off` via `--gate off` here).
 """
 
 from __future__ import annotations
@@ -127,6 +136,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--calibration", default=None, help="moeflow calibrate JSON for the adaptive controller's start")
     ap.add_argument("--policies", default="router-pf,estimator,hybrid,forest")
+    ap.add_argument("--adaptive-s", action="store_true", help="fixed S=1..3 rows per policy next to adaptive S")
+    ap.add_argument("--gate", default="on", choices=("on", "off"), help="the prefetch gate of every prefetcher")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from rich.console import Console
@@ -155,11 +166,15 @@ def main() -> None:
     rows: dict[str, dict] = {"resident": res_resident}
     exact: dict[str, bool] = {}
     t0 = time.perf_counter()
-    plan = [("on-demand", dict(mode="on-demand")), (f"pregate S={a.lookahead}", dict(prefetch="pregate"))]
+    gopt = {"gate": a.gate, "cancel": a.gate}
+    fixed_s = [s for s in (1, 2, 3) if s < spec.num_moe_layers] if a.adaptive_s else [a.lookahead]
+    plan = [("on-demand", dict(mode="on-demand")), ("none", dict(prefetch="none"))]
+    plan += [(f"pregate S={s}", dict(prefetch="pregate", opts=dict(gopt), lookahead=s)) for s in fixed_s]
     for p in policies:
-        plan.append((f"{p} S={a.lookahead}", dict(prefetch=p, opts={"predictors": a.predictors})))
-        plan.append((f"{p} adaptive S", dict(prefetch=p, opts={"predictors": a.predictors}, adaptive=True)))
-    plan.append(("pregate adaptive S", dict(prefetch="pregate", adaptive=True)))
+        popts = {"predictors": a.predictors, **gopt}
+        plan += [(f"{p} S={s}", dict(prefetch=p, opts=dict(popts), lookahead=s)) for s in fixed_s]
+        plan.append((f"{p} adaptive S", dict(prefetch=p, opts=dict(popts), adaptive=True)))
+    plan.append(("pregate adaptive S", dict(prefetch="pregate", opts=dict(gopt), adaptive=True)))
     for label, kw in plan:
         console.print(f"[dim]{label} ...[/]")
         mode = kw.pop("mode", "offload")
@@ -169,7 +184,7 @@ def main() -> None:
             mode=mode,
             link_fn=link_fn,
             capacity=cap,
-            lookahead=a.lookahead,
+            lookahead=kw.pop("lookahead", a.lookahead),
             calibration=cal,
             new_tokens=a.new_tokens,
             **kw,
@@ -177,7 +192,14 @@ def main() -> None:
         exact[label] = all(torch.equal(x, y) for x, y in zip(outs, ref))
         rows[label] = r
     od = rows["on-demand"]["tpot_s"]
-    pg = rows[f"pregate S={a.lookahead}"]["tpot_s"]
+    pg = rows[f"pregate S={fixed_s[0]}"]["tpot_s"]
+    # Belady's MIN on this run's routing (greedy, same prompts and lengths)
+    from moeflow.sim import belady
+    from moeflow.sim.access import record_generate
+
+    acc = record_generate(model, prompts, max_new_tokens=a.new_tokens, do_sample=False, keep_router_input=False)
+    belady_tpt = belady(acc, cap, count_phase=1).loads_per_token
+    bound = max(res_resident["tpot_s"], belady_tpt * (a.latency_us * 1e-6 + spec.expert_bytes / (gbps * 1e9)))
     t = Table(
         title=f"{Path(a.model).name}: emulated link {gbps:.3f} GB/s (copy share {a.copy_share} on-demand), "
         f"capacity {cap}/{spec.total_experts} experts, {len(prompts)} held-out prompts x {a.new_tokens} tokens"
@@ -213,6 +235,33 @@ def main() -> None:
             "" if label == "resident" else ("yes" if exact[label] else "NO"),
         )
     Console(width=200).print(t)
+    offl = {k: r for k, r in rows.items() if k != "resident"}
+    best = min(offl, key=lambda k: offl[k]["tpot_s"])
+    learned = [k for k in offl if k.split(" ")[0] in policies]
+    best_l = min(learned, key=lambda k: offl[k]["tpot_s"]) if learned else None
+    ada: dict[str, float] = {}
+    for p in ["pregate", *policies]:
+        fx = [offl[f"{p} S={s}"]["tpot_s"] for s in fixed_s if f"{p} S={s}" in offl]
+        if fx and f"{p} adaptive S" in offl:
+            ada[p] = offl[f"{p} adaptive S"]["tpot_s"] / min(fx)
+    meta = read_predictor_meta(a.predictors)
+    ev = meta.get("eval") or {}
+    ratios = {
+        "belady_transfers_per_token": belady_tpt,
+        "bound_s": bound,
+        "best_run": best,
+        "bound_ratio": offl[best]["tpot_s"] / bound,
+        "transfers_vs_belady": offl[best]["loads_per_token"] / belady_tpt if belady_tpt else None,
+        "recall_at_k": ev.get("decode_by_s") or ev.get("by_s"),
+        "predictor_share": offl[best_l]["predictor_share"] if best_l else None,
+        "best_learned_run": best_l,
+        "adaptive_vs_best_fixed": ada,
+        "none_vs_best_prefetch": offl["none"]["tpot_s"] / offl[best]["tpot_s"],
+    }
+    console.print(
+        f"bound = max(resident, Belady {belady_tpt:.2f} transfers/token) = {1e3 * bound:.2f} ms; best {best}: "
+        f"bound_ratio {ratios['bound_ratio']:.2f}, transfers_vs_belady {ratios['transfers_vs_belady']:.2f}"
+    )
     print(
         json.dumps(
             {
@@ -225,6 +274,7 @@ def main() -> None:
                 "seconds": time.perf_counter() - t0,
                 "runs": rows,
                 "exact": exact,
+                **ratios,
             },
             default=float,
         )

@@ -500,7 +500,9 @@ def test_a_corrupt_estimator_is_one_line(trained, tmp_path):
 
     folder = tmp_path / "est"
     shutil.copytree(pred / "router-pf", folder)  # default_vectors.pt of this model
-    (folder / "config.json").write_text(json.dumps({"max_lookahead": 1, "m": 4, "n": 8, "pairs": [[1, 1]]}))
+    (folder / "config.json").write_text(
+        json.dumps({"features": 2, "max_lookahead": 1, "m": 4, "n": 8, "blocks": 1, "context": 2, "pairs": [[1, 1]]})
+    )
     torch.save({"A.weight": torch.zeros(3, 3)}, folder / "estimator.pt")
     with pytest.raises(ArtifactError, match=r"estimator\.pt \(it is corrupt.*re-run `moeflow train`"):
         Estimator.load(folder, model)

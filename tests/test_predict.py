@@ -299,7 +299,13 @@ def test_learned_prefetchers_keep_generation_exact(trained_folder, tiny_setup):
     prompt = torch.tensor([structured_prompts(1, 9, seed=3)[0]])
     ref, _ = generate_one(model, prompt, None, max_new_tokens=6, min_new_tokens=6)
     spec = data.spec
-    for name, folder in (("router-pf", out), ("forest", out), ("estimator", root / "est2"), ("hybrid", root / "est2")):
+    for name, folder in (
+        ("router-pf", out),
+        ("forest", out),
+        ("token-id", out),
+        ("estimator", root / "est2"),
+        ("hybrid", root / "est2"),
+    ):
         eng = build_engine(
             model,
             mode="offload",

@@ -42,7 +42,7 @@ def train(
     max_s: int = typer.Option(4, "--max-s", help="Largest step S (MoE layers ahead) to fit and evaluate."),
     forest_trees: int = typer.Option(24, "--forest-trees", help="Random-forest trees."),
     forest_samples: int = typer.Option(40_000, "--forest-samples", help="Training samples for the forest (subsampled)."),
-    est_epochs: int = typer.Option(6, "--est-epochs", help="Estimator training epochs (at least 300 steps)."),
+    est_epochs: int = typer.Option(8, "--est-epochs", help="Estimator training epochs (at least 300 steps)."),
     threads: int = threads_option(2),
     force: bool = typer.Option(False, "--force", help="Replace an existing predictor folder at --out."),
     as_json: bool = json_option(),

@@ -14,9 +14,9 @@ policies behave identically in the runtime and in the trace-driven simulator.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -33,6 +33,54 @@ class Position:
     layer: int  # decoder-layer index currently executing
     layer_rank: int  # position of `layer` in spec.moe_layers (0 = first MoE layer)
     time: int  # cache access counter at this moment
+
+
+class Candidates(Sequence[ExpertKey]):
+    """The cache's eviction candidates as a view: `key in view` is O(1), iteration (materialised once, on first
+    use) gives the slots' keys in slot order, as the list the cache used to build.
+
+    Every key in it is resident, so a policy that tracks every inserted and not yet evicted key (from the
+    cache's events) may walk its own order and return the first key `in` the view instead of scanning all
+    candidates; a plain sequence (tests, other callers) may hold any keys and gets the policy's full scan.
+    Without `keys` (the common case: every slot of the single part is ready, nothing is protected) the
+    candidates are the unpinned slots of `slots`; with `keys` exactly those keys.
+    """
+
+    __slots__ = ("_keys", "_set", "_slot_of", "_slots")
+
+    def __init__(self, slot_of: dict[ExpertKey, int], slots: Sequence[Any], keys: list[ExpertKey] | None = None):
+        self._slot_of, self._slots, self._keys = slot_of, slots, keys
+        self._set: set[ExpertKey] | None = None
+
+    def __contains__(self, key: object) -> bool:
+        if self._keys is None:
+            s = self._slot_of.get(key)  # type: ignore[call-overload]
+            return s is not None and not self._slots[s].pinned
+        if self._set is None:
+            self._set = set(self._keys)
+        return key in self._set
+
+    def _list(self) -> list[ExpertKey]:
+        if self._keys is None:
+            self._keys = [sl.key for sl in self._slots if not sl.pinned]
+        return self._keys
+
+    def __iter__(self) -> Iterator[ExpertKey]:
+        return iter(self._list())
+
+    def __len__(self) -> int:
+        return len(self._list())
+
+    def __bool__(self) -> bool:
+        if self._keys is None:
+            for sl in self._slots:
+                if not sl.pinned:
+                    return True
+            return False
+        return bool(self._keys)
+
+    def __getitem__(self, i):
+        return self._list()[i]
 
 
 @runtime_checkable
@@ -91,6 +139,7 @@ class LayerContext:
 class PrefetchRequest:
     key: ExpertKey
     priority: float = 0.0  # higher is sooner; the cache issues requests in priority order
+    confidence: float = 1.0  # the predictor's probability that `key` is routed when its layer runs (the gate's p)
 
 
 @runtime_checkable

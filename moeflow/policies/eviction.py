@@ -8,6 +8,12 @@ reports, for a demand miss: `victim` (if full) -> `on_evict(victim)` -> `on_inse
 reports in another order). Ties are always broken by least-recent use, then by key, so every
 policy is deterministic.
 
+Victims are found without scanning when the cache passes its candidates as a `base.Candidates` view (every
+key in it is resident, hence tracked): each policy keeps its order incrementally (insertion-ordered dicts
+for recency, per-layer queues, lazy heaps keyed by the rank) and returns the first key of that order that
+is a candidate; pinned or in-flight keys are skipped, which is O(1) amortised as few are. Any other
+sequence of candidates gets the full scan (`min` by the rank); both give the same victim.
+
 | name | victim | source |
 |---|---|---|
 | lru | least recently accessed (insert counts as a use) | classic; SpecMD App. B |
@@ -21,11 +27,13 @@ policy is deterministic.
 
 from __future__ import annotations
 
+import heapq
+from bisect import bisect_left, insort
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ..errors import ConfigError
-from .base import EVICTION, ExpertKey, Position
+from .base import EVICTION, Candidates, ExpertKey, Position
 
 
 class _Base:
@@ -34,12 +42,15 @@ class _Base:
     name: ClassVar[str] = ""
 
     def __init__(self) -> None:
-        self._last: dict[ExpertKey, int] = {}  # resident key -> last use (cache time; insert counts)
+        # resident key -> last use (local tick; insert counts); the dict's order is the LRU order (oldest first)
+        self._last: dict[ExpertKey, int] = {}
         self._tick = 0  # local counter so equal cache times still order
 
     def _touch(self, key: ExpertKey) -> None:
         self._tick += 1
-        self._last[key] = self._tick
+        last = self._last
+        last.pop(key, None)  # re-insert at the end: iteration order stays ascending by tick
+        last[key] = self._tick
 
     def _age(self, key: ExpertKey) -> tuple[int, ExpertKey]:
         return (self._last.get(key, 0), key)
@@ -64,15 +75,73 @@ class _Base:
         pass
 
     def victim(self, candidates: Sequence[ExpertKey], pos: Position) -> ExpertKey:
+        if type(candidates) is Candidates:
+            v = self._first(candidates, pos)
+            if v is not None:
+                return v
         if not candidates:
             raise RuntimeError(f"{self.name}: asked for a victim among no candidates")
         return min(candidates, key=self._rank)
+
+    def _first(self, cands: Candidates, pos: Position) -> ExpertKey | None:
+        """The victim when every candidate is tracked: the first candidate in the policy's order (None: scan)."""
+        for k in self._last:  # LRU order
+            if k in cands:
+                return k
+        return None
 
     def _rank(self, key: ExpertKey):  # smallest is evicted
         return self._age(key)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class _HeapRanked(_Base):
+    """A rank `(value(key), last use, key)` kept in a min-heap with lazy deletion: every touch pushes the key's
+    current entry; an entry is live while its tick is the key's last use (a value only changes with a touch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._heap: list[tuple[Any, int, ExpertKey]] = []
+
+    def _value(self, key: ExpertKey) -> Any:
+        raise NotImplementedError
+
+    def _touch(self, key: ExpertKey) -> None:
+        self._tick += 1
+        last = self._last
+        last.pop(key, None)
+        last[key] = t = self._tick
+        heap = self._heap
+        heapq.heappush(heap, (self._value(key), t, key))
+        if len(heap) > 4 * len(last) + 64:  # drop dead entries
+            self._heap = [(self._value(k), t, k) for k, t in last.items()]
+            heapq.heapify(self._heap)
+
+    def _first(self, cands: Candidates, pos: Position) -> ExpertKey | None:
+        return _heap_first(self._heap, self._last, cands)
+
+
+def _heap_first(heap: list, last: dict[ExpertKey, int], cands: Candidates, out: Any = ()) -> ExpertKey | None:
+    """Smallest live entry (`entry[-2] == last[key]`, key not in `out`) of `heap` whose key is a candidate;
+    dead entries are dropped, live non-candidates are put back."""
+    skipped = []
+    found = None
+    pop = heapq.heappop
+    while heap:
+        e = heap[0]
+        k = e[-1]
+        if last.get(k) != e[-2] or k in out:
+            pop(heap)
+        elif k in cands:
+            found = k
+            break
+        else:
+            skipped.append(pop(heap))
+    for e in skipped:
+        heapq.heappush(heap, e)
+    return found
 
 
 @EVICTION.register
@@ -83,7 +152,7 @@ class LRU(_Base):
 
 
 @EVICTION.register
-class LFU(_Base):
+class LFU(_HeapRanked):
     """Evict the expert with the fewest accesses over the whole run; ties by LRU.
 
     Counts persist after eviction ("lowest access count over the entire inference history",
@@ -96,9 +165,12 @@ class LFU(_Base):
         super().__init__()
         self.count: dict[ExpertKey, int] = {}
 
+    def _value(self, key: ExpertKey) -> int:
+        return self.count.get(key, 0)
+
     def on_access(self, key: ExpertKey, pos: Position, *, score: float) -> None:
-        super().on_access(key, pos, score=score)
         self.count[key] = self.count.get(key, 0) + 1
+        self._touch(key)
 
     def _rank(self, key: ExpertKey):
         return (self.count.get(key, 0), *self._age(key))
@@ -116,6 +188,35 @@ class FLD(_Base):
 
     name = "fld"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._by_layer: dict[int, dict[ExpertKey, None]] = {}  # layer -> its tracked keys, LRU order
+        self._layers: list[int] = []  # layers of `_by_layer`, sorted
+
+    def _touch(self, key: ExpertKey) -> None:
+        super()._touch(key)
+        q = self._by_layer.get(key[0])
+        if q is None:
+            q = self._by_layer[key[0]] = {}
+            insort(self._layers, key[0])
+        q.pop(key, None)
+        q[key] = None
+
+    def on_evict(self, key: ExpertKey) -> None:
+        super().on_evict(key)
+        q = self._by_layer.get(key[0])
+        if q is not None:
+            q.pop(key, None)
+
+    def _first(self, cands: Candidates, pos: Position) -> ExpertKey | None:
+        # farthest first: layers already passed, latest first, then the running layer and those ahead, latest first
+        layers, i = self._layers, bisect_left(self._layers, pos.layer)
+        for l in (*reversed(layers[:i]), *reversed(layers[i:])):
+            for k in self._by_layer[l]:  # LRU within the layer
+                if k in cands:
+                    return k
+        return None
+
     def _dist(self, layer: int, current: int) -> tuple[int, int]:
         # lexicographic stand-in for (layer - current) mod L: passed layers are farther than any ahead
         return (1, layer) if layer < current else (0, layer)
@@ -123,12 +224,16 @@ class FLD(_Base):
     def victim(self, candidates: Sequence[ExpertKey], pos: Position) -> ExpertKey:
         if not candidates:
             raise RuntimeError("fld: asked for a victim among no candidates")
+        if type(candidates) is Candidates:
+            v = self._first(candidates, pos)
+            if v is not None:
+                return v
         far = max(self._dist(k[0], pos.layer) for k in candidates)
         return min((k for k in candidates if self._dist(k[0], pos.layer) == far), key=self._age)
 
 
 @EVICTION.register
-class ScoreBased(_Base):
+class ScoreBased(_HeapRanked):
     """Evict the expert with the lowest accumulated router (gate) score; ties by LRU.
 
     The history is kept per expert for the whole run, also while it is not resident (Zhu et al.:
@@ -141,9 +246,12 @@ class ScoreBased(_Base):
         super().__init__()
         self.score: dict[ExpertKey, float] = {}
 
+    def _value(self, key: ExpertKey) -> float:
+        return self.score.get(key, 0.0)
+
     def on_access(self, key: ExpertKey, pos: Position, *, score: float) -> None:
-        super().on_access(key, pos, score=score)
         self.score[key] = self.score.get(key, 0.0) + float(score)
+        self._touch(key)
 
     def _rank(self, key: ExpertKey):
         return (self.score.get(key, 0.0), *self._age(key))
@@ -168,14 +276,30 @@ class TwoLevelLRU(_Base):
         if not 0.0 <= high_fraction <= 1.0:
             raise ConfigError(f"lru2 high_fraction must be in [0, 1], got {high_fraction}")
         self.high_fraction = high_fraction
-        self.high: set[ExpertKey] = set()
+        self.high: dict[ExpertKey, None] = {}  # the high tier, LRU order (oldest first)
         self._fresh: set[ExpertKey] = set()
+        self._low: list[tuple[int, ExpertKey]] = []  # lazy min-heap (last use, key) of the low tier
+
+    def _touch(self, key: ExpertKey) -> None:
+        super()._touch(key)
+        high = self.high
+        if key in high:  # keep the high tier in LRU order
+            del high[key]
+            high[key] = None
+        else:
+            heapq.heappush(self._low, (self._tick, key))
+            if len(self._low) > 4 * len(self._last) + 64:
+                self._low = [(t, k) for k, t in self._last.items() if k not in high]
+                heapq.heapify(self._low)
 
     def _promote(self, key: ExpertKey) -> None:
-        self.high.add(key)
+        high = self.high
+        high[key] = None  # just touched: the newest of the tier
         cap = int(self.high_fraction * len(self._last))
-        while len(self.high) > cap:
-            self.high.discard(min(self.high, key=self._age))  # demote the high tier's LRU
+        while len(high) > cap:
+            old = next(iter(high))  # demote the high tier's LRU
+            del high[old]
+            heapq.heappush(self._low, (self._last.get(old, 0), old))
 
     def on_insert(self, key: ExpertKey, pos: Position, *, prefetched: bool) -> None:
         super().on_insert(key, pos, prefetched=prefetched)
@@ -198,11 +322,19 @@ class TwoLevelLRU(_Base):
 
     def on_evict(self, key: ExpertKey) -> None:
         super().on_evict(key)
-        self.high.discard(key)
+        self.high.pop(key, None)
         self._fresh.discard(key)
 
     def tier(self, key: ExpertKey) -> str:
         return "high" if key in self.high else "low"
+
+    def _first(self, cands: Candidates, pos: Position) -> ExpertKey | None:
+        v = _heap_first(self._low, self._last, cands, self.high)
+        if v is None:
+            for k in self.high:
+                if k in cands:
+                    return k
+        return v
 
     def _rank(self, key: ExpertKey):
         return (key in self.high, *self._age(key))
@@ -235,16 +367,46 @@ class LeastStale(_Base):
         self.current: set[ExpertKey] = set()
         self._entered: dict[ExpertKey, int] = {}  # when the key entered its queue (FIFO tie-break)
         self._seq = 0
+        # the queues by layer, each in entering order: layer -> keys (stale: not current; current)
+        self._stale_q: dict[int, dict[ExpertKey, None]] = {}
+        self._cur_q: dict[int, dict[ExpertKey, None]] = {}
+        self._layers: list[int] = []  # layers of the queues, sorted
+
+    def _queue(self, qs: dict[int, dict[ExpertKey, None]], layer: int) -> dict[ExpertKey, None]:
+        q = qs.get(layer)
+        if q is None:
+            if layer not in self._stale_q and layer not in self._cur_q:
+                insort(self._layers, layer)
+            q = qs[layer] = {}
+        return q
 
     def _enter(self, key: ExpertKey) -> None:
         self._seq += 1
-        self._entered[key] = self._seq
+        entered = self._entered
+        if key in entered:  # leave the queue it was in (`current` may have just changed)
+            for qs in (self._stale_q, self._cur_q):
+                q = qs.get(key[0])
+                if q is not None:
+                    q.pop(key, None)
+        entered[key] = self._seq
+        self._queue(self._cur_q if key in self.current else self._stale_q, key[0])[key] = None
 
     def _make_current(self, key: ExpertKey, pos: Position) -> None:
-        self._sync(pos)
-        if key not in self.current:
+        if pos.pass_id != self.pass_id:
+            self.on_pass_start(pos)
+        if key not in self.current:  # `_enter` into the current queue, leaving the stale one
             self.current.add(key)
-            self._enter(key)
+            self._seq += 1
+            l = key[0]
+            if key in self._entered:
+                sq = self._stale_q.get(l)
+                if sq is not None:
+                    sq.pop(key, None)
+            self._entered[key] = self._seq
+            q = self._cur_q.get(l)
+            if q is None:
+                q = self._queue(self._cur_q, l)
+            q[key] = None
 
     def _sync(self, pos: Position) -> None:
         if pos.pass_id != self.pass_id:  # robust if on_pass_start was not reported
@@ -256,7 +418,10 @@ class LeastStale(_Base):
         self.pass_id = pos.pass_id
         # current -> stale, keeping layer order (the stale queue is FIFO by layer)
         for k in sorted(self.current, key=lambda k: (k[0], self._entered.get(k, 0))):
-            self._enter(k)
+            self._seq += 1
+            self._entered[k] = self._seq
+            self._cur_q.get(k[0], {}).pop(k, None)
+            self._queue(self._stale_q, k[0])[k] = None
         self.current.clear()
 
     def on_insert(self, key: ExpertKey, pos: Position, *, prefetched: bool) -> None:
@@ -277,8 +442,11 @@ class LeastStale(_Base):
 
     def on_evict(self, key: ExpertKey) -> None:
         super().on_evict(key)
+        if self._entered.pop(key, None) is not None:
+            q = (self._cur_q if key in self.current else self._stale_q).get(key[0])
+            if q is not None:
+                q.pop(key, None)
         self.current.discard(key)
-        self._entered.pop(key, None)
 
     def is_stale(self, key: ExpertKey) -> bool:
         return key not in self.current
@@ -287,6 +455,14 @@ class LeastStale(_Base):
         if not candidates:
             raise RuntimeError("least-stale: asked for a victim among no candidates")
         self._sync(pos)
+        if self.right == "fifo" and type(candidates) is Candidates:
+            for qs in (self._stale_q, self._cur_q):  # stale queue first; by layer, then entering order
+                for l in self._layers:
+                    q = qs.get(l)
+                    if q:
+                        for k in q:
+                            if k in candidates:
+                                return k
         stale = [k for k in candidates if k not in self.current]
         queue = stale or list(candidates)
         if self.right == "fifo":
@@ -329,7 +505,7 @@ class BeladyApprox(_Base):
             raise ConfigError(f"belady-approx prior must be in (0, 1], got {prior}")
         self.ema, self.prior = ema, prior
         self._layers: list[int] = []  # MoE layers seen, sorted: rank = index (execution order)
-        self._rank: dict[int, int] = {}
+        self._rank_of: dict[int, int] = {}
         self.last_use: dict[ExpertKey, int] = {}  # pass of the last access (survives eviction)
         self._ref: dict[ExpertKey, int] = {}  # pass of the last access or load
         self.interval: dict[ExpertKey, float] = {}  # EMA of passes between accesses (survives eviction)
@@ -340,18 +516,18 @@ class BeladyApprox(_Base):
 
     # -- layers --
     def _see(self, layer: int) -> None:
-        if layer not in self._rank:
+        if layer not in self._rank_of:
             import bisect
 
             bisect.insort(self._layers, layer)
-            self._rank = {l: i for i, l in enumerate(self._layers)}
+            self._rank_of = {l: i for i, l in enumerate(self._layers)}
 
     def _ahead(self, layer: int, pos: Position) -> int:
         """MoE layer steps until `layer` runs next, seen from the running layer: 1..L."""
         self._see(layer)
         self._see(pos.layer)
         L = len(self._layers)
-        return (self._rank[layer] - self._rank[pos.layer] - 1) % L + 1
+        return (self._rank_of[layer] - self._rank_of[pos.layer] - 1) % L + 1
 
     # -- events --
     def on_insert(self, key: ExpertKey, pos: Position, *, prefetched: bool) -> None:
@@ -386,8 +562,8 @@ class BeladyApprox(_Base):
 
     def on_layer_start(self, pos: Position) -> None:
         self._see(pos.layer)
-        r = self._rank[pos.layer]
-        done = [k for k, (p, _) in self.pred.items() if p < pos.pass_id or (p == pos.pass_id and self._rank.get(k[0], r) < r)]
+        r = self._rank_of[pos.layer]
+        done = [k for k, (p, _) in self.pred.items() if p < pos.pass_id or (p == pos.pass_id and self._rank_of.get(k[0], r) < r)]
         for k in done:  # its layer ran without using it: a wasted proposal
             self._outcome(self.pred.pop(k)[1], False)
 
@@ -420,6 +596,25 @@ class BeladyApprox(_Base):
     def victim(self, candidates: Sequence[ExpertKey], pos: Position) -> ExpertKey:
         if not candidates:
             raise RuntimeError("belady-approx: asked for a victim among no candidates")
-        far = {k: self.expected_next_use(k, pos) for k in candidates}
+        rank = self._rank_of
+        if pos.layer not in rank or any(k[0] not in rank for k in candidates):  # a new layer changes L midway
+            far = {k: self.expected_next_use(k, pos) for k in candidates}
+            top = max(far.values())
+            return min((k for k in candidates if far[k] >= top - 1e-9), key=self._age)
+        # `expected_next_use` inlined (the same arithmetic, so the same floats) for every candidate
+        L, p = len(self._layers), pos.pass_id
+        r0 = rank[pos.layer]
+        ref, interval, mean, pred = self._ref, self.interval, self.mean_interval, self.pred
+        p_ahead, prior = self.p_ahead, self.prior
+        far = {}
+        for k in candidates:
+            d = (rank[k[0]] - r0 - 1) % L + 1
+            I = max(interval.get(k, mean), float(p - ref.get(k, p)), 1.0)
+            pr = pred.get(k)
+            if pr is not None and pr[0] == p and d < L:
+                p1 = p_ahead.get(pr[1], prior)
+            else:
+                p1 = 1.0 / I
+            far[k] = d + (1.0 - p1) * L * I
         top = max(far.values())
         return min((k for k in candidates if far[k] >= top - 1e-9), key=self._age)

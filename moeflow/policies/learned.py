@@ -1,4 +1,4 @@
-"""Prefetch policies driven by trained predictors (`moeflow train`): router-pf, estimator, hybrid, forest.
+"""Prefetch policies driven by trained predictors (`moeflow train`): router-pf, estimator, hybrid, forest, token-id.
 
 | name | proposes for layers l+1..l+S | source |
 |---|---|---|
@@ -6,12 +6,15 @@
 | estimator | the neural estimator's logits from q | Speculating Experts 6.1 |
 | hybrid | estimator on the (layer, S) pairs where Router-PF was weak in training, else Router-PF | Speculating Experts 6.3 |
 | forest | ExpertFlow's random-forest delta over pre-gate, evaluated asynchronously on CPU (see below) | ExpertFlow 3.2.2 |
+| token-id | baseline: the experts most often routed for the current token id in the training trace | - |
 
 Options (`--prefetch-opt key=value`): `predictors=DIR` (required: a `moeflow train` folder for this
 model), `lookahead=S` (default: the engine's S), `overfetch=1.0` (top round(k*overfetch) per token)
-or `mass=0.9` (experts in descending score up to that cumulative mass).
+or `mass=0.9` (experts in descending score up to that cumulative mass); the gate's `gate=on|off`,
+`cancel=on|off`, `budget=auto|BYTES`, `weight=1.0` (`moeflow.policies.prefetch.PrefetchGate`, default on).
 
 forest's predictions are cached per (token sequence, layer, S); until one is ready the policy uses pre-gate top-k.
+One forest call per source layer serves all its targets l+1..l+S (`AsyncForest.submit_group`).
 
 The policy needs the running model (routers and norms) and the post-attention residual r_l, which
 the engine captures and passes as `LayerContext.residual`: the engine calls `policy.bind(model)` when
@@ -30,6 +33,7 @@ from ..errors import ConfigError
 from ..moe import get_adapter, residual_norm
 from ..moe.sets import mass_mask, topk_mask
 from .base import PREFETCH, LayerContext, PrefetchRequest
+from .prefetch import make_gate, topk_confidence
 
 
 class LearnedPrefetch:
@@ -45,7 +49,12 @@ class LearnedPrefetch:
         overfetch: float = 1.0,
         mass: float | None = None,
         window: int | None = None,
+        gate: Any = True,
+        budget: Any = None,
+        cancel: Any = True,
+        weight: float = 1.0,
     ) -> None:
+        self.gate = make_gate(gate, budget, cancel, weight)  # traffic-aware admission (policies.prefetch.PrefetchGate)
         if not predictors:
             raise ConfigError(
                 f"prefetch policy {self.name!r} needs --prefetch-opt predictors=DIR (a folder written by `moeflow train`)"
@@ -147,7 +156,10 @@ class LearnedPrefetch:
                 p = sc / sc.sum(-1, keepdim=True).clamp(min=1e-12)
                 best = p.masked_fill(~mask, -1.0).amax(0)  # [E]
                 near = float(len(targets) - s + 1)
-                out += [PrefetchRequest((t, e), priority=near + float(best[e])) for e in mask.any(0).nonzero().flatten().tolist()]
+                out += [
+                    PrefetchRequest((t, e), priority=near + float(best[e]), confidence=topk_confidence(float(best[e]), ctx.top_k))
+                    for e in mask.any(0).nonzero().flatten().tolist()
+                ]
         out.sort(key=lambda r: -r.priority)
         self.predict_s += time.perf_counter() - t0
         self.calls += 1
@@ -170,6 +182,15 @@ class EstimatorPrefetch(LearnedPrefetch):
 class HybridPrefetch(LearnedPrefetch):
     name: ClassVar[str] = "hybrid"
     predictor: ClassVar[str] = "hybrid"
+
+
+@PREFETCH.register
+class TokenIdPrefetch(LearnedPrefetch):
+    """The token-id baseline: the most frequent experts of each target layer for the current token id
+    (a table lookup; global frequency for an unseen id or without token ids)."""
+
+    name: ClassVar[str] = "token-id"
+    predictor: ClassVar[str] = "token-id"
 
 
 @PREFETCH.register
@@ -200,11 +221,11 @@ class ForestPrefetch(LearnedPrefetch):
         return [tuple(r) for r in batch.token_ctx.tolist()]
 
     def _submit(self, ctx: LayerContext, batch: Any) -> None:
-        # queue forest predictions for every later layer the forest knows, from this layer's state
+        # ONE forest call serves this layer: every later layer the forest knows, grouped by (tokens, S)
         keys = self._keys(batch)
         if keys and keys[0] is not None:
-            for s, t in enumerate(ctx.next_layers(self.pred.max_lookahead), start=1):
-                self.runner.submit(t, s, batch, keys)
+            pairs = [(t, s) for s, t in enumerate(ctx.next_layers(self.pred.max_lookahead), start=1)]
+            self.runner.submit_group(pairs, batch, keys)
 
     def scores(self, target: int, s: int, batch: Any) -> torch.Tensor:
         keys = self._keys(batch)

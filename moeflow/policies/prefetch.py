@@ -7,20 +7,131 @@
 | all-next-layer | every expert of the next MoE layer(s) | SE-MoE style (SpecMD/CasMoE baselines) |
 
 Priorities: nearer layers first (S - s + 1 per layer), then higher predicted probability, so the
-cache issues the most urgent and most likely loads first.
+cache issues the most urgent and most likely loads first. Every request carries a confidence p, the
+predictor's probability that the expert is routed when its layer runs (`topk_confidence`).
 
 pregate selects per token the top-k x overfetch experts, or by a score percentile or a cumulative mass.
+
+Traffic-aware prefetch (`PrefetchGate`): every prefetch policy's proposals go through ONE admission
+decision, the policy's `gate`, which the cache (`ExpertCache.prefetch`, runtime and simulator alike) asks
+for each proposal that is not resident, in priority order. Options of every prefetch policy
+(`--prefetch-opt`): `gate=on|off` (default on for pregate and the learned policies, off for
+all-next-layer), `cancel=on|off` (default on: drop queued stale prefetches when their layer routes),
+`budget=auto|BYTES` (default none: bytes per source layer), `weight=1.0` (cost multiplier).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+import math
+from typing import Any, ClassVar
 
 import torch
 
 from ..errors import ConfigError
 from ..moe.sets import mass_mask, topk_mask
 from .base import PREFETCH, LayerContext, PrefetchRequest
+
+
+def topk_confidence(prob: float, k: int) -> float:
+    """P(routed) of an expert from its normalised score `prob` (sums to 1 over experts) under top-k routing:
+    k x prob, capped at 1 (k experts are routed, so the probabilities of being routed sum to k)."""
+    return min(1.0, max(0.0, k * prob))
+
+
+def _on(v: Any, what: str) -> bool:
+    if isinstance(v, bool):
+        return v
+    low = str(v).strip().lower()
+    if low in ("on", "true", "1", "yes"):
+        return True
+    if low in ("off", "false", "0", "no", "none"):
+        return False
+    raise ConfigError(f"prefetch option {what}={v!r}: use on or off")
+
+
+class PrefetchGate:
+    """Admission of prefetch copies by expected gain against link cost; the one place every prefetch decides.
+
+    Per proposal (not resident, priority order) with confidence p, one expert's copy time t_x (the link's
+    bandwidth model, `Link.transfer_estimate_s`; measured on CUDA), the link's backlog b (queued link
+    seconds, `Link.backlog_s`, re-read after every admitted copy) and the lead time until the target layer
+    runs, d x T_layer (d = MoE layers ahead, T_layer the wall time between consecutive layers' prefetch
+    calls, measured on the link's clock, EMA):
+
+        late  = max(0, b + t_x - d x T_layer)   (b when T_layer is not known yet)
+        gain  = p x max(0, t_x - late)          the demand stall the copy avoids if the prediction is right
+        cost  = weight x (1 - p) x t_x          the link time a wrong copy occupies (later demand loads
+                                                and better prefetches wait for it) and the victim it evicts
+        admit iff gain > cost                    (with no estimate of t_x, e.g. a direct link: admit)
+
+    So on an idle link a copy needs p > 1/2 (weight 1), and as the backlog grows only higher confidences
+    pass until, once a copy cannot land before its layer runs, nothing does. `budget` caps the copies per
+    prefetch call (one source layer): BYTES, or `auto` = the bytes the link moves while one layer runs
+    (t_x and T_layer above, i.e. the calibration's bandwidth x per-layer time). `cancel`: the cache drops
+    prefetches of a layer that are still queued when that layer routes to other experts.
+    `enabled=False` (`gate=off`) admits every proposal (the budget, if set, still applies).
+    """
+
+    def __init__(self, enabled: Any = True, *, budget: Any = None, cancel: Any = True, weight: float = 1.0) -> None:
+        self.enabled = _on(enabled, "gate")
+        self.cancel_stale = _on(cancel, "cancel")
+        if weight < 0:
+            raise ConfigError(f"prefetch gate weight must be >= 0, got {weight}")
+        self.weight = float(weight)
+        if budget is not None and not (isinstance(budget, str) and budget.lower() == "auto"):
+            try:
+                budget = int(float(budget))
+            except ValueError:
+                raise ConfigError(f"prefetch budget={budget!r}: use auto or a number of bytes per layer") from None
+            if budget < 0:
+                raise ConfigError(f"prefetch budget must be >= 0 bytes, got {budget}")
+        self.budget: int | str | None = budget.lower() if isinstance(budget, str) else budget
+        self.layer_s: float | None = None  # EMA of the wall time between consecutive MoE layers' prefetch calls
+        self._last: tuple[int, int, float] | None = None  # (pass, layer rank, clock) of the last call
+        self._link: Any = None
+        self._tx: float | None = None
+        self._left: int | None = None  # copies still allowed in this call (budget)
+        self.admitted = self.refused = 0
+
+    def begin(self, link: Any, expert_bytes: int, pass_id: int, rank: int) -> None:
+        """A prefetch call after MoE layer `rank` of pass `pass_id` routed: read the link's state."""
+        now = link.clock_s()
+        last = self._last
+        if last is not None and last[0] == pass_id and rank > last[1] and now > last[2]:
+            dt = (now - last[2]) / (rank - last[1])
+            self.layer_s = dt if self.layer_s is None else 0.7 * self.layer_s + 0.3 * dt
+        self._last = (pass_id, rank, now)
+        self._link = link
+        self._tx = link.transfer_estimate_s(expert_bytes)
+        if self.budget is None:
+            self._left = None
+        elif self.budget == "auto":
+            tx, ls = self._tx, self.layer_s
+            self._left = max(1, math.floor(ls / tx)) if tx and ls else None
+        else:
+            self._left = int(self.budget) // max(1, expert_bytes)
+
+    def admit(self, req: PrefetchRequest, distance: int) -> bool:
+        """Issue `req` (its layer `distance` MoE layers ahead of the source)?"""
+        ok = self._left is None or self._left > 0
+        tx = self._tx
+        if ok and self.enabled and tx is not None and tx > 0:
+            p = min(1.0, max(0.0, float(req.confidence)))
+            backlog = self._link.backlog_s()
+            ls = self.layer_s
+            late = backlog if ls is None else max(0.0, backlog + tx - max(1, distance) * ls)
+            ok = p * max(0.0, tx - late) > self.weight * (1.0 - p) * tx
+        if ok:
+            self.admitted += 1
+            if self._left is not None:
+                self._left -= 1
+        else:
+            self.refused += 1
+        return ok
+
+
+def make_gate(gate: Any = True, budget: Any = None, cancel: Any = True, weight: float = 1.0) -> PrefetchGate:
+    return PrefetchGate(gate, budget=budget, cancel=cancel, weight=weight)
 
 
 def _steps(ctx: LayerContext, lookahead: int | None) -> list[int]:
@@ -62,7 +173,12 @@ class PreGatePrefetch:
         mass: float | None = None,
         lookahead: int | None = None,
         history: int = 4096,
+        gate: Any = True,
+        budget: Any = None,
+        cancel: Any = True,
+        weight: float = 1.0,
     ) -> None:
+        self.gate = make_gate(gate, budget, cancel, weight)
         if overfetch <= 0:
             raise ConfigError(f"pregate overfetch must be > 0, got {overfetch}")
         if percentile is not None and not 0 <= percentile < 100:
@@ -101,8 +217,10 @@ class PreGatePrefetch:
             mask = self._select(t, probs, ctx.top_k)  # [T,E]
             best = probs.masked_fill(~mask, -1.0).amax(0)  # [E]
             near = float(len(targets) - s)
+            k = ctx.top_k
             for e in mask.any(0).nonzero().flatten().tolist():
-                out.append(PrefetchRequest((t, e), priority=near + float(best[e])))
+                b = float(best[e])
+                out.append(PrefetchRequest((t, e), priority=near + b, confidence=topk_confidence(b, k)))
         out.sort(key=lambda r: -r.priority)
         return out
 
@@ -113,15 +231,19 @@ class AllNextLayer:
 
     name: ClassVar[str] = "all-next-layer"
 
-    def __init__(self, lookahead: int = 1) -> None:
+    def __init__(
+        self, lookahead: int = 1, gate: Any = False, budget: Any = None, cancel: Any = True, weight: float = 1.0
+    ) -> None:
         if lookahead < 1:
             raise ConfigError(f"all-next-layer lookahead must be >= 1, got {lookahead}")
         self.lookahead = lookahead
+        self.gate = make_gate(gate, budget, cancel, weight)
 
     def propose(self, ctx: LayerContext) -> list[PrefetchRequest]:
         targets = ctx.next_layers(self.lookahead)
+        p = min(1.0, ctx.top_k / max(1, ctx.num_experts))
         return [
-            PrefetchRequest((t, e), priority=float(len(targets) - s))
+            PrefetchRequest((t, e), priority=float(len(targets) - s), confidence=p)
             for s, t in enumerate(targets)
             for e in range(ctx.num_experts)
         ]

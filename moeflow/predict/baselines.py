@@ -83,8 +83,8 @@ class TokenId:
 
     def predict(self, target_layer: int, lookahead: int, batch: SourceBatch) -> torch.Tensor:
         uniq, probs = self.table[target_layer]
-        if batch.token_ctx is None:
-            raise TypeError("the token-id predictor needs the batch's token context (SourceBatch.token_ctx)")
+        if batch.token_ctx is None:  # no token ids (a run-time batch without them): global frequency
+            return self.freq.predict(target_layer, lookahead, batch)
         tok = batch.token_ctx[:, -1].numpy()
         pos = np.clip(np.searchsorted(uniq, tok), 0, len(uniq) - 1)
         known = uniq[pos] == tok

@@ -46,6 +46,9 @@ FEATURES_VERSION = 2  # config.json "features": 1 = q only (older folders, refus
 
 
 class EstimatorNet(nn.Module):
+    mu: torch.Tensor  # [F] feature means (buffer)
+    sd: torch.Tensor  # [F] feature standard deviations (buffer)
+
     def __init__(self, in_dim: int, num_experts: int, num_pairs: int, m: int = 128, n: int = 256, blocks: int = 1):
         super().__init__()
         self.register_buffer("mu", torch.zeros(in_dim))
@@ -64,6 +67,13 @@ class EstimatorNet(nn.Module):
         return self.head(self.norm(z))  # [T,E] logits
 
 
+def _hidden(data: RoutingData, layer: int) -> np.ndarray:
+    h = data.layers[layer].hidden_in
+    if h is None:
+        raise ArtifactError("the estimator needs traced router inputs; re-run `moeflow trace --record-hidden`")
+    return h
+
+
 def _recall(scores: torch.Tensor, truth: torch.Tensor) -> float:
     """recall@k of the top-k scores [T,E] against the routed experts truth [T,k]."""
     return recall_at_k(torch.topk(scores, truth.shape[1], -1).indices, truth)
@@ -75,7 +85,7 @@ class _Features:
     def __init__(self, model: torch.nn.Module, spec: Any, context: int):
         self.spec = spec
         self.context = context
-        self.emb = model.get_input_embeddings().weight.detach().float()  # type: ignore[operator,union-attr]  # [V,H]
+        self.emb = model.get_input_embeddings().weight.detach().float()  # type: ignore[operator]  # [V,H]
         self.ml = list(spec.moe_layers)
 
     @property
@@ -115,7 +125,9 @@ class _Features:
                 w[:, self.ml.index(l)] = 1.0
         w[:, r_src] = batch.topk_weights.float()
         ids[:, r_src] = batch.topk_ids.long()
-        return self.assemble(q, batch.router_input.float(), self.tokens(batch.token_ctx, T), self.gates(ids, w, torch.full((T,), r_src)))
+        return self.assemble(
+            q, batch.router_input.float(), self.tokens(batch.token_ctx, T), self.gates(ids, w, torch.full((T,), r_src))
+        )
 
     @staticmethod
     def assemble(q: torch.Tensor, u: torch.Tensor, tok: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
@@ -175,7 +187,7 @@ class Estimator:
             qs.append(by_src[src][s - 1])
         return {
             "q": torch.stack(qs),  # [P,N,H] f16
-            "u": torch.stack([torch.from_numpy(data.layers[l].hidden_in[rows]) for l in ml]),  # [L,N,H] f16
+            "u": torch.stack([torch.from_numpy(_hidden(data, l)[rows]) for l in ml]),  # [L,N,H] f16
             "ids": torch.stack([torch.from_numpy(data.layers[l].topk_ids[rows]) for l in ml], 1),  # [N,L,k]
             "w": torch.stack([torch.from_numpy(data.layers[l].topk_weights[rows]) for l in ml], 1),  # [N,L,k]
             "tok": self.feat.tokens(torch.from_numpy(ctx), len(rows)).half(),  # [N,cH]

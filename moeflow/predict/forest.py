@@ -12,9 +12,10 @@ grouped by (token sequence, S) as in the paper, each group giving one example pe
                        0 without traced hidden states),
           prior [M] + log(1 + n): the target layer's expert frequencies of the current token id over the
                        training tokens (n occurrences; `token-id` baseline's table, global frequency for an
-                       unseen id); while fitting, each prompt's own tokens are left out of its rows' prior ]
+                       unseen id); while fitting, each prompt's own tokens are left out of its rows' prior,
+          the same [M+1] for the previous token (its whole-training-set prior) ]
 
-so F = d + 2 + L*M + 2M + 1. The label is the target layer's activation vector y in {0,1}^M. ExpertFlow
+so F = d + 2 + L*M + M + 2(M+1). The label is the target layer's activation vector y in {0,1}^M. ExpertFlow
 learns the deviation (Delta) of the truth from the pre-gate estimate: the regressor is trained on
 y - pregate_topk (multi-hot of the pre-gate's top-k) and predicts score = pregate_topk + Delta_hat
 (+ a 1e-3 * pre-gate probability tie-break). Without traced hidden states (no pre-gate) the base
@@ -181,7 +182,7 @@ class Forest:
     @property
     def n_features(self) -> int:
         L, E = len(self.spec.moe_layers), self.spec.num_experts
-        return self.dim + 2 + L * E + 2 * E + 1
+        return self.dim + 2 + L * E + E + 2 * (E + 1)
 
     # -- features --
     def embed(self, ctx: np.ndarray) -> np.ndarray:
@@ -220,7 +221,10 @@ class Forest:
         meta = np.tile(np.array([[s, ml.index(target)]], dtype=np.float32), (t, 1))
         if probs is None:
             probs = self.base(target, batch)[1]
-        return np.concatenate([self.embed(ctx), meta, prev, probs, self.prior(target, ctx[:, -1], minus)], axis=1)
+        prev_tok = ctx[:, -2] if ctx.shape[1] > 1 else np.full(t, -1)
+        return np.concatenate(
+            [self.embed(ctx), meta, prev, probs, self.prior(target, ctx[:, -1], minus), self.prior(target, prev_tok)], axis=1
+        )
 
     @torch.no_grad()
     def base(self, target: int, batch: SourceBatch, minus: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -366,8 +370,14 @@ class Forest:
                 ids, counts, freq = z["ids"], z["counts"], z["freq"]
             L, E = len(self.spec.moe_layers), self.spec.num_experts
             if ids.ndim != 1 or counts.shape != (L, len(ids), E) or freq.shape != (L, E) or (np.diff(ids) <= 0).any():
-                raise ValueError(f"token prior shapes {ids.shape} {counts.shape} {freq.shape}, expected [U], [{L},U,{E}], [{L},{E}]")
-            self.prior_ids, self.prior_counts, self.prior_freq = ids.astype(np.int64), counts.astype(np.float32), freq.astype(np.float32)
+                raise ValueError(
+                    f"token prior shapes {ids.shape} {counts.shape} {freq.shape}, expected [U], [{L},U,{E}], [{L},{E}]"
+                )
+            self.prior_ids, self.prior_counts, self.prior_freq = (
+                ids.astype(np.int64),
+                counts.astype(np.float32),
+                freq.astype(np.float32),
+            )
         with artifact_file(folder / FOREST_FILE):
             self.rf = ArrayForest.load(folder / FOREST_FILE)
             if self.rf.n_features != self.n_features or self.rf.a["value"].shape[1] != self.spec.num_experts:
@@ -427,7 +437,9 @@ class AsyncForest:
         model's router); the worker runs only the forest (numpy)."""
         with self.lock:
             todo = [
-                i for i, q in enumerate(seq_keys) if any((q, t, s) not in self.cache and (q, t, s) not in self.pending for t, s in pairs)
+                i
+                for i, q in enumerate(seq_keys)
+                if any((q, t, s) not in self.cache and (q, t, s) not in self.pending for t, s in pairs)
             ]
         if not todo or not pairs:
             return

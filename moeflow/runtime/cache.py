@@ -22,8 +22,11 @@ transfer of `expert_bytes` (`link.submit_nbytes`). Every decision, event and cou
 One access order (the engine's router hook and experts call, and the simulator, call these in this order,
 per forward pass `begin_pass`, then per MoE layer):
   `begin_layer` -> unique routed experts sorted by id with summed gate weights (`needed_experts`) ->
-  `route` (the miss policy, then `demand`: hits pinned first, then misses in id order) when they fit one
-  wave (`wave_capacity`), else nothing yet -> `prefetch(proposals)` (priority order) -> per wave
+  `route` (stale prefetches of this layer still queued on the link are cancelled when the gate says so; the
+  miss policy, then `demand`: hits pinned first, then misses in id order; a hit whose prefetch is still
+  queued is promoted to demand priority) when they fit one
+  wave (`wave_capacity`), else nothing yet -> `prefetch(proposals)` (priority order; each proposal that is
+  not resident is admitted or refused by the prefetch policy's gate, `PrefetchGate`) -> per wave
   (`plan_waves`: resident experts first; one wave = the routed slots): `demand_wave` (only when `route`
   demanded nothing), `wait`, the layer's compute, `release`.
 """
@@ -38,7 +41,7 @@ from typing import Any, Literal, cast, overload
 import torch
 
 from ..errors import ConfigError
-from ..policies.base import EvictionPolicy, ExpertKey, Position, PrefetchRequest
+from ..policies.base import Candidates, EvictionPolicy, ExpertKey, Position, PrefetchRequest
 from .link import Link, Ticket
 from .store import HostExpertStore
 
@@ -53,7 +56,8 @@ _new = object.__new__
 def _position(pass_id: int, layer: int, layer_rank: int, time: int) -> Position:
     """`Position(...)` without the frozen dataclass's per-field `object.__setattr__` (equal, same hash)."""
     p = _new(Position)
-    p.__dict__.update(pass_id=pass_id, layer=layer, layer_rank=layer_rank, time=time)
+    d = p.__dict__
+    d["pass_id"], d["layer"], d["layer_rank"], d["time"] = pass_id, layer, layer_rank, time
     return p
 
 
@@ -90,6 +94,9 @@ class CacheCounters:
     prefetch_issued: int = 0  # prefetch transfers issued (requests for resident experts are skipped)
     prefetch_used: int = 0  # prefetched experts accessed before their eviction (counted once)
     prefetch_unused_evicted: int = 0  # overfetch: prefetched experts evicted without ever being used
+    prefetch_refused: int = 0  # proposals (not resident) the prefetch gate did not admit
+    prefetch_cancelled: int = 0  # issued prefetches withdrawn before their copy started (stale: their layer
+    #   routed to other experts); not in loads / bytes_moved (loads = demand_loads + issued - cancelled)
     collision_misses: int = 0  # needed experts that were evicted earlier in the same forward pass
     evictions: int = 0
     bytes_moved: int = 0  # loads x expert row bytes
@@ -142,6 +149,7 @@ class ExpertCache:
         retain: bool = True,
         spec: Any = None,
         expert_bytes: int | None = None,
+        gate: Any = None,
     ):
         """`store=None` (with `spec`, optionally `expert_bytes`): bookkeeping only, no tensors (the simulator)."""
         if store is None and spec is None:
@@ -152,6 +160,7 @@ class ExpertCache:
         self.expert_bytes = int(store.expert_bytes if store is not None else (expert_bytes or spec.expert_bytes))
         self.link = link
         self.eviction = eviction
+        self.gate = gate  # the prefetch policy's admission decision (`PrefetchGate`), None: admit every proposal
         self.retain = retain
         self.per_layer = per_layer
         self.capacity = int(capacity)
@@ -243,6 +252,7 @@ class ExpertCache:
                 slots[s].pinned = True
         rank, pass_id = self.rank[layer], self.pass_id
         out = []
+        t = self.time  # only this loop advances it
         for e in experts:
             key = (layer, e)
             s = slot_of.get(key)
@@ -251,11 +261,14 @@ class ExpertCache:
                 c.hits += 1
                 if slots[s].state != READY and self._refresh(s) != READY:
                     c.late += 1
+                    ticket = slots[s].ticket
+                    if ticket is not None and not ticket.demand:  # a queued prefetch now needed: misses first
+                        self.link.promote(ticket)
             else:
                 c.misses += 1
                 if self._evicted_in_pass.get(key) == pass_id:
                     c.collision_misses += 1
-                pos = _position(pass_id, layer, rank, self.time)
+                pos = _position(pass_id, layer, rank, t)
                 s = self._acquire(key, pos, demand=True, protected=())
                 self._load(s, key, prefetched=False, pos=pos)
                 c.demand_loads += 1
@@ -264,9 +277,9 @@ class ExpertCache:
             if slot.prefetched and not slot.used:
                 c.prefetch_used += 1
             slot.used = True
-            self.time += 1
+            self.time = t = t + 1
             if ev is not None:
-                ev.on_access(key, _position(pass_id, layer, rank, self.time), score=float(scores.get(e, 0.0)))
+                ev.on_access(key, _position(pass_id, layer, rank, t), score=float(scores.get(e, 0.0)))
             out.append(s)
         return out
 
@@ -286,6 +299,9 @@ class ExpertCache:
         self, layer: int, experts: Sequence[int], scores: dict[int, float], wave_cap: int, miss: Any = None
     ) -> list[int] | None:
         """At routing time: demand the layer's experts (pinned) when they fit one wave, else None (waves later)."""
+        gate = self.gate
+        if gate is not None and gate.cancel_stale and self._loading:
+            self.cancel_stale(layer, experts)
         if len(experts) > wave_cap:
             return None
         self.check_misses(miss, layer, experts)
@@ -328,10 +344,42 @@ class ExpertCache:
                 self._evict(s)
 
     # ---- prefetch -----------------------------------------------------------------------------------
+    def cancel_stale(self, layer: int, experts: Sequence[int]) -> int:
+        """`layer` has routed to `experts`: withdraw its other prefetches whose copy has not started yet
+        (the link's `cancel`), free their slots; returns how many (`prefetch_cancelled`)."""
+        need = set(experts)
+        n = 0
+        for s in sorted(self._loading):
+            slot = self.slots[s]
+            key, t = slot.key, slot.ticket
+            if key is None or key[0] != layer or key[1] in need or not slot.prefetched or slot.pinned or t is None:
+                continue
+            if not self.link.cancel(t):
+                continue
+            del self.slot_of[key]
+            r = self.rank[layer]
+            if self.table is not None:
+                self.table[r, key[1]] = -1
+            self._resident_in[r] -= 1
+            self._loading.discard(s)
+            self.slots[s] = Slot(last_use=slot.last_use)
+            self._free[self._part(layer)].append(s)
+            self.counters.prefetch_cancelled += 1
+            self.counters.loads -= 1
+            self.counters.bytes_moved -= self.expert_bytes
+            if self.eviction is not None:
+                self.eviction.on_evict(key)
+            n += 1
+        return n
+
     def prefetch(self, requests: Sequence[PrefetchRequest], layer: int) -> int:
-        """Issue copies for proposed experts, highest priority first; never waits. Returns copies issued."""
+        """Issue copies for proposed experts, highest priority first, each one the gate admits; never waits.
+        Returns copies issued."""
         issued: set[int] = set()
         pos = self.position(layer)
+        gate = self.gate
+        if gate is not None:
+            gate.begin(self.link, self.expert_bytes, pos.pass_id, pos.layer_rank)
         for req in sorted(requests, key=lambda r: -r.priority):
             key = (int(req.key[0]), int(req.key[1]))
             if key[0] not in self.rank or not 0 <= key[1] < self.spec.num_experts:
@@ -340,6 +388,9 @@ class ExpertCache:
                 on_predicted = getattr(self.eviction, "on_predicted", None)
                 if on_predicted is not None:
                     on_predicted(key, pos)
+                continue
+            if gate is not None and not gate.admit(req, self.rank[key[0]] - pos.layer_rank):
+                self.counters.prefetch_refused += 1
                 continue
             s = self._acquire(key, pos, demand=False, protected=issued)
             if s is None:
@@ -362,14 +413,19 @@ class ExpertCache:
             return free.pop()
         while True:
             slots, loading = self.slots, self._loading  # a slot of a full part not in `_loading` is ready
+            # the candidates as a view (`key in cands` is O(1), so policies need not scan them)
             if not loading and not protected and not self.per_layer:  # common case: every slot is ready
-                cands = [sl.key for sl in slots if not sl.pinned]
+                cands = Candidates(self.slot_of, slots)  # the unpinned slots' keys, listed only if iterated
             else:
-                cands = [
-                    slots[s].key
-                    for s in self._part_slots[part]
-                    if not slots[s].pinned and s not in protected and (s not in loading or self._refresh(s) == READY)
-                ]
+                cands = Candidates(
+                    self.slot_of,
+                    slots,
+                    [
+                        cast(ExpertKey, slots[s].key)  # a full part's slots all hold a key
+                        for s in self._part_slots[part]
+                        if not slots[s].pinned and s not in protected and (s not in loading or self._refresh(s) == READY)
+                    ],
+                )
             if cands:
                 break
             if not demand:
@@ -384,7 +440,7 @@ class ExpertCache:
             self.wait(in_flight[:1])  # an unfinished prefetch blocks a demand load: real stall
         if self.eviction is None:
             raise RuntimeError("cache is full and has no eviction policy")
-        victim = tuple(self.eviction.victim(cast(list[ExpertKey], cands), pos))  # a full part's slots all hold a key
+        victim = cast(ExpertKey, tuple(self.eviction.victim(cands, pos)))
         if victim not in cands:
             raise RuntimeError(f"eviction policy {self.eviction.name!r} chose {victim}, not one of the candidates")
         s = self.slot_of[victim]
@@ -415,9 +471,9 @@ class ExpertCache:
         store, buffer = self.store, self.buffer
         if store is not None and buffer is not None:  # the buffer exists exactly when the store does
             src = store.row(*key)  # [R] host
-            slot.ticket = self.link.submit(src, buffer[s], after=slot.last_use)
+            slot.ticket = self.link.submit(src, buffer[s], after=slot.last_use, demand=not prefetched)
         else:  # simulated: the link models the transfer of one expert row, nothing is copied
-            slot.ticket = self.link.submit_nbytes(self.expert_bytes, after=slot.last_use)  # type: ignore[attr-defined]
+            slot.ticket = self.link.submit_nbytes(self.expert_bytes, after=slot.last_use, demand=not prefetched)  # type: ignore[attr-defined]
         slot.state = READY if self._instant else LOADING
         slot.key = key
         slot.prefetched = prefetched

@@ -7,8 +7,10 @@ its layer and this engine (attributes on the module instance; no globals hold en
 
 Per MoE layer and forward pass:
   router forward hook -> routed ids to the host (ONE synchronization) -> `on_layer_start` -> unique
-  needed experts -> miss policy -> demand loads (hits pinned first) -> prefetch policy
-  `propose(LayerContext)` -> prefetch copies (overlap this layer's expert compute) -> experts call:
+  needed experts -> stale queued prefetches of this layer cancelled -> miss policy -> demand loads (hits
+  pinned first; misses go ahead of queued prefetches on the link) -> prefetch policy `propose(LayerContext)`
+  -> the policy's gate admits each proposal or not (`PrefetchGate`, inside `ExpertCache.prefetch`) ->
+  prefetch copies (overlap this layer's expert compute) -> experts call:
   wait only for this layer's slots -> exact grouped compute over the routed experts' slots, found in
   the cache's device table (in waves of <= capacity experts when a prefill needs more) -> release pins.
 Fast path: when every expert of a layer is in a ready slot and no prefetch/routing policy needs the
@@ -193,6 +195,7 @@ class OffloadEngine:
                 eviction=self.eviction,
                 per_layer=self.per_layer,
                 retain=self.retain,
+                gate=getattr(self.prefetcher, "gate", None) if self._prefetching else None,
             )
             stack.callback(self.link.close)
             bind = getattr(self.prefetcher, "bind", None)

@@ -2,11 +2,25 @@
 
 - `DirectLink`: copy on the calling thread, now (no emulation; on CPU this is a memcpy).
 - `EmulatedLink(gbps, latency_s)`: each transfer takes `latency + bytes / bandwidth` of wall time on a
-  virtual FIFO schedule (one link), while a worker thread does the real copy concurrently with compute
-  on the main thread, so overlap, stalls and waiting are real wall time.
-- `CudaLink`: a side CUDA stream, pinned host rows, non-blocking copies, one event per transfer;
+  virtual schedule (one link, `PrioritySchedule`), while a worker thread does the real copy concurrently
+  with compute on the main thread, so overlap, stalls and waiting are real wall time.
+- `CudaLink`: side CUDA streams, pinned host rows, non-blocking copies, one event per transfer;
   the compute stream waits on the slot's event, and a copy into a slot waits (on the GPU) for the
   event recorded after the last computation that read that slot.
+
+Misses first (ExpertFlow 3.4: cache-miss resolution has the highest priority in the memory queue):
+`submit(..., demand=True)` is a demand load, `demand=False` a prefetch. On the emulated link (and the
+simulator's `ModelledLink`, the same `PrioritySchedule`) a demand transfer is scheduled after the transfer in
+progress and after earlier queued demand transfers, ahead of every prefetch not yet started; those are
+rescheduled after it (a started transfer is never preempted). `cancel(ticket)` removes a prefetch that has
+not started (False once started), `promote(ticket)` turns a queued prefetch into a demand transfer (a
+routed expert whose prefetch is still queued). On `CudaLink` demand copies go on their own high-priority
+stream, so they never queue behind prefetch copies already enqueued on the prefetch stream (the copy
+engines may still share bandwidth with a running prefetch copy); a copy enqueued on a CUDA stream cannot
+be withdrawn, so `cancel` returns False there.
+`transfer_estimate_s(nbytes)` (the link's bandwidth model, or the measured mean on CUDA; None where copies
+are synchronous), `backlog_s()` (link seconds still queued) and `clock_s()` are what the prefetch gate
+(`moeflow.policies.prefetch.PrefetchGate`) reads.
 
 Every link returns a `Ticket` from `submit`; `wait(ticket)` blocks until the slot may be read and
 returns the seconds the caller waited (stall). Accounting is the base class's, one code path for every
@@ -18,7 +32,6 @@ cache's `bytes_moved` (every copy the cache issues goes through `submit`).
 
 from __future__ import annotations
 
-import collections
 import queue
 import re
 import threading
@@ -42,6 +55,76 @@ class Ticket:
     error: BaseException | None = None
     due: float = 0.0  # EmulatedLink: perf_counter time at which the transfer completes
     copied: Any = None  # EmulatedLink: set when the worker's real copy is done
+    start: float = 0.0  # scheduled links: when the transfer starts on the link
+    demand: bool = True  # a demand load (False: a prefetch, which demand loads overtake while queued)
+    cancelled: bool = False  # withdrawn before it started (`Link.cancel`)
+
+
+class PrioritySchedule:
+    """One link's virtual schedule with demand priority: `EmulatedLink` and the simulator's `ModelledLink`.
+
+    `q` holds the transfers not yet accounted, in schedule order (start and due ascending). Invariant: the
+    transfers not started at `now` (`start > now`) are all queued demand transfers, then all queued prefetches.
+    A demand transfer goes after the started ones and the queued demand ones; the queued prefetches behind
+    it are rescheduled back-to-back after it. A started transfer (`start <= now`) is never moved.
+    """
+
+    __slots__ = ("q",)
+
+    def __init__(self) -> None:
+        self.q: list[Ticket] = []
+
+    def free_at(self, now: float) -> float:
+        """When the link is free of everything scheduled (`now` when idle)."""
+        return max(now, self.q[-1].due) if self.q else now
+
+    def backlog_s(self, now: float) -> float:
+        return max(0.0, self.free_at(now) - now)
+
+    def _reflow(self, i: int, now: float) -> None:
+        q = self.q
+        prev = q[i - 1].due if i > 0 else now
+        for t in q[i:]:
+            t.start = max(now, prev)
+            t.due = prev = t.start + t.busy_s
+
+    def add(self, t: Ticket, now: float, *, demand: bool) -> None:
+        q = self.q
+        t.demand = demand
+        i = len(q)
+        if demand:  # ahead of every queued (not started) prefetch
+            while i > 0 and not q[i - 1].demand and q[i - 1].start > now:
+                i -= 1
+        q.insert(i, t)
+        self._reflow(i, now)
+
+    def _index(self, t: Ticket) -> int:
+        for i, x in enumerate(self.q):
+            if x is t:
+                return i
+        return -1
+
+    def cancel(self, t: Ticket, now: float) -> bool:
+        """Withdraw `t` if it has not started; the transfers behind it move up."""
+        i = self._index(t)
+        if i < 0 or t.start <= now:
+            return False
+        del self.q[i]
+        t.cancelled = True
+        self._reflow(i, now)
+        return True
+
+    def promote(self, t: Ticket, now: float) -> bool:
+        """A queued prefetch becomes a demand transfer (moves ahead of the other queued prefetches)."""
+        if t.demand or t.start <= now:
+            return False
+        i = self._index(t)
+        if i < 0:
+            return False
+        del self.q[i]
+        self._reflow(i, now)
+        self.add(t, now, demand=True)
+        return True
 
 
 class Link:
@@ -91,8 +174,28 @@ class Link:
         """Bytes of every transfer submitted so far, complete or still in flight."""
         return self._submitted_bytes
 
-    def submit(self, src: torch.Tensor, dst: torch.Tensor, *, after: Any = None) -> Ticket:
+    def submit(self, src: torch.Tensor, dst: torch.Tensor, *, after: Any = None, demand: bool = True) -> Ticket:
+        """Start a copy; `demand=False` marks a prefetch (demand transfers go first where the link can)."""
         raise NotImplementedError
+
+    def cancel(self, t: Ticket) -> bool:
+        """Withdraw a transfer that has not started; True when withdrawn (its bytes are not counted)."""
+        return False
+
+    def promote(self, t: Ticket) -> None:
+        """A prefetch that is now needed by the running layer: give it demand priority where possible."""
+
+    def transfer_estimate_s(self, nbytes: int) -> float | None:
+        """Link seconds one transfer of `nbytes` takes (None: unknown, or copies are synchronous)."""
+        return None
+
+    def backlog_s(self) -> float:
+        """Link seconds of work submitted and not yet complete (estimated where not modelled)."""
+        return 0.0
+
+    def clock_s(self) -> float:
+        """The link's clock (seconds): wall time, or the simulator's virtual clock."""
+        return time.perf_counter()
 
     def ready(self, t: Ticket) -> bool:
         return t.done.is_set()
@@ -117,7 +220,7 @@ class Link:
 class DirectLink(Link):
     name = "direct"
 
-    def submit(self, src, dst, *, after=None) -> Ticket:
+    def submit(self, src, dst, *, after=None, demand=True) -> Ticket:
         t0 = time.perf_counter()
         dst.copy_(src)
         t = self._submitted(Ticket(src.numel() * src.element_size()))
@@ -128,12 +231,16 @@ class DirectLink(Link):
     def wait(self, t: Ticket) -> float:
         return 0.0
 
+    def clock_s(self) -> float:
+        return 0.0
+
 
 class EmulatedLink(Link):
-    """One FIFO link of `gbps` GB/s (1e9 bytes/s) and `latency_s` per transfer.
+    """One link of `gbps` GB/s (1e9 bytes/s) and `latency_s` per transfer; misses first.
 
-    The schedule is virtual and exact: a transfer submitted at time t starts when the link is free,
-    `start = max(t, end of the previous transfer)`, and is due `latency + bytes / bandwidth` later. A
+    The schedule is virtual and exact (`PrioritySchedule`): a transfer submitted at time t starts when the
+    link is free, `start = max(t, end of the previous transfer)`, and is due `latency + bytes / bandwidth`
+    later; a demand transfer goes ahead of prefetches not yet started (which are pushed back). A
     worker thread does the real copy meanwhile (concurrently with compute on the calling thread). A
     transfer is complete when it is due and its copy is done, so `wait` blocks in real wall time until
     then, and the emulated timing does not depend on when the worker thread gets the GIL.
@@ -158,8 +265,7 @@ class EmulatedLink(Link):
             raise ConfigError(f"emulated link bandwidth must be > 0 GB/s, got {gbps}")
         self.gbps = gbps
         self.latency_s = latency_s
-        self._free_at = 0.0  # when the last scheduled transfer is due
-        self._inflight: collections.deque[Ticket] = collections.deque()
+        self._sched = PrioritySchedule()  # transfers not yet accounted, in schedule order
         self._q: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._copy_loop, name="moeflow-emulated-link", daemon=True)
         self._worker.start()
@@ -167,34 +273,56 @@ class EmulatedLink(Link):
     def transfer_s(self, nbytes: int) -> float:
         return self.latency_s + nbytes / (self.gbps * 1e9)
 
+    def transfer_estimate_s(self, nbytes: int) -> float | None:
+        return self.transfer_s(nbytes)
+
+    def backlog_s(self) -> float:
+        return self._sched.backlog_s(self._clock())
+
+    def clock_s(self) -> float:
+        return self._clock()
+
     def _copy_loop(self) -> None:
         while True:
             item = self._q.get()
             if item is None:
                 return
             src, dst, t = item
-            try:
-                dst.copy_(src)
-            except BaseException as e:  # surfaced to the waiting thread
-                t.error = e
+            if not t.cancelled:  # a withdrawn prefetch is not copied (its slot may be reused by a later copy)
+                try:
+                    dst.copy_(src)
+                except BaseException as e:  # surfaced to the waiting thread
+                    t.error = e
             t.copied.set()
 
-    def submit(self, src, dst, *, after=None) -> Ticket:
+    def submit(self, src, dst, *, after=None, demand=True) -> Ticket:
         if not self._worker.is_alive():
             raise RuntimeError("emulated link is closed; create a new one")
         t = self._submitted(Ticket(src.numel() * src.element_size()))
         t.copied = threading.Event()
         t.busy_s = self.transfer_s(t.nbytes)
-        t.due = max(self._clock(), self._free_at) + t.busy_s
-        self._free_at = t.due
-        self._inflight.append(t)
-        self._q.put((src, dst, t))
+        self._sched.add(t, self._clock(), demand=demand)
+        self._q.put((src, dst, t))  # the worker copies in submission order; the schedule decides `due`
         return t
 
+    def cancel(self, t: Ticket) -> bool:
+        if t.done.is_set() or not self._sched.cancel(t, self._clock()):
+            return False
+        self._submitted_bytes -= t.nbytes
+        return True
+
+    def promote(self, t: Ticket) -> None:
+        if not t.done.is_set():
+            self._sched.promote(t, self._clock())
+
     def _settle(self) -> None:
-        now = self._clock()
-        while self._inflight and self._inflight[0].due <= now and self._inflight[0].copied.is_set():
-            self._account(self._inflight.popleft())
+        now, q = self._clock(), self._sched.q
+        i = 0
+        while i < len(q) and q[i].due <= now and q[i].copied.is_set():
+            self._account(q[i])
+            i += 1
+        if i:
+            del q[:i]
 
     def ready(self, t: Ticket) -> bool:
         if not t.done.is_set():
@@ -209,20 +337,24 @@ class EmulatedLink(Link):
         t0 = self._clock()
         while (rest := t.due - self._clock()) > 0:
             self._sleep(rest)
-        t.copied.wait()
+        for x in list(self._sched.q):  # the real copies of everything scheduled up to t (worker order differs)
+            x.copied.wait()
+            if x is t:
+                break
         if t.error is not None:
             raise t.error
         self._settle()
-        if not t.done.is_set():  # an earlier copy still running (FIFO): wait for it too
+        if not t.done.is_set():  # unreachable: every transfer scheduled before t is due and copied
             self.drain()
         return self._clock() - t0
 
     def drain(self) -> None:
-        while self._inflight:
-            last = self._inflight[-1]
+        q = self._sched.q
+        while q:
+            last = q[-1]
             while (rest := last.due - self._clock()) > 0:
                 self._sleep(rest)
-            for t in list(self._inflight):
+            for t in list(q):
                 t.copied.wait()
             self._settle()
 
@@ -246,19 +378,36 @@ class CudaLink(Link):
         if not torch.cuda.is_available():
             raise ConfigError("--link cuda needs a CUDA device; use --link emulated:GBPS on CPU")
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.stream = torch.cuda.Stream(device=device)  # prefetch copies
+        # demand copies: never behind prefetches (lower is higher priority; clamped to the device's range)
+        self.demand_stream = torch.cuda.Stream(device=device, priority=-1)
         self._pending: list[Ticket] = []
 
-    def submit(self, src, dst, *, after=None) -> Ticket:
+    def transfer_estimate_s(self, nbytes: int) -> float | None:
+        """Mean measured seconds per byte of completed copies x nbytes (None before the first one)."""
+        return nbytes * self._busy_s / self._bytes if self._bytes else None
+
+    def backlog_s(self) -> float:
+        per = self.transfer_estimate_s(1)
+        if per is None:
+            return 0.0
+        return per * sum(t.nbytes for t in self._pending if not t.done.is_set() and not t.event.query())
+
+    def promote(self, t: Ticket) -> None:
+        """Nothing to do: an enqueued copy cannot move; compute waits on its event either way."""
+
+    def submit(self, src, dst, *, after=None, demand=True) -> Ticket:
         t = self._submitted(Ticket(src.numel() * src.element_size()))
+        t.demand = demand
         t.start_event = torch.cuda.Event(enable_timing=True)
         t.event = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.stream):
+        stream = self.demand_stream if demand else self.stream
+        with torch.cuda.stream(stream):
             if after is not None:
-                self.stream.wait_event(after)  # the last computation reading this slot is done
-            t.start_event.record(self.stream)
+                stream.wait_event(after)  # the last computation reading this slot is done
+            t.start_event.record(stream)
             dst.copy_(src, non_blocking=True)
-            t.event.record(self.stream)
+            t.event.record(stream)
         if len(self._pending) > 1024:
             self._pending = [p for p in self._pending if not self.ready(p)]
         self._pending.append(t)
@@ -307,7 +456,7 @@ class CudaLink(Link):
         self._pending.clear()
 
     def describe(self) -> str:
-        return f"cuda side stream on {self.device}"
+        return f"cuda side streams on {self.device} (demand copies on a high-priority stream)"
 
 
 _EMU = re.compile(r"^emulated:(?P<gbps>[0-9.eE+-]+)(?:,(?P<lat>[0-9.eE+-]+))?$")

@@ -3,9 +3,11 @@
 The simulated `ExpertCache` (no store) asks `submit_nbytes(nbytes)` for each transfer of one expert row.
 
 - `InstantLink`: every copy is complete when submitted (the runtime's `DirectLink` on the same accesses).
-- `ModelledLink(gbps, latency_s)`: `EmulatedLink`'s schedule on a virtual clock: one FIFO link, a transfer
-  submitted at `now` starts at `max(now, end of the previous transfer)` and is due `latency + bytes /
-  bandwidth` later; it is ready when `now >= due`; `wait` advances the clock to `due` and returns the stall.
+- `ModelledLink(gbps, latency_s)`: `EmulatedLink`'s schedule on a virtual clock, the same code
+  (`moeflow.runtime.link.PrioritySchedule`): one link, a transfer submitted at `now` starts at `max(now, end
+  of the previous transfer)` and is due `latency + bytes / bandwidth` later, demand transfers ahead of the
+  prefetches not yet started (`cancel`, `promote` as on the emulated link); it is ready when `now >= due`;
+  `wait` advances the clock to `due` and returns the stall.
   The simulator advances `now` by the per-layer compute time (`advance`), as compute advances wall time.
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
-from ..runtime.link import Link, Ticket, parse_link
+from ..runtime.link import Link, PrioritySchedule, Ticket, parse_link
 
 
 class InstantLink(Link):
@@ -29,13 +31,16 @@ class InstantLink(Link):
         self._ticket.done.set()
         self.now = 0.0
 
-    def submit_nbytes(self, nbytes: int, *, after: Any = None) -> Ticket:
+    def submit_nbytes(self, nbytes: int, *, after: Any = None, demand: bool = True) -> Ticket:
         self._bytes += nbytes
         self._transfers += 1
         return self._ticket
 
-    def submit(self, src, dst, *, after=None) -> Ticket:
+    def submit(self, src, dst, *, after=None, demand=True) -> Ticket:
         return self.submit_nbytes(src.numel() * src.element_size())
+
+    def clock_s(self) -> float:
+        return self.now
 
     def ready(self, t: Ticket) -> bool:
         return True
@@ -51,7 +56,7 @@ class InstantLink(Link):
 
 
 class ModelledLink(Link):
-    """`EmulatedLink`'s FIFO schedule (bandwidth + latency per transfer) on a virtual clock `now` (seconds)."""
+    """`EmulatedLink`'s schedule (bandwidth + latency per transfer, misses first) on a virtual clock `now` (seconds)."""
 
     name = "modelled"
 
@@ -61,25 +66,41 @@ class ModelledLink(Link):
             raise ConfigError(f"modelled link needs bandwidth > 0 GB/s and latency >= 0 (got {gbps}, {latency_s})")
         self.gbps, self.latency_s = gbps, latency_s
         self.now = 0.0
-        self._free_at = 0.0
-        self._inflight: list[Ticket] = []  # FIFO: due times ascending
+        self._sched = PrioritySchedule()  # transfers not yet accounted, in schedule order
 
     def transfer_s(self, nbytes: int) -> float:
         return self.latency_s + nbytes / (self.gbps * 1e9)
 
-    def submit_nbytes(self, nbytes: int, *, after: Any = None) -> Ticket:
-        t = Ticket(nbytes)
+    def transfer_estimate_s(self, nbytes: int) -> float | None:
+        return self.transfer_s(nbytes)
+
+    def backlog_s(self) -> float:
+        return self._sched.backlog_s(self.now)
+
+    def clock_s(self) -> float:
+        return self.now
+
+    def submit_nbytes(self, nbytes: int, *, after: Any = None, demand: bool = True) -> Ticket:
+        t = self._submitted(Ticket(nbytes))
         t.busy_s = self.transfer_s(nbytes)
-        t.due = max(self.now, self._free_at) + t.busy_s
-        self._free_at = t.due
-        self._inflight.append(t)
+        self._sched.add(t, self.now, demand=demand)
         return t
 
-    def submit(self, src, dst, *, after=None) -> Ticket:
-        return self.submit_nbytes(src.numel() * src.element_size(), after=after)
+    def submit(self, src, dst, *, after=None, demand=True) -> Ticket:
+        return self.submit_nbytes(src.numel() * src.element_size(), after=after, demand=demand)
+
+    def cancel(self, t: Ticket) -> bool:
+        if t.done.is_set() or not self._sched.cancel(t, self.now):
+            return False
+        self._submitted_bytes -= t.nbytes
+        return True
+
+    def promote(self, t: Ticket) -> None:
+        if not t.done.is_set():
+            self._sched.promote(t, self.now)
 
     def _settle(self) -> None:
-        now, fl = self.now, self._inflight
+        now, fl = self.now, self._sched.q
         i = 0
         while i < len(fl) and fl[i].due <= now:
             t = fl[i]
@@ -103,12 +124,12 @@ class ModelledLink(Link):
         self.now += seconds
 
     def drain(self) -> None:
-        if self._inflight:
-            self.now = max(self.now, self._inflight[-1].due)
+        if self._sched.q:
+            self.now = max(self.now, self._sched.q[-1].due)
             self._settle()
 
     def describe(self) -> str:
-        return f"modelled {self.gbps:g} GB/s, {self.latency_s * 1e6:g} us latency (virtual clock)"
+        return f"modelled {self.gbps:g} GB/s, {self.latency_s * 1e6:g} us latency, misses first (virtual clock)"
 
 
 def make_sim_link(spec: str | Link | None) -> Link:

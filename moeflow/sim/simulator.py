@@ -27,16 +27,18 @@ the future), through the same cache: the best hit count any eviction policy can 
 from __future__ import annotations
 
 import bisect
+import heapq
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError
 from ..policies import EVICTION, MISS, PREFETCH, ExpertKey, LayerContext, Position
+from ..policies.base import Candidates
 from ..runtime.cache import CacheCounters, ExpertCache, needed_experts, wave_capacity
 from .access import AccessTrace
 from .link import make_sim_link
@@ -178,7 +180,9 @@ class Belady:
     """MIN: the victim is the candidate whose next use (layer step) is farthest away (never = after the end);
     ties go to the larger key. Built from the access trace it will be replayed on (every pass, in the
     simulator's order); it counts layer steps from `on_layer_start`. Next uses are precomputed with numpy
-    (one dict lookup per access); `victim` is one C-level `max` over the candidates."""
+    (one dict lookup per access); `victim` takes the top of a lazy max-heap of the resident keys' next uses,
+    skipping keys that are not candidates (pinned), when the cache passes its `Candidates` view; any other
+    sequence gets one C-level `max` over the candidates (the same victim: every key's score is distinct)."""
 
     name: ClassVar[str] = "belady"
 
@@ -197,6 +201,7 @@ class Belady:
         self._next = dict(zip(codes[order].tolist(), nxt.tolist()))  # code of an access -> step of the next use
         self._k_sorted, self._s_sorted = k_sorted, s_sorted
         self._score: dict[ExpertKey, int] = {}  # resident key -> next use * M + key index (larger = evict)
+        self._heap: list[tuple[int, ExpertKey]] = []  # (-score, key), lazy: live while it is the key's score
         self.step = -1
 
     def on_layer_start(self, pos: Position) -> None:
@@ -211,15 +216,39 @@ class Belady:
         return int(self._s_sorted[i]) if i < hi else self.never
 
     def victim(self, candidates: Sequence[ExpertKey], pos: Position) -> ExpertKey:
+        if type(candidates) is Candidates:  # every candidate is resident, so scored
+            heap, score = self._heap, self._score
+            skipped, found = [], None
+            while heap:
+                neg, k = heap[0]
+                if score.get(k) != -neg:
+                    heapq.heappop(heap)  # dead: re-scored or evicted
+                elif k in candidates:
+                    found = k
+                    break
+                else:
+                    skipped.append(heapq.heappop(heap))
+            for e in skipped:
+                heapq.heappush(heap, e)
+            if found is not None:
+                return found
         return max(candidates, key=self._score.__getitem__)
+
+    def _set(self, key: ExpertKey, score: int) -> None:
+        self._score[key] = score
+        heap = self._heap
+        heapq.heappush(heap, (-score, key))
+        if len(heap) > 4 * len(self._score) + 64:  # drop dead entries
+            self._heap = [(-v, k) for k, v in self._score.items()]
+            heapq.heapify(self._heap)
 
     def on_insert(self, key, pos, *, prefetched):
         if prefetched:  # not accessed now: its next use from here
-            self._score[key] = self.next_use(key, pos.layer_rank) * self.M + pos.layer_rank * self.E + key[1]
+            self._set(key, self.next_use(key, pos.layer_rank) * self.M + pos.layer_rank * self.E + key[1])
 
     def on_access(self, key, pos, *, score):
         ki = pos.layer_rank * self.E + key[1]
-        self._score[key] = self._next.get(self.step * self.M + ki, self.never) * self.M + ki
+        self._set(key, self._next.get(self.step * self.M + ki, self.never) * self.M + ki)
 
     def on_evict(self, key):
         self._score.pop(key, None)
@@ -290,7 +319,8 @@ def simulate(
     comp = _compile(acc)
     spec = _Spec(tuple(acc.moe_layers), acc.num_experts, acc.top_k, int(acc.expert_bytes or 1))
     lk = make_sim_link(link)
-    cache = ExpertCache(None, capacity, link=lk, eviction=ev, per_layer=per_layer, spec=spec)
+    gate = getattr(pf, "gate", None) if prefetching else None  # the prefetch policy's admission (PrefetchGate)
+    cache = ExpertCache(None, capacity, link=lk, eviction=ev, per_layer=per_layer, spec=spec, gate=gate)
     wcap = wave_capacity(cache.part_capacity, cache.expert_bytes)
     st = SimStats(capacity=capacity, eviction=ev_name, prefetch=pf_name, link=lk.describe())
     moe = tuple(acc.moe_layers)
@@ -299,7 +329,7 @@ def simulate(
     hits_l, acc_l, col_l = [0] * L, [0] * L, [0] * L
     phase_sums: dict[int, CacheCounters] = {}
     seg_phase, seg0 = None, c.copy()
-    route, prefetch_, wait, release, advance = cache.route, cache.prefetch, cache.wait, cache.release, lk.advance
+    route, prefetch_, wait, release, advance = cache.route, cache.prefetch, cache.wait, cache.release, cast(Any, lk).advance
     begin_layer = cache.begin_layer
     proposed: set[ExpertKey] = set()
     t0 = time.perf_counter()

@@ -1,0 +1,232 @@
+"""Held-out recall of the layer-ahead predictors on prompt sets that differ from the training set.
+
+Trains every predictor (`moeflow train`) on a ShareGPT trace and evaluates the folder (`moeflow eval`)
+on traces of GSM8K, MMLU and GLUE (SST-2 + RTE) prompts; prints recall@k per predictor x S x set, the
+per-layer recall at S = 1, the decode-step cost of each predictor (one source layer, batch 1, every S),
+the issue-11 targets, then one JSON line (`recall_at_k[predictor][set][S]`, `per_layer`, `targets`).
+Shape-agnostic: S runs 1..min(--max-s, MoE layers - 1) for whatever model `--model` is.
+
+    .venv/bin/python benchmarks/predictors_heldout.py --threads 1                      # olmoe-mini, traces in /tmp/pred
+    .venv/bin/python benchmarks/predictors_heldout.py --model models/olmoe-deep --root /tmp/pred-deep
+
+Missing traces are recorded first, with the commands printed (and in the JSON), e.g.
+    moeflow trace --prompts sharegpt --limit 150 --record-hidden --max-new-tokens 24 --max-prompt-tokens 96
+                  --temperature 0.8 --threads 1 --out ROOT/sharegpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+EVAL_SETS = {"gsm8k": ["gsm8k"], "mmlu": ["mmlu"], "glue": ["sst2", "rte"]}
+LEARNED = ("estimator", "forest", "router-pf", "hybrid")
+
+
+def trace_cmds(args: argparse.Namespace, name: str, sources: list[str], limit: int) -> list[list[str]]:
+    common = ["--record-hidden", "--max-new-tokens", str(args.new_tokens), "--max-prompt-tokens", str(args.prompt_tokens)]
+    common += ["--temperature", "0.8", "--threads", str(args.threads), "--model", args.model, "--no-progress"]
+    per = -(-limit // len(sources))
+    return [
+        [
+            sys.executable,
+            "-m",
+            "moeflow",
+            "trace",
+            "--prompts",
+            src,
+            "--limit",
+            str(per),
+            *common,
+            "--out",
+            str(Path(args.root) / name),
+        ]
+        for src in sources
+    ]
+
+
+def decode_cost(preds: dict, data, max_s: int, reps: int = 30) -> dict[str, float]:
+    """Seconds per decode token and source layer: every S of one source layer for one token (the forest: one
+    grouped call), averaged over `reps` decode rows of `data`."""
+    from moeflow.predict.data import batch_from_rows, target_of
+
+    ml = data.spec.moe_layers
+    rows = np.flatnonzero(data.phase == 1)[:reps]
+    ctx = data.context(4)
+    src = ml[0]
+    ss = [s for s in range(1, max_s + 1) if s < len(ml)]
+    out = {}
+    for name, p in preds.items():
+        t0 = time.perf_counter()
+        for r in rows:
+            b = batch_from_rows(data, src, np.array([r]), ctx=ctx)
+            if hasattr(p, "predict_group"):
+                p.predict_group([(target_of(data.spec, src, s), s) for s in ss], b)
+            else:
+                for s in ss:
+                    p.predict(target_of(data.spec, src, s), s, b)
+        out[name] = (time.perf_counter() - t0) / max(1, len(rows))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(REPO / "models" / "olmoe-mini"))
+    ap.add_argument("--root", default="/tmp/pred", help="folder of the traces (created if missing) and the predictors")
+    ap.add_argument("--train-set", default="sharegpt")
+    ap.add_argument("--train-limit", type=int, default=150, help="training prompts (when the trace is recorded here)")
+    ap.add_argument("--eval-limit", type=int, default=60, help="prompts per held-out set (when recorded here)")
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--prompt-tokens", type=int, default=96)
+    ap.add_argument("--max-s", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--predictors", default=None, help="use this predictor folder instead of training (ROOT/predictors)")
+    ap.add_argument("--train-opt", action="append", default=[], help="TrainConfig field=value (repeat), e.g. est_epochs=12")
+    args = ap.parse_args()
+
+    from moeflow.models import torch_threads
+    from moeflow.predict.data import from_trace
+    from moeflow.predict.train import EvalConfig, TrainConfig, eval_main
+    from moeflow.predict.train import main as train_main
+
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    commands: list[str] = []
+    sets = {args.train_set: ([args.train_set], args.train_limit), **{k: (v, args.eval_limit) for k, v in EVAL_SETS.items()}}
+    for name, (sources, limit) in sets.items():
+        for cmd in trace_cmds(args, name, sources, limit):
+            commands.append(shlex.join(["moeflow", *cmd[3:]]))
+            if not (root / name / "meta.json").is_file() or len(sources) > 1:  # appending skips traced prompts
+                print("+", commands[-1], flush=True)
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+    model_layers = len(from_trace(str(root / args.train_set)).spec.moe_layers)
+    max_s = max(1, min(args.max_s, model_layers - 1))
+    pred_dir = Path(args.predictors) if args.predictors else root / "predictors"
+    fit_seconds: dict = {}
+    if not args.predictors:
+        opts: dict = {}
+        for kv in args.train_opt:
+            k, v = kv.split("=", 1)
+            f = TrainConfig.__dataclass_fields__[k]
+            opts[k] = {"int": int, "float": float, "bool": lambda x: x.lower() in ("1", "true"), "str": str}[str(f.type)](v)
+        cfg = TrainConfig(
+            trace=str(root / args.train_set),
+            out=str(pred_dir),
+            model=args.model,
+            max_s=max_s,
+            threads=args.threads,
+            force=True,
+            **opts,
+        )
+        commands.append(
+            f"moeflow train --trace {root / args.train_set} --out {pred_dir} --model {args.model} "
+            f"--max-s {max_s} --threads {args.threads} --force"
+        )
+        t0 = time.perf_counter()
+        rep = train_main(cfg)
+        fit_seconds = {**rep["fit_seconds"], "total": round(time.perf_counter() - t0, 1)}
+
+    recall: dict = {}
+    per_layer: dict = {}
+    with torch_threads(args.threads):
+        for name in EVAL_SETS:
+            commands.append(
+                f"moeflow eval --predictors {pred_dir} --trace {root / name} --model {args.model} --max-s {max_s} --json"
+            )
+            rep = eval_main(EvalConfig(predictors=str(pred_dir), trace=str(root / name), model=args.model, max_s=max_s))
+            for p, by_s in rep["by_s"].items():
+                recall.setdefault(p, {})[name] = {int(s): round(v, 4) for s, v in by_s.items()}
+            for p, res in rep["results"].items():
+                per_layer.setdefault(p, {})[name] = {
+                    f"L{m['target']}": {int(m["S"]): round(m["recall_at_k"], 4)} for m in res.values() if m["S"] == 1
+                }
+                for m in res.values():
+                    per_layer[p][name].setdefault(f"L{m['target']}", {})[int(m["S"])] = round(m["recall_at_k"], 4)
+
+        from moeflow.predict.io import load_predictors
+        from moeflow.predict.train import _load_model
+
+        model = _load_model(args.model)
+        _, preds = load_predictors(pred_dir, model)
+        cost = decode_cost(preds, from_trace(str(root / "gsm8k")), max_s)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=200)
+    ss = list(range(1, max_s + 1))
+    t = Table(title=f"held-out recall@k (trained on {args.train_set}; {args.model})")
+    t.add_column("predictor")
+    for name in EVAL_SETS:
+        for s in ss:
+            t.add_column(f"{name} S={s}", justify="right")
+    t.add_column("decode µs/layer", justify="right")
+    for p, by_set in recall.items():
+        t.add_row(p, *[f"{by_set[n].get(s, float('nan')):.3f}" for n in EVAL_SETS for s in ss], f"{cost.get(p, 0) * 1e6:.0f}")
+    con.print(t)
+    t2 = Table(title="held-out recall@k per target layer (S = 1 / 2 / ...), mean over the three sets")
+    t2.add_column("predictor")
+    layers = sorted({lay for v in per_layer.values() for d in v.values() for lay in d}, key=lambda x: int(x[1:]))
+    for lay in layers:
+        t2.add_column(lay, justify="right")
+    for p, by_set in per_layer.items():
+        cells = []
+        for lay in layers:
+            vals = [
+                f"{np.mean([by_set[n][lay][s] for n in EVAL_SETS if lay in by_set[n] and s in by_set[n][lay]]):.2f}"
+                for s in ss
+                if any(lay in by_set[n] and s in by_set[n][lay] for n in EVAL_SETS)
+            ]
+            cells.append(" / ".join(vals))
+        t2.add_row(p, *cells)
+    con.print(t2)
+
+    tok = recall.get("token-id", {})
+    pg = recall.get("pregate", {})
+    targets = {}
+    for p in LEARNED:
+        if p not in recall:
+            continue
+        margin = min(recall[p][n][s] - tok[n][s] for n in EVAL_SETS for s in ss if s in recall[p][n])
+        targets[f"{p}_vs_token_id_min_margin"] = round(margin, 4)
+        targets[f"{p}_beats_token_id_by_5"] = margin >= 0.05
+    if "forest" in recall and pg:
+        m2 = [recall["forest"][n][s] - pg[n][s] for n in EVAL_SETS for s in ss if s >= 2]
+        targets["forest_vs_pregate_min_margin_s2plus"] = round(min(m2), 4) if m2 else None
+        targets["forest_beats_pregate_by_20_s2plus"] = bool(m2) and min(m2) >= 0.20
+    best_s1 = max((min(recall[p][n][1] for n in EVAL_SETS), p) for p in recall)
+    targets["best_s1_min_over_sets"] = {"predictor": best_s1[1], "recall": round(best_s1[0], 4), "ge_0.85": best_s1[0] >= 0.85}
+    for k, v in targets.items():
+        con.print(f"{k}: {v}")
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "train_set": args.train_set,
+                "max_s": max_s,
+                "recall_at_k": recall,
+                "per_layer": per_layer,
+                "decode_seconds_per_layer": {k: round(v, 6) for k, v in cost.items()},
+                "fit_seconds": fit_seconds,
+                "targets": targets,
+                "commands": commands,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
