@@ -65,8 +65,19 @@ def run(
     eviction_opt: list[str] | None = policy_opt_option("eviction"),
     prefetch: list[str] | None = prefetch_option("pregate"),
     prefetch_opt: list[str] | None = policy_opt_option("prefetch"),
-    miss: str = typer.Option("fetch", "--miss", help="Miss policy: fetch (blocking load, exact)."),
-    routing: str = typer.Option("standard", "--routing", help="Routing policy: standard (the router's choice)."),
+    miss: str = typer.Option(
+        "fetch",
+        "--miss",
+        help="Miss policy: fetch (blocking load, exact), cpu / auto (host compute; exact on CPU), "
+        "drop / substitute (LOSSY); options name:k=v or --miss-opt.",
+    ),
+    miss_opt: list[str] | None = policy_opt_option("miss"),
+    routing: str = typer.Option(
+        "standard",
+        "--routing",
+        help="Routing policy: standard, hit-first (exact), cache-aware (LOSSY; --routing-opt lambda=0.3).",
+    ),
+    routing_opt: list[str] | None = policy_opt_option("routing"),
     link: str = typer.Option(
         "auto",
         "--link",
@@ -154,6 +165,8 @@ def run(
         prefetch_opts=parse_opts(prefetch_opt or ()),
         miss=miss,
         routing=routing,
+        miss_opts=parse_opts(miss_opt or ()),
+        routing_opts=parse_opts(routing_opt or ()),
         link=link,
         lookahead=lookahead,
         calibration=calibration,

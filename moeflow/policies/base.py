@@ -151,13 +151,52 @@ class PrefetchPolicy(Protocol):
         ...
 
 
+# ---- miss actions ----------------------------------------------------------------------------------
+# What `MissPolicy.on_miss` returns for a needed expert that is not resident:
+#   "fetch"              blocking load, then run it (exact)
+#   ("fetch", bits)      load a low-precision copy of `bits` bits (the store's quantized copies; lossy)
+#   "drop"               skip it: its gate weight becomes 0 (optionally the token's others renormalized)
+#   "substitute:<e>"     run resident expert <e> of the same layer in its place, with its gate weight
+#   "cpu"                run it on the host from the host store's row; only activations move (exact in fp32
+#                        on CPU: the same grouped kernels)
+MissAction = str | tuple[str, int]
+FETCH, DROP, CPU, SUBSTITUTE = "fetch", "drop", "cpu", "substitute"
+
+
+def miss_action(action: MissAction) -> tuple[str, int | None]:
+    """An action -> (kind, argument): "fetch" -> ("fetch", None), ("fetch", 4) -> ("fetch", 4),
+    "substitute:5" -> ("substitute", 5), "drop" / "cpu" -> (kind, None). ValueError for anything else."""
+    if isinstance(action, tuple):
+        if len(action) == 2 and action[0] == FETCH:
+            return FETCH, int(action[1])
+    elif action in (FETCH, DROP, CPU):
+        return action, None
+    elif isinstance(action, str) and action.startswith(SUBSTITUTE + ":"):
+        return SUBSTITUTE, int(action.split(":", 1)[1])
+    raise ValueError(f"unknown miss action {action!r}")
+
+
+@dataclass(frozen=True)
+class MissInfo:
+    """What the router hook knows about one missing expert of the running layer (all its tokens)."""
+
+    rank: int  # best 1-based rank among the tokens routed to it, by gate weight (1 = a token's top choice)
+    score: float  # the largest gate weight it got
+    tokens: int  # tokens routed to it in this call
+    resident: Callable[[ExpertKey], bool] = field(default=lambda k: False)  # the cache's residency now
+
+
 @runtime_checkable
 class MissPolicy(Protocol):
+    """`on_miss(key, pos)` -> a `MissAction`. A policy with `needs_routing = True` is asked in the engine's
+    router hook with `info=MissInfo(...)` and may return any action (the engine applies drop / substitute /
+    cpu there, before demand loads); other policies are asked by the cache (`check_misses`), info-less."""
+
     name: ClassVar[str]
     exact: ClassVar[bool]  # True if the layer's output is unchanged (the expert is loaded and run)
 
-    def on_miss(self, key: ExpertKey, pos: Position) -> str:
-        """'fetch' (blocking load, exact) — lossy policies may add other actions."""
+    def on_miss(self, key: ExpertKey, pos: Position) -> MissAction:
+        """'fetch' (blocking load, exact) or another `MissAction` (lossy ones: see above)."""
         ...
 
 
@@ -167,7 +206,12 @@ class RoutingPolicy(Protocol):
     exact: ClassVar[bool]
 
     def bias(self, layer: int, num_experts: int, resident: Callable[[ExpertKey], bool]) -> torch.Tensor | None:
-        """An additive bias [E] on the selection scores of `layer`, or None for the router's own choice."""
+        """An additive bias [E] on the selection scores of `layer`, or None for the router's own choice.
+
+        A policy may instead define `select_logits(layer, logits [T,E], resident, top_k) -> z' | None`
+        (dual-logit routing: z' selects the experts, the original logits weight them; `cache-aware`).
+        `reroutes = False` tells the engine the policy never changes routing (`hit-first`), and
+        `hit_first = True` makes the experts call compute resident experts before waiting for misses."""
         ...
 
 

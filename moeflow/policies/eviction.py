@@ -18,6 +18,7 @@ sequence of candidates gets the full scan (`min` by the rank); both give the sam
 |---|---|---|
 | lru | least recently accessed (insert counts as a use) | classic; SpecMD App. B |
 | lfu | fewest accesses over the whole run (counts survive eviction) | SpecMD App. B |
+| lhu | low-precision slots first, then fewest full-precision uses (counts survive eviction) | HOBBIT via SpecMD App. B |
 | fld | expert whose layer is farthest ahead of the running layer, cyclically (needed latest) | HOBBIT via SpecMD App. B |
 | score | lowest accumulated gate score (history survives eviction) | Zhu et al. via SpecMD App. B |
 | lru2 | ExpertFlow's two-level LRU: victims from the low tier first, LRU within a tier | ExpertFlow 3.3.1 |
@@ -174,6 +175,42 @@ class LFU(_HeapRanked):
 
     def _rank(self, key: ExpertKey):
         return (self.count.get(key, 0), *self._age(key))
+
+
+@EVICTION.register
+class LHU(_HeapRanked):
+    """Least High-precision Used (HOBBIT): evict a slot holding a low-precision copy first (cheap to miss
+    again), else the expert with the fewest accesses made while it was at full precision over the whole
+    run (its miss costs a full copy); ties by LRU. The cache reports each slot's precision through
+    `on_precision(key, bits)` (0 = full) on every load and cascade upgrade; with only full-precision loads
+    (miss policy `fetch`) it is LFU over high-precision uses."""
+
+    name = "lhu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bits: dict[ExpertKey, int] = {}  # resident key -> precision of its copy (0: full)
+        self.hp_uses: dict[ExpertKey, int] = {}
+
+    def _value(self, key: ExpertKey) -> tuple[bool, int]:
+        return (self.bits.get(key, 0) == 0, self.hp_uses.get(key, 0))  # low precision (False) first
+
+    def on_precision(self, key: ExpertKey, bits: int) -> None:
+        self.bits[key] = int(bits)
+        if key in self._last:  # an upgrade of a resident slot: its rank changes (counts as a use)
+            self._touch(key)
+
+    def on_access(self, key: ExpertKey, pos: Position, *, score: float) -> None:
+        if self.bits.get(key, 0) == 0:
+            self.hp_uses[key] = self.hp_uses.get(key, 0) + 1
+        self._touch(key)
+
+    def on_evict(self, key: ExpertKey) -> None:
+        super().on_evict(key)
+        self.bits.pop(key, None)
+
+    def _rank(self, key: ExpertKey):
+        return (*self._value(key), *self._age(key))
 
 
 @EVICTION.register

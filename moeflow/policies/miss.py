@@ -1,20 +1,41 @@
 """Miss policies: what to do with a needed expert that is not resident.
 
-An extension point: today it holds one policy, `fetch`, and both the runtime engine and the simulator
-implement only its action (`on_miss` returning anything else is a `ConfigError` there). Lossy
-policies (drop, substitute, run on the host, low precision; SpecMD 3.1.2) are planned: each registers
-here under its own name, returns its own action string, and the engine / simulator learn that action.
+Each returns a `MissAction` (moeflow.policies.base): the engine applies `drop`, `substitute:<e>` and `cpu`
+in its router hook, before demand loads (policies with `needs_routing = True` get a `MissInfo`: the
+expert's best rank and largest gate weight over the layer's tokens); `fetch` loads as always. The
+simulator implements `fetch` only.
 
 | name | action | exact |
 |---|---|---|
 | fetch | blocking load, then run the expert (SpecMD "Fetch") | yes |
+| drop | skip misses of rank >= `min_rank` (3) and weight < `score` (0: any); `renorm` | no |
+| substitute | most similar resident expert (router-row cosine), 1 - cos <= `tol` | no |
+| cpu | run the missing expert on the host from the store's row; activations move | on CPU |
+| auto | per miss: cpu if host compute for the tokens beats one copy, else fetch | on CPU |
+| fetch-lowest-bit | ("fetch", `bits`): the store's lowest-precision copy (default int2; HQQ) | no |
+| fetch-priority | misses scoring below the layer's `percentile` (60): ("fetch", b), b from `bits` (8/4/2) by tier | no |
+| cascade | ("fetch", `bits`) now (int4), then the full row queued over the slot (prefetch priority) | no |
+
+The mixed-precision three (`precisions` set) are decided by the cache (`ExpertCache.check_misses`, so the
+simulator runs them too): the engine makes the store's compact copies at attach, `observe(layer, scores)`
+feeds the per-layer gate-score history and `info.score` is the expert's summed gate weight in the call.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+import time
+from bisect import bisect_left, insort
+from collections import deque
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from .base import MISS, ExpertKey, Position
+import torch
+
+from .base import CPU, DROP, FETCH, MISS, ExpertKey, MissAction, MissInfo, Position
+
+FULL_BITS = 0  # `moeflow.quant.FULL`: a full-precision (model dtype) copy
+
+if TYPE_CHECKING:
+    from ..runtime.engine import OffloadEngine
 
 
 @MISS.register
@@ -23,6 +44,263 @@ class Fetch:
 
     name: ClassVar[str] = "fetch"
     exact: ClassVar[bool] = True
+    lossy: ClassVar[bool] = False  # never changes the model's output (`moeflow quality` labels runs)
 
     def on_miss(self, key: ExpertKey, pos: Position) -> str:
         return "fetch"
+
+
+@MISS.register
+class Drop:
+    """Skip missing experts ranked `min_rank` or lower for every token that routes to them (SpecMD "Drop",
+    Skliar et al.: models are resilient beyond rank 2) and, when `score` > 0, only those whose largest gate
+    weight is below it. Dropped experts get weight 0; `renorm=True` rescales each token's kept weights so
+    they sum to the token's original top-k weight sum."""
+
+    name: ClassVar[str] = "drop"
+    exact: ClassVar[bool] = False
+    needs_routing: ClassVar[bool] = True
+
+    def __init__(self, min_rank: int = 3, score: float = 0.0, renorm: bool = False):
+        if int(min_rank) < 2:
+            raise ValueError("min_rank must be >= 2 (a token's top expert is always fetched)")
+        self.min_rank, self.score, self.renorm = int(min_rank), float(score), bool(renorm)
+
+    def on_miss(self, key: ExpertKey, pos: Position, info: MissInfo | None = None) -> MissAction:
+        if info is None or info.rank < self.min_rank:
+            return FETCH
+        if self.score > 0 and info.score >= self.score:
+            return FETCH
+        return DROP
+
+
+@MISS.register
+class Substitute:
+    """Run the most similar resident expert of the same layer instead of a missing one (Zhu et al. 2025):
+    similarity = cosine of the two experts' router weight rows (precomputed per layer at `bind`); substitute
+    when 1 - cos <= `tol`, else fetch. Only misses of rank >= `min_rank` (default 1: all) are substituted."""
+
+    name: ClassVar[str] = "substitute"
+    exact: ClassVar[bool] = False
+    needs_routing: ClassVar[bool] = True
+
+    def __init__(self, tol: float = 1.0, min_rank: int = 1):
+        self.tol, self.min_rank = float(tol), int(min_rank)
+        self.sim: dict[int, torch.Tensor] = {}  # layer -> [E,E] cosine similarity
+
+    def bind(self, engine: OffloadEngine) -> None:
+        ad = engine.adapter
+        for l in ad.moe_layers:
+            w = torch.as_tensor(ad.router(l).weight).detach().float().cpu()  # [E,H]
+            self.sim[l] = similarity(w)
+
+    def on_miss(self, key: ExpertKey, pos: Position, info: MissInfo | None = None) -> MissAction:
+        if info is None or info.rank < self.min_rank:
+            return FETCH
+        l, e = key
+        sim = self.sim.get(l)
+        if sim is None:
+            return FETCH
+        best = nearest_resident(sim, l, e, info.resident)
+        if best is None or 1.0 - float(sim[e, best]) > self.tol:
+            return FETCH
+        return f"substitute:{best}"
+
+
+def similarity(router_weight: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity [E,E] of router weight rows [E,H]."""
+    w = torch.nn.functional.normalize(router_weight.float(), dim=-1)
+    return w @ w.T
+
+
+def nearest_resident(sim: torch.Tensor, layer: int, expert: int, resident: Any) -> int | None:
+    """The resident expert of `layer` (not `expert`) most similar to `expert`, or None (lowest id on ties)."""
+    best, best_s = None, -float("inf")
+    for j in range(sim.shape[0]):
+        if j != expert and resident((layer, j)):
+            s = float(sim[expert, j])
+            if s > best_s:
+                best, best_s = j, s
+    return best
+
+
+@MISS.register
+class Cpu:
+    """Compute the missing expert on the host, where its weights live: the rows of its tokens go to the
+    host, the same grouped kernels run there, the results come back (exact on a CPU device in fp32)."""
+
+    name: ClassVar[str] = "cpu"
+    exact: ClassVar[bool] = True  # on a CPU device (same kernels); on CUDA host and device kernels differ
+    needs_routing: ClassVar[bool] = True
+
+    def on_miss(self, key: ExpertKey, pos: Position, info: MissInfo | None = None) -> MissAction:
+        return CPU
+
+
+@MISS.register
+class Auto:
+    """Per miss, `cpu` when the host computes the expert for the tokens at hand faster than one copy takes,
+    else `fetch`. host time = `host_s` + `per_token_s` x (tokens - 1); copy time = `copy_s`. Missing values
+    come from the calibration (`moeflow run` passes them) or are measured at `bind` (host: a host-store
+    expert on 1 and 8 rows; copy: the link's estimate, else one timed row copy)."""
+
+    name: ClassVar[str] = "auto"
+    exact: ClassVar[bool] = True  # fetch and cpu are both exact on a CPU device
+    needs_routing: ClassVar[bool] = True
+
+    def __init__(self, host_s: float | None = None, per_token_s: float | None = None, copy_s: float | None = None):
+        self.host_s, self.per_token_s, self.copy_s = host_s, per_token_s, copy_s
+        self._link: Any = None
+        self._nbytes = 0
+        self.decisions = {FETCH: 0, CPU: 0}
+
+    def bind(self, engine: OffloadEngine) -> None:
+        self._link, self._nbytes = engine.link, engine.store.expert_bytes
+        if self.host_s is None or self.per_token_s is None:
+            t1, t8 = engine.time_host_expert(1), engine.time_host_expert(8)
+            self.host_s = t1 if self.host_s is None else self.host_s
+            self.per_token_s = max(0.0, (t8 - t1) / 7) if self.per_token_s is None else self.per_token_s
+        if self.copy_s is None:
+            est = self._link.transfer_estimate_s(self._nbytes)
+            self.copy_s = est if est is not None else engine.time_row_copy()
+
+    def estimate(self, tokens: int) -> tuple[float, float]:
+        """(host seconds for `tokens` rows, copy seconds) of one expert."""
+        host = float(self.host_s or 0.0) + float(self.per_token_s or 0.0) * max(0, tokens - 1)
+        return host, float(self.copy_s or 0.0)
+
+    def on_miss(self, key: ExpertKey, pos: Position, info: MissInfo | None = None) -> MissAction:
+        tokens = info.tokens if info is not None else 1
+        host, copy = self.estimate(tokens)
+        act = CPU if host < copy else FETCH
+        self.decisions[act] += 1
+        return act
+
+
+def time_call(fn: Any, repeats: int = 5) -> float:
+    """Fastest of `repeats` timed calls (after one warm-up)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+# ---- mixed precision (SpecMD 3.1.2, HOBBIT) ----------------------------------------------------------
+
+
+def _bits_list(bits: Any) -> tuple[int, ...]:
+    """`8`, `"8/4/2"`, `"8-4"` or a sequence -> (8, 4, 2): the precisions to use, most precise first."""
+    from ..quant import BITS
+
+    if isinstance(bits, int):
+        out: tuple[int, ...] = (bits,)
+    elif isinstance(bits, str):
+        out = tuple(int(b) for b in bits.replace("-", "/").replace(":", "/").split("/") if b.strip())
+    else:
+        out = tuple(int(b) for b in bits)
+    bad = [b for b in out if b not in BITS]
+    if not out or bad:
+        raise ValueError(f"bits must be among {'/'.join(map(str, BITS))}, got {bits!r}")
+    return tuple(sorted(set(out), reverse=True))
+
+
+class _MixedPrecision:
+    """Shared: `precisions` (the store's compact copies to make), HQQ's `optimize`, a no-op `observe`."""
+
+    name: ClassVar[str] = ""
+    exact: ClassVar[bool] = False
+    upgrade: ClassVar[bool] = False  # cascade: the cache queues the full-precision row over the slot
+    precisions: tuple[int, ...] = ()
+
+    def __init__(self, bits: Any, optimize: bool = True):
+        self.precisions = _bits_list(bits)
+        self.optimize = bool(optimize)
+
+    def observe(self, layer: int, scores: dict[int, float]) -> None:
+        """Every needed expert of a layer call with its summed gate weight (hits included)."""
+
+
+@MISS.register
+class FetchLowestBit(_MixedPrecision):
+    """On a miss fetch the lowest-precision copy (SpecMD "Fetch-lowest-bit"): fewest bytes, largest error."""
+
+    name: ClassVar[str] = "fetch-lowest-bit"
+
+    def __init__(self, bits: Any = 2, optimize: bool = True):
+        super().__init__(bits, optimize)
+        self.precisions = (min(self.precisions),)
+
+    def on_miss(self, key: ExpertKey, pos: Position, info: MissInfo | None = None) -> MissAction:
+        return (FETCH, self.precisions[0])
+
+
+@MISS.register
+class FetchPriority(_MixedPrecision):
+    """SpecMD "Fetch-priority" (int8:4:2): a miss whose gate score ranks below the `percentile` of its layer's
+    recent scores (the last `window` needed experts' summed gate weights) is fetched at low precision, the
+    band [0, percentile) split evenly into tiers from `bits`, most precise first (60, 8/4/2: 40-60 -> int8,
+    20-40 -> int4, 0-20 -> int2); the others, and every miss before `min_history` scores are known, at full
+    precision. SpecMD's setting: the bottom 60th percentile degraded."""
+
+    name: ClassVar[str] = "fetch-priority"
+
+    def __init__(
+        self, percentile: float = 60.0, bits: Any = "8/4/2", window: int = 4096, min_history: int = 32, optimize: bool = True
+    ):
+        super().__init__(bits, optimize)
+        if not 0 < float(percentile) <= 100:
+            raise ValueError("percentile must be in (0, 100]")
+        self.percentile, self.window, self.min_history = float(percentile), int(window), int(min_history)
+        self._recent: dict[int, deque[float]] = {}
+        self._sorted: dict[int, list[float]] = {}
+        self.decisions: dict[int, int] = {b: 0 for b in (FULL_BITS, *self.precisions)}
+
+    def observe(self, layer: int, scores: dict[int, float]) -> None:
+        recent = self._recent.setdefault(layer, deque())
+        srt = self._sorted.setdefault(layer, [])
+        for v in scores.values():
+            recent.append(v)
+            insort(srt, v)
+            if len(recent) > self.window:
+                old = recent.popleft()
+                del srt[bisect_left(srt, old)]
+
+    def rank_pct(self, layer: int, score: float) -> float | None:
+        """Percent of the layer's recent scores below `score` (None: too little history)."""
+        srt = self._sorted.get(layer, [])
+        if len(srt) < self.min_history:
+            return None
+        return 100.0 * bisect_left(srt, score) / len(srt)
+
+    def on_miss(self, key: ExpertKey, pos: Position, info: MissInfo | None = None) -> MissAction:
+        q = self.rank_pct(key[0], info.score) if info is not None else None
+        if q is None or q >= self.percentile:
+            self.decisions[FULL_BITS] += 1
+            return FETCH
+        n = len(self.precisions)
+        tier = min(n - 1, int((self.percentile - q) / (self.percentile / n)))
+        b = self.precisions[tier]
+        self.decisions[b] += 1
+        return (FETCH, b)
+
+
+@MISS.register
+class Cascade(_MixedPrecision):
+    """SpecMD "Fetch with precision cascade" (HOBBIT): fetch the `bits` copy so compute starts sooner, then
+    upgrade in the background. Implemented as: low-bit now; when the layer has used it, the full-precision
+    row is queued as a prefetch-priority copy that replaces it in the same slot (the cache's `upgrade`).
+    Until it lands the slot is in flight, so a later use waits for the exact expert; the layer that missed
+    ran on the low-bit copy (lossy). Pair with eviction `lhu`, which evicts low-precision slots first."""
+
+    name: ClassVar[str] = "cascade"
+    upgrade: ClassVar[bool] = True
+
+    def __init__(self, bits: Any = 4, optimize: bool = True):
+        super().__init__(bits, optimize)
+        self.precisions = (min(self.precisions),)
+
+    def on_miss(self, key: ExpertKey, pos: Position, info: MissInfo | None = None) -> MissAction:
+        return (FETCH, self.precisions[0])

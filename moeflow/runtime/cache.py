@@ -29,6 +29,16 @@ per forward pass `begin_pass`, then per MoE layer):
   not resident is admitted or refused by the prefetch policy's gate, `PrefetchGate`) -> per wave
   (`plan_waves`: resident experts first; one wave = the routed slots): `demand_wave` (only when `route`
   demanded nothing), `wait`, the layer's compute, `release`.
+
+Mixed precision: a miss action `("fetch", bits)` loads the store's compact copy at `bits` (int8/4/2, HQQ;
+`moeflow.quant`) into the slot's first bytes; the slot records its precision (`Slot.bits`, 0 = full) and
+the copy is dequantized into the model-dtype row on the device as soon as it is known complete (`_ready`),
+before any compute reads it. Every load counts its own transfer's bytes (`bytes_at(bits)`) in `bytes_moved`;
+without a store the compact size is estimated (`compact_bytes_estimate`). A hit on a low-precision slot
+counts `lowbit_hits`. With a miss policy whose `upgrade` is True (`cascade`) each low-precision slot gets,
+when the layer releases it, a full-precision copy queued as a prefetch-priority transfer into the same slot
+(`upgrades`); until it lands the slot is in flight, so a later use waits for the exact expert. Eviction
+policies with `on_precision(key, bits)` (`lhu`) are told every slot's precision (load and upgrade).
 """
 
 from __future__ import annotations
@@ -41,7 +51,8 @@ from typing import Any, Literal, cast, overload
 import torch
 
 from ..errors import ConfigError
-from ..policies.base import Candidates, EvictionPolicy, ExpertKey, Position, PrefetchRequest
+from ..policies.base import FETCH, Candidates, EvictionPolicy, ExpertKey, MissInfo, Position, PrefetchRequest, miss_action
+from ..quant import FULL, compact_bytes_estimate
 from .link import Link, Ticket
 from .store import HostExpertStore
 
@@ -99,7 +110,10 @@ class CacheCounters:
     #   routed to other experts); not in loads / bytes_moved (loads = demand_loads + issued - cancelled)
     collision_misses: int = 0  # needed experts that were evicted earlier in the same forward pass
     evictions: int = 0
-    bytes_moved: int = 0  # loads x expert row bytes
+    bytes_moved: int = 0  # bytes of every transfer issued: full rows, compact low-precision copies, upgrades
+    lowbit_loads: int = 0  # demand loads of a low-precision copy (miss action ("fetch", bits); lossy)
+    lowbit_hits: int = 0  # hits on a slot holding a low-precision copy (lossy)
+    upgrades: int = 0  # full-precision copies queued over low-precision slots (`cascade`); not in `loads`
     stall_s: float = 0.0  # seconds the compute thread waited for copies
 
     @property
@@ -134,6 +148,8 @@ class Slot:
     prefetched: bool = False  # inserted by a prefetch
     used: bool = False  # accessed since insertion
     last_use: Any = None  # link marker after the last compute that read this slot
+    bits: int = FULL  # precision of the copy in the slot (FULL = 0: the model dtype; 8/4/2: a compact copy)
+    dequant: int = FULL  # bits of a compact copy in flight that `_ready` must dequantize (FULL: none)
 
 
 class ExpertCache:
@@ -189,6 +205,8 @@ class ExpertCache:
         self.time = 0
         self.pass_id = -1
         self._evicted_in_pass: dict[ExpertKey, int] = {}
+        self.upgrade = False  # cascade: queue a full-precision copy over each low-precision slot on release
+        self._on_precision = getattr(eviction, "on_precision", None)
 
     # ---- capacity --------------------------------------------------------------------------------
     def _check_capacity(self) -> None:
@@ -224,9 +242,26 @@ class ExpertCache:
     def _refresh(self, s: int) -> str:
         slot = self.slots[s]
         if slot.state == LOADING and slot.ticket is not None and self.link.ready(slot.ticket):  # LOADING has a ticket
-            slot.state = READY
-            self._loading.discard(s)
+            self._ready(s)
         return slot.state
+
+    def _ready(self, s: int) -> None:
+        """The slot's copy is complete: mark it ready; a compact copy is dequantized in place now (device)."""
+        slot = self.slots[s]
+        slot.state = READY
+        self._loading.discard(s)
+        if slot.dequant != FULL:
+            bits, slot.dequant = slot.dequant, FULL
+            if self.store is not None and self.buffer is not None:
+                self.store.dequantize(bits, self.buffer[s])
+
+    def bytes_at(self, bits: int) -> int:
+        """Bytes one transfer of an expert at `bits` moves (FULL: the full row)."""
+        if bits == FULL:
+            return self.expert_bytes
+        if self.store is not None:
+            return self.store.expert_bytes_at(bits)
+        return compact_bytes_estimate(self.expert_bytes, bits)
 
     def layer_all_ready(self, layer: int) -> bool:
         """True when every expert of `layer` is in a ready slot: no access of this layer can miss or wait."""
@@ -238,10 +273,13 @@ class ExpertCache:
         return True
 
     # ---- demand: the running layer's experts -------------------------------------------------------
-    def demand(self, layer: int, experts: Sequence[int], scores: dict[int, float]) -> list[int]:
+    def demand(
+        self, layer: int, experts: Sequence[int], scores: dict[int, float], bits: dict[int, int] | None = None
+    ) -> list[int]:
         """Pin the experts `layer` needs now, issue loads for the missing ones; return their slots.
 
         Hits are pinned before any miss picks a victim, so a miss never evicts this layer's own hits.
+        `bits`: misses to load as a low-precision copy (`check_misses`), the others load at full precision.
         """
         if len(experts) > self.part_capacity:
             raise RuntimeError(f"demand of {len(experts)} experts exceeds {self.part_capacity} slots; use waves")
@@ -259,6 +297,8 @@ class ExpertCache:
             c.accesses += 1
             if s is not None:
                 c.hits += 1
+                if slots[s].bits != FULL:
+                    c.lowbit_hits += 1
                 if slots[s].state != READY and self._refresh(s) != READY:
                     c.late += 1
                     ticket = slots[s].ticket
@@ -270,8 +310,11 @@ class ExpertCache:
                     c.collision_misses += 1
                 pos = _position(pass_id, layer, rank, t)
                 s = self._acquire(key, pos, demand=True, protected=())
-                self._load(s, key, prefetched=False, pos=pos)
+                b = bits.get(e, FULL) if bits else FULL
+                self._load(s, key, prefetched=False, pos=pos, bits=b)
                 c.demand_loads += 1
+                if b != FULL:
+                    c.lowbit_loads += 1
                 slots[s].pinned = True
             slot = slots[s]
             if slot.prefetched and not slot.used:
@@ -283,17 +326,48 @@ class ExpertCache:
             out.append(s)
         return out
 
-    def check_misses(self, miss: Any, layer: int, experts: Sequence[int]) -> None:
-        """Ask the miss policy about every needed expert without a slot; only 'fetch' is implemented."""
+    def check_misses(
+        self, miss: Any, layer: int, experts: Sequence[int], scores: dict[int, float] | None = None
+    ) -> dict[int, int]:
+        """Ask the miss policy about every needed expert without a slot; returns {expert: bits} of the misses
+        to load as a low-precision copy. The cache implements the fetch actions ("fetch", ("fetch", bits));
+        drop / substitute / cpu are the engine's (policies with `needs_routing`, asked in its router hook).
+
+        A policy with `precisions` (the mixed-precision ones) first sees every needed expert's summed gate
+        weight (`observe(layer, scores)`) and is asked with `info=MissInfo(rank=0, score, tokens=0)`
+        (rank and tokens unknown here)."""
         if miss is None:
-            return
+            return {}
+        mixed = getattr(miss, "precisions", None) is not None
+        if mixed:
+            scores = scores or {}
+            miss.observe(layer, {e: scores.get(e, 0.0) for e in experts})
+            self.upgrade = self.upgrade or bool(getattr(miss, "upgrade", False))
+        out: dict[int, int] = {}
         for e in experts:
             if (layer, e) not in self.slot_of:
-                action = miss.on_miss((layer, e), self.position(layer))
-                if action != "fetch":
+                key, pos = (layer, e), self.position(layer)
+                if mixed:
+                    action = miss.on_miss(key, pos, MissInfo(0, float(scores.get(e, 0.0)) if scores else 0.0, 0, self.resident))
+                else:
+                    action = miss.on_miss(key, pos)
+                try:
+                    kind, arg = miss_action(action)
+                except ValueError as err:
+                    raise ConfigError(f"miss policy {miss.name!r}: {err}") from None
+                if kind != FETCH:
                     raise ConfigError(
-                        f"miss policy {miss.name!r} asked for {action!r}; the runtime implements only 'fetch' so far"
+                        f"miss policy {miss.name!r} asked for {action!r}; the cache implements only fetch actions "
+                        "(drop / substitute / cpu are applied by the engine's router hook: set needs_routing)"
                     )
+                if arg is not None and arg != FULL:
+                    if self.store is not None and arg not in self.store.compact:
+                        raise ConfigError(
+                            f"miss policy {miss.name!r} asked for an int{arg} copy; the store holds "
+                            f"{', '.join(f'int{b}' for b in self.store.precisions) or 'none'} (list it in its `precisions`)"
+                        )
+                    out[e] = int(arg)
+        return out
 
     def route(
         self, layer: int, experts: Sequence[int], scores: dict[int, float], wave_cap: int, miss: Any = None
@@ -304,8 +378,8 @@ class ExpertCache:
             self.cancel_stale(layer, experts)
         if len(experts) > wave_cap:
             return None
-        self.check_misses(miss, layer, experts)
-        return self.demand(layer, experts, scores)
+        bits = self.check_misses(miss, layer, experts, scores)
+        return self.demand(layer, experts, scores, bits)
 
     def plan_waves(self, layer: int, experts: Sequence[int], wave_cap: int) -> list[list[int]]:
         """Chunks of <= wave_cap experts, resident ones first (they need no copy), each sorted by id."""
@@ -314,8 +388,9 @@ class ExpertCache:
 
     def demand_wave(self, layer: int, experts: Sequence[int], scores: dict[int, float], miss: Any = None) -> list[int]:
         """One wave planned by `plan_waves`: the miss policy, `demand`, `wait`; returns its slots."""
-        self.check_misses(miss, layer, experts)
-        slots = self.demand(layer, experts, {e: scores[e] for e in experts})
+        wave_scores = {e: scores[e] for e in experts}
+        bits = self.check_misses(miss, layer, experts, wave_scores)
+        slots = self.demand(layer, experts, wave_scores, bits)
         self.wait(slots)
         return slots
 
@@ -328,8 +403,7 @@ class ExpertCache:
             slot = self.slots[s]
             if slot.state == LOADING and slot.ticket is not None:  # LOADING has a ticket
                 stall += self.link.wait(slot.ticket)
-                slot.state = READY
-                self._loading.discard(s)
+                self._ready(s)
         self.counters.stall_s += stall
         return stall
 
@@ -342,6 +416,23 @@ class ExpertCache:
             slot.last_use = marker
             if not self.retain and slot.key is not None:
                 self._evict(s)
+            elif self.upgrade and slot.bits != FULL and slot.state == READY and slot.key is not None:
+                self._upgrade(s)
+
+    def _upgrade(self, s: int) -> None:
+        """Cascade: queue the full-precision row over a low-precision slot (prefetch priority, after the
+        computation that just read it); the slot is in flight until the exact expert has landed."""
+        slot = self.slots[s]
+        key = cast(ExpertKey, slot.key)
+        slot.ticket = self._submit(s, key, FULL, demand=False)
+        slot.bits, slot.dequant = FULL, FULL
+        if not self._instant:
+            slot.state = LOADING
+            self._loading.add(s)
+        self.counters.upgrades += 1
+        self.counters.bytes_moved += self.expert_bytes
+        if self._on_precision is not None:
+            self._on_precision(key, FULL)
 
     # ---- prefetch -----------------------------------------------------------------------------------
     def cancel_stale(self, layer: int, experts: Sequence[int]) -> int:
@@ -366,7 +457,7 @@ class ExpertCache:
             self._free[self._part(layer)].append(s)
             self.counters.prefetch_cancelled += 1
             self.counters.loads -= 1
-            self.counters.bytes_moved -= self.expert_bytes
+            self.counters.bytes_moved -= self.expert_bytes  # prefetches are full-precision rows
             if self.eviction is not None:
                 self.eviction.on_evict(key)
             n += 1
@@ -466,18 +557,27 @@ class ExpertCache:
         if self.eviction is not None:
             self.eviction.on_evict(key)
 
-    def _load(self, s: int, key: ExpertKey, *, prefetched: bool, pos: Position) -> None:
+    def _submit(self, s: int, key: ExpertKey, bits: int, *, demand: bool) -> Ticket:
+        """Start the copy of `key` at `bits` into slot `s` (a compact copy lands in the row's first bytes)."""
         slot = self.slots[s]
         store, buffer = self.store, self.buffer
         if store is not None and buffer is not None:  # the buffer exists exactly when the store does
-            src = store.row(*key)  # [R] host
-            slot.ticket = self.link.submit(src, buffer[s], after=slot.last_use, demand=not prefetched)
-        else:  # simulated: the link models the transfer of one expert row, nothing is copied
-            slot.ticket = self.link.submit_nbytes(self.expert_bytes, after=slot.last_use, demand=not prefetched)  # type: ignore[attr-defined]
+            src = store.compact_row(*key, bits)  # [R] model dtype or [compact bytes] uint8, host
+            return self.link.submit(src, store.landing(buffer[s], bits), after=slot.last_use, demand=demand)
+        # simulated: the link models the transfer of one expert (row or compact copy), nothing is copied
+        return self.link.submit_nbytes(self.bytes_at(bits), after=slot.last_use, demand=demand)  # type: ignore[attr-defined]
+
+    def _load(self, s: int, key: ExpertKey, *, prefetched: bool, pos: Position, bits: int = FULL) -> None:
+        slot = self.slots[s]
+        slot.ticket = self._submit(s, key, bits, demand=not prefetched)
+        slot.bits, slot.dequant = bits, bits
         slot.state = READY if self._instant else LOADING
         slot.key = key
         slot.prefetched = prefetched
         slot.used = False
+        if self._instant and bits != FULL and self.store is not None and self.buffer is not None:
+            slot.dequant = FULL
+            self.store.dequantize(bits, self.buffer[s])
         self.slot_of[key] = s
         r = self.rank[key[0]]
         if self.table is not None:
@@ -486,7 +586,9 @@ class ExpertCache:
         if not self._instant:
             self._loading.add(s)
         self.counters.loads += 1
-        self.counters.bytes_moved += self.expert_bytes
+        self.counters.bytes_moved += self.bytes_at(bits)  # this transfer's bytes (a compact copy is smaller)
+        if self._on_precision is not None:
+            self._on_precision(key, bits)
         if self.eviction is not None:
             self.eviction.on_insert(key, pos, prefetched=prefetched)
 

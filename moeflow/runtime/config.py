@@ -42,6 +42,8 @@ class RunConfig:
     prefetch_opts: tuple[tuple[str, str], ...] = ()
     miss: str = "fetch"
     routing: str = "standard"
+    miss_opts: tuple[tuple[str, str], ...] = ()  # --miss-opt key=value (drop: min_rank, score, renorm; ...)
+    routing_opts: tuple[tuple[str, str], ...] = ()  # --routing-opt key=value (cache-aware: lambda)
     link: str = "auto"  # auto | cuda | direct | emulated:GBPS[,LATENCY_US]
     lookahead: int | None = None  # step size S; None = calibration's, else 1
     calibration: str | None = None  # calibration JSON; None = calibration/<device>.json
@@ -112,8 +114,8 @@ class RunConfig:
                 build_policy(EVICTION, text, self.eviction_opts)
             for text in self.prefetches:
                 build_policy(PREFETCH, text, self.prefetch_opts)
-        MISS.create(self.miss)
-        ROUTING.create(self.routing)
+        build_policy(MISS, self.miss, self.miss_opts)
+        build_policy(ROUTING, self.routing, self.routing_opts)
         kind, _, _ = parse_link(self.link)
         if kind == "cuda" and not self.device.startswith("cuda"):
             raise ConfigError("--link cuda needs --device cuda; on CPU use --link direct or emulated:GBPS[,LATENCY_US]")

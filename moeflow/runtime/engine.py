@@ -39,7 +39,20 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..moe import RouterEvent, get_adapter, residual_hooks, router_hooks, tx_compat
-from ..policies.base import EvictionPolicy, LayerContext, MissPolicy, PrefetchPolicy, PrefetchRequest, RoutingPolicy
+from ..policies.base import (
+    CPU,
+    DROP,
+    SUBSTITUTE,
+    EvictionPolicy,
+    LayerContext,
+    MissInfo,
+    MissPolicy,
+    PrefetchPolicy,
+    PrefetchRequest,
+    RoutingPolicy,
+    miss_action,
+)
+from ..policies.routing import dual_select
 from .cache import GATHER_BYTES, MAX_GROUPS, CacheCounters, ExpertCache, needed_experts, wave_capacity  # noqa: F401
 from .link import Link
 from .store import HostExpertStore
@@ -102,6 +115,7 @@ class _Routed:
     experts: list[int] | None = None  # unique experts (None: deferred, everything resident)
     slots: list[int] | None = None  # their pinned slots (None: deferred or more than one wave)
     scores: dict[int, float] | None = None  # summed gate weight per expert (for waves demanded later)
+    cpu: list[int] | None = None  # experts the miss policy runs on the host (no slot)
 
 
 class OffloadEngine:
@@ -136,7 +150,10 @@ class OffloadEngine:
         self.link = link
         self.eviction, self.prefetcher, self.miss, self.routing = eviction, prefetch, miss, routing
         self._prefetching = prefetch is not None and getattr(prefetch, "name", None) != "none"  # proposes copies
-        self._rerouting = routing is not None and getattr(routing, "name", None) != "standard"  # may bias routing
+        self._rerouting = routing is not None and bool(getattr(routing, "reroutes", routing.name != "standard"))
+        self._hit_first = bool(getattr(routing, "hit_first", False))  # compute resident experts before waiting
+        self._miss_hook = bool(getattr(miss, "needs_routing", False))  # drop / substitute / cpu in the router hook
+        self.miss_counts = {DROP: 0, SUBSTITUTE: 0, CPU: 0}  # missing experts (per layer call) handled without a copy
         self.per_layer, self.retain = per_layer, retain
         self.capacity = capacity
         self.lookahead = int(lookahead)  # step size S; controllers may change it between passes
@@ -165,6 +182,7 @@ class OffloadEngine:
         self._moe_run = 0
         self._pred_keys: set[tuple[int, int]] = set()
         self._pred_new = 0
+        self.host_s = 0.0  # seconds spent running experts on the host (miss policy `cpu`/`auto`)
 
     @property
     def cache(self) -> ExpertCache:
@@ -203,6 +221,12 @@ class OffloadEngine:
                 stack.callback(bind(self.model, self))
             self.store.offload()
             stack.callback(self.store.restore)
+            precisions = getattr(self.miss, "precisions", None)  # mixed-precision miss policies: compact copies
+            if precisions:
+                self.store.quantize(precisions, optimize=bool(getattr(self.miss, "optimize", True)))
+            mbind = getattr(self.miss, "bind", None)
+            if mbind is not None:  # substitute: router similarities; auto: host / copy timings
+                mbind(self)
             for l in self.spec.moe_layers:
                 ex = self.adapter.experts(l)
                 # torch's stub types Module.__setattr__ values as Tensor | Module; any object is accepted
@@ -310,14 +334,32 @@ class OffloadEngine:
         cache.begin_layer(l)
         replaced = None
         if self._rerouting and self.routing is not None:  # `_rerouting` implies a routing policy
-            bias = self.routing.bias(l, self.spec.num_experts, cache.is_ready)
-            if bias is not None:
-                weights, indices = self.adapter.select(l, logits, bias)
+            select_logits = getattr(self.routing, "select_logits", None)
+            if select_logits is not None:  # dual-logit: z' selects, the original logits weight
+                z2 = select_logits(l, logits, cache.resident, self.spec.top_k)
+                if z2 is not None:
+                    weights, indices = dual_select(self.adapter.select, l, logits, z2)
+                    replaced = (logits, weights, indices)
+            else:
+                bias = self.routing.bias(l, self.spec.num_experts, cache.is_ready)
+                if bias is not None:
+                    weights, indices = self.adapter.select(l, logits, bias)
+                    replaced = (logits, weights, indices)
+        ids_h, w_h = self._to_host([(indices, weights)])[0]
+        cpu: list[int] = []
+        if self._miss_hook:
+            changed, ids_h, w_h, cpu = self._apply_miss(l, ids_h, w_h, indices.shape)
+            if changed:
+                indices = ids_h.view(indices.shape).to(indices.device)
+                weights = w_h.view(weights.shape).to(device=weights.device, dtype=weights.dtype)
                 replaced = (logits, weights, indices)
-        experts, scores = self._needs_host(*self._to_host([(indices, weights)])[0])
-        routed = _Routed(indices, experts, scores=scores)
+        experts, scores = self._needs_host(ids_h, w_h)
+        if cpu:
+            experts = [e for e in experts if e not in cpu]
+            scores = {e: v for e, v in scores.items() if e not in cpu}
+        routed = _Routed(indices, experts, scores=scores, cpu=cpu or None)
         loads0 = cache.counters.loads  # the access order of `moeflow.runtime.cache` (shared with the simulator)
-        routed.slots = cache.route(l, experts, scores, self._wave_capacity(), self.miss)
+        routed.slots = cache.route(l, experts, scores, self._wave_capacity(), None if self._miss_hook else self.miss)
         self._count_loads(l, cache.counters.loads - loads0)
         self._pending[l] = routed
         if self._prefetching:
@@ -361,6 +403,58 @@ class OffloadEngine:
     def _needs_host(flat: torch.Tensor, weights: torch.Tensor) -> tuple[list[int], dict[int, float]]:
         """Unique experts of a call (host tensors `[S]`) and their summed gate weight over its tokens."""
         return needed_experts(flat, weights)
+
+    def _apply_miss(
+        self, layer: int, ids: torch.Tensor, w: torch.Tensor, shape: torch.Size
+    ) -> tuple[bool, torch.Tensor, torch.Tensor, list[int]]:
+        """Ask a `needs_routing` miss policy about every missing expert of the call (host tensors `[S]`).
+
+        Returns (routing changed, ids, weights, cpu experts): a dropped expert's entries get weight 0 and
+        the id of the token's best kept expert (computed, then weighted by 0), or with the policy's `renorm`
+        the token's kept weights are rescaled to the original sum; a substituted one's entries get the
+        substitute's id (weights kept); `cpu` experts keep their entries and are computed on the host.
+        """
+        cache, miss = self.cache, self.miss
+        k = int(shape[-1])
+        T = ids.numel() // k
+        idx, wt = ids.view(T, k), w.view(T, k)
+        missing = [e for e in idx.unique().tolist() if not cache.resident((layer, int(e)))]
+        if not missing or miss is None:
+            return False, ids, w, []
+        order = torch.argsort(wt, dim=1, descending=True, stable=True)  # [T,k] columns by weight
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(1, k + 1).expand(T, k))  # [T,k] 1-based
+        pos = cache.position(layer)
+        dropped, subs, cpu = [], {}, []
+        for e in missing:
+            m = idx == e
+            info = MissInfo(int(rank[m].min()), float(wt[m].max()), int(m.any(1).sum()), cache.resident)
+            kind, arg = miss_action(miss.on_miss((layer, e), pos, info))  # type: ignore[call-arg]
+            if kind == DROP:
+                dropped.append(e)
+            elif kind == SUBSTITUTE and arg is not None:
+                if not cache.resident((layer, arg)):
+                    raise ConfigError(f"miss policy {miss.name!r} substituted ({layer}, {arg}), which is not resident")
+                subs[e] = arg
+            elif kind == CPU:
+                cpu.append(e)
+        for key, n in ((DROP, len(dropped)), (SUBSTITUTE, len(subs)), (CPU, len(cpu))):
+            self.miss_counts[key] += n
+        if not dropped and not subs:
+            return False, ids, w, cpu
+        new_idx, new_w = idx.clone(), wt.clone()
+        for e, r in subs.items():
+            new_idx[idx == e] = r
+        if dropped:
+            drop = torch.isin(idx, torch.tensor(dropped))  # [T,k]
+            usable = ~drop & ~torch.isin(new_idx, torch.tensor(cpu, dtype=torch.long))  # kept, with a slot
+            if not bool(usable.any(1).all()):  # unreachable for `drop` (a token's top expert is never dropped)
+                raise ConfigError(f"miss policy {miss.name!r} dropped every expert of a token in layer {layer}")
+            best = torch.where(usable, wt, torch.full_like(wt, -1.0)).argmax(1, keepdim=True)  # [T,1]
+            new_idx = torch.where(drop, new_idx.gather(1, best).expand(T, k), new_idx)
+            new_w = torch.where(drop, torch.zeros_like(wt), new_w)
+            if getattr(miss, "renorm", False):
+                new_w = new_w * (wt.sum(1, keepdim=True) / new_w.sum(1, keepdim=True))
+        return True, new_idx.reshape(-1), new_w.reshape(-1), cpu
 
     def _wave_capacity(self) -> int:
         """Most experts one grouped call may cover: slots, the kernel's group limit, the gather budget."""
@@ -447,7 +541,7 @@ class OffloadEngine:
             waves = [(needed, routed.slots)]
         else:  # prefill beyond capacity
             waves = self._plan_waves(layer, needed, gate)
-        return self._compute(module, layer, hidden_states, top_k_index, top_k_weights, waves, len(needed))
+        return self._compute(module, layer, hidden_states, top_k_index, top_k_weights, waves, len(needed), routed.cpu)
 
     @staticmethod
     def _same_routing(routed: _Routed, top_k_index: torch.Tensor) -> bool:
@@ -465,11 +559,13 @@ class OffloadEngine:
             a = self._aranges[n] = torch.arange(n, device=device)
         return a
 
-    def _compute(self, module, layer, hidden_states, top_k_index, top_k_weights, waves, groups) -> torch.Tensor:
+    def _compute(self, module, layer, hidden_states, top_k_index, top_k_weights, waves, groups, cpu=None) -> torch.Tensor:
         """grouped_mm experts forward over the routed slots; bit-identical to transformers' `grouped_mm`.
 
         `waves`: `[(experts, slots)]` pinned by the router hook, `[(experts, scores)]` planned here
         (demanded one wave at a time), or `[(None, None)]` (deferred: every expert resident and ready).
+        `cpu`: experts without a slot that the miss policy runs on the host (`_host_rows`). With `hit-first`
+        the ready experts' rows are computed before waiting for the ones still loading.
         """
         cache = self.cache
         T, H = hidden_states.shape
@@ -482,7 +578,21 @@ class OffloadEngine:
         expert_ids_g, perm = torch.sort(expert_ids)  # same order as grouped_mm
         x_g = hidden_states[perm // k]  # [S,H]
         w_g = sample_weights[perm]  # [S]
-        if len(waves) == 1:
+        split = None
+        if len(waves) == 1 and waves[0][0] is not None and (cpu or self._hit_first):
+            split = self._split_wave(layer, waves[0][0], waves[0][1], cpu)
+        if split is not None:  # parts of one pinned wave, ready ones first under hit-first
+            out_g = None
+            for i, (part_experts, part_slots) in enumerate(split):
+                self._demand_wave(layer, part_experts, part_slots)  # waits for this part's slots only
+                if part_experts:
+                    rows, eg = self._rows(part_experts, expert_ids_g)
+                    proj = self._grouped(module, x_g[rows], eg, table[eg], len(part_experts))  # [S_w,H]
+                    out_g = self._put(out_g, rows, proj, expert_ids.numel())
+                if i == 0 and cpu:  # host experts run while the misses' copies are in flight
+                    out_g = self._host_rows(module, layer, cpu, x_g, expert_ids_g, out_g)
+            cache.release(waves[0][1])
+        elif len(waves) == 1:
             experts, slots = waves[0]
             if experts is not None:
                 slots = self._demand_wave(layer, experts, slots)
@@ -502,11 +612,88 @@ class OffloadEngine:
                     out_g = torch.empty(expert_ids.numel(), proj.shape[-1], dtype=proj.dtype, device=x_g.device)
                 out_g[rows] = proj
                 cache.release(slots)
+            if cpu:
+                out_g = self._host_rows(module, layer, cpu, x_g, expert_ids_g, out_g)
+        if out_g is None:  # unreachable: every routed row belongs to a wave or a host expert
+            raise RuntimeError(f"layer {layer}: no expert computed")
         weighted = out_g * w_g.unsqueeze(-1)  # [S,H]
         inv_perm = torch.empty_like(perm)
         inv_perm[perm] = self._arange(perm.size(0), perm.device)
         weighted = weighted[inv_perm]  # [S,H] original order
         return weighted.view(T, k, H).sum(dim=1).to(hidden_states.dtype)  # [T,H]
+
+    def _split_wave(
+        self, layer: int, experts: list[int], slots: list[int], cpu: list[int] | None
+    ) -> list[tuple[list[int], list[int]]] | None:
+        """`[(experts, slots)]` parts of a pinned wave in compute order: under hit-first the ready experts,
+        then the ones still loading; None when one grouped call over the whole wave will do."""
+        ready = [self.cache.is_ready((layer, e)) for e in experts]
+        if self._hit_first and any(ready) and not all(ready):
+            first = [(e, s) for e, s, r in zip(experts, slots, ready) if r]
+            rest = [(e, s) for e, s, r in zip(experts, slots, ready) if not r]
+            return [([e for e, _ in first], [s for _, s in first]), ([e for e, _ in rest], [s for _, s in rest])]
+        return [(experts, slots)] if cpu else None
+
+    def _rows(self, experts: list[int], expert_ids_g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [S_w] of the sorted routing that go to `experts`, their expert ids [S_w], sorted)."""
+        member = torch.zeros(self.spec.num_experts, dtype=torch.bool, device=expert_ids_g.device)
+        member[torch.tensor(experts, device=expert_ids_g.device)] = True  # [E]
+        rows = torch.nonzero(member[expert_ids_g]).squeeze(1)  # [S_w]
+        return rows, expert_ids_g[rows]
+
+    @staticmethod
+    def _put(out_g: torch.Tensor | None, rows: torch.Tensor, proj: torch.Tensor, n: int) -> torch.Tensor:
+        if out_g is None:
+            out_g = torch.empty(n, proj.shape[-1], dtype=proj.dtype, device=proj.device)
+        out_g[rows] = proj
+        return out_g
+
+    def _host_rows(self, module, layer: int, cpu: list[int], x_g, expert_ids_g, out_g: torch.Tensor | None) -> torch.Tensor:
+        """Rows routed to the host experts `cpu`: activations to the host, the same grouped kernels over the
+        host store's rows, results back into `out_g` (moves activations only, never weights)."""
+        rows, eg = self._rows(cpu, expert_ids_g)
+        t0 = time.perf_counter()
+        x_h, eg_h = x_g[rows].cpu(), eg.cpu()
+        views = self.store.layout.views(self.store.rows[layer])  # [E,...] host, no copy
+        proj = self._grouped(module, x_h, eg_h, eg_h, len(cpu), views=views)  # [S_c,H] host
+        out_g = self._put(out_g, rows, proj.to(x_g.device), x_g.shape[0])
+        self.host_s += time.perf_counter() - t0
+        return out_g
+
+    def time_host_expert(self, tokens: int) -> float:
+        """Fastest seconds to run one expert of the first MoE layer on `tokens` rows on the host."""
+        from ..policies.miss import time_call
+
+        l = self.spec.moe_layers[0]
+        module = self.adapter.experts(l)
+        x = torch.randn(tokens, self.spec.hidden_size, dtype=self.store.layout.dtype)  # [N,H]
+        eg = torch.zeros(tokens, dtype=torch.long)
+        views = self.store.layout.views(self.store.rows[l])
+        with torch.no_grad():
+            return time_call(lambda: self._grouped(module, x, eg, eg, 1, views=views))
+
+    def time_row_copy(self) -> float:
+        """Fastest seconds of one plain host -> device copy of one expert row (no link emulation)."""
+        from ..policies.miss import time_call
+
+        row = self.store.row(self.spec.moe_layers[0], 0)
+        dst = torch.empty_like(row, device=self.device)
+
+        def copy() -> None:
+            dst.copy_(row)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        return time_call(copy)
+
+    @property
+    def lossy(self) -> bool:
+        """True when outputs may differ from the model's: a lossy miss or routing policy, or host compute
+        on a non-CPU device (host and device kernels differ)."""
+        miss_exact = bool(getattr(self.miss, "exact", True))
+        if self._miss_hook and self.device.type != "cpu" and getattr(self.miss, "name", "") in ("cpu", "auto"):
+            miss_exact = False
+        return not miss_exact or not bool(getattr(self.routing, "exact", True))
 
     def _demand_wave(self, layer: int, experts: list[int], slots_or_scores) -> list[int]:
         """Slots of a wave: already pinned by the router hook (a list), or demanded now (scores given)."""
@@ -521,13 +708,15 @@ class OffloadEngine:
         self._book_s += time.perf_counter() - t0
         return slots
 
-    def _grouped(self, module, x: torch.Tensor, eg: torch.Tensor, slot_rows: torch.Tensor, groups: int) -> torch.Tensor:
+    def _grouped(
+        self, module, x: torch.Tensor, eg: torch.Tensor, slot_rows: torch.Tensor, groups: int, views=None
+    ) -> torch.Tensor:
         """Up/gate, activation, down over the slots of the rows' experts; one group per routed expert.
 
         `x [N,H]` rows sorted by expert id `eg [N]`, `slot_rows [N]` their slots, `groups` >= the number
         of distinct experts in `eg` (extra groups are empty). No host synchronization, no Python lists.
         """
-        views = self.cache.views
+        views = self.cache.views if views is None else views  # the device slots, or the host store's rows
         N = eg.numel()
         gid = torch.zeros(N, dtype=torch.long, device=eg.device)  # [N] group of each row
         torch.cumsum(eg[1:] != eg[:-1], 0, out=gid[1:])

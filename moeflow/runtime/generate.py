@@ -51,6 +51,8 @@ def build_engine(
     lookahead: int = 1,
     eviction_opts: dict[str, Any] | None = None,
     prefetch_opts: dict[str, Any] | None = None,
+    miss_opts: dict[str, Any] | None = None,
+    routing_opts: dict[str, Any] | None = None,
 ) -> OffloadEngine | None:
     """`resident` -> None (stock model); `on-demand` -> load after routing, keep nothing past the layer;
     `offload` -> C-slot cache with the named policies. The engine is not attached yet (use `with`)."""
@@ -77,8 +79,8 @@ def build_engine(
         link=link,
         eviction=create_policy(EVICTION, eviction, eviction_opts),
         prefetch=create_policy(PREFETCH, prefetch, prefetch_opts),
-        miss=create_policy(MISS, miss),
-        routing=create_policy(ROUTING, routing),
+        miss=create_policy(MISS, miss, miss_opts),
+        routing=create_policy(ROUTING, routing, routing_opts),
         per_layer=per_layer,
         lookahead=lookahead,
     )
@@ -233,6 +235,7 @@ def generate_batch(
         m.link_busy_s = engine.link.busy_s - l0[0]
         m.link_bytes = engine.link.bytes - l0[1]
         m.expert_bytes = engine.store.expert_bytes
+        m.lossy = engine.lossy
     return news, m
 
 

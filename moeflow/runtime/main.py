@@ -209,6 +209,8 @@ class _SRecorder:
 
 def _label(run: dict[str, Any], capacity: int | None, total: int, cfg: RunConfig | None = None) -> str:
     suffix = (" adaptive-S" if cfg and cfg.adaptive_s else "") + (" SPECULATIVE(lossy)" if cfg and cfg.speculative else "")
+    if cfg and (cfg.miss != "fetch" or cfg.routing != "standard"):
+        suffix += f" miss={cfg.miss} routing={cfg.routing}"
     if run["mode"] != "offload" or capacity is None:
         return str(run["mode"])
     return f"C={capacity} ({100 * capacity / total:.0f}%) {run['eviction']}+{run['prefetch']}{suffix}"
@@ -275,6 +277,13 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
     def make_engine(run: dict[str, Any], capacity: int | None, link: Any) -> Any:
         ev_name, ev_opts = policy_args(run["eviction"] or "lru", cfg.eviction_opts)
         pf_name, pf_opts = policy_args(run["prefetch"] or "none", cfg.prefetch_opts)
+        miss_name, miss_opts = policy_args(cfg.miss, cfg.miss_opts)
+        routing_name, routing_opts = policy_args(cfg.routing, cfg.routing_opts)
+        if miss_name == "auto" and cal and device.type == "cpu":  # host expert time and copy time, calibrated
+            if cal.get("expert_time_s") is not None:
+                miss_opts.setdefault("host_s", float(cal["expert_time_s"]))
+            if cal.get("bandwidth_bytes_per_s"):
+                miss_opts.setdefault("copy_s", expert_bytes_of(model) / float(cal["bandwidth_bytes_per_s"]))
         return build_engine(
             model,
             mode=run["mode"],
@@ -282,8 +291,10 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
             capacity=capacity or 0,
             eviction=ev_name,
             prefetch=pf_name,
-            miss=cfg.miss,
-            routing=cfg.routing,
+            miss=miss_name,
+            routing=routing_name,
+            miss_opts=miss_opts,
+            routing_opts=routing_opts,
             per_layer=cfg.per_layer_cache,
             lookahead=lookahead,
             eviction_opts=ev_opts,
@@ -373,6 +384,7 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                         link.close()
                 total = RunMetrics.total(per_batch, label=label)
                 total.experts_impl = impl
+                total.lossy = total.lossy or cfg.speculative
                 rows.append(total)
                 results.append(
                     {

@@ -48,6 +48,7 @@ class RunMetrics:
     link_bytes: int = 0
     expert_bytes: int = 0
     s_history: list[int] = field(default_factory=list)  # step size S used at each decode pass (adaptive S)
+    lossy: bool = False  # a lossy miss / routing policy (or --speculative): outputs may differ from the model's
 
     # ---- derived ----------------------------------------------------------------------------------
     @property
@@ -129,6 +130,7 @@ class RunMetrics:
         out.s_history = self.s_history + other.s_history
         out.batch_size = max(self.batch_size, other.batch_size)
         out.experts_impl = self.experts_impl or other.experts_impl
+        out.lossy = self.lossy or other.lossy
         return out
 
     @classmethod
@@ -142,6 +144,7 @@ class RunMetrics:
     def to_dict(self) -> dict[str, Any]:
         return {
             "label": self.label,
+            "lossy": self.lossy,
             "prompts": self.prompts,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
@@ -218,7 +221,10 @@ def metrics_table(rows: Iterable[RunMetrics], title: str = "moeflow run"):
         t.add_column(c, justify="left" if c == "run" else "right", no_wrap=c != "run")
     for m in rows:
         t.add_row(
-            m.label + (f" [{m.experts_impl}]" if m.experts_impl else "") + (f" B={m.batch_size}" if m.batch_size > 1 else ""),
+            m.label
+            + (f" [{m.experts_impl}]" if m.experts_impl else "")
+            + (f" B={m.batch_size}" if m.batch_size > 1 else "")
+            + (" LOSSY" if m.lossy and "lossy" not in m.label.lower() else ""),
             _f(m.ttft_s * 1e3 if m.ttft_s is not None else None, ".1f"),
             _f(m.tpot_s * 1e3 if m.tpot_s is not None else None, ".2f"),
             _f(m.throughput_tok_s, ".1f"),

@@ -8,6 +8,13 @@ On a CUDA target the rows are pinned so copies can run asynchronously on a side 
 
 `offload(model)` moves the stacked parameters into the store and replaces them on the device by
 empty tensors (the memory is really freed); `restore()` puts them back bit for bit.
+
+Mixed precision (`quantize(bits)`, after `offload`): per precision (int8/int4/int2) and layer a
+`[E, compact_bytes]` uint8 host tensor of HQQ-packed codes + float16 scales/zeros (`moeflow.quant`),
+pinned like the full rows. A low-precision transfer moves `compact_row(layer, expert, bits)` (its
+bytes, `expert_bytes_at(bits)`, are what the link and the cache count) into the first bytes of the
+slot's full row, and `dequantize(bits, slot_row)` then rebuilds the model-dtype row in place on the
+device, so the slot buffer and the engine's grouped GEMM stay the same for every precision.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from ..moe.adapters import Adapter
+from ..quant import FULL, CompactLayout, dequantize_row, quantize_rows
 
 ALIGN_BYTES = 64
 
@@ -86,6 +94,8 @@ class HostExpertStore:
         self._params: dict[int, dict[str, torch.nn.Parameter]] = {}
         self._device: dict[int, torch.device] = {}
         self.offloaded = False
+        self.compact: dict[int, dict[int, torch.Tensor]] = {}  # bits -> layer -> [E, compact bytes] uint8
+        self.compact_layout: dict[int, CompactLayout] = {}
 
     @property
     def expert_bytes(self) -> int:
@@ -94,6 +104,43 @@ class HostExpertStore:
 
     def row(self, layer: int, expert: int) -> torch.Tensor:
         return self.rows[layer][expert]  # [row_numel] contiguous
+
+    # ---- mixed precision -------------------------------------------------------------------------
+    @property
+    def precisions(self) -> tuple[int, ...]:
+        """Low precisions held (bits, ascending), besides the full-precision rows."""
+        return tuple(sorted(self.compact))
+
+    def quantize(self, bits, *, optimize: bool = True) -> None:
+        """Make the compact copies of every expert at each precision of `bits` (once; needs `offload` first)."""
+        if not self.offloaded:
+            raise RuntimeError("HostExpertStore.quantize needs the experts in the store: call offload() first")
+        for b in sorted(set(int(x) for x in bits) - {FULL}):
+            if b in self.compact:
+                continue
+            self.compact_layout[b] = CompactLayout.of(self.layout, b)
+            self.compact[b] = {}
+            for l, rows in self.rows.items():
+                q = quantize_rows(self.layout, rows, b, optimize=optimize)
+                self.compact[b][l] = _pin(q) if self.pin else q
+
+    def expert_bytes_at(self, bits: int) -> int:
+        """Bytes one transfer of an expert at `bits` moves (`FULL`: the full row)."""
+        return self.expert_bytes if bits == FULL else self.compact_layout[bits].row_bytes
+
+    def compact_row(self, layer: int, expert: int, bits: int) -> torch.Tensor:
+        """The host bytes a transfer at `bits` moves: `[compact bytes]` uint8 (`FULL`: the full row)."""
+        return self.row(layer, expert) if bits == FULL else self.compact[bits][layer][expert]
+
+    def landing(self, slot_row: torch.Tensor, bits: int) -> torch.Tensor:
+        """Where a transfer at `bits` lands in a slot's full row `[row_numel]`: its first compact bytes as uint8."""
+        if bits == FULL:
+            return slot_row
+        return slot_row.view(torch.uint8)[: self.compact_layout[bits].row_bytes]
+
+    def dequantize(self, bits: int, slot_row: torch.Tensor) -> None:
+        """Rebuild, in place on its device, the model-dtype row from the compact bytes a transfer left in it."""
+        dequantize_row(self.compact_layout[bits], self.landing(slot_row, bits), self.layout, slot_row)
 
     def offload(self) -> None:
         """Copy every layer's stacked experts into host rows and free them on the device."""
@@ -130,4 +177,6 @@ class HostExpertStore:
                 p.data = views[name].to(self._device[l], copy=True).contiguous()
         self.rows.clear()
         self._params.clear()
+        self.compact.clear()
+        self.compact_layout.clear()
         self.offloaded = False

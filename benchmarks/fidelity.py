@@ -1,0 +1,252 @@
+"""Fidelity: what each lossy policy costs in quality against what it gains in speed (SpecMD Fig. 7's kind).
+
+Sweeps, on the default model over the emulated link, at 5% and 25% capacity (`--capacity`):
+- every miss policy registered (`fetch` and, when they exist, drop, substitute, fetch-lowest-bit,
+  fetch-priority, cascade, cpu, auto), with standard routing; a policy that takes a `bits` option is swept
+  over the precisions (8, 4, 2 bits); a name not registered yet is SKIPPED and printed;
+- `cache-aware` routing at lambda in {0, 0.1, 0.3, 0.5, 1.0} and `hit-first` (when registered), with fetch;
+- `--speculative` with `router-pf` when `--predictors DIR` is given.
+Every configuration runs through `moeflow quality` (moeflow.quality.main: perplexity scored token by token
+under the engine, greedy agreement, TPOT and bytes per token of the same run, vs resident). Quality change
+and speed change are taken relative to `fetch` at the same capacity.
+
+Writes `--out-dir`/fidelity.json (every row), fidelity.png (perplexity change vs TPOT gain relative to fetch,
+one marker per configuration, exact ones hollow) and prints the table, then one JSON line naming the
+recommended configuration: the fastest lossy one whose perplexity loss is <= `--max-ppl-loss` % (1) and
+that is faster than the best exact configuration at its capacity, with
+`ppl_delta_pct` (vs resident = vs fetch, which is exact) and `tpot_gain_pct` (vs the best exact configuration
+at the same capacity), or `"recommended": null`.
+
+    .venv/bin/python benchmarks/fidelity.py --threads 1
+    .venv/bin/python benchmarks/fidelity.py --model DIR --device cuda --link cuda --predictors artifacts/olmoe-mini/predictors
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from moeflow.models import default_model_path
+from moeflow.policies import MISS, ROUTING
+from moeflow.quality import QualityConfig
+from moeflow.quality import main as quality_main
+from moeflow.runtime.config import RunConfig
+
+MISS_POLICIES = ("fetch", "drop", "substitute", "fetch-lowest-bit", "fetch-priority", "cascade", "cpu", "auto")
+LAMBDAS = (0.0, 0.1, 0.3, 0.5, 1.0)
+BITS = (8, 4, 2)
+
+
+def takes(registry: Any, name: str, option: str) -> bool:
+    try:
+        return option in inspect.signature(registry[name]).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def configurations(lambdas: tuple[float, ...], say: Any) -> tuple[list[str], list[str]]:
+    """(miss policies with standard routing, routing policies with fetch), skipping what is not registered."""
+    misses: list[str] = []
+    for name in MISS_POLICIES:
+        if name not in MISS:
+            say(f"SKIP miss {name}: not registered yet")
+        elif takes(MISS, name, "bits"):
+            misses += [f"{name}:bits={b}" for b in BITS]
+        else:
+            misses.append(name)
+    routings: list[str] = []
+    if "cache-aware" in ROUTING:
+        key = next((k for k in ("lambda_", "lam", "lambda", "lmbda") if takes(ROUTING, "cache-aware", k)), "lambda")
+        routings += [f"cache-aware:{key}={lam}" for lam in lambdas]
+    else:
+        say("SKIP routing cache-aware (lambda sweep): not registered yet")
+    if "hit-first" in ROUTING:
+        routings.append("hit-first")
+    else:
+        say("SKIP routing hit-first: not registered yet")
+    return misses, routings
+
+
+def relative(rows: list[dict[str, Any]]) -> None:
+    """Per capacity: ppl change and TPOT gain vs fetch, TPOT gain vs the best exact configuration."""
+    for cap in {r["capacity"] for r in rows}:
+        same = [r for r in rows if r["capacity"] == cap]
+        fetch = next((r for r in same if r["miss"] == "fetch" and r["routing"] == "standard" and not r["speculative"]), None)
+        exact_tpots = [r["tpot_s"] for r in same if not r["lossy"] and r["tpot_s"]]
+        best_exact = min(exact_tpots) if exact_tpots else None
+        for r in same:
+            r["vs_fetch_ppl_pct"] = (
+                100 * (r["ppl"] / fetch["ppl"] - 1) if fetch and r["ppl"] is not None and fetch["ppl"] else None
+            )
+            r["vs_fetch_tpot_gain_pct"] = (
+                100 * (1 - r["tpot_s"] / fetch["tpot_s"]) if fetch and r["tpot_s"] and fetch["tpot_s"] else None
+            )
+            r["tpot_gain_pct"] = 100 * (1 - r["tpot_s"] / best_exact) if best_exact and r["tpot_s"] else None
+
+
+def recommend(rows: list[dict[str, Any]], max_loss: float) -> dict[str, Any] | None:
+    ok = [
+        r
+        for r in rows
+        if r["lossy"] and r["ppl_delta_pct"] is not None and r["ppl_delta_pct"] <= max_loss and (r["tpot_gain_pct"] or 0) > 0
+    ]  # a lossy configuration no faster than the best exact one is never worth recommending
+    return max(ok, key=lambda r: r["tpot_gain_pct"]) if ok else None
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    markers = {}
+    for r in rows:
+        x, y = r.get("vs_fetch_tpot_gain_pct"), r.get("vs_fetch_ppl_pct")
+        if x is None or y is None:
+            continue
+        m = markers.setdefault(r["capacity"], "os^Dv"[len(markers) % 5])
+        ax.scatter(x, y, marker=m, facecolors="none" if not r["lossy"] else None, edgecolors="k", s=40)
+        ax.annotate(r["config"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    for cap, m in markers.items():
+        ax.scatter([], [], marker=m, color="k", label=f"capacity {cap}")
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.axvline(0, color="grey", lw=0.5)
+    ax.set_xlabel("TPOT gain vs fetch (%)  (faster →)")
+    ax.set_ylabel("perplexity change vs fetch (%)  (worse ↑)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=default_model_path())
+    ap.add_argument("--link", default="emulated:2,10", help="emulated:GBPS[,LATENCY_US] (default), direct or cuda")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--capacity", default="5%,25%")
+    ap.add_argument("--lambdas", default=",".join(map(str, LAMBDAS)))
+    ap.add_argument("--prefetch", default="pregate")
+    ap.add_argument("--eviction", default="lru")
+    ap.add_argument("--predictors", default=None, help="predictor folder: adds router-pf --speculative")
+    ap.add_argument("--prompts", default="alpaca")
+    ap.add_argument("--limit", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--ppl-tokens", type=int, default=256)
+    ap.add_argument("--ppl-windows", type=int, default=2)
+    ap.add_argument("--task", default="none", choices=("mmlu", "gsm8k", "none"))
+    ap.add_argument("--task-limit", type=int, default=40)
+    ap.add_argument("--max-ppl-loss", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--out-dir", default="benchmarks/results/fidelity")
+    args = ap.parse_args(argv)
+    console = Console(stderr=True)
+    say = lambda s: console.print(f"[yellow]{s}[/]")  # noqa: E731
+    caps = tuple(c.strip() for c in args.capacity.split(",") if c.strip())
+    misses, routings = configurations(tuple(float(x) for x in args.lambdas.split(",")), say)
+    base = RunConfig(
+        model=args.model,
+        prompts=args.prompts,
+        data_dir=args.data_dir,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        min_new_tokens=args.max_new_tokens,
+        capacities=caps,
+        evictions=(args.eviction,),
+        prefetches=(args.prefetch,),
+        link=args.link,
+        device=args.device,
+        threads=args.threads,
+        sweep=True,
+    )
+    q = dict(ppl_tokens=args.ppl_tokens, ppl_windows=args.ppl_windows, task=args.task, task_limit=args.task_limit)
+    groups = [QualityConfig(run=base, misses=tuple(misses), routings=("standard",), **q)]  # type: ignore[arg-type]
+    if routings:
+        groups.append(QualityConfig(run=base, misses=("fetch",), routings=tuple(routings), **q))  # type: ignore[arg-type]
+    if args.predictors:
+        spec_run = dataclasses.replace(
+            base, prefetches=("router-pf",), prefetch_opts=(("predictors", args.predictors),), speculative=True
+        )
+        groups.append(QualityConfig(run=spec_run, **q))  # type: ignore[arg-type]
+    else:
+        say("SKIP --speculative: no --predictors DIR")
+    rows: list[dict[str, Any]] = []
+    seen: set[tuple[Any, ...]] = set()
+    for g in groups:
+        rep = quality_main(g, console=console)
+        for r in rep["runs"]:
+            if r["mode"] != "offload":
+                continue
+            key = (r["capacity"], r["miss"], r["routing"], r["speculative"], r["prefetch"])
+            if key in seen:
+                continue
+            seen.add(key)
+            parts = [r["miss"] if r["miss"] != "fetch" or r["routing"] == "standard" else None]
+            parts += [r["routing"] if r["routing"] != "standard" else None, "speculative" if r["speculative"] else None]
+            config = " ".join(x for x in parts if x)
+            rows.append({"config": config, **{k: r[k] for k in ROW_KEYS}, "tpot_s": r["tpot_s"]})
+    relative(rows)
+    rec = recommend(rows, args.max_ppl_loss)
+    t = Table(title=f"fidelity — {Path(args.model).name}, {args.link} (quality vs speed, relative to fetch)")
+    for c in ("capacity", "config", "exact", "ppl Δ% vs resident", "agree", "TPOT ms", "TPOT gain % vs fetch", "bytes/tok"):
+        t.add_column(c, justify="left" if c in ("capacity", "config", "exact") else "right")
+    for r in rows:
+        t.add_row(
+            r["capacity"],
+            r["config"],
+            "[bold red]LOSSY[/]" if r["lossy"] else "exact",
+            f"{r['ppl_delta_pct']:+.2f}" if r["ppl_delta_pct"] is not None else "-",
+            f"{r['agreement']:.3f}" if r["agreement"] is not None else "-",
+            f"{r['tpot_s'] * 1e3:.2f}" if r["tpot_s"] else "-",
+            f"{r['vs_fetch_tpot_gain_pct']:+.1f}" if r["vs_fetch_tpot_gain_pct"] is not None else "-",
+            f"{r['bytes_per_token']:.0f}" if r["bytes_per_token"] is not None else "-",
+        )
+    Console(width=160).print(t)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fidelity.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1, default=str))
+    plot(rows, out / "fidelity.png", f"{Path(args.model).name}, {args.link}: quality vs speed relative to fetch")
+    final = {
+        "benchmark": "fidelity",
+        "model": args.model,
+        "link": args.link,
+        "configurations": len(rows),
+        "table": str(out / "fidelity.json"),
+        "plot": str(out / "fidelity.png"),
+        "recommended": None if rec is None else {"capacity": rec["capacity"], "config": rec["config"]},
+        "ppl_delta_pct": None if rec is None else rec["ppl_delta_pct"],
+        "tpot_gain_pct": None if rec is None else rec["tpot_gain_pct"],
+    }
+    sys.stdout.write(json.dumps(final, default=str) + "\n")
+    return final
+
+
+ROW_KEYS = (
+    "capacity",
+    "capacity_experts",
+    "miss",
+    "routing",
+    "speculative",
+    "lossy",
+    "ppl",
+    "ppl_delta_pct",
+    "agreement",
+    "first_divergence",
+    "tf_agreement",
+    "task",
+    "bytes_per_token",
+)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""`moeflow quality`: the quality cost of configurations against `resident`, beside their speed
+(flags -> QualityConfig -> moeflow.quality.main)."""
+
+from __future__ import annotations
+
+import typer
+
+from .app import app
+from .common import (
+    capacity_option,
+    column_option,
+    device_option,
+    dtype_option,
+    eviction_option,
+    json_option,
+    limit_option,
+    lookahead_option,
+    model_option,
+    policy_opt_option,
+    prefetch_option,
+    threads_option,
+)
+
+
+@app.command("quality")
+def quality(
+    model: str = model_option(),
+    prompts: str | None = typer.Option(
+        "alpaca", "--prompts", "-p", help="Prompts for greedy agreement (file or set name, as `run`). Default alpaca."
+    ),
+    column: str | None = column_option(),
+    prompt: list[str] | None = typer.Option(None, "--prompt", help="A literal prompt (repeatable)."),
+    limit: int | None = limit_option("prompts (default 8)"),
+    split: str | None = typer.Option(None, "--split", help="Split of a prompt set name."),
+    data_dir: str | None = typer.Option(None, "--data-dir", help="Data directory (default $MOEFLOW_DATA or ../shared/data)."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Greedy tokens per prompt (EOS ignored)."),
+    max_prompt_tokens: int = typer.Option(256, "--max-prompt-tokens", help="Truncate longer prompts (tokens)."),
+    mode: list[str] | None = typer.Option(
+        None, "--mode", help="offload and/or on-demand (resident is always the reference). Default offload."
+    ),
+    capacity: list[str] | None = capacity_option("25%"),
+    per_layer_cache: bool = typer.Option(False, "--per-layer-cache", help="Split the slots evenly between MoE layers."),
+    eviction: list[str] | None = eviction_option(),
+    eviction_opt: list[str] | None = policy_opt_option("eviction"),
+    prefetch: list[str] | None = prefetch_option("pregate"),
+    prefetch_opt: list[str] | None = policy_opt_option("prefetch"),
+    miss: list[str] | None = typer.Option(
+        None, "--miss", help="Miss policy name[:key=value,...]; several (comma list) with --sweep. Default fetch."
+    ),
+    routing: list[str] | None = typer.Option(
+        None, "--routing", help="Routing policy name[:key=value,...]; several with --sweep. Default standard."
+    ),
+    speculative: bool = typer.Option(
+        False, "--speculative", help="LOSSY: run the experts a learned prefetcher predicted (as `run --speculative`)."
+    ),
+    link: str = typer.Option("auto", "--link", help="Transfer link, as `run` (emulated:GBPS[,LATENCY_US], direct, cuda)."),
+    lookahead: int | None = lookahead_option(None, " (default: the calibration's, else 1)"),
+    calibration: str | None = typer.Option(None, "--calibration", help="Calibration JSON (as `run`)."),
+    text: str = typer.Option(
+        "wikitext2",
+        "--text",
+        help="Perplexity text: wikitext2 (the wikitext2 documents the models hold out), wikitext2-test, or a text file.",
+    ),
+    ppl_tokens: int = typer.Option(256, "--ppl-tokens", help="Scored tokens per perplexity window (one forward each)."),
+    ppl_windows: int = typer.Option(4, "--ppl-windows", help="Perplexity windows (0: no perplexity)."),
+    task: str = typer.Option("mmlu", "--task", help="mmlu (answer-letter likelihood), gsm8k (final number) or none."),
+    task_limit: int = typer.Option(40, "--task-limit", help="Questions of --task."),
+    task_new_tokens: int = typer.Option(96, "--task-new-tokens", help="gsm8k: greedy tokens per answer."),
+    threads: int | None = threads_option(),
+    dtype: str = dtype_option(),
+    device: str = device_option(),
+    warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="One untimed short generation per run first."),
+    as_json: bool = json_option(),
+    sweep: bool = typer.Option(
+        False, "--sweep", help="Every combination of --mode, --capacity, --eviction, --prefetch, --miss, --routing."
+    ),
+) -> None:
+    """Perplexity, greedy agreement and task accuracy of each configuration against `resident`, beside its
+    TPOT and bytes per token; lossy configurations are labelled LOSSY."""
+    from ..policies.parse import parse_opts, split_list
+    from ..quality import QualityConfig, main
+    from ..runtime.config import RunConfig
+
+    misses = split_list(miss) or ("fetch",)
+    routings = split_list(routing) or ("standard",)
+    modes = tuple(m for m in split_list(mode) if m != "resident") or ("offload",)
+    run = RunConfig(
+        model=model,
+        prompts=prompts if not prompt or prompts != "alpaca" else None,
+        column=column,
+        prompt=tuple(prompt or ()),
+        data_dir=data_dir,
+        split=split,
+        limit=limit if limit is not None else (None if prompt else 8),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        max_prompt_tokens=max_prompt_tokens,
+        modes=modes,
+        capacities=split_list(capacity) or ("25%",),
+        per_layer_cache=per_layer_cache,
+        evictions=split_list(eviction) or ("lru",),
+        prefetches=split_list(prefetch) or ("pregate",),
+        eviction_opts=parse_opts(eviction_opt or ()),
+        prefetch_opts=parse_opts(prefetch_opt or ()),
+        link=link,
+        lookahead=lookahead,
+        calibration=calibration,
+        dtype=dtype,
+        device=device,
+        json=as_json,
+        sweep=sweep,
+        threads=threads,
+        speculative=speculative,
+        warmup=warmup,
+    )
+    cfg = QualityConfig(
+        run=run,
+        misses=misses,
+        routings=routings,
+        text=text,
+        ppl_tokens=ppl_tokens,
+        ppl_windows=ppl_windows,
+        task=task,
+        task_limit=task_limit,
+        task_new_tokens=task_new_tokens,
+    )
+    main(cfg)

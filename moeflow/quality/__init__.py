@@ -1,0 +1,14 @@
+"""`moeflow quality`: what a configuration costs in quality against `resident`, beside what it gains in speed.
+
+`main(QualityConfig)` runs the reference (`resident`, the stock model) and every configuration of a sweep on
+the same inputs and reports, per configuration: held-out perplexity scored token by token under the engine
+(as decode passes, so the expert cache behaves as in generation) and its change vs resident, greedy token
+agreement with resident's output (share of tokens, tokens to the first divergence), accuracy on a prompt set
+with answers (MMLU, GSM8K) where the model scores above chance, and TPOT / bytes per token of the same run.
+Every configuration is labelled lossy or exact from its policies (`lossy` class attributes) and `--speculative`.
+"""
+
+from .config import QualityConfig, is_lossy
+from .main import main
+
+__all__ = ["QualityConfig", "is_lossy", "main"]

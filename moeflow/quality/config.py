@@ -1,0 +1,96 @@
+"""`QualityConfig`: a `RunConfig` (the configurations to compare, checked by RunConfig itself) plus what
+`moeflow quality` measures. Miss and routing policies may be swept here (`name[:key=value,...]` each); every
+one is checked through `RunConfig` and its registry before anything loads."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+from ..policies.parse import parse_policy
+from ..runtime.config import RunConfig
+
+TASKS = ("mmlu", "gsm8k", "none")
+TEXTS = ("wikitext2", "wikitext2-test")  # named text sets; anything else is a text file
+
+
+def policy_lossy(policy: Any) -> bool:
+    """A built policy's `lossy` (class or instance attribute); without one, `not exact`; without either, lossy."""
+    lossy = getattr(policy, "lossy", None)
+    if lossy is not None:
+        return bool(lossy)
+    exact = getattr(policy, "exact", None)
+    return True if exact is None else not bool(exact)
+
+
+def build_named(kind: str, text: str) -> Any:
+    """The miss / routing policy `text` (`name[:key=value,...]`) from its registry (one line if it is refused)."""
+    from ..policies import MISS, ROUTING
+
+    name, opts = parse_policy(text)
+    return (MISS if kind == "miss" else ROUTING).create(name, **opts)
+
+
+def is_lossy(mode: str, miss: str, routing: str, speculative: bool) -> bool:
+    """Whether a configuration can change the model's output: --speculative, or a lossy miss / routing policy
+    (resident and on-demand run the router's experts, loaded and run: exact)."""
+    if mode != "offload":
+        return False
+    return speculative or policy_lossy(build_named("miss", miss)) or policy_lossy(build_named("routing", routing))
+
+
+def run_config_for(run: RunConfig, miss: str, routing: str) -> RunConfig:
+    """`run` with this miss / routing policy; inline options go to RunConfig's `miss_opts` / `routing_opts`
+    where it has them (RunConfig checks the names either way)."""
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    kw: dict[str, Any] = {}
+    for key, text in (("miss", miss), ("routing", routing)):
+        name, opts = parse_policy(text)
+        kw[key] = name
+        if opts and f"{key}_opts" in fields:
+            kw[f"{key}_opts"] = tuple((k, str(v)) for k, v in opts.items())
+    return dataclasses.replace(run, **kw)
+
+
+@dataclass(frozen=True)
+class QualityConfig:
+    run: RunConfig  # prompts, modes / capacities / policies (sweep), link, device, ... (resident is implicit)
+    misses: tuple[str, ...] = ("fetch",)  # miss policies to compare (name[:k=v,...]); several with --sweep
+    routings: tuple[str, ...] = ("standard",)  # routing policies to compare (name[:k=v,...]); several with --sweep
+    text: str = "wikitext2"  # perplexity text: wikitext2 (held-out docs), wikitext2-test, or a text file
+    ppl_tokens: int = 256  # scored tokens per window (one forward per token, KV cache kept within a window)
+    ppl_windows: int = 4
+    task: str = "mmlu"  # mmlu | gsm8k | none
+    task_limit: int = 40  # questions
+    task_new_tokens: int = 96  # gsm8k: greedy tokens per answer
+
+    def __post_init__(self) -> None:
+        if self.ppl_tokens < 1 or self.ppl_windows < 0:
+            raise ConfigError(f"--ppl-tokens must be >= 1 and --ppl-windows >= 0 (got {self.ppl_tokens}, {self.ppl_windows})")
+        if self.task not in TASKS:
+            raise ConfigError(f"--task {self.task!r} unknown; use one of {', '.join(TASKS)}")
+        if self.task_limit < 1 or self.task_new_tokens < 1:
+            raise ConfigError(f"--task-limit and --task-new-tokens must be >= 1 (got {self.task_limit}, {self.task_new_tokens})")
+        if not self.misses or not self.routings:
+            raise ConfigError("--miss and --routing need at least one value each")
+        if not self.run.sweep and (len(self.misses) > 1 or len(self.routings) > 1):
+            raise ConfigError("several miss / routing policies need --sweep")
+        if not self.text:
+            raise ConfigError("--text needs a set name (wikitext2, wikitext2-test) or a text file")
+        for m in self.misses:
+            for r in self.routings:
+                run_config_for(self.run, m, r)  # RunConfig's checks (names, speculative's needs)
+                build_named("miss", m)  # the options too
+                build_named("routing", r)
+
+    def preflight(self) -> None:
+        from pathlib import Path
+
+        self.run.preflight()
+        if self.text not in TEXTS and not Path(self.text).is_file():
+            raise ConfigError(f"--text {self.text!r} is neither {' nor '.join(TEXTS)} nor a text file")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

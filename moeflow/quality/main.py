@@ -1,0 +1,298 @@
+"""`moeflow quality` as a function: `main(QualityConfig)` loads the model once, runs the reference (`resident`,
+the stock model with the `grouped_mm` experts the engine is bit-exact to) and every configuration of the sweep
+on the same prompts, text windows and questions, and prints one table (with --json: one JSON object).
+
+Each configuration runs on a fresh engine: an untimed warm-up, the greedy generations (TPOT, bytes per token:
+`RunMetrics`), then the perplexity windows and the task questions under the same engine, so its expert cache
+carries over as it would in a session. Everything that can be refused is refused before the first run."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import json
+import sys
+from itertools import product
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from ..errors import MoeflowError
+from ..moe import get_adapter
+from ..policies.parse import parse_policy, policy_args
+from ..runtime.config import RunConfig
+from ..runtime.generate import build_engine, create_policy, generate_batch
+from ..runtime.link import make_link
+from ..runtime.main import _label, _run_hooks, check_runs, encode_prompts, plan_runs, read_calibration, read_prompts, resolve_link
+from ..runtime.metrics import RunMetrics
+from . import measure
+from .config import QualityConfig, is_lossy, run_config_for
+
+RESULT_KIND = "quality"
+
+
+def plan(cfg: QualityConfig) -> list[dict[str, Any]]:
+    """The reference first, then every (miss, routing) x (mode, capacity, eviction, prefetch) of the sweep
+    (on-demand once: it always fetches and keeps the router's choice)."""
+    runs: list[dict[str, Any]] = [{"mode": "resident", "capacity": None, "eviction": None, "prefetch": None}]
+    runs[0].update(miss=None, routing=None, speculative=False, lossy=False)
+    seen_on_demand = False
+    for miss, routing in product(cfg.misses, cfg.routings):
+        rc = run_config_for(cfg.run, miss, routing)
+        for r in plan_runs(rc):
+            if r["mode"] == "resident" or (r["mode"] == "on-demand" and seen_on_demand):
+                continue
+            seen_on_demand |= r["mode"] == "on-demand"
+            off = r["mode"] == "offload"
+            runs.append(
+                {
+                    **r,
+                    "miss": miss if off else None,
+                    "routing": routing if off else None,
+                    "speculative": cfg.run.speculative and off,
+                    "lossy": is_lossy(r["mode"], miss, routing, cfg.run.speculative),
+                }
+            )
+    return runs
+
+
+def label(run: dict[str, Any], capacity: int | None, total: int, cfg: RunConfig) -> str:
+    base = _label(run, capacity, total)
+    if run["mode"] == "offload":
+        extra = [x for x in (run["miss"], run["routing"]) if x not in ("fetch", "standard")]
+        base += "".join(f" {x}" for x in extra) + (" speculative" if run["speculative"] else "")
+    return base
+
+
+def make_engine(cfg: RunConfig, model: Any, run: dict[str, Any], capacity: int | None, link: Any, lookahead: int) -> Any:
+    """`build_engine` for one run; a miss / routing policy's inline options go to build_engine where it takes
+    them (`miss_opts` / `routing_opts`), else the engine gets the policy built with them."""
+    ev_name, ev_opts = policy_args(run["eviction"] or "lru", cfg.eviction_opts)
+    pf_name, pf_opts = policy_args(run["prefetch"] or "none", cfg.prefetch_opts)
+    miss_name, miss_opts = parse_policy(run["miss"] or "fetch")
+    rt_name, rt_opts = parse_policy(run["routing"] or "standard")
+    params = inspect.signature(build_engine).parameters
+    kw: dict[str, Any] = {}
+    for key, opts in (("miss_opts", miss_opts), ("routing_opts", rt_opts)):
+        if opts and key in params:
+            kw[key] = opts
+    engine = build_engine(
+        model,
+        mode=run["mode"],
+        link=link,
+        capacity=capacity or 0,
+        eviction=ev_name,
+        prefetch=pf_name,
+        miss=miss_name,
+        routing=rt_name,
+        per_layer=cfg.per_layer_cache,
+        lookahead=lookahead,
+        eviction_opts=ev_opts,
+        prefetch_opts=pf_opts,
+        **kw,
+    )
+    if engine is not None and run["mode"] == "offload":
+        from ..policies import MISS, ROUTING
+
+        if miss_opts and "miss_opts" not in params:
+            engine.miss = create_policy(MISS, miss_name, miss_opts)
+        if rt_opts and "routing_opts" not in params:
+            engine.routing = create_policy(ROUTING, rt_name, rt_opts)
+    return engine
+
+
+def main(cfg: QualityConfig, console: Console | None = None) -> dict[str, Any]:
+    """Run `cfg`; return {"model", "reference", "text", "task", "runs": [...]} (what --json prints)."""
+    cfg.preflight()
+    if console is None:
+        stream = sys.stderr if cfg.run.json else sys.stdout
+        console = Console(stderr=cfg.run.json, width=None if stream.isatty() else 180)
+    from ..models import torch_threads
+
+    with torch_threads(cfg.run.threads):
+        return _main(cfg, console)
+
+
+def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
+    from ..models import load_model
+
+    rc = cfg.run
+    device = torch.device(rc.device)
+    prompts = read_prompts(rc)
+    model, tok = load_model(rc.model, dtype=rc.dtype, device=rc.device, experts_implementation="grouped_mm")
+    if tok is None:
+        raise MoeflowError(f"{rc.model} has no tokenizer files; `moeflow quality` needs one")
+    spec = get_adapter(model).spec
+    link_spec = resolve_link(rc, device)
+    cal, cal_path = read_calibration(rc, model, link_spec)
+    lookahead = rc.lookahead or int((cal or {}).get("initial_s") or 1)
+    runs = plan(cfg)
+    caps: dict[str, int] = {}
+    for miss, routing in product(cfg.misses, cfg.routings):
+        caps.update(check_runs(run_config_for(rc, miss, routing), model, runs))
+    encoded = encode_prompts(rc, model, tok, prompts)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    text, text_desc = measure.load_text(cfg.text, rc.data_dir) if cfg.ppl_windows else ("", "none")
+    windows = measure.text_windows(tok, text, cfg.ppl_tokens, cfg.ppl_windows, max_pos) if cfg.ppl_windows else []
+    items: list[measure.Item] = []
+    letters: list[int] = []
+    if cfg.task == "mmlu":
+        items = measure.mmlu_items(rc.data_dir, cfg.task_limit)
+        letters = measure.letter_ids(tok)
+    elif cfg.task == "gsm8k":
+        items = measure.gsm8k_items(rc.data_dir, cfg.task_limit)
+    keep = (max_pos or 1 << 30) - (cfg.task_new_tokens if cfg.task == "gsm8k" else 0)
+    item_ids = [tok(it.prompt, return_tensors="pt").input_ids[:, -max(1, keep) :] for it in items]  # the end kept
+    chance = 1 / len(letters) if cfg.task == "mmlu" else 0.0
+    eos = tok.eos_token_id if tok.eos_token_id is not None else getattr(model.config, "eos_token_id", None)
+    new_min = rc.min_new_tokens if rc.min_new_tokens is not None else rc.max_new_tokens
+    gen_kw: dict[str, Any] = dict(temperature=0.0, seed=rc.seed, eos_token_id=eos)
+    console.print(
+        f"[dim]{spec.arch}: {spec.num_moe_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}; link "
+        f"{link_spec}; S={lookahead}; {len(encoded)} prompt(s) x {rc.max_new_tokens} tokens; perplexity "
+        f"{sum(int(w.shape[1]) - 1 for w in windows)} tokens of {text_desc}; task {cfg.task} ({len(items)})[/]"
+    )
+
+    results: list[dict[str, Any]] = []
+    ref_outs: list[torch.Tensor] = []
+    ref_score: measure.StreamScore | None = None
+    model.set_experts_implementation("grouped_mm")  # the engine is bit-exact to it: resident's numerics
+    for run in runs:
+        capacity = caps.get(run["capacity"]) if run["mode"] == "offload" else None
+        name = label(run, capacity, spec.total_experts, rc)
+        run_rc = run_config_for(rc, run["miss"] or "fetch", run["routing"] or "standard")
+        spec_rc = run_rc if run["speculative"] else dataclasses.replace(run_rc, speculative=False)
+        if rc.warmup:
+            wlink = make_link(link_spec, device)
+            weng = make_engine(rc, model, run, capacity, wlink, lookahead)
+            try:
+                with (
+                    weng if weng is not None else contextlib.nullcontext(),
+                    _run_hooks(spec_rc, model, spec, weng, cal, lookahead),
+                ):
+                    generate_batch(model, [encoded[0][2]], weng, max_new_tokens=min(4, rc.max_new_tokens), **gen_kw)
+            finally:
+                if weng is None:
+                    wlink.close()
+        link = make_link(link_spec, device)
+        engine = make_engine(rc, model, run, capacity, link, lookahead)
+        outs: list[torch.Tensor] = []
+        per: list[RunMetrics] = []
+        correct = 0
+        try:
+            with (
+                engine if engine is not None else contextlib.nullcontext(),
+                _run_hooks(spec_rc, model, spec, engine, cal, lookahead),
+            ):
+                for _, _, ids in encoded:
+                    news, m = generate_batch(
+                        model, [ids], engine, max_new_tokens=rc.max_new_tokens, min_new_tokens=new_min, label=name, **gen_kw
+                    )
+                    outs.append(news[0])
+                    per.append(m)
+                score = measure.stream_nll(model, windows, device)
+                for it, ids in zip(items, item_ids):
+                    if cfg.task == "mmlu":
+                        correct += measure.mmlu_correct(model, ids, it.answer, letters, device)
+                    else:
+                        news, _ = generate_batch(model, [ids], engine, max_new_tokens=cfg.task_new_tokens, **gen_kw)
+                        correct += measure.final_number(tok.decode(news[0], skip_special_tokens=True)) == it.answer
+        finally:
+            if engine is None:
+                link.close()
+        total = RunMetrics.total(per, label=name)
+        if run["mode"] == "resident":
+            ref_outs, ref_score = outs, score
+        agree, first = measure.agreement(outs, ref_outs)
+        assert ref_score is not None
+        delta = 100 * (score.ppl / ref_score.ppl - 1) if score.ppl is not None and ref_score.ppl is not None else None
+        task = None
+        if items:
+            task = {
+                "name": cfg.task,
+                "correct": int(correct),
+                "n": len(items),
+                "accuracy": correct / len(items),
+                "chance": chance,
+                "above_chance": measure.above_chance(int(correct), len(items), chance),
+            }
+        results.append(
+            {
+                "kind": RESULT_KIND,
+                "run": name,
+                **run,
+                "capacity_experts": capacity,
+                "link": link.describe(),
+                "ppl": score.ppl,
+                "ppl_tokens": score.tokens,
+                "ppl_delta_pct": delta,
+                "tf_agreement": measure.tf_agreement(score, ref_score),
+                "agreement": agree,
+                "first_divergence": first,
+                "generated_tokens": sum(int(o.numel()) for o in outs),
+                "task": task,
+                "tpot_s": total.tpot_s,
+                "bytes_per_token": total.bytes_per_token,
+                "metrics": total.to_dict(),
+            }
+        )
+    ref_tpot = results[0]["tpot_s"]
+    for r in results:
+        r["tpot_delta_pct"] = 100 * (r["tpot_s"] / ref_tpot - 1) if r["tpot_s"] and ref_tpot else None
+    console.print(quality_table(results, title=f"moeflow quality — {Path(rc.model).name}, {link_spec}, vs resident"))
+    report = {
+        "model": rc.model,
+        "reference": "resident",
+        "calibration": cal_path if cal else None,
+        "text": {"source": text_desc, "tokens": sum(int(w.shape[1]) - 1 for w in windows), "windows": len(windows)},
+        "task": cfg.task,
+        "prompts": len(encoded),
+        "max_new_tokens": rc.max_new_tokens,
+        "runs": results,
+    }
+    if rc.json:
+        sys.stdout.write(json.dumps(report, default=str) + "\n")
+    return report
+
+
+def _f(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def task_cell(task: dict[str, Any] | None) -> str:
+    if not task:
+        return "-"
+    k, n = task["correct"], task["n"]
+    return f"{task['accuracy']:.3f} ({k}/{n})" if task["above_chance"] else f"at chance ({k}/{n})"
+
+
+def quality_table(results: list[dict[str, Any]], title: str = "moeflow quality"):
+    """One row per configuration: exact/LOSSY, perplexity and its change, agreement, task, TPOT, bytes/token."""
+    from rich.table import Table
+
+    from ..runtime.metrics import _bytes
+
+    t = Table(title=title)
+    cols = ("run", "exact", "ppl", "Δppl %", "agree", "1st div", "tf agree", "task", "TPOT ms", "ΔTPOT %", "bytes/tok")
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("run", "exact", "task") else "right", no_wrap=c != "run")
+    for r in results:
+        t.add_row(
+            r["run"],
+            "[bold red]LOSSY[/]" if r["lossy"] else "exact",
+            _f(r["ppl"], ".3f"),
+            _f(r["ppl_delta_pct"], "+.2f"),
+            _f(r["agreement"], ".3f"),
+            _f(r["first_divergence"], ".1f"),
+            _f(r["tf_agreement"], ".3f"),
+            task_cell(r["task"]),
+            _f(r["tpot_s"] * 1e3 if r["tpot_s"] is not None else None, ".2f"),
+            _f(r["tpot_delta_pct"], "+.1f"),
+            _bytes(r["bytes_per_token"]),
+        )
+    if any(r["task"] and not r["task"]["above_chance"] for r in results):
+        t.caption = "at chance: the task accuracy is not above chance (one-sided binomial, p < 0.05); it says nothing"
+    return t
