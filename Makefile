@@ -9,7 +9,7 @@ BIN     := $(VENV)/bin
 # Override for another build, e.g. `make setup TORCH='torch==2.14.1'`.
 TORCH   ?= torch==2.13.0
 DATA    ?= ../shared/data
-MODEL   ?= models/olmoe-mini
+MODEL   ?= models/olmoe-deep
 
 .PHONY: setup test test-slow test-gpu lint models bench clean-artifacts
 

@@ -34,6 +34,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from moeflow.models import default_model_path  # noqa: E402
+
 
 def heldout_prompts(pred_dir: Path, n: int) -> list[torch.Tensor]:
     from moeflow.predict.data import from_trace
@@ -124,7 +126,7 @@ class _null:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(REPO / "models" / "olmoe-mini"))
+    ap.add_argument("--model", default=default_model_path())
     ap.add_argument("--predictors", required=True)
     ap.add_argument("--capacity", default="25%")
     ap.add_argument("--copy-share", type=float, default=0.85)

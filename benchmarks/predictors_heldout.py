@@ -30,6 +30,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from moeflow.models import default_model_path  # noqa: E402
+
 EVAL_SETS = {"gsm8k": ["gsm8k"], "mmlu": ["mmlu"], "glue": ["sst2", "rte"]}
 LEARNED = ("estimator", "forest", "router-pf", "hybrid")
 
@@ -82,7 +84,7 @@ def decode_cost(preds: dict, data, max_s: int, reps: int = 30) -> dict[str, floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(REPO / "models" / "olmoe-mini"))
+    ap.add_argument("--model", default=default_model_path())
     ap.add_argument("--root", default="/tmp/pred", help="folder of the traces (created if missing) and the predictors")
     ap.add_argument("--train-set", default="sharegpt")
     ap.add_argument("--train-limit", type=int, default=150, help="training prompts (when the trace is recorded here)")

@@ -13,7 +13,7 @@ import torch
 
 from .errors import ArtifactError, ConfigError, MoeflowError, UnsupportedModelError
 
-DEFAULT_MODEL = "models/olmoe-mini"
+DEFAULT_MODEL = "models/olmoe-deep"
 
 DTYPES = {
     "float32": torch.float32,
@@ -47,7 +47,7 @@ def torch_threads(n: int | None) -> Iterator[None]:
 
 
 def default_model_path() -> str:
-    """`models/olmoe-mini` of the source checkout (or MOEFLOW_MODEL), whatever the working directory."""
+    """`models/olmoe-deep` of the source checkout (or MOEFLOW_MODEL), whatever the working directory."""
     env = os.environ.get("MOEFLOW_MODEL")
     if env:
         return env

@@ -93,7 +93,7 @@ def test_corpus_split_is_deterministic_and_holds_out_each_source(shared_data):
         assert max(map(len, tr)) <= 4096 + 200  # chunks of ~4 KB
 
 
-@pytest.mark.parametrize("name", ["olmoe-mini", "mixtral-mini"])
+@pytest.mark.parametrize("name", ["olmoe-mini", "olmoe-deep", "mixtral-mini"])
 def test_training_loop_decreases_loss(name):
     from transformers import AutoModelForCausalLM
 

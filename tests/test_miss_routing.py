@@ -158,6 +158,7 @@ def test_cache_aware_dual_logit(tiny_models):
     assert torch.allclose(w[0].float(), want)
     small = ROUTING.create("cache-aware", lam=0.0)
     assert small.select_logits(l, logits, lambda k: k[1] == 3, ad.spec.top_k) is None
+    assert small.exact and not small.lossy and not pol.exact and pol.lossy  # lambda = 0 routes as standard
     # D_avg: mean top-2 logit 2.75 minus mean of the other six (0.5+1-1-2+0+2)/6 = 0.0833
     fresh = ROUTING.create("cache-aware")
     assert float(fresh.delta_avg(l, logits, 2)) == pytest.approx(2.75 - 0.5 / 6)

@@ -33,7 +33,7 @@ def model_option() -> Any:
         "--model",
         "-m",
         help="Local Hugging Face MoE checkpoint folder (config.json + safetensors). "
-        "Default: the project's own olmoe-mini (or $MOEFLOW_MODEL).",
+        "Default: the project's own olmoe-deep, 12 MoE layers (or $MOEFLOW_MODEL).",
     )
 
 

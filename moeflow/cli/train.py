@@ -18,6 +18,25 @@ def _print_report(report: dict, console: Console) -> None:
         console.print(t)
 
 
+def _print_planner(report: dict, console: Console) -> None:
+    from ..plan.train import planner_tables
+
+    rep = report.get("planner")
+    if not rep:
+        return
+    if "skipped" in rep:
+        console.print(f"[yellow]CasMoE planner skipped:[/] {rep['skipped']}")
+    for t in planner_tables(rep):
+        console.print(t)
+
+
+def _print_gps(report: dict, console: Console) -> None:
+    if report.get("gps"):
+        from ..gps.predictors import render
+
+        render(report["gps"], console)
+
+
 @app.command("train")
 def train(
     trace: Path = typer.Option(
@@ -33,8 +52,16 @@ def train(
         None,
         "--only",
         help="Learned predictor(s) to fit: router-pf, estimator, "
-        "hybrid, forest (repeat the flag). Default: all four. pregate and the "
+        "hybrid, forest, the CasMoE planner's eam / eap, and gps (the MoE-GPS predictors; repeat the flag). "
+        "Default: all six (not gps). pregate and the "
         "baselines frequency / token-id are always included.",
+    ),
+    plan_opt: list[str] | None = typer.Option(
+        None,
+        "--plan-opt",
+        help="CasMoE planner option key=value (repeat): eps (0.3), k (top-k), label ep|count, phase prefill|all, "
+        "k_prime (3), weighted (false), embedder DIR, eap_layers (6), eap_hidden (64), eap_intermediate (128), "
+        "eap_epochs (30), eap_lr (1e-3), eap_batch (32).",
     ),
     model: str = model_option(),
     holdout: float = typer.Option(0.2, "--holdout", help="Fraction of the trace's prompts held out for evaluation."),
@@ -48,13 +75,14 @@ def train(
     as_json: bool = json_option(),
 ) -> None:
     """Fit layer-ahead expert predictors on a trace, evaluate them on held-out prompts, save a predictor folder."""
+    from ..plan.train import PLANNERS, plan_overrides
     from ..predict.train import LEARNED, TrainConfig, main
 
     cfg = TrainConfig(
         trace=str(trace),
         out=str(out),
         model=str(model),
-        only=tuple(only) if only else LEARNED,
+        only=tuple(only) if only else LEARNED + PLANNERS,
         holdout=holdout,
         seed=seed,
         max_s=max_s,
@@ -63,6 +91,7 @@ def train(
         est_epochs=est_epochs,
         threads=threads,
         force=force,
+        **plan_overrides(plan_opt),
     )
     console = Console(stderr=as_json)
     report = main(cfg, console=console)
@@ -70,6 +99,8 @@ def train(
         print_json(report)
         return
     _print_report(report, console)
+    _print_planner(report, console)
+    _print_gps(report, console)
     console.print(f"fit seconds: {report['fit_seconds']}")
     if "hybrid" in report:
         h = report["hybrid"]
@@ -94,9 +125,13 @@ def eval_(
         "the model's own routing, teacher-forced on the trace's sequences.",
     ),
     spec_sequences: int = typer.Option(24, "--spec-sequences", help="Trace prompts used by --speculative."),
+    plan_opt: list[str] | None = typer.Option(
+        None, "--plan-opt", help="CasMoE planner option key=value: eps (cascade gate, 0.3), k (experts per layer scored)."
+    ),
     as_json: bool = json_option(),
 ) -> None:
     """Evaluate a predictor folder on a trace: recall@k / precision per layer and S, decay fit vs pre-gate."""
+    from ..plan.train import plan_overrides
     from ..predict.train import EvalConfig, eval_main
 
     folder = alias(predictors, predictors_p, "--predictors", "-p")
@@ -111,6 +146,7 @@ def eval_(
         mass=mass,
         speculative=speculative,
         spec_sequences=spec_sequences,
+        **plan_overrides(plan_opt, ("eps", "k")),
     )
     console = Console(stderr=as_json)
     report = eval_main(cfg, console)
@@ -118,6 +154,8 @@ def eval_(
         print_json(report)
         return
     _print_report(report, console)
+    _print_planner(report, console)
+    _print_gps(report, console)
     if report.get("speculative"):
         from rich.table import Table
 

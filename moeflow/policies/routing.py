@@ -47,7 +47,8 @@ class CacheAware:
     host read). Option `lambda` (or `lam`), default 0.3."""
 
     name: ClassVar[str] = "cache-aware"
-    exact: ClassVar[bool] = False
+    exact: bool = False  # per instance: lambda = 0 never changes routing (exact, not labelled lossy)
+    lossy: bool = True
     reroutes: ClassVar[bool] = True
 
     def __init__(self, lam: float = 0.3, **opts: Any):
@@ -57,6 +58,8 @@ class CacheAware:
         self.lam = float(opts.get("lambda", lam))
         if self.lam < 0:
             raise ValueError("lambda must be >= 0")
+        self.exact = self.lam == 0
+        self.lossy = not self.exact
         self._gap: dict[int, tuple[torch.Tensor, int]] = {}  # layer -> (summed gaps, tokens)
 
     def bias(self, layer: int, num_experts: int, resident: Callable[[ExpertKey], bool]) -> torch.Tensor | None:

@@ -71,13 +71,18 @@ def save_predictors(
     config: dict[str, Any],
     report: dict[str, Any] | None,
     plot_fn: Any = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> Path:
+    """`extra`: sub-folder name -> a function writing it (the CasMoE planner's `eam/`, `eap/`), listed in
+    meta.json under `extra`."""
     out = Path(out)
     with atomic_dir(out) as tmp:
         for name, p in predictors.items():
             sub = tmp / name
             sub.mkdir()
             p.save(sub)
+        for name, write in (extra or {}).items():
+            write(tmp / name)
         if report is not None and plot_fn is not None:
             plot_fn(report, tmp / "recall.png")
         meta = new_meta(
@@ -86,6 +91,7 @@ def save_predictors(
             model_fingerprint(model),
             trace={"path": str(trace), "fingerprint": trace_fingerprint},
             predictors=list(predictors),
+            extra=list(extra or {}),
             config=config,
             eval=report,
         )

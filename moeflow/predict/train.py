@@ -24,6 +24,8 @@ from .data import RoutingData, from_trace
 
 LEARNED = ("router-pf", "estimator", "hybrid", "forest")
 BASELINES = ("frequency", "token-id")
+PLANNERS = ("eam", "eap")  # the CasMoE prompt-level planner (moeflow.plan), written to eam/ and eap/
+GPS = ("gps",)  # the MoE-GPS predictors (moeflow.gps.predictors), written to gps/
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class TrainConfig:
     trace: str
     out: str
     model: str
-    only: tuple[str, ...] = LEARNED  # learned predictors to fit (pregate and baselines always come along)
+    only: tuple[str, ...] = LEARNED + PLANNERS  # learned predictors to fit (pregate and baselines always come along)
     holdout: float = 0.2  # fraction of prompts held out for evaluation
     seed: int = 0
     max_s: int = 4  # largest step S fitted and evaluated
@@ -59,6 +61,19 @@ class TrainConfig:
     forest_window: int = 4
     forest_base: str = "none"  # forest learns y - base: none (y itself; best held out) | pregate (top-k; ExpertFlow) | prior
     forest_dim: int = 16
+    plan_phase: str = "prefill"  # CasMoE EP labels from prefill tokens, or "all" (+ decode)
+    plan_label: str = "ep"  # ep (eq. 3) | count (Table 4)
+    plan_k: int = 0  # experts per layer a plan is scored on (0: the model's top-k)
+    plan_eps: float = 0.3  # cascade gate: EAM when its best cosine >= eps, else EAP
+    eam_k_prime: int = 3  # EAM neighbours fused (eq. 5)
+    eam_weighted: bool = False  # similarity-weighted fusion instead of the plain mean
+    eap_layers: int = 6  # EAP encoder (initialised from MiniLM; the paper: 6 / 64 / 128)
+    eap_hidden: int = 64
+    eap_intermediate: int = 128
+    eap_epochs: int = 30
+    eap_lr: float = 1e-3
+    eap_batch: int = 32
+    embedder: str = ""  # sentence-transformers model folder for the EAM ("": all-MiniLM-L6-v2)
     force: bool = False  # replace an existing predictor folder at `out`
 
     def __post_init__(self) -> None:
@@ -89,6 +104,8 @@ class EvalConfig:
     max_s: int = 4
     mass: float = 0.8
     window: int = 4
+    plan_eps: float = 0.3  # CasMoE cascade gate threshold
+    plan_k: int = 0  # experts per layer a plan is scored on (0: top-k)
     speculative: bool = False  # also measure speculative execution's quality cost
     spec_sequences: int = 24  # trace prompts (prompt + generated tokens) used for that
 
@@ -101,9 +118,11 @@ class EvalConfig:
 
 
 def _check_names(names: tuple[str, ...]) -> None:
-    bad = [n for n in names if n not in PREDICTORS]
+    bad = [n for n in names if n not in PREDICTORS and n not in PLANNERS and n not in GPS]
     if bad:
-        raise ConfigError(f"unknown predictor {', '.join(bad)}; choose from: {', '.join((*LEARNED, 'pregate', *BASELINES))}")
+        raise ConfigError(
+            f"unknown predictor {', '.join(bad)}; choose from: {', '.join((*LEARNED, 'pregate', *BASELINES, *PLANNERS, *GPS))}"
+        )
 
 
 def _check_trace_model(data: RoutingData, model: torch.nn.Module, trace: str) -> None:
@@ -128,7 +147,8 @@ def fit_all(train: RoutingData, model: torch.nn.Module, cfg: TrainConfig, progre
     """name -> fitted predictor (baselines, pregate if hidden states exist, then cfg.only)."""
     from .default_vectors import compute_default_vectors
 
-    names = list(BASELINES) + (["pregate"] if train.has_hidden else []) + [n for n in cfg.only if n != "pregate"]
+    own = [n for n in cfg.only if n != "pregate" and n not in PLANNERS and n not in GPS]
+    names = list(BASELINES) + (["pregate"] if train.has_hidden else []) + own
     task = (lambda name, total: progress.add_task(name, total=total)) if progress else (lambda *a: None)
     adv = (lambda t, **kw: progress.update(t, **kw)) if progress else (lambda *a, **k: None)
     dvec = None
@@ -172,7 +192,7 @@ def _main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
         raise ConfigError(f"--holdout must be in (0, 1), got {cfg.holdout}")
     check_out(cfg.out, kind=KIND, inputs=(cfg.trace, cfg.model), force=cfg.force)  # before any work
     model = _load_model(cfg.model)
-    need_hidden = any(PREDICTORS[n].needs_hidden for n in cfg.only)
+    need_hidden = any(PREDICTORS[n].needs_hidden for n in cfg.only if n not in PLANNERS and n not in GPS)
     data = from_trace(cfg.trace, need_hidden=need_hidden)
     _check_trace_model(data, model, cfg.trace)
     train, held = data.split(cfg.holdout, cfg.seed)
@@ -194,6 +214,19 @@ def _main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
     report["decode_by_s"] = decode_only(preds, held, cfg.max_s, cfg.forest_window, cfg.mass)
     report["fit_seconds"] = {n: round(float(getattr(p, "fit_seconds", 0.0)), 3) for n, p in preds.items()}
     report["train_tokens"], report["heldout_tokens"] = train.n, held.n
+    planners = tuple(n for n in cfg.only if n in PLANNERS)
+    savers: dict[str, Any] = {}
+    if planners:
+        from ..plan.train import fit_planner, load_tokenizer
+
+        report["planner"], savers = fit_planner(
+            train, held, cfg, fingerprint=model_fingerprint(model), tokenizer=load_tokenizer(cfg.model), names=planners
+        )
+    if "gps" in cfg.only:
+        from ..gps.predictors import fit_and_evaluate
+
+        suite, report["gps"] = fit_and_evaluate(train, held, model)
+        savers = {**savers, "gps": lambda d, s=suite: (d.mkdir(), s.save(d))}
     if "hybrid" in preds:
         report["hybrid"] = {
             "threshold": preds["hybrid"].threshold,
@@ -208,6 +241,7 @@ def _main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
         config=cfg.to_dict(),
         report=report,
         plot_fn=plot,
+        extra=savers,
     )
     report["out"] = str(cfg.out)
     return report
@@ -230,6 +264,15 @@ def eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     report = evaluate(preds, data, max_s=cfg.max_s, window=cfg.window, mass=cfg.mass)
     report["decode_by_s"] = decode_only(preds, data, cfg.max_s, cfg.window, cfg.mass)
     report["skipped_no_hidden"] = skipped
+    if {"eam", "eap"} & set(meta.get("extra") or []):
+        from ..plan.train import eval_planner
+
+        report["planner"] = eval_planner(cfg.predictors, data, cfg, fingerprint=model_fingerprint(model), model_dir=cfg.model)
+    if (Path(cfg.predictors) / "gps" / "config.json").is_file():
+        from ..gps.predictors import GPSSuite, RoutingRows, input_embeddings
+
+        suite = GPSSuite.load(Path(cfg.predictors) / "gps")
+        report["gps"] = suite.evaluate(None, RoutingRows.from_data(data), input_embeddings(model))
     if cfg.speculative:
         from .speculative import measure_quality
 

@@ -1,0 +1,84 @@
+"""`moeflow ep`: greedy generation with the routed experts partitioned across N processes (flags -> EPConfig -> ep.run)."""
+
+from __future__ import annotations
+
+import typer
+
+from .app import app
+from .common import column_option, device_option, dtype_option, json_option, limit_option, model_option, threads_option
+
+
+@app.command("ep")
+def ep(
+    model: str = model_option(),
+    prompts: str | None = typer.Option(
+        None, "--prompts", "-p", help="Prompt file (.txt, .json, .jsonl, .csv, .tsv) or a set name, as `moeflow run`."
+    ),
+    column: str | None = column_option(),
+    prompt: list[str] | None = typer.Option(None, "--prompt", help="A literal prompt (repeatable)."),
+    limit: int | None = limit_option(),
+    split: str | None = typer.Option(None, "--split", help="Split of a set name (e.g. gsm8k: train/test)."),
+    data_dir: str | None = typer.Option(None, "--data-dir", help="Data directory for set names."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="New tokens per prompt."),
+    min_new_tokens: int | None = typer.Option(None, "--min-new-tokens", help="Ignore EOS before this many new tokens."),
+    max_prompt_tokens: int = typer.Option(256, "--max-prompt-tokens", help="Truncate longer prompts (tokens)."),
+    batch_size: int = typer.Option(1, "--batch-size", "-b", help="Decode this many prompts together (left-padded)."),
+    world_size: int | None = typer.Option(
+        None,
+        "--world-size",
+        "-N",
+        help="Processes (ranks) to spawn on this machine (default 2). Under torchrun: taken from it.",
+    ),
+    placement: list[str] | None = typer.Option(
+        None,
+        "--placement",
+        help='Expert placement: contiguous (default: N blocks) or a JSON file {"layer": {"expert": [ranks]}} '
+        '("*" = every MoE layer; several ranks = a duplicated expert). Repeat to run and compare several.',
+    ),
+    backend: str = typer.Option(
+        "auto", "--backend", help="torch.distributed backend: auto (nccl on cuda, gloo on cpu), gloo, nccl."
+    ),
+    compare: bool = typer.Option(
+        True, "--compare/--no-compare", help="Rank 0 also runs the single-process model and compares token ids (default on)."
+    ),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds a collective may wait for the other ranks."),
+    warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="One untimed short generation per placement first."),
+    threads: int | None = threads_option(),
+    dtype: str = dtype_option(),
+    device: str = device_option(),
+    as_json: bool = json_option(),
+) -> None:
+    """Run the model expert-parallel over torch.distributed (all_to_all dispatch and combine; gloo on CPU,
+    NCCL on GPUs), check its greedy tokens against one process, print per-layer dispatch / compute /
+    combine times and rows per rank. Several GPUs or nodes: `torchrun ... -m moeflow ep` (README)."""
+    from ..ep.run import EPConfig, main
+    from ..runtime.config import RunConfig
+
+    rc = RunConfig(
+        model=model,
+        prompts=prompts,
+        column=column,
+        prompt=tuple(prompt or ()),
+        data_dir=data_dir,
+        split=split,
+        limit=limit,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens,
+        max_prompt_tokens=max_prompt_tokens,
+        modes=("resident",),
+        dtype=dtype,
+        device=device,
+        threads=threads,
+        json=as_json,
+        batch_size=batch_size,
+    )
+    cfg = EPConfig(
+        run=rc,
+        world_size=world_size,
+        placements=tuple(placement or ("contiguous",)),
+        backend=backend,
+        compare=compare,
+        timeout_s=timeout,
+        warmup=warmup,
+    )
+    main(cfg)
