@@ -1,4 +1,4 @@
-"""The committed embedded models (models/olmoe-deep, models/olmoe-mini, models/mixtral-mini): load, generate, spec, size, trace."""
+"""The committed embedded models (models/olmoe-deep, olmoe-mini, mixtral-mini): load, generate, spec, size, trace."""
 
 from __future__ import annotations
 
