@@ -35,7 +35,10 @@ test-gpu:
 	$(BIN)/python -m pytest -q -m "gpu" tests
 
 models:
-	$(BIN)/python recipes/train_models.py --data-dir $(DATA) --out models --minutes 50
+	$(BIN)/python recipes/train_models.py --data-dir $(DATA) --out models --minutes 50 --only olmoe-mini & \
+	$(BIN)/python recipes/train_models.py --data-dir $(DATA) --out models --minutes 50 --only mixtral-mini & \
+	wait
+	$(BIN)/python recipes/train_models.py --data-dir $(DATA) --out models --minutes 70 --lr 2e-3 --only olmoe-deep
 
 bench:
 	$(BIN)/python benchmarks/trace_overhead.py --model $(MODEL)

@@ -130,11 +130,11 @@ def main() -> None:
             max_s=max_s,
             threads=args.threads,
             force=True,
-            **opts,
+            **{"only": LEARNED, **opts},  # the layer-ahead predictors (not the prompt-level planners)
         )
         commands.append(
             f"moeflow train --trace {root / args.train_set} --out {pred_dir} --model {args.model} "
-            f"--max-s {max_s} --threads {args.threads} --force"
+            f"--max-s {max_s} --threads {args.threads} --force " + " ".join(f"--only {p}" for p in LEARNED)
         )
         t0 = time.perf_counter()
         rep = train_main(cfg)

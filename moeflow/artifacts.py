@@ -207,7 +207,9 @@ def _clean(final: Path, keep: set[str]) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(final: str | os.PathLike, *, replace: bool = True, versioned: bool = True) -> Iterator[Path]:
+def atomic_dir(
+    final: str | os.PathLike, *, replace: bool = True, versioned: bool = True, keep_versions: int = 2
+) -> Iterator[Path]:
     """Yield an empty folder to fill; on success it becomes `final` in one atomic step.
 
     `final` is a relative symlink to `.<name>.versions/v-<ns>-<pid>/` beside it, switched with one
@@ -220,7 +222,8 @@ def atomic_dir(final: str | os.PathLike, *, replace: bool = True, versioned: boo
     folder, a one-time step during which a kill leaves `final` missing and the old copy in
     `.<name>.versions/`. `replace=False` refuses an existing `final`. `versioned=False` makes a plain
     folder with one rename; an existing `final` is then moved aside first (not atomic; for folders
-    nothing points to yet, like trace shards).
+    nothing points to yet, like trace shards). `keep_versions` (>= 2) keeps that many newest complete
+    versions instead of two (`moeflow retrain`'s `keep`).
     """
     final = Path(os.path.abspath(final))
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -235,7 +238,7 @@ def atomic_dir(final: str | os.PathLike, *, replace: bool = True, versioned: boo
         return
     vroot = _versions(final)
     vroot.mkdir(exist_ok=True)
-    _clean(final, keep=_keep_before(final))  # free dead writers' space before writing
+    _clean(final, keep=_keep_before(final) | _newest(final, keep_versions))  # free dead writers' space before writing
     stamp = f"{time.time_ns():020d}-{os.getpid()}"
     tmp = vroot / f"tmp-{stamp}"
     tmp.mkdir()
@@ -263,7 +266,7 @@ def atomic_dir(final: str | os.PathLike, *, replace: bool = True, versioned: boo
         _fsync_dir(final.parent)
         if old is None:  # `final` was missing: keep the newest older copy
             keep |= _keep_before(final, exclude=version.name)
-        _clean(final, keep)
+        _clean(final, keep | _newest(final, keep_versions))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -279,6 +282,14 @@ def _keep_before(final: Path, exclude: str = "") -> set[str]:
         else []
     )
     return ({cur} if cur else set()) | set(names[-1:])
+
+
+def _newest(final: Path, n: int) -> set[str]:
+    """The `n` newest complete versions of `final` by name (none beyond the two always kept when n <= 2)."""
+    vroot = _versions(final)
+    if n <= 2 or not vroot.is_dir():
+        return set()
+    return set(sorted(p.name for p in vroot.iterdir() if p.name.startswith("v-"))[-n:])
 
 
 def _current(final: Path) -> str | None:

@@ -1,4 +1,4 @@
-"""Train the project's embedded MoE language models on CPU: models/olmoe-mini and models/mixtral-mini.
+"""Train the project's embedded MoE language models on CPU: models/olmoe-deep, models/olmoe-mini and models/mixtral-mini.
 
     .venv/bin/python recipes/train_models.py --data-dir ../shared/data --out models
     .venv/bin/python recipes/train_models.py --only olmoe-mini --minutes 25 --threads 1

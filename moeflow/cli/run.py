@@ -130,6 +130,15 @@ def run(
         help="Stock experts implementation of --mode resident: auto (batched_mm or grouped_mm, "
         "whichever a short timed probe finds faster), batched_mm or grouped_mm.",
     ),
+    plan: str | None = typer.Option(
+        None,
+        "--plan",
+        help="casmoe: CasMoE's prompt-level plan of experts per layer, made before decoding; "
+        "--plan-opt predictors=DIR mode=preload (exact) | restricted (LOSSY) eps=0.3 k=N | mass=0.8.",
+    ),
+    plan_opt: list[str] | None = typer.Option(
+        None, "--plan-opt", help="key=value of --plan (repeatable): predictors, mode, eps, k, mass, renorm."
+    ),
     sweep: bool = typer.Option(
         False,
         "--sweep",
@@ -182,5 +191,7 @@ def run(
         batch_size=batch_size,
         warmup=warmup,
         experts_impl=experts_impl,
+        plan=plan,
+        plan_opts=parse_opts(plan_opt or ()),
     )
     main(cfg)

@@ -7,6 +7,7 @@ The runtime engine applies them in its router hook; the simulator replays record
 | standard | none: the router's own choice (SpecMD "Standard") | yes |
 | cache-aware | SpecMD eq. 1, z' = z + lambda * D_avg * 1_C selects, z weights (dual-logit) | no |
 | hit-first | ExpertFlow 3.4: resident experts' rows computed while the misses load | yes |
+| plan-restricted | CasMoE restricted mode: only a prompt's planned experts can be chosen (`--plan casmoe`) | no |
 
 D_avg: this layer's running mean over tokens of (mean top-k logit - mean other logit). Misses are
 demand copies, which the link schedules ahead of every queued prefetch (moeflow.runtime.link).
@@ -110,3 +111,53 @@ class HitFirst:
 
     def bias(self, layer: int, num_experts: int, resident: Callable[[ExpertKey], bool]) -> torch.Tensor | None:
         return None
+
+
+@ROUTING.register
+class PlanRestricted:
+    """CasMoE's restricted mode: each layer selects its top-k among the experts the prompt-level plan allowed
+    (`set_allowed`; `moeflow.plan.run`); the others' logits are -inf for selection. `renorm` (default, as
+    CasMoE) weights the chosen experts as the family does over the allowed experts only (a softmax family's
+    denominator is the allowed set); `renorm=false` keeps the model's own weights of the chosen experts
+    (dual-logit). Without a plan (`allowed` None) routing is the router's own. Set through
+    `moeflow run --plan casmoe --plan-opt mode=restricted`, not `--routing`."""
+
+    name: ClassVar[str] = "plan-restricted"
+    exact: ClassVar[bool] = False
+    lossy: ClassVar[bool] = True
+    reroutes: ClassVar[bool] = True
+
+    def __init__(self, renorm: bool | str = True, **opts: Any):
+        if opts:
+            raise TypeError(f"unknown option(s) {sorted(opts)}; plan-restricted takes renorm")
+        self.renorm = renorm if isinstance(renorm, bool) else str(renorm).lower() in ("1", "true", "yes")
+        self.allowed: dict[int, torch.Tensor] | None = None  # layer -> bool [E]
+        self._on: dict[tuple[int, str], torch.Tensor] = {}
+
+    def set_allowed(self, allowed: dict[int, list[int]] | None, num_experts: int) -> None:
+        """layer -> allowed expert ids (each layer at least top-k of them), or None for unrestricted routing."""
+        self._on = {}
+        if allowed is None:
+            self.allowed = None
+            return
+        self.allowed = {}
+        for l, ids in allowed.items():
+            m = torch.zeros(num_experts, dtype=torch.bool)
+            m[list(ids)] = True
+            self.allowed[l] = m
+
+    def bias(self, layer: int, num_experts: int, resident: Callable[[ExpertKey], bool]) -> torch.Tensor | None:
+        return None  # acts through select_logits
+
+    def select_logits(
+        self, layer: int, logits: torch.Tensor, resident: Callable[[ExpertKey], bool], top_k: int
+    ) -> torch.Tensor | None:
+        """Logits [T,E] (their dtype) with -inf on the experts the plan did not allow, or None (no plan)."""
+        if self.allowed is None or layer not in self.allowed:
+            return None
+        z = logits.reshape(-1, logits.shape[-1])
+        key = (layer, str(z.device))
+        m = self._on.get(key)
+        if m is None:
+            m = self._on[key] = self.allowed[layer].to(z.device)
+        return z.masked_fill(~m, float("-inf"))

@@ -60,6 +60,8 @@ class RunConfig:
     batch_size: int = 1  # prompts decoded together (left-padded)
     warmup: bool = True  # one untimed short generation per run before the timed one
     experts_impl: str = "auto"  # resident: auto (fastest of batched_mm / grouped_mm, measured) or a name
+    plan: str | None = None  # --plan casmoe: CasMoE's prompt-level plan (moeflow.plan.run)
+    plan_opts: tuple[tuple[str, str], ...] = ()  # --plan-opt key=value (predictors, mode, eps, k, mass, renorm)
 
     def __post_init__(self) -> None:
         for m in self.modes:
@@ -93,6 +95,7 @@ class RunConfig:
         if not self.prompts and not self.prompt:
             raise ConfigError("give --prompts FILE|NAME or --prompt TEXT")
         self._check_policies()
+        self._check_plan()
         if self.speculative and (
             set(self.modes) != {"offload"} or any(policy_args(p)[0] not in SPECULATIVE_PREFETCH for p in self.prefetches)
         ):
@@ -120,6 +123,27 @@ class RunConfig:
         if kind == "cuda" and not self.device.startswith("cuda"):
             raise ConfigError("--link cuda needs --device cuda; on CPU use --link direct or emulated:GBPS[,LATENCY_US]")
 
+    def _check_plan(self) -> None:
+        from ..plan.run import parse_plan
+
+        spec = parse_plan(self.plan, self.plan_opts, self.prefetch_opts)
+        if self.routing.split(":")[0] == "plan-restricted":
+            raise ConfigError("--routing plan-restricted is set by --plan casmoe --plan-opt mode=restricted")
+        if spec is None:
+            return
+        if "offload" not in self.modes:
+            raise ConfigError("--plan casmoe needs --mode offload (resident and on-demand runs keep no plan)")
+        if spec.lossy and self.routing != "standard":
+            raise ConfigError("--plan-opt mode=restricted replaces the routing policy; drop --routing")
+        if spec.lossy and self.speculative:
+            raise ConfigError("--plan-opt mode=restricted and --speculative both change routing; pick one")
+
+    def plan_spec(self) -> Any:
+        """The checked `moeflow.plan.run.PlanSpec`, or None without --plan."""
+        from ..plan.run import parse_plan
+
+        return parse_plan(self.plan, self.plan_opts, self.prefetch_opts)
+
     def preflight(self) -> None:
         """What depends on this machine and disk, checked before anything loads: the device, `--out`."""
         from pathlib import Path
@@ -128,6 +152,11 @@ class RunConfig:
         from ..checks import check_device
 
         check_device(self.device)
+        spec = self.plan_spec()
+        if spec is not None:
+            from ..plan.run import check_plan_folder
+
+            check_plan_folder(spec)
         if self.out:
             inputs = (self.model, self.calibration, self.prompts if self.prompts and Path(self.prompts).exists() else None)
             check_out(self.out, kind="run", inputs=inputs, force=self.force, file=True)

@@ -158,6 +158,7 @@ class OffloadEngine:
         self.capacity = capacity
         self.lookahead = int(lookahead)  # step size S; controllers may change it between passes
         self.observers: list[Observer] = []
+        self.pass_start_hooks: list[Callable[[], None]] = []  # called at every pass start, after the cache's (plans)
         self.device = next(model.parameters()).device
         self.store = HostExpertStore(self.adapter, pin=self.device.type == "cuda")
         self._cache: ExpertCache | None = None  # created by `attach`
@@ -287,6 +288,8 @@ class OffloadEngine:
         self._pass_t0 = time.perf_counter()
         self._t_mark = self._pass_t0
         self.cache.begin_pass(self.pass_id)
+        for hook in list(self.pass_start_hooks):
+            hook()
 
     def _on_pass_end(self, module, args, output) -> None:
         self.flush()
@@ -337,7 +340,10 @@ class OffloadEngine:
             select_logits = getattr(self.routing, "select_logits", None)
             if select_logits is not None:  # dual-logit: z' selects, the original logits weight
                 z2 = select_logits(l, logits, cache.resident, self.spec.top_k)
-                if z2 is not None:
+                if z2 is not None and getattr(self.routing, "renorm", False):  # z' selects and weights
+                    weights, indices = self.adapter.select(l, z2)
+                    replaced = (logits, weights, indices)
+                elif z2 is not None:
                     weights, indices = dual_select(self.adapter.select, l, logits, z2)
                     replaced = (logits, weights, indices)
             else:

@@ -211,6 +211,9 @@ def _label(run: dict[str, Any], capacity: int | None, total: int, cfg: RunConfig
     suffix = (" adaptive-S" if cfg and cfg.adaptive_s else "") + (" SPECULATIVE(lossy)" if cfg and cfg.speculative else "")
     if cfg and (cfg.miss != "fetch" or cfg.routing != "standard"):
         suffix += f" miss={cfg.miss} routing={cfg.routing}"
+    if cfg and cfg.plan:
+        mode = dict(cfg.plan_opts).get("mode", "preload")
+        suffix += " plan=casmoe:" + ("RESTRICTED(lossy)" if mode == "restricted" else mode)
     if run["mode"] != "offload" or capacity is None:
         return str(run["mode"])
     return f"C={capacity} ({100 * capacity / total:.0f}%) {run['eviction']}+{run['prefetch']}{suffix}"
@@ -263,6 +266,12 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
     runs = plan_runs(cfg)
     caps = check_runs(cfg, model, runs)
     encoded = encode_prompts(cfg, model, tok, prompts)
+    planner, plans = None, {}
+    if cfg.plan is not None:  # CasMoE: one plan per prompt, made before any run decodes it
+        from ..plan.run import RunPlanner
+
+        planner = RunPlanner.load(cfg.plan_spec(), model)
+        plans = dict(zip([pid for pid, _, _ in encoded], planner.plan([text for _, text, _ in encoded])))
     eos = tok.eos_token_id if tok.eos_token_id is not None else getattr(model.config, "eos_token_id", None)
     console.print(
         f"[dim]{spec.arch}: {spec.num_moe_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}, "
@@ -279,6 +288,8 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
         pf_name, pf_opts = policy_args(run["prefetch"] or "none", cfg.prefetch_opts)
         miss_name, miss_opts = policy_args(cfg.miss, cfg.miss_opts)
         routing_name, routing_opts = policy_args(cfg.routing, cfg.routing_opts)
+        if planner is not None and planner.spec.lossy and run["mode"] == "offload":
+            routing_name, routing_opts = "plan-restricted", {"renorm": planner.spec.renorm}
         if miss_name == "auto" and cal and device.type == "cpu":  # host expert time and copy time, calibrated
             if cal.get("expert_time_s") is not None:
                 miss_opts.setdefault("host_s", float(cal["expert_time_s"]))
@@ -332,6 +343,9 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                             wlink.close()
                 link = make_link(link_spec, device)
                 engine = make_engine(run, capacity, link)
+                planned = planner if run["mode"] == "offload" and engine is not None else None
+                if planned is not None:
+                    planned.prepare(engine)
                 per_batch: list[RunMetrics] = []
                 outputs: list[dict[str, Any]] = []
                 try:
@@ -345,6 +359,7 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                             task = prog.add_task(label, total=len(encoded))
                             for bi, batch in enumerate(batches):
                                 s_rec = _SRecorder(engine)
+                                sets = planned.begin(engine, [plans[p] for p, _, _ in batch]) if planned else {}
                                 news, m = generate_batch(
                                     model,
                                     [ids for _, _, ids in batch],
@@ -355,12 +370,16 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                                 )
                                 m.experts_impl = impl
                                 m.s_history = s_rec.done()
+                                if planned is not None:
+                                    planned.end(engine)
                                 per_batch.append(m)
                                 for (pid, text, _), new in zip(batch, news):
                                     gen = tok.decode(new, skip_special_tokens=True)
                                     outputs.append(
                                         {"prompt_id": pid, "prompt": text, "text": gen, "new_tokens": int(new.numel())}
                                     )
+                                    if planned is not None:
+                                        outputs[-1]["plan"] = planned.report(plans[pid], sets, planned.preloaded)
                                     rec = {
                                         "kind": RESULT_KIND,
                                         "run": label,
@@ -374,17 +393,25 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                                         "text": gen,
                                         "metrics": m.to_dict(),  # the batch's (the prompt's at --batch-size 1)
                                     }
+                                    if planned is not None:
+                                        rec["plan"] = outputs[-1]["plan"]
                                     if fh is not None:
                                         fh.write(json.dumps(rec, default=str) + "\n")
                                     if not cfg.sweep and not cfg.json:
                                         console.print(f"[bold]{pid}[/] {text[:80]!r}\n[green]{gen}[/]")
+                                    if planned is not None and not cfg.json:
+                                        pl = outputs[-1]["plan"]
+                                        console.print(
+                                            f"[dim]  plan {pid}: {pl['path']} (sim {pl['best_sim']:.2f}), "
+                                            f"{pl['ms']:.2f} ms, {pl['planned_experts']} planned, {pl['preloaded']} preloaded[/]"
+                                        )
                                     prog.advance(task)
                 finally:
                     if engine is None:
                         link.close()
                 total = RunMetrics.total(per_batch, label=label)
                 total.experts_impl = impl
-                total.lossy = total.lossy or cfg.speculative
+                total.lossy = total.lossy or cfg.speculative or bool(planned and planned.spec.lossy)
                 rows.append(total)
                 results.append(
                     {
@@ -400,9 +427,17 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                         "outputs": outputs,
                     }
                 )
+                if planned is not None:
+                    results[-1]["plan"] = planned.summary([plans[pid] for pid, _, _ in encoded])
     finally:
         model.set_experts_implementation("grouped_mm")
     console.print(metrics_table(rows, title=f"moeflow run — {Path(cfg.model).name}, {link_spec}"))
+    if planner is not None:
+        sm = planner.summary(list(plans.values()))
+        console.print(
+            f"plan {planner.spec.describe()}{' (LOSSY)' if sm['lossy'] else ''} (offload runs): "
+            f"EAM {sm['split']['eam']} / EAP {sm['split']['eap']} prompts, planner {sm['ms_per_prompt']:.2f} ms/prompt"
+        )
     if cfg.json:
         sys.stdout.write(
             json.dumps({"model": cfg.model, "calibration": cal_path if cal else None, "runs": results}, default=str) + "\n"

@@ -1,0 +1,39 @@
+"""`moeflow retrain --config retrain.toml`: the cron-safe trace-append + train + compare + promote run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from .app import app
+from .common import json_option, print_json
+
+
+@app.command("retrain")
+def retrain(
+    config: Path = typer.Option(..., "--config", "-c", help="retrain TOML file (see the README's `moeflow retrain` section)."),
+    as_json: bool = json_option(),
+) -> None:
+    """Append new prompts to the trace, retrain when anything changed, promote the new predictors only when
+    they are not worse (exit 0: unchanged / promoted / rejected; 75: another retrain holds the lock)."""
+    from ..retrain import load_config
+    from ..retrain import retrain as run
+
+    cfg = load_config(config)
+    console = Console(stderr=as_json)
+    rec = run(cfg, console)
+    if as_json:
+        print_json(rec)
+        return
+    f = rec.get("figures") or {}
+
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.4f}"
+
+    console.print(
+        f"{rec['outcome']}: version {rec.get('version') or '-'}, {rec.get('prompts_added', 0)} prompts added, "
+        f"recall@k (S=1) new {fmt(f.get('new'))} vs current {fmt(f.get('current'))} (margin {cfg.margin})"
+        + (f"; {rec['message']}" if rec.get("message") else "")
+    )

@@ -1,0 +1,229 @@
+"""`moeflow retrain`: under a lock, append new prompts to the trace, skip when nothing changed, else train a
+new version, evaluate it beside the promoted one on the same held-out prompts, promote it only when it is
+not worse, keep the last N versions, log one line and write a JSON status file.
+
+Outcomes: "unchanged" (the trace + model + config fingerprint equals the promoted version's, or the one a
+previous run rejected with the same margin), "promoted", "rejected", "failed". A kill at any instant leaves
+the promoted version intact: the candidate is written under `.<name>.versions/tmp-<ns>-<pid>/` (removed
+by the next write once its pid is gone) and promotion is `atomic_dir`'s one symlink `os.replace`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from ..artifacts import META, _current, _versions, atomic_dir, check_out, now_iso, write_json_atomic
+from ..errors import ArtifactError
+from .config import RetrainConfig
+from .lock import retrain_lock
+
+S = 1  # the promotion score is mean recall@k at step S=1 of the chosen predictors
+
+
+def trace_fingerprint(trace: str | os.PathLike) -> str:
+    """Shards (name + sha256) and prompt ids of a trace's meta.json."""
+    p = Path(trace) / META
+    if not p.is_file():
+        return "none"
+    meta = json.loads(p.read_text())
+    shards = [[s.get("name"), s.get("sha256")] for s in meta.get("shards", [])]
+    blob = json.dumps({"shards": shards, "prompt_ids": sorted(meta.get("prompt_ids") or [])}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _log_line(cfg: RetrainConfig, rec: dict[str, Any]) -> None:
+    if not cfg.log:
+        return
+    f = rec.get("figures") or {}
+    fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+    line = (
+        f"{rec['time']} moeflow retrain {rec['outcome']} version={rec.get('version') or '-'} "
+        f"new={fmt(f.get('new'))} current={fmt(f.get('current'))} prompts_added={rec.get('prompts_added', 0)} "
+        f"seconds={rec.get('seconds')}"
+    )
+    if rec.get("message"):
+        line += f" message={' '.join(str(rec['message']).split())!r}"
+    Path(cfg.log).parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(cfg.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _last_status(cfg: RetrainConfig) -> dict[str, Any]:
+    if not cfg.status:
+        return {}
+    with contextlib.suppress(OSError, ValueError):
+        rec = json.loads(Path(cfg.status).read_text())
+        if isinstance(rec, dict):
+            return rec
+    return {}
+
+
+def _trace_new(cfg: RetrainConfig, model: Any, tok: Any, console: Any) -> int:
+    """Append every source's prompts not yet in the trace (`moeflow.trace.run.run_trace`); prompts added."""
+    from ..data import load_prompts
+    from ..trace.config import TraceConfig
+    from ..trace.run import check_trace_out, run_trace
+
+    added = 0
+    for src in cfg.prompts:
+        tcfg = TraceConfig(
+            model=cfg.model,
+            prompts=src.source,
+            out=cfg.trace,
+            limit=src.limit,
+            split=src.split,
+            column=src.column,
+            progress=False,
+            **cfg.trace_options,
+        )
+        check_trace_out(tcfg)
+        prompts = load_prompts(tcfg.prompts, data_dir=tcfg.data_dir, limit=tcfg.limit, split=tcfg.split, column=tcfg.column)
+        added += int(run_trace(model, tok, prompts, tcfg, None)["prompts_added"])
+    return added
+
+
+def _score(folder: str | Path, names: list[str], model: Any, held: Any, window: int) -> dict[str, float] | None:
+    """name -> mean recall@k at S=1 on `held` for the predictors of `folder` (None if it lacks one of them)."""
+    from ..predict.evaluate import evaluate
+    from ..predict.io import load_predictors, read_predictor_meta
+
+    meta = read_predictor_meta(folder)
+    if any(n not in meta.get("predictors", []) for n in names):
+        return None
+    _, preds = load_predictors(folder, model, names)
+    rep = evaluate(preds, held, max_s=S, window=window, mass=0.8)
+    return {n: float(rep["by_s"][n][S]) for n in names}
+
+
+def _mean(d: dict[str, float] | None) -> float | None:
+    return None if d is None else sum(d.values()) / len(d)
+
+
+def retrain(cfg: RetrainConfig, console: Any = None) -> dict[str, Any]:
+    """One cron run; the status record (also written to cfg.status). Raises LockBusy (exit 75) when locked."""
+    t0 = time.perf_counter()
+    with retrain_lock(cfg.predictors) as lock:
+        rec: dict[str, Any] = {"time": now_iso(), "outcome": "failed", "pid": os.getpid(), "predictors": cfg.predictors}
+        if lock["took_over"]:
+            rec["took_over_stale_lock"] = lock["took_over"]
+        try:
+            _run(cfg, rec, console)
+        except BaseException as e:
+            rec["outcome"] = "failed"
+            rec["message"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            raise
+        finally:
+            rec["seconds"] = round(time.perf_counter() - t0, 3)
+            if cfg.status:
+                write_json_atomic(cfg.status, rec)
+            _log_line(cfg, rec)
+    return rec
+
+
+def _run(cfg: RetrainConfig, rec: dict[str, Any], console: Any) -> None:
+    from ..models import load_model
+    from ..moe import model_fingerprint
+    from ..predict.data import from_trace
+    from ..predict.io import KIND, read_predictor_meta
+    from ..predict.train import PLANNERS, TrainConfig, _check_names, _load_model
+    from ..predict.train import main as train_main
+
+    _check_names(cfg.only)
+    final = Path(os.path.abspath(cfg.predictors))
+    check_out(final, kind=KIND, inputs=(cfg.trace, cfg.model), reuse=True)
+    model, tok = load_model(
+        cfg.model, dtype=cfg.trace_options.get("dtype", "auto"), device=cfg.trace_options.get("device", "cpu")
+    )
+    if tok is None:
+        raise ArtifactError(f"{cfg.model} has no tokenizer (tokenizer.json); save one beside the checkpoint")
+    rec["prompts_added"] = _trace_new(cfg, model, tok, console)
+    fp = {
+        "trace": trace_fingerprint(cfg.trace),
+        "model": model_fingerprint(model),
+        "config": cfg.config_fingerprint(),
+    }
+    rec["fingerprint"] = fp
+    del model
+    current = _current(final)
+    rec["current_version"] = rec["version"] = current
+    cur_meta: dict[str, Any] = {}
+    if current is not None:
+        with contextlib.suppress(ArtifactError):
+            cur_meta = read_predictor_meta(final)
+    last = _last_status(cfg)
+    if (cur_meta.get("retrain") or {}).get("fingerprint") == fp or (
+        last.get("outcome") == "rejected"
+        and last.get("fingerprint") == fp
+        and last.get("figures", {}).get("margin") == cfg.margin
+    ):
+        rec["outcome"] = "unchanged"
+        rec["figures"] = (cur_meta.get("retrain") or {}).get("figures") or last.get("figures")
+        return
+
+    # train a candidate inside the versions folder, as a writer's tmp-<ns>-<pid> (cleaned up once we are gone)
+    vroot = _versions(final)
+    vroot.mkdir(parents=True, exist_ok=True)
+    work = vroot / f"tmp-{time.time_ns():020d}-{os.getpid()}"
+    work.mkdir()
+    try:
+        cand = work / "candidate"
+        tcfg = TrainConfig(
+            trace=cfg.trace,
+            out=str(cand),
+            model=cfg.model,
+            only=cfg.only,
+            holdout=cfg.holdout,
+            seed=cfg.seed,
+            force=True,
+            **cfg.train_options,
+        )
+        train_main(tcfg)
+        # the same held-out prompts for both: predict's split of the current trace by seed
+        need_hidden = "pregate" in cfg.only or any(n in cfg.only for n in ("router-pf", "estimator", "hybrid"))
+        _, held = from_trace(cfg.trace, need_hidden=need_hidden).split(cfg.holdout, cfg.seed)
+        emodel = _load_model(cfg.model)
+        names = [n for n in cfg.only if n not in PLANNERS and n != "gps"]
+        new = _score(cand, names, emodel, held, tcfg.forest_window)
+        old = None
+        if cur_meta:
+            try:
+                old = _score(final, names, emodel, held, tcfg.forest_window)
+            except ArtifactError:
+                old = None  # made for another model, unreadable: the new version replaces it
+        n_new, n_old = _mean(new), _mean(old)
+        rec["figures"] = {
+            "new": n_new,
+            "current": n_old,
+            "margin": cfg.margin,
+            "s": S,
+            "new_by_predictor": new,
+            "current_by_predictor": old,
+        }
+        if n_new is None:
+            raise ArtifactError(f"the new predictors lack one of {', '.join(names)}")
+        if n_old is not None and n_new < n_old - cfg.margin:
+            rec["outcome"] = "rejected"
+            rec["message"] = f"new recall@k {n_new:.4f} < current {n_old:.4f} - margin {cfg.margin}"
+            return
+        src = Path(os.path.realpath(cand))
+        meta = json.loads((src / META).read_text())
+        meta["retrain"] = {"fingerprint": fp, "figures": rec["figures"], "promoted_at": now_iso()}
+        with atomic_dir(final, keep_versions=cfg.keep) as tmp:
+            for child in src.iterdir():
+                if child.name != META:
+                    os.rename(child, tmp / child.name)
+            write_json_atomic(tmp / META, meta)
+        rec["outcome"] = "promoted"
+        rec["version"] = _current(final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

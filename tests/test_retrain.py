@@ -1,0 +1,185 @@
+"""`moeflow retrain`: unchanged on a second run, the lock (exit 75, stale take-over), kill -9 mid-train,
+a worse model rejected, promotion through the predictor folder's symlink, keep N versions."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moeflow.cli.app import main
+from moeflow.retrain import retrain_lock
+from moeflow.retrain.lock import lock_path
+
+from .test_trace import tiny_tokenizer
+
+PROMPTS = [f"prompt number {i}: the quick brown fox {i * 7} jumps" for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_models):
+    d = tmp_path_factory.mktemp("ckpt") / "olmoe-tiny"
+    tiny_models("olmoe").save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+def setup(root: Path, checkpoint: Path, n: int = 8, margin: float = 1.0, keep: int = 3) -> Path:
+    (root / "prompts.txt").write_text("\n".join(PROMPTS[:n]) + "\n")
+    cfg = root / "retrain.toml"
+    cfg.write_text(
+        f"""
+model = "{checkpoint}"
+trace = "trace"
+predictors = "pred"
+only = ["frequency", "token-id", "pregate"]
+holdout = 0.25
+margin = {margin}
+keep = {keep}
+log = "retrain.log"
+status = "status.json"
+
+[[prompts]]
+source = "prompts.txt"
+
+[trace_options]
+max_new_tokens = 3
+record_hidden = true
+threads = 1
+
+[train_options]
+max_s = 1
+threads = 1
+"""
+    )
+    return cfg
+
+
+def add_prompts(root: Path, n: int) -> None:
+    (root / "prompts.txt").write_text("\n".join(PROMPTS[:n]) + "\n")
+
+
+def run(cfg: Path, capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    try:
+        main(["retrain", "--config", str(cfg)])
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def status(root: Path) -> dict:
+    return json.loads((root / "status.json").read_text())
+
+
+def test_retrain_twice_is_unchanged_and_reads_promoted(tmp_path, checkpoint, capsys):
+    from moeflow.predict.io import read_predictor_meta
+
+    cfg = setup(tmp_path, checkpoint)
+    code, out = run(cfg, capsys)
+    assert code == 0, out
+    st = status(tmp_path)
+    assert st["outcome"] == "promoted" and st["figures"]["current"] is None and st["prompts_added"] == 8
+    pred = tmp_path / "pred"
+    assert pred.is_symlink() and pred.resolve().name == st["version"]
+    meta = read_predictor_meta(pred)  # what `moeflow run` / `eval` read: through the symlink
+    assert meta["retrain"]["fingerprint"] == st["fingerprint"]
+    code, out = run(cfg, capsys)
+    assert code == 0 and "unchanged" in out, out
+    assert status(tmp_path)["outcome"] == "unchanged" and pred.resolve().name == st["version"]
+    # new prompts: traced (appended), trained, compared with the current version, promoted; keep = 3 versions
+    versions = [st["version"]]
+    for n in (10, 12):
+        add_prompts(tmp_path, n)
+        code, out = run(cfg, capsys)
+        assert code == 0, out
+        s2 = status(tmp_path)
+        assert s2["outcome"] == "promoted" and s2["prompts_added"] == 2 and s2["figures"]["current"] is not None
+        assert pred.resolve().name == s2["version"] != versions[-1]
+        versions.append(s2["version"])
+    add_prompts(tmp_path, 12)
+    vroot = tmp_path / ".pred.versions"
+    assert sorted(p.name for p in vroot.iterdir() if p.name.startswith("v-")) == sorted(versions)
+    lines = (tmp_path / "retrain.log").read_text().splitlines()
+    assert [l.split()[3] for l in lines] == ["promoted", "unchanged", "promoted", "promoted"]
+    assert not [p for p in vroot.iterdir() if p.name.startswith("tmp-")]
+
+
+def test_lock_held_exits_75_naming_holder_and_stale_lock_is_taken_over(tmp_path, checkpoint, capsys):
+    cfg = setup(tmp_path, checkpoint)
+    with retrain_lock(tmp_path / "pred"):  # another "run" holds the flock (a second open file description)
+        code, out = run(cfg, capsys)
+    assert code == 75, out
+    assert f"pid {os.getpid()}" in out and "try again later" in out
+    assert not (tmp_path / "status.json").exists()
+    # a stale lock: the file names a process that is gone (the kernel dropped its flock when it died)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    import socket
+
+    lock_path(tmp_path / "pred").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "x"}))
+    code, out = run(cfg, capsys)
+    assert code == 0, out
+    st = status(tmp_path)
+    assert st["outcome"] == "promoted" and st["took_over_stale_lock"]["pid"] == dead.pid
+
+
+def test_kill_9_mid_train_keeps_promoted_version(tmp_path, checkpoint, capsys):
+    from moeflow.predict.io import read_predictor_meta
+
+    cfg = setup(tmp_path, checkpoint)
+    assert run(cfg, capsys)[0] == 0
+    pred = tmp_path / "pred"
+    before = pred.resolve()
+    add_prompts(tmp_path, 10)
+    flag = tmp_path / "training"
+    script = (
+        "import sys, time, pathlib\n"
+        "import moeflow.predict.train as t\n"
+        "def slow(*a, **k):\n"
+        "    pathlib.Path(sys.argv[2]).write_text('x'); time.sleep(120)\n"
+        "t.fit_all = slow\n"
+        "from moeflow.cli.app import main\n"
+        "main(['retrain', '--config', sys.argv[1]])\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script, str(cfg), str(flag)], cwd=tmp_path)
+    try:
+        deadline = time.time() + 60
+        while not flag.exists():
+            assert child.poll() is None and time.time() < deadline, "the child never reached training"
+            time.sleep(0.1)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait()
+    assert pred.resolve() == before and read_predictor_meta(pred)["kind"] == "predictors"
+    assert [p for p in (tmp_path / ".pred.versions").iterdir() if p.name.startswith("tmp-")]  # its leftover
+    code, out = run(cfg, capsys)  # the lock was released by the kernel; the next run succeeds
+    assert code == 0, out
+    st = status(tmp_path)
+    assert st["outcome"] == "promoted" and pred.resolve().name == st["version"] != before.name
+    assert st["prompts_added"] == 0  # the killed run had traced them already
+    assert not [p for p in (tmp_path / ".pred.versions").iterdir() if p.name.startswith("tmp-")]
+
+
+def test_worse_model_is_not_promoted(tmp_path, checkpoint, capsys):
+    cfg = setup(tmp_path, checkpoint)
+    assert run(cfg, capsys)[0] == 0
+    pred = tmp_path / "pred"
+    before = pred.resolve()
+    add_prompts(tmp_path, 10)
+    cfg.write_text(cfg.read_text().replace("margin = 1.0", "margin = -1.0"))  # new must beat current by 1.0: impossible
+    code, out = run(cfg, capsys)
+    assert code == 0 and "rejected" in out, out
+    st = status(tmp_path)
+    assert st["outcome"] == "rejected" and st["figures"]["new"] is not None and st["figures"]["current"] is not None
+    assert pred.resolve() == before and st["version"] == before.name
+    code, out = run(cfg, capsys)  # the same data and margin again: nothing to redo
+    assert code == 0 and "unchanged" in out, out
