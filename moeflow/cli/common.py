@@ -72,6 +72,26 @@ def column_option() -> Any:
     )
 
 
+def prompt_option() -> Any:
+    return typer.Option(None, "--prompt", help="A literal prompt (repeatable).")
+
+
+def split_option(help: str = "Split of a set name (e.g. gsm8k: train/test).") -> Any:
+    return typer.Option(None, "--split", help=help)
+
+
+def data_dir_option(help: str) -> Any:
+    return typer.Option(None, "--data-dir", help=help)
+
+
+def max_new_tokens_option(help: str = "New tokens per prompt.") -> Any:
+    return typer.Option(32, "--max-new-tokens", help=help)
+
+
+def max_prompt_tokens_option(help: str = "Truncate longer prompts (tokens).") -> Any:
+    return typer.Option(256, "--max-prompt-tokens", help=help)
+
+
 def limit_option(what: str = "prompts") -> Any:
     return typer.Option(None, "--limit", "-n", help=f"At most N {what}. Default: all.")
 

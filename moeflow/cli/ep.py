@@ -5,7 +5,20 @@ from __future__ import annotations
 import typer
 
 from .app import app
-from .common import column_option, device_option, dtype_option, json_option, limit_option, model_option, threads_option
+from .common import (
+    column_option,
+    data_dir_option,
+    device_option,
+    dtype_option,
+    json_option,
+    limit_option,
+    max_new_tokens_option,
+    max_prompt_tokens_option,
+    model_option,
+    prompt_option,
+    split_option,
+    threads_option,
+)
 
 
 @app.command("ep")
@@ -15,13 +28,13 @@ def ep(
         None, "--prompts", "-p", help="Prompt file (.txt, .json, .jsonl, .csv, .tsv) or a set name, as `moeflow run`."
     ),
     column: str | None = column_option(),
-    prompt: list[str] | None = typer.Option(None, "--prompt", help="A literal prompt (repeatable)."),
+    prompt: list[str] | None = prompt_option(),
     limit: int | None = limit_option(),
-    split: str | None = typer.Option(None, "--split", help="Split of a set name (e.g. gsm8k: train/test)."),
-    data_dir: str | None = typer.Option(None, "--data-dir", help="Data directory for set names."),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="New tokens per prompt."),
+    split: str | None = split_option(),
+    data_dir: str | None = data_dir_option("Data directory for set names."),
+    max_new_tokens: int = max_new_tokens_option(),
     min_new_tokens: int | None = typer.Option(None, "--min-new-tokens", help="Ignore EOS before this many new tokens."),
-    max_prompt_tokens: int = typer.Option(256, "--max-prompt-tokens", help="Truncate longer prompts (tokens)."),
+    max_prompt_tokens: int = max_prompt_tokens_option(),
     batch_size: int = typer.Option(1, "--batch-size", "-b", help="Decode this many prompts together (left-padded)."),
     world_size: int | None = typer.Option(
         None,

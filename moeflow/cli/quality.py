@@ -9,15 +9,20 @@ from .app import app
 from .common import (
     capacity_option,
     column_option,
+    data_dir_option,
     device_option,
     dtype_option,
     eviction_option,
     json_option,
     limit_option,
     lookahead_option,
+    max_new_tokens_option,
+    max_prompt_tokens_option,
     model_option,
     policy_opt_option,
     prefetch_option,
+    prompt_option,
+    split_option,
     threads_option,
 )
 
@@ -29,12 +34,12 @@ def quality(
         "alpaca", "--prompts", "-p", help="Prompts for greedy agreement (file or set name, as `run`). Default alpaca."
     ),
     column: str | None = column_option(),
-    prompt: list[str] | None = typer.Option(None, "--prompt", help="A literal prompt (repeatable)."),
+    prompt: list[str] | None = prompt_option(),
     limit: int | None = limit_option("prompts (default 8)"),
-    split: str | None = typer.Option(None, "--split", help="Split of a prompt set name."),
-    data_dir: str | None = typer.Option(None, "--data-dir", help="Data directory (default $MOEFLOW_DATA or ../shared/data)."),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Greedy tokens per prompt (EOS ignored)."),
-    max_prompt_tokens: int = typer.Option(256, "--max-prompt-tokens", help="Truncate longer prompts (tokens)."),
+    split: str | None = split_option("Split of a prompt set name."),
+    data_dir: str | None = data_dir_option("Data directory (default $MOEFLOW_DATA or ../shared/data)."),
+    max_new_tokens: int = max_new_tokens_option("Greedy tokens per prompt (EOS ignored)."),
+    max_prompt_tokens: int = max_prompt_tokens_option(),
     mode: list[str] | None = typer.Option(
         None, "--mode", help="offload and/or on-demand (resident is always the reference). Default offload."
     ),

@@ -9,6 +9,7 @@ from .common import (
     alias,
     capacity_option,
     column_option,
+    data_dir_option,
     device_option,
     dtype_option,
     eviction_option,
@@ -17,9 +18,13 @@ from .common import (
     json_option,
     limit_option,
     lookahead_option,
+    max_new_tokens_option,
+    max_prompt_tokens_option,
     model_option,
     policy_opt_option,
     prefetch_option,
+    prompt_option,
+    split_option,
     threads_option,
 )
 
@@ -35,17 +40,15 @@ def run(
         "name (sharegpt, alpaca, gsm8k, mmlu, sst2, mt_bench, ...).",
     ),
     column: str | None = column_option(),
-    prompt: list[str] | None = typer.Option(None, "--prompt", help="A literal prompt (repeatable)."),
+    prompt: list[str] | None = prompt_option(),
     limit: int | None = limit_option(),
-    split: str | None = typer.Option(None, "--split", help="Split of a set name (e.g. gsm8k: train/test)."),
-    data_dir: str | None = typer.Option(
-        None, "--data-dir", help="Data directory for set names (default $MOEFLOW_DATA or ../shared/data)."
-    ),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="New tokens per prompt."),
+    split: str | None = split_option(),
+    data_dir: str | None = data_dir_option("Data directory for set names (default $MOEFLOW_DATA or ../shared/data)."),
+    max_new_tokens: int = max_new_tokens_option(),
     min_new_tokens: int | None = typer.Option(
         None, "--min-new-tokens", help="Ignore EOS before this many new tokens (equal-length runs; at most --max-new-tokens)."
     ),
-    max_prompt_tokens: int = typer.Option(256, "--max-prompt-tokens", help="Truncate longer prompts (tokens)."),
+    max_prompt_tokens: int = max_prompt_tokens_option(),
     temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature; 0 = greedy."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed (per prompt)."),
     mode: list[str] | None = typer.Option(

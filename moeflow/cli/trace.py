@@ -7,7 +7,20 @@ from typing import Any
 import typer
 
 from .app import app
-from .common import alias, column_option, device_option, dtype_option, json_option, model_option, print_json, threads_option
+from .common import (
+    alias,
+    column_option,
+    data_dir_option,
+    device_option,
+    dtype_option,
+    json_option,
+    max_new_tokens_option,
+    max_prompt_tokens_option,
+    model_option,
+    print_json,
+    split_option,
+    threads_option,
+)
 
 _PROMPTS_HELP = (
     "Prompt file (ShareGPT/Alpaca json, GSM8K/MT-Bench/jsonl, MMLU csv, GLUE tsv, .txt one per line), "
@@ -16,54 +29,12 @@ _PROMPTS_HELP = (
 )
 
 
-def build_config(
-    *,
-    model: str,
-    prompts: str,
-    out: str,
-    max_new_tokens: int = 32,
-    limit: int | None = None,
-    record_hidden: bool = False,
-    hidden_dtype: str = "float16",
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    repetition_penalty: float = 1.0,
-    seed: int = 0,
-    max_prompt_tokens: int = 256,
-    data_dir: str | None = None,
-    split: str | None = None,
-    column: str | None = None,
-    dtype: str = "auto",
-    device: str = "cpu",
-    shard_size: int | None = None,
-    threads: int | None = None,
-    progress: bool = True,
-) -> Any:
-    """The flag -> config mapping (kept separate so it can be tested without running a trace)."""
+def build_config(**flags: Any) -> Any:
+    """The flag -> config mapping (kept separate so it can be tested without running a trace): the flags are
+    TraceConfig's fields, with its defaults."""
     from ..trace.config import TraceConfig
 
-    return TraceConfig(
-        model=model,
-        prompts=prompts,
-        out=out,
-        max_new_tokens=max_new_tokens,
-        limit=limit,
-        record_hidden=record_hidden,
-        hidden_dtype=hidden_dtype,
-        temperature=temperature,
-        top_p=top_p,
-        repetition_penalty=repetition_penalty,
-        seed=seed,
-        max_prompt_tokens=max_prompt_tokens,
-        data_dir=data_dir,
-        split=split,
-        column=column,
-        dtype=dtype,
-        device=device,
-        shard_size=shard_size,
-        threads=threads,
-        progress=progress,
-    )
+    return TraceConfig(**flags)
 
 
 def _summarize(path: str, phase: str | None, as_json: bool) -> None:
@@ -86,7 +57,7 @@ def trace_cmd(
     out: str | None = typer.Option(
         None, "--out", "-o", help="Trace folder to create, or to append to (prompts already traced there are skipped)."
     ),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Decode steps per prompt (tokens)."),
+    max_new_tokens: int = max_new_tokens_option("Decode steps per prompt (tokens)."),
     limit: int | None = typer.Option(
         None, "--limit", "-n", help="Trace at most N prompts (after removing duplicates). Default: all."
     ),
@@ -106,14 +77,12 @@ def trace_cmd(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temperature > 0)."),
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="1.0 = off."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed (per prompt: seed + hash of the prompt)."),
-    max_prompt_tokens: int = typer.Option(
-        256, "--max-prompt-tokens", help="Truncate longer prompts to this many tokens (the beginning is kept)."
+    max_prompt_tokens: int = max_prompt_tokens_option("Truncate longer prompts to this many tokens (the beginning is kept)."),
+    data_dir: str | None = data_dir_option(
+        "Data directory for set names. Default: $MOEFLOW_DATA, else ../shared/data beside the checkout."
     ),
-    data_dir: str | None = typer.Option(
-        None, "--data-dir", help="Data directory for set names. Default: $MOEFLOW_DATA, else ../shared/data beside the checkout."
-    ),
-    split: str | None = typer.Option(
-        None, "--split", help="Split of a set name (e.g. gsm8k: train/test) or of a Hugging Face dataset (default train)."
+    split: str | None = split_option(
+        "Split of a set name (e.g. gsm8k: train/test) or of a Hugging Face dataset (default train)."
     ),
     column: str | None = column_option(),
     dtype: str = dtype_option(),

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..artifacts import atomic_dir, write_json_atomic
-from ..errors import ArtifactError, ConfigError
+from ..errors import ConfigError
 
 KIND = "eam"
 SCHEMA = 1
@@ -224,17 +224,10 @@ class EAM:
         """(EAM, its eam.json) from `folder`; refuses another model's folder, a corrupt or inconsistent one."""
         import hnswlib
 
-        from ..predict.io import artifact_file, read_json_file
+        from ..predict.io import artifact_file, read_plan_meta
 
         folder = Path(folder)
-        meta = read_json_file(folder / "eam.json")
-        if meta.get("kind") != KIND or meta.get("schema") != SCHEMA:
-            raise ArtifactError(f"{folder}/eam.json is not an EAM of schema {SCHEMA}; re-run `moeflow train --only eam`")
-        if fingerprint is not None and meta.get("model_fingerprint") != fingerprint:
-            raise ArtifactError(
-                f"EAM at {folder} was made for another model (fingerprint {meta.get('model_fingerprint')}, "
-                f"this model is {fingerprint}); re-run `moeflow train --only eam` with this --model"
-            )
+        meta = read_plan_meta(folder, KIND, SCHEMA, fingerprint)
         opts = {k: meta[k] for k in ("k_prime", "weighted", "buffer_size", "ef", "m", "seed") if k in meta}
         eam = cls(int(meta["dim"]), int(meta["num_layers"]), int(meta["num_experts"]), **opts)
         with artifact_file(folder / "eam.npz"), np.load(folder / "eam.npz", allow_pickle=False) as z:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..artifacts import write_json_atomic
-from ..errors import ArtifactError, ConfigError
+from ..errors import ConfigError
 
 KIND = "eap"
 SCHEMA = 1
@@ -282,17 +282,10 @@ class EAP:
 
     @classmethod
     def load(cls, folder: str | Path, *, fingerprint: str | None = None) -> tuple[EAP, dict[str, Any]]:
-        from ..predict.io import artifact_file, load_tensors, read_json_file
+        from ..predict.io import artifact_file, load_tensors, read_plan_meta
 
         folder = Path(folder)
-        meta = read_json_file(folder / "eap.json")
-        if meta.get("kind") != KIND or meta.get("schema") != SCHEMA:
-            raise ArtifactError(f"{folder}/eap.json is not an EAP of schema {SCHEMA}; re-run `moeflow train --only eap`")
-        if fingerprint is not None and meta.get("model_fingerprint") != fingerprint:
-            raise ArtifactError(
-                f"EAP at {folder} was made for another model (fingerprint {meta.get('model_fingerprint')}, "
-                f"this model is {fingerprint}); re-run `moeflow train --only eap` with this --model"
-            )
+        meta = read_plan_meta(folder, KIND, SCHEMA, fingerprint)
         with artifact_file(folder / "eap.json"):
             cfg = EAPConfig(**meta["config"])
             L, K = int(meta["num_layers"]), int(meta["num_experts"])

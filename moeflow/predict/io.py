@@ -55,6 +55,21 @@ def read_json_file(path: Path) -> dict[str, Any]:
         return obj
 
 
+def read_plan_meta(folder: Path, kind: str, schema: int, fingerprint: str | None) -> dict[str, Any]:
+    """`<kind>.json` of a CasMoE plan artifact (`eam`, `eap`) in `folder`: refuses another kind or schema and,
+    given `fingerprint`, another model's folder."""
+    name = kind.upper()
+    meta = read_json_file(folder / f"{kind}.json")
+    if meta.get("kind") != kind or meta.get("schema") != schema:
+        raise ArtifactError(f"{folder}/{kind}.json is not an {name} of schema {schema}; re-run `moeflow train --only {kind}`")
+    if fingerprint is not None and meta.get("model_fingerprint") != fingerprint:
+        raise ArtifactError(
+            f"{name} at {folder} was made for another model (fingerprint {meta.get('model_fingerprint')}, "
+            f"this model is {fingerprint}); re-run `moeflow train --only {kind}` with this --model"
+        )
+    return meta
+
+
 def load_tensors(path: Path) -> Any:
     """`torch.load(path, weights_only=True)`: tensors and plain containers only, never code (see `artifact_file`)."""
     with artifact_file(path):

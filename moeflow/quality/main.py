@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import json
 import sys
 from itertools import product
@@ -22,11 +21,21 @@ from rich.console import Console
 
 from ..errors import MoeflowError
 from ..moe import get_adapter
-from ..policies.parse import parse_policy, policy_args
+from ..policies.parse import parse_policy
 from ..runtime.config import RunConfig
-from ..runtime.generate import build_engine, create_policy, generate_batch
+from ..runtime.generate import generate_batch
 from ..runtime.link import make_link
-from ..runtime.main import _label, _run_hooks, check_runs, encode_prompts, plan_runs, read_calibration, read_prompts, resolve_link
+from ..runtime.main import (
+    _label,
+    _run_hooks,
+    check_runs,
+    encode_prompts,
+    engine_for,
+    plan_runs,
+    read_calibration,
+    read_prompts,
+    resolve_link,
+)
 from ..runtime.metrics import RunMetrics
 from . import measure
 from .config import QualityConfig, is_lossy, run_config_for
@@ -68,40 +77,10 @@ def label(run: dict[str, Any], capacity: int | None, total: int, cfg: RunConfig)
 
 
 def make_engine(cfg: RunConfig, model: Any, run: dict[str, Any], capacity: int | None, link: Any, lookahead: int) -> Any:
-    """`build_engine` for one run; a miss / routing policy's inline options go to build_engine where it takes
-    them (`miss_opts` / `routing_opts`), else the engine gets the policy built with them."""
-    ev_name, ev_opts = policy_args(run["eviction"] or "lru", cfg.eviction_opts)
-    pf_name, pf_opts = policy_args(run["prefetch"] or "none", cfg.prefetch_opts)
+    """`build_engine` for one run, with the miss / routing policies' inline options."""
     miss_name, miss_opts = parse_policy(run["miss"] or "fetch")
     rt_name, rt_opts = parse_policy(run["routing"] or "standard")
-    params = inspect.signature(build_engine).parameters
-    kw: dict[str, Any] = {}
-    for key, opts in (("miss_opts", miss_opts), ("routing_opts", rt_opts)):
-        if opts and key in params:
-            kw[key] = opts
-    engine = build_engine(
-        model,
-        mode=run["mode"],
-        link=link,
-        capacity=capacity or 0,
-        eviction=ev_name,
-        prefetch=pf_name,
-        miss=miss_name,
-        routing=rt_name,
-        per_layer=cfg.per_layer_cache,
-        lookahead=lookahead,
-        eviction_opts=ev_opts,
-        prefetch_opts=pf_opts,
-        **kw,
-    )
-    if engine is not None and run["mode"] == "offload":
-        from ..policies import MISS, ROUTING
-
-        if miss_opts and "miss_opts" not in params:
-            engine.miss = create_policy(MISS, miss_name, miss_opts)
-        if rt_opts and "routing_opts" not in params:
-            engine.routing = create_policy(ROUTING, rt_name, rt_opts)
-    return engine
+    return engine_for(cfg, model, run, capacity, link, lookahead, miss_name, miss_opts, rt_name, rt_opts)
 
 
 def main(cfg: QualityConfig, console: Console | None = None) -> dict[str, Any]:

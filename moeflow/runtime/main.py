@@ -162,6 +162,40 @@ def encode_prompts(cfg: RunConfig, model: Any, tok: Any, prompts: list[tuple[str
     return encoded
 
 
+def engine_for(
+    cfg: RunConfig,
+    model: Any,
+    run: dict[str, Any],
+    capacity: int | None,
+    link: Any,
+    lookahead: int,
+    miss: str,
+    miss_opts: dict[str, Any],
+    routing: str,
+    routing_opts: dict[str, Any],
+) -> Any:
+    """`build_engine` for one planned run: its eviction / prefetch (with the config's --*-opt pairs), and the
+    miss / routing policies the caller resolved."""
+    ev_name, ev_opts = policy_args(run["eviction"] or "lru", cfg.eviction_opts)
+    pf_name, pf_opts = policy_args(run["prefetch"] or "none", cfg.prefetch_opts)
+    return build_engine(
+        model,
+        mode=run["mode"],
+        link=link,
+        capacity=capacity or 0,
+        eviction=ev_name,
+        prefetch=pf_name,
+        miss=miss,
+        routing=routing,
+        miss_opts=miss_opts,
+        routing_opts=routing_opts,
+        per_layer=cfg.per_layer_cache,
+        lookahead=lookahead,
+        eviction_opts=ev_opts,
+        prefetch_opts=pf_opts,
+    )
+
+
 @contextlib.contextmanager
 def _run_hooks(cfg: RunConfig, model: Any, spec: Any, engine: Any, cal: dict[str, Any] | None, lookahead: int):
     """`--adaptive-s` (a StepSizeController driving engine.lookahead) and `--speculative` routing."""
@@ -284,8 +318,6 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
     resident_impl: str | None = None
 
     def make_engine(run: dict[str, Any], capacity: int | None, link: Any) -> Any:
-        ev_name, ev_opts = policy_args(run["eviction"] or "lru", cfg.eviction_opts)
-        pf_name, pf_opts = policy_args(run["prefetch"] or "none", cfg.prefetch_opts)
         miss_name, miss_opts = policy_args(cfg.miss, cfg.miss_opts)
         routing_name, routing_opts = policy_args(cfg.routing, cfg.routing_opts)
         if planner is not None and planner.spec.lossy and run["mode"] == "offload":
@@ -295,22 +327,7 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                 miss_opts.setdefault("host_s", float(cal["expert_time_s"]))
             if cal.get("bandwidth_bytes_per_s"):
                 miss_opts.setdefault("copy_s", expert_bytes_of(model) / float(cal["bandwidth_bytes_per_s"]))
-        return build_engine(
-            model,
-            mode=run["mode"],
-            link=link,
-            capacity=capacity or 0,
-            eviction=ev_name,
-            prefetch=pf_name,
-            miss=miss_name,
-            routing=routing_name,
-            miss_opts=miss_opts,
-            routing_opts=routing_opts,
-            per_layer=cfg.per_layer_cache,
-            lookahead=lookahead,
-            eviction_opts=ev_opts,
-            prefetch_opts=pf_opts,
-        )
+        return engine_for(cfg, model, run, capacity, link, lookahead, miss_name, miss_opts, routing_name, routing_opts)
 
     out_f = atomic_write(cfg.out) if cfg.out else contextlib.nullcontext()
     results: list[dict[str, Any]] = []
