@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -110,3 +112,65 @@ def test_plan_flags_are_checked_before_the_model_loads(tmp_path):
         cfg.preflight()
     (tmp_path / "eap").mkdir()
     cfg.preflight()  # found: loading (fingerprint, files) is checked when the model is there
+
+
+class _HashEmbedder:
+    """A deterministic stand-in for sentence-transformers: one unit vector per text."""
+
+    dim = 16
+
+    def encode(self, texts):
+        out = [np.random.default_rng(zlib.crc32(t.encode())).standard_normal(self.dim) for t in texts]
+        return np.stack([v / np.linalg.norm(v) for v in out]).astype(np.float32)
+
+
+def test_plan_update_feeds_observed_eps_to_the_eam_and_saves_it(tiny_models, tmp_path):
+    from moeflow.moe import router_hooks
+    from moeflow.plan.eam import EAM
+    from moeflow.plan.labels import ep_from_routing, normalize
+    from moeflow.plan.run import parse_plan
+
+    model = tiny_models("olmoe")
+    ad = get_adapter(model)
+    spec = ad.spec
+    L, E = spec.num_moe_layers, spec.num_experts
+    emb = _HashEmbedder()
+    rng = np.random.default_rng(1)
+    seed_texts = [f"seed {i}" for i in range(4)]
+    eam = EAM(emb.dim, L, E, k_prime=1).build(emb.encode(seed_texts), rng.random((4, L, E)).astype(np.float32))
+    eam.save_atomic(tmp_path / "eam", fingerprint="fp", embedder="hash", extra={"note": "kept"})
+    loaded, meta = EAM.load(tmp_path / "eam")
+    pspec = parse_plan("casmoe", (("predictors", str(tmp_path)), ("update", "true"), ("buffer", "2")))
+    assert pspec is not None and pspec.update and pspec.buffer == 2
+    rp = RunPlanner(pspec, CascadePlanner(loaded, None, emb, info={"eam": meta}), spec)
+    assert loaded.buffer_size == 2
+    g = torch.Generator().manual_seed(3)
+    prompts = [(f"p{i}", f"prompt number {i}", torch.randint(3, 250, (1, 4 + i), generator=g)) for i in range(3)]
+    eng = build_engine(model, mode="offload", link=DirectLink(), capacity=spec.total_experts // 2, eviction="lru")
+    assert eng is not None
+    rp.prepare(eng)
+    with eng:
+        for item in prompts:
+            rp.begin(eng, rp.plan([item[1]]))
+            with rp.observing(eng, [item]):
+                generate_one(model, item[2], eng, max_new_tokens=3, min_new_tokens=3)
+            rp.end(eng)
+        with rp.observing(eng, [prompts[0]]):  # observed already: not added again
+            generate_one(model, prompts[0][2], eng, max_new_tokens=2, min_new_tokens=2)
+    rep = rp.save_update()
+    assert rep is not None and rep["added"] == 3 and rep["flushed"] == 1 and rep["db_size"] == 7
+    saved, meta2 = EAM.load(tmp_path / "eam", fingerprint="fp")
+    assert len(saved) == 7 and meta2["note"] == "kept" and meta2["embedder"] == "hash"
+    for _, text, ids in prompts:  # the exact text retrieves its own EP: eq. 3 over a plain prefill's routing
+        got: dict[int, tuple] = {}
+        with (
+            torch.no_grad(),
+            router_hooks(
+                ad, lambda ev, got=got: got.setdefault(ev.layer, (ev.indices.numpy(), ev.weights.float().numpy())) and None
+            ),
+        ):
+            model(input_ids=ids)
+        want = ep_from_routing([got[l][0] for l in spec.moe_layers], [got[l][1] for l in spec.moe_layers], E)
+        (m,) = saved.query(emb.encode([text]))
+        assert m.best_sim > 0.999
+        np.testing.assert_allclose(m.ep, normalize(want, "mean1"), rtol=1e-5, atol=1e-5)

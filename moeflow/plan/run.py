@@ -18,11 +18,19 @@ cumulative share `mass` (`--plan-opt mass=0.8`). Two modes (`--plan-opt mode=`):
 A batch (`--batch-size` > 1) uses the union of its prompts' plans. The plan applies to `--mode offload` runs
 (resident and on-demand runs of a sweep run without it). Each prompt reports which path served it
 (`eam` / `eap`), the best EAM cosine, the planner's time and the planned / preloaded experts (`plan`).
+
+`--plan-opt update=true` feeds the EAM (issue 13, item 2): after each prompt's first planned offload run
+its observed EP (eq. 3 over its prefill tokens, from the router outputs the engine saw, before any
+restriction: `labels.ep_from_routing`) goes with the prompt text to the EAM's buffer of C entries
+(`buffer=C`, default the EAM's own, 30), which updates the database when full; at the end of the run the
+EAM (buffer flushed) replaces `<predictors>/eam` atomically (`EAM.save_atomic`: `eam` becomes a link
+into `.eam.versions/` inside the resolved predictor folder). Plans already made are not re-made.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +42,7 @@ from .gate import DEFAULT_EPS, CascadePlanner, Plan
 
 PLANS = ("casmoe",)
 PLAN_MODES = ("preload", "restricted")
-PLAN_KEYS = ("predictors", "mode", "eps", "k", "mass", "renorm")
+PLAN_KEYS = ("predictors", "mode", "eps", "k", "mass", "renorm", "update", "buffer")
 TRAIN_HINT = "`moeflow train --only eam --only eap`"
 
 
@@ -46,6 +54,8 @@ class PlanSpec:
     k: int | None = None  # experts per layer; None: 2 x top-k (unless mass)
     mass: float | None = None
     renorm: bool = True
+    update: bool = False  # feed observed EPs to the EAM and save it at the end
+    buffer: int | None = None  # the EAM's update buffer C (None: the saved EAM's)
 
     @property
     def lossy(self) -> bool:
@@ -91,6 +101,7 @@ def parse_plan(
         eps = float(d.get("eps", DEFAULT_EPS))
         k = int(d["k"]) if "k" in d else None
         mass = float(d["mass"]) if "mass" in d else None
+        buffer = int(d["buffer"]) if "buffer" in d else None
     except ValueError as e:
         raise ConfigError(f"--plan-opt: {e}") from None
     if k is not None and mass is not None:
@@ -99,7 +110,12 @@ def parse_plan(
         raise ConfigError(f"--plan-opt k must be >= 1 (got {k})")
     if mass is not None and not 0 < mass <= 1:
         raise ConfigError(f"--plan-opt mass must be in (0, 1] (got {mass})")
-    return PlanSpec(str(folder), mode, eps, k, mass, _bool(d.get("renorm", "true"), "renorm"))
+    if buffer is not None and buffer < 1:
+        raise ConfigError(f"--plan-opt buffer must be >= 1 (got {buffer})")
+    update = _bool(d.get("update", "false"), "update")
+    if buffer is not None and not update:
+        raise ConfigError("--plan-opt buffer= sizes the EAM update buffer; it needs --plan-opt update=true")
+    return PlanSpec(str(folder), mode, eps, k, mass, _bool(d.get("renorm", "true"), "renorm"), update, buffer)
 
 
 def check_plan_folder(spec: PlanSpec) -> None:
@@ -144,6 +160,14 @@ class RunPlanner:
             raise ConfigError(f"--plan-opt mode=restricted needs k >= the model's top-k ({top_k}); got k={self.k}")
         self.preloaded = 0
         self._hook: Any = None
+        self.observed: set[Any] = set()  # prompt ids already fed to the EAM
+        self.added = 0
+        self.flushed = 0
+        if spec.update:
+            if planner.eam is None or planner.embedder is None:
+                raise ConfigError(f"--plan-opt update=true needs an EAM in {spec.predictors} (eam/); run {TRAIN_HINT}")
+            if spec.buffer is not None:
+                planner.eam.buffer_size = spec.buffer
 
     @classmethod
     def load(cls, spec: PlanSpec, model: Any) -> RunPlanner:
@@ -228,6 +252,74 @@ class RunPlanner:
         set_allowed = getattr(engine.routing, "set_allowed", None)
         if set_allowed is not None:
             set_allowed(None, self.mspec.num_experts)
+
+    @contextlib.contextmanager
+    def observing(self, engine: Any, batch: Sequence[tuple[Any, str, Any]]) -> Iterator[None]:
+        """Around one batch's generation on an attached engine (`batch`: (prompt id, text, ids [1,P])):
+        with `update`, each prompt not observed before has its prefill routing summed into its EP (eq. 3)
+        and fed with its text to the EAM buffer."""
+        new = [i for i, (pid, _, _) in enumerate(batch) if pid not in self.observed]
+        if not self.spec.update or not new:
+            yield
+            return
+        from ..moe import router_hooks
+
+        lens = [int(ids.shape[-1]) for _, _, ids in batch]
+        T = max(lens)
+        passes = [0]
+        routed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+        def on_pass() -> None:
+            passes[0] += 1
+
+        def on_route(ev: Any) -> None:
+            if passes[0] == 1:  # the prefill: rows are [B*T], left-padded
+                routed[ev.layer] = (ev.indices.cpu().numpy(), ev.weights.float().cpu().numpy())
+
+        from .labels import ep_from_routing
+
+        engine.pass_start_hooks.append(on_pass)
+        try:
+            with router_hooks(engine.adapter, on_route, prepend=True):  # the router's own output
+                yield
+        finally:
+            engine.pass_start_hooks.remove(on_pass)
+        layers = self.mspec.moe_layers
+        if any(l not in routed for l in layers):
+            return
+        for i in new:
+            pid, text, _ = batch[i]
+            rows = slice(i * T + T - lens[i], (i + 1) * T)
+            ep = ep_from_routing(
+                [routed[l][0][rows] for l in layers], [routed[l][1][rows] for l in layers], self.mspec.num_experts
+            )
+            self.flushed += int(self.planner.observe(text, ep))
+            self.added += 1
+            self.observed.add(pid)
+
+    def save_update(self) -> dict[str, Any] | None:
+        """With `update`: the EAM (buffer flushed) replaces `<predictors>/eam` atomically; the run's record."""
+        eam = self.planner.eam
+        if not self.spec.update or eam is None:
+            return None
+        meta = dict(self.planner.info.get("eam") or {})
+        fp, emb = str(meta.get("model_fingerprint", "")), str(meta.get("embedder", ""))
+        keep = set(eam.options()) | {
+            "kind",
+            "schema",
+            "model_fingerprint",
+            "embedder",
+            "dim",
+            "num_layers",
+            "num_experts",
+            "entries",
+            "flushes",
+        }
+        extra = {k: v for k, v in meta.items() if k not in keep}
+        folder = Path(self.spec.predictors).resolve() / "eam"
+        if self.added:
+            eam.save_atomic(folder, fingerprint=fp, embedder=emb, extra=extra)
+        return {"added": self.added, "flushed": self.flushed, "db_size": len(eam), "saved": str(folder) if self.added else None}
 
     @staticmethod
     def report(plan: Plan, sets: dict[int, list[int]], preloaded: int) -> dict[str, Any]:

@@ -61,7 +61,7 @@ class RunConfig:
     warmup: bool = True  # one untimed short generation per run before the timed one
     experts_impl: str = "auto"  # resident: auto (fastest of batched_mm / grouped_mm, measured) or a name
     plan: str | None = None  # --plan casmoe: CasMoE's prompt-level plan (moeflow.plan.run)
-    plan_opts: tuple[tuple[str, str], ...] = ()  # --plan-opt key=value (predictors, mode, eps, k, mass, renorm)
+    plan_opts: tuple[tuple[str, str], ...] = ()  # --plan-opt key=value (predictors, mode, eps, k, mass, renorm, update, buffer)
 
     def __post_init__(self) -> None:
         for m in self.modes:

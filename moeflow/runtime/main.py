@@ -377,14 +377,15 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                             for bi, batch in enumerate(batches):
                                 s_rec = _SRecorder(engine)
                                 sets = planned.begin(engine, [plans[p] for p, _, _ in batch]) if planned else {}
-                                news, m = generate_batch(
-                                    model,
-                                    [ids for _, _, ids in batch],
-                                    engine,
-                                    max_new_tokens=cfg.max_new_tokens,
-                                    label=label,
-                                    **gen_kw,
-                                )
+                                with planned.observing(engine, batch) if planned else contextlib.nullcontext():
+                                    news, m = generate_batch(
+                                        model,
+                                        [ids for _, _, ids in batch],
+                                        engine,
+                                        max_new_tokens=cfg.max_new_tokens,
+                                        label=label,
+                                        **gen_kw,
+                                    )
                                 m.experts_impl = impl
                                 m.s_history = s_rec.done()
                                 if planned is not None:
@@ -455,8 +456,15 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
             f"plan {planner.spec.describe()}{' (LOSSY)' if sm['lossy'] else ''} (offload runs): "
             f"EAM {sm['split']['eam']} / EAP {sm['split']['eap']} prompts, planner {sm['ms_per_prompt']:.2f} ms/prompt"
         )
-    if cfg.json:
-        sys.stdout.write(
-            json.dumps({"model": cfg.model, "calibration": cal_path if cal else None, "runs": results}, default=str) + "\n"
+    update = planner.save_update() if planner is not None else None
+    if update is not None:
+        console.print(
+            f"plan update: {update['added']} observed EP(s) added to the EAM, {update['flushed']} buffer flush(es), "
+            f"{update['db_size']} entries" + (f", saved to {update['saved']}" if update["saved"] else "")
         )
+    if cfg.json:
+        payload: dict[str, Any] = {"model": cfg.model, "calibration": cal_path if cal else None, "runs": results}
+        if update is not None:
+            payload["plan_update"] = update
+        sys.stdout.write(json.dumps(payload, default=str) + "\n")
     return results
