@@ -133,3 +133,48 @@ def test_quality_refuses_bad_input(ckpt, capsys):
     assert "--text" in err and len(err.strip().splitlines()) == 1
     assert _run(_args(ckpt, "--speculative")) == 2
     assert "--speculative needs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["preload", "restricted"])
+def test_casmoe_plan_modes_scored(ckpt, capsys, monkeypatch, tmp_path, mode):
+    """`--plan casmoe` as `run` (the stand-in planner of test_plan_run): preload is an exact row, restricted a
+    lossy one; every prompt and perplexity window is planned."""
+    import numpy as np
+
+    from moeflow.moe import get_adapter
+    from moeflow.plan import CascadePlanner
+    from moeflow.plan.run import RunPlanner
+    from tests.test_plan_run import _ConstEAP
+
+    texts: list[str] = []
+
+    class _Recording(_ConstEAP):
+        def predict(self, t):
+            texts.extend(t)
+            return super().predict(t)
+
+    def load(spec, model):
+        s = get_adapter(model).spec
+        ep = np.zeros((s.num_moe_layers, s.num_experts), dtype=np.float32)
+        ep[:, [1, 4, 6]] = [3.0, 2.0, 1.0]
+        return RunPlanner(spec, CascadePlanner(None, _Recording(ep), None), s)
+
+    monkeypatch.setattr(RunPlanner, "load", staticmethod(load))
+    (tmp_path / "eap").mkdir()
+    opts = ["--plan", "casmoe", "--plan-opt", f"predictors={tmp_path}", "--plan-opt", f"mode={mode}", "--plan-opt", "k=3"]
+    assert _run(_args(ckpt, "-c", "50%", *opts)) == 0
+    out = capsys.readouterr()
+    res = json.loads(out.out.strip().splitlines()[-1])
+    ref, row = res["runs"]
+    assert row["mode"] == "offload" and row["plan"].startswith(f"casmoe:{mode}") and f"plan=casmoe:{mode}" in row["run"]
+    assert len(texts) == 2 + 2 and res["plan"]["mode"] == mode  # two prompts, two windows (their own text)
+    assert row["bytes_per_token"] > 0 and row["tpot_s"] is not None
+    if mode == "preload":
+        assert row["lossy"] is False and "exact" in out.err
+        assert row["ppl_delta_pct"] == 0.0 and row["ppl"] == ref["ppl"]
+        assert row["agreement"] == 1.0 and row["tf_agreement"] == 1.0
+    else:
+        assert row["lossy"] is True and res["plan"]["lossy"] is True and "LOSSY" in out.err
+        assert row["ppl_delta_pct"] != 0.0 or row["agreement"] < 1.0
+    assert _run(_args(ckpt, *opts, "--plan-opt", "update=true")) == 2
+    assert "update=true" in capsys.readouterr().err

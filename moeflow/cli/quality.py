@@ -71,6 +71,15 @@ def quality(
     task: str = typer.Option("mmlu", "--task", help="mmlu (answer-letter likelihood), gsm8k (final number) or none."),
     task_limit: int = typer.Option(40, "--task-limit", help="Questions of --task."),
     task_new_tokens: int = typer.Option(96, "--task-new-tokens", help="gsm8k: greedy tokens per answer."),
+    plan: str | None = typer.Option(
+        None,
+        "--plan",
+        help="casmoe: CasMoE's plan on the offload runs, as `run` (the perplexity windows are planned from their "
+        "own text); --plan-opt mode=preload (exact) | restricted (LOSSY).",
+    ),
+    plan_opt: list[str] | None = typer.Option(
+        None, "--plan-opt", help="key=value of --plan (repeatable): predictors, mode, eps, k, mass, renorm."
+    ),
     threads: int | None = threads_option(),
     dtype: str = dtype_option(),
     device: str = device_option(),
@@ -117,6 +126,8 @@ def quality(
         threads=threads,
         speculative=speculative,
         warmup=warmup,
+        plan=plan,
+        plan_opts=parse_opts(plan_opt or ()),
     )
     cfg = QualityConfig(
         run=run,

@@ -77,6 +77,9 @@ class QualityConfig:
             raise ConfigError("--miss and --routing need at least one value each")
         if not self.run.sweep and (len(self.misses) > 1 or len(self.routings) > 1):
             raise ConfigError("several miss / routing policies need --sweep")
+        spec = self.run.plan_spec()  # RunConfig checked --plan / --plan-opt
+        if spec is not None and spec.update:
+            raise ConfigError("--plan-opt update=true changes the EAM while it is measured; it is `moeflow run`'s")
         if not self.text:
             raise ConfigError("--text needs a set name (wikitext2, wikitext2-test) or a text file")
         for m in self.misses:

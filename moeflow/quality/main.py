@@ -4,7 +4,11 @@ on the same prompts, text windows and questions, and prints one table (with --js
 
 Each configuration runs on a fresh engine: an untimed warm-up, the greedy generations (TPOT, bytes per token:
 `RunMetrics`), then the perplexity windows and the task questions under the same engine, so its expert cache
-carries over as it would in a session. Everything that can be refused is refused before the first run."""
+carries over as it would in a session. Everything that can be refused is refused before the first run.
+
+With `--plan casmoe` the offload runs use `moeflow.plan.run.RunPlanner` as `moeflow run` does: one plan per
+greedy prompt, per task question and per perplexity window (planned from the window's own text: it has no
+prompt), applied around that prompt / question / window; `mode=restricted` is labelled lossy."""
 
 from __future__ import annotations
 
@@ -47,7 +51,8 @@ def plan(cfg: QualityConfig) -> list[dict[str, Any]]:
     """The reference first, then every (miss, routing) x (mode, capacity, eviction, prefetch) of the sweep
     (on-demand once: it always fetches and keeps the router's choice)."""
     runs: list[dict[str, Any]] = [{"mode": "resident", "capacity": None, "eviction": None, "prefetch": None}]
-    runs[0].update(miss=None, routing=None, speculative=False, lossy=False)
+    runs[0].update(miss=None, routing=None, speculative=False, lossy=False, plan=None)
+    pspec = cfg.run.plan_spec()
     seen_on_demand = False
     for miss, routing in product(cfg.misses, cfg.routings):
         rc = run_config_for(cfg.run, miss, routing)
@@ -62,7 +67,8 @@ def plan(cfg: QualityConfig) -> list[dict[str, Any]]:
                     "miss": miss if off else None,
                     "routing": routing if off else None,
                     "speculative": cfg.run.speculative and off,
-                    "lossy": is_lossy(r["mode"], miss, routing, cfg.run.speculative),
+                    "lossy": is_lossy(r["mode"], miss, routing, cfg.run.speculative) or bool(off and pspec and pspec.lossy),
+                    "plan": pspec.describe() if off and pspec is not None else None,
                 }
             )
     return runs
@@ -73,13 +79,20 @@ def label(run: dict[str, Any], capacity: int | None, total: int, cfg: RunConfig)
     if run["mode"] == "offload":
         extra = [x for x in (run["miss"], run["routing"]) if x not in ("fetch", "standard")]
         base += "".join(f" {x}" for x in extra) + (" speculative" if run["speculative"] else "")
+        if run.get("plan"):
+            base += f" plan={run['plan'].split()[0]}"
     return base
 
 
-def make_engine(cfg: RunConfig, model: Any, run: dict[str, Any], capacity: int | None, link: Any, lookahead: int) -> Any:
-    """`build_engine` for one run, with the miss / routing policies' inline options."""
+def make_engine(
+    cfg: RunConfig, model: Any, run: dict[str, Any], capacity: int | None, link: Any, lookahead: int, planner: Any = None
+) -> Any:
+    """`build_engine` for one run, with the miss / routing policies' inline options (a restricted CasMoE plan's
+    routing on offload runs, as `moeflow run`)."""
     miss_name, miss_opts = parse_policy(run["miss"] or "fetch")
     rt_name, rt_opts = parse_policy(run["routing"] or "standard")
+    if planner is not None and planner.spec.lossy and run["mode"] == "offload":
+        rt_name, rt_opts = "plan-restricted", {"renorm": planner.spec.renorm}
     return engine_for(cfg, model, run, capacity, link, lookahead, miss_name, miss_opts, rt_name, rt_opts)
 
 
@@ -125,6 +138,14 @@ def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
         items = measure.gsm8k_items(rc.data_dir, cfg.task_limit)
     keep = (max_pos or 1 << 30) - (cfg.task_new_tokens if cfg.task == "gsm8k" else 0)
     item_ids = [tok(it.prompt, return_tensors="pt").input_ids[:, -max(1, keep) :] for it in items]  # the end kept
+    planner, prompt_plans, window_plans, item_plans = None, [], [], []
+    if rc.plan is not None:  # CasMoE (moeflow.plan.run, as `run`): plans made before any run
+        from ..plan.run import RunPlanner
+
+        planner = RunPlanner.load(rc.plan_spec(), model)
+        prompt_plans = planner.plan([text for _, text, _ in encoded])
+        window_plans = planner.plan([tok.decode(w[0]) for w in windows]) if windows else []  # the window's own text
+        item_plans = planner.plan([it.prompt for it in items]) if items else []
     chance = 1 / len(letters) if cfg.task == "mmlu" else 0.0
     eos = tok.eos_token_id if tok.eos_token_id is not None else getattr(model.config, "eos_token_id", None)
     new_min = rc.min_new_tokens if rc.min_new_tokens is not None else rc.max_new_tokens
@@ -146,7 +167,7 @@ def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
         spec_rc = run_rc if run["speculative"] else dataclasses.replace(run_rc, speculative=False)
         if rc.warmup:
             wlink = make_link(link_spec, device)
-            weng = make_engine(rc, model, run, capacity, wlink, lookahead)
+            weng = make_engine(rc, model, run, capacity, wlink, lookahead, planner)
             try:
                 with (
                     weng if weng is not None else contextlib.nullcontext(),
@@ -157,7 +178,14 @@ def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
                 if weng is None:
                     wlink.close()
         link = make_link(link_spec, device)
-        engine = make_engine(rc, model, run, capacity, link, lookahead)
+        engine = make_engine(rc, model, run, capacity, link, lookahead, planner)
+        planned = planner if run["mode"] == "offload" and engine is not None else None
+        if planned is not None:
+            planned.prepare(engine)
+
+        def with_plan(p: Any, planned: Any = planned, engine: Any = engine) -> Any:
+            return _planned(planned, engine, p)
+
         outs: list[torch.Tensor] = []
         per: list[RunMetrics] = []
         correct = 0
@@ -166,19 +194,22 @@ def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
                 engine if engine is not None else contextlib.nullcontext(),
                 _run_hooks(spec_rc, model, spec, engine, cal, lookahead),
             ):
-                for _, _, ids in encoded:
-                    news, m = generate_batch(
-                        model, [ids], engine, max_new_tokens=rc.max_new_tokens, min_new_tokens=new_min, label=name, **gen_kw
-                    )
+                for pi, (_, _, ids) in enumerate(encoded):
+                    with with_plan(prompt_plans[pi] if planned else None):
+                        news, m = generate_batch(
+                            model, [ids], engine, max_new_tokens=rc.max_new_tokens, min_new_tokens=new_min, label=name, **gen_kw
+                        )
                     outs.append(news[0])
                     per.append(m)
-                score = measure.stream_nll(model, windows, device)
-                for it, ids in zip(items, item_ids):
-                    if cfg.task == "mmlu":
-                        correct += measure.mmlu_correct(model, ids, it.answer, letters, device)
-                    else:
-                        news, _ = generate_batch(model, [ids], engine, max_new_tokens=cfg.task_new_tokens, **gen_kw)
-                        correct += measure.final_number(tok.decode(news[0], skip_special_tokens=True)) == it.answer
+                around = (lambda i: with_plan(window_plans[i])) if planned else None
+                score = measure.stream_nll(model, windows, device, around)
+                for qi, (it, ids) in enumerate(zip(items, item_ids)):
+                    with with_plan(item_plans[qi] if planned else None):
+                        if cfg.task == "mmlu":
+                            correct += measure.mmlu_correct(model, ids, it.answer, letters, device)
+                        else:
+                            news, _ = generate_batch(model, [ids], engine, max_new_tokens=cfg.task_new_tokens, **gen_kw)
+                            correct += measure.final_number(tok.decode(news[0], skip_special_tokens=True)) == it.answer
         finally:
             if engine is None:
                 link.close()
@@ -232,9 +263,24 @@ def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
         "max_new_tokens": rc.max_new_tokens,
         "runs": results,
     }
+    if planner is not None:
+        report["plan"] = planner.summary(prompt_plans + window_plans + item_plans)
     if rc.json:
         sys.stdout.write(json.dumps(report, default=str) + "\n")
     return report
+
+
+@contextlib.contextmanager
+def _planned(planner: Any, engine: Any, plan: Any) -> Any:
+    """One CasMoE plan applied around a prompt, a question or a perplexity window (nothing without one)."""
+    if planner is None or plan is None:
+        yield
+        return
+    planner.begin(engine, [plan])
+    try:
+        yield
+    finally:
+        planner.end(engine)
 
 
 def _f(v: float | None, fmt: str) -> str:

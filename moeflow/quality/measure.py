@@ -15,6 +15,8 @@ import csv
 import io
 import math
 import re
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,21 +78,27 @@ class StreamScore:
 
 
 @torch.no_grad()
-def stream_nll(model: Any, windows: list[torch.Tensor], device: torch.device) -> StreamScore:
+def stream_nll(
+    model: Any,
+    windows: list[torch.Tensor],
+    device: torch.device,
+    around: Callable[[int], AbstractContextManager[Any]] | None = None,
+) -> StreamScore:
     """Feed each window one token per forward pass with the KV cache (a fresh cache per window) and sum the
-    negative log-likelihood of every next token."""
+    negative log-likelihood of every next token; `around(i)` (a CasMoE plan of window i) encloses window i."""
     score = StreamScore(argmax=[])
-    for w in windows:
+    for wi, w in enumerate(windows):
         w = w.to(device)
         past = None
         preds = []
-        for i in range(w.shape[1] - 1):
-            out = model(input_ids=w[:, i : i + 1], past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            logp = torch.log_softmax(out.logits[0, -1].double(), -1)
-            score.nll -= float(logp[w[0, i + 1]])
-            preds.append(int(logp.argmax()))
-            score.tokens += 1
+        with around(wi) if around is not None else nullcontext():
+            for i in range(w.shape[1] - 1):
+                out = model(input_ids=w[:, i : i + 1], past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                logp = torch.log_softmax(out.logits[0, -1].double(), -1)
+                score.nll -= float(logp[w[0, i + 1]])
+                preds.append(int(logp.argmax()))
+                score.tokens += 1
         assert score.argmax is not None
         score.argmax.append(torch.tensor(preds))
     return score
