@@ -115,12 +115,8 @@ def save_predictors(
 
 
 def read_predictor_meta(folder: str | Path) -> dict[str, Any]:
-    try:
-        return read_meta(folder, KIND, SCHEMA)
-    except ArtifactError as e:
-        raise ArtifactError(
-            str(e).replace("moeflow predictors", "moeflow train").replace("`moeflow predictors", "`moeflow train")
-        ) from None
+    """The predictor folder's checked meta.json (`read_meta` names `moeflow train` in its hints)."""
+    return read_meta(folder, KIND, SCHEMA)
 
 
 def load_predictors(
