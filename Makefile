@@ -2,6 +2,8 @@
 #   make setup   create .venv and install moeflow with its test dependencies
 #   make test    the CPU test suite (GPU and slow tests are marked and skipped)
 #   make lint    ruff (lint + format check) and mypy, configured in pyproject.toml
+#   make reproduce-<paper> [QUICK=1] [DEVICE=cuda]   re-make a paper's tables into reports/<paper>/
+#   make reproduce-all     every paper (`make -k` keeps going past a recipe with a failed step)
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -10,8 +12,14 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 DATA    ?= ../shared/data
 MODEL   ?= models/olmoe-deep
+# reproduction recipes (recipes/reproduce/<paper>.py): QUICK=1 is <= 10 min each on 2 CPU cores; DEVICE=cuda uses the GPU
+RECIPES := expertflow casmoe moe-gps speculating-experts specmd
+REPRODUCE := $(addprefix reproduce-,$(RECIPES))
+QUICK   ?=
+DEVICE  ?= cpu
+REPRO_FLAGS = $(if $(filter 1 yes true,$(QUICK)),--quick) --device $(DEVICE) --model $(MODEL) --data-dir $(DATA)
 
-.PHONY: setup test test-slow test-gpu lint models bench clean-artifacts
+.PHONY: setup test test-slow test-gpu lint models bench clean-artifacts reproduce-all $(REPRODUCE)
 
 setup:
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -43,3 +51,8 @@ models:
 bench:
 	$(BIN)/python benchmarks/trace_overhead.py --model $(MODEL)
 	$(BIN)/python benchmarks/offload.py --model $(MODEL)
+
+reproduce-all: $(REPRODUCE)
+
+$(REPRODUCE): reproduce-%:
+	$(BIN)/python -m recipes.reproduce $* $(REPRO_FLAGS)

@@ -183,3 +183,25 @@ def test_worse_model_is_not_promoted(tmp_path, checkpoint, capsys):
     assert pred.resolve() == before and st["version"] == before.name
     code, out = run(cfg, capsys)  # the same data and margin again: nothing to redo
     assert code == 0 and "unchanged" in out, out
+
+
+def test_corrupt_trace_is_failed_logged_and_keeps_promoted(tmp_path, checkpoint, capsys):
+    """A run that cannot finish (here: a trace shard flipped on disk) says "failed" in the status file and
+    the log, exits non-zero with one line, and leaves the promoted version as it was."""
+    cfg = setup(tmp_path, checkpoint)
+    code, out = run(cfg, capsys)
+    assert code == 0, out
+    promoted = status(tmp_path)["version"]
+    shard = sorted((tmp_path / "trace").glob("shard-*/data.arrow"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    add_prompts(tmp_path, 10)
+    code, out = run(cfg, capsys)
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "is corrupt" in errors[0], out
+    st = status(tmp_path)
+    assert st["outcome"] == "failed" and "ArtifactError" in st["message"]
+    assert (tmp_path / "pred").resolve().name == promoted
+    assert (tmp_path / "retrain.log").read_text().splitlines()[-1].split()[3] == "failed"
+    assert not [p for p in (tmp_path / ".pred.versions").iterdir() if p.name.startswith("tmp-")]
