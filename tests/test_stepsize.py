@@ -89,3 +89,23 @@ def test_one_s_formula_for_calibration_and_controller():
     assert c.formula_s() == pytest.approx(3.0) and c.s == 3
     c.observe_transfer(nbytes=3e6, seconds=6e-3)  # 0.5 GB/s -> formula 6 -> S = 6
     assert c.formula_s() == pytest.approx(6.0) and c.s == 6
+
+
+def test_run_caps_adaptive_s_at_a_learned_prefetchers_trained_horizon():
+    """`moeflow run --adaptive-s` with a learned prefetcher: S never exceeds the predictor's trained max S
+    (the prefetcher cannot look further), while pre-gate keeps the full [1, L_moe - 1] range."""
+    from types import SimpleNamespace
+
+    from moeflow.runtime.main import _run_hooks
+
+    def controller_max_s(pred):
+        engine = SimpleNamespace(
+            prefetcher=SimpleNamespace(pred=pred), observers=[], lookahead=1, spec=SimpleNamespace(num_layers=12), model=None
+        )
+        cfg = SimpleNamespace(adaptive_s=True, speculative=False)
+        with _run_hooks(cfg, None, SimpleNamespace(num_moe_layers=12, num_layers=12), engine, None, 11):
+            (on_pass,) = engine.observers
+            return on_pass.__self__.max_s, engine.lookahead
+
+    assert controller_max_s(SimpleNamespace(max_lookahead=4)) == (4, 4)
+    assert controller_max_s(None) == (11, 11)
