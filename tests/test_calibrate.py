@@ -116,12 +116,15 @@ def test_cli_quick_run(tmp_path, tiny_models):
             "copy-share=0.85",
             "--regime",
             "specmd",
+            "--threads",
+            "1",
             "--json",
         ],
     )
     assert r.exit_code == 0, r.output
     rec = json.loads(r.stdout.strip().splitlines()[-1])
     saved = load_calibration(out, model)
+    assert saved["cpu_threads"] == 1  # measured as `moeflow run --threads 1` computes
     # tiny OLMoE: 3 MoE layers, top-2 of 8 experts of 3 x 64 x 32 float32 weights = 24,576 bytes each
     assert saved["expert_bytes"] == 24_576 and saved["experts_per_layer"] == 2
     assert [s["bytes"] for s in saved["sweep"]] == [16_384, 24_576, 65_536]  # --sizes 16,64 KiB + one expert

@@ -337,6 +337,11 @@ def test_cli_train_fits_eam_and_eap_and_eval_reports_them(tmp_path):
     assert r.exit_code == 0, r.output
     ev = json.loads(r.stdout.strip().splitlines()[-1])["planner"]["cascade"]
     assert ev["split"] == {"eam": 0, "eap": 12}  # eps above any cosine: every prompt goes to the EAP
+    only = ["eval", "--predictors", str(tmp_path / "pred"), "-t", str(trace), "-m", str(tmp_path / "model"), "--json"]
+    r = runner.invoke(app, [*only, "--only", "forest", "--max-s", "1"])  # --only without a planner: the planner is skipped
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "planner" not in rep and set(rep["by_s"]) == {"forest"}
     r = runner.invoke(
         app,
         [

@@ -512,5 +512,7 @@ def test_cli_run_with_learned_prefetch_adaptive_s_and_speculative(trained_folder
         assert res["runs"][0]["metrics"]["counters"]["prefetch_issued"] > 0
     code, res, _ = run(["-c", "25%", "-f", "router-pf", "--prefetch-opt", f"predictors={out}", "--speculative"], "spec")
     assert code == 0 and "SPECULATIVE" in res["runs"][0]["run"]
+    c = res["runs"][0]["metrics"]["counters"]  # the predicted experts are the ones computed: the gate admits them all
+    assert c["prefetch_refused"] == 0 and c["prefetch_issued"] > 0
     code, _, err = run(["-c", "25%", "-f", "forest", "--prefetch-opt", f"predictors={out}", "--speculative"], "bad")
     assert code == 2 and "--speculative needs" in err

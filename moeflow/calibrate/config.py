@@ -26,8 +26,11 @@ class CalibrateConfig:
     write: bool = True
     force: bool = False  # replace an existing calibration file at `out`
     progress: bool = True
+    threads: int | None = None  # torch CPU threads while measuring (None: torch's); match `moeflow run --threads`
 
     def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be >= 1 (got {self.threads})")
         if self.link_gbps is not None and self.link_gbps <= 0:
             raise ConfigError(f"--link-gbps must be > 0 (got {self.link_gbps})")
         if self.link_latency_s < 0:

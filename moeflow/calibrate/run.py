@@ -22,6 +22,14 @@ def _link(cfg: CalibrateConfig) -> Any:
 
 
 def main(cfg: CalibrateConfig) -> dict[str, Any]:
+    """Measure with `cfg.threads` torch threads (compute per layer depends on it: calibrate as you run)."""
+    from ..models import torch_threads
+
+    with torch_threads(cfg.threads):
+        return _main(cfg)
+
+
+def _main(cfg: CalibrateConfig) -> dict[str, Any]:
     import torch
     from rich.progress import Progress
 

@@ -7,7 +7,7 @@ from typing import Any
 import typer
 
 from .app import app
-from .common import device_option, dtype_option, force_option, json_option, model_option, print_json
+from .common import device_option, dtype_option, force_option, json_option, model_option, print_json, threads_option
 
 
 def build_config(
@@ -25,6 +25,7 @@ def build_config(
     write: bool = True,
     progress: bool = True,
     force: bool = False,
+    threads: int | None = None,
 ) -> Any:
     """The flag -> config mapping (kept separate so it can be tested without measuring)."""
     from ..calibrate import CalibrateConfig
@@ -43,6 +44,7 @@ def build_config(
         write=write,
         progress=progress,
         force=force,
+        threads=threads,
     )
 
 
@@ -126,6 +128,7 @@ def calibrate_cmd(
     ),
     no_write: bool = typer.Option(False, "--no-write", help="Measure and print only."),
     force: bool = force_option("calibration file"),
+    threads: int | None = threads_option(),
     as_json: bool = json_option(),
 ) -> None:
     """Measure host->device bandwidth, decode compute per layer and per expert; compute ExpertFlow's step size S."""
@@ -145,6 +148,7 @@ def calibrate_cmd(
         write=not no_write,
         progress=not as_json,
         force=force,
+        threads=threads,
     )
     rec = main(cfg)
     if as_json:

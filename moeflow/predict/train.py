@@ -264,11 +264,12 @@ def eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     report = evaluate(preds, data, max_s=cfg.max_s, window=cfg.window, mass=cfg.mass)
     report["decode_by_s"] = decode_only(preds, data, cfg.max_s, cfg.window, cfg.mass)
     report["skipped_no_hidden"] = skipped
-    if {"eam", "eap"} & set(meta.get("extra") or []):
+    wanted = set(cfg.only)  # empty: everything the folder holds
+    if {"eam", "eap"} & set(meta.get("extra") or []) and (not wanted or wanted & set(PLANNERS)):
         from ..plan.train import eval_planner
 
         report["planner"] = eval_planner(cfg.predictors, data, cfg, fingerprint=model_fingerprint(model), model_dir=cfg.model)
-    if (Path(cfg.predictors) / "gps" / "config.json").is_file():
+    if (Path(cfg.predictors) / "gps" / "config.json").is_file() and (not wanted or wanted & set(GPS)):
         from ..gps.predictors import GPSSuite, RoutingRows, input_embeddings
 
         suite = GPSSuite.load(Path(cfg.predictors) / "gps")

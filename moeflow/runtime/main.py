@@ -178,6 +178,9 @@ def engine_for(
     miss / routing policies the caller resolved."""
     ev_name, ev_opts = policy_args(run["eviction"] or "lru", cfg.eviction_opts)
     pf_name, pf_opts = policy_args(run["prefetch"] or "none", cfg.prefetch_opts)
+    if cfg.speculative and "gate" not in pf_opts:
+        # speculative execution computes exactly the predicted experts: refusing their prefetch only makes misses
+        pf_opts = {**pf_opts, "gate": "off"}
     return build_engine(
         model,
         mode=run["mode"],

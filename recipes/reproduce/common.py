@@ -26,8 +26,10 @@ def trace(r: Recipe, prompts: str = TRAIN_SET, *, limit: int | None = None, hidd
     return out
 
 
-def predictors(r: Recipe, tr: Path, *, max_s: int = 4) -> Path:
-    """Every predictor `moeflow train` fits (pregate, router-pf, estimator, hybrid, forest, token-id, frequency)."""
+def predictors(r: Recipe, tr: Path, *, max_s: int | None = None) -> Path:
+    """Every predictor `moeflow train` fits (pregate, router-pf, estimator, hybrid, forest, token-id, frequency),
+    for S = 1..4 (QUICK) or 1..6 (full: enough steps for ExpertFlow's fit of accuracy against S)."""
+    max_s = max_s if max_s is not None else r.pick(4, 6)
     out = r.work / f"predictors-{tr.name}"
     args = ["train", "--trace", tr, "--out", out, "--force", "--max-s", max_s, "--threads", r.threads]
     r.require(r.moeflow("train", *args, produces=out, after=[tr]), "train")
@@ -38,7 +40,7 @@ def calibrate(r: Recipe, link: str | None = None) -> Path:
     """`moeflow calibrate` for the device (and an emulated link `GBPS[,LATENCY_US]` on CPU); the file's path."""
     tag = r.device + (f"-emulated-{link.replace(',', '-')}" if link else "")
     out = r.work / f"calibration-{tag}.json"
-    args = ["calibrate", "--model", r.model, "--device", r.device, "--out", out, "--force"]
+    args = ["calibrate", "--model", r.model, "--device", r.device, "--out", out, "--force", "--threads", r.threads]
     if link:
         gbps, _, lat = link.partition(",")
         args += ["--link-gbps", gbps] + (["--link-latency-us", lat] if lat else [])
