@@ -52,10 +52,21 @@ def takes(registry: Any, name: str, option: str) -> bool:
         return False
 
 
-def configurations(lambdas: tuple[float, ...], say: Any) -> tuple[list[str], list[str]]:
-    """(miss policies with standard routing, routing policies with fetch), skipping what is not registered."""
+def configurations(
+    lambdas: tuple[float, ...], say: Any, only_misses: tuple[str, ...] | None = None, hit_first: bool = True
+) -> tuple[list[str], list[str]]:
+    """(miss policies with standard routing, routing policies with fetch), skipping what is not registered.
+
+    `only_misses` (`--misses`): exactly these miss specs (`name[:key=value]`, checked against the registry) instead of
+    every registered policy and precision; `hit_first=False` (`--no-hit-first`) leaves hit-first out."""
     misses: list[str] = []
-    for name in MISS_POLICIES:
+    if only_misses is not None:
+        for spec in only_misses:
+            if spec.partition(":")[0] not in MISS:
+                say(f"SKIP miss {spec}: not registered")
+            else:
+                misses.append(spec)
+    for name in MISS_POLICIES if only_misses is None else ():
         if name not in MISS:
             say(f"SKIP miss {name}: not registered yet")
         elif takes(MISS, name, "bits"):
@@ -63,12 +74,16 @@ def configurations(lambdas: tuple[float, ...], say: Any) -> tuple[list[str], lis
         else:
             misses.append(name)
     routings: list[str] = []
-    if "cache-aware" in ROUTING:
+    if not lambdas:
+        pass
+    elif "cache-aware" in ROUTING:
         key = next((k for k in ("lambda_", "lam", "lambda", "lmbda") if takes(ROUTING, "cache-aware", k)), "lambda")
         routings += [f"cache-aware:{key}={lam}" for lam in lambdas]
     else:
         say("SKIP routing cache-aware (lambda sweep): not registered yet")
-    if "hit-first" in ROUTING:
+    if not hit_first:
+        pass
+    elif "hit-first" in ROUTING:
         routings.append("hit-first")
     else:
         say("SKIP routing hit-first: not registered yet")
@@ -150,11 +165,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out-dir", default="benchmarks/results/fidelity")
+    ap.add_argument("--misses", default=None, help="comma list of miss specs (name[:key=value]) instead of every registered one")
+    ap.add_argument("--no-hit-first", action="store_true", help="leave the hit-first routing configuration out")
+    ap.add_argument("--lookahead", type=int, default=None, help="step size S (default: as moeflow quality)")
     args = ap.parse_args(argv)
     console = Console(stderr=True)
     say = lambda s: console.print(f"[yellow]{s}[/]")  # noqa: E731
     caps = tuple(c.strip() for c in args.capacity.split(",") if c.strip())
-    misses, routings = configurations(tuple(float(x) for x in args.lambdas.split(",")), say)
+    only = tuple(m.strip() for m in args.misses.split(",") if m.strip()) if args.misses is not None else None
+    lambdas = tuple(float(x) for x in args.lambdas.split(",") if x.strip())
+    misses, routings = configurations(lambdas, say, only, hit_first=not args.no_hit_first)
     base = RunConfig(
         model=args.model,
         prompts=args.prompts,
@@ -166,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         evictions=(args.eviction,),
         prefetches=(args.prefetch,),
         link=args.link,
+        lookahead=args.lookahead,
         device=args.device,
         threads=args.threads,
         sweep=True,

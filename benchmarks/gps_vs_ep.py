@@ -48,19 +48,24 @@ def _a2a_worker(rank: int, world: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     res = {}
-    for per_peer in (16, 1 << 16):  # floats per destination
+    for per_peer in SIZES:  # floats per destination
         x = torch.zeros(per_peer * world)
         y = torch.empty_like(x)
         for _ in range(3):
             dist.all_to_all_single(y, x)
-        dist.barrier()
-        t0, reps = time.perf_counter(), 30
-        for _ in range(reps):
+        times = []
+        for _ in range(15):
+            dist.barrier()
+            t0 = time.perf_counter()
             dist.all_to_all_single(y, x)
-        res[per_peer] = (time.perf_counter() - t0) / reps
+            times.append(time.perf_counter() - t0)
+        res[per_peer] = float(np.median(times))  # the median resists the other jobs on a shared machine
     if rank == 0:
         Path(out).write_text(json.dumps(res))
     dist.destroy_process_group()
+
+
+SIZES = (16, 1 << 14, 1 << 17, 1 << 19)  # floats per destination of the measured all_to_all calls
 
 
 def measure_gloo(world: int) -> tuple[float, float]:
@@ -76,9 +81,15 @@ def measure_gloo(world: int) -> tuple[float, float]:
         out = str(Path(tmp) / "a2a.json")
         mp.start_processes(_a2a_worker, args=(world, f"tcp://127.0.0.1:{port}", out), nprocs=world, start_method="spawn")
         r = {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
-    small, big = r[16], r[1 << 16]
-    sent = (world - 1) * ((1 << 16) - 16) * 4  # extra bytes each rank sends (and receives) in the big call
-    return small, sent / max(big - small, 1e-9)
+    # least-squares t = latency + bytes / bandwidth over the sizes (bytes each rank sends to its peers)
+    sent = np.array([(world - 1) * n * 4 for n in SIZES], dtype=float)
+    slope, _ = np.polyfit(sent, np.array([r[n] for n in SIZES]), 1)
+    if slope <= 0:
+        raise SystemExit(
+            f"gloo all_to_all between {world} processes: time did not grow with size ({r}); the machine is too busy "
+            "to measure the link, run again on a quieter machine"
+        )
+    return r[SIZES[0]], 1.0 / float(slope)  # latency: the 64-byte call's time
 
 
 def ensure_trace(trace: Path, n: int) -> None:

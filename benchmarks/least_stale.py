@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,14 +27,89 @@ from rich.table import Table  # noqa: E402
 
 from moeflow.models import default_model_path, load_model, tiny_model  # noqa: E402
 from moeflow.moe import get_adapter  # noqa: E402
-from moeflow.sim import from_trace  # noqa: E402
-from moeflow.sim.study import DEFAULT_CONFIGS, gsm8k_prompts, sampled_trace, sweep  # noqa: E402
+from moeflow.sim import from_trace, simulate  # noqa: E402
+from moeflow.sim.simulator import belady  # noqa: E402
+from moeflow.sim.study import DEFAULT_CONFIGS, capacity_of, gsm8k_prompts, sampled_trace, sweep  # noqa: E402
 
 CONFIGS = (
     *DEFAULT_CONFIGS,
     ("least-stale(right=farthest)", ("least-stale", {"right": "farthest"}), "none"),
     ("least-stale(right=farthest)+pregate", ("least-stale", {"right": "farthest"}), ("pregate", {})),
 )
+
+
+def _spec(text: str) -> Any:
+    """'name' or 'name:key=value,...' -> 'name' or (name, {key: value}) (values parsed as numbers when they are)."""
+    name, _, rest = text.partition(":")
+    if not rest:
+        return name
+    opts: dict[str, Any] = {}
+    for kv in rest.split(","):
+        k, _, v = kv.partition("=")
+        try:
+            opts[k] = int(v)
+        except ValueError:
+            try:
+                opts[k] = float(v)
+            except ValueError:
+                opts[k] = v
+    return (name, opts)
+
+
+def chosen_configs(evictions: str, prefetches: list[str]) -> tuple[tuple[str, Any, Any], ...]:
+    """`--evictions a,b --prefetch none --prefetch pregate:percentile=80`: every eviction x prefetch, labelled 'ev+pf'."""
+    out = []
+    for pf in prefetches:
+        for ev in (e.strip() for e in evictions.split(",") if e.strip()):
+            out.append((ev if pf == "none" else f"{ev}+{pf}", _spec(ev), _spec(pf)))
+    return tuple(out)
+
+
+def detailed_sweep(
+    acc: Any,
+    fractions: list[float],
+    configs: tuple[tuple[str, Any, Any], ...],
+    predict_logits: Any,
+    link: str | None,
+    layer_time_s: float,
+    progress: Any,
+) -> list[dict[str, Any]]:
+    """`sweep`'s rows plus per-layer collision rates, prefetch loads, late hits and stall time (for SpecMD Figs. 4-6, 8-9)."""
+    rows = []
+    for f in fractions:
+        cap = capacity_of(acc, f)
+        b = belady(acc, cap)
+        for label, ev, pf in [*configs, ("belady", None, None)]:
+            st = (
+                b
+                if label == "belady"
+                else simulate(acc, cap, ev, pf, predict_logits=predict_logits, link=link, layer_time_s=layer_time_s)
+            )
+            layers = list(acc.moe_layers)
+            rows.append(
+                {
+                    "fraction": f,
+                    "capacity": cap,
+                    "config": label,
+                    "hit_rate": st.hit_rate,
+                    "accesses": st.accesses,
+                    "collisions": st.collisions,
+                    "collision_rate": st.collision_rate,
+                    "misses": st.misses,
+                    "loads_per_token": st.loads_per_token,
+                    "prefetch_precision": st.prefetch_precision,
+                    "prefetch_recall": st.prefetch_recall,
+                    "stall_s": getattr(st, "stall_s", 0.0),
+                    "late": getattr(st, "late", 0),
+                    "belady_hit_rate": b.hit_rate,
+                    "hit_rate_per_layer": [st.hits_per_layer.get(l, 0) / max(1, st.accesses_per_layer.get(l, 0)) for l in layers],
+                    "collision_rate_per_layer": [
+                        st.collisions_per_layer.get(l, 0) / max(1, st.accesses_per_layer.get(l, 0)) for l in layers
+                    ],
+                }
+            )
+            progress()
+    return rows
 
 
 def main() -> None:
@@ -50,7 +126,19 @@ def main() -> None:
         default=None,
         help="replay a `moeflow trace --record-hidden` folder instead of generating (the model is still loaded for pre-gating)",
     )
+    ap.add_argument(
+        "--evictions", default=None, help="comma list of eviction policies (name[:k=v]); replaces the default configurations"
+    )
+    ap.add_argument(
+        "--prefetch",
+        action="append",
+        default=None,
+        help="prefetch policy name[:k=v,...] for every --evictions policy (repeatable; default: none and pregate)",
+    )
+    ap.add_argument("--link", default=None, help="instant (default) or emulated:GBPS[,LATENCY_US] on a virtual clock")
+    ap.add_argument("--layer-time-us", type=float, default=0.0, help="compute per MoE layer on the virtual clock")
     args = ap.parse_args()
+    detailed = bool(args.evictions or args.prefetch or args.link or args.layer_time_us)
     torch.set_num_threads(2)
     con = Console(stderr=True)
     if (Path(args.model) / "config.json").is_file():
@@ -76,7 +164,14 @@ def main() -> None:
     fractions = [float(x) for x in args.fractions.split(",")]
     with Progress(console=con, transient=True) as prog:
         task = prog.add_task("simulating", total=len(fractions) * (len(CONFIGS) + 1))
-        rows = sweep(acc, fractions, CONFIGS, predict_logits=ad.router_logits, progress=lambda: prog.advance(task))
+        if detailed:
+            configs = chosen_configs(args.evictions or "lru,fld,score,least-stale", args.prefetch or ["none", "pregate"])
+            prog.update(task, total=len(fractions) * (len(configs) + 1))
+            rows = detailed_sweep(
+                acc, fractions, configs, ad.router_logits, args.link, args.layer_time_us * 1e-6, lambda: prog.advance(task)
+            )
+        else:
+            rows = sweep(acc, fractions, CONFIGS, predict_logits=ad.router_logits, progress=lambda: prog.advance(task))
     W = acc.working_set()
     con.print(
         f"model {which}: {len(acc.moe_layers)} MoE layers x {acc.num_experts} experts, top-{acc.top_k}; "

@@ -18,6 +18,10 @@ the predictor folder's evaluation, decode tokens), `predictor_share` (the best l
 time per pass / its TPOT) and, with `--adaptive-s`, fixed S = 1..3 rows per policy next to adaptive S
 (`adaptive_vs_best_fixed`: adaptive TPOT / best fixed TPOT, per policy). Every prefetcher goes through the
 traffic-aware gate (`PrefetchGate`, default on; `--prefetch-opt gate=off` via `--gate off` here).
+
+`--fixed-s 1,2,3,4,5` sets the fixed-S rows next to adaptive S (default 1..3; the step-size ablation of
+ExpertFlow's Fig. 2). `--device cuda --link cuda` runs on the GPU with copies on the real link (CUDA side
+stream, pinned rows; `gbps` in the JSON is then one pinned expert row's measured host->device bandwidth).
 """
 
 from __future__ import annotations
@@ -53,6 +57,21 @@ def heldout_prompts(pred_dir: Path, n: int) -> list[torch.Tensor]:
     return out
 
 
+def h2d_gbps(nbytes: int, device: torch.device, reps: int = 20) -> float:
+    """Pinned host -> device copies of `nbytes` (one expert row), timed with CUDA events: GB/s."""
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    b.record()
+    b.synchronize()
+    return nbytes * reps / (a.elapsed_time(b) / 1e3) / 1e9
+
+
 def run_one(
     model,
     prompts,
@@ -82,14 +101,13 @@ def run_one(
         with eng if eng is not None else _null():
             detach = lambda: None  # noqa: E731
             if adaptive and eng is not None:
+                hi = eng.spec.num_moe_layers - 1
+                if getattr(getattr(pol, "pred", None), "max_lookahead", None):
+                    hi = min(hi, int(pol.pred.max_lookahead))  # as `moeflow run`: no further than the predictor's trained S
                 ctrl = (
-                    StepSizeController.from_calibration(
-                        calibration, max_s=eng.spec.num_moe_layers - 1, num_layers=eng.spec.num_layers
-                    )
+                    StepSizeController.from_calibration(calibration, max_s=hi, num_layers=eng.spec.num_layers)
                     if calibration
-                    else StepSizeController(
-                        initial_s=lookahead, max_s=eng.spec.num_moe_layers - 1, num_layers=eng.spec.num_layers
-                    )
+                    else StepSizeController(initial_s=min(lookahead, hi), max_s=hi, num_layers=eng.spec.num_layers)
                 )
                 detach = ctrl.attach(eng)
             for p in prompts:
@@ -140,7 +158,16 @@ def main() -> None:
     ap.add_argument("--policies", default="router-pf,estimator,hybrid,forest")
     ap.add_argument("--adaptive-s", action="store_true", help="fixed S=1..3 rows per policy next to adaptive S")
     ap.add_argument("--gate", default="on", choices=("on", "off"), help="the prefetch gate of every prefetcher")
+    ap.add_argument("--fixed-s", default=None, help="comma list of fixed S rows next to adaptive S (default 1,2,3)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--link", default="emulated", choices=("emulated", "cuda"), help="emulated (default) or cuda (needs --device cuda)"
+    )
     a = ap.parse_args()
+    device = torch.device(a.device)
+    if a.link == "cuda" and device.type != "cuda":
+        ap.error("--link cuda needs --device cuda")
     torch.set_num_threads(a.threads)
     from rich.console import Console
     from rich.table import Table
@@ -150,9 +177,9 @@ def main() -> None:
     from moeflow.moe import get_adapter
     from moeflow.policies.parse import parse_capacity
     from moeflow.predict.io import read_predictor_meta
-    from moeflow.runtime.link import EmulatedLink
+    from moeflow.runtime.link import CudaLink, EmulatedLink
 
-    model, _ = load_model(a.model, dtype="float32", experts_implementation="grouped_mm")
+    model, _ = load_model(a.model, dtype=a.dtype, device=a.device, experts_implementation="grouped_mm")
     spec = get_adapter(model).spec
     have = read_predictor_meta(a.predictors)["predictors"]
     policies = [p for p in a.policies.split(",") if p in have]
@@ -162,14 +189,19 @@ def main() -> None:
     # resident reference: tokens and compute per token
     ref, res_resident = run_one(model, prompts, mode="resident", link_fn=lambda: EmulatedLink(1.0), new_tokens=a.new_tokens)
     bytes_tok = spec.num_moe_layers * spec.top_k * spec.expert_bytes
-    gbps = a.gbps or copy_share_bandwidth(bytes_tok, res_resident["tpot_s"], a.copy_share) / 1e9
-    link_fn = lambda: EmulatedLink(gbps, a.latency_us * 1e-6)  # noqa: E731
+    if a.link == "cuda":
+        gbps = a.gbps or h2d_gbps(spec.expert_bytes, device)
+        link_fn = lambda: CudaLink(device)  # noqa: E731
+    else:
+        gbps = a.gbps or copy_share_bandwidth(bytes_tok, res_resident["tpot_s"], a.copy_share) / 1e9
+        link_fn = lambda: EmulatedLink(gbps, a.latency_us * 1e-6)  # noqa: E731
     cap = parse_capacity(a.capacity, total_experts=spec.total_experts, expert_bytes=spec.expert_bytes)
     rows: dict[str, dict] = {"resident": res_resident}
     exact: dict[str, bool] = {}
     t0 = time.perf_counter()
     gopt = {"gate": a.gate, "cancel": a.gate}
-    fixed_s = [s for s in (1, 2, 3) if s < spec.num_moe_layers] if a.adaptive_s else [a.lookahead]
+    wanted_s = [int(x) for x in a.fixed_s.split(",")] if a.fixed_s else [1, 2, 3]
+    fixed_s = [s for s in wanted_s if 1 <= s < spec.num_moe_layers] if a.adaptive_s else [a.lookahead]
     plan = [("on-demand", dict(mode="on-demand")), ("none", dict(prefetch="none"))]
     plan += [(f"pregate S={s}", dict(prefetch="pregate", opts=dict(gopt), lookahead=s)) for s in fixed_s]
     for p in policies:
@@ -203,7 +235,7 @@ def main() -> None:
     belady_tpt = belady(acc, cap, count_phase=1).loads_per_token
     bound = max(res_resident["tpot_s"], belady_tpt * (a.latency_us * 1e-6 + spec.expert_bytes / (gbps * 1e9)))
     t = Table(
-        title=f"{Path(a.model).name}: emulated link {gbps:.3f} GB/s (copy share {a.copy_share} on-demand), "
+        title=f"{Path(a.model).name}: {a.link} link {gbps:.3f} GB/s (copy share {a.copy_share} on-demand), "
         f"capacity {cap}/{spec.total_experts} experts, {len(prompts)} held-out prompts x {a.new_tokens} tokens"
     )
     for c in (
@@ -269,6 +301,9 @@ def main() -> None:
             {
                 "bench": "predictors",
                 "model": a.model,
+                "device": a.device,
+                "link": a.link,
+                "fixed_s": fixed_s,
                 "gbps": gbps,
                 "capacity": cap,
                 "prompts": len(prompts),

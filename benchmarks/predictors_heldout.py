@@ -12,6 +12,17 @@ Shape-agnostic: S runs 1..min(--max-s, MoE layers - 1) for whatever model `--mod
 Missing traces are recorded first, with the commands printed (and in the JSON), e.g.
     moeflow trace --prompts sharegpt --limit 150 --record-hidden --max-new-tokens 24 --max-prompt-tokens 96
                   --temperature 0.8 --threads 1 --out ROOT/sharegpt
+
+With recorded traces (`--eval-trace NAME=DIR`, repeat; `--train-trace DIR` when it trains) nothing is recorded
+and the folder is evaluated on those traces directly (no CasMoE planner), and three Speculating Experts
+measurements can be added to the JSON line:
+    --rank-alignment      per target layer and rank r (by routing weight) at S = 1: the share of tokens whose
+                          rank-r true expert is the predictor's rank-r expert (`rank_alignment`, Fig. 5) and is
+                          anywhere in its top-k (`rank_in_topk`)
+    --speculative         the quality cost of running the predicted experts (`moeflow eval --speculative`):
+                          greedy agreement and perplexity per set (`speculative[set][predictor]`)
+    --train-tokens N      (repeat) refit the estimator alone with est_max_tokens=N on --train-trace and report its
+                          held-out recall@k at S = 1 per set (`train_tokens_sweep`, Fig. 9)
 """
 
 from __future__ import annotations
@@ -95,7 +106,32 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--predictors", default=None, help="use this predictor folder instead of training (ROOT/predictors)")
     ap.add_argument("--train-opt", action="append", default=[], help="TrainConfig field=value (repeat), e.g. est_epochs=12")
+    ap.add_argument("--train-trace", default=None, help="a recorded training trace (--record-hidden) instead of ROOT/<train-set>")
+    ap.add_argument(
+        "--eval-trace",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="evaluate on recorded traces (repeat); records nothing",
+    )
+    ap.add_argument(
+        "--eval-only", action="append", default=[], help="with --eval-trace: predictors to evaluate (repeat; default all)"
+    )
+    ap.add_argument("--rank-alignment", action="store_true", help="with --eval-trace: per-layer rank alignment at S = 1 (Fig. 5)")
+    ap.add_argument("--speculative", action="store_true", help="with --eval-trace: speculative execution's quality cost per set")
+    ap.add_argument("--spec-sequences", type=int, default=24, help="trace prompts per set scored by --speculative")
+    ap.add_argument(
+        "--train-tokens",
+        action="append",
+        type=int,
+        default=[],
+        help="with --eval-trace: estimator refit at est_max_tokens=N (repeat)",
+    )
     args = ap.parse_args()
+    if args.eval_trace:
+        return main_traces(args)
+    if args.rank_alignment or args.speculative or args.train_tokens or args.eval_only:
+        ap.error("--rank-alignment, --speculative, --train-tokens and --eval-only need --eval-trace")
 
     from moeflow.models import torch_threads
     from moeflow.predict.data import from_trace
@@ -223,6 +259,193 @@ def main() -> None:
                 "decode_seconds_per_layer": {k: round(v, 6) for k, v in cost.items()},
                 "fit_seconds": fit_seconds,
                 "targets": targets,
+                "commands": commands,
+            }
+        )
+    )
+
+
+def _train_opts(kvs: list[str]) -> dict:
+    from moeflow.predict.train import TrainConfig
+
+    opts: dict = {}
+    for kv in kvs:
+        k, v = kv.split("=", 1)
+        f = TrainConfig.__dataclass_fields__[k]
+        opts[k] = {"int": int, "float": float, "bool": lambda x: x.lower() in ("1", "true"), "str": str}[str(f.type)](v)
+    return opts
+
+
+def rank_alignment(pred, data, layer_pairs: list[tuple[int, int]], k: int, chunk: int = 2048) -> dict:
+    """Per target layer: for each rank r (true experts ordered by routing weight, predicted ones by score), the share
+    of tokens whose rank-r true expert is the predicted rank-r expert, and the share where it is in the predicted top-k."""
+    from moeflow.predict.data import batch_from_rows, iter_chunks
+
+    ctx = data.context(4)
+    same: dict[str, list[float]] = {}
+    in_set: dict[str, list[float]] = {}
+    for src, tgt in layer_pairs:
+        n = 0
+        hit_same = np.zeros(k)
+        hit_set = np.zeros(k)
+        w = data.layers[tgt].topk_weights
+        ids = data.layers[tgt].topk_ids
+        order = np.argsort(-w, axis=1, kind="stable")
+        truth = np.take_along_axis(ids, order, axis=1)  # [N,k] by routing weight, descending
+        for sl in iter_chunks(data.n, chunk):
+            rows = np.arange(data.n)[sl]
+            scores = pred.predict(tgt, 1, batch_from_rows(data, src, rows, ctx=ctx)).float()
+            top = torch.topk(scores, k, dim=-1).indices.numpy()  # sorted by score, descending
+            t = truth[rows]
+            hit_same += (top == t).sum(0)
+            hit_set += (t[:, :, None] == top[:, None, :]).any(-1).sum(0)
+            n += len(rows)
+        same[f"L{tgt}"] = [round(float(x) / n, 4) for x in hit_same]
+        in_set[f"L{tgt}"] = [round(float(x) / n, 4) for x in hit_set]
+    return {"rank_alignment": same, "rank_in_topk": in_set}
+
+
+def main_traces(args: argparse.Namespace) -> None:
+    """--eval-trace mode: recorded traces only; evaluate (and optionally train) without recording anything."""
+    from moeflow.models import torch_threads
+    from moeflow.predict.data import from_trace, target_of
+    from moeflow.predict.evaluate import evaluate
+    from moeflow.predict.io import load_predictors, read_predictor_meta
+    from moeflow.predict.train import TrainConfig, _load_model, sequences
+    from moeflow.predict.train import main as train_main
+
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    sets = dict(kv.split("=", 1) for kv in args.eval_trace)
+    if not args.predictors and not args.train_trace:
+        raise SystemExit("--eval-trace needs --predictors DIR or --train-trace DIR (nothing is recorded in this mode)")
+    if args.train_tokens and not args.train_trace:
+        raise SystemExit("--train-tokens needs --train-trace DIR")
+    first = from_trace(next(iter(sets.values())), need_hidden=True)
+    max_s = max(1, min(args.max_s, len(first.spec.moe_layers) - 1))
+    k = int(first.layers[first.spec.moe_layers[0]].topk_ids.shape[1])
+    commands: list[str] = []
+    fit_seconds: dict = {}
+    pred_dir = Path(args.predictors) if args.predictors else root / "predictors"
+    if not args.predictors:
+        cfg = TrainConfig(
+            trace=args.train_trace,
+            out=str(pred_dir),
+            model=args.model,
+            max_s=max_s,
+            threads=args.threads,
+            force=True,
+            **{"only": LEARNED, **_train_opts(args.train_opt)},
+        )
+        commands.append(f"moeflow train --trace {args.train_trace} --out {pred_dir} --max-s {max_s} --force")
+        t0 = time.perf_counter()
+        rep = train_main(cfg)
+        fit_seconds = {**rep["fit_seconds"], "total": round(time.perf_counter() - t0, 1)}
+
+    recall: dict = {}
+    per_layer: dict = {}
+    extra: dict = {}
+    with torch_threads(args.threads):
+        model = _load_model(args.model)
+        names = args.eval_only or list(read_predictor_meta(str(pred_dir)).get("predictors", []))
+        _, preds = load_predictors(pred_dir, model, names)
+        datas = {name: from_trace(path, need_hidden=True) for name, path in sets.items()}
+        for name, data in datas.items():
+            t0 = time.perf_counter()
+            rep = evaluate(preds, data, max_s=max_s)
+            for p, by_s in rep["by_s"].items():
+                recall.setdefault(p, {})[name] = {int(s): round(v, 4) for s, v in by_s.items()}
+            for p, res in rep["results"].items():
+                d = per_layer.setdefault(p, {}).setdefault(name, {})
+                for m in res.values():
+                    d.setdefault(f"L{m['target']}", {})[int(m["S"])] = round(m["recall_at_k"], 4)
+            print(f"{name}: evaluated {len(preds)} predictors on {data.n} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
+            if args.rank_alignment:
+                ml = data.spec.moe_layers
+                pairs = [(ml[i], target_of(data.spec, ml[i], 1)) for i in range(len(ml) - 1)]
+                for p in preds:
+                    ra = rank_alignment(preds[p], data, pairs, k)
+                    for key, v in ra.items():
+                        extra.setdefault(key, {}).setdefault(name, {})[p] = v
+            if args.speculative:
+                from moeflow.predict.speculative import measure_quality
+
+                seqs = sequences(data, args.spec_sequences)
+                t0 = time.perf_counter()
+                extra.setdefault("speculative", {})[name] = {
+                    p: measure_quality(model, pr, seqs)
+                    for p, pr in preds.items()
+                    if p in ("router-pf", "estimator", "hybrid", "pregate")
+                }
+                print(f"{name}: speculative quality in {time.perf_counter() - t0:.1f} s", flush=True)
+        cost = decode_cost(preds, first, max_s)
+
+    sweep: list[dict] = []
+    for n_tok in args.train_tokens:
+        out = root / f"estimator-tokens-{n_tok}"
+        opts = {**_train_opts(args.train_opt), "est_max_tokens": n_tok}
+        cfg = TrainConfig(
+            trace=args.train_trace,
+            out=str(out),
+            model=args.model,
+            max_s=1,
+            threads=args.threads,
+            force=True,
+            only=("estimator",),
+            **opts,
+        )
+        commands.append(
+            f"moeflow train --trace {args.train_trace} --out {out} --only estimator --max-s 1 --force (est_max_tokens={n_tok})"
+        )
+        t0 = time.perf_counter()
+        rep = train_main(cfg)
+        secs = time.perf_counter() - t0
+        with torch_threads(args.threads):
+            _, est = load_predictors(out, model, ["estimator"])
+            row = {"est_max_tokens": n_tok, "train_tokens": min(n_tok, int(rep["train_tokens"])), "fit_seconds": round(secs, 1)}
+            row["recall_at_k_s1"] = {
+                name: round(evaluate(est, data, max_s=1)["by_s"]["estimator"][1], 4) for name, data in datas.items()
+            }
+        print(f"estimator on {row['train_tokens']} tokens: {row['recall_at_k_s1']} ({secs:.0f} s)", flush=True)
+        sweep.append(row)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=200)
+    ss = list(range(1, max_s + 1))
+    t = Table(title=f"held-out recall@k ({pred_dir}; {args.model})")
+    t.add_column("predictor")
+    for name in sets:
+        for s in ss:
+            t.add_column(f"{name} S={s}", justify="right")
+    for p, by_set in recall.items():
+        t.add_row(p, *[f"{by_set[n].get(s, float('nan')):.3f}" for n in sets for s in ss])
+    con.print(t)
+    for key in ("rank_alignment", "rank_in_topk"):
+        for name, by_p in extra.get(key, {}).items():
+            tr = Table(title=f"{key} per target layer, ranks 1..{k} ({name}, S = 1)")
+            tr.add_column("predictor")
+            layers = list(next(iter(by_p.values())))
+            for lay in layers:
+                tr.add_column(lay, justify="right")
+            for p, d in by_p.items():
+                tr.add_row(p, *[" ".join(f"{x:.2f}" for x in d[lay]) for lay in layers])
+            con.print(tr)
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "predictors": str(pred_dir),
+                "eval_traces": sets,
+                "max_s": max_s,
+                "k": k,
+                "recall_at_k": recall,
+                "per_layer": per_layer,
+                "decode_seconds_per_layer": {k_: round(v, 6) for k_, v in cost.items()},
+                "fit_seconds": fit_seconds,
+                **extra,
+                "train_tokens_sweep": sweep,
                 "commands": commands,
             }
         )

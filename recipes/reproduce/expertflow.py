@@ -1,0 +1,519 @@
+"""ExpertFlow (Shen et al.): predictor accuracy vs pre-gate (Table 2, Fig. 8), latency of the baseline vs the
+predictor with adaptive step size (Tables 3/4, Fig. 2's step-size ablation) and cache-aware routing (Table 5).
+
+Every `ours` number comes from a JSON a command printed in this run; every `paper` number is transcribed from
+/work/shared/papers/expertflow.txt with the table it comes from. The paper reports seconds of latency per
+model on A6000 / H20 / Ascend 910B for large MoE models; we run a 21.8M-parameter model on a CPU with an
+emulated host-to-device link, so the comparable figure is a ratio (ours vs our baseline, paper's vs the
+paper's baseline).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from moeflow.report import Recipe
+
+from . import common
+
+TITLE = "ExpertFlow: Adaptive Expert Scheduling and Memory Coordination for Efficient MoE Inference"
+INTRO = (
+    "ExpertFlow prefetches the experts of layer l+S from layer l with a learned predictor (pre-gate output, token ids "
+    "and the activation history), adapts the step size S to bandwidth, expert size and per-layer compute with a "
+    "stall/over-fetch feedback loop, and adds cache-aware routing; it claims 30-37 points more asymptotic accuracy "
+    "than pre-gate and near-zero waiting latency. This recipe fits the same accuracy-vs-S decay on our predictors "
+    "(the random `forest` is ExpertFlow's predictor) on the training set's held-out prompts and on GSM8K/Alpaca, then "
+    "measures decode latency (TPOT) and stall time of on-demand loading, pre-gate and the forest at fixed S = 1..4 "
+    "and with `--adaptive-s`, and cache-aware routing (LOSSY: its perplexity and agreement cost beside its speed), "
+    "all on one emulated link slow enough that expert copies dominate (with DEVICE=cuda: the real link)."
+)
+
+# Paper numbers, transcribed from /work/shared/papers/expertflow.txt (sections 4.3-4.5).
+PAPER_GROUPS = ("DeepSeek", "Qwen1.5", "Qwen2")
+PAPER_DEVICES = ("A6000", "H20", "Ascend 910B")
+PAPER_TABLE2 = {  # Table 2: c_p, c_g, Delta_inf (percent)
+    "DeepSeek": (63.44, 26.43, 37.01),
+    "Qwen1.5": (65.31, 33.29, 32.02),
+    "Qwen2": (60.45, 29.61, 30.84),
+}
+PAPER_TABLE3 = {  # Table 3: latency of baseline on devices (s); Qwen2 on 910B: "-" (no INT4 on 910B)
+    "DeepSeek": (1.38, 0.46, 0.6063),
+    "Qwen1.5": (1.05, 0.39, 0.5222),
+    "Qwen2": (1.77, 1.16, None),
+}
+PAPER_TABLE4 = {  # Table 4: latency of models with Predictor (dynamic step size) (s)
+    "DeepSeek": (0.0441, 0.0012, 0.0624),
+    "Qwen1.5": (0.0384, 0.0379, 0.0686),
+    "Qwen2": (0.1252, 1.0176, None),
+}
+PAPER_TABLE5 = {  # Table 5: latency of models with cache-aware routing (s)
+    "DeepSeek": (0.0328, 0.0029, 0.0020),
+    "Qwen1.5": (0.0216, 0.0022, 0.0018),
+    "Qwen2": (0.1034, 0.0978, None),
+}
+PAPER_FIG8_AVG_GAIN = 21.79  # section 4.3: predictor over pre-gate, average (up to 30.36)
+PAPER_FIG8_MAX_GAIN = 30.36
+
+CAPACITY = "25%"  # device expert cache: a quarter of all routed experts
+LATENCY_US = 10  # per-copy latency of the emulated link
+LINK_GBPS = 0.05  # emulated link: one 192 KiB expert takes ~4 ms, far more than a layer's compute: copies dominate
+CACHE_AWARE = "cache-aware:lambda=0.3"
+S_VALUES = (1, 2, 3, 4)  # the predictors are trained for S <= 4 (common.predictors' --max-s)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def _pct(v: float | None) -> float | None:
+    return 100 * v if v is not None else None
+
+
+# ---- Table 2 and Fig. 8: predictor vs pre-gate accuracy --------------------------------------------------
+
+
+def table2(r: Recipe, train: dict[str, Any] | None, evals: dict[str, dict[str, Any] | None]) -> None:
+    sets: dict[str, dict[str, Any] | None] = {f"{common.TRAIN_SET} (held-out prompts)": train, **evals}
+    t = r.table(
+        "table2",
+        "Table 2: Predictor and pre-gate accuracy comparison — asymptote c of f(S) = a e^{-bS} + c (%), Delta_inf = c_p - c_g",
+        ["ours: c_p", "ours: c_g", "ours: Delta_inf", "ours: acc S=1 (p / g)", "paper: c_p", "paper: c_g", "paper: Delta_inf"],
+        label="model · predictor · evaluation set",
+        source=["train", *(f"eval-{s}" for s in evals)],
+    )
+    for g in PAPER_GROUPS:
+        t.row(f"paper: {g} (A6000)", None, None, None, None, *PAPER_TABLE2[g])
+    for name, data in sets.items():
+        if data is None:
+            continue
+        fit, by_s = data.get("fit", {}), data.get("by_s", {})
+        g = fit.get("pregate", {})
+        for p in ("forest", "hybrid"):
+            f = fit.get(p)
+            if not f or p not in by_s:
+                continue
+            acc1 = f"{100 * by_s[p]['1']:.1f} / {100 * by_s['pregate']['1']:.1f}" if "pregate" in by_s else None
+            t.row(
+                f"ours: {Path(r.model).name} · {p} · {name}",
+                _pct(f.get("c")),
+                _pct(g.get("c")),
+                _pct(f.get("delta_inf_vs_pregate")),
+                acc1,
+                None,
+                None,
+                None,
+            )
+    t.note(
+        "Accuracy is recall@k of the layer-ahead prediction (the share of the k experts layer l+S routes to that the "
+        "predictor ranks in its top k), over prefill and decode tokens, S = 1..4, on prompts the predictors were not "
+        "trained on. `forest` is ExpertFlow's predictor (random forest on token ids, pre-gate probabilities and the "
+        "activation history, 3.2.2-3.2.5); `hybrid` (Speculating Experts' estimator/router-pf mix) is shown as the "
+        "strongest predictor we have. The paper fits DeepSeek-V2-Lite, Qwen1.5 and Qwen2 (much larger MoE models "
+        "with more layers and experts) over its range of steps; ours is a 12-layer, 32-expert top-4 model with S "
+        "only up to 4, so the fitted asymptote c is an extrapolation from four points."
+    )
+    for name, data in sets.items():
+        if data is None:
+            t.note(f"{name}: the evaluation step failed, so its rows are absent.")
+            continue
+        fit = data.get("fit", {})
+        f, g = fit.get("forest"), fit.get("pregate")
+        by_s = data.get("by_s", {})
+        if f and g and "forest" in by_s and "pregate" in by_s:
+            gains = [100 * (by_s["forest"][s] - by_s["pregate"][s]) for s in sorted(by_s["forest"], key=int)]
+            mean_gain = sum(gains) / len(gains)
+            t.note(
+                f"{name}: forest Delta_inf = {100 * f['delta_inf_vs_pregate']:+.1f} points (paper: +30.84 to +37.01); "
+                f"measured forest - pre-gate accuracy at S = 1..{len(gains)}: "
+                f"{', '.join(f'{x:+.1f}' for x in gains)} points (mean {mean_gain:+.1f}; the paper reports an average "
+                f"gain of {PAPER_FIG8_AVG_GAIN}% and up to {PAPER_FIG8_MAX_GAIN}%, section 4.3). "
+                + (
+                    f"The forest beats pre-gate on average here, as in the paper, but by {mean_gain:.1f} points only."
+                    if mean_gain > 0
+                    else "Pre-gate beats the forest on average here, unlike the paper; our pre-gate is already "
+                    f"{100 * by_s['pregate']['1']:.0f}% accurate at S = 1 on this small model (the paper's c_g is "
+                    "26-33%), which likely leaves less for a learned correction."
+                )
+                + (
+                    f" The forest's fitted asymptote collapsed to c = {100 * f['c']:.2g}% (its decay over S = 1..4 "
+                    "is near-linear, so the exponential's asymptote is not identified): read the measured per-S "
+                    "accuracies instead of Delta_inf for this row."
+                    if f.get("c", 1) < 0.01
+                    else ""
+                )
+            )
+
+
+def fig8(r: Recipe, train: dict[str, Any] | None, evals: dict[str, dict[str, Any] | None]) -> None:
+    sets = {f"{common.TRAIN_SET} held-out": train, **evals}
+    preds = ("pregate", "forest", "hybrid", "router-pf", "token-id")
+    t = r.table(
+        "fig8",
+        "Fig. 8: Accuracy of pre-gate and predictor vs step size S (recall@k, %)",
+        [f"ours: {s} S={k}" for s in sets for k in S_VALUES],
+        label="predictor",
+        source=["train", *(f"eval-{s}" for s in evals)],
+    )
+    for p in preds:
+        cells = []
+        for data in sets.values():
+            by_s = (data or {}).get("by_s", {}).get(p, {})
+            cells += [_pct(by_s.get(str(k))) for k in S_VALUES]
+        if any(c is not None for c in cells):
+            t.row(p, *cells)
+    t.note(
+        "The paper shows Fig. 8 only as a plot (no printed values): the trained predictor is more accurate than "
+        f"pre-gate at every step, by {PAPER_FIG8_AVG_GAIN}% on average (up to {PAPER_FIG8_MAX_GAIN}%), and decays "
+        "more smoothly with S. The rows here are ours; the paper's per-S values are not printed, so none are listed."
+    )
+    fig = Figure(figsize=(4 * len(sets), 3.2))
+    axes = fig.subplots(1, len(sets), sharey=True, squeeze=False)[0]
+    for ax, (name, data) in zip(axes, sets.items(), strict=True):
+        for p in preds:
+            by_s = (data or {}).get("by_s", {}).get(p)
+            if by_s:
+                xs = sorted(int(k) for k in by_s)
+                ax.plot(xs, [100 * by_s[str(k)] for k in xs], marker="o", label=p)
+        ax.set_title(name)
+        ax.set_xlabel("step size S (layers ahead)")
+        ax.set_xticks(list(S_VALUES))
+    axes[0].set_ylabel("recall@k (%)")
+    axes[0].legend(fontsize=7)
+    r.figure(t, "fig8_accuracy_vs_s", fig, f"Layer-ahead prediction accuracy vs S on {Path(r.model).name} (ours).")
+
+
+# ---- Tables 3/4 and Fig. 2: latency, fixed vs adaptive S --------------------------------------------------
+
+
+def _link_desc(r: Recipe, bench: dict[str, Any]) -> str:
+    if bench.get("link") == "cuda":
+        return f"{r.device} + real link ({bench['gbps']:.1f} GB/s one expert row)"
+    return f"CPU + emulated {bench['gbps']:.3g} GB/s, {LATENCY_US} µs link"
+
+
+def tables3_4(r: Recipe, bench: dict[str, Any]) -> None:
+    runs = bench["runs"]
+    base, flow = runs["on-demand"]["tpot_s"], runs["forest adaptive S"]["tpot_s"]
+    link = _link_desc(r, bench)
+    ours_col = f"ours: s/token ({link})"
+    for key, title, paper, ours in (
+        ("table3", "Table 3: Latency of baseline on devices (s)", PAPER_TABLE3, base),
+        ("table4", "Table 4: Latency of models with Predictor (dynamic step size) (s)", PAPER_TABLE4, flow),
+    ):
+        t = r.table(key, title, [*(f"paper: {d}" for d in PAPER_DEVICES), ours_col], label="model", source=["latency"])
+        for g in PAPER_GROUPS:
+            t.row(g, *paper[g], None)
+        t.row(f"{Path(r.model).name} (ours)", None, None, None, ours)
+        t.note(
+            "Paper: latency in seconds of the model on each GPU with GPU memory capped at 20 GB (ShareGPT requests; "
+            "the Ascend 910B cannot run Qwen2's INT4, hence the dash). Ours: decode time per token (TPOT) of "
+            f"{Path(r.model).name} with a {CAPACITY} expert cache on held-out ShareGPT prompts, "
+            + (
+                "on-demand loading (load the routed experts after routing, keep nothing: the no-prefetch baseline)."
+                if key == "table3"
+                else "the forest predictor prefetching with ExpertFlow's adaptive step size (`--adaptive-s`)."
+            )
+            + " Absolute values are not comparable (21.8M parameters on a CPU vs large models on GPUs); "
+            "compare the ratio table below."
+        )
+    t = r.table(
+        "table4_vs_3",
+        "Table 4 ÷ Table 3: latency with predictor + adaptive S relative to the baseline",
+        [*(f"paper: {d}" for d in PAPER_DEVICES), "ours"],
+        label="model",
+        source=["latency"],
+    )
+    for g in PAPER_GROUPS:
+        t.row(g, *(_ratio(a, b) for a, b in zip(PAPER_TABLE4[g], PAPER_TABLE3[g], strict=True)), None)
+    ours = _ratio(flow, base) or float("nan")
+    t.row(f"{Path(r.model).name} (ours)", None, None, None, ours)
+    a6000 = [x for x in (_ratio(PAPER_TABLE4[g][0], PAPER_TABLE3[g][0]) for g in PAPER_GROUPS) if x is not None]
+    floor = runs["resident"]["tpot_s"] / base
+    t.note(
+        f"Ours: the forest with adaptive S takes {ours:.3f}x the on-demand TPOT ({1e3 * flow:.2f} vs {1e3 * base:.2f} "
+        f"ms); the paper's A6000 ratios are {', '.join(f'{x:.3f}' for x in a6000)} (computed here from its Tables 4 "
+        "and 3). "
+        + (
+            "Our reduction is smaller than every A6000 reduction of the paper; "
+            if ours > max(a6000)
+            else "Our reduction reaches the paper's A6000 range; "
+        )
+        + "the paper's latencies are for large models whose expert copies are long against a layer's compute "
+        "(its Fig. 7 counts waiting + cache-miss time), while on our emulated link the resident model's TPOT is a "
+        f"floor no prefetching removes ({1e3 * runs['resident']['tpot_s']:.2f} ms = {floor:.3f}x on-demand), and a "
+        f"{CAPACITY} cache hit {100 * (runs['forest adaptive S'].get('hit_rate') or 0):.0f}% of the time here, so "
+        f"{100 * (1 - (runs['forest adaptive S'].get('hit_rate') or 0)):.0f}% of the routed experts missed the cache."
+    )
+
+    # every configuration, with the stall share (the paper's 'waiting latency')
+    d = r.table(
+        "table4_detail",
+        f"Table 4 detail (ours): TPOT and stall of every configuration ({link}, cache {CAPACITY})",
+        ["ours: TPOT ms", "ours: ÷ on-demand", "ours: stall ms/token", "ours: stall share %", "ours: hit rate", "ours: S at end"],
+        label="configuration",
+        source=["latency"],
+    )
+    for label, m in runs.items():
+        stall = m.get("stall_s_per_token")
+        d.row(
+            label,
+            1e3 * m["tpot_s"],
+            m["tpot_s"] / base,
+            1e3 * stall if stall is not None else None,
+            _pct(stall / m["tpot_s"]) if stall is not None and m["tpot_s"] else None,
+            m.get("hit_rate"),
+            m.get("final_s") if label not in ("resident", "on-demand") else None,
+        )
+    st_base, st_flow = runs["on-demand"]["stall_s_per_token"], runs["forest adaptive S"]["stall_s_per_token"]
+    d.note(
+        "Stall = decode time spent waiting for an expert copy (a miss, or a prefetch still in flight), per token; "
+        "stall share = stall / TPOT. The paper's abstract claims stall time below 0.1% of the baseline and Fig. 7 "
+        "an average 98.5% reduction of waiting + cache-miss latency (over 99.9% on Qwen1.5). "
+        f"Ours: the forest with adaptive S stalls {1e3 * st_flow:.2f} ms/token vs {1e3 * st_base:.2f} for on-demand, "
+        + (f"{100 * st_flow / st_base:.1f}% of the baseline's stall." if st_base else "(the baseline did not stall).")
+        + " Every row is exact (the resident model's tokens; `exact` in raw/latency.json)."
+    )
+    fa = runs.get("forest adaptive S") or {}
+    if (fa.get("final_s") or 0) > max(S_VALUES):
+        d.note(
+            f"The adaptive controller's S may go up to the MoE layers - 1; the forest predicts at most {max(S_VALUES)} "
+            f"layers ahead (its training `--max-s`), so for it S = {fa['final_s']} acts as S = {max(S_VALUES)} "
+            "(moeflow/policies/learned.py clamps the lookahead to the predictor's max_lookahead)."
+        )
+    bad = [k for k, v in bench.get("exact", {}).items() if not v]
+    if bad:
+        d.note(f"WARNING: these rows did not reproduce the resident model's tokens: {', '.join(bad)}.")
+
+
+def fig2(r: Recipe, bench: dict[str, Any]) -> None:
+    runs = bench["runs"]
+    fixed = list(bench.get("fixed_s", S_VALUES))
+    t = r.table(
+        "fig2",
+        "Fig. 2: Latency comparison across the step size S (TPOT ms; fixed S vs adaptive)",
+        ["ours: pregate TPOT ms", "ours: forest TPOT ms", "ours: forest stall ms/token", "paper: latency"],
+        label="S",
+        source=["latency"],
+    )
+    for s in fixed:
+        pg, fo = runs.get(f"pregate S={s}"), runs.get(f"forest S={s}")
+        t.row(
+            str(s),
+            1e3 * pg["tpot_s"] if pg else None,
+            1e3 * fo["tpot_s"] if fo else None,
+            1e3 * fo["stall_s_per_token"] if fo else None,
+            None,
+        )
+    pa, fa = runs.get("pregate adaptive S"), runs.get("forest adaptive S")
+    t.row(
+        "adaptive",
+        1e3 * pa["tpot_s"] if pa else None,
+        1e3 * fa["tpot_s"] if fa else None,
+        1e3 * fa["stall_s_per_token"] if fa else None,
+        None,
+    )
+    best = {p: min(fixed, key=lambda s, p=p: runs[f"{p} S={s}"]["tpot_s"]) for p in ("pregate", "forest")}
+    ada = bench.get("adaptive_vs_best_fixed", {})
+    t.note(
+        "The paper shows Fig. 2 only as a plot: on A6000, numSteps = 2 removes most of the waiting latency, smaller S "
+        "stalls on copies and larger S loses accuracy (and, section 4.4, latency jumps near S = 4 when the cache "
+        "overflows). The paper's per-S values are not printed, so its column is empty."
+    )
+    t.note(
+        f"Ours: the fastest fixed S is {best['pregate']} for pre-gate and {best['forest']} for the forest; adaptive S "
+        f"takes {ada.get('pregate', float('nan')):.2f}x (pre-gate) and {ada.get('forest', float('nan')):.2f}x (forest) "
+        "the TPOT of the best fixed S for the same predictor (1.00 = it found the best S without being told; above "
+        "1 = slower)"
+        + (f"; the forest's adaptive S ended at {fa['final_s']} after {fa['s_changes']} changes." if fa else ".")
+        + " Differences of a few percent between rows are within the noise of this shared machine."
+    )
+    fig = Figure(figsize=(5.5, 3.6))
+    ax = fig.subplots()
+    for p, c in (("pregate", "tab:blue"), ("forest", "tab:orange")):
+        ys = [1e3 * runs[f"{p} S={s}"]["tpot_s"] for s in fixed]
+        ax.plot(fixed, ys, marker="o", color=c, label=f"{p}, fixed S")
+        if f"{p} adaptive S" in runs:
+            ax.axhline(1e3 * runs[f"{p} adaptive S"]["tpot_s"], color=c, ls="--", label=f"{p}, adaptive S")
+    ax.axhline(1e3 * runs["on-demand"]["tpot_s"], color="tab:red", ls=":", label="on-demand (baseline)")
+    ax.axhline(1e3 * runs["resident"]["tpot_s"], color="tab:green", ls=":", label="resident (all experts on device)")
+    ax.set_xlabel("step size S (MoE layers ahead)")
+    ax.set_ylabel("TPOT (ms / token)")
+    ax.set_xticks(fixed)
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{Path(r.model).name}, {_link_desc(r, bench)}", fontsize=8)
+    ax.legend(fontsize=7)
+    r.figure(t, "fig2_step_size", fig, "Step-size ablation (ours): decode latency vs fixed S, adaptive S as dashed lines.")
+
+
+# ---- Table 5: cache-aware routing -------------------------------------------------------------------------
+
+
+def _run_metrics(data: dict[str, Any] | None, mode: str) -> dict[str, Any] | None:
+    for run in (data or {}).get("runs", []):
+        if run.get("mode") == mode:
+            return run["metrics"]
+    return None
+
+
+def table5(r: Recipe, bench: dict[str, Any], pred: Path, cal: Path) -> None:
+    link = "cuda" if bench.get("link") == "cuda" else f"emulated:{LINK_GBPS},{LATENCY_US}"
+    n, tokens = r.pick(3, 8), r.pick(12, 32)
+    base_args: list[Any] = ["--model", r.model, "--device", r.device, "--threads", r.threads, "--link", link]
+    base_args += ["-c", CAPACITY, "-e", "lru", "-f", "forest", "--prefetch-opt", f"predictors={pred}"]
+    base_args += ["--prompts", "alpaca"]
+    run_args = [*base_args, "--limit", n, "--max-new-tokens", tokens, "--min-new-tokens", tokens, "--adaptive-s"]
+    run_args += ["--calibration", cal] if cal.is_file() else []
+    std_data = r.moeflow("table5-run-standard", "run", *run_args, "--sweep", "--mode", "on-demand,offload")
+    ca_data = r.moeflow("table5-run-cache-aware", "run", *run_args, "--routing", CACHE_AWARE, "--mode", "offload")
+    base, std, ca = _run_metrics(std_data, "on-demand"), _run_metrics(std_data, "offload"), _run_metrics(ca_data, "offload")
+    # the quality cost (and the speed at a fixed S: `moeflow quality` has no adaptive S) at the best fixed forest S
+    s_fixed = min(S_VALUES, key=lambda s: bench["runs"][f"forest S={s}"]["tpot_s"])
+    qual = r.moeflow(
+        "table5-quality",
+        "quality",
+        *base_args,
+        "-n",
+        n,
+        "--max-new-tokens",
+        tokens,
+        "-S",
+        s_fixed,
+        "--sweep",
+        "--routing",
+        f"standard,{CACHE_AWARE}",
+        "--ppl-windows",
+        r.pick(1, 4),
+        "--ppl-tokens",
+        r.pick(64, 256),
+        "--task",
+        "none",
+    )
+    qrows: dict[str, dict[str, Any]] = {}
+    for q in (qual or {}).get("runs", []):
+        if q.get("routing"):
+            qrows["cache-aware" if str(q["routing"]).startswith("cache-aware") else "standard"] = q
+
+    t = r.table(
+        "table5",
+        "Table 5: Latency of models with cache-aware routing (s) — and its ratio to the Table 3 baseline",
+        [*(f"paper: {d}" for d in PAPER_DEVICES), *(f"paper: {d} ÷ T3" for d in PAPER_DEVICES), "ours: s/token", "ours: ÷ base"],
+        label="model",
+        source=["table5-run-standard", "table5-run-cache-aware"],
+    )
+    for g in PAPER_GROUPS:
+        ratios = [_ratio(a, b) for a, b in zip(PAPER_TABLE5[g], PAPER_TABLE3[g], strict=True)]
+        t.row(g, *PAPER_TABLE5[g], *ratios, None, None)
+    name = Path(r.model).name
+    b = base["tpot_s"] if base else None
+    for label, m in (("on-demand (baseline)", base), ("forest + adaptive S", std), ("+ cache-aware λ=0.3 (LOSSY)", ca)):
+        v = m["tpot_s"] if m else None
+        t.row(f"{name}: {label}", *[None] * 6, v, _ratio(v, b))
+    t.note(
+        "Paper ratios are computed here from its Tables 5 and 3. The paper also states (section 4.5, Fig. 11) that "
+        "cache-aware routing cut latency by over 96.65% on DeepSeek and Qwen1.5 and by 55.58% on Qwen2, and calls "
+        "ExpertFlow lossless ('without loss of precision'). Our cache-aware routing is SpecMD's eq. 1 (z' = z + "
+        "λ·Δavg·1_cached, λ = 0.3): it favours experts already on the device, so it changes which experts run — LOSSY."
+    )
+    if std and ca:
+        change = 100 * (ca["tpot_s"] / std["tpot_s"] - 1)
+        t.note(
+            f"Ours (alpaca prompts, {n} x {tokens} tokens): cache-aware routing changes TPOT by {change:+.1f}% against "
+            f"the same forest + adaptive S without it ({1e3 * ca['tpot_s']:.2f} vs {1e3 * std['tpot_s']:.2f} ms) and "
+            f"moves {ca['transfers_per_token'] or 0:.1f} vs {std['transfers_per_token'] or 0:.1f} experts per token; "
+            "the rows are separate processes over the same link on a shared machine, so a few percent is noise."
+        )
+    q = r.table(
+        "table5_quality",
+        f"Table 5 quality cost (ours): cache-aware routing vs standard, forest at fixed S = {s_fixed}, vs resident",
+        ["ours: lossy", "ours: ppl", "ours: Δppl %", "ours: greedy agreement", "ours: tf agreement", "ours: TPOT ms", "paper"],
+        label="routing",
+        source=["table5-quality"],
+    )
+    for k in ("standard", "cache-aware"):
+        row = qrows.get(k)
+        if row is None:
+            continue
+        q.row(
+            CACHE_AWARE if k == "cache-aware" else "standard",
+            bool(row.get("lossy")),
+            row.get("ppl"),
+            row.get("ppl_delta_pct"),
+            row.get("agreement"),
+            row.get("tf_agreement"),
+            1e3 * row["tpot_s"] if row.get("tpot_s") else None,
+            None,
+        )
+    ca_q, std_q = qrows.get("cache-aware"), qrows.get("standard")
+    if ca_q:
+        speed = (
+            f"; at this fixed S its TPOT is {100 * (ca_q['tpot_s'] / std_q['tpot_s'] - 1):+.1f}% vs standard routing"
+            if std_q and std_q.get("tpot_s") and ca_q.get("tpot_s")
+            else ""
+        )
+        q.note(
+            f"Cache-aware routing changes perplexity by {ca_q['ppl_delta_pct']:+.2f}% (on {r.pick(64, 4 * 256)} "
+            f"scored tokens: small changes either way are noise) and keeps {100 * ca_q['agreement']:.0f}% of the "
+            f"resident model's greedy tokens (teacher-forced top-1 agreement {100 * (ca_q.get('tf_agreement') or 0):.0f}%)"
+            f"{speed}. The paper reports no quality measurement for it. `moeflow quality` has no adaptive S, so this "
+            f"table uses the forest's fastest fixed S from Fig. 2 (S = {s_fixed})."
+        )
+
+
+# ---- the recipe ---------------------------------------------------------------------------------------------
+
+
+def main(r: Recipe) -> None:
+    tr = common.trace(r)
+    pred = common.predictors(r, tr)
+    train = r.raw.get("train")
+    evals: dict[str, dict[str, Any] | None] = {}
+    only = [x for p in ("pregate", "forest", "hybrid", "router-pf", "token-id") for x in ("--only", p)]
+    for s in common.HELDOUT_SETS:
+        held = common.trace(r, s)
+        evals[s] = r.moeflow(f"eval-{s}", "eval", "--predictors", pred, "--trace", held, "--max-s", max(S_VALUES), *only)
+    table2(r, train, evals)
+    fig8(r, train, evals)
+
+    cuda = r.device == "cuda"
+    # the adaptive controller starts from ExpertFlow's S = N_e E_s / (C_s T_l), measured for this device and link
+    cal = common.calibrate(r) if cuda else common.calibrate(r, link=f"{LINK_GBPS},{LATENCY_US}")
+    bench = r.python(
+        "latency",
+        "benchmarks/predictors.py",
+        "--model",
+        r.model,
+        "--predictors",
+        pred,
+        "--policies",
+        "forest",
+        "--adaptive-s",
+        "--fixed-s",
+        ",".join(map(str, S_VALUES)),
+        "--capacity",
+        CAPACITY,
+        "--prompts",
+        r.pick(3, 8),
+        "--new-tokens",
+        r.pick(12, 32),
+        "--threads",
+        r.threads,
+        "--device",
+        r.device,
+        *(["--calibration", cal] if cal.is_file() else []),
+        *(["--link", "cuda"] if cuda else ["--gbps", LINK_GBPS, "--latency-us", LATENCY_US]),
+    )
+    if bench is None:
+        r.missing("Tables 3-5 and Fig. 2", "the latency benchmark failed (raw/latency.log)")
+        return
+    tables3_4(r, bench)
+    fig2(r, bench)
+    table5(r, bench, pred, cal)
+    r.missing(
+        "Tables 3-5 on A6000 / H20 / Ascend 910B with DeepSeek-V2-Lite, Qwen1.5 and Qwen2 MoE models",
+        "this checkout has no GPU of those kinds and no such checkpoint; the ratios to our own baseline are the "
+        "comparable figure",
+    )
+    r.missing("Fig. 3/4 (batch size and semantic diversity vs latency)", "outside the required set (Tables 2-5, Fig. 2)")

@@ -1,0 +1,633 @@
+"""SpecMD (Hoang et al., Apple): Least-Stale eviction, prefetch strategies and lossy miss policies.
+
+Tables 1-2 and Figs. 4-7 (plus the appendix's Figs. 1 and 8) on the default model. Eviction and prefetch studies
+replay the held-out traces (gsm8k, alpaca) through the runtime's own cache (`benchmarks/least_stale.py`,
+`moeflow simulate`); speed and quality are measured with `moeflow quality` (perplexity, greedy agreement, TTFT and
+decode speed of the same run) and `benchmarks/fidelity.py`, over an emulated link at SpecMD's regime
+(`moeflow calibrate --regime specmd`: one expert moves in the 2.52 ms an OLMoE-1B-7B bf16 expert took at 5 GB/s).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from moeflow.report import Recipe
+
+from . import common
+
+TITLE = "SpecMD: A Comprehensive Study on Speculative Expert Prefetching (Hoang, Jaiswal, Samragh, Cho; Apple)"
+INTRO = """SpecMD benchmarks MoE expert-cache policies (eviction, prefetch, miss handling, cache-aware routing) and
+claims that expert access is not temporally local, so its Least-Stale eviction (stale experts of earlier forward
+passes first, FIFO by layer) cuts collision misses 2.6-8.6x vs LRU at 5% capacity and TTFT by 10.7-34.7% on
+OLMoE-1B-7B when swapped into four published systems. This recipe replays held-out GSM8K and Alpaca routing traces
+of the 21.8M-parameter `olmoe-deep` (12 MoE layers x 32 experts, top-4) through moeflow's cache for the eviction and
+prefetch studies, and measures TTFT, decode speed and quality (perplexity change and greedy agreement against the
+resident model, since a model this small is at chance on GSM8K/TruthfulQA/NQ) with the real runtime over an
+emulated link scaled to SpecMD's 5 GB/s regime (one expert copy = 2.52 ms), at 5% cache capacity."""
+
+EVICTIONS = ("fld", "score", "lru", "least-stale")  # Fig. 4's four policies, in the paper's order
+EV_LABEL = {"fld": "FLD", "score": "SB (score)", "lru": "LRU", "least-stale": "LS (Least-Stale)"}
+SCORE_PF = "pregate:percentile=80"  # SpecMD's score-based prefetch (Zhu et al.): experts above the 80th percentile
+TOPK_PF = ("pregate:overfetch=1.0", "pregate:overfetch=1.5", "pregate:overfetch=2.0")
+
+# SpecMD Table 2 (OLMoE-1B-7B rows): approach -> (original TTFT ms, w/ Least-Stale ms, improvement %)
+PAPER_T2 = {
+    "Eliseev '23": (3076.8, 2748.1, 10.7),
+    "Zhu et al. '25": (2257.2, 1473.1, 34.7),
+    "HOBBIT '24": (1590.1, 1309.2, 17.7),
+    "MixtureCache '25": (2664.6, 2297.5, 13.8),
+}
+# The four approaches as SpecMD Table 1 composes them: prefetch, original eviction, miss policy, routing
+APPROACHES = {
+    "Eliseev '23": ("pregate", "lru", "fetch", "standard"),
+    "Zhu et al. '25": (SCORE_PF, "score", "substitute", "standard"),
+    "HOBBIT '24": ("pregate", "lhu", "cascade", "standard"),
+    "MixtureCache '25": ("none", "lru", "fetch", "cache-aware:lambda=0.3"),
+}
+# SpecMD Table 1, OLMoE-1B-7B columns: GSM8K, TruthfulQA, NQ, TTFT ms, tokens/s
+PAPER_T1 = {
+    "Baseline (8bit)": (0.704, 0.540, 0.361, 3166, 1.5),
+    "Config#1 Spec, LRU, Fetch, Stnd (Eliseev '23)": (0.677, 0.555, 0.343, 3077, 1.91),
+    "Config#2 Score, ScoreE, Subs, Stnd (Zhu et al. '25)": (0.073, 0.493, 0.159, 2257, 1.22),
+    "Config#3 Spec, LHU, Cascade, Stnd (HOBBIT '24)": (0.606, 0.548, 0.291, 1590, 1.34),
+    "Config#4 No Pref, LRU, Fetch, Mod (MixtureCache '25)": (0.664, 0.558, 0.332, 2665, 2.33),
+    "Config#5 Score, LS, Fetch, Stnd (SpecMD's pick)": (0.691, 0.559, 0.331, 2220, 1.69),
+}
+
+
+def _pct(v: float | None) -> float | None:
+    return None if v is None else 100.0 * v
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else 1e3 * v
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    """'a/b x' for a difference sentence, or 'n/a' when either is missing or b is zero."""
+    if a is None or b is None or b == 0:
+        return "n/a"
+    return f"{a / b:.2f}x"
+
+
+# ---- the regime --------------------------------------------------------------------------------------------
+
+
+def regime(r: Recipe) -> tuple[float, float]:
+    """SpecMD's 5 GB/s regime for this model (`moeflow calibrate --regime specmd`): (GB/s, measured layer time s)."""
+    cal = r.moeflow(
+        "calibrate-specmd-regime",
+        "calibrate",
+        "--model",
+        r.model,
+        "--device",
+        r.device,
+        "--regime",
+        "specmd",
+        "--repeats",
+        r.pick(2, 5),
+        "--decode-steps",
+        r.pick(4, 8),
+        "--threads",
+        r.threads,
+        "--no-write",
+    )
+    r.require(cal, "calibrate-specmd-regime")
+    reg = next(x for x in cal["regimes"] if x["regime"] == "specmd")
+    t = r.table(
+        "regime",
+        "The emulated link: SpecMD's 5 GB/s regime (Section 5.1) scaled to this model",
+        ["ours", "paper (OLMoE-1B-7B on an A100)"],
+        label="quantity",
+        source=["calibrate-specmd-regime"],
+    )
+    t.row("expert bytes", cal["expert_bytes"], 12.58e6)
+    t.row("link GB/s", reg["gbps"], 5.0)
+    t.row("one expert's copy (ms)", _ms(reg["expert_transfer_s"]), 2.52)
+    t.row("decode compute per layer (ms, measured)", _ms(cal["layer_time_s"]), None)
+    t.row("copies' share of TPOT under on-demand loading", reg["copy_share_on_demand"], None)
+    t.note(
+        f"The link is slowed to {reg['gbps']:.4g} GB/s so that one {cal['expert_bytes'] / 1e3:.0f} KB expert of this model "
+        "takes as long to copy as a 12.58 MB OLMoE-1B-7B expert at the paper's 5 GB/s; compute is this CPU's, so the "
+        f"copy share ({reg['copy_share_on_demand']:.2f}) is what it is here, not the A100's."
+    )
+    if r.device == "cuda":
+        t.note(
+            "DEVICE=cuda: the measured runs (Tables 1-2, Fig. 7) use the real host-to-GPU link (`--link cuda`); the "
+            "simulated ones (Fig. 6) keep this emulated bandwidth on the simulator's virtual clock."
+        )
+    return float(reg["gbps"]), float(cal["layer_time_s"])
+
+
+# ---- Figs. 4, 5, 8: eviction policies and collision misses (simulated) -------------------------------------
+
+
+def eviction_study(r: Recipe, trace: Path, name: str, fractions: str) -> dict[str, Any] | None:
+    """`benchmarks/least_stale.py` on a held-out trace: FLD/SB/LRU/LS, without prefetch and with score prefetch."""
+    return r.python(
+        f"evictions-{name}",
+        "benchmarks/least_stale.py",
+        "--model",
+        r.model,
+        "--trace",
+        trace,
+        "--prompts",
+        r.pick(16, 60),
+        "--fractions",
+        fractions,
+        "--evictions",
+        ",".join(EVICTIONS),
+        "--prefetch",
+        "none",
+        "--prefetch",
+        SCORE_PF,
+    )
+
+
+def _row(data: dict[str, Any] | None, fraction: float, config: str) -> dict[str, Any] | None:
+    if not data:
+        return None
+    return next((x for x in data["rows"] if abs(x["fraction"] - fraction) < 1e-9 and x["config"] == config), None)
+
+
+def fig4(r: Recipe, studies: dict[str, dict[str, Any] | None]) -> None:
+    names = list(studies)
+    cols = []
+    for n in names:
+        cols += [f"ours {n}: misses", f"ours {n}: collisions", f"ours {n}: collision % of accesses"]
+    cols += [f"ours {names[0]}: collision % (no prefetch)", "paper: collision rate at 5% (4 models)"]
+    t = r.table(
+        "fig4",
+        "Figure 4: collision misses of four eviction policies at 5% capacity (with score-based prefetch)",
+        cols,
+        label="eviction",
+        source=[f"evictions-{n}" for n in names],
+    )
+    paper = {"fld": "slightly better than LRU", "score": "42.6-60.9%", "lru": "4.5-12.6%", "least-stale": "1.6-1.9%"}
+    for ev in EVICTIONS:
+        cells: list[Any] = []
+        for n in names:
+            x = _row(studies[n], 0.05, f"{ev}+{SCORE_PF}")
+            cells += [x and x["misses"], x and x["collisions"], x and _pct(x["collision_rate"])]
+        x0 = _row(studies[names[0]], 0.05, ev)
+        cells += [x0 and _pct(x0["collision_rate"]), paper[ev]]
+        t.row(EV_LABEL[ev], *cells)
+    main = studies[names[0]]
+    ls, lru, sb = (_row(main, 0.05, f"{e}+{SCORE_PF}") for e in ("least-stale", "lru", "score"))
+    if ls and lru and sb:
+        t.note(
+            f"With score prefetch at 5% ({ls['capacity']} slots) on {names[0]}, Least-Stale has {ls['collisions']} collision "
+            f"misses vs LRU {lru['collisions']} (LRU/LS = {_ratio(lru['collisions'], ls['collisions'])}) and SB "
+            f"{sb['collisions']} (SB/LS = {_ratio(sb['collisions'], ls['collisions'])}); the paper reports LS 2.6-8.6x fewer "
+            "than LRU and 58-91x fewer than SB at 5%. Hit rates: "
+            + ", ".join(f"{EV_LABEL[e]} {(_row(main, 0.05, f'{e}+{SCORE_PF}') or {}).get('hit_rate', 0):.3f}" for e in EVICTIONS)
+            + "."
+        )
+    n_ls, n_lru = _row(main, 0.05, "least-stale"), _row(main, 0.05, "lru")
+    if n_ls and n_lru:
+        same = n_ls["collisions"] == n_lru["collisions"]
+        t.note(
+            f"Without prefetch, LS has {n_ls['collisions']} and LRU {n_lru['collisions']} collision misses"
+            + (
+                ": identical, as they must be when the capacity is below one pass's working set (every resident expert was "
+                "then used in the previous pass, so the stale queue in layer order is LRU order; tests/test_sim.py)."
+                if same
+                else "."
+            )
+        )
+    t.note(
+        "The paper plots the rate without saying whether its denominator is accesses or misses; ours is per access "
+        "(the paper's four models have 8-64 experts x 16-32 layers; ours 32 x 12 at top-4, so 5% is "
+        f"{ls['capacity'] if ls else '—'} slots, fewer than one pass's 48 accesses)."
+    )
+    fig = Figure(figsize=(9, 3.4))
+    for i, (pf, title) in enumerate(((SCORE_PF, "with score prefetch (80th pct)"), (None, "no prefetch"))):
+        ax = fig.add_subplot(1, 2, i + 1)
+        rows = [_row(main, 0.05, ev if pf is None else f"{ev}+{pf}") for ev in EVICTIONS]
+        xs = range(len(EVICTIONS))
+        ax.bar(xs, [x["misses"] if x else 0 for x in rows], color="0.7", label="total misses")
+        ax.bar(xs, [x["collisions"] if x else 0 for x in rows], color="tab:red", label="collision misses")
+        ax.set_xticks(list(xs), [EV_LABEL[e].split(" ")[0] for e in EVICTIONS])
+        ax.set_title(f"{names[0]}, 5% capacity, {title}", fontsize=8)
+        ax.legend(fontsize=7)
+    r.figure(t, "fig4", fig, f"Total and collision misses at 5% capacity, {names[0]} trace (simulated, decode passes)")
+
+
+def fig5(r: Recipe, data: dict[str, Any] | None, name: str, fractions: tuple[float, ...]) -> None:
+    if not data:
+        return
+    t = r.table(
+        "fig5",
+        "Figure 5: per-layer collision miss rates (with score-based prefetch; appendix Fig. 9 for other capacities)",
+        [f"ours {f:.0%}: {EV_LABEL[e].split(' ')[0]} max / mean %" for f in fractions for e in EVICTIONS]
+        + ["paper: per-layer collision rate"],
+        label="",
+        source=[f"evictions-{name}"],
+    )
+    cells: list[Any] = []
+    for f in fractions:
+        for e in EVICTIONS:
+            x = _row(data, f, f"{e}+{SCORE_PF}")
+            per = x["collision_rate_per_layer"] if x else []
+            cells.append(f"{100 * max(per):.2f} / {100 * sum(per) / len(per):.2f}" if per else None)
+    t.row(f"{name} trace", *cells, "LRU and SB reach 8-12% in deeper layers at 1%; LS near zero in every layer")
+    for f in fractions:
+        ls, lru = _row(data, f, f"least-stale+{SCORE_PF}"), _row(data, f, f"lru+{SCORE_PF}")
+        if ls and lru:
+            worse = sum(a > b for a, b in zip(ls["collision_rate_per_layer"], lru["collision_rate_per_layer"], strict=True))
+            t.note(
+                f"At {f:.0%} ({ls['capacity']} slots) Least-Stale's collision rate is above LRU's in {worse} of "
+                f"{len(ls['collision_rate_per_layer'])} layers (max LS {100 * max(ls['collision_rate_per_layer']):.2f}% vs "
+                f"LRU {100 * max(lru['collision_rate_per_layer']):.2f}%)."
+            )
+    t.note(
+        "At 1% the cache holds only one layer's top-k here (4 slots), so every policy misses every access and only "
+        "the order of evictions inside a layer differs; the paper's 1% of OLMoE-1B-7B is 10 slots for a top-8 layer."
+    )
+    fig = Figure(figsize=(4 * len(fractions), 3.2))
+    for i, f in enumerate(fractions):
+        ax = fig.add_subplot(1, len(fractions), i + 1)
+        for e, c in zip(EVICTIONS, ("tab:blue", "tab:green", "tab:orange", "tab:red"), strict=True):
+            x = _row(data, f, f"{e}+{SCORE_PF}")
+            if x:
+                ax.plot(
+                    range(len(x["collision_rate_per_layer"])),
+                    [100 * v for v in x["collision_rate_per_layer"]],
+                    "o-",
+                    color=c,
+                    ms=3,
+                    label=EV_LABEL[e].split(" ")[0],
+                )
+        ax.set_title(f"{f:.0%} capacity", fontsize=8)
+        ax.set_xlabel("MoE layer")
+        ax.set_ylabel("collision misses (% of accesses)")
+        ax.legend(fontsize=7)
+    r.figure(t, "fig5", fig, f"Per-layer collision miss rate, {name} trace, score prefetch (simulated)")
+
+
+def fig8(r: Recipe, data: dict[str, Any] | None, name: str, fractions: tuple[float, ...]) -> None:
+    if not data:
+        return
+    t = r.table(
+        "fig8",
+        "Figure 8 (appendix): collision misses and hit rate at 1%, 5%, 25% capacity, with score-based prefetch",
+        [f"ours {f:.0%}: {m}" for f in fractions for m in ("collisions", "hit rate")] + ["paper"],
+        label="eviction",
+        source=[f"evictions-{name}"],
+    )
+    paper = {"least-stale": "10-34x fewer collisions than baselines; 88-92% hit rates; up to 85x fewer than LRU at 1%"}
+    for e in (*EVICTIONS, "belady"):
+        cells: list[Any] = []
+        for f in fractions:
+            x = _row(data, f, e if e == "belady" else f"{e}+{SCORE_PF}")
+            cells += [x and x["collisions"], x and x["hit_rate"]]
+        t.row("Belady MIN (demand paging)" if e == "belady" else EV_LABEL[e], *cells, paper.get(e))
+    best = {f: max((_row(data, f, f"{e}+{SCORE_PF}") or {"hit_rate": 0})["hit_rate"] for e in EVICTIONS) for f in fractions}
+    t.note(
+        "Best hit rate per capacity here: "
+        + ", ".join(f"{f:.0%} {h:.3f}" for f, h in best.items())
+        + " (the paper: 88-92% with Least-Stale)."
+    )
+
+
+# ---- Fig. 6: prefetch strategies (simulated on the virtual-clock link) -------------------------------------
+
+
+def fig6(r: Recipe, traces: dict[str, Path], gbps: float, layer_s: float) -> None:
+    # SpecMD's watchdog queues every prediction while there is room: moeflow's traffic-aware admission off (gate=off);
+    # the last row is the score-based prefetch with moeflow's gate (its default) for comparison
+    pfs = (*(f"{p},gate=off" for p in (*TOPK_PF, SCORE_PF)), SCORE_PF)
+    res: dict[str, Any] = {}
+    for name, tr in traces.items():
+        args: list[Any] = ["--model", r.model, "--trace", tr, "--prompts", r.pick(16, 60), "--fractions", "0.05"]
+        args += ["--evictions", "least-stale", *(x for pf in pfs for x in ("--prefetch", pf))]
+        args += ["--link", f"emulated:{gbps}", "--layer-time-us", f"{layer_s * 1e6:.1f}"]
+        res[name] = r.python(f"prefetch-{name}", "benchmarks/least_stale.py", *args)
+    cols = []
+    for name in traces:
+        cols += [f"ours {name}: {m}" for m in ("precision", "recall", "hit rate", "stall ms/token")]
+    t = r.table(
+        "fig6",
+        "Figure 6: prefetch strategies at 5% capacity with Least-Stale (precision/recall; hit rate vs synchronous overhead)",
+        [*cols, "paper"],
+        label="prefetch",
+        source=[f"prefetch-{n}" for n in traces],
+    )
+    label = {f"{p},gate=off": f"top-k x{p.split('=')[1].split(',')[0]}" for p in TOPK_PF}
+    label |= {f"{SCORE_PF},gate=off": "score-based, 80th percentile", SCORE_PF: "score-based, 80th pct, moeflow's gate"}
+    got: dict[str, dict[str, dict[str, Any]]] = {}
+    stall: dict[tuple[str, str], float] = {}  # ms of waiting for copies per decode token
+    for pf in pfs:
+        cells: list[Any] = []
+        for name in traces:
+            d = res[name]
+            x = _row(d, 0.05, f"least-stale+{pf}")
+            if x and d:
+                got.setdefault(name, {})[pf] = x
+                stall[name, pf] = 1e3 * x["stall_s"] / max(1, d["passes"])
+                cells += [x["prefetch_precision"], x["prefetch_recall"], x["hit_rate"], stall[name, pf]]
+            else:
+                cells += [None] * 4
+        t.row(label[pf], *cells, None)
+    t.note(
+        "The paper prints no numbers for Fig. 6 (a plot): top-k x1.0 has the highest precision and recall, yet score-based "
+        "80th-percentile prefetch gives higher hit rates with less synchronous overhead on OLMoE, Phi and Qwen (not Mixtral)."
+    )
+    for name, g in got.items():
+        sp, kp = f"{SCORE_PF},gate=off", f"{TOPK_PF[0]},gate=off"
+        s, k = g.get(sp), g.get(kp)
+        if s and k:
+            ss, sk = stall[name, sp], stall[name, kp]
+            t.note(
+                f"{name}: score-based vs top-k x1.0: precision {s['prefetch_precision']:.3f} vs {k['prefetch_precision']:.3f}, "
+                f"recall {s['prefetch_recall']:.3f} vs {k['prefetch_recall']:.3f}, hit rate {s['hit_rate']:.3f} vs "
+                f"{k['hit_rate']:.3f}, stall {ss:.2f} vs {sk:.2f} ms/token: score-based "
+                + ("wins on hit rate" if s["hit_rate"] > k["hit_rate"] else "does not win on hit rate")
+                + (" and on stall" if ss < sk else " and not on stall")
+                + " here."
+            )
+    t.note(
+        "Simulated: `benchmarks/least_stale.py` replays the held-out traces' decode passes through the runtime's cache on "
+        f"a virtual clock ({gbps:.4g} GB/s, {layer_s * 1e3:.2f} ms of compute per MoE layer as calibrated in this run; the "
+        "calibration is timed on the shared CPU, so the stall column moves with the machine's load); stall = time the "
+        "decode passes waited for copies; a hit counts even when its copy was still in flight (then it stalls). With "
+        "pre-gating at top-4 of 32 experts, x2.0 proposes 8 experts per layer. The first four rows queue every "
+        "prediction (`gate=off`), as SpecMD's watchdog does; the last keeps moeflow's traffic-aware admission, which "
+        "on a link this slow admits only what can arrive in time."
+    )
+    fig = Figure(figsize=(9, 3.4))
+    a1, a2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for (name, g), m in zip(got.items(), "os", strict=False):
+        for pf, x in g.items():
+            c = "tab:red" if pf.startswith(SCORE_PF) else "tab:blue"
+            a1.scatter(x["prefetch_recall"], x["prefetch_precision"], marker=m, color=c)
+            a1.annotate(f"{label[pf]} ({name})", (x["prefetch_recall"], x["prefetch_precision"]), fontsize=6)
+            a2.scatter(stall[name, pf], x["hit_rate"], marker=m, color=c)
+            a2.annotate(f"{label[pf]} ({name})", (stall[name, pf], x["hit_rate"]), fontsize=6)
+    a1.set_xlabel("prefetch recall")
+    a1.set_ylabel("prefetch precision")
+    a2.set_xlabel("synchronous overhead (stall ms per decode token)")
+    a2.set_ylabel("hit rate")
+    r.figure(t, "fig6", fig, "Prefetch strategies at 5% capacity, Least-Stale eviction (simulated; red = score-based)")
+
+
+# ---- Tables 1-2, Fig. 1: the published systems, with and without Least-Stale (measured) ---------------------
+
+
+def _quality_args(r: Recipe, link: str) -> list[Any]:
+    return [
+        "quality", "--model", r.model, "--device", r.device, "--link", link, "-c", "5%", "-S", 1,
+        "--prompts", "gsm8k", "--limit", r.pick(2, 8), "--max-new-tokens", r.pick(8, 32),
+        "--ppl-tokens", r.pick(32, 256), "--ppl-windows", r.pick(1, 2), "--task", "none", "--threads", r.threads,
+    ]  # fmt: skip
+
+
+def systems(r: Recipe, link: str) -> dict[str, Any]:
+    """Each approach with its own eviction and with Least-Stale (one `moeflow quality --sweep` each), plus Config#5."""
+    out: dict[str, Any] = {}
+    for name, (pf, ev, miss, routing) in APPROACHES.items():
+        step = "system-" + name.split(" ")[0].lower().replace(".", "")
+        args = [*_quality_args(r, link), "--sweep", "-f", pf, "-e", f"{ev},least-stale", "--miss", miss, "--routing", routing]
+        out[name] = (step, r.moeflow(step, *args))
+    args = [*_quality_args(r, link), "-f", SCORE_PF, "-e", "least-stale", "--miss", "fetch", "--routing", "standard"]
+    out["config5"] = ("system-config5", r.moeflow("system-config5", *args))
+    return out
+
+
+def _run(data: dict[str, Any] | None, eviction: str | None) -> dict[str, Any] | None:
+    if not data:
+        return None
+    if eviction is None:
+        return next((x for x in data["runs"] if x["mode"] == "resident"), None)
+    return next((x for x in data["runs"] if x["mode"] == "offload" and x["eviction"] == eviction), None)
+
+
+def _ttft(x: dict[str, Any] | None) -> float | None:
+    return None if x is None else _ms(x["metrics"]["ttft_s"])
+
+
+def table2(r: Recipe, runs: dict[str, Any]) -> None:
+    t = r.table(
+        "table2",
+        "Table 2 (and Fig. 1): Least-Stale as a drop-in eviction for existing approaches, OLMoE rows (TTFT ms)",
+        [
+            "ours: exact?",
+            "ours: original TTFT",
+            "ours: w/ LS TTFT",
+            "ours: improvement %",
+            "ours: TPOT orig / LS ms",
+            "paper: original TTFT",
+            "paper: w/ LS TTFT",
+            "paper: improvement %",
+        ],
+        label="approach (prefetch, eviction, miss, routing)",
+        source=[runs[n][0] for n in APPROACHES],
+    )
+    bars = []
+    for name, (pf, ev, miss, routing) in APPROACHES.items():
+        data = runs[name][1]
+        a, b = _run(data, ev), _run(data, "least-stale")
+        ta, tb = _ttft(a), _ttft(b)
+        imp = 100 * (1 - tb / ta) if ta and tb else None
+        tpot = f"{_ms(a['tpot_s']):.1f} / {_ms(b['tpot_s']):.1f}" if a and b and a["tpot_s"] and b["tpot_s"] else None
+        lossy = None if a is None else ("LOSSY" if a["lossy"] else "exact")
+        t.row(f"{name} ({pf}, {ev}, {miss}, {routing})", lossy, ta, tb, imp, tpot, *PAPER_T2[name])
+        bars.append((name, ta, tb))
+        if imp is not None:
+            p = PAPER_T2[name][2]
+            t.note(
+                f"{name}: Least-Stale changes our TTFT by {-imp:+.1f}% ({ta:.0f} -> {tb:.0f} ms) vs the paper's "
+                f"{-p:+.1f}%; " + ("same direction (faster)." if imp > 0 else "ours is not faster with Least-Stale.")
+            )
+    t.note(
+        "Ours: `olmoe-deep` on 2 shared CPU cores, 5% capacity (19 slots), emulated link at SpecMD's regime, "
+        f"{r.pick(2, 8)} GSM8K prompts; the paper: OLMoE-1B-7B on an A100 at 5 GB/s, 4-bit experts, 100 prompts per task. "
+        "TTFT is mostly the prefill's copies (a prompt routes to nearly every expert of every layer), so it measures how "
+        "each eviction orders prefill loads; on a 2-core VM shared with other jobs TTFT and TPOT vary 10-30% between runs."
+    )
+    t.note("LOSSY rows (substitute, cascade, cache-aware routing) change the output; their quality cost is in Table 1.")
+    fig = Figure(figsize=(7, 3.2))
+    ax = fig.add_subplot(1, 1, 1)
+    xs = range(len(bars))
+    ax.bar([x - 0.2 for x in xs], [b[1] or 0 for b in bars], 0.4, color="0.6", label="original eviction")
+    ax.bar([x + 0.2 for x in xs], [b[2] or 0 for b in bars], 0.4, color="tab:red", label="with Least-Stale")
+    ax.set_xticks(list(xs), [b[0] for b in bars], fontsize=7)
+    ax.set_ylabel("TTFT (ms)")
+    ax.legend(fontsize=7)
+    r.figure(t, "fig1", fig, "Fig. 1's kind: TTFT of each approach with its own eviction and with Least-Stale (measured)")
+
+
+def table1(r: Recipe, runs: dict[str, Any]) -> None:
+    t = r.table(
+        "table1",
+        "Table 1: baseline comparison at 5% cache capacity, OLMoE-1B-7B columns (quality, TTFT ms, tokens/s)",
+        [
+            "ours: exact?",
+            "ours: Δppl % vs resident",
+            "ours: greedy agreement",
+            "ours: TTFT",
+            "ours: decode tok/s",
+            "paper: GSM8K",
+            "paper: Truth.",
+            "paper: NQ",
+            "paper: TTFT",
+            "paper: tok/s",
+        ],
+        label="configuration (prefetch, eviction, miss, routing)",
+        source=[s for s, _ in runs.values()],
+    )
+    keys = list(PAPER_T1)
+    first = next((d for _, d in runs.values() if d), None)
+    res = _run(first, None)
+    picks: list[tuple[str, dict[str, Any] | None]] = [(keys[0], res)]
+    for i, (name, (_pf, ev, _m, _ro)) in enumerate(APPROACHES.items()):
+        picks.append((keys[i + 1], _run(runs[name][1], ev)))
+    picks.append((keys[5], _run(runs["config5"][1], "least-stale")))
+    for key, x in picks:
+        m = x["metrics"] if x else {}
+        lossy = None if x is None else ("LOSSY" if x["lossy"] else "exact")
+        label = key.replace("Baseline (8bit)", "Baseline: resident (ours fp32, paper 8-bit)")
+        t.row(label, lossy, x and x["ppl_delta_pct"], x and x["agreement"], _ttft(x), m.get("throughput_tok_s"), *PAPER_T1[key])
+    t.note(
+        "Quality: the paper's GSM8K exact match, TruthfulQA and NQ (GPT-5 judge) need a real 1B-7B model; ours is the "
+        "perplexity change on held-out wikitext2 (scored under the engine) and the share of greedy tokens equal to the "
+        "resident model's, so 0% / 1.000 means identical output. The paper's configurations run 4-bit experts, ours fp32."
+    )
+    got = {k: x for k, x in picks}
+    c2, c5 = got[keys[2]], got[keys[5]]
+    if c2 and c5 and c2["ppl_delta_pct"] is not None:
+        t.note(
+            f"Config#2 (substitution) costs {c2['ppl_delta_pct']:+.1f}% perplexity and agreement {c2['agreement']:.3f} here; "
+            "in the paper it collapses GSM8K from 0.704 to 0.073 — both show substitution as the lossiest policy"
+            + (
+                "."
+                if c2["ppl_delta_pct"] > max(0.0, *(g["ppl_delta_pct"] for g in got.values() if g and g is not c2))
+                else " in the paper, though not the lossiest one here."
+            )
+        )
+    timed = [(k, _ttft(x)) for k, x in picks[1:] if x and _ttft(x)]
+    if timed:
+        k_best, t_best = min(timed, key=lambda kv: kv[1])
+        t.note(
+            f"Lowest TTFT of the five configurations here: {k_best.split(' (')[0]} ({t_best:.0f} ms); in the paper's OLMoE "
+            "column: Config#3 (HOBBIT, 1590 ms). Our TTFT is from 2-8 prompts on a shared CPU and the prefill's copies."
+        )
+    if c5 and res:
+        t.note(
+            f"Config#5 (SpecMD's pick) TTFT {_ttft(c5):.0f} ms vs resident {_ttft(res):.0f} ms "
+            f"({_ratio(_ttft(c5), _ttft(res))}); the paper's Config#5 is 0.70x its 8-bit baseline's TTFT (2220 vs 3166 ms) "
+            "because its baseline is itself offloaded; ours is the all-resident model, which copies nothing."
+        )
+
+
+# ---- Fig. 7: lossy miss policies, quality vs speed (measured) -----------------------------------------------
+
+
+def fig7(r: Recipe, link: str) -> None:
+    out = r.scratch / "fidelity"
+    misses = r.pick(
+        "fetch,drop,substitute,fetch-lowest-bit:bits=4,fetch-priority,cascade:bits=4",
+        "fetch,drop,substitute,fetch-lowest-bit:bits=8,fetch-lowest-bit:bits=4,fetch-lowest-bit:bits=2,"
+        "fetch-priority,fetch-priority:bits=4,cascade:bits=4,cascade:bits=2",
+    )
+    final = r.python(
+        "fidelity",
+        "benchmarks/fidelity.py",
+        "--model", r.model, "--device", r.device, "--link", link, "--capacity", "5%",
+        "--eviction", "least-stale", "--prefetch", SCORE_PF, "--lookahead", 1,
+        "--misses", misses, "--lambdas", r.pick("0.3", "0.1,0.3,0.5"), "--no-hit-first",
+        "--prompts", "gsm8k", "--limit", r.pick(2, 8), "--max-new-tokens", r.pick(8, 32),
+        "--ppl-tokens", r.pick(32, 256), "--ppl-windows", r.pick(1, 2), "--task", "none",
+        "--threads", r.threads, "--out-dir", out,
+    )  # fmt: skip
+    t = r.table(
+        "fig7",
+        "Figure 7: miss-handling and cache-aware routing at 5% capacity, quality and speed relative to fetch",
+        ["ours: exact?", "ours: Δppl % vs fetch", "ours: greedy agreement", "ours: TPOT gain % vs fetch", "ours: bytes/token",
+         "paper (OLMoE, 4-bit)"],
+        label="miss policy / routing (Least-Stale + score prefetch)",
+        source=["fidelity"],
+    )  # fmt: skip
+    path = out / "fidelity.json"
+    if final is None or not path.is_file():
+        return
+    rows = json.loads(path.read_text())["rows"]
+    r.copy_file(path)
+    r.copy_file(out / "fidelity.png", "fig7.png")
+    t.figures.append(("fig7.png", "Perplexity change vs TPOT gain relative to fetch (benchmarks/fidelity.py; exact hollow)"))
+    r.raw["fig7-rows"] = rows
+    paper = {
+        "fetch-priority": "Pareto frontier: 0-5% accuracy loss for 20-30% speedup",
+        "drop": "fastest; -5 to -15% accuracy",
+        "substitute": "outside the chart (fails everywhere)",
+        "cache-aware": "10-20% of the speed gains; lambda 0.1-0.5 best",
+        "fetch-lowest-bit": "inconsistent across models, no clear advantage",
+    }
+    for x in rows:
+        key = next((k for k in paper if x["config"].startswith(k)), None)
+        t.row(
+            x["config"],
+            "LOSSY" if x["lossy"] else "exact",
+            x.get("vs_fetch_ppl_pct"),
+            x.get("agreement"),
+            x.get("vs_fetch_tpot_gain_pct"),
+            x.get("bytes_per_token"),
+            paper.get(key) if key else None,
+        )
+    fp = next((x for x in rows if x["config"] == "fetch-priority"), None)
+    if fp and fp.get("vs_fetch_tpot_gain_pct") is not None and fp.get("vs_fetch_ppl_pct") is not None:
+        t.note(
+            f"fetch-priority (int8/int4/int2 by gate-score tier below the 60th percentile): {fp['vs_fetch_ppl_pct']:+.2f}% "
+            f"perplexity for {fp['vs_fetch_tpot_gain_pct']:+.1f}% TPOT vs fetch; the paper: 0-5% accuracy loss for 20-30% "
+            "speedup on OLMoE at 4 bits."
+        )
+    dr = next((x for x in rows if x["config"] == "drop"), None)
+    if dr and dr.get("vs_fetch_tpot_gain_pct") is not None and dr.get("vs_fetch_ppl_pct") is not None:
+        fastest = max(rows, key=lambda y: y.get("vs_fetch_tpot_gain_pct") or -1e9)
+        t.note(
+            f"drop (ranks >= 3): {dr['vs_fetch_ppl_pct']:+.2f}% perplexity for {dr['vs_fetch_tpot_gain_pct']:+.1f}% TPOT; "
+            f"the fastest configuration here is {fastest['config']} ({fastest['vs_fetch_tpot_gain_pct']:+.1f}%), the paper "
+            "finds drop fastest."
+        )
+    t.note(
+        "The paper's y axis is task accuracy relative to fetch (up = better); ours is perplexity change (up = worse). "
+        "Speed is the decode TPOT of the same run; on this shared 2-core VM configurations computing the same thing differ "
+        f"by 10-30% between runs. Recommended by the benchmark (<= 1% perplexity loss, fastest): {final.get('recommended')}."
+    )
+
+
+def main(r: Recipe) -> None:
+    gbps, layer_s = regime(r)
+    link = "cuda" if r.device == "cuda" else f"emulated:{gbps}"
+    traces = {name: common.trace(r, name) for name in common.HELDOUT_SETS}
+    fractions = (0.01, 0.05, 0.25)
+    first = common.HELDOUT_SETS[0]
+    studies = {first: eviction_study(r, traces[first], first, ",".join(map(str, fractions)))}
+    for name in common.HELDOUT_SETS[1:]:
+        studies[name] = eviction_study(r, traces[name], name, "0.05")
+    fig4(r, studies)
+    fig5(r, studies[first], first, fractions)
+    fig6(r, traces, gbps, layer_s)
+    runs = systems(r, link)
+    table1(r, runs)
+    table2(r, runs)
+    fig7(r, link)
+    fig8(r, studies[first], first, fractions)
+    r.missing(
+        "Tables 1-2 and Figs. 4-9 for Mixtral-8x7B, Phi-3.5-MoE and Qwen1.5-MoE-A2.7B",
+        "needs those checkpoints (12-87 GB) and a GPU; this recipe runs the model given by MODEL= (default olmoe-deep)",
+    )
+    r.missing(
+        "Table 1's GSM8K / TruthfulQA / NQ accuracies",
+        "a 21.8M-parameter model is at chance on them and NQ/TruthfulQA need a GPT-5 judge; perplexity change and greedy "
+        "agreement vs the resident model stand in",
+    )
+    r.missing(
+        "Table 1's 4-bit experts and 8-bit baseline",
+        "moeflow keeps the model's dtype (fp32 here) and quantizes only the copies that lossy miss policies load",
+    )
+    r.missing("Figs. 2-3", "diagrams of the framework and of the eviction orders, no measurements")
