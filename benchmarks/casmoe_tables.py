@@ -49,9 +49,7 @@ def moeflow(args: list[str], *, json_out: bool = True) -> Any:
 
 
 def trace(a: argparse.Namespace, out: Path) -> None:
-    if (out / "meta.json").exists() or any(out.glob("*.json")):
-        print(f"reusing trace {out}", file=sys.stderr)
-        return
+    """Trace every set into `out`; `moeflow trace` appends, skipping prompts already traced (an interrupted run resumes)."""
     for s in a.sets:
         moeflow(
             [
@@ -70,6 +68,8 @@ def trace(a: argparse.Namespace, out: Path) -> None:
                 str(a.prompt_tokens),
                 "--threads",
                 str(a.threads),
+                "--device",
+                a.device,
                 "--no-progress",
                 "--out",
                 str(out),
@@ -123,6 +123,16 @@ def agreement(tok: Any, ref: list[dict], outs: list[dict]) -> float:
     return float(np.mean(vals)) if vals else float("nan")
 
 
+def agreement_by_set(tok: Any, ref: list[dict], outs: list[dict], sets: list[str]) -> dict[str, float]:
+    """`agreement` per prompt set: `sets[i]` names the set of the i-th prompt."""
+    groups: dict[str, tuple[list[dict], list[dict]]] = {}
+    for s, r, o in zip(sets, ref, outs):
+        g = groups.setdefault(s, ([], []))
+        g[0].append(r)
+        g[1].append(o)
+    return {s: agreement(tok, g[0], g[1]) for s, g in groups.items()}
+
+
 def fmt(v: Any, p: int = 3) -> str:
     return f"{v:.{p}f}" if isinstance(v, float) else str(v)
 
@@ -151,6 +161,8 @@ def main() -> None:
     ap.add_argument("--capacity", nargs="+", default=["10%", "25%"])
     ap.add_argument("--link", default="emulated:2,10")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="torch device for trace, run and quality: cpu or cuda (then --link cuda)")
+    ap.add_argument("--task-limit", type=int, default=40, help="MMLU questions of the quality reference")
     a = ap.parse_args()
     root = Path(a.root)
     root.mkdir(parents=True, exist_ok=True)
@@ -218,13 +230,15 @@ def main() -> None:
     from moeflow.plan.train import load_tokenizer
 
     ev = root / "eval.jsonl"
+    eval_sets: list[str] = []  # the set of each eval prompt, in file order
     with open(ev, "w") as f:
         for s in a.sets:
             for p in load_prompts(s, limit=a.eval_per_set):
                 f.write(json.dumps({"prompt": getattr(p, "text", p)}) + "\n")
+                eval_sets.append(s)
     common = ["--model", a.model, "--prompts", str(ev), "--max-new-tokens", str(a.run_new_tokens)]
     common += ["--min-new-tokens", str(a.run_new_tokens), "--max-prompt-tokens", str(a.prompt_tokens)]
-    common += ["--threads", str(a.threads), "--link", a.link, "--json"]
+    common += ["--threads", str(a.threads), "--link", a.link, "--device", a.device, "--json"]
     pred = str(root / "pred-ep")
     configs: list[tuple[str, str, list[str]]] = [
         ("resident", "-", ["--mode", "resident"]),
@@ -260,6 +274,7 @@ def main() -> None:
             "decode_hit_rate": m.get("decode_hit_rate"),
             "bytes_per_token": m.get("bytes_per_token"),
             "agreement": agreement(tok, ref, r["outputs"]) if tok is not None else None,
+            "agreement_by_set": agreement_by_set(tok, ref, r["outputs"], eval_sets) if tok is not None else None,
             "plan_ms": float(np.mean(plan_ms)) if plan_ms else None,
             "gen_ms_per_prompt": 1000 * m["wall_s"] / max(1, m["prompts"]),
         }
@@ -302,9 +317,11 @@ def main() -> None:
             "--task",
             "mmlu",
             "--task-limit",
-            "40",
+            str(a.task_limit),
             "--threads",
             str(a.threads),
+            "--device",
+            a.device,
             "--no-warmup",
             "--json",
         ]
@@ -315,7 +332,8 @@ def main() -> None:
     ppl = res.get("ppl")
     at_chance = not task.get("above_chance", False)
     print(
-        f"\nQuality: resident perplexity {fmt(ppl, 2)}, MMLU answer-letter accuracy {fmt(acc)} on 40 questions (chance 0.25)"
+        f"\nQuality: resident perplexity {fmt(ppl, 2)}, MMLU answer-letter accuracy {fmt(acc)} on {a.task_limit} questions "
+        "(chance 0.25)"
         + (
             " -> AT CHANCE: accuracy says nothing here; perplexity and greedy token agreement vs resident are the quality "
             "measure (exact modes: agreement 1 and resident perplexity by construction; restricted: the agreement above)"
@@ -360,12 +378,22 @@ def main() -> None:
     out = {
         "model": a.model,
         "sets": a.sets,
+        "eval_sets": eval_sets,
+        "link": a.link,
+        "run_new_tokens": a.run_new_tokens,
         "k": k,
         "recall": {
             "token_id": base_tok,
+            "mean_pattern": held["cascade"]["baseline_recall_at_k"],
+            "chance": held["cascade"]["chance_recall_at_k"],
             **{f"{n}_{lbl}": reps[lbl]["heldout"][n]["recall_at_k"] for lbl in reps for n in reps[lbl]["heldout"]},
         },
         "split": held["cascade"]["split"],
+        "planner_ms": {
+            f"{n}_{lbl}": (reps[lbl]["heldout"][n].get("ms_per_prompt") or {}).get("mean")
+            for lbl in reps
+            for n in reps[lbl]["heldout"]
+        },
         "runs": runs,
         "quality": {"perplexity": ppl, "mmlu_accuracy": acc, "at_chance": bool(at_chance), "task": task},
         "targets": targets,

@@ -208,8 +208,9 @@ def _run_hooks(cfg: RunConfig, model: Any, spec: Any, engine: Any, cal: dict[str
 
             hi = max(1, spec.num_moe_layers - 1)
             pred = getattr(getattr(engine, "prefetcher", None), "pred", None)  # bound: the engine is entered first
-            if getattr(pred, "max_lookahead", None):
-                hi = min(hi, int(pred.max_lookahead))  # a learned prefetcher predicts no further than its trained S
+            horizon = getattr(pred, "max_lookahead", None)
+            if horizon:
+                hi = min(hi, int(horizon))  # a learned prefetcher predicts no further than its trained S
             ctrl = (
                 StepSizeController.from_calibration(cal, max_s=hi, num_layers=spec.num_layers)
                 if cal
