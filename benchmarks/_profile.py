@@ -104,3 +104,18 @@ def profile_counts(model, adapter, ids, engine, new: int, cuda: bool) -> dict:
     else:  # CPU: the engine's own device->host reads
         out["host_syncs"] = eng_syncs or 0.0
     return out
+
+
+def h2d_gbps(nbytes: int, device: Any, reps: int = 20) -> float:  # offload.py and predictors.py
+    """Pinned host -> device copies of `nbytes` (one expert row), timed with CUDA events: GB/s."""
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    b.record()
+    b.synchronize()
+    return nbytes * reps / (a.elapsed_time(b) / 1e3) / 1e9

@@ -45,7 +45,7 @@ import sys
 import time
 
 import torch
-from _profile import engine_syncs_per_decode_layer, profile_counts  # benchmarks/_profile.py
+from _profile import engine_syncs_per_decode_layer, h2d_gbps, profile_counts  # benchmarks/_profile.py
 from rich.console import Console
 from rich.table import Table
 
@@ -129,21 +129,6 @@ def run_prompts(model, prompts, engine, args, label, new_tokens=None):
     # decode passes only: drop each prompt's first pass (prefill)
     decode_loads = [d for i, d in enumerate(per_layer_loads) if i % new_tokens != 0]
     return RunMetrics.total(ms, label), outs, decode_loads
-
-
-def h2d_gbps(nbytes: int, device: torch.device, reps: int = 20) -> float:
-    """Pinned host -> device copies of `nbytes` (one expert row), timed with CUDA events: GB/s."""
-    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    for _ in range(3):
-        dst.copy_(src, non_blocking=True)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        dst.copy_(src, non_blocking=True)
-    b.record()
-    b.synchronize()
-    return nbytes * reps / (a.elapsed_time(b) / 1e3) / 1e9
 
 
 def main() -> None:

@@ -38,6 +38,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from _profile import h2d_gbps  # noqa: E402  benchmarks/_profile.py (the script's folder is on sys.path)
+
 from moeflow.models import default_model_path  # noqa: E402
 
 
@@ -55,21 +57,6 @@ def heldout_prompts(pred_dir: Path, n: int) -> list[torch.Tensor]:
         rows = rows[np.argsort(held.position[rows])]
         out.append(torch.tensor([held.token_id[rows].tolist()]))
     return out
-
-
-def h2d_gbps(nbytes: int, device: torch.device, reps: int = 20) -> float:
-    """Pinned host -> device copies of `nbytes` (one expert row), timed with CUDA events: GB/s."""
-    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    for _ in range(3):
-        dst.copy_(src, non_blocking=True)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        dst.copy_(src, non_blocking=True)
-    b.record()
-    b.synchronize()
-    return nbytes * reps / (a.elapsed_time(b) / 1e3) / 1e9
 
 
 def run_one(
