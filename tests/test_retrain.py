@@ -205,3 +205,13 @@ def test_corrupt_trace_is_failed_logged_and_keeps_promoted(tmp_path, checkpoint,
     assert (tmp_path / "pred").resolve().name == promoted
     assert (tmp_path / "retrain.log").read_text().splitlines()[-1].split()[3] == "failed"
     assert not [p for p in (tmp_path / ".pred.versions").iterdir() if p.name.startswith("tmp-")]
+
+
+def test_config_without_a_scored_predictor_is_one_line(tmp_path, checkpoint, capsys):
+    """Promotion compares layer-ahead recall: a config that trains only the planner / gps is refused up front."""
+    cfg = setup(tmp_path, checkpoint)
+    cfg.write_text(cfg.read_text().replace('only = ["frequency", "token-id", "pregate"]', 'only = ["eam", "gps"]'))
+    code, out = run(cfg, capsys)
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "layer-ahead predictor" in errors[0], out
+    assert not (tmp_path / "trace").exists() and not (tmp_path / "pred").exists()

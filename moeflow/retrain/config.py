@@ -69,6 +69,11 @@ class RetrainConfig:
             raise ConfigError("retrain config needs at least one [[prompts]] table with a `source`")
         if not self.only:
             raise ConfigError("retrain config `only` must name at least one predictor")
+        if all(n in ("eam", "eap", "gps") for n in self.only):
+            raise ConfigError(
+                "retrain config `only` needs a layer-ahead predictor (e.g. pregate, forest): promotion compares their "
+                "held-out recall@k at S=1; eam/eap/gps are trained alongside but not scored"
+            )
         if not 0.0 < self.holdout < 1.0:
             raise ConfigError(f"retrain config `holdout` must be in (0, 1), got {self.holdout}")
         if self.keep < 2:
