@@ -130,6 +130,19 @@ def test_require_stops_the_rest_but_still_reports(tmp_path):
     assert "the rest of this report" in readme and "step trace failed" in readme
 
 
+def test_a_recipe_bug_still_publishes_what_was_measured(tmp_path, capsys):
+    ok = _script(tmp_path, "ok.py", "print(json.dumps({'v': 0.5}))\n")
+
+    def main(r: Recipe) -> None:
+        r.table("t", "T", ["ours: v"]).row("a", r.python("s", ok)["v"])
+        r.raw["s"]["missing"]  # a KeyError in a table function
+
+    assert _recipe(tmp_path).execute(main) == 1
+    readme = (tmp_path / "reports" / "demo" / "README.md").read_text()
+    assert "| a | 0.5 |" in readme and "KeyError" in readme and "a bug in the recipe" in readme
+    assert "Traceback" in capsys.readouterr().err
+
+
 def test_interrupted_recipe_keeps_the_previous_report(tmp_path):
     ok = _script(tmp_path, "ok.py", "print(json.dumps({'v': 1}))\n")
 
@@ -156,8 +169,8 @@ def test_duplicate_step_names_are_a_bug(tmp_path):
         r.python("same", ok)
         r.python("same", ok)
 
-    with pytest.raises(ValueError, match="used twice"):
-        _recipe(tmp_path).execute(main)
+    assert _recipe(tmp_path).execute(main) == 1  # a recipe bug: reported, not a silent overwrite of the first step
+    assert "step name 'same' used twice" in (tmp_path / "reports" / "demo" / "README.md").read_text()
 
 
 def test_make_reproduce_all_names_every_recipe():

@@ -286,6 +286,12 @@ class Recipe:
         except StepFailed as e:
             aborted = str(e)
             self.log(f"[recipe {self.paper}] stopped: {aborted}")
+        except Exception as e:  # a bug in a paper's table code: keep what was measured, say where it stopped
+            import traceback
+
+            traceback.print_exc()
+            aborted = f"the recipe stopped with {type(e).__name__}: {e} (traceback on stderr; a bug in the recipe)"
+            self.log(f"[recipe {self.paper}] stopped: {aborted}")
         if aborted:
             self.missing("the rest of this report", aborted)
         env["load_avg_1m_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
