@@ -88,13 +88,12 @@ def run_one(
         with eng if eng is not None else _null():
             detach = lambda: None  # noqa: E731
             if adaptive and eng is not None:
-                hi = eng.spec.num_moe_layers - 1
-                if getattr(getattr(pol, "pred", None), "max_lookahead", None):
-                    hi = min(hi, int(pol.pred.max_lookahead))  # as `moeflow run`: no further than the predictor's trained S
-                ctrl = (
-                    StepSizeController.from_calibration(calibration, max_s=hi, num_layers=eng.spec.num_layers)
-                    if calibration
-                    else StepSizeController(initial_s=min(lookahead, hi), max_s=hi, num_layers=eng.spec.num_layers)
+                ctrl = StepSizeController.for_engine(  # as `moeflow run --adaptive-s`
+                    eng,
+                    num_moe_layers=eng.spec.num_moe_layers,
+                    num_layers=eng.spec.num_layers,
+                    calib=calibration,
+                    lookahead=lookahead,
                 )
                 detach = ctrl.attach(eng)
             for p in prompts:

@@ -315,6 +315,20 @@ class StepSizeController:
 
     # -- construction --
     @classmethod
+    def for_engine(
+        cls, engine: Any, *, num_moe_layers: int, num_layers: int, calib: dict[str, Any] | None, lookahead: int
+    ) -> StepSizeController:
+        """The controller `--adaptive-s` attaches to a (bound) engine: S in [1, MoE layers - 1] and no further than
+        a learned prefetcher's trained S (it predicts no further); started from the calibration when there is one."""
+        hi = max(1, num_moe_layers - 1)
+        horizon = getattr(getattr(getattr(engine, "prefetcher", None), "pred", None), "max_lookahead", None)
+        if horizon:
+            hi = min(hi, int(horizon))
+        if calib:
+            return cls.from_calibration(calib, max_s=hi, num_layers=num_layers)
+        return cls(initial_s=min(lookahead, hi), max_s=hi, num_layers=num_layers)
+
+    @classmethod
     def from_calibration(cls, calib: dict[str, Any], *, max_s: int, **kw: Any) -> StepSizeController:
         """E_s, C_s, T_l, N_e (top-k) from a `moeflow calibrate` record (its JSON keys); S starts at the
         clamped formula (the calibration's `initial_s` when the record lacks a term)."""

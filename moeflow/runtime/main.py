@@ -206,15 +206,8 @@ def _run_hooks(cfg: RunConfig, model: Any, spec: Any, engine: Any, cal: dict[str
         if cfg.adaptive_s and engine is not None:
             from .adaptive_s import StepSizeController
 
-            hi = max(1, spec.num_moe_layers - 1)
-            pred = getattr(getattr(engine, "prefetcher", None), "pred", None)  # bound: the engine is entered first
-            horizon = getattr(pred, "max_lookahead", None)
-            if horizon:
-                hi = min(hi, int(horizon))  # a learned prefetcher predicts no further than its trained S
-            ctrl = (
-                StepSizeController.from_calibration(cal, max_s=hi, num_layers=spec.num_layers)
-                if cal
-                else StepSizeController(initial_s=min(lookahead, hi), max_s=hi, num_layers=spec.num_layers)
+            ctrl = StepSizeController.for_engine(  # the engine is entered first: its prefetcher is bound
+                engine, num_moe_layers=spec.num_moe_layers, num_layers=spec.num_layers, calib=cal, lookahead=lookahead
             )
             st.callback(ctrl.attach(engine))
         if cfg.speculative:
