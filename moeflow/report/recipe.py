@@ -34,6 +34,7 @@ from typing import Any
 
 from ..artifacts import atomic_dir, write_json_atomic
 from .env import environment
+from .readme import render
 from .table import Table
 
 
@@ -112,7 +113,9 @@ class Recipe:
     tables: list[Table] = field(default_factory=list)
     missing_items: list[Missing] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict)
-    _files: dict[str, Any] = field(default_factory=dict)
+    _logs: dict[str, str] = field(default_factory=dict)  # step name -> its command, exit, stdout, stderr
+    _figures: dict[str, Any] = field(default_factory=dict)  # PNG name -> matplotlib figure
+    _copies: dict[str, Path] = field(default_factory=dict)  # report file name -> a file a step wrote
 
     # ---- paths ------------------------------------------------------------------------------------
 
@@ -182,7 +185,7 @@ class Recipe:
             out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
             err = f"timed out after {timeout:.0f} s"
         seconds = time.perf_counter() - t0
-        self._files[f"log:{name}"] = f"$ {command}\n# exit {rc}, {seconds:.1f} s\n--- stdout\n{out}\n--- stderr\n{err}"
+        self._logs[name] = f"$ {command}\n# exit {rc}, {seconds:.1f} s\n--- stdout\n{out}\n--- stderr\n{err}"
         if rc != 0:
             msg = _last_error(err or out)
             self.log(f"[recipe {self.paper}] {name}: FAILED (exit {rc}, {seconds:.0f} s): {msg}")
@@ -252,7 +255,7 @@ class Recipe:
         """Attach a matplotlib figure to `table`; saved as `<name>.png` in the report."""
         if not name.endswith(".png"):
             name += ".png"
-        self._files[name] = fig
+        self._figures[name] = fig
         table.figures.append((name, caption))
 
     def copy_file(self, src: str | os.PathLike, name: str | None = None) -> str | None:
@@ -261,15 +264,10 @@ class Recipe:
         if not src.is_file():
             return None
         name = name or src.name
-        self._files[f"copy:{name}"] = src
+        self._copies[name] = src
         return name
 
     # ---- publish ----------------------------------------------------------------------------------
-
-    def _readme(self, env: dict[str, Any], seconds: float) -> str:
-        from .readme import render
-
-        return render(self, env, seconds)
 
     def execute(self, main: Callable[[Recipe], None]) -> int:
         """Run `main(self)`, then publish reports/<paper>/ atomically. 0 if every step ran, 1 if some failed."""
@@ -302,13 +300,12 @@ class Recipe:
             raw.mkdir()
             for name, data in self.raw.items():
                 write_json_atomic(raw / f"{name}.json", data)
-            for key, obj in self._files.items():
-                if key.startswith("log:"):
-                    (raw / f"{key[4:]}.log").write_text(obj)
-                elif key.startswith("copy:"):
-                    shutil.copyfile(obj, stage / key[5:])
-                else:
-                    obj.savefig(stage / key, dpi=120, bbox_inches="tight")
+            for name, text in self._logs.items():
+                (raw / f"{name}.log").write_text(text)
+            for name, src in self._copies.items():
+                shutil.copyfile(src, stage / name)
+            for name, fig in self._figures.items():
+                fig.savefig(stage / name, dpi=120, bbox_inches="tight")
             write_json_atomic(stage / "environment.json", env)
             results = {
                 "paper": self.paper,
@@ -322,7 +319,7 @@ class Recipe:
             }
             write_json_atomic(stage / "results.json", results)
             (stage / "commands.sh").write_text(self._commands())
-            (stage / "README.md").write_text(self._readme(env, seconds))
+            (stage / "README.md").write_text(render(self, env, seconds))
         failed = [s for s in self.steps if s.status == "failed"]
         self.log(
             f"[recipe {self.paper}] wrote {final}/README.md in {seconds / 60:.1f} min: {len(self.tables)} tables, "
