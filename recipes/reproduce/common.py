@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moeflow.report import Recipe
+from moeflow.report import Recipe, StepFailed
 
 # the workload the predictors are trained on, and the held-out sets they are evaluated on
 TRAIN_SET = "sharegpt"
@@ -16,14 +16,23 @@ HELDOUT_SETS = ("gsm8k", "alpaca")
 
 
 def trace(r: Recipe, prompts: str = TRAIN_SET, *, limit: int | None = None, hidden: bool = True) -> Path:
-    """A trace of `prompts` (sampled at T=0.8, seed 0, for diverse routing); with router inputs and residuals."""
+    """A trace of `prompts` (sampled at T=0.8, seed 0, for diverse routing); with router inputs and residuals.
+    Required: a failed step stops the recipe (StepFailed); `optional_trace` is for traces only some tables need."""
+    out = optional_trace(r, prompts, limit=limit, hidden=hidden)
+    if out is None:
+        raise StepFailed(f"step trace-{prompts} failed; the tables that need it are not in this report")
+    return out
+
+
+def optional_trace(r: Recipe, prompts: str, *, limit: int | None = None, hidden: bool = True) -> Path | None:
+    """`trace`, but None when the step failed (recorded as a failed step) instead of stopping the recipe."""
     n = limit if limit is not None else r.pick(40 if prompts == TRAIN_SET else 16, 200 if prompts == TRAIN_SET else 60)
     out = r.work / f"trace-{prompts}-{n}{'-h' if hidden else ''}"
     args = ["trace", "--model", r.model, "--prompts", prompts, "--limit", n, "--out", out, "--device", r.device]
     args += ["--max-new-tokens", r.pick(16, 32), "--max-prompt-tokens", r.pick(96, 256), "--temperature", 0.8, "--seed", 0]
     args += ["--threads", r.threads, "--no-progress"] + (["--record-hidden"] if hidden else [])
-    r.require(r.moeflow(f"trace-{prompts}", *args, produces=out), f"trace-{prompts}")
-    return out
+    r.moeflow(f"trace-{prompts}", *args, produces=out)
+    return out if r.ok(f"trace-{prompts}") else None
 
 
 def predictors(r: Recipe, tr: Path, *, max_s: int | None = None) -> Path:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from moeflow.report import Recipe, StepFailed
+from moeflow.report import Recipe
 
 from . import common
 
@@ -514,11 +514,11 @@ def heldout(r: Recipe, tr: Path, pred: Path) -> dict[str, Any] | None:
     so that the speed part (Figs. 7-8), which needs only the predictors, still runs."""
     held: dict[str, Path] = {}
     for n in SETS:
-        try:
-            held[n] = common.trace(r, n)
-        except StepFailed as e:  # common.trace requires its step; only the accuracy tables need it
-            r.missing(HELDOUT_PARTS, str(e))
+        p = common.optional_trace(r, n)  # only the accuracy tables need it
+        if p is None:
+            r.missing(HELDOUT_PARTS, f"step trace-{n} failed (raw/trace-{n}.log)")
             return None
+        held[n] = p
     args: list[Any] = ["--model", r.model, "--root", r.scratch / "heldout", "--threads", r.threads, "--predictors", pred]
     args += ["--train-trace", tr, "--max-s", 1, "--rank-alignment", "--speculative", "--spec-sequences", r.pick(16, 60)]
     for n, p in held.items():
