@@ -1,5 +1,6 @@
 # moeflow — developer and reproduction recipes.
-#   make setup   create .venv and install moeflow with its test dependencies
+#   make setup   create .venv and install moeflow with its test dependencies, at the versions in requirements.lock
+#   make lock    re-resolve requirements.lock in a fresh virtualenv (newest versions pyproject.toml allows)
 #   make test    the CPU test suite (GPU and slow tests are marked and skipped)
 #   make lint    ruff (lint + format check) and mypy, configured in pyproject.toml
 #   make reproduce-<paper> [QUICK=1] [DEVICE=cuda]   re-make a paper's tables into reports/<paper>/
@@ -8,8 +9,9 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 # torch: 2.13.0 is a CPU wheel on the project's build machines and the CUDA wheel from PyPI elsewhere.
-# Override for another build, e.g. `make setup TORCH='torch==2.14.1'`.
+# Override for another build, e.g. `make setup TORCH='torch==2.14.1'` (it replaces the lock's torch pin).
 TORCH   ?= torch==2.13.0
+LOCK    ?= requirements.lock
 DATA    ?= ../shared/data
 MODEL   ?= models/olmoe-deep
 # reproduction recipes (recipes/reproduce/<paper>.py): QUICK=1 is <= 10 min each on 2 CPU cores; DEVICE=cuda uses the GPU
@@ -19,14 +21,31 @@ QUICK   ?=
 DEVICE  ?= cpu
 REPRO_FLAGS = $(if $(filter 1 yes true,$(QUICK)),--quick) --device $(DEVICE) --model $(MODEL) --data-dir $(DATA)
 
-.PHONY: setup test test-slow test-gpu lint models bench clean-artifacts reproduce-all $(REPRODUCE)
+.PHONY: setup lock test test-slow test-gpu lint models bench clean-artifacts reproduce-all $(REPRODUCE)
 
+# Every install is constrained by the lock (with its torch pin replaced by $(TORCH)), so a fresh clone gets what CI tested.
 setup:
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
-	DISABLE_CUDA=1 $(BIN)/python -m pip install -q -e ".[dev]"   # DISABLE_CUDA: hqq's sdist skips its optional CUDA kernels
+	grep -v '^torch==' $(LOCK) > $(VENV)/constraints.txt
+	echo "$(TORCH)" >> $(VENV)/constraints.txt
+	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt pip
+	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt "$(TORCH)"
+	DISABLE_CUDA=1 $(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e ".[dev]"   # DISABLE_CUDA: hqq's sdist skips its optional CUDA kernels
+	$(BIN)/python -m pip check
 	$(BIN)/moeflow --version
+
+# A fresh resolution into requirements.lock; check it with `make setup lint test` before committing it.
+LOCKVENV := .lock-venv
+lock:
+	rm -rf $(LOCKVENV) && $(PY) -m venv $(LOCKVENV)
+	$(LOCKVENV)/bin/python -m pip install -q --upgrade pip
+	$(LOCKVENV)/bin/python -m pip install -q "$(TORCH)"
+	DISABLE_CUDA=1 $(LOCKVENV)/bin/python -m pip install -q -e ".[dev]"
+	{ sed -n '/^#/p' $(LOCK); $(LOCKVENV)/bin/python -m pip freeze --all --exclude-editable \
+	  | grep -v '^moeflow' | sed -E 's/^(torch==[^+]*)\+.*/\1/'; } > $(LOCK).tmp
+	mv $(LOCK).tmp $(LOCK)
+	rm -rf $(LOCKVENV)
+	@echo "wrote $(LOCK); now: make setup lint test"
 
 test:
 	$(BIN)/python -m pytest -q -m "not slow and not gpu" tests

@@ -104,6 +104,12 @@ class PassClock:
         self._h.remove()
 
 
+def _generate(model: Any, input_ids: torch.Tensor, **kw: Any) -> torch.Tensor:
+    """`model.generate(input_ids, **kw)`. `model` is typed Any on purpose: transformers annotates `generate`'s
+    `self` with a Protocol whose shape changes between releases, which mypy then reports differently per version."""
+    return model.generate(input_ids, **kw)
+
+
 def pad_left(prompts: list[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad prompts `[1,P_i]` into `ids [B,P]` and `attention_mask [B,P]` (0 on the padding)."""
     P = max(int(p.shape[-1]) for p in prompts)
@@ -201,8 +207,7 @@ def generate_batch(
     try:
         t0 = time.perf_counter()
         with torch.no_grad():
-            # transformers annotates `generate`'s self with a Protocol written for the `ty` checker; mypy cannot match it
-            out = model.generate(input_ids, **kw)  # type: ignore[misc]
+            out = _generate(model, input_ids, **kw)
         if device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
@@ -302,7 +307,7 @@ def fastest_experts_impl(
         clock = PassClock(model)
         try:
             with torch.no_grad():
-                model.generate(ids, **kw)  # type: ignore[misc]  # transformers' `generate` self type: see generate_batch
+                _generate(model, ids, **kw)
         finally:
             clock.remove()
         e = clock.ends
