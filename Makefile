@@ -3,6 +3,7 @@
 #   make lock    re-resolve requirements.lock in a fresh virtualenv (newest versions pyproject.toml allows)
 #   make test    the CPU test suite (GPU and slow tests are marked and skipped)
 #   make lint    ruff (lint + format check) and mypy, configured in pyproject.toml
+#   make docs    regenerate docs/cli.md (from the typer app) and docs/results/*.md (from benchmarks/results/*.json)
 #   make reproduce-<paper> [QUICK=1] [DEVICE=cuda]   re-make a paper's tables into reports/<paper>/
 #   make reproduce-all     every paper (`make -k` keeps going past a recipe with a failed step)
 PY      ?= python3
@@ -21,7 +22,7 @@ QUICK   ?=
 DEVICE  ?= cpu
 REPRO_FLAGS = $(if $(filter 1 yes true,$(QUICK)),--quick) --device $(DEVICE) --model $(MODEL) --data-dir $(DATA)
 
-.PHONY: setup lock test test-slow test-gpu lint models bench clean-artifacts reproduce-all $(REPRODUCE)
+.PHONY: setup lock test test-slow test-gpu lint docs models bench clean-artifacts reproduce-all $(REPRODUCE)
 
 # Every install is constrained by the lock (with its torch pin replaced by $(TORCH)), so a fresh clone gets what CI tested.
 setup:
@@ -66,6 +67,10 @@ models:
 	$(BIN)/python recipes/train_models.py --data-dir $(DATA) --out models --minutes 50 --only mixtral-mini & \
 	wait
 	$(BIN)/python recipes/train_models.py --data-dir $(DATA) --out models --minutes 70 --lr 2e-3 --only olmoe-deep
+
+docs:
+	$(BIN)/python -m moeflow.cli.docs
+	$(BIN)/python benchmarks/render_results.py render
 
 bench:
 	$(BIN)/python benchmarks/trace_overhead.py --model $(MODEL)

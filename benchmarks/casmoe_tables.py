@@ -1,4 +1,4 @@
-"""CasMoE Tables 1-4 in the spirit of the paper (issue 13 item 6), on the shared GLUE / MMLU / WMT16 prompts.
+"""CasMoE Tables 1-4 in the spirit of the paper, on the shared GLUE / MMLU / WMT16 prompts.
 
 1. traces `--train-per-set` prompts of each set (`--split train`; MMLU `dev`) with few new tokens into ROOT/trace;
 2. fits EAM + EAP twice (`moeflow train --only eam --only eap`), with the EP label and with the count label
@@ -369,7 +369,7 @@ def main() -> None:
         }
     share = [r["plan_ms"] / r["gen_ms_per_prompt"] for r in runs if r["plan_ms"] is not None]
     targets["planner_time_le_5pct"] = {"met": bool(share) and max(share) <= 0.05, "max_share": max(share) if share else None}
-    print("\nTargets (issue 13):")
+    print("\nTargets:")
     for key, v in targets.items():
         print(
             f"  {key}: {'MET' if v['met'] else 'MISSED'}  " + json.dumps({x: y for x, y in v.items() if x != "met"}, default=fmt)

@@ -1,4 +1,4 @@
-"""CPU compute vs fetch on a miss: where running an expert on the host beats copying it (issue 12).
+"""CPU compute vs fetch on a miss: where running an expert on the host beats copying it.
 
 Two measurements on the default model (CPU device, so the host store and the "device" share one CPU; the
 emulated link supplies the copy cost):

@@ -14,7 +14,7 @@ reads, `engine.host_syncs`, over decode passes), all with `benchmarks/_profile.p
     python benchmarks/engine_overhead.py --make-model olmoe-1b-7b-shape /tmp/olmoe-7b   # then:
     python benchmarks/engine_overhead.py --model /tmp/olmoe-7b --device cuda
 
-Targets (issue 10): <= 1.10x resident on the GPU shape, <= 1.05x on CPU. Prints a rich table, then one JSON line.
+Targets: <= 1.10x resident on the GPU shape, <= 1.05x on CPU. Prints a rich table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _tpot(model, ids, engine, new: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="checkpoint folder (default: models/olmoe-mini)")
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: models/olmoe-deep, or $MOEFLOW_MODEL)")
     ap.add_argument(
         "--make-model",
         nargs=2,

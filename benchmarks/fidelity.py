@@ -10,12 +10,17 @@ Every configuration runs through `moeflow quality` (moeflow.quality.main: perple
 under the engine, greedy agreement, TPOT and bytes per token of the same run, vs resident). Quality change
 and speed change are taken relative to `fetch` at the same capacity.
 
+Every perplexity change comes with its 95% interval (`dppl_ci95` vs resident, `vs_fetch_ppl_ci95` vs fetch:
+a paired bootstrap over blocks of scored tokens, `moeflow.quality.measure.dppl_interval`) and says whether it
+is within noise (the interval holds 0).
+
 Writes `--out-dir`/fidelity.json (every row), fidelity.png (perplexity change vs TPOT gain relative to fetch,
-one marker per configuration, exact ones hollow) and prints the table, then one JSON line naming the
-recommended configuration: the fastest lossy one whose perplexity loss is <= `--max-ppl-loss` % (1) and
-that is faster than the best exact configuration at its capacity, with
-`ppl_delta_pct` (vs resident = vs fetch, which is exact) and `tpot_gain_pct` (vs the best exact configuration
-at the same capacity), or `"recommended": null`.
+one marker per configuration with its interval, exact ones hollow) and prints the table, then one JSON line
+naming the recommended configuration: the fastest lossy one whose perplexity loss is <= `--max-ppl-loss` % (1)
+at the top of its 95% interval (not only at its point estimate: a loss the sample cannot bound is no reason to
+recommend) and that is faster than the best exact configuration at its capacity, with `ppl_delta_pct` and
+`dppl_ci95` (vs resident = vs fetch, which is exact) and `tpot_gain_pct` (vs the best exact configuration at the
+same capacity), or `"recommended": null`.
 
     .venv/bin/python benchmarks/fidelity.py --threads 1
     .venv/bin/python benchmarks/fidelity.py --model DIR --device cuda --link cuda --predictors artifacts/olmoe-mini/predictors
@@ -38,6 +43,7 @@ from moeflow.models import default_model_path
 from moeflow.policies import MISS, ROUTING
 from moeflow.quality import QualityConfig
 from moeflow.quality import main as quality_main
+from moeflow.quality.measure import dppl_cell, dppl_interval, within_noise
 from moeflow.runtime.config import RunConfig
 
 MISS_POLICIES = ("fetch", "drop", "substitute", "fetch-lowest-bit", "fetch-priority", "cascade", "cpu", "auto")
@@ -101,17 +107,28 @@ def relative(rows: list[dict[str, Any]]) -> None:
             r["vs_fetch_ppl_pct"] = (
                 100 * (r["ppl"] / fetch["ppl"] - 1) if fetch and r["ppl"] is not None and fetch["ppl"] else None
             )
+            ci = None
+            if r["vs_fetch_ppl_pct"] is not None and fetch and r.get("token_nll") and fetch.get("token_nll"):
+                ci = dppl_interval(r["token_nll"], fetch["token_nll"])
+            r["vs_fetch_ppl_ci95"] = list(ci) if ci is not None else None
+            r["vs_fetch_ppl_within_noise"] = within_noise(ci)
             r["vs_fetch_tpot_gain_pct"] = (
                 100 * (1 - r["tpot_s"] / fetch["tpot_s"]) if fetch and r["tpot_s"] and fetch["tpot_s"] else None
             )
             r["tpot_gain_pct"] = 100 * (1 - r["tpot_s"] / best_exact) if best_exact and r["tpot_s"] else None
 
 
+def loss_bound(r: dict[str, Any]) -> float | None:
+    """The most perplexity a row may lose vs resident at 95% confidence (its interval's top), else None."""
+    ci = r.get("dppl_ci95")
+    return ci[1] if ci is not None else None
+
+
 def recommend(rows: list[dict[str, Any]], max_loss: float) -> dict[str, Any] | None:
+    """The fastest lossy row whose loss is <= `max_loss` % at the top of its interval (a point estimate inside
+    the noise bounds nothing) and that is faster than the best exact configuration at its capacity."""
     ok = [
-        r
-        for r in rows
-        if r["lossy"] and r["ppl_delta_pct"] is not None and r["ppl_delta_pct"] <= max_loss and (r["tpot_gain_pct"] or 0) > 0
+        r for r in rows if r["lossy"] and (b := loss_bound(r)) is not None and b <= max_loss and (r["tpot_gain_pct"] or 0) > 0
     ]  # a lossy configuration no faster than the best exact one is never worth recommending
     return max(ok, key=lambda r: r["tpot_gain_pct"]) if ok else None
 
@@ -129,6 +146,9 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         if x is None or y is None:
             continue
         m = markers.setdefault(r["capacity"], "os^Dv"[len(markers) % 5])
+        ci = r.get("vs_fetch_ppl_ci95")
+        if ci is not None:  # the 95% interval of the perplexity change
+            ax.errorbar(x, y, yerr=[[max(0.0, y - ci[0])], [max(0.0, ci[1] - y)]], color="grey", lw=0.8, capsize=2)
         ax.scatter(x, y, marker=m, facecolors="none" if not r["lossy"] else None, edgecolors="k", s=40)
         ax.annotate(r["config"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     for cap, m in markers.items():
@@ -136,7 +156,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.axhline(0, color="grey", lw=0.5)
     ax.axvline(0, color="grey", lw=0.5)
     ax.set_xlabel("TPOT gain vs fetch (%)  (faster →)")
-    ax.set_ylabel("perplexity change vs fetch (%)  (worse ↑)")
+    ax.set_ylabel("perplexity change vs fetch (%, 95% interval)  (worse ↑)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -216,10 +236,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parts = [r["miss"] if r["miss"] != "fetch" or r["routing"] == "standard" else None]
             parts += [r["routing"] if r["routing"] != "standard" else None, "speculative" if r["speculative"] else None]
             config = " ".join(x for x in parts if x)
-            rows.append({"config": config, **{k: r[k] for k in ROW_KEYS}, "tpot_s": r["tpot_s"]})
+            rows.append({"config": config, **{k: r[k] for k in ROW_KEYS}, "tpot_s": r["tpot_s"], "token_nll": r["ppl_token_nll"]})
     relative(rows)
+    for r in rows:
+        del r["token_nll"]  # per-token NLLs: the intervals are computed
     rec = recommend(rows, args.max_ppl_loss)
-    t = Table(title=f"fidelity — {Path(args.model).name}, {args.link} (quality vs speed, relative to fetch)")
+    t = Table(
+        title=f"fidelity — {Path(args.model).name}, {args.link} (quality vs speed, relative to fetch)",
+        caption="ppl Δ%: vs resident [95% interval, paired bootstrap over blocks of scored tokens]; within noise: the "
+        f"interval holds 0. Recommended only with a loss <= {args.max_ppl_loss:g}% at the interval's top",
+    )
     for c in ("capacity", "config", "exact", "ppl Δ% vs resident", "agree", "TPOT ms", "TPOT gain % vs fetch", "bytes/tok"):
         t.add_column(c, justify="left" if c in ("capacity", "config", "exact") else "right")
     for r in rows:
@@ -227,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             r["capacity"],
             r["config"],
             "[bold red]LOSSY[/]" if r["lossy"] else "exact",
-            f"{r['ppl_delta_pct']:+.2f}" if r["ppl_delta_pct"] is not None else "-",
+            dppl_cell(r["ppl_delta_pct"], r["dppl_ci95"]),
             f"{r['agreement']:.3f}" if r["agreement"] is not None else "-",
             f"{r['tpot_s'] * 1e3:.2f}" if r["tpot_s"] else "-",
             f"{r['vs_fetch_tpot_gain_pct']:+.1f}" if r["vs_fetch_tpot_gain_pct"] is not None else "-",
@@ -247,6 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "plot": str(out / "fidelity.png"),
         "recommended": None if rec is None else {"capacity": rec["capacity"], "config": rec["config"]},
         "ppl_delta_pct": None if rec is None else rec["ppl_delta_pct"],
+        "dppl_ci95": None if rec is None else rec["dppl_ci95"],
         "tpot_gain_pct": None if rec is None else rec["tpot_gain_pct"],
     }
     sys.stdout.write(json.dumps(final, default=str) + "\n")
@@ -261,7 +288,10 @@ ROW_KEYS = (
     "speculative",
     "lossy",
     "ppl",
+    "ppl_tokens",
     "ppl_delta_pct",
+    "dppl_ci95",
+    "dppl_within_noise",
     "agreement",
     "first_divergence",
     "tf_agreement",

@@ -10,7 +10,7 @@ time). By default its bandwidth is chosen so that copies are `--copy-share` of T
 loading, measured against the resident model in this run (Speculating Experts' A6000 regime is 0.85).
 Prompts are the held-out prompts of the trace the predictors were trained on (their prompt tokens).
 
-The final JSON line also carries the issue-11 ratios: `bound_ratio` (best TPOT / bound, bound = max(resident
+The final JSON line also carries the ratios against the bounds: `bound_ratio` (best TPOT / bound, bound = max(resident
 TPOT, Belady-minimum transfers per decode token x expert bytes / bandwidth), Belady's MIN replayed by the
 simulator on this run's own routing, recorded greedily from the resident model), `transfers_vs_belady` (the
 best run's decode transfers per token / Belady's), `recall_at_k` (held-out recall@k by predictor and S from

@@ -3,10 +3,10 @@
 Trains every predictor (`moeflow train`) on a ShareGPT trace and evaluates the folder (`moeflow eval`)
 on traces of GSM8K, MMLU and GLUE (SST-2 + RTE) prompts; prints recall@k per predictor x S x set, the
 per-layer recall at S = 1, the decode-step cost of each predictor (one source layer, batch 1, every S),
-the issue-11 targets, then one JSON line (`recall_at_k[predictor][set][S]`, `per_layer`, `targets`).
+the recall targets, then one JSON line (`recall_at_k[predictor][set][S]`, `per_layer`, `targets`).
 Shape-agnostic: S runs 1..min(--max-s, MoE layers - 1) for whatever model `--model` is.
 
-    .venv/bin/python benchmarks/predictors_heldout.py --threads 1                      # olmoe-mini, traces in /tmp/pred
+    .venv/bin/python benchmarks/predictors_heldout.py --model models/olmoe-mini --threads 1   # traces in /tmp/pred
     .venv/bin/python benchmarks/predictors_heldout.py --model models/olmoe-deep --root /tmp/pred-deep
 
 Missing traces are recorded first, with the commands printed (and in the JSON), e.g.

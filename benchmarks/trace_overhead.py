@@ -21,7 +21,7 @@ import torch
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="checkpoint folder (default: models/olmoe-mini)")
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: models/olmoe-deep, or $MOEFLOW_MODEL)")
     ap.add_argument("--prompts", default="sharegpt", help="prompt file or set name (default sharegpt)")
     ap.add_argument("--n", type=int, default=10, help="prompts (default 10)")
     ap.add_argument("--max-new-tokens", type=int, default=32)

@@ -4,7 +4,9 @@ Every artifact folder (trace, predictors, calibration) holds a `meta.json` with
 `schema`, `kind`, `moeflow_version`, `model_fingerprint`, `created_at` and stage-specific fields.
 
 - `check_out` validates every `--out` before any work: it never lets a stage replace an input or
-  anything that is not a moeflow artifact of the same kind, and replaces one of that kind only with --force.
+  anything that is not a moeflow artifact of the same kind, replaces one of that kind only with --force,
+  and refuses a folder it cannot write in (a probe file is created and removed where the writes will go).
+  Each stage then holds `moeflow.locks.out_lock` on its target until the artifact is published.
 - `atomic_dir` publishes a folder with one `os.replace` of a symlink (`<out>` -> `.<out>.versions/v-...`),
   `atomic_write` a file with one `os.replace` of an fsynced temp file: a kill -9 at any instant leaves
   the old artifact or the new one, complete.
@@ -226,23 +228,33 @@ def atomic_dir(
     versions instead of two (`moeflow retrain`'s `keep`).
     """
     final = Path(os.path.abspath(final))
-    final.parent.mkdir(parents=True, exist_ok=True)
     present = final.exists() or final.is_symlink()
     if present and not replace:
         raise ArtifactError(f"{final} already exists; remove it or choose another --out")
     if final.exists() and not final.is_dir():
         raise ArtifactError(f"{final} is a file, not a folder; choose another --out")
+    made = _mkdirs(final.parent)
     if not versioned:
-        with _plain_dir(final) as tmp:
-            yield tmp
+        try:
+            with _plain_dir(final) as plain:
+                yield plain
+        except BaseException:
+            _rmdirs(made)
+            raise
         return
     vroot = _versions(final)
-    vroot.mkdir(exist_ok=True)
-    _clean(final, keep=_keep_before(final) | _newest(final, keep_versions))  # free dead writers' space before writing
-    stamp = f"{time.time_ns():020d}-{os.getpid()}"
-    tmp = vroot / f"tmp-{stamp}"
-    tmp.mkdir()
+    if not vroot.is_dir():
+        vroot.mkdir()
+        made.append(vroot)
+    tmp: Path | None = None
+    version: Path | None = None
+    link: Path | None = None
+    published = False
     try:
+        _clean(final, keep=_keep_before(final) | _newest(final, keep_versions))  # free dead writers' space before writing
+        stamp = f"{time.time_ns():020d}-{os.getpid()}"
+        tmp = vroot / f"tmp-{stamp}"
+        tmp.mkdir()
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())
         _fsync_tree(tmp)
@@ -256,20 +268,49 @@ def atomic_dir(
         if final.is_dir() and not final.is_symlink():  # legacy real folder
             legacy = vroot / f"v-{time.time_ns():020d}-{os.getpid()}-legacy"
             if _exchange(link, final):
+                published = True
                 os.rename(link, legacy)  # the old folder, now at `link`
             else:
                 os.rename(final, legacy)  # one-time, not atomic (see docstring)
-                os.replace(link, final)
+                try:
+                    os.replace(link, final)
+                except BaseException:
+                    os.rename(legacy, final)  # put the old folder back
+                    raise
+                published = True
             keep.add(legacy.name)
         else:
             os.replace(link, final)
+            published = True
         _fsync_dir(final.parent)
         if old is None:  # `final` was missing: keep the newest older copy
             keep |= _keep_before(final, exclude=version.name)
         _clean(final, keep | _newest(final, keep_versions))
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not published:  # leave nothing of this write behind: its folder, version, link, new folders
+            for p in (tmp, version, link):
+                if p is not None and (p.exists() or p.is_symlink()):
+                    _remove(p)
+            _rmdirs(made)
         raise
+
+
+def _mkdirs(folder: Path) -> list[Path]:
+    """Create `folder` and its missing parents; the ones created, outermost first."""
+    made: list[Path] = []
+    for p in reversed([folder, *folder.parents]):
+        if not p.exists():
+            with contextlib.suppress(FileExistsError):
+                p.mkdir()
+                made.append(p)
+    return made
+
+
+def _rmdirs(made: list[Path]) -> None:
+    """Remove the folders `_mkdirs` created, innermost first, where they are still empty."""
+    for d in reversed(made):
+        with contextlib.suppress(OSError):
+            d.rmdir()
 
 
 def _keep_before(final: Path, exclude: str = "") -> set[str]:
@@ -341,6 +382,31 @@ def command_for(kind: str) -> str:
     return COMMANDS.get(kind, kind)
 
 
+# artifact kind -> what messages call one, where the kind itself does not read as a noun ("a moeflow predictors")
+NOUNS = {"predictors": "predictor folder", "run": "`moeflow run` results file", "quality": "`moeflow quality` results file"}
+
+
+def noun(kind: str, what: str = "") -> str:
+    """`kind` as messages name it: "predictor folder", "trace" (+ " folder" with `what`)."""
+    return NOUNS.get(kind) or f"{kind} {what}".strip()
+
+
+def made_with(meta: dict[str, Any]) -> str | None:
+    """The --model an artifact was made with, when its meta records it (`model`, or a stage's `config.model`)."""
+    cfg = meta.get("config")
+    m = meta.get("model") or (cfg.get("model") if isinstance(cfg, dict) else None)
+    return str(m) if m else None
+
+
+def another_model(what: str, meta: dict[str, Any], fingerprint: str, fix: str) -> ArtifactError:
+    """The one line for an artifact made with another model than this --model: names that model when recorded."""
+    by = made_with(meta)
+    return ArtifactError(
+        f"{what} was made for another model{f', {by}' if by else ''} (fingerprint {meta.get('model_fingerprint')}), "
+        f"not this --model (fingerprint {fingerprint}); {f'pass --model {by} or ' if by else ''}{fix}"
+    )
+
+
 def read_record(path: str | os.PathLike, kind: str, schema: int) -> dict[str, Any]:
     """Read a JSON record (a `meta.json`, a calibration file) and check its kind and schema.
 
@@ -348,14 +414,18 @@ def read_record(path: str | os.PathLike, kind: str, schema: int) -> dict[str, An
     """
     p = Path(path)
     if not p.is_file():
-        raise ArtifactError(f"no moeflow {kind} at {p}; run `moeflow {command_for(kind)}` first")
+        raise ArtifactError(f"no moeflow {noun(kind)} at {p}; run `moeflow {command_for(kind)}` first")
     try:
         rec = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{p} is corrupt (not valid JSON: {e}); delete it and re-run `moeflow {command_for(kind)}`") from e
     got = rec.get("kind") if isinstance(rec, dict) else None
     if got != kind:
-        raise ArtifactError(f"{p} is not a moeflow {kind} (it holds kind {got!r})")
+        held = f"a moeflow {noun(got)}" if isinstance(got, str) else "no moeflow kind"
+        where = p.parent if p.name == META else p
+        raise ArtifactError(
+            f"{where} is not a moeflow {noun(kind)} (it holds {held}); point to what `moeflow {command_for(kind)}` wrote"
+        )
     if rec.get("schema") != schema:
         raise ArtifactError(
             f"{p} has {kind} schema {rec.get('schema')}, this moeflow reads schema {schema}; re-run `moeflow {command_for(kind)}`"
@@ -370,18 +440,15 @@ def read_meta(folder: str | os.PathLike, kind: str, schema: int) -> dict[str, An
         raise ArtifactError(f"{folder} does not exist; create it first (see `moeflow {command_for(kind)} --help`)")
     if not (folder / META).is_file():
         raise ArtifactError(
-            f"{folder} is not a moeflow {kind} artifact (no {META}); point to the folder `moeflow {command_for(kind)}` wrote"
+            f"{folder} is not a moeflow {noun(kind, 'folder')} (no {META}); "
+            f"point to the folder `moeflow {command_for(kind)}` wrote"
         )
     return read_record(folder / META, kind, schema)
 
 
 def check_fingerprint(meta: dict[str, Any], fingerprint: str, what: str, folder: str | os.PathLike) -> None:
-    got = meta.get("model_fingerprint")
-    if got != fingerprint:
-        raise ArtifactError(
-            f"{what} at {folder} was made for another model (fingerprint {got}, this model is {fingerprint}); "
-            f"re-create it with this --model"
-        )
+    if meta.get("model_fingerprint") != fingerprint:
+        raise another_model(f"{what} at {folder}", meta, fingerprint, "re-create it with this --model")
 
 
 # -- --out checks -----------------------------------------------------------------------------------
@@ -417,6 +484,54 @@ def _within(a: Path, b: Path) -> bool:
     return a == b or a.is_relative_to(b)
 
 
+_WHY = {
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+}
+
+
+def unwritable(out: str | os.PathLike, folder: str | os.PathLike, err: OSError, flag: str = "--out") -> ConfigError:
+    """The one-line error for an `out` that cannot be written because `folder` refuses new files."""
+    why = _WHY.get(err.errno or 0) or (err.strerror or str(err)).lower()
+    return ConfigError(f"{flag} {out}: cannot write in {folder} ({why}); choose a writable {flag}")
+
+
+def _probe(folder: Path) -> OSError | None:
+    """Create and remove a uniquely named file in `folder`: the error that stops writing there, or None."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".moeflow-probe-", dir=folder)
+    except OSError as e:
+        return e
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+    return None
+
+
+def check_writable(out: str | os.PathLike, *, inside: bool = False, flag: str = "--out") -> None:
+    """Refuse (ConfigError, one line) an `out` whose writes would fail, before any work.
+
+    Probes the folder beside `out` where the writes go (its lock, atomic temp files, `.<name>.versions/`):
+    the parent, or its nearest existing ancestor where the parent is still to be created. With `inside`
+    (a stage that writes into an existing `out` folder, or an empty folder such as a mount point) also
+    `out` itself.
+    """
+    out = Path(out).expanduser()
+    lexical = Path(os.path.abspath(out))
+    spots = [lexical.parent]
+    while not spots[0].exists() and spots[0] != spots[0].parent:
+        spots[0] = spots[0].parent
+    if inside and out.is_dir():
+        spots.append(out)
+    for d in spots:
+        err = _probe(d)
+        if err is not None:
+            raise unwritable(out, d, err, flag)
+
+
 def check_out(
     out: str | os.PathLike,
     *,
@@ -433,7 +548,10 @@ def check_out(
     `file=True` an existing folder (without: an existing file); an existing file or folder that is
     not a moeflow `kind` artifact (never replaced, even with force); a folder holding other files.
     An existing `kind` artifact is replaced only with `force=True` (or kept with `reuse=True`, for
-    stages that append to it). A new path or an empty folder is fine. Returns `out` as a Path.
+    stages that append to it). A new path or an empty folder is fine. Also refused: a folder where
+    nothing can be written (`check_writable`: read-only file system, permission denied) and, for a
+    folder artifact that is not appended to, a mount point (it cannot be replaced by the new folder).
+    Returns `out` as a Path.
     """
     out = Path(out).expanduser()
     lexical = Path(os.path.abspath(out))
@@ -458,21 +576,30 @@ def check_out(
     if not anc.is_dir():
         raise ConfigError(f"{flag} {out} is inside {anc}, which is a file; choose another {flag}")
     if not out.exists():
+        check_writable(out, flag=flag)
         return out  # new (or a dangling link: nothing to lose)
     what = "file" if file else "folder"
     if file and out.is_dir():
         raise ConfigError(f"{flag} {out} is a folder; pass a file path (e.g. {out / (kind + '.json')})")
     if not file and not out.is_dir():
         raise ConfigError(f"{flag} {out} is a file; pass a folder path")
+    if not file and not reuse and os.path.ismount(out):
+        raise ConfigError(
+            f"{flag} {out} is a mount point, which cannot be replaced by the new folder; "
+            f"pass a path inside it (e.g. {out / kind})"
+        )
+    real_dir = not file and not out.is_symlink()
     if not file and not any(out.iterdir()):
+        check_writable(out, inside=real_dir, flag=flag)
         return out
     got = artifact_kind(out)
     if got != kind:
-        holds = f"a moeflow {got}" if got else ("other files" if not file else "something else")
+        holds = f"a moeflow {noun(got)}" if got else ("other files" if not file else "something else")
         raise ConfigError(
-            f"{flag} {out} exists and holds {holds}, not a moeflow {kind} {what}; "
+            f"{flag} {out} exists and holds {holds}, not a moeflow {noun(kind, what)}; "
             f"choose a new {'file' if file else 'or empty folder'}"
         )
     if not (force or reuse):
-        raise ConfigError(f"{flag} {out} already holds a moeflow {kind}; pass --force to replace it")
+        raise ConfigError(f"{flag} {out} already holds a moeflow {noun(kind)}; pass --force to replace it")
+    check_writable(out, inside=reuse and real_dir, flag=flag)
     return out

@@ -46,6 +46,23 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+@contextlib.contextmanager
+def quiet_loading() -> Iterator[None]:
+    """For the block, no transformers progress bars (its per-checkpoint "Loading weights" bar); the previous
+    setting is restored after, so nothing changes for other code in the process."""
+    from huggingface_hub import utils as hub_utils
+    from transformers.utils import logging as tx_logging
+
+    was, hub_off = tx_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled()
+    tx_logging.disable_progress_bar()  # also huggingface_hub's
+    try:
+        yield
+    finally:
+        if was:
+            tx_logging.enable_progress_bar()
+        (hub_utils.disable_progress_bars if hub_off else hub_utils.enable_progress_bars)()
+
+
 def default_model_path() -> str:
     """`models/olmoe-deep` of the source checkout (or MOEFLOW_MODEL), whatever the working directory."""
     env = os.environ.get("MOEFLOW_MODEL")
@@ -53,6 +70,24 @@ def default_model_path() -> str:
         return env
     here = Path(__file__).resolve().parent.parent / DEFAULT_MODEL
     return str(here) if here.exists() else DEFAULT_MODEL
+
+
+def shipped_models() -> list[str]:
+    """The checkpoints that come with the repository (`models/<name>` with a config.json), as --model paths."""
+    root = Path(__file__).resolve().parent.parent / "models"
+    if not root.is_dir():
+        return []
+    return [f"models/{d.name}" for d in sorted(root.iterdir()) if (d / "config.json").is_file()]
+
+
+def missing_model(path: str | os.PathLike) -> str:
+    """The one line for a --model folder that does not exist: the shipped checkpoints and $MOEFLOW_MODEL."""
+    shipped = shipped_models()
+    ships = f"the repository ships {', '.join(shipped)}; " if shipped else ""
+    return (
+        f"model folder {path} does not exist; check the path, or pass --model with a local Hugging Face checkpoint "
+        f"folder (config.json + safetensors): {ships}or set MOEFLOW_MODEL"
+    )
 
 
 def load_model(path: str | os.PathLike, *, dtype: str = "auto", device: str = "cpu", experts_implementation: str | None = None):
@@ -66,10 +101,7 @@ def load_model(path: str | os.PathLike, *, dtype: str = "auto", device: str = "c
 
     p = Path(path)
     if not p.is_dir():
-        raise MoeflowError(
-            f"model folder {path} does not exist; pass --model DIR with a local Hugging Face "
-            f"checkpoint (config.json + safetensors), e.g. {DEFAULT_MODEL} after `make models`"
-        )
+        raise MoeflowError(missing_model(path))
     if not (p / "config.json").is_file():
         raise ArtifactError(f"{p / 'config.json'} is missing; pass --model a folder written by save_pretrained")
     try:
@@ -89,7 +121,8 @@ def load_model(path: str | os.PathLike, *, dtype: str = "auto", device: str = "c
     from safetensors import SafetensorError
 
     try:
-        model: Any = AutoModelForCausalLM.from_pretrained(p, **kw)
+        with quiet_loading():
+            model: Any = AutoModelForCausalLM.from_pretrained(p, **kw)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise ArtifactError(f"cannot load the weights in {p}: {_first_line(e)}; re-save or re-download the checkpoint") from e
     model = model.to(device).eval()
@@ -164,10 +197,13 @@ def check_lengths(model_or_config: Any, prompt_tokens: int, new_tokens: int, *, 
             f"--max-prompt-tokens {prompt_tokens} is beyond the model's maximum position "
             f"{limit} (max_position_embeddings); pass at most {limit}"
         )
+    if new_tokens >= limit:  # no prompt length makes room: only --max-new-tokens can change
+        fix = f"pass --max-new-tokens {max(limit - prompt_tokens, 1)} or less"
+    else:
+        fix = f"lower --max-new-tokens to {max(limit - prompt_tokens, 1)} or --max-prompt-tokens to {limit - new_tokens}"
     raise ConfigError(
         f"{what} of {prompt_tokens} tokens + {new_tokens} new tokens = {prompt_tokens + new_tokens} "
-        f"positions, beyond the model's maximum of {limit} (max_position_embeddings); lower "
-        f"--max-prompt-tokens to {max(limit - new_tokens, 0)} or --max-new-tokens"
+        f"positions, beyond the model's maximum of {limit} (max_position_embeddings); {fix}"
     )
 
 

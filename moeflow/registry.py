@@ -4,6 +4,7 @@ policies in `moeflow.policies`, predictors in `moeflow.predict`), chosen by name
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -43,11 +44,33 @@ class Registry(dict[str, type[Any]]):
             raise ConfigError(
                 f"{self.what} {name!r} has no option {', '.join(map(repr, bad))}; its options: {', '.join(accepted) or '(none)'}"
             ) from None
+        _check_numbers(self.what, name, cls, options)
         try:
             return cls(**options)
-        except (TypeError, ValueError) as e:  # a value of the wrong type, e.g. overfetch=abc
+        except (TypeError, ValueError) as e:  # a value of the wrong type the signature does not tell
             given = ", ".join(f"{k}={v!r}" for k, v in options.items())
+            why = f" ({e})" if isinstance(e, ValueError) else ""  # a TypeError is Python's wording, not the user's
             raise ConfigError(
-                f"{self.what} {name!r}: bad option value in {given} ({e}); "
+                f"{self.what} {name!r}: bad option value in {given}{why}; "
                 f"give numbers where numbers are expected, e.g. pregate:overfetch=1.5"
             ) from None
+
+
+_NUMBER = re.compile(r"^(int|float)(\s*\|\s*None)?$|^Optional\[(int|float)\]$")
+
+
+def _check_numbers(what: str, name: str, cls: type[Any], options: Mapping[str, Any]) -> None:
+    """Refuse, in one line, a non-number given to an option the constructor declares a number (`int`, `float`,
+    optionally `| None`, or a numeric default): `pregate:overfetch=abc`."""
+    for p in inspect.signature(cls).parameters.values():
+        if p.name not in options:
+            continue
+        v = options[p.name]
+        ann = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "")
+        numeric = bool(_NUMBER.match(str(ann).strip())) or (
+            isinstance(p.default, (int, float)) and not isinstance(p.default, bool)
+        )
+        if numeric and not (v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))):
+            default = isinstance(p.default, (int, float)) and not isinstance(p.default, bool)
+            example = f" (its default: {name}:{p.name}={p.default})" if default else ""
+            raise ConfigError(f"{what} {name!r}: {p.name}={v!r} is not a number; give a number{example}")

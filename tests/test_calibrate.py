@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -125,6 +126,9 @@ def test_cli_quick_run(tmp_path, tiny_models):
     rec = json.loads(r.stdout.strip().splitlines()[-1])
     saved = load_calibration(out, model)
     assert saved["cpu_threads"] == 1  # measured as `moeflow run --threads 1` computes
+    assert saved["best_threads"] == 1 and saved["threads_source"] == "--threads"  # --threads: that count only
+    assert [r["threads"] for r in saved["thread_sweep"]] == [1]
+    assert saved["thread_sweep"][0]["compute_per_token_s"] == saved["compute_per_token_s"]
     # tiny OLMoE: 3 MoE layers, top-2 of 8 experts of 3 x 64 x 32 float32 weights = 24,576 bytes each
     assert saved["expert_bytes"] == 24_576 and saved["experts_per_layer"] == 2
     assert [s["bytes"] for s in saved["sweep"]] == [16_384, 24_576, 65_536]  # --sizes 16,64 KiB + one expert
@@ -148,6 +152,48 @@ def test_cli_quick_run(tmp_path, tiny_models):
     assert "GB/s" in h.output and "KiB" in h.output
     bad = CliRunner().invoke(app, ["calibrate", "--model", str(ck), "--regime", "warp"])
     assert bad.exit_code != 0 and isinstance(bad.exception, ConfigError) and "unknown --regime 'warp'" in str(bad.exception)
+
+
+def test_thread_counts_and_best():
+    from moeflow.calibrate.measure import best_thread_count, thread_counts
+
+    assert thread_counts(1) == [1] and thread_counts(2) == [1, 2] and thread_counts(6) == [1, 2, 4, 6]
+    assert thread_counts(16) == [1, 2, 4, 8, 16]
+    rows = [{"threads": 1, "compute_per_token_s": 0.010}, {"threads": 2, "compute_per_token_s": 0.006}]
+    assert best_thread_count(rows) == 2
+    rows.append({"threads": 4, "compute_per_token_s": 0.0058})  # within 5% of 2 threads: the fewer win
+    assert best_thread_count(rows) == 2
+    rows.append({"threads": 8, "compute_per_token_s": 0.004})
+    assert best_thread_count(rows) == 8
+
+
+def test_sweep_records_best_threads(tmp_path, tiny_models, monkeypatch):
+    """Without --threads (or an environment count) calibrate times decode at 1, 2, ... up to the usable CPUs and
+    records the fastest as best_threads, the other compute times at that count; torch's count is restored."""
+    import torch
+
+    from moeflow.calibrate import CalibrateConfig, main
+    from moeflow.calibrate.measure import best_thread_count
+
+    monkeypatch.delenv("MOEFLOW_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("moeflow.threads.usable_cores", lambda: 2)
+    model = tiny_models("olmoe")
+    ck = tmp_path / "tiny"
+    model.save_pretrained(ck)
+    before = torch.get_num_threads()
+    cfg = CalibrateConfig(model=str(ck), out=str(tmp_path / "c.json"), sizes_kib=(16,), repeats=1, decode_steps=2)
+    rec = main(cfg)
+    assert torch.get_num_threads() == before
+    sweep = rec["thread_sweep"]
+    assert [r["threads"] for r in sweep] == [1, 2] and rec["threads_source"] == "measured"
+    assert rec["best_threads"] == best_thread_count(sweep) == rec["cpu_threads"] == rec["threads"]
+    at_best = next(r for r in sweep if r["threads"] == rec["best_threads"])
+    assert rec["compute_per_token_s"] == at_best["compute_per_token_s"] and rec["layer_time_s"] == at_best["layer_time_s"]
+    assert load_calibration(tmp_path / "c.json", model)["best_threads"] == rec["best_threads"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # an environment count pins it, as --threads does
+    rec = main(dataclasses.replace(cfg, write=False))
+    assert [r["threads"] for r in rec["thread_sweep"]] == [1] and rec["threads_source"] == "OMP_NUM_THREADS"
 
 
 @pytest.mark.gpu

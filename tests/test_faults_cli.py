@@ -1,4 +1,4 @@
-"""Faults at the command line (issue 9, items 4, 5, 7, 8, 9): every bad input is one line and a non-zero exit,
+"""Faults at the command line: every bad input is one line and a non-zero exit,
 checked before any work; Ctrl-C / SIGTERM; `run --json` texts; one flag vocabulary; `python -m moeflow`."""
 
 from __future__ import annotations

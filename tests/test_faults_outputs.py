@@ -1,8 +1,10 @@
-"""Issue 9, items 1, 2, 4 (corrupt predictor files, --out a folder), 6: outputs never lose data, are
-replaced atomically, and loading a predictor folder never runs code from it."""
+"""Outputs (corrupt predictor files, --out a folder, pickles): outputs never lose data, are
+replaced atomically, and loading a predictor folder never runs code from it. An --out that cannot be written
+is refused before any work, and a failed publication leaves nothing beside its target."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -247,7 +249,7 @@ def test_check_out_rules(tmp_path):
     pred.mkdir()
     assert check_out(pred, kind="predictors", inputs=inputs) == pred
     (pred / "meta.json").write_text('{"kind": "predictors"}')
-    refused(pred, "already holds a moeflow predictors; pass --force to replace it")
+    refused(pred, "already holds a moeflow predictor folder; pass --force to replace it")
     assert check_out(pred, kind="predictors", inputs=inputs, force=True) == pred
     assert check_out(tmp_path / "new" / "pred", kind="predictors", inputs=inputs) == tmp_path / "new" / "pred"
 
@@ -539,3 +541,177 @@ def test_calibrate_out_rules_before_any_measurement(trained, tmp_path, monkeypat
     (tmp_path / "calibration" / "cpu.json").write_text('{"kind": "calibration", "schema": 1}')
     code, err = cli(args, capsys)
     assert code == 2 and "calibration/cpu.json already holds a moeflow calibration; pass --force" in err
+
+
+# -- an --out that cannot be written: refused before any work, nothing left beside it ---------------------------
+
+
+def make_read_only(monkeypatch, folder: Path, err: int = errno.EROFS) -> None:
+    """Creating a file or folder anywhere under `folder` fails with `err`, as on a read-only mount.
+
+    (Tests run as root, which ignores permission bits, and cannot mount: `os.open(..., O_CREAT)` and
+    `os.mkdir` are what every write, temp file, probe and lock goes through.)"""
+    blocked = Path(os.path.abspath(folder))
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def under(path) -> bool:
+        return Path(os.path.abspath(path)).parent.is_relative_to(blocked)
+
+    def fake_open(path, flags, mode=0o777, *, dir_fd=None):
+        if flags & os.O_CREAT and dir_fd is None and under(path):
+            raise OSError(err, os.strerror(err), str(path))
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    def fake_mkdir(path, mode=0o777, *, dir_fd=None):
+        if dir_fd is None and under(path):
+            raise OSError(err, os.strerror(err), str(path))
+        return real_mkdir(path, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    monkeypatch.setattr(os, "mkdir", fake_mkdir)
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_check_out_refuses_a_folder_it_cannot_write_in(tmp_path, monkeypatch):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mnt = tmp_path / "mnt"  # an empty folder on a read-only mount, in a writable parent
+    mnt.mkdir()
+    make_read_only(monkeypatch, ro)
+    make_read_only(monkeypatch, mnt)
+    before = listing(tmp_path)
+    for out, kw, where in (
+        (ro / "pred", {}, ro),
+        (ro / "a" / "b" / "pred", {}, ro),  # parents to create: the nearest existing one is probed
+        (ro / "cal.json", {"file": True}, ro),
+        (mnt, {}, mnt),
+        (mnt, {"reuse": True}, mnt),
+    ):
+        with pytest.raises(ConfigError) as e:
+            check_out(out, kind="predictors", **kw)
+        assert str(e.value) == f"--out {out}: cannot write in {where} (read-only file system); choose a writable --out"
+    assert listing(tmp_path) == before
+    assert check_out(tmp_path / "pred", kind="predictors") == tmp_path / "pred"  # a writable parent is fine
+    assert listing(tmp_path) == before  # the probe is gone
+    denied = tmp_path / "denied"
+    denied.mkdir()
+    make_read_only(monkeypatch, denied, errno.EACCES)
+    with pytest.raises(ConfigError, match=r"cannot write in .*denied \(permission denied\)"):
+        check_out(denied / "c.json", kind="calibration", file=True, flag="the calibration file")
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root ignores permission bits")
+def test_check_out_refuses_a_folder_without_write_permission(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(ConfigError, match=r"cannot write in .* \(permission denied\); choose a writable --out"):
+            check_out(ro / "pred", kind="predictors")
+        assert list(ro.iterdir()) == []
+    finally:
+        ro.chmod(0o755)
+
+
+def test_a_mount_point_is_refused_as_a_folder_to_replace(tmp_path, monkeypatch):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mnt or real(p))
+    with pytest.raises(ConfigError, match=r"is a mount point, which cannot be replaced .* pass a path inside it"):
+        check_out(mnt, kind="predictors")
+    assert check_out(mnt, kind="trace", reuse=True) == mnt  # a trace is written into it: fine
+
+
+@pytest.mark.parametrize("where", ["replace", "exchange"])
+def test_atomic_dir_leaves_nothing_beside_the_target_when_publishing_fails(tmp_path, monkeypatch, where):
+    """An empty read-only mount point as `final`: the swap fails (EBUSY / EROFS); no link, no versions left."""
+    import moeflow.artifacts as art
+
+    final = tmp_path / "sub" / "out"
+    if where == "exchange":
+        final.mkdir(parents=True)  # an empty real folder: swapped with the link by an atomic exchange
+
+        def refuse(a, b):
+            raise OSError(errno.EBUSY, "Device or resource busy", str(b))
+
+        monkeypatch.setattr(art, "_exchange", refuse)
+    else:
+        real_replace = os.replace
+
+        def refuse_link(src, dst, **kw):
+            if ".link-" in str(src):
+                raise OSError(errno.EROFS, "Read-only file system", str(dst))
+            return real_replace(src, dst, **kw)
+
+        monkeypatch.setattr(os, "replace", refuse_link)
+    before = listing(tmp_path)
+    with pytest.raises(OSError):
+        with atomic_dir(final) as tmp:
+            (tmp / "meta.json").write_text("{}")
+    assert listing(tmp_path) == before  # no .out.link-*, no .out.versions/, no new sub/
+
+
+def test_a_legacy_folder_is_put_back_when_the_link_cannot_replace_it(tmp_path, monkeypatch):
+    import moeflow.artifacts as art
+
+    final = tmp_path / "out"
+    final.mkdir()
+    (final / "meta.json").write_text('{"n": 1}')
+    monkeypatch.setattr(art, "_exchange", lambda a, b: False)  # no renameat2: rename the old folder aside first
+    real_replace = os.replace
+
+    def refuse_link(src, dst, **kw):
+        if ".link-" in str(src):
+            raise OSError(errno.EROFS, "Read-only file system", str(dst))
+        return real_replace(src, dst, **kw)
+
+    monkeypatch.setattr(os, "replace", refuse_link)
+    with pytest.raises(OSError):
+        with atomic_dir(final) as tmp:
+            (tmp / "meta.json").write_text('{"n": 2}')
+    assert final.is_dir() and not final.is_symlink() and (final / "meta.json").read_text() == '{"n": 1}'
+    assert listing(tmp_path) == ["out", "out/meta.json"]
+
+
+def _no_work(monkeypatch) -> None:
+    def refuse(*a, **k):
+        raise AssertionError("work started before --out was checked")
+
+    monkeypatch.setattr("moeflow.models.load_model", refuse)
+    monkeypatch.setattr("moeflow.predict.train.fit_all", refuse)
+    monkeypatch.setattr("moeflow.calibrate.run.bandwidth_sweep", refuse)
+
+
+def stage_args(command: str, root: Path, trace: Path, out: Path) -> list[str]:
+    """Arguments of a writing command with --out `out` (the tiny model of `trained`; prompts in root/p.txt)."""
+    (root / "p.txt").write_text("the king said\nto be or not\n")
+    model = str(root / "model")
+    return {
+        "train": train_args(root, trace, out),
+        "calibrate": ["calibrate", "--model", model, "--sizes", "16", "--repeats", "1", "--decode-steps", "1", "--out", str(out)],
+        "run": ["run", "-m", model, "-p", str(root / "p.txt"), "--out", str(out)],
+        "trace": ["trace", "--model", model, "--prompts", str(root / "p.txt"), "--out", str(out), "--no-progress"],
+    }[command]
+
+
+@pytest.mark.parametrize(
+    "command,name",
+    [("train", "pred"), ("train", ""), ("calibrate", "cal.json"), ("run", "gen.jsonl"), ("trace", "tr"), ("trace", "")],
+)
+def test_a_read_only_out_is_refused_before_any_work(trained, tmp_path, monkeypatch, capsys, command, name):
+    """`name` "" is the read-only folder itself as --out (an empty read-only mount point)."""
+    _, root, trace, _ = trained
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    make_read_only(monkeypatch, ro)
+    _no_work(monkeypatch)
+    out = ro / name if name else ro
+    before = listing(tmp_path)
+    code, err = cli(stage_args(command, root, trace, out), capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert f"--out {out}: cannot write in {ro} (read-only file system); choose a writable --out" in err
+    assert listing(tmp_path) == before

@@ -1,4 +1,4 @@
-"""Verified reads and bad inputs (issue 9, items 3, 4, 5, 7, 8): trace checksums, meta.json fields,
+"""Verified reads and bad inputs: trace checksums, meta.json fields,
 prompt ids vs shards, sources after appends, SIGTERM during `moeflow trace`, prompt file columns,
 binary prompt files, damaged checkpoints, prompt lengths beyond the model's positions."""
 

@@ -217,3 +217,23 @@ def test_train_only_gps_then_eval(small_trace, capsys, tmp_path):
         main(["eval", "--predictors", str(out), "--trace", str(small_trace), "--json"])
     assert e.value.code == 0
     assert "lstm" in json.loads(capsys.readouterr().out)["gps"]["token_to_expert"]
+
+
+def test_gps_sweep_repeats_no_point(small_trace, capsys):
+    """Sweep targets the re-routing cannot tell apart (all far below the flattest routing it reaches) give one
+    point, not several copies of it: each skewness appears once in the sweep, the plot's points and the table;
+    the others are listed as skipped with the point they landed on."""
+    from moeflow.cli.app import main
+    from moeflow.gps.guide import duplicate_of
+
+    a, b, c = {"skewness": 1.661}, {"skewness": 1.664}, {"skewness": 1.70}
+    assert duplicate_of(b, [a, c]) is a and duplicate_of(c, [a, b]) is None and duplicate_of(a, [a]) is None
+    with pytest.raises(SystemExit) as e:
+        main(["gps", "--trace", str(small_trace), "--seq-len", "64", "--max-batches", "2", "--json",
+              "--skew", "1.01", "--skew", "1.02", "--skew", "1.03"])  # fmt: skip
+    assert e.value.code == 0
+    res = json.loads(capsys.readouterr().out)
+    shown = [round(p["skewness"], 2) for p in [res["measured"], *res["sweep"]]]
+    assert len(shown) == len(set(shown))
+    assert len(res["sweep"]) + len(res["sweep_skipped"]) == 3 and len(res["sweep_skipped"]) >= 2
+    assert all("lands on the point at skewness" in x["reason"] for x in res["sweep_skipped"])

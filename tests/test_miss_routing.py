@@ -18,9 +18,9 @@ from moeflow.policies import MISS, ROUTING
 from moeflow.policies.base import MissInfo, miss_action
 from moeflow.policies.miss import nearest_resident, similarity
 from moeflow.policies.routing import dual_select
-from moeflow.runtime.engine import OffloadEngine
 from moeflow.runtime.generate import build_engine, generate_one
 from moeflow.runtime.link import DirectLink, EmulatedLink
+from moeflow.runtime.step import apply_miss
 
 NEW = 8
 
@@ -87,11 +87,8 @@ def test_cpu_computes_misses_on_host(tiny_models, prompt):
     assert m.counters.loads < m_fetch.counters.loads  # host compute instead of copies
 
 
-def _fake_engine(miss, resident: set[int], E: int = 8):
-    cache = SimpleNamespace(resident=lambda key: key[1] in resident, position=lambda layer: None)
-    return SimpleNamespace(
-        cache=cache, miss=miss, spec=SimpleNamespace(num_experts=E), miss_counts={"drop": 0, "substitute": 0, "cpu": 0}
-    )
+def _fake_cache(resident: set[int]):
+    return SimpleNamespace(resident=lambda key: key[1] in resident, position=lambda layer: None)
 
 
 def test_drop_renorm_hand_computed():
@@ -102,12 +99,13 @@ def test_drop_renorm_hand_computed():
     ids = torch.tensor([0, 5, 1, 6, 2, 6, 7, 1])
     w = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.5, 0.2, 0.2, 0.1])
     for renorm, want in [(True, [0.625, 0.25, 0.0, 0.125]), (False, [0.5, 0.2, 0.0, 0.1])]:
-        eng = _fake_engine(MISS.create("drop", renorm=renorm), {0, 1, 2})
-        changed, ids2, w2, cpu = OffloadEngine._apply_miss(eng, 3, ids, w, torch.Size([2, 4]))  # type: ignore[arg-type]
+        counts = {"drop": 0, "substitute": 0, "cpu": 0}
+        pol = MISS.create("drop", renorm=renorm)
+        changed, ids2, w2, cpu = apply_miss(pol, _fake_cache({0, 1, 2}), 3, ids, w, torch.Size([2, 4]), counts)  # type: ignore[arg-type]
         assert changed and cpu == []
         assert ids2.tolist() == [0, 5, 1, 6, 2, 6, 2, 1]
         assert torch.allclose(w2[:4], w[:4]) and torch.allclose(w2[4:], torch.tensor(want))
-        assert eng.miss_counts["drop"] == 1
+        assert counts["drop"] == 1
     with pytest.raises(ConfigError):
         MISS.create("drop", min_rank=1)
 
@@ -134,8 +132,9 @@ def test_substitute_picks_nearest_resident():
     tight.sim = {0: sim}
     assert tight.on_miss((0, 3), None, MissInfo(1, 0.5, 1, lambda k: k[1] in {1, 2})) == "fetch"
     # the engine routes the substituted entries to the substitute, weights kept
-    eng = _fake_engine(pol, {1, 2}, E=4)
-    changed, ids2, w2, _ = OffloadEngine._apply_miss(eng, 0, torch.tensor([2, 3]), torch.tensor([0.6, 0.4]), torch.Size([1, 2]))  # type: ignore[arg-type]
+    counts = {"drop": 0, "substitute": 0, "cpu": 0}
+    ids, w = torch.tensor([2, 3]), torch.tensor([0.6, 0.4])
+    changed, ids2, w2, _ = apply_miss(pol, _fake_cache({1, 2}), 0, ids, w, torch.Size([1, 2]), counts)  # type: ignore[arg-type]
     assert changed and ids2.tolist() == [2, 2] and w2.tolist() == pytest.approx([0.6, 0.4])
 
 
@@ -158,7 +157,7 @@ def test_cache_aware_dual_logit(tiny_models):
     assert torch.allclose(w[0].float(), want)
     small = ROUTING.create("cache-aware", lam=0.0)
     assert small.select_logits(l, logits, lambda k: k[1] == 3, ad.spec.top_k) is None
-    assert small.exact and not small.lossy and not pol.exact and pol.lossy  # lambda = 0 routes as standard
+    assert not small.changes_output and pol.changes_output  # lambda = 0 routes as standard
     # D_avg: mean top-2 logit 2.75 minus mean of the other six (0.5+1-1-2+0+2)/6 = 0.0833
     fresh = ROUTING.create("cache-aware")
     assert float(fresh.delta_avg(l, logits, 2)) == pytest.approx(2.75 - 0.5 / 6)
@@ -197,3 +196,4 @@ def test_cli_lossy_run_json(tmp_path):
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")][-1]
     run = json.loads(line)["runs"][0]
     assert run["metrics"]["lossy"] is True
+    assert run["lossy_reasons"] == ["miss policy drop changes the output", "routing policy cache-aware changes the output"]

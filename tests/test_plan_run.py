@@ -77,15 +77,15 @@ def test_restricted_routes_only_inside_the_plan(tiny_models, prompt):
     assert eng is not None
     rp.prepare(eng)
     routed: list[int] = []
-    orig = eng._to_host
 
     def spy(routings):
         out = orig(routings)
         routed.extend(int(i) for i in out[0][0].tolist())
         return out
 
-    eng._to_host = spy
     with eng:
+        orig = eng.step.to_host
+        eng.step.to_host = spy  # type: ignore[method-assign]
         rp.begin(eng, [plan])
         out, m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
         rp.end(eng)

@@ -16,8 +16,10 @@ from moeflow.errors import ArtifactError
 REPO = Path(__file__).resolve().parent.parent
 
 
-def write_trace(model, out: Path, prompts: list[list[int]], *, new_tokens: int = 6, record_hidden: bool = True) -> Path:
-    """A real trace folder (moeflow.trace writer) of greedy generation from token-id prompts."""
+def write_trace(
+    model, out: Path, prompts: list[list[int]], *, new_tokens: int = 6, record_hidden: bool = True, ids: str = "p"
+) -> Path:
+    """A real trace folder (moeflow.trace writer) of greedy generation from token-id prompts (ids `{ids}0`, ...)."""
     from moeflow.moe import get_adapter, model_fingerprint
     from moeflow.trace.writer import RoutingRecorder, TraceWriter, generation_kwargs, trace_one
 
@@ -44,7 +46,7 @@ def write_trace(model, out: Path, prompts: list[list[int]], *, new_tokens: int =
     ) as w:
         for i, p in enumerate(prompts):
             rows, _ = trace_one(model, rec, torch.tensor([p]), kw)
-            w.add(f"p{i}", rows)
+            w.add(f"{ids}{i}", rows)
     return out
 
 
@@ -516,3 +518,117 @@ def test_cli_run_with_learned_prefetch_adaptive_s_and_speculative(trained_folder
     assert c["prefetch_refused"] == 0 and c["prefetch_issued"] > 0
     code, _, err = run(["-c", "25%", "-f", "forest", "--prefetch-opt", f"predictors={out}", "--speculative"], "bad")
     assert code == 2 and "--speculative needs" in err
+
+
+def test_decay_fit_reports_a_degenerate_fit_instead_of_its_numbers():
+    """A near-linear fall (c pinned at its bound 0), no fall at all, and too few S give no asymptote; a decay
+    that levels off within the measured S keeps its fitted c."""
+    import math
+    import re
+
+    from moeflow.predict.evaluate import decay_fit_status, fit_decay, tables
+
+    S = (1, 2, 3, 4)
+    curve = fit_decay([(s, 0.3 * math.exp(-s) + 0.5) for s in S])
+    assert decay_fit_status(curve, 4) == "ok" and curve["c"] == pytest.approx(0.5, abs=1e-3)
+    assert decay_fit_status(fit_decay([(s, 0.8 - 0.05 * s) for s in S]), 4).startswith("degenerate: c at its bound 0")
+    assert decay_fit_status(fit_decay([(s, 0.6) for s in S]), 4).startswith("degenerate: a at its bound 0")
+    slow = {"a": 0.5, "b": 0.1, "c": 0.2, "rmse": 0.0, "distinct_S": 4, "min_S": 1.0, "max_S": 4.0, "method": "x"}
+    assert "less than half the decay" in decay_fit_status(slow, 4)  # type: ignore[arg-type]
+    assert decay_fit_status(fit_decay([(1, 0.5), (2, 0.4)]), 2).startswith("too few S")
+    # the table says so instead of printing a number
+    res = {
+        n: {f"{s}->{s + 1}": {"source": s, "target": s + 1, "S": s, "recall_at_k": y(s), "mass_precision": 0.5, "mass_set_size": 2.0} for s in S}
+        for n, y in (("pregate", lambda s: 0.3 * math.exp(-s) + 0.5), ("forest", lambda s: 0.8 - 0.05 * s))
+    }
+    rep = {"results": res, "n_tokens": 10, "n_prompts": 2, "mass": 0.8}
+    rep["fit"] = {"pregate": curve, "forest": None}
+    rep["fit_status"] = {"pregate": "ok", "forest": "degenerate: c at its bound 0"}
+    from rich.console import Console
+
+    con = Console(record=True, width=200)
+    for t in tables(rep):
+        con.print(t)
+    text = con.export_text()
+    row = next(line for line in text.splitlines() if "degenerate fit*" in line)
+    assert "forest" in row and not re.findall(r"\d\.\d", row) and "(forest: c at its bound 0)" in " ".join(text.split())
+
+
+def test_evaluate_gives_no_numbers_for_a_degenerate_fit(fitted_tiny):
+    from moeflow.predict.evaluate import evaluate
+
+    _, held, preds = fitted_tiny
+    rep = evaluate(preds, held, max_s=3)
+    assert set(rep["fit_status"]) == set(rep["fit"]) == set(preds)
+    for name, f in rep["fit"].items():
+        assert (f is None) == (rep["fit_status"][name] != "ok")
+        if f is not None:
+            ok_g = rep["fit"]["pregate"] is not None
+            assert ("delta_inf_vs_pregate" in f) == ok_g
+
+
+def test_eval_says_in_sample_when_its_prompts_were_trained_on(trained_folder, tiny_setup, tmp_path):
+    """`moeflow eval` on the training trace: the figures are labelled in-sample with the overlap; on new prompts
+    held out; a folder without training prompt ids falls back to its training trace, or says it cannot tell."""
+    from typer.testing import CliRunner
+
+    from moeflow.cli.app import app
+    from moeflow.predict.evaluate import sample_label, sample_overlap, trace_prompt_ids
+
+    model, root, out, _ = trained_folder
+    trace = tiny_setup[1]
+    meta = json.loads((out / "meta.json").read_text())
+    trained = meta["trace"]["trained_prompt_ids"]
+    every = trace_prompt_ids(trace)
+    assert 0 < len(trained) < len(every) and set(trained) <= set(every)  # the training split, not the held-out part
+
+    def ev(tr, *extra):
+        args = ["eval", "--predictors", str(out), "--trace", str(tr), "--model", str(root / "model"), "--max-s", "2"]
+        r = CliRunner().invoke(app, [*args, "--only", "forest", *extra])
+        assert r.exit_code == 0, r.output
+        return r.stdout
+
+    rep = json.loads(ev(trace, "--json").strip().splitlines()[-1])
+    assert rep["heldout"] is False and rep["overlap_prompts"] == len(trained) and rep["eval_prompts"] == len(every)
+    text = ev(trace)
+    assert f"in-sample ({len(trained)} of {len(every)} eval prompts were trained on)" in " ".join(text.split())
+    assert "held-out recall" not in text
+    held = write_trace(model, tmp_path / "held", structured_prompts(3, 20, seed=5), new_tokens=4, ids="new")
+    rep = json.loads(ev(held, "--json").strip().splitlines()[-1])
+    assert rep["heldout"] is True and rep["overlap_prompts"] == 0 and sample_label(rep) == "held-out"
+    old = {"trace": {"path": str(trace)}}  # an older folder: no trained_prompt_ids
+    assert sample_overlap(old, every) == {
+        "eval_prompts": len(every),
+        "overlap_basis": "training trace",
+        "heldout": False,
+        "overlap_prompts": len(every),
+    }
+    gone = sample_overlap({"trace": {"path": str(tmp_path / "moved")}}, every)
+    assert gone["heldout"] is None and "unknown" in sample_label(gone)
+
+
+def test_expertflow_table2_marks_a_degenerate_fit_and_keeps_the_measured_gain():
+    """`make reproduce-expertflow`'s Table 2: a degenerate forest fit is a marked cell with its reason, not c = 0
+    and a Delta_inf; the note still compares the measured per-S accuracies."""
+    from moeflow.report import Table
+    from recipes.reproduce import expertflow
+
+    class R:
+        model = "models/olmoe-deep"
+
+        def table(self, key, title, columns, label="", source=()):
+            self.t = Table(key, title, list(columns), label=label, source=list(source))
+            return self.t
+
+    g = {"a": 0.3, "b": 1.0, "c": 0.5, "rmse": 0.0, "distinct_S": 4, "min_S": 1.0, "max_S": 4.0, "method": "x"}
+    rep = {
+        "fit": {"pregate": g, "forest": None},
+        "fit_status": {"pregate": "ok", "forest": "degenerate: c at its bound 0"},
+        "by_s": {"pregate": {"1": 0.6, "2": 0.55}, "forest": {"1": 0.75, "2": 0.7}},
+    }
+    r = R()
+    expertflow.table2(r, rep, {})
+    ours = [cells for label, cells in r.t.rows if label.startswith("ours:") and "forest" in label]
+    assert len(ours) == 1 and ours[0][:3] == [expertflow.DEGENERATE, 50.0, expertflow.DEGENERATE]
+    notes = " ".join(r.t.notes)
+    assert "c at its bound 0" in notes and "+15.0, +15.0 points" in notes and "not given" in notes

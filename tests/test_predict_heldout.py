@@ -1,4 +1,4 @@
-"""Issue 11 part 4: token-id as a first-class predictor, the grouped forest call, the estimator's inputs."""
+"""Token-id as a first-class predictor, the grouped forest call, the estimator's inputs."""
 
 from __future__ import annotations
 

@@ -28,12 +28,12 @@ def ckpt(tmp_path_factory):
 @pytest.fixture
 def lossy_routing():
     """A routing policy that strongly prefers resident experts: it changes the output and says so."""
-    from moeflow.policies import ROUTING
+    from moeflow.policies import ROUTING, RoutingPolicy
 
-    class PreferResident:
+    class PreferResident(RoutingPolicy):
         name: ClassVar[str] = "test-prefer-resident"
-        exact: ClassVar[bool] = False
-        lossy: ClassVar[bool] = True
+        changes_output = True
+        reroutes: ClassVar[bool] = True
 
         def bias(self, layer, num_experts, resident):
             return torch.tensor([20.0 if resident((layer, e)) else 0.0 for e in range(num_experts)])
@@ -178,3 +178,64 @@ def test_casmoe_plan_modes_scored(ckpt, capsys, monkeypatch, tmp_path, mode):
         assert row["ppl_delta_pct"] != 0.0 or row["agreement"] < 1.0
     assert _run(_args(ckpt, *opts, "--plan-opt", "update=true")) == 2
     assert "update=true" in capsys.readouterr().err
+
+
+def test_dppl_interval_hand_computed():
+    """Identical scores: [0, 0], within noise; a constant per-token shift c: exactly exp(c) - 1 at both ends, not
+    within noise; a change that goes both ways: an interval around 0; a cell that says so; unpaired scores refused."""
+    import math
+
+    from moeflow.quality.measure import dppl_cell, dppl_interval, within_noise
+
+    ref = [[2.0, 1.0, 3.0, 0.5] * 10, [1.5] * 25]  # two windows, 65 scored tokens
+    same = dppl_interval(ref, ref)
+    assert same == (0.0, 0.0) and within_noise(same) is True
+    shifted = [[x + 0.1 for x in w] for w in ref]
+    lo, hi = dppl_interval(shifted, ref)
+    assert lo == pytest.approx(100 * math.expm1(0.1)) and hi == pytest.approx(100 * math.expm1(0.1))
+    assert within_noise((lo, hi)) is False
+    mixed = [[x + (0.2 if i % 2 else -0.2) for i, x in enumerate(w)] for w in ref]
+    ci = dppl_interval(mixed, ref, block=1)  # token by token: +0.2 and -0.2 nats alternate
+    assert ci is not None and ci[0] < 0 < ci[1] and within_noise(ci) is True
+    assert dppl_interval(mixed, ref, block=1) == ci  # a fixed seed: the same interval each time
+    assert dppl_cell(8.5, (-3.1, 19.0)) == "+8.50 [-3.10, +19.00] within noise"
+    assert dppl_cell(8.5, (2.0, 19.0)) == "+8.50 [+2.00, +19.00]" and dppl_cell(None, None) == "-"
+    assert dppl_interval([], []) is None and within_noise(None) is None
+    with pytest.raises(ValueError, match="same windows"):
+        dppl_interval([[1.0, 2.0]], [[1.0]])
+
+
+def test_quality_gives_each_dppl_an_interval(ckpt, capsys, lossy_routing):
+    """Every configuration's perplexity change vs resident comes with its 95% interval and a within-noise flag
+    (exact ones: [0, 0]); the table prints them; the per-token NLLs stay out of --json."""
+    code = _run(_args(ckpt, "--sweep", "-c", "2", "--routing", f"standard,{lossy_routing}"))
+    assert code == 0
+    out = capsys.readouterr()
+    runs = json.loads(out.out.strip().splitlines()[-1])["runs"]
+    for r in runs:
+        assert "ppl_token_nll" not in r
+        lo, hi = r["dppl_ci95"]
+        assert lo <= hi and r["dppl_within_noise"] == (lo <= 0 <= hi)
+        if not r["lossy"]:
+            assert (lo, hi) == (0.0, 0.0) and r["dppl_within_noise"] is True
+    lossy = next(r for r in runs if r["lossy"])
+    assert lossy["dppl_ci95"][0] <= lossy["ppl_delta_pct"] <= lossy["dppl_ci95"][1]
+    assert "95% interval" in " ".join(out.err.split())
+    assert "within noise" in out.err
+
+
+def test_fidelity_recommends_nothing_inside_the_noise():
+    """benchmarks/fidelity.py: a lossy row whose perplexity change is small at its point estimate but whose interval
+    reaches past --max-ppl-loss is not recommended; a faster one bounded below it is."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "fidelity.py"
+    spec = importlib.util.spec_from_file_location("fidelity_bench", path)
+    assert spec is not None and spec.loader is not None
+    fid = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fid)
+    noisy = {"config": "substitute", "lossy": True, "ppl_delta_pct": -8.5, "dppl_ci95": [-30.0, 25.0], "tpot_gain_pct": 20.0}
+    tight = {"config": "fetch-priority", "lossy": True, "ppl_delta_pct": 0.2, "dppl_ci95": [0.1, 0.6], "tpot_gain_pct": 5.0}
+    assert fid.recommend([noisy], 1.0) is None
+    assert fid.recommend([noisy, tight], 1.0) is tight

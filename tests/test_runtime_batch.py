@@ -1,4 +1,4 @@
-"""Batches (issue 10 part 4), warm-up and link accounting (part 2).
+"""Batches, warm-up and link accounting.
 
 - `generate_batch` decodes B left-padded prompts of different lengths together; every prompt's greedy
   tokens equal a batch-1 run's, resident and offloaded (2 capacities, prefetch none / pregate), on a tiny

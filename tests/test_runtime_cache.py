@@ -7,7 +7,7 @@ import torch
 
 from moeflow.errors import ConfigError
 from moeflow.moe import get_adapter
-from moeflow.policies import EVICTION, LayerContext, PrefetchRequest
+from moeflow.policies import EVICTION, LayerContext, PrefetchPolicy, PrefetchRequest
 from moeflow.policies.parse import opts_dict, parse_capacity, parse_opts
 from moeflow.runtime.config import RunConfig
 from moeflow.runtime.engine import OffloadEngine
@@ -127,10 +127,12 @@ def test_restore_is_exact_and_frees_device(model, prompt):
         assert model.config._experts_implementation == "moeflow"
         assert eng.store.device_numel() == 0
         assert ad.experts(ad.moe_layers[0])._moeflow_layer == ad.moe_layers[0]
+        assert ad.experts(ad.moe_layers[0])._moeflow_owner is eng
         assert eng.cache.buffer.shape[0] == 8
         generate_one(model, prompt, eng, max_new_tokens=2)
     assert model.config._experts_implementation == "grouped_mm"
-    assert not hasattr(ad.experts(ad.moe_layers[0]), "_moeflow_engine")
+    assert not hasattr(ad.experts(ad.moe_layers[0]), "_moeflow_owner")
+    assert not hasattr(ad.experts(ad.moe_layers[0]), "_moeflow_layer")
     for l in ad.moe_layers:
         for n, p in ad.per_expert_params(l).items():
             assert torch.equal(p, before[l][n]) and p.is_contiguous()
@@ -150,8 +152,9 @@ def test_collision_misses_at_topk(model, prompt):
 def test_lookahead_reaches_prefetch_context(model, prompt):
     seen: list[tuple[int, list[int]]] = []
 
-    class Probe:
+    class Probe(PrefetchPolicy):
         name = "probe"
+        needs_residual = True
 
         def propose(self, ctx: LayerContext):
             seen.append((ctx.lookahead, ctx.next_layers()))
@@ -208,3 +211,68 @@ def test_emulated_link_engine_stalls_and_stays_exact(model, prompt):
     # the link's virtual schedule: each load took exactly 20 us + its bytes at 0.05 GB/s
     assert m.link_busy_s == pytest.approx(c.bytes_moved / 0.05e9 + c.loads * 20e-6, rel=1e-9)
     assert m.effective_gbps < 0.05
+
+
+def test_prefetch_precision_counts_each_window_own_copies(model):
+    """Hand-computed: a copy prefetched during prefill and first used while decoding counts for the
+    generation, not for the decode passes; a copy from an earlier generation counts for neither."""
+    from moeflow.runtime.cache import ExpertCache
+    from moeflow.runtime.metrics import RunMetrics
+    from moeflow.sim.link import InstantLink
+
+    spec = get_adapter(model).spec
+    cache = ExpertCache(None, spec.total_experts, link=InstantLink(), eviction=None, spec=spec, expert_bytes=1)
+    l0, l1 = spec.moe_layers[0], spec.moe_layers[1]
+
+    def use(layer, experts):
+        cache.begin_layer(layer)
+        cache.release(cache.route(layer, experts, {e: 1.0 for e in experts}, 16))
+
+    def window(c0, c1):
+        return c1 - c0
+
+    cache.mark_phase(new_generation=True)
+    g0 = cache.counters.copy()
+    cache.begin_pass(0)  # prefill: prefetch A=(l1,0), B=(l1,1), X=(l1,2); use A
+    assert cache.prefetch([PrefetchRequest((l1, e), priority=1.0) for e in (0, 1, 2)], l0) == 3
+    use(l1, [0])
+    cache.mark_phase()
+    d0 = cache.counters.copy()
+    cache.begin_pass(1)  # decode: use B (prefill's copy); prefetch C=(l1,3); use C
+    use(l1, [1])
+    assert cache.prefetch([PrefetchRequest((l1, 3), priority=1.0)], l0) == 1
+    use(l1, [3])
+    dec, gen = window(d0, cache.counters), window(g0, cache.counters)
+    assert (dec.prefetch_issued, dec.prefetch_used, dec.prefetch_used_prior_phase) == (1, 2, 1)
+    m = RunMetrics(counters=gen, decode_counters=dec)
+    assert m.decode_prefetch_precision == 1.0  # C of C (used / issued would say 2 / 1)
+    assert m.prefetch_precision == 0.75  # A, B, C of A, B, X, C
+    assert m.decode_prefetch_recall == 1.0  # both decode accesses were prefetched copies
+    cache.mark_phase(new_generation=True)  # a second generation uses X, prefetched by the first
+    g1 = cache.counters.copy()
+    cache.begin_pass(2)
+    use(l1, [2])
+    gen2 = window(g1, cache.counters)
+    assert (gen2.prefetch_used, gen2.prefetch_used_prior_generation, gen2.prefetch_issued) == (1, 1, 0)
+    assert RunMetrics(counters=gen2).prefetch_precision is None  # nothing issued: no precision
+    assert RunMetrics.total([m, RunMetrics(counters=gen2)]).prefetch_precision == 0.75
+
+
+def test_prefetch_precision_at_full_capacity_is_a_share(model):
+    """Every expert fits (C = 100%): copies prefetched for one prompt are used by the next one and prefill
+    copies while decoding; the precision stays a share in [0, 1] in every window (one prompt, its decode
+    passes, the whole run) although used copies outnumber the ones a window issued."""
+    from moeflow.runtime.metrics import RunMetrics
+
+    prompts = [torch.randint(3, 250, (1, 2), generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3)]
+    spec = get_adapter(model).spec
+    eng = build_engine(model, mode="offload", link=DirectLink(), capacity=spec.total_experts, eviction="lru", prefetch="pregate")
+    with eng:
+        ms = [generate_one(model, p, eng, max_new_tokens=16, min_new_tokens=16)[1] for p in prompts]
+    runs = [*ms, RunMetrics.total(ms)]
+    for m in runs:
+        for p in (m.prefetch_precision, m.decode_prefetch_precision):
+            assert p is None or 0.0 <= p <= 1.0
+    assert runs[-1].prefetch_precision is not None and runs[-1].decode_prefetch_precision is not None
+    windows = [c for m in runs for c in (m.counters, m.decode_counters)]
+    assert any(c.prefetch_used > c.prefetch_issued for c in windows)  # the case is exercised

@@ -1,8 +1,8 @@
 """The decode fast path: grouping over routed experts (no slot-count limit), host reads, deferral.
 
 - A model with more than 1024 routed experts (2 MoE layers x 640) at a capacity above 1024 slots runs
-  token-identical to the resident `grouped_mm` model (the engine used to group over every slot:
-  `torch._grouped_mm` refuses more than 1024 groups on CUDA), and no grouped call has more groups
+  token-identical to the resident `grouped_mm` model (grouping over every slot would exceed the 1024 groups
+  `torch._grouped_mm` accepts on CUDA), and no grouped call has more groups
   than the pass routed (T*k) or than the layer has experts.
 - One host read per MoE layer per pass; none per layer once every expert is resident (the accesses
   are replayed at pass end), with the same counters as the non-deferred path.
@@ -15,9 +15,10 @@ import torch
 
 from moeflow.models import tiny_model
 from moeflow.moe import get_adapter
-from moeflow.runtime.engine import OffloadEngine
+from moeflow.runtime import experts_call
 from moeflow.runtime.generate import build_engine, generate_one
 from moeflow.runtime.link import DirectLink
+from moeflow.runtime.step import RouteStep
 
 NEW = 6
 
@@ -37,21 +38,21 @@ def wide_model():
     )
 
 
-def _record_groups(eng: OffloadEngine) -> list[tuple[int, int]]:
-    """Wrap the engine's grouped call: (groups, rows) of every call."""
+def _record_groups(monkeypatch) -> list[tuple[int, int]]:
+    """Wrap the experts call's grouped compute: (groups, rows) of every call."""
     seen: list[tuple[int, int]] = []
-    inner = eng._grouped
+    inner = experts_call.grouped_experts
 
-    def spy(module, x, eg, slot_rows, groups):
+    def spy(module, x, eg, weights, rows, groups, arange=None):
         seen.append((groups, x.shape[0]))
-        return inner(module, x, eg, slot_rows, groups)
+        return inner(module, x, eg, weights, rows, groups, arange)
 
-    eng._grouped = spy
+    monkeypatch.setattr(experts_call, "grouped_experts", spy)
     return seen
 
 
 @pytest.mark.parametrize("capacity", [1100, 1280])
-def test_more_than_1024_experts_token_identical(wide_model, capacity):
+def test_more_than_1024_experts_token_identical(wide_model, capacity, monkeypatch):
     model = wide_model
     spec = get_adapter(model).spec
     assert spec.total_experts == 1280 and capacity > 1024
@@ -63,7 +64,7 @@ def test_more_than_1024_experts_token_identical(wide_model, capacity):
     with eng:
         assert eng.warm() == capacity  # fill every slot, so slots above 1024 are read
         assert eng.cache.num_resident() == capacity
-        groups = _record_groups(eng)
+        groups = _record_groups(monkeypatch)
         with torch.no_grad():
             logits = model(prompt).logits
         out, m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
@@ -96,7 +97,7 @@ def test_one_host_read_per_layer_and_deferred_counters(tiny_models, arch, monkey
     for ev in ("lru", "least-stale"):
         out, fast, syncs = run(spec.total_experts, True, ev)
         assert torch.equal(out, ref) and syncs == passes  # one replay per pass, none per layer
-        monkeypatch.setattr(OffloadEngine, "_can_defer", lambda self, layer, indices: False)
+        monkeypatch.setattr(RouteStep, "can_defer", lambda self, layer, indices: False)
         out, slow, syncs = run(spec.total_experts, True, ev)
         monkeypatch.undo()
         assert torch.equal(out, ref) and syncs == passes * spec.num_moe_layers

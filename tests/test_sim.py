@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from moeflow.errors import ConfigError
+from moeflow.errors import ConfigError, MoeflowError
 from moeflow.policies import EVICTION
 from moeflow.sim import AccessTrace, LayerStep, Pass, belady, from_trace, record_generate, simulate, synthetic
 
@@ -281,9 +281,10 @@ def test_simulate_cli_on_a_trace(traced):
     assert res["accesses_per_s"] > 0 and all(x["accesses_per_s"] > 0 for x in res["rows"])
     b = next(x for x in res["rows"] if (x["capacity"], x["eviction"]) == (3, "belady"))
     assert all(b["hits"] >= x["hits"] for x in res["rows"] if x["capacity"] == 3 and x["prefetch"] == "none")
+    # without --model pregate uses the default model, as every command: not the traced one, said in one line
     bad = CliRunner().invoke(app, ["simulate", "--trace", str(tr), "-p", "pregate"])
-    assert bad.exit_code != 0 and isinstance(bad.exception, ConfigError), bad.exception  # not a traceback
-    assert "--model" in str(bad.exception)
+    assert bad.exit_code != 0 and isinstance(bad.exception, MoeflowError), bad.exception  # not a traceback
+    assert f"pass --model {ck}" in str(bad.exception)
 
 
 def test_least_stale_is_lru_below_the_pass_working_set():

@@ -109,3 +109,69 @@ def test_run_caps_adaptive_s_at_a_learned_prefetchers_trained_horizon():
 
     assert controller_max_s(SimpleNamespace(max_lookahead=4)) == (4, 4)
     assert controller_max_s(None) == (11, 11)
+
+
+def test_requested_step_size_refuses_s_beyond_the_model():
+    from moeflow.errors import ConfigError
+    from moeflow.runtime.adaptive_s import requested_step_size
+
+    with pytest.raises(ConfigError, match=r"^-S 20: olmoe-deep has 12 MoE layers, so S can be 1\.\.11$"):
+        requested_step_size(20, None, 12, "olmoe-deep")
+    assert requested_step_size(11, {"initial_s": 3}, 12, "m") == (11, "-S")
+    assert requested_step_size(None, {"initial_s": 3}, 12, "m") == (3, "calibration")
+    assert requested_step_size(None, {"initial_s": 15}, 12, "m") == (11, "calibration's S=15 clamped to 11")
+    assert requested_step_size(None, None, 12, "m") == (1, "default")
+
+
+def test_the_step_size_reported_is_the_one_used():
+    """A learned predictor trained for S <= 4 runs at S = 4 when 11 is asked (the engine's S is set to it, so
+    s_history holds it) and says why; a policy's own lookahead wins; no prefetch uses no S; adaptive S is a range."""
+    from moeflow.runtime.adaptive_s import prefetch_step_size
+    from moeflow.runtime.main import NO_PREFETCH, adaptive_summary, use_step_size
+
+    forest = SimpleNamespace(name="forest", lookahead=None, pred=SimpleNamespace(max_lookahead=4))
+    assert prefetch_step_size(forest, 3) == (3, None)
+    used, why = prefetch_step_size(forest, 11)
+    assert used == 4 and "trained for S <= 4" in why
+    engine = SimpleNamespace(prefetcher=forest, lookahead=11)
+    rep = use_step_size(engine, 11, adaptive=False)
+    assert rep["lookahead"] == 4 and rep["lookahead_requested"] == 11 and engine.lookahead == 4
+    assert rep["lookahead_note"].endswith("S=11 runs as S=4")
+    own = SimpleNamespace(prefetcher=SimpleNamespace(name="pregate", lookahead=2), lookahead=5)
+    assert use_step_size(own, 5, adaptive=False)["lookahead"] == 2 and own.lookahead == 2
+    assert use_step_size(SimpleNamespace(prefetcher=SimpleNamespace(name="pregate", lookahead=None), lookahead=3), 3, False) == {
+        "lookahead": 3
+    }
+    none = use_step_size(SimpleNamespace(prefetcher=SimpleNamespace(name="none"), lookahead=3), 3, False)
+    assert none["lookahead"] is None and none["lookahead_note"] == NO_PREFETCH
+    assert use_step_size(None, 3, False)["lookahead"] is None  # resident: no engine
+    ad = use_step_size(SimpleNamespace(prefetcher=forest, lookahead=4), 11, adaptive=True)
+    assert ad["lookahead"] is None and "lookahead_adaptive" in ad and "adaptive S stays in 1..4" in ad["lookahead_note"]
+    assert adaptive_summary([2, 3, 4, 3]) == {"min": 2, "max": 4, "mean": 3.0, "passes": 4} and adaptive_summary([]) is None
+
+
+def test_run_reports_and_refuses_s(tiny_models, tmp_path, capsys):
+    """`moeflow run -S 5` on a 3-MoE-layer model: one line, before any generation; `-S 2` with a policy of its own
+    lookahead=1 reports S = 1 (and `s_history` holds it) with the S asked for and why."""
+    import json
+
+    from moeflow.cli.app import main
+    from tests.test_trace import tiny_tokenizer
+
+    ck = tmp_path / "ck"
+    tiny_models("olmoe").save_pretrained(ck)
+    tiny_tokenizer().save_pretrained(ck)
+    common = ["run", "-m", str(ck), "--prompt", "hello there", "--max-new-tokens", "4", "--threads", "1", "--no-warmup"]
+    with pytest.raises(SystemExit) as e:
+        main([*common, "-S", "5"])
+    assert e.value.code != 0
+    err = capsys.readouterr().err
+    assert "-S 5: ck has 3 MoE layers, so S can be 1..2" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as e:
+        main([*common, "-S", "2", "--sweep", "-f", "pregate:lookahead=1,pregate", "--json"])
+    assert e.value.code == 0
+    runs = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"]
+    own, plain = runs
+    assert own["lookahead"] == 1 and own["lookahead_requested"] == 2 and "own lookahead=1" in own["lookahead_note"]
+    assert set(own["metrics"]["s_history"]) == {1}
+    assert plain["lookahead"] == 2 and "lookahead_requested" not in plain and set(plain["metrics"]["s_history"]) == {2}

@@ -25,8 +25,9 @@ class CalibrateConfig:
     out: str | None = None  # file; default calibration/<device>.json
     write: bool = True
     force: bool = False  # replace an existing calibration file at `out`
+    wait: bool = False  # wait for another writer of `out` instead of refusing (moeflow.locks.out_lock)
     progress: bool = True
-    threads: int | None = None  # torch CPU threads while measuring (None: torch's); match `moeflow run --threads`
+    threads: int | None = None  # time decode at this count only (None: at 1, 2, 4, ... up to the usable CPUs)
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
@@ -56,7 +57,7 @@ class CalibrateConfig:
 
     def preflight(self) -> None:
         """What depends on this machine, checked before anything loads: the device (`--out` is checked by
-        the stage with `moeflow.artifacts.check_out` before it measures)."""
+        the stage with `moeflow.artifacts.check_out` before the model loads)."""
         from ..checks import check_device
 
         check_device(self.device)

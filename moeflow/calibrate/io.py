@@ -1,7 +1,10 @@
 """Calibration files: `calibration/<device>.json`, one JSON object with its own meta fields.
 
 Top-level fields the runtime reads: `bandwidth_bytes_per_s` (C_s, at the expert transfer size),
-`latency_s`, `layer_time_s` (T_l), `expert_bytes` (E_s), `experts_per_layer` (N_e), `initial_s`.
+`latency_s`, `layer_time_s` (T_l), `expert_bytes` (E_s), `experts_per_layer` (N_e), `initial_s`, and
+`best_threads` (the torch thread count every command uses by default, `moeflow.threads`; `thread_sweep` has
+the decode time per token at each count timed). A file without `best_threads` (written before it was
+recorded) stays valid: commands then use the default count.
 """
 
 from __future__ import annotations
@@ -63,8 +66,7 @@ def load_calibration(path: str | os.PathLike, model: Any = None, *, fingerprint:
 
         fingerprint = model_fingerprint(model)
     if fingerprint is not None and rec.get("model_fingerprint") != fingerprint:
-        raise ArtifactError(
-            f"calibration {p} was made for another model (fingerprint {rec.get('model_fingerprint')}, "
-            f"this model is {fingerprint}); re-run `moeflow calibrate --model` with this model"
-        )
+        from ..artifacts import another_model
+
+        raise another_model(f"calibration {p}", rec, fingerprint, "re-run `moeflow calibrate` with this --model")
     return rec

@@ -1,7 +1,9 @@
 """Measurements: host->device bandwidth over transfer sizes, per-layer decode compute, one expert's compute.
 
 Copies and the single-expert timing take the minimum over repeats after a warm-up (robust to the
-scheduler preempting a shared machine); per-layer decode times are medians over decode steps. On CUDA:
+scheduler preempting a shared machine); per-layer decode times are medians over decode steps, timed at
+each torch thread count of `thread_counts` (`thread_sweep`; the fewest threads within 5% of the
+fastest are the calibration's `best_threads`). On CUDA:
 pinned host -> device copies timed with CUDA events, module timings with synchronisation. Without CUDA:
 host memcpy (`Tensor.copy_`, one thread), and, when asked, the runtime's `EmulatedLink` (submit + wait,
 wall time) so the numbers include its worker-thread overhead.
@@ -143,6 +145,46 @@ def decode_timing(model: Any, adapter: Any, steps: int, device: str, prompt_len:
         "layer_time_s": statistics.fmean(med[f"layer{l}"] for l in adapter.moe_layers),  # T_l
         "attention_time_s": statistics.fmean(attn),
     }
+
+
+def thread_counts(cores: int) -> list[int]:
+    """The thread counts a calibration times: 1, 2, 4, ... below `cores`, then `cores` itself."""
+    counts, n = [], 1
+    while n < cores:
+        counts.append(n)
+        n *= 2
+    return [*counts, max(1, cores)]
+
+
+def best_thread_count(rows: Sequence[dict[str, Any]], tolerance: float = 0.05) -> int:
+    """The fewest threads whose decode time per token is within `tolerance` of the fastest (fewer threads
+    lose less when the machine gets busy). `rows`: {"threads", "compute_per_token_s"} per count timed."""
+    fastest = min(float(r["compute_per_token_s"]) for r in rows)
+    return min(int(r["threads"]) for r in rows if float(r["compute_per_token_s"]) <= fastest * (1 + tolerance))
+
+
+def thread_sweep(
+    model: Any,
+    adapter: Any,
+    counts: Sequence[int],
+    steps: int,
+    device: str,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[int, list[dict[str, Any]], dict[str, Any]]:
+    """`decode_timing` at each torch thread count of `counts`: (best count by `best_thread_count`, one row
+    per count {"threads", "compute_per_token_s", "layer_time_s"}, the full timing at the best count).
+    Leaves torch at the best count; `progress(n)` is called once n threads are timed."""
+    rows, timings = [], {}
+    for n in counts:
+        torch.set_num_threads(n)
+        comp = decode_timing(model, adapter, steps, device)
+        timings[n] = comp
+        rows.append({"threads": n, "compute_per_token_s": comp["forward_s"], "layer_time_s": comp["layer_time_s"]})
+        if progress:
+            progress(n)
+    best = best_thread_count(rows)
+    torch.set_num_threads(best)
+    return best, rows, timings[best]
 
 
 def expert_timing(adapter: Any, repeats: int, device: str) -> float:

@@ -9,7 +9,7 @@ from typing import Any
 from ..artifacts import check_out, new_meta
 from .config import CalibrateConfig
 from .io import KIND, SCHEMA, calibration_path, device_name, write_calibration
-from .measure import bandwidth_sweep, decode_timing, expert_timing, fit_latency
+from .measure import bandwidth_sweep, expert_timing, fit_latency, thread_counts, thread_sweep
 from .stepsize import initial_step_size, parse_regime, regime_bandwidth
 
 
@@ -22,40 +22,61 @@ def _link(cfg: CalibrateConfig) -> Any:
 
 
 def main(cfg: CalibrateConfig) -> dict[str, Any]:
-    """Measure with `cfg.threads` torch threads (compute per layer depends on it: calibrate as you run)."""
+    """Measure; decode compute at 1, 2, 4, ... up to the usable CPUs (or only at `--threads` / the environment's
+    count, `moeflow.threads`), recording the fastest as `best_threads` and the other times at that count.
+
+    The device and the file to write are checked first; the file's lock is held from then until it is written."""
+    from ..locks import out_lock
     from ..models import torch_threads
 
-    with torch_threads(cfg.threads):
+    cfg.preflight()
+    out = _checked_out(cfg)
+    flag = "--out" if cfg.out else "the calibration file"
+    with (
+        out_lock(out, wait=cfg.wait, command="moeflow calibrate", flag=flag, check=lambda: _checked_out(cfg)),
+        torch_threads(cfg.threads),
+    ):
         return _main(cfg)
+
+
+def _checked_out(cfg: CalibrateConfig) -> Path | None:
+    """The calibration file to write (None with --no-write), checked before any work (`artifacts.check_out`)."""
+    if not cfg.write:
+        return None
+    out = Path(cfg.out) if cfg.out else calibration_path(device_name(cfg.device, cfg.link_gbps))
+    flag = "--out" if cfg.out else "the calibration file"
+    return check_out(out, kind=KIND, inputs=(cfg.model,), force=cfg.force, file=True, flag=flag)
 
 
 def _main(cfg: CalibrateConfig) -> dict[str, Any]:
     import torch
-    from rich.progress import Progress
 
     from ..models import load_model
     from ..moe import get_adapter, model_fingerprint
+    from ..progress import progress
+    from ..threads import ENV_VARS, resolve_threads, usable_cores
 
-    cfg.preflight()
     model, _ = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
     ad = get_adapter(model)
     spec = ad.spec
     dev = device_name(cfg.device, cfg.link_gbps)
     out = Path(cfg.out) if cfg.out else calibration_path(dev)
-    if cfg.write:  # before the measurements, not after
-        check_out(
-            out, kind=KIND, inputs=(cfg.model,), force=cfg.force, file=True, flag="--out" if cfg.out else "the calibration file"
-        )
     sizes = sorted({k * 1024 for k in cfg.sizes_kib} | {spec.expert_bytes})
     link = _link(cfg)
+    pinned = resolve_threads(cfg.threads, None, spec)  # --threads or the environment: time that count only
+    counts = [pinned.n] if pinned.source in ("--threads", *ENV_VARS) else thread_counts(usable_cores())
     try:
-        with Progress(transient=True, disable=not cfg.progress) as prog:
-            task = prog.add_task("bandwidth sweep", total=len(sizes) * (2 if link else 1))
+        with progress("calibrate", enabled=cfg.progress) as prog:
+            total = len(sizes) * (2 if link else 1) + len(counts) + 1
+            task = prog.add_task("bandwidth sweep", total=total, unit="measurements")
             memcpy = bandwidth_sweep(sizes, cfg.device, cfg.repeats, progress=lambda: prog.advance(task))
             emulated = bandwidth_sweep(sizes, cfg.device, cfg.repeats, link, lambda: prog.advance(task)) if link else None
             prog.update(task, description="decode compute")
-            comp = decode_timing(model, ad, cfg.decode_steps, cfg.device)
+            best, by_threads, comp = thread_sweep(
+                model, ad, counts, cfg.decode_steps, cfg.device, lambda n: prog.update(task, advance=1)
+            )
             expert_s = expert_timing(ad, cfg.repeats, cfg.device)
+            prog.advance(task)
     finally:
         if link is not None:
             link.close()
@@ -100,7 +121,11 @@ def _main(cfg: CalibrateConfig) -> dict[str, Any]:
             "initial_s": s,
             "regimes": regimes,
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-            "cpu_threads": torch.get_num_threads(),
+            "cpu_threads": torch.get_num_threads(),  # the count the compute times above were measured at
+            "best_threads": best,  # what commands use without --threads or an environment count (moeflow.threads)
+            "thread_sweep": by_threads,  # decode time per token at each count timed
+            "threads": best,
+            "threads_source": pinned.source if pinned.source in ("--threads", *ENV_VARS) else "measured",
         }
     )
     if cfg.write:

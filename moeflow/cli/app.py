@@ -41,6 +41,40 @@ app = typer.Typer(
 ClickException: Any = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 
+def _flags_take_no_value() -> None:
+    """typer's --help shows a type placeholder (`<bool>`) beside a flag, which takes no value (`--json true`
+    is refused): show none for flags."""
+    opt: Any = getattr(getattr(typer, "core", None), "TyperOption", None)
+    show = getattr(opt, "display_type_rich", None)
+    if show is None or getattr(show, "moeflow_flags", False):
+        return
+
+    def display_type_rich(self: Any, ctx: Any) -> Any:
+        return None if getattr(self, "is_flag", False) else show(self, ctx)
+
+    display_type_rich.moeflow_flags = True  # type: ignore[attr-defined]
+    opt.display_type_rich = display_type_rich
+
+
+def _visible_options(ctx: Any) -> list[str]:
+    """The spellings --help shows for `ctx`'s command (not the hidden old ones)."""
+    cmd = getattr(ctx, "command", None)
+    if cmd is None:
+        return []
+    return [o for p in cmd.get_params(ctx) if not getattr(p, "hidden", False) for o in (*p.opts, *p.secondary_opts)]
+
+
+def _no_such_option(e: Any) -> str:
+    """click's "No such option" with its close matches among the options --help shows: click's own list also
+    offers hidden old spellings (`--capcity` -> `--cache-capacity`)."""
+    import difflib
+
+    name = str(getattr(e, "option_name", "") or "")
+    shown = [o for o in _visible_options(getattr(e, "ctx", None)) if o.startswith("--")]
+    close = difflib.get_close_matches(name, shown, cutoff=0.75) if name.startswith("--") else []
+    return f"no such option: {name}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt so every stage unwinds the same way."""
 
@@ -84,6 +118,7 @@ def _stoppable(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _register() -> None:
     # Each module adds its command(s) to `app`; import order is the order in --help.
+    _flags_take_no_value()
     for name in ("trace", "train", "retrain", "calibrate", "run", "simulate", "quality", "ep", "gps"):
         try:
             __import__(f"{__package__}.{name}")
@@ -156,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         hint = f"; see `{e.ctx.command_path} --help`" if getattr(e, "ctx", None) is not None else ""
-        fail(_one_line(e.format_message()).rstrip(".") + hint, e.exit_code)
+        text = _no_such_option(e) if type(e).__name__ == "NoSuchOption" else e.format_message()
+        fail(_one_line(text).rstrip(".") + hint, e.exit_code)
     except typer.Abort:
         _say("aborted", 1)
     except Exception as e:

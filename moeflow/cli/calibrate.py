@@ -7,7 +7,16 @@ from typing import Any
 import typer
 
 from .app import app
-from .common import device_option, dtype_option, force_option, json_option, model_option, print_json, threads_option
+from .common import (
+    device_option,
+    dtype_option,
+    force_option,
+    json_option,
+    model_option,
+    print_json,
+    threads_option,
+    wait_option,
+)
 
 
 def build_config(
@@ -26,6 +35,7 @@ def build_config(
     progress: bool = True,
     force: bool = False,
     threads: int | None = None,
+    wait: bool = False,
 ) -> Any:
     """The flag -> config mapping (kept separate so it can be tested without measuring)."""
     from ..calibrate import CalibrateConfig
@@ -45,23 +55,25 @@ def build_config(
         progress=progress,
         force=force,
         threads=threads,
+        wait=wait,
     )
 
 
 def render(rec: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
+
+    from ..tables import FitTable
 
     con = Console()
     emulated = f", {rec['link_gbps']:g} GB/s emulated" if rec["link_gbps"] else ""
-    t = Table(title=f"transfer sweep ({rec['link']}{emulated})")
+    t = FitTable(f"transfer sweep ({rec['link']}{emulated})")
     for c in ("size", "time", "GB/s"):
         t.add_column(c, justify="right")
     for r in rec["sweep"]:
         mark = " (1 expert)" if r["bytes"] == rec["expert_bytes"] else ""
         t.add_row(f"{r['bytes'] / 1024:,.0f} KiB{mark}", f"{r['seconds'] * 1e6:,.1f} µs", f"{r['gbps']:.2f}")
     con.print(t)
-    s = Table(title=f"calibration of {rec['device']}")
+    s = FitTable(f"calibration of {rec['device']}")
     s.add_column("quantity")
     s.add_column("value", justify="right")
     rows = [
@@ -72,6 +84,11 @@ def render(rec: dict[str, Any]) -> None:
         ("  attention + norms (layer - MoE)", f"{rec['attention_time_s'] * 1e3:.3f} ms"),
         ("one expert, one token", f"{rec['expert_time_s'] * 1e3:.3f} ms"),
         ("decode forward (per token)", f"{rec['compute_per_token_s'] * 1e3:.3f} ms"),
+        (
+            "threads: decode ms/token at each count",
+            ", ".join(f"{r['threads']}: {r['compute_per_token_s'] * 1e3:.2f}" for r in rec.get("thread_sweep") or []),
+        ),
+        ("best threads (the commands' default)", f"{rec.get('best_threads')} ({rec.get('threads_source')})"),
         ("experts per layer N_e (top-k)", str(rec["experts_per_layer"])),
         ("S = N_e E_s / (C_s T_l)", f"{rec['s_formula']:.3f} -> {rec['initial_s']}"),
     ]
@@ -79,7 +96,7 @@ def render(rec: dict[str, Any]) -> None:
         s.add_row(q, v)
     con.print(s)
     if rec["regimes"]:
-        g = Table(title="emulated bandwidth reproducing a regime (on-demand loading, this model)")
+        g = FitTable("emulated bandwidth reproducing a regime (on-demand loading, this model)")
         for c in ("regime", "GB/s", "one expert", "copy share of TPOT"):
             g.add_column(c, justify="right")
         for r in rec["regimes"]:
@@ -128,7 +145,11 @@ def calibrate_cmd(
     ),
     no_write: bool = typer.Option(False, "--no-write", help="Measure and print only."),
     force: bool = force_option("calibration file"),
-    threads: int | None = threads_option(),
+    wait: bool = wait_option(),
+    threads: int | None = threads_option(
+        "Time decode compute at this count only. Default: $MOEFLOW_THREADS or $OMP_NUM_THREADS if set, else at "
+        "1, 2, 4, ... up to the usable CPUs; the fastest is recorded as best_threads, the default of every command."
+    ),
     as_json: bool = json_option(),
 ) -> None:
     """Measure host->device bandwidth, decode compute per layer and per expert; compute ExpertFlow's step size S."""
@@ -149,6 +170,7 @@ def calibrate_cmd(
         progress=not as_json,
         force=force,
         threads=threads,
+        wait=wait,
     )
     rec = main(cfg)
     if as_json:

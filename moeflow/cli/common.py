@@ -1,4 +1,4 @@
-"""The flag vocabulary: one spelling per concept, shared by every command (README "Commands").
+"""The flag vocabulary: one spelling per concept, shared by every command (docs/cli.md lists them).
 
 | concept | flag | old spelling (hidden alias, removed in the next release) |
 | prompt source | `--prompts/-p` (trace, run) | |
@@ -6,7 +6,7 @@
 | at most N prompts | `--limit/-n` (trace, run, simulate) | simulate `--max-prompts` |
 | trace folder | `--trace/-t` (train, eval, simulate) | |
 | predictor folder | `--predictors` (eval) | eval `-p` |
-| output / replace it | `--out/-o`, `--force` | |
+| output / replace it / wait for its writer | `--out/-o`, `--force`, `--wait` | |
 | cache size | `--capacity/-c` (run, simulate) | run `--cache-capacity` |
 | eviction / prefetch | `--eviction/-e`, `--prefetch/-f` (run, simulate) | simulate `-p` |
 | step size S | `--lookahead/-S` (run, simulate) | |
@@ -33,7 +33,8 @@ def model_option() -> Any:
         "--model",
         "-m",
         help="Local Hugging Face MoE checkpoint folder (config.json + safetensors). "
-        "Default: the project's own olmoe-deep, 12 MoE layers (or $MOEFLOW_MODEL).",
+        "Default: the project's own models/olmoe-deep, 12 MoE layers (or $MOEFLOW_MODEL).",
+        show_default=False,  # the help says it; the absolute path would not fit
     )
 
 
@@ -49,17 +50,23 @@ def json_option() -> Any:
     return typer.Option(False, "--json", help="Print results as one JSON object on stdout (for scripts).")
 
 
-def threads_option(default: int | None = None) -> Any:
-    return typer.Option(
-        default,
-        "--threads",
-        help="torch CPU threads (>= 1). Default: "
-        + ("torch's (1 is often faster for small models on shared cores)." if default is None else f"{default}."),
-    )
+def threads_option(help: str | None = None) -> Any:
+    """`--threads N`; without it every command follows one rule (`moeflow.threads`, stated in the help)."""
+    from ..threads import HELP
+
+    return typer.Option(None, "--threads", help=HELP if help is None else f"torch CPU threads (>= 1). {help}")
 
 
 def force_option(what: str) -> Any:
     return typer.Option(False, "--force", help=f"Replace an existing {what} at --out (anything else there is never replaced).")
+
+
+def wait_option() -> Any:
+    return typer.Option(
+        False,
+        "--wait",
+        help="Wait for another writer of --out to finish instead of refusing (exit 75) while it holds the --out lock.",
+    )
 
 
 def column_option() -> Any:
@@ -106,24 +113,78 @@ def capacity_option(default: str) -> Any:
     )
 
 
+def policy_names(kind: str, which: Any = None) -> str:
+    """The built-in `kind` policy names (eviction, prefetch, miss, routing), comma-separated, for --help: the
+    registries are the one list, so the help cannot miss a policy (one a test or a plugin registers later is
+    not listed: the help is made when the command module is imported). `which(name)` keeps only some."""
+    from .. import policies
+
+    reg = {"eviction": policies.EVICTION, "prefetch": policies.PREFETCH, "miss": policies.MISS, "routing": policies.ROUTING}
+    return ", ".join(n for n, cls in reg[kind].items() if cls.__module__.startswith("moeflow.") and (which is None or which(n)))
+
+
+def _learned(name: str) -> bool:
+    from ..policies import PREFETCH
+
+    cls = PREFETCH[name]
+    return bool(getattr(cls, "needs_model", False) or getattr(cls, "needs_residual", False) or getattr(cls, "predictor", ""))
+
+
 def eviction_option() -> Any:
     return typer.Option(
         None,
         "--eviction",
         "-e",
-        help="Eviction policy name[:key=value,...]: lru, lfu, fld, score, lru2, least-stale. "
+        help=f"Eviction policy name[:key=value,...]: {policy_names('eviction')}. "
         "Repeat the flag or give a comma list. Default lru.",
     )
 
 
-def prefetch_option(default: str) -> Any:
+def prefetch_option(default: str, learned: bool = True) -> Any:
+    """`--prefetch/-f`; `learned=False` for `moeflow simulate`, which replays no learned prefetcher."""
+    rule = "pregate takes overfetch=1.5 | percentile=80 | mass=0.9"
+    if learned:
+        names = (
+            f"{policy_names('prefetch', lambda n: not _learned(n))} ({rule}); learned, with "
+            f"--prefetch-opt predictors=DIR from `moeflow train`: {policy_names('prefetch', _learned)}"
+        )
+    else:
+        names = (
+            f"{policy_names('prefetch', lambda n: not _learned(n))} ({rule}). The learned prefetchers "
+            f"({policy_names('prefetch', _learned)}) need the running model: measure them with `moeflow run`"
+        )
     return typer.Option(
         None,
         "--prefetch",
         "-f",
-        help="Prefetch policy name[:key=value,...]: none, pregate[:overfetch=1.5|percentile=80|"
-        "mass=0.9], all-next-layer, router-pf, estimator, hybrid, forest (learned: "
-        f"predictors=DIR). Repeat the flag or give a comma list. Default {default}.",
+        help=f"Prefetch policy name[:key=value,...]: {names}. Repeat the flag or give a comma list. Default {default}.",
+    )
+
+
+def miss_option(many: bool = False) -> Any:
+    """`--miss`: what a needed expert that is not resident costs (`moeflow.policies.miss`)."""
+    return typer.Option(
+        None if many else "fetch",
+        "--miss",
+        help=f"Miss policy name[:key=value,...]: {policy_names('miss')}. fetch (blocking load) is exact; "
+        "cpu / auto compute on the host (exact on CPU); drop, substitute and the low-bit ones (fetch-lowest-bit, "
+        "fetch-priority, cascade: a low-precision copy) are LOSSY. Options: name:k=v or --miss-opt."
+        + (" Several (comma list) with --sweep." if many else "")
+        + " Default fetch.",
+        show_default=False,
+    )
+
+
+def routing_option(many: bool = False) -> Any:
+    """`--routing`: whether the cache may change which experts a layer selects (`moeflow.policies.routing`)."""
+    return typer.Option(
+        None if many else "standard",
+        "--routing",
+        help=f"Routing policy name[:key=value,...]: {policy_names('routing')}. standard and hit-first are exact; "
+        "cache-aware (--routing-opt lambda=0.3) and plan-restricted are LOSSY."
+        + (" Several with --sweep." if many else "")
+        + " Default standard.",
+        show_default=False,
     )
 
 
@@ -140,6 +201,19 @@ def lookahead_option(default: int | None, more: str = "") -> Any:
 def hidden_alias(*decls: str) -> Any:
     """An old spelling kept for one release: hidden in --help, merged by `alias`."""
     return typer.Option(None, *decls, hidden=True)
+
+
+def hidden_required_alias(new_name: str, new_flag: str, old_flag: str) -> Any:
+    """The old spelling `old_flag` of a required option (parameter `new_name`, flag `new_flag`): hidden in --help.
+    Given, it prints the note of `alias` and stands in for `new_flag`, which --help then still marks required."""
+
+    def fill(ctx: typer.Context, value: Any) -> Any:
+        if value is not None:
+            alias(None, value, new_flag, old_flag)
+            ctx.default_map = {**(ctx.default_map or {}), new_name: value}
+        return value
+
+    return typer.Option(None, old_flag, hidden=True, is_eager=True, callback=fill)
 
 
 def alias(new: T | None, old: T | None, new_flag: str, old_flag: str) -> T | None:

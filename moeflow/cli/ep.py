@@ -6,10 +6,12 @@ import typer
 
 from .app import app
 from .common import (
+    alias,
     column_option,
     data_dir_option,
     device_option,
     dtype_option,
+    hidden_alias,
     json_option,
     limit_option,
     max_new_tokens_option,
@@ -39,14 +41,15 @@ def ep(
     world_size: int | None = typer.Option(
         None,
         "--world-size",
-        "-N",
         help="Processes (ranks) to spawn on this machine (default 2). Under torchrun: taken from it.",
     ),
+    world_size_n: int | None = hidden_alias("-N"),
     placement: list[str] | None = typer.Option(
         None,
         "--placement",
-        help='Expert placement: contiguous (default: N blocks) or a JSON file {"layer": {"expert": [ranks]}} '
-        '("*" = every MoE layer; several ranks = a duplicated expert). Repeat to run and compare several.',
+        help="Expert placement: contiguous (default: --world-size blocks) or a JSON file mapping MoE layer -> "
+        'expert -> ranks, e.g. {"*": {"3": [0, 1]}} ("*" = every MoE layer; expert 3 on ranks 0 and 1: a '
+        "duplicated expert). Repeat to run and compare several.",
     ),
     backend: str = typer.Option(
         "auto", "--backend", help="torch.distributed backend: auto (nccl on cuda, gloo on cpu), gloo, nccl."
@@ -56,14 +59,17 @@ def ep(
     ),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds a collective may wait for the other ranks."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="One untimed short generation per placement first."),
-    threads: int | None = threads_option(),
+    threads: int | None = threads_option(
+        "Per rank. Default: $MOEFLOW_THREADS, else $OMP_NUM_THREADS, else 1 for a small model (hidden x expert "
+        "size < 2^20) and the usable CPUs divided by the ranks on this machine otherwise."
+    ),
     dtype: str = dtype_option(),
     device: str = device_option(),
     as_json: bool = json_option(),
 ) -> None:
     """Run the model expert-parallel over torch.distributed (all_to_all dispatch and combine; gloo on CPU,
     NCCL on GPUs), check its greedy tokens against one process, print per-layer dispatch / compute /
-    combine times and rows per rank. Several GPUs or nodes: `torchrun ... -m moeflow ep` (README)."""
+    combine times and rows per rank. Several GPUs or nodes: `torchrun ... -m moeflow ep` (docs/distributed.md)."""
     from ..ep.run import EPConfig, main
     from ..runtime.config import RunConfig
 
@@ -87,7 +93,7 @@ def ep(
     )
     cfg = EPConfig(
         run=rc,
-        world_size=world_size,
+        world_size=alias(world_size, world_size_n, "--world-size", "-N"),
         placements=tuple(placement or ("contiguous",)),
         backend=backend,
         compare=compare,

@@ -14,14 +14,15 @@ from .common import (
     dtype_option,
     eviction_option,
     json_option,
-    limit_option,
     lookahead_option,
     max_new_tokens_option,
     max_prompt_tokens_option,
+    miss_option,
     model_option,
     policy_opt_option,
     prefetch_option,
     prompt_option,
+    routing_option,
     split_option,
     threads_option,
 )
@@ -35,7 +36,9 @@ def quality(
     ),
     column: str | None = column_option(),
     prompt: list[str] | None = prompt_option(),
-    limit: int | None = limit_option("prompts (default 8)"),
+    limit: int | None = typer.Option(
+        None, "--limit", "-n", help="At most N prompts. Default: 8; with --prompt, every text given."
+    ),
     split: str | None = split_option("Split of a prompt set name."),
     data_dir: str | None = data_dir_option("Data directory (default $MOEFLOW_DATA or ../shared/data)."),
     max_new_tokens: int = max_new_tokens_option("Greedy tokens per prompt (EOS ignored)."),
@@ -49,17 +52,15 @@ def quality(
     eviction_opt: list[str] | None = policy_opt_option("eviction"),
     prefetch: list[str] | None = prefetch_option("pregate"),
     prefetch_opt: list[str] | None = policy_opt_option("prefetch"),
-    miss: list[str] | None = typer.Option(
-        None, "--miss", help="Miss policy name[:key=value,...]; several (comma list) with --sweep. Default fetch."
-    ),
-    routing: list[str] | None = typer.Option(
-        None, "--routing", help="Routing policy name[:key=value,...]; several with --sweep. Default standard."
-    ),
+    miss: list[str] | None = miss_option(many=True),
+    routing: list[str] | None = routing_option(many=True),
     speculative: bool = typer.Option(
         False, "--speculative", help="LOSSY: run the experts a learned prefetcher predicted (as `run --speculative`)."
     ),
-    link: str = typer.Option("auto", "--link", help="Transfer link, as `run` (emulated:GBPS[,LATENCY_US], direct, cuda)."),
-    lookahead: int | None = lookahead_option(None, " (default: the calibration's, else 1)"),
+    link: str = typer.Option("auto", "--link", help="Transfer link, as `run` (direct, cuda, emulated:GBPS[,US])."),
+    lookahead: int | None = lookahead_option(
+        None, ", 1..MoE layers - 1, a larger S is refused (default: the calibration's, else 1)"
+    ),
     calibration: str | None = typer.Option(None, "--calibration", help="Calibration JSON (as `run`)."),
     text: str = typer.Option(
         "wikitext2",

@@ -8,12 +8,13 @@ import typer
 from rich.console import Console
 
 from .app import app
-from .common import json_option, print_json
+from .common import hidden_required_alias, json_option, print_json
 
 
 @app.command("retrain")
 def retrain(
-    config: Path = typer.Option(..., "--config", "-c", help="retrain TOML file (see the README's `moeflow retrain` section)."),
+    config: Path = typer.Option(..., "--config", help="retrain TOML file (its keys: docs/retrain.md)."),
+    config_c: Path | None = hidden_required_alias("config", "--config", "-c"),
     as_json: bool = json_option(),
 ) -> None:
     """Append new prompts to the trace, retrain when anything changed, promote the new predictors only when

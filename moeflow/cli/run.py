@@ -20,12 +20,15 @@ from .common import (
     lookahead_option,
     max_new_tokens_option,
     max_prompt_tokens_option,
+    miss_option,
     model_option,
     policy_opt_option,
     prefetch_option,
     prompt_option,
+    routing_option,
     split_option,
     threads_option,
+    wait_option,
 )
 
 
@@ -68,33 +71,28 @@ def run(
     eviction_opt: list[str] | None = policy_opt_option("eviction"),
     prefetch: list[str] | None = prefetch_option("pregate"),
     prefetch_opt: list[str] | None = policy_opt_option("prefetch"),
-    miss: str = typer.Option(
-        "fetch",
-        "--miss",
-        help="Miss policy: fetch (blocking load, exact), cpu / auto (host compute; exact on CPU), "
-        "drop / substitute (LOSSY); options name:k=v or --miss-opt.",
-    ),
+    miss: str = miss_option(),
     miss_opt: list[str] | None = policy_opt_option("miss"),
-    routing: str = typer.Option(
-        "standard",
-        "--routing",
-        help="Routing policy: standard, hit-first (exact), cache-aware (LOSSY; --routing-opt lambda=0.3).",
-    ),
+    routing: str = routing_option(),
     routing_opt: list[str] | None = policy_opt_option("routing"),
     link: str = typer.Option(
         "auto",
         "--link",
-        help="Transfer link: cuda (side stream), direct (copy now, no emulation), or "
-        "emulated:GBPS[,LATENCY_US] (worker thread, e.g. emulated:2,10 = 2 GB/s, 10 us). "
+        help="Transfer link: cuda (side stream), direct (copy now, no emulation), or emulated:GBPS[,US] "
+        "(worker thread; US: latency in microseconds; e.g. emulated:2,10 = 2 GB/s, 10 us). "
         "auto = cuda on CUDA, direct on CPU.",
     ),
-    lookahead: int | None = lookahead_option(None, " (default: the calibration's, else 1)"),
+    lookahead: int | None = lookahead_option(
+        None,
+        ", 1..MoE layers - 1 (a larger S is refused; default: the calibration's, else 1). A learned prefetcher"
+        " runs at most at the S it was trained for (moeflow train --max-s), with a note; the JSON's `lookahead`"
+        " is the S used",
+    ),
     calibration: str | None = typer.Option(
         None,
         "--calibration",
-        help="Calibration JSON (default: calibration/<device>.json as "
-        "`moeflow calibrate` names it for this device and link). "
-        "Gives the step size S.",
+        help="Calibration JSON (default: the file `moeflow calibrate` writes for this device and link, "
+        "e.g. calibration/cpu.json). Gives the step size S.",
     ),
     threads: int | None = threads_option(),
     dtype: str = dtype_option(),
@@ -103,6 +101,7 @@ def run(
         None, "--out", "-o", help="JSONL file: one line per prompt and run (text + metrics), written atomically."
     ),
     force: bool = force_option("`moeflow run` JSONL"),
+    wait: bool = wait_option(),
     as_json: bool = json_option(),
     adaptive_s: bool = typer.Option(
         False,
@@ -186,6 +185,7 @@ def run(
         device=device,
         out=out,
         force=force,
+        wait=wait,
         json=as_json,
         sweep=sweep,
         threads=threads,

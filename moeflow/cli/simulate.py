@@ -15,38 +15,50 @@ from .common import (
     json_option,
     limit_option,
     lookahead_option,
+    model_option,
     policy_opt_option,
     prefetch_option,
     print_json,
 )
 
 
-def render(res: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def table(res: dict[str, Any]) -> Any:
+    """The result rows as a table readable at 80 columns (`moeflow.tables.FitTable`); all fields: --json."""
+    from ..tables import FitTable
 
-    t = Table(
-        title=f"{res['trace']}: {res['passes']} {res['phase']} passes ({res['replayed_passes']} replayed), "
+    stall = str(res["link"]) != "instant" or any(r["stall_s"] for r in res["rows"])
+    t = FitTable(
+        f"{res['trace']}: {res['passes']} {res['phase']} passes ({res['replayed_passes']} replayed), "
         f"{res['tokens']} tokens, {res['working_set']:.1f} experts needed per pass of {res['total_experts']}; "
-        f"link {res['link']}; {res['accesses_per_s'] / 1e6:.2f} M accesses/s"
+        f"link {res['link']}; S={res.get('lookahead', 1)}"
+        + (f" ({res['lookahead_source']})" if res.get("lookahead_source") else "")
+        + f"; {res['accesses_per_s'] / 1e6:.2f} M accesses/s",
+        key=2,
+        caption="C: cache capacity in experts; policies: eviction+prefetch; coll. misses: experts evicted earlier in "
+        "the same pass; xfers /tok: copies per token; pf prec / recall: prefetch precision and recall"
+        + ("; stall s: seconds waiting for copies on the modelled link" if stall else "; link instant: no stall"),
     )
-    cols = ("capacity", "eviction", "prefetch", "hit rate", "collision misses", "transfers/token", "pf precision", "pf recall")
-    for c in (*cols, "stall s", "M acc/s"):
-        t.add_column(c, justify="left" if c in ("eviction", "prefetch") else "right")
+    cols = ["C", "policies", "hit rate", "coll. misses", "xfers /tok", "pf prec", "pf recall"] + (["stall s"] if stall else [])
+    for c in cols:
+        t.add_column(c, justify="right" if c == "C" else None)
     for r in res["rows"]:
         t.add_row(
             str(r["capacity"]),
-            r["eviction"],
-            r["prefetch"],
+            f"{r['eviction']}+{r['prefetch']}",
             f"{r['hit_rate']:.3f}",
             str(r["collisions"]),
             f"{r['loads_per_token']:.2f}",
             f"{r['prefetch_precision']:.2f}",
             f"{r['prefetch_recall']:.2f}",
-            f"{r['stall_s']:.4f}",
-            f"{r['accesses_per_s'] / 1e6:.2f}",
+            *([f"{r['stall_s']:.4f}"] if stall else []),
         )
-    Console().print(t)
+    return t
+
+
+def render(res: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    Console().print(table(res))
 
 
 @app.command("simulate")
@@ -54,25 +66,34 @@ def simulate_cmd(
     trace: str = typer.Option(
         ..., "--trace", "-t", help="Trace folder written by `moeflow trace` (with --record-hidden for --prefetch pregate)."
     ),
-    capacity: list[str] | None = capacity_option("10%"),
+    capacity: list[str] | None = capacity_option("25%, as `moeflow run`"),
     eviction: list[str] | None = eviction_option(),
     eviction_opt: list[str] | None = policy_opt_option("eviction"),
-    prefetch: list[str] | None = prefetch_option("none"),
+    prefetch: list[str] | None = prefetch_option(
+        "pregate, as `moeflow run` (none for a trace without --record-hidden: pregate replays the traced router inputs)",
+        learned=False,
+    ),
     prefetch_opt: list[str] | None = policy_opt_option("prefetch"),
     prefetch_p: list[str] | None = hidden_alias("-p"),
-    lookahead: int = lookahead_option(1),
+    lookahead: int | None = lookahead_option(
+        None, " (default, as `moeflow run` on the CPU: the S of the calibration for this --link, else 1)"
+    ),
+    calibration: str | None = typer.Option(
+        None,
+        "--calibration",
+        help="Calibration JSON giving S (default: calibration/cpu.json, or cpu-emulated-<X>gbps.json for an "
+        "emulated --link, as `moeflow calibrate` names them).",
+    ),
     phase: str = typer.Option("decode", "--phase", help="decode, prefill or all passes of the trace."),
     limit: int | None = limit_option("prompts of the trace (the first ones)"),
     max_prompts: int | None = hidden_alias("--max-prompts"),
-    model: str | None = typer.Option(
-        None, "--model", "-m", help="Checkpoint whose routers pre-gating applies (must be the traced model)."
-    ),
+    model: str = model_option(),
     no_belady: bool = typer.Option(False, "--no-belady", help="Skip Belady's MIN (the demand-paging optimum)."),
     link: str = typer.Option(
         "instant",
         "--link",
-        help="instant (copies complete at once, as --link direct) or emulated:GBPS[,LATENCY_US] "
-        "(EmulatedLink's FIFO schedule on a virtual clock).",
+        help="instant: copies complete at once (`moeflow run`'s --link direct, its default on the CPU), or "
+        "emulated:GBPS[,LATENCY_US] (EmulatedLink's FIFO schedule on a virtual clock).",
     ),
     layer_time_us: float = typer.Option(
         0.0, "--layer-time-us", help="Compute per MoE layer per pass on the modelled link's virtual clock (microseconds)."
@@ -80,18 +101,20 @@ def simulate_cmd(
     as_json: bool = json_option(),
 ) -> None:
     """Replay a routing trace through the runtime's expert cache (no weights): hit rate, collision misses, transfers
-    per token; `--json` rows carry `decode_counters` with the fields of `moeflow run --json`."""
+    per token; `--json` rows carry `decode_counters` with the fields of `moeflow run --json`. The defaults are
+    `moeflow run`'s; the model (--model) is loaded only for pregate, whose routers it applies."""
     from ..policies.parse import parse_opts, split_list
     from ..sim.run import SimulateConfig, main
 
     cfg = SimulateConfig(
         trace=trace,
-        capacities=split_list(capacity) or ("10%",),
+        capacities=split_list(capacity) or ("25%",),
         evictions=split_list(eviction) or ("lru",),
-        prefetches=split_list(alias(prefetch, prefetch_p, "--prefetch/-f", "-p")) or ("none",),
+        prefetches=split_list(alias(prefetch, prefetch_p, "--prefetch/-f", "-p")) or None,
         eviction_opts=parse_opts(eviction_opt or ()),
         prefetch_opts=parse_opts(prefetch_opt or ()),
         lookahead=lookahead,
+        calibration=calibration,
         phase=phase,
         max_prompts=alias(limit, max_prompts, "--limit/-n", "--max-prompts"),
         model=model,

@@ -20,6 +20,7 @@ from .common import (
     print_json,
     split_option,
     threads_option,
+    wait_option,
 )
 
 _PROMPTS_HELP = (
@@ -98,6 +99,7 @@ def trace_cmd(
     summary: str | None = typer.Option(None, "--summary", hidden=True, help="Old spelling of `moeflow inspect DIR`."),
     phase: str | None = typer.Option(None, "--phase", hidden=True, help="With --summary: prefill or decode."),
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
+    wait: bool = wait_option(),
     as_json: bool = json_option(),
 ) -> None:
     """Record expert routing: generate from each prompt (batch 1) with router hooks and write, per token
@@ -129,6 +131,7 @@ def trace_cmd(
         shard_size=shard_size,
         threads=threads,
         progress=not no_progress and not as_json,
+        wait=wait,
     )
     main(cfg, json_out=as_json)
 

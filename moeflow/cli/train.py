@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 
 from .app import app
-from .common import alias, hidden_alias, json_option, model_option, print_json, threads_option
+from .common import hidden_required_alias, json_option, model_option, print_json, threads_option, wait_option
 
 
 def _print_report(report: dict, console: Console) -> None:
@@ -70,8 +70,9 @@ def train(
     forest_trees: int = typer.Option(24, "--forest-trees", help="Random-forest trees."),
     forest_samples: int = typer.Option(40_000, "--forest-samples", help="Training samples for the forest (subsampled)."),
     est_epochs: int = typer.Option(8, "--est-epochs", help="Estimator training epochs (at least 300 steps)."),
-    threads: int = threads_option(2),
+    threads: int | None = threads_option(),
     force: bool = typer.Option(False, "--force", help="Replace an existing predictor folder at --out."),
+    wait: bool = wait_option(),
     as_json: bool = json_option(),
 ) -> None:
     """Fit layer-ahead expert predictors on a trace, evaluate them on held-out prompts, save a predictor folder."""
@@ -91,6 +92,7 @@ def train(
         est_epochs=est_epochs,
         threads=threads,
         force=force,
+        wait=wait,
         **plan_overrides(plan_opt),
     )
     console = Console(stderr=as_json)
@@ -101,17 +103,18 @@ def train(
     _print_report(report, console)
     _print_planner(report, console)
     _print_gps(report, console)
-    console.print(f"fit seconds: {report['fit_seconds']}")
+    console.print("fit seconds: " + ", ".join(f"{n} {s:g}" for n, s in report["fit_seconds"].items()), highlight=False)
     if "hybrid" in report:
         h = report["hybrid"]
-        console.print(f"hybrid: estimator on (layer+S) {h['estimator_on'] or 'none'} (threshold {h['threshold']:.3f})")
+        on = ", ".join(h["estimator_on"]) or "none"
+        console.print(f"hybrid: the estimator on (layer+S) {on}, router-pf elsewhere (threshold {h['threshold']:.3f})")
     console.print(f"wrote [bold]{out}[/] (meta.json, one folder per predictor, recall.png)")
 
 
 @app.command("eval")
 def eval_(
-    predictors: Path | None = typer.Option(None, "--predictors", help="Predictor folder written by `moeflow train` (required)."),
-    predictors_p: Path | None = hidden_alias("-p"),
+    predictors: Path = typer.Option(..., "--predictors", help="Predictor folder written by `moeflow train`."),
+    predictors_p: Path | None = hidden_required_alias("predictors", "--predictors", "-p"),
     trace: Path = typer.Option(..., "--trace", "-t", help="Held-out trace folder (prompts not used for training)."),
     only: list[str] | None = typer.Option(None, "--only", help="Predictor(s) to evaluate (default: all in the folder)."),
     model: str = model_option(),
@@ -128,17 +131,15 @@ def eval_(
     plan_opt: list[str] | None = typer.Option(
         None, "--plan-opt", help="CasMoE planner option key=value: eps (cascade gate, 0.3), k (experts per layer scored)."
     ),
+    threads: int | None = threads_option(),
     as_json: bool = json_option(),
 ) -> None:
     """Evaluate a predictor folder on a trace: recall@k / precision per layer and S, decay fit vs pre-gate."""
     from ..plan.train import plan_overrides
     from ..predict.train import EvalConfig, eval_main
 
-    folder = alias(predictors, predictors_p, "--predictors", "-p")
-    if folder is None:
-        raise typer.BadParameter("give the predictor folder", param_hint="--predictors")
     cfg = EvalConfig(
-        predictors=str(folder),
+        predictors=str(predictors),
         trace=str(trace),
         model=str(model),
         only=tuple(only) if only else (),
@@ -147,6 +148,7 @@ def eval_(
         speculative=speculative,
         spec_sequences=spec_sequences,
         **plan_overrides(plan_opt, ("eps", "k")),
+        threads=threads,
     )
     console = Console(stderr=as_json)
     report = eval_main(cfg, console)
@@ -157,14 +159,13 @@ def eval_(
     _print_planner(report, console)
     _print_gps(report, console)
     if report.get("speculative"):
-        from rich.table import Table
+        from ..tables import FitTable
 
-        t = Table(
-            title="speculative execution (lossy): the predicted experts run instead of the router's; "
-            "teacher-forced on trace sequences"
+        t = FitTable(
+            "speculative execution (lossy): the predicted experts run instead of the router's; teacher-forced on trace sequences"
         )
         for c in ("predictor", "tokens", "greedy agreement", "ppl own routing", "ppl speculative", "ppl ratio"):
-            t.add_column(c, justify="right")
+            t.add_column(c)
         for n, q in report["speculative"].items():
             if q.get("tokens"):
                 t.add_row(
@@ -173,10 +174,16 @@ def eval_(
                     f"{q['greedy_agreement']:.3f}",
                     f"{q['ppl_resident']:.2f}",
                     f"{q['ppl_speculative']:.2f}",
-                    f"{q['ppl_ratio']:.3f}",
+                    f"{q['ppl_ratio']:.3f}"
+                    + (f" [{q['ppl_ratio_ci95'][0]:.3f}, {q['ppl_ratio_ci95'][1]:.3f}]" if q.get("ppl_ratio_ci95") else "")
+                    + (" within noise" if q.get("ppl_within_noise") else ""),
                 )
         console.print(t)
     if report["skipped_no_hidden"]:
         console.print(f"[yellow]skipped (trace has no hidden states):[/] {', '.join(report['skipped_no_hidden'])}")
     if report["trace_overlap_warning"]:
-        console.print("[yellow]warning:[/] this is the trace the predictors were trained on; use a held-out trace")
+        from ..predict.evaluate import sample_label
+
+        console.print(f"[yellow]warning:[/] figures are {sample_label(report)}; evaluate on prompts the predictors did not see")
+    elif report.get("heldout") is None:
+        console.print("[yellow]warning:[/] could not check that the eval prompts are held out (no training prompt ids)")

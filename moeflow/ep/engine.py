@@ -2,23 +2,24 @@
 
 `ExpertParallel(model, placement)` (a context manager) keeps on this rank only the experts the placement
 gives it (the stacked `[E, ...]` parameters are replaced by `[E_r, ...]` shards; the non-expert weights
-stay whole on every rank), registers `moeflow-ep` in transformers' experts interface through
-`moeflow.moe.tx_compat`, switches the model to it and tags each experts module with its layer and this
-object. Every rank runs the same forward on the same (replicated) batch; only the routed experts are
+stay whole on every rank), registers `moeflow-ep` in transformers' experts interface, tags each experts
+module with its layer and this object and switches the model to it (`moeflow.moe.experts_impl`, as the
+offload engine). Every rank runs the same forward on the same (replicated) batch; only the routed experts are
 distributed. One experts call of MoE layer l, on every rank at once:
 
 1. route (no communication): the rows `S = T*k` sorted by expert id exactly as transformers' `grouped_mm`
-   sorts them; the owner of every expert for this call (`Placement.assign`: a duplicated expert's rows all
-   go to its least-loaded replica). Rank r is the source of the tokens of its contiguous slice
-   `[T*r/N, T*(r+1)/N)`.
+   sorts them (`moeflow.moe.compute.sort_routing`); the owner of every expert for this call
+   (`Placement.assign`: a duplicated expert's rows all go to its least-loaded replica). Rank r is the source
+   of the tokens of its contiguous slice `[T*r/N, T*(r+1)/N)`.
 2. dispatch: `all_to_all_single` of the row counts (checked against the counts this rank expects: ranks
    that diverged fail loudly), then of the rows `[n, H]` themselves.
-3. compute: the received rows, put back in the global sorted order, through the same grouped kernels
-   (`tx_compat.grouped_linear`) over this rank's shard, one group per local expert. Each expert's group
+3. compute: the received rows, put back in the global sorted order, through the offload engine's grouped
+   compute (`moeflow.moe.compute.grouped_experts`) over this rank's shard, one group per routed local
+   expert. Each expert's group
    holds exactly the rows, in exactly the order, it has in the single-process call, so the result is
    bit-identical to stock `grouped_mm`.
 4. combine: `all_to_all_single` of the results back to their source ranks; each source applies the
-   routing weights and sums its tokens' top-k rows as stock does.
+   routing weights and sums its tokens' top-k rows as stock does (`moeflow.moe.compute.combine`).
 5. gather: an all-gather of the tokens' outputs, so every rank holds the layer output of the whole batch
    (the replicated attention of the next layer needs it).
 
@@ -38,7 +39,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
-from ..moe import get_adapter, tx_compat
+from ..moe import get_adapter
+from ..moe.compute import Aranges, combine, grouped_experts, sort_routing
+from ..moe.experts_impl import check_replaceable, use_experts_impl
 from .placement import Placement
 
 if TYPE_CHECKING:
@@ -46,21 +49,6 @@ if TYPE_CHECKING:
 
 IMPL_NAME = "moeflow-ep"
 PHASES = ("dispatch", "compute", "combine", "gather")
-
-
-def ep_experts_forward(
-    module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> torch.Tensor:
-    """The `moeflow-ep` entry of transformers' ExpertsInterface: dispatch to the module's ExpertParallel."""
-    ep = getattr(module, "_moeflow_ep", None)
-    if ep is None:
-        raise RuntimeError("experts implementation 'moeflow-ep' used on a module no ExpertParallel is attached to")
-    return ep.experts_forward(module, module._moeflow_ep_layer, hidden_states, top_k_index, top_k_weights)
-
-
-def register_experts_implementation() -> None:
-    """Idempotent: add `moeflow-ep` to transformers' experts implementations."""
-    tx_compat.register_experts(IMPL_NAME, ep_experts_forward)
 
 
 @dataclass
@@ -93,26 +81,19 @@ class EPLayerStats:
 class _Shard:
     experts: list[int]  # the experts of this layer this rank holds, ascending
     local: torch.Tensor  # [E] long: local index of each expert held here, -1 elsewhere
+    weights: dict[str, torch.Tensor]  # the experts module's per-expert parameters, this rank's shard [E_r, ...]
 
 
 class ExpertParallel:
     """This rank's part of an expert-parallel model (see the module docstring)."""
 
     def __init__(self, model: nn.Module, placement: Placement, *, group: Any = None):
-        impl = getattr(model.config, "_experts_implementation", None)
-        if impl not in ("grouped_mm", IMPL_NAME):
-            raise ConfigError(
-                f"expert-parallel execution replaces the 'grouped_mm' experts implementation, the model uses "
-                f"{impl!r}; load it with experts_implementation='grouped_mm'"
-            )
+        self.adapter = get_adapter(model)
+        check_replaceable(model, self.adapter, IMPL_NAME, "expert-parallel execution")
         if not dist.is_initialized():
             raise RuntimeError("ExpertParallel needs torch.distributed initialised (init_process_group)")
-        tx_compat.check()
         self.model = cast("PreTrainedModel", model)
-        self.adapter = get_adapter(model)
         self.spec = self.adapter.spec
-        for l in self.spec.moe_layers:
-            tx_compat.check_experts_module(self.adapter.experts(l))
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -126,7 +107,7 @@ class ExpertParallel:
         self.shards: dict[int, _Shard] = {}
         self.enabled = True  # False: skip nothing, just stop timing (kept for symmetry)
         self._stack: contextlib.ExitStack | None = None
-        self._aranges: dict[int, torch.Tensor] = {}
+        self._aranges = Aranges()
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     def __enter__(self) -> ExpertParallel:
@@ -147,18 +128,15 @@ class ExpertParallel:
             local = torch.full((E,), -1, dtype=torch.long, device=self.device)
             if experts:
                 local[torch.tensor(experts, device=self.device)] = torch.arange(len(experts), device=self.device)
-            self.shards[l] = _Shard(experts, local)
             ex = self.adapter.experts(l)
             idx = torch.tensor(experts, dtype=torch.long, device=self.device)
+            weights: dict[str, torch.Tensor] = {}
             for name, p in self.adapter.per_expert_params(l).items():
-                shard = p.detach().index_select(0, idx).contiguous()  # [E_r, ...]
-                setattr(ex, name, nn.Parameter(shard, requires_grad=False))
-            ex._moeflow_ep, ex._moeflow_ep_layer = self, l  # type: ignore[assignment]
-            stack.callback(self._untag, ex)
-        register_experts_implementation()
-        prev = self.model.config._experts_implementation
-        self.model.set_experts_implementation(IMPL_NAME)
-        stack.callback(self.model.set_experts_implementation, prev)
+                shard = nn.Parameter(p.detach().index_select(0, idx).contiguous(), requires_grad=False)  # [E_r, ...]
+                setattr(ex, name, shard)
+                weights[name] = shard
+            self.shards[l] = _Shard(experts, local, weights)
+        stack.enter_context(use_experts_impl(self.model, self.adapter, IMPL_NAME, self))
         self._stack = stack
 
     def close(self) -> None:
@@ -167,12 +145,6 @@ class ExpertParallel:
             stack, self._stack = self._stack, None
             stack.close()
 
-    @staticmethod
-    def _untag(ex: nn.Module) -> None:
-        for a in ("_moeflow_ep", "_moeflow_ep_layer"):
-            if hasattr(ex, a):
-                delattr(ex, a)
-
     def reset_stats(self) -> None:
         self.stats = {l: EPLayerStats() for l in self.spec.moe_layers}
 
@@ -180,12 +152,6 @@ class ExpertParallel:
         return {l: list(s.experts) for l, s in self.shards.items()}
 
     # ---- helpers -----------------------------------------------------------------------------------------
-    def _arange(self, n: int) -> torch.Tensor:
-        a = self._aranges.get(n)
-        if a is None:
-            a = self._aranges[n] = torch.arange(n, device=self.device)
-        return a
-
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -207,9 +173,7 @@ class ExpertParallel:
         dev = hidden_states.device
 
         # 1. route: the stock sort, the owners, the sources (identical on every rank)
-        sample_weights = top_k_weights.reshape(-1)  # [S]
-        expert_ids = top_k_index.reshape(-1)  # [S]
-        expert_ids_g, perm = torch.sort(expert_ids)  # same order as grouped_mm
+        expert_ids_g, perm = sort_routing(top_k_index)  # [S], [S] same order as grouped_mm
         counts = torch.bincount(expert_ids_g, minlength=E).tolist()  # the one host read per call
         owner_list = self.placement.assign(layer, counts)
         owner = torch.tensor(owner_list, dtype=torch.long, device=dev)  # [E]
@@ -252,7 +216,9 @@ class ExpertParallel:
         # 3. compute, in the global sorted order
         order = torch.argsort(recv_pos)  # arrival index of each row, in sorted-position order
         eg = expert_ids_g[recv_pos[order]]  # [n_recv] ascending expert ids
-        y = self._grouped(module, x_recv[order], shard.local[eg], len(shard.experts))  # [n_recv, H]
+        local = shard.local[eg]  # [n_recv] ascending indices into the shard
+        groups = min(local.numel(), len(shard.experts))  # >= the routed local experts
+        y = grouped_experts(module, x_recv[order], local, shard.weights, local, groups, self._aranges)  # [n_recv, H]
         y_back = torch.empty_like(y)
         y_back[order] = y  # arrival order again
         self._sync()
@@ -262,10 +228,9 @@ class ExpertParallel:
         out_mine = y_back.new_empty(len(send_pos), y_back.shape[-1])  # [n_mine, H]
         dist.all_to_all_single(out_mine, y_back, output_split_sizes=send_counts, input_split_sizes=got, group=self.group)
         t0_tok, t1_tok = bounds[me], bounds[me + 1]
-        weighted = out_mine * sample_weights[perm[send_pos]].unsqueeze(-1)  # [n_mine, H] as stock: proj * w
-        flat = torch.empty((t1_tok - t0_tok) * k, H, dtype=weighted.dtype, device=dev)  # [(T_r*k), H]
-        flat[perm[send_pos] - t0_tok * k] = weighted  # (token, slot) order, as weighted_out[inv_perm]
-        mine_out = flat.view(t1_tok - t0_tok, k, H).sum(dim=1).to(hidden_states.dtype)  # [T_r, H]
+        mine_out = combine(
+            out_mine, perm[send_pos], top_k_weights.reshape(-1), t1_tok - t0_tok, k, hidden_states.dtype, first_token=t0_tok
+        )  # [T_r, H] as stock: proj * w, (token, slot) order, summed over k
         self._sync()
         t3 = time.perf_counter()
 
@@ -291,25 +256,3 @@ class ExpertParallel:
         for r in range(N):
             st.rows_by_rank[r] += rows_by_rank[r]
         return out
-
-    def _grouped(self, module: nn.Module, x: torch.Tensor, local: torch.Tensor, groups: int) -> torch.Tensor:
-        """Up/gate, activation, down over this rank's shard, as transformers' `grouped_mm_experts_forward`.
-
-        `x [n,H]` rows sorted by expert id, `local [n]` their experts' indices in the shard (ascending).
-        Offsets come from a histogram over the shard's experts (empty groups are skipped by the kernel).
-        """
-        m: Any = module
-        n = x.shape[0]
-        if groups == 0 or n == 0:
-            return x.new_zeros(n, x.shape[-1])
-        hist = torch.bincount(local, minlength=groups)  # [G]
-        offsets = torch.cumsum(hist, dim=0, dtype=torch.int32)  # [G]
-        up_name = "gate_up_proj" if m.has_gate else "up_proj"
-        bias = getattr(m, up_name + "_bias")[local] if m.has_bias else None
-        proj = tx_compat.grouped_linear(x, getattr(m, up_name), offsets, bias=bias, is_transposed=m.is_transposed)
-        proj = m._apply_gate(proj) if m.has_gate else m.act_fn(proj)
-        bias = m.down_proj_bias[local] if m.has_bias else None
-        proj = tx_compat.grouped_linear(proj, m.down_proj, offsets, bias=bias, is_transposed=m.is_transposed)
-        if m.has_post_expert_norm:
-            proj = m.post_expert_norm(proj)
-        return proj

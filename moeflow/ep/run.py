@@ -95,6 +95,10 @@ def _spec(cfg: EPConfig) -> Any:
     from ..moe.adapters import ARCHS, SUPPORTED, spec_from_config
 
     p = Path(cfg.run.model)
+    if not p.is_dir():
+        from ..models import missing_model
+
+        raise MoeflowError(missing_model(p))
     if not (p / "config.json").is_file():
         raise MoeflowError(f"model folder {p} has no config.json; pass --model a local Hugging Face checkpoint folder")
     config = AutoConfig.from_pretrained(p)
@@ -197,7 +201,11 @@ def _worker(
     if device.startswith("cuda"):
         device = f"cuda:{local_rank % max(1, torch.cuda.device_count())}"
         torch.cuda.set_device(torch.device(device))
-    threads = rc.threads or max(1, (os.cpu_count() or 1) // max(1, min(world, os.cpu_count() or 1)))
+    from ..threads import resolve_threads, usable_cores
+
+    ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or world))  # ranks sharing this machine's CPUs
+    choice = resolve_threads(rc.threads, None, _spec(cfg), cores=max(1, usable_cores() // ranks_here))
+    threads = choice.n
     torch.set_num_threads(threads)
     backend = _backend(cfg)
     kw: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=cfg.timeout_s)}
@@ -209,7 +217,8 @@ def _worker(
         kw["device_id"] = torch.device(device)
     dist.init_process_group(**kw)
     try:
-        return _run_rank(cfg, dataclasses.replace(rc, device=device), placements, threads, backend)
+        res = _run_rank(cfg, dataclasses.replace(rc, device=device), placements, threads, backend)
+        return None if res is None else {**res, **choice.to_dict()}  # threads (per rank), threads_source
     finally:
         dist.destroy_process_group()
 
@@ -367,15 +376,15 @@ def _report(
 
 def print_report(res: dict[str, Any], *, as_json: bool) -> None:
     from rich.console import Console
-    from rich.table import Table
+
+    from ..tables import FitTable
 
     console = Console(stderr=as_json, width=None if (sys.stderr if as_json else sys.stdout).isatty() else 160)
     ident = res["identical_to_single_process"]
     for run in res["runs"]:
-        t = Table(
-            title=f"moeflow ep — {Path(res['model']).name}, world size {res['world_size']} ({res['backend']}), "
-            f"placement {run['placement']} ({run['duplicated_experts']} duplicated)",
-            title_justify="left",
+        t = FitTable(
+            f"moeflow ep — {Path(res['model']).name}, world size {res['world_size']} ({res['backend']}), "
+            f"placement {run['placement']} ({run['duplicated_experts']} duplicated)"
         )
         for c in COLUMNS:
             t.add_column(c, justify="left" if c == "rows per rank" else "right")

@@ -151,12 +151,27 @@ def main(cfg: GPSConfig) -> dict[str, Any]:
     S = cfg.seq_len
     measured = evaluate_point(inp, 0.0, sysm, S, curve, cfg.seed)
     top = spec.num_experts / spec.top_k  # the largest possible skewness
-    sweep = []
+    sweep: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
     for target in sorted(set(cfg.skews)):
         if target >= 0.95 * top or target < 1.0:
+            skipped.append({"target": target, "reason": f"outside 1..{0.95 * top:.2f} (this routing's possible skewness)"})
             continue
         g = find_gamma(inp.layers, target, spec.num_experts, spec.top_k, S) if inp.test_rows.size else 0.0
-        sweep.append(evaluate_point(inp, g, sysm, S, curve, cfg.seed))
+        same = next((p for p in [measured, *sweep] if abs(p["gamma"] - g) < 1e-9), None)  # same routing: same point
+        point = same if same is not None else {**evaluate_point(inp, g, sysm, S, curve, cfg.seed), "target": target}
+        dup = same or duplicate_of(point, [measured, *sweep])
+        if dup is not None:
+            skipped.append(
+                {
+                    "target": target,
+                    "skewness": point["skewness"],
+                    "reason": f"lands on the point at skewness {dup['skewness']:.2f}"
+                    + (" (the trace's own)" if dup is measured else ", the nearest the re-routing reaches"),
+                }
+            )
+            continue
+        sweep.append(point)
     st = measured["strategies"]
     best = measured["best"]
     res: dict[str, Any] = {
@@ -179,12 +194,23 @@ def main(cfg: GPSConfig) -> dict[str, Any]:
         "recommendation": _why(best, measured, sysm),
         "savings": {s: st[s]["saving"] for s in st},
         "sweep": sweep,
+        "sweep_skipped": skipped,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
     }
     if cfg.plot:
         plot(res, cfg.plot)
         res["plot"] = cfg.plot
     return res
+
+
+SKEW_DIGITS = 2  # skewness as the tables and the plot print it
+
+
+def duplicate_of(point: dict[str, Any], others: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The point among `others` that `point` repeats (its skewness prints the same), else None: a sweep target
+    the re-routing cannot reach lands on a routing another point already shows."""
+    key = round(point["skewness"], SKEW_DIGITS)
+    return next((o for o in others if o is not point and round(o["skewness"], SKEW_DIGITS) == key), None)
 
 
 def _why(best: str, point: dict[str, Any], sysm: System) -> str:
@@ -241,25 +267,29 @@ def plot(res: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+# strategy names in table cells (80 columns): the caption spells out "t2e"
+SHORT_NAMES = {"none": "no prediction", "distribution": "distribution", "token_to_expert": "token-to-expert"}
+
+
 def render(res: dict[str, Any], console: Any) -> None:
-    from rich.table import Table
+    from ..tables import FitTable
 
     sy = res["system"]
     m = res["measured"]
-    t = Table(
-        title=f"{res['trace']}: {res['arch']} routing ({res['num_experts']} experts top-{res['top_k']}), "
+    t = FitTable(
+        f"{res['trace']}: {res['arch']} routing ({res['num_experts']} experts top-{res['top_k']}), "
         f"{sy['shape']['name']} shape, {sy['gpus']} x {sy['gpu']['name']}, {sy['link']['name']}, seq {sy['seq_len']}; "
         f"skewness {m['skewness']:.2f}, distribution-only error rate {m['distribution_error_rate']:.3f} "
         f"({m['batches']} held-out batch x layer)",
-        caption="µs per MoE layer (mean over layers and held-out batches); token-to-expert at its best simulated accuracy; "
+        caption="µs per MoE layer (mean over layers and held-out batches): attention, FFN, communication, prediction "
+        "overhead; * recommended; token-to-expert at its best simulated accuracy (acc); "
         f"overhead curve: {res['overhead_curve']['source']}",
-        caption_justify="left",
     )
-    for c in ("strategy", "attention", "FFN", "comm", "overhead", "total", "saving", "accuracy"):
-        t.add_column(c, justify="left" if c == "strategy" else "right")
+    for c in ("strategy", "attn", "FFN", "comm", "overhead", "total", "saving", "acc"):
+        t.add_column(c)
     for s, r in m["strategies"].items():
         t.add_row(
-            STRATEGY_NAMES[s] + (" *" if s == res["recommended"] else ""),
+            SHORT_NAMES[s] + (" *" if s == res["recommended"] else ""),
             f"{r['attention'] * 1e6:.1f}",
             f"{r['ffn'] * 1e6:.1f}",
             f"{r['comm'] * 1e6:.1f}",
@@ -270,9 +300,13 @@ def render(res: dict[str, Any], console: Any) -> None:
         )
     console.print(t)
     if res["sweep"]:
-        t2 = Table(title="skewness sweep (routing re-ranked with a bias: γ>0 γ·log p̄, γ<0 |γ|·balancing bias; γ=0 is the trace)")
-        for c in ("skewness", "γ", "none", "distribution-only", "token-to-expert", "t2e acc", "best"):
-            t2.add_column(c, justify="right")
+        t2 = FitTable(
+            "skewness sweep (routing re-ranked with a bias: γ>0 γ·log p̄, γ<0 |γ|·balancing bias; γ=0 is the trace)",
+            caption="µs per MoE layer (saving vs no prediction); t2e: token-to-expert, acc its simulated accuracy"
+            + "".join(f"; skewness {x['target']:g}: {x['reason']}" for x in res.get("sweep_skipped", [])),
+        )
+        for c in ("skew", "γ", "none", "distribution", "t2e", "t2e acc", "best"):
+            t2.add_column(c)
         for p in res["sweep"]:
             s = p["strategies"]
             t2.add_row(
@@ -282,7 +316,7 @@ def render(res: dict[str, Any], console: Any) -> None:
                 f"{s['distribution']['total'] * 1e6:.1f} ({s['distribution']['saving']:+.0%})",
                 f"{s['token_to_expert']['total'] * 1e6:.1f} ({s['token_to_expert']['saving']:+.0%})",
                 f"{s['token_to_expert']['accuracy']:.2f}",
-                STRATEGY_NAMES[p["best"]],
+                "t2e" if p["best"] == "token_to_expert" else SHORT_NAMES[p["best"]],
             )
         console.print(t2)
     console.print(f"recommended: [bold]{STRATEGY_NAMES[res['recommended']]}[/] — {res['recommendation']}")

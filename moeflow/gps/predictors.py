@@ -498,19 +498,18 @@ def fit_and_evaluate(
 
 
 def render(report: dict[str, Any], console: Any, title: str = "MoE-GPS predictors (held out)") -> None:
-    """Rich tables of a `GPSSuite.evaluate` report."""
-    from rich.table import Table
+    """Tables of a `GPSSuite.evaluate` report (readable at 80 columns: `moeflow.tables.FitTable`)."""
+    from ..tables import FitTable
 
     d = report["distribution_only"]
-    t = Table(
-        title=f"{title}: distribution-only (multinomial MLE), {report['num_experts']} experts top-{report['top_k']}, "
+    t = FitTable(
+        f"{title}: distribution-only (multinomial MLE), {report['num_experts']} experts top-{report['top_k']}, "
         f"batches of {d['seq_len']} tokens",
         caption="error rate = mean |p̂ − p| / (1/K) vs the test set's distribution (pooled) and vs each test batch; "
         "skew = max / mean load per batch",
-        caption_justify="left",
     )
     for c in ("layer", "error rate", "batch error rate", "skew train", "skew test"):
-        t.add_column(c, justify="right")
+        t.add_column(c)
     for L in [*d["layers"], {"layer": "mean", **d}]:
         t.add_row(
             str(L["layer"]),
@@ -520,9 +519,9 @@ def render(report: dict[str, Any], console: Any, title: str = "MoE-GPS predictor
             f"{L['skew_test']:.3f}",
         )
     console.print(t)
-    t2 = Table(title=f"token-to-expert on {report['test_tokens']} held-out tokens (mean over layers)")
+    t2 = FitTable(f"token-to-expert on {report['test_tokens']} held-out tokens (mean over layers)")
     for c in ("predictor", "top-1 acc", f"top-{report['top_k']} acc", "ms / batch"):
-        t2.add_column(c, justify="right")
+        t2.add_column(c)
     for n, r in report["token_to_expert"].items():
         t2.add_row(n, f"{r['top1']:.3f}", f"{r['topk']:.3f}", f"{r['ms_per_batch']:.2f}")
     console.print(t2)

@@ -23,7 +23,7 @@ MODELS: dict[str, dict[str, Any]] = {
         max_position_embeddings=1024,
         tie_word_embeddings=False,
     ),
-    # OLMoE, deep: 12 MoE layers of 32 experts top-4, the per-layer shape of olmoe-mini (issue 11: a step
+    # OLMoE, deep: 12 MoE layers of 32 experts top-4, the per-layer shape of olmoe-mini (so a step
     # size S can range over 1..11 and a layer-ahead predictor has 11 source layers).
     "olmoe-deep": dict(
         arch="olmoe",

@@ -13,6 +13,9 @@ private parts of `transformers.integrations.moe` that may change in any release:
 `check()` verifies the transformers version (`TESTED`) and the presence and signature of all of
 these, and raises `TransformersVersionError` (one line naming the installed version) when they
 changed. Nothing else in moeflow imports them; tests/test_tx_compat.py checks their behaviour.
+
+It also holds what changed name between transformers releases: `kv_cache_kwargs` (a model's KV-cache
+forward keyword, `cache` or the older `past_key_values`).
 """
 
 from __future__ import annotations
@@ -117,3 +120,24 @@ def register_experts(name: str, fn: Callable[..., Any]) -> None:
     """Idempotent: make `fn` the experts implementation `name` (`model.set_experts_implementation(name)`)."""
     if registered_experts(name) is not fn:
         _checked().ALL_EXPERTS_FUNCTIONS.register(name, fn)
+
+
+def kv_cache_kwargs(model: nn.Module) -> dict[str, Any]:
+    """`{name: DynamicCache}`: a fresh, empty KV cache for `model`, under the keyword its forward takes.
+
+    transformers renamed the forward keyword `past_key_values` to `cache` (the old name warns with a
+    FutureWarning and goes away in 5.40); the cache object is filled in place by each forward call, so the
+    caller keeps passing the same dict and never reads the cache back from the output."""
+    from transformers import DynamicCache
+
+    name = _cache_keyword(type(model))
+    return {name: DynamicCache(config=getattr(model, "config", None))}
+
+
+def _cache_keyword(cls: type[nn.Module]) -> str:
+    """`cache` where the model class's forward takes it, else the older `past_key_values`."""
+    try:
+        params = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return "cache"
+    return "cache" if "cache" in params else "past_key_values"

@@ -1,4 +1,4 @@
-"""The CasMoE plan in `moeflow run --plan casmoe` (issue 13, item 5): the run-time side of the planner.
+"""The CasMoE plan in `moeflow run --plan casmoe`: the run-time side of the planner.
 
 Before a prompt is decoded the cascade planner (`gate.py`) predicts its pattern EP [L,K]; the plan is, per
 MoE layer, the top `k` experts of the pattern (default 2 x the model's top-k) or the experts up to
@@ -19,7 +19,7 @@ A batch (`--batch-size` > 1) uses the union of its prompts' plans. The plan appl
 (resident and on-demand runs of a sweep run without it). Each prompt reports which path served it
 (`eam` / `eap`), the best EAM cosine, the planner's time and the planned / preloaded experts (`plan`).
 
-`--plan-opt update=true` feeds the EAM (issue 13, item 2): after each prompt's first planned offload run
+`--plan-opt update=true` feeds the EAM: after each prompt's first planned offload run
 its observed EP (eq. 3 over its prefill tokens, from the router outputs the engine saw, before any
 restriction: `labels.ep_from_routing`) goes with the prompt text to the EAM's buffer of C entries
 (`buffer=C`, default the EAM's own, 30), which updates the database when full; at the end of the run the
@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
+from ..policies.routing import PlanRestricted
 from .gate import DEFAULT_EPS, CascadePlanner, Plan
 
 PLANS = ("casmoe",)
@@ -220,9 +221,8 @@ class RunPlanner:
         keys = [(l, e) for l, ids in sets.items() for e in ids]
         if isinstance(engine.eviction, KeepPlanned):
             engine.eviction.keep = set(keys)
-        set_allowed = getattr(engine.routing, "set_allowed", None)
-        if self.spec.lossy and set_allowed is not None:
-            set_allowed(sets, self.mspec.num_experts)
+        if self.spec.lossy and isinstance(engine.routing, PlanRestricted):
+            engine.routing.set_allowed(sets, self.mspec.num_experts)
         # the best-scored keys that fit the capacity, issued in layer order (the prefill needs layer 0 first)
         fit = sorted(keys, key=lambda k: -scores[k])[: engine.capacity]
         rank = {l: i for i, l in enumerate(self.mspec.moe_layers)}
@@ -249,9 +249,8 @@ class RunPlanner:
         hook = self._hook
         if hook is not None and hook in engine.pass_start_hooks:
             engine.pass_start_hooks.remove(hook)
-        set_allowed = getattr(engine.routing, "set_allowed", None)
-        if set_allowed is not None:
-            set_allowed(None, self.mspec.num_experts)
+        if isinstance(engine.routing, PlanRestricted):
+            engine.routing.set_allowed(None, self.mspec.num_experts)
 
     @contextlib.contextmanager
     def observing(self, engine: Any, batch: Sequence[tuple[Any, str, Any]]) -> Iterator[None]:

@@ -112,9 +112,18 @@ def eval_planner(folder: str, data: RoutingData, cfg: Any, *, fingerprint: str, 
     return {"cascade": evaluate_plans(planner.plan(texts), ep, k=k, mass=cfg.mass)}
 
 
+# what each planner variant of a report is, in words (the report's keys: eam, eap, cascade)
+PLANNER_LABELS = {
+    "eam": "EAM alone (the experts of the most similar training prompts)",
+    "eap": "EAP alone (the learned predictor)",
+    "cascade": "cascade (the EAM when a training prompt is similar enough, else the EAP)",
+}
+
+
 def planner_tables(rep: dict[str, Any]) -> list[Any]:
-    """Rich tables of a planner report (train or eval)."""
-    from rich.table import Table
+    """Renderables of a planner report (train or eval), one per planner variant: a row per MoE layer and a
+    mean, so they stay readable at 80 columns however many layers the model has."""
+    from ..tables import FitTable
 
     out: list[Any] = []
     if "skipped" in rep:
@@ -123,28 +132,36 @@ def planner_tables(rep: dict[str, Any]) -> list[Any]:
         if not r:
             continue
         L = len(r["recall_at_k"])
-        t = Table(
-            title=f"CasMoE planner [{name}] on {r['prompts']} held-out prompts: per-layer recall@{r['k']}, "
-            f"mass-{r['mass']} set precision/recall; split eam {r['split']['eam']} / eap {r['split']['eap']}; "
-            f"{r['ms_per_prompt']['mean']:.2f} ms/prompt"
+        t = FitTable(
+            f"CasMoE planner, {PLANNER_LABELS.get(name, name)}, on {r['prompts']} held-out prompts: recall@{r['k']} "
+            f"per MoE layer (chance {r['chance_recall_at_k']:.3f}) and the mass-{r['mass']} set's precision, recall "
+            f"and size; {r['split']['eam']} prompts planned by the EAM, {r['split']['eap']} by the EAP; "
+            f"{r['ms_per_prompt']['mean']:.2f} ms per prompt"
         )
-        t.add_column("metric")
+        cols: list[tuple[str, str]] = [("recall@k", "recall_at_k")]
+        cols += [(h, k) for h, k in (("EAM's", "recall_at_k_eam"), ("EAP's", "recall_at_k_eap")) if k in r]
+        cols += [
+            (h, k)
+            for h, k in (
+                ("baseline", "baseline_recall_at_k"),
+                ("mass prec", "mass_precision"),
+                ("mass recall", "mass_recall"),
+                ("set size", "mass_set_size"),
+            )
+            if k in r
+        ]
+        t.add_column("layer")
+        for h, _ in cols:
+            t.add_column(h)
         for l in range(L):
-            t.add_column(f"L{l}", justify="right")
-        rows = [("recall@k", r["recall_at_k"])]
-        for key in (
-            "recall_at_k_eam",
-            "recall_at_k_eap",
-            "baseline_recall_at_k",
-            "mass_precision",
-            "mass_recall",
-            "mass_set_size",
-        ):
-            if key in r:
-                rows.append((key.replace("_at_k", "@k").replace("_", " "), r[key]))
-        for lbl, vals in rows:
-            t.add_row(lbl, *[f"{v:.3f}" for v in vals])
-        t.add_row("chance", *[f"{r['chance_recall_at_k']:.3f}"] * L)
+            t.add_row(
+                str(l),
+                *[f"{r[k][l]:.3f}" if k != "mass_set_size" else f"{r[k][l]:.1f}" for _, k in cols],
+                end_section=l == L - 1,
+            )
+        t.add_row("mean", *[f"{np.mean(r[k]):.3f}" if k != "mass_set_size" else f"{np.mean(r[k]):.1f}" for _, k in cols])
+        if any(k in r for k in ("recall_at_k_eam", "recall_at_k_eap", "baseline_recall_at_k")):
+            t.caption = "EAM's / EAP's: recall@k over the prompts each planned; baseline: the training prompts' mean pattern"
         out.append(t)
     return out
 

@@ -7,6 +7,10 @@ The device expert cache owns slots, copies and counters. It never decides anythi
 - a `MissPolicy` says what to do with a needed expert that is not resident;
 - a `RoutingPolicy` may bias router selection scores (cache-aware routing); `standard` does not.
 
+Every policy class subclasses its kind's Protocol (the registries refuse one that does not) and inherits
+the declared capabilities' safe defaults (`changes_output`, `needs_routing`, `needs_host`, `needs_model`,
+...: see "declared capabilities" below); `moeflow.policies.lossy` turns them into one lossy answer.
+
 Experts are named by `ExpertKey = (layer, expert)` with `layer` a decoder-layer index.
 "Time" is a monotone access counter the cache increments on every access (not wall clock), so
 policies behave identically in the runtime and in the trace-driven simulator.
@@ -20,7 +24,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from ..registry import Registry
+from ..registry import P, Registry
 
 ExpertKey = tuple[int, int]  # (decoder layer, expert id)
 
@@ -37,7 +41,7 @@ class Position:
 
 class Candidates(Sequence[ExpertKey]):
     """The cache's eviction candidates as a view: `key in view` is O(1), iteration (materialised once, on first
-    use) gives the slots' keys in slot order, as the list the cache used to build.
+    use) gives the slots' keys in slot order.
 
     Every key in it is resident, so a policy that tracks every inserted and not yet evicted key (from the
     cache's events) may walk its own order and return the first key `in` the view instead of scanning all
@@ -83,21 +87,59 @@ class Candidates(Sequence[ExpertKey]):
         return self._list()[i]
 
 
+# ---- declared capabilities ---------------------------------------------------------------------------
+# Every policy class subclasses its kind's Protocol below and so inherits each capability's safe default;
+# a class (or, where an option decides it, an instance) sets what differs. The engine, the cache, the
+# simulator and `moeflow.policies.lossy` read these attributes; nothing probes a policy for what it can do.
+# `changes_output` (every kind): the policy may change the model's output on every device (lossy). Safe
+# defaults: eviction and prefetch policies only move bytes (False); a miss or routing policy is lossy
+# unless it says otherwise (True).
+
+
+@dataclass(frozen=True)
+class BindContext:
+    """What a policy with `needs_model` is given when the engine attaches (`bind(ctx)`): the running model and
+    what it may measure. Prefetch policies are bound before the experts leave the device, miss policies after."""
+
+    model: Any  # the running transformers model
+    adapter: Any  # its `moeflow.moe.Adapter`
+    link: Any  # the transfer link (`transfer_estimate_s(nbytes)`)
+    expert_bytes: int  # one routed expert's full-precision row
+    time_host_expert: Callable[[int], float]  # fastest seconds to run one expert on N rows on the host
+    time_row_copy: Callable[[], float]  # fastest seconds of one plain host -> device copy of one expert row
+
+
 @runtime_checkable
 class EvictionPolicy(Protocol):
     """Chooses victims. Receives every cache event so it can keep its own bookkeeping."""
 
     name: ClassVar[str]
+    changes_output: bool = False  # evictions only decide what stays: never
+    hears_precision: ClassVar[bool] = False  # `on_precision(key, bits)` on every slot precision change (`lhu`)
+    kernel: str | None = None  # its bookkeeping compiled in `moeflow.runtime.cachecore` (lru, lfu, least-stale,
+    #   belady-approx, belady): with an instant link the cache (runtime and simulator) runs that kernel and
+    #   never calls the events below; a subclass that changes an event sets None
+
+    def __init__(self) -> None:  # a policy without options (`Registry.create` reads the signature)
+        return None
 
     def on_insert(self, key: ExpertKey, pos: Position, *, prefetched: bool) -> None: ...
     def on_access(self, key: ExpertKey, pos: Position, *, score: float) -> None: ...
     def on_evict(self, key: ExpertKey) -> None: ...
-    def on_pass_start(self, pos: Position) -> None: ...
-    def on_layer_start(self, pos: Position) -> None: ...
+    def on_pass_start(self, pos: Position) -> None:
+        return None
+
+    def on_layer_start(self, pos: Position) -> None:
+        return None
+
     def on_predicted(self, key: ExpertKey, pos: Position) -> None:
         """A prefetch policy proposed `key` in this pass and it is already resident (the cache skips
         the load). Least-Stale uses it to mark the expert current again; most policies ignore it."""
-        ...
+        return None
+
+    def on_precision(self, key: ExpertKey, bits: int) -> None:
+        """`key`'s slot now holds a copy at `bits` (0: full precision); called only with `hears_precision`."""
+        return None
 
     def victim(self, candidates: Sequence[ExpertKey], pos: Position) -> ExpertKey:
         """One of `candidates` (resident, not pinned by the running layer, not in flight)."""
@@ -145,10 +187,36 @@ class PrefetchRequest:
 @runtime_checkable
 class PrefetchPolicy(Protocol):
     name: ClassVar[str]
+    changes_output: bool = False  # prefetches only move bytes: never
+    proposes: ClassVar[bool] = True  # False: never proposes (`none`; the engine skips the prefetch step)
+    needs_router_input: ClassVar[bool] = False  # reads `LayerContext.router_input` through later layers' routers
+    #   (`predict_logits`): the simulator needs a trace with router inputs and the model
+    needs_residual: ClassVar[bool] = False  # reads `LayerContext.residual` (the engine captures it)
+    needs_model: ClassVar[bool] = False  # `bind(ctx)` loads what it needs from the running model (runtime only)
+    speculates: ClassVar[bool] = False  # its predictor can replace the routing (`--speculative`)
+    gate: Any = None  # the admission of its proposals (`moeflow.policies.prefetch.PrefetchGate`); None: admit all
+    pred: Any = None  # the predictor a `needs_model` policy bound (`speculates`: the one that routes)
+    lookahead: int | None = None  # its own step size S (option `lookahead=`), used instead of the engine's
+
+    def __init__(self) -> None:  # a policy without options (`Registry.create` reads the signature)
+        return None
+
+    @property
+    def horizon(self) -> int | None:
+        """The largest S it can predict (a learned predictor's trained S, once bound); None: any."""
+        return None
+
+    def bind(self, ctx: BindContext) -> Callable[[], None]:
+        """Called with `needs_model` before the engine offloads the experts; returns the release function."""
+        return _nothing
 
     def propose(self, ctx: LayerContext) -> list[PrefetchRequest]:
         """Experts of later layers to load now (resident ones are skipped by the cache)."""
         ...
+
+
+def _nothing() -> None:
+    return None
 
 
 # ---- miss actions ----------------------------------------------------------------------------------
@@ -190,34 +258,77 @@ class MissInfo:
 class MissPolicy(Protocol):
     """`on_miss(key, pos)` -> a `MissAction`. A policy with `needs_routing = True` is asked in the engine's
     router hook with `info=MissInfo(...)` and may return any action (the engine applies drop / substitute /
-    cpu there, before demand loads); other policies are asked by the cache (`check_misses`), info-less."""
+    cpu there, before demand loads); other policies are asked by the cache (`check_misses`), info-less, or
+    with `precisions` with a `MissInfo` of the summed gate weight after `observe`."""
 
     name: ClassVar[str]
-    exact: ClassVar[bool]  # True if the layer's output is unchanged (the expert is loaded and run)
+    changes_output: bool = True  # safe default: lossy unless the policy says it loads and runs the expert
+    needs_routing: ClassVar[bool] = False  # asked in the engine's router hook (drop / substitute / cpu; runtime only)
+    needs_host: ClassVar[bool] = False  # may run experts on the host: bit-identical only on a CPU device
+    needs_model: ClassVar[bool] = False  # `bind(ctx)` when the engine attaches (router rows, timings)
+    upgrade: ClassVar[bool] = False  # the cache queues the full-precision row over each low-precision slot
+    precisions: tuple[int, ...] = ()  # low precisions (bits) the store must hold; non-empty: asked after `observe`
+    optimize: bool = True  # HQQ's zero optimisation for those copies
+    renorm: bool = False  # `drop`: rescale a token's kept gate weights to their original sum
 
-    def on_miss(self, key: ExpertKey, pos: Position) -> MissAction:
+    def __init__(self) -> None:  # a policy without options (`Registry.create` reads the signature)
+        return None
+
+    def bind(self, ctx: BindContext) -> None:
+        """Called with `needs_model` when the engine attaches, after the experts are in the host store."""
+        return None
+
+    def observe(self, layer: int, scores: dict[int, float]) -> None:
+        """With `precisions`: every needed expert of a layer call with its summed gate weight (hits included)."""
+        return None
+
+    def on_miss(self, key: ExpertKey, pos: Position, info: MissInfo | None = None) -> MissAction:
         """'fetch' (blocking load, exact) or another `MissAction` (lossy ones: see above)."""
         ...
 
 
 @runtime_checkable
 class RoutingPolicy(Protocol):
+    """Changes which experts a layer selects (`reroutes`), or the order the experts call computes them in."""
+
     name: ClassVar[str]
-    exact: ClassVar[bool]
+    changes_output: bool = True  # safe default: lossy unless the policy keeps the router's choice
+    reroutes: ClassVar[bool] = True  # the engine re-selects in its router hook (`bias` or `select_logits`)
+    dual_logits: ClassVar[bool] = False  # re-selects through `select_logits` (z' selects; else `bias`)
+    hit_first: ClassVar[bool] = False  # the experts call computes ready experts before waiting for the others
+    renorm: bool = False  # with `dual_logits`: z' selects and weights (else the original logits weight)
+
+    def __init__(self) -> None:  # a policy without options (`Registry.create` reads the signature)
+        return None
 
     def bias(self, layer: int, num_experts: int, resident: Callable[[ExpertKey], bool]) -> torch.Tensor | None:
-        """An additive bias [E] on the selection scores of `layer`, or None for the router's own choice.
+        """An additive bias [E] on the selection scores of `layer`, or None for the router's own choice."""
+        return None
 
-        A policy may instead define `select_logits(layer, logits [T,E], resident, top_k) -> z' | None`
-        (dual-logit routing: z' selects the experts, the original logits weight them; `cache-aware`).
-        `reroutes = False` tells the engine the policy never changes routing (`hit-first`), and
-        `hit_first = True` makes the experts call compute resident experts before waiting for misses."""
-        ...
+    def select_logits(
+        self, layer: int, logits: torch.Tensor, resident: Callable[[ExpertKey], bool], top_k: int
+    ) -> torch.Tensor | None:
+        """With `dual_logits`: z' [T,E] that selects the experts (the original logits weight them, unless
+        `renorm`), or None for the router's own choice."""
+        return None
+
+
+KINDS: dict[str, type] = {"eviction": EvictionPolicy, "prefetch": PrefetchPolicy, "miss": MissPolicy, "routing": RoutingPolicy}
+
+
+class PolicyRegistry(Registry):
+    """A `Registry` that accepts only classes subclassing the kind's Protocol (so every capability is declared)."""
+
+    def register(self, cls: type[P]) -> type[P]:
+        proto = KINDS[self.kind]
+        if proto not in cls.__mro__:
+            raise TypeError(f"{cls.__name__} must subclass {proto.__name__} to be registered as a {self.what}")
+        return super().register(cls)
 
 
 # ---- registries (one per kind; `moeflow.registry.Registry`) ---------------------------------------
 
-EVICTION = Registry("eviction")
-PREFETCH = Registry("prefetch")
-MISS = Registry("miss")
-ROUTING = Registry("routing")
+EVICTION = PolicyRegistry("eviction")
+PREFETCH = PolicyRegistry("prefetch")
+MISS = PolicyRegistry("miss")
+ROUTING = PolicyRegistry("routing")

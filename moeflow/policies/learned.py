@@ -17,9 +17,10 @@ forest's predictions are cached per (token sequence, layer, S); until one is rea
 One forest call per source layer serves all its targets l+1..l+S (`AsyncForest.submit_group`).
 
 The policy needs the running model (routers and norms) and the post-attention residual r_l, which
-the engine captures and passes as `LayerContext.residual`: the engine calls `policy.bind(model)` when
-it attaches; it loads the predictor folder, checks its model fingerprint and returns the function that
-releases it. Bind before the engine offloads the experts (the adapters read the stacked expert tensors).
+the engine captures and passes as `LayerContext.residual` (`needs_residual`): the engine calls
+`policy.bind(ctx)` (`needs_model`) when it attaches; it loads the predictor folder, checks its model
+fingerprint and returns the function that releases it. Bind before the engine offloads the experts (the
+adapters read the stacked expert tensors).
 """
 
 from __future__ import annotations
@@ -32,15 +33,18 @@ import torch
 from ..errors import ConfigError
 from ..moe import get_adapter, residual_norm
 from ..moe.sets import mass_mask, topk_mask
-from .base import PREFETCH, LayerContext, PrefetchRequest
+from .base import PREFETCH, BindContext, LayerContext, PrefetchPolicy, PrefetchRequest
 from .prefetch import make_gate, topk_confidence
 
 
-class LearnedPrefetch:
+class LearnedPrefetch(PrefetchPolicy):
     """Shared mechanics: predictor loading, per-pass layer history, token context."""
 
     name: ClassVar[str] = ""
     predictor: ClassVar[str] = ""
+    needs_router_input: ClassVar[bool] = True
+    needs_residual: ClassVar[bool] = True
+    needs_model: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -74,11 +78,16 @@ class LearnedPrefetch:
         self.predict_s = 0.0  # time spent in propose (predictor overhead)
         self.calls = 0
 
+    @property
+    def horizon(self) -> int | None:
+        """The bound predictor's trained S (`max_lookahead`): it predicts no further."""
+        return int(self.pred.max_lookahead) if self.pred is not None else None
+
     # -- binding to the running model --
-    def bind(self, model: torch.nn.Module, engine: Any = None) -> Callable[[], None]:
+    def bind(self, ctx: BindContext) -> Callable[[], None]:
         from ..predict.io import load_predictors
 
-        self.model = model
+        self.model = model = ctx.model
         _, preds = load_predictors(self.folder, model, [self.predictor])
         self.pred = preds[self.predictor]
         if self.window is None:
@@ -140,7 +149,7 @@ class LearnedPrefetch:
 
         if self.pred is None:
             raise ConfigError(
-                f"prefetch policy {self.name!r} was not bound to the model; the engine must call policy.bind(model) on attach"
+                f"prefetch policy {self.name!r} was not bound to the model; the engine must call policy.bind(ctx) on attach"
             )
         t0 = time.perf_counter()
         self._begin(ctx)
@@ -170,18 +179,21 @@ class LearnedPrefetch:
 class RouterPFPrefetch(LearnedPrefetch):
     name: ClassVar[str] = "router-pf"
     predictor: ClassVar[str] = "router-pf"
+    speculates: ClassVar[bool] = True
 
 
 @PREFETCH.register
 class EstimatorPrefetch(LearnedPrefetch):
     name: ClassVar[str] = "estimator"
     predictor: ClassVar[str] = "estimator"
+    speculates: ClassVar[bool] = True
 
 
 @PREFETCH.register
 class HybridPrefetch(LearnedPrefetch):
     name: ClassVar[str] = "hybrid"
     predictor: ClassVar[str] = "hybrid"
+    speculates: ClassVar[bool] = True
 
 
 @PREFETCH.register
@@ -201,13 +213,13 @@ class ForestPrefetch(LearnedPrefetch):
     name: ClassVar[str] = "forest"
     predictor: ClassVar[str] = "forest"
 
-    def bind(self, model: torch.nn.Module, engine: Any = None) -> Callable[[], None]:
+    def bind(self, ctx: BindContext) -> Callable[[], None]:
         from ..predict.forest import AsyncForest
         from ..predict.pregate import PreGatePredictor
 
-        unbind = super().bind(model, engine)
+        unbind = super().bind(ctx)
         self.runner = AsyncForest(self.pred)
-        self._pregate = PreGatePredictor(model)  # the fallback while a forest prediction is not ready
+        self._pregate = PreGatePredictor(ctx.model)  # the fallback while a forest prediction is not ready
         return unbind
 
     def close(self) -> None:

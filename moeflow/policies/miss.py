@@ -23,42 +23,37 @@ feeds the per-layer gate-score history and `info.score` is the expert's summed g
 
 from __future__ import annotations
 
-import time
 from bisect import bisect_left, insort
 from collections import deque
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from .base import CPU, DROP, FETCH, MISS, ExpertKey, MissAction, MissInfo, Position
+from .base import CPU, DROP, FETCH, MISS, BindContext, ExpertKey, MissAction, MissInfo, MissPolicy, Position
 
 FULL_BITS = 0  # `moeflow.quant.FULL`: a full-precision (model dtype) copy
 
-if TYPE_CHECKING:
-    from ..runtime.engine import OffloadEngine
-
 
 @MISS.register
-class Fetch:
+class Fetch(MissPolicy):
     """Load the missing expert and wait for it: the layer's output is exactly the model's."""
 
     name: ClassVar[str] = "fetch"
-    exact: ClassVar[bool] = True
-    lossy: ClassVar[bool] = False  # never changes the model's output (`moeflow quality` labels runs)
+    changes_output = False
 
-    def on_miss(self, key: ExpertKey, pos: Position) -> str:
-        return "fetch"
+    def on_miss(self, key: ExpertKey, pos: Position, info: MissInfo | None = None) -> MissAction:
+        return FETCH
 
 
 @MISS.register
-class Drop:
+class Drop(MissPolicy):
     """Skip missing experts ranked `min_rank` or lower for every token that routes to them (SpecMD "Drop",
     Skliar et al.: models are resilient beyond rank 2) and, when `score` > 0, only those whose largest gate
     weight is below it. Dropped experts get weight 0; `renorm=True` rescales each token's kept weights so
     they sum to the token's original top-k weight sum."""
 
     name: ClassVar[str] = "drop"
-    exact: ClassVar[bool] = False
+    changes_output = True
     needs_routing: ClassVar[bool] = True
 
     def __init__(self, min_rank: int = 3, score: float = 0.0, renorm: bool = False):
@@ -75,21 +70,22 @@ class Drop:
 
 
 @MISS.register
-class Substitute:
+class Substitute(MissPolicy):
     """Run the most similar resident expert of the same layer instead of a missing one (Zhu et al. 2025):
     similarity = cosine of the two experts' router weight rows (precomputed per layer at `bind`); substitute
     when 1 - cos <= `tol`, else fetch. Only misses of rank >= `min_rank` (default 1: all) are substituted."""
 
     name: ClassVar[str] = "substitute"
-    exact: ClassVar[bool] = False
+    changes_output = True
     needs_routing: ClassVar[bool] = True
+    needs_model: ClassVar[bool] = True  # the router rows' similarities
 
     def __init__(self, tol: float = 1.0, min_rank: int = 1):
         self.tol, self.min_rank = float(tol), int(min_rank)
         self.sim: dict[int, torch.Tensor] = {}  # layer -> [E,E] cosine similarity
 
-    def bind(self, engine: OffloadEngine) -> None:
-        ad = engine.adapter
+    def bind(self, ctx: BindContext) -> None:
+        ad = ctx.adapter
         for l in ad.moe_layers:
             w = torch.as_tensor(ad.router(l).weight).detach().float().cpu()  # [E,H]
             self.sim[l] = similarity(w)
@@ -125,28 +121,32 @@ def nearest_resident(sim: torch.Tensor, layer: int, expert: int, resident: Any) 
 
 
 @MISS.register
-class Cpu:
+class Cpu(MissPolicy):
     """Compute the missing expert on the host, where its weights live: the rows of its tokens go to the
-    host, the same grouped kernels run there, the results come back (exact on a CPU device in fp32)."""
+    host, the same grouped kernels run there, the results come back. Bit-identical on a CPU device (the
+    same kernels); on CUDA the host's kernels sum in another order than the device's (`needs_host`: lossy)."""
 
     name: ClassVar[str] = "cpu"
-    exact: ClassVar[bool] = True  # on a CPU device (same kernels); on CUDA host and device kernels differ
+    changes_output = False  # on its own; `needs_host` makes it lossy on a non-CPU device
     needs_routing: ClassVar[bool] = True
+    needs_host: ClassVar[bool] = True
 
     def on_miss(self, key: ExpertKey, pos: Position, info: MissInfo | None = None) -> MissAction:
         return CPU
 
 
 @MISS.register
-class Auto:
+class Auto(MissPolicy):
     """Per miss, `cpu` when the host computes the expert for the tokens at hand faster than one copy takes,
     else `fetch`. host time = `host_s` + `per_token_s` x (tokens - 1); copy time = `copy_s`. Missing values
     come from the calibration (`moeflow run` passes them) or are measured at `bind` (host: a host-store
     expert on 1 and 8 rows; copy: the link's estimate, else one timed row copy)."""
 
     name: ClassVar[str] = "auto"
-    exact: ClassVar[bool] = True  # fetch and cpu are both exact on a CPU device
+    changes_output = False  # fetch and cpu are both exact on a CPU device; `needs_host`: lossy elsewhere
     needs_routing: ClassVar[bool] = True
+    needs_host: ClassVar[bool] = True
+    needs_model: ClassVar[bool] = True  # host and copy timings
 
     def __init__(self, host_s: float | None = None, per_token_s: float | None = None, copy_s: float | None = None):
         self.host_s, self.per_token_s, self.copy_s = host_s, per_token_s, copy_s
@@ -154,15 +154,15 @@ class Auto:
         self._nbytes = 0
         self.decisions = {FETCH: 0, CPU: 0}
 
-    def bind(self, engine: OffloadEngine) -> None:
-        self._link, self._nbytes = engine.link, engine.store.expert_bytes
+    def bind(self, ctx: BindContext) -> None:
+        self._link, self._nbytes = ctx.link, ctx.expert_bytes
         if self.host_s is None or self.per_token_s is None:
-            t1, t8 = engine.time_host_expert(1), engine.time_host_expert(8)
+            t1, t8 = ctx.time_host_expert(1), ctx.time_host_expert(8)
             self.host_s = t1 if self.host_s is None else self.host_s
             self.per_token_s = max(0.0, (t8 - t1) / 7) if self.per_token_s is None else self.per_token_s
         if self.copy_s is None:
             est = self._link.transfer_estimate_s(self._nbytes)
-            self.copy_s = est if est is not None else engine.time_row_copy()
+            self.copy_s = est if est is not None else ctx.time_row_copy()
 
     def estimate(self, tokens: int) -> tuple[float, float]:
         """(host seconds for `tokens` rows, copy seconds) of one expert."""
@@ -175,17 +175,6 @@ class Auto:
         act = CPU if host < copy else FETCH
         self.decisions[act] += 1
         return act
-
-
-def time_call(fn: Any, repeats: int = 5) -> float:
-    """Fastest of `repeats` timed calls (after one warm-up)."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 # ---- mixed precision (SpecMD 3.1.2, HOBBIT) ----------------------------------------------------------
@@ -207,20 +196,15 @@ def _bits_list(bits: Any) -> tuple[int, ...]:
     return tuple(sorted(set(out), reverse=True))
 
 
-class _MixedPrecision:
+class _MixedPrecision(MissPolicy):
     """Shared: `precisions` (the store's compact copies to make), HQQ's `optimize`, a no-op `observe`."""
 
     name: ClassVar[str] = ""
-    exact: ClassVar[bool] = False
-    upgrade: ClassVar[bool] = False  # cascade: the cache queues the full-precision row over the slot
-    precisions: tuple[int, ...] = ()
+    changes_output = True  # a low-precision copy runs
 
     def __init__(self, bits: Any, optimize: bool = True):
         self.precisions = _bits_list(bits)
         self.optimize = bool(optimize)
-
-    def observe(self, layer: int, scores: dict[int, float]) -> None:
-        """Every needed expert of a layer call with its summed gate weight (hits included)."""
 
 
 @MISS.register

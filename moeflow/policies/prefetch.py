@@ -29,7 +29,7 @@ import torch
 
 from ..errors import ConfigError
 from ..moe.sets import mass_mask, topk_mask
-from .base import PREFETCH, LayerContext, PrefetchRequest
+from .base import PREFETCH, LayerContext, PrefetchPolicy, PrefetchRequest
 
 
 def topk_confidence(prob: float, k: int) -> float:
@@ -129,6 +129,20 @@ class PrefetchGate:
             self.refused += 1
         return ok
 
+    def quota(self) -> int | None:
+        """After `begin`, when no admission of this call depends on the link (gate off, or no transfer estimate):
+        how many proposals it admits, in priority order (-1: every one); None: ask `admit` for each."""
+        if self.enabled and self._tx is not None and self._tx > 0:
+            return None
+        return -1 if self._left is None else max(0, self._left)
+
+    def count(self, admitted: int, refused: int) -> None:
+        """Account a call decided by `quota` (as `admit` would have, proposal by proposal)."""
+        self.admitted += admitted
+        self.refused += refused
+        if self._left is not None:
+            self._left -= admitted
+
 
 def make_gate(gate: Any = True, budget: Any = None, cancel: Any = True, weight: float = 1.0) -> PrefetchGate:
     return PrefetchGate(gate, budget=budget, cancel=cancel, weight=weight)
@@ -139,17 +153,18 @@ def _steps(ctx: LayerContext, lookahead: int | None) -> list[int]:
 
 
 @PREFETCH.register
-class NoPrefetch:
+class NoPrefetch(PrefetchPolicy):
     """Demand paging: never prefetch."""
 
     name: ClassVar[str] = "none"
+    proposes: ClassVar[bool] = False
 
     def propose(self, ctx: LayerContext) -> list[PrefetchRequest]:
         return []
 
 
 @PREFETCH.register
-class PreGatePrefetch:
+class PreGatePrefetch(PrefetchPolicy):
     """`pregate`: apply the router of MoE layer l+s (s = 1..S) to this layer's router input and prefetch its choice.
 
     Exactly one selection rule:
@@ -165,6 +180,7 @@ class PreGatePrefetch:
     """
 
     name: ClassVar[str] = "pregate"
+    needs_router_input: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -226,7 +242,7 @@ class PreGatePrefetch:
 
 
 @PREFETCH.register
-class AllNextLayer:
+class AllNextLayer(PrefetchPolicy):
     """Prefetch every expert of the next MoE layer (or the next `lookahead` layers): recall 1, precision k/E."""
 
     name: ClassVar[str] = "all-next-layer"

@@ -20,18 +20,17 @@ from typing import Any, ClassVar
 
 import torch
 
-from .base import ROUTING, ExpertKey
+from .base import ROUTING, ExpertKey, RoutingPolicy
 
 FORCE = 1e4  # added to the selection score of the experts z' chose, so the original scores select exactly them
 
 
 @ROUTING.register
-class Standard:
+class Standard(RoutingPolicy):
     """Unmodified routing: `bias` is always None."""
 
     name: ClassVar[str] = "standard"
-    exact: ClassVar[bool] = True
-    lossy: ClassVar[bool] = False  # never changes the model's output (`moeflow quality` labels runs)
+    changes_output = False
     reroutes: ClassVar[bool] = False
 
     def bias(self, layer: int, num_experts: int, resident: Callable[[ExpertKey], bool]) -> torch.Tensor | None:
@@ -39,7 +38,7 @@ class Standard:
 
 
 @ROUTING.register
-class CacheAware:
+class CacheAware(RoutingPolicy):
     """SpecMD eq. 1 (Skliar et al. 2025): boost resident experts' logits by lambda * D_avg.
 
     D_avg, "the historical average logit value", is taken as the running mean (all tokens this layer has
@@ -48,9 +47,9 @@ class CacheAware:
     host read). Option `lambda` (or `lam`), default 0.3."""
 
     name: ClassVar[str] = "cache-aware"
-    exact: bool = False  # per instance: lambda = 0 never changes routing (exact, not labelled lossy)
-    lossy: bool = True
+    changes_output = True  # per instance: lambda = 0 never changes routing (exact)
     reroutes: ClassVar[bool] = True
+    dual_logits: ClassVar[bool] = True
 
     def __init__(self, lam: float = 0.3, **opts: Any):
         extra = set(opts) - {"lambda"}
@@ -59,12 +58,8 @@ class CacheAware:
         self.lam = float(opts.get("lambda", lam))
         if self.lam < 0:
             raise ValueError("lambda must be >= 0")
-        self.exact = self.lam == 0
-        self.lossy = not self.exact
+        self.changes_output = self.lam != 0
         self._gap: dict[int, tuple[torch.Tensor, int]] = {}  # layer -> (summed gaps, tokens)
-
-    def bias(self, layer: int, num_experts: int, resident: Callable[[ExpertKey], bool]) -> torch.Tensor | None:
-        return None  # acts through select_logits
 
     def delta_avg(self, layer: int, logits: torch.Tensor, top_k: int) -> torch.Tensor:
         """Update and return this layer's D_avg (0-dim tensor) with logits [T,E]."""
@@ -101,11 +96,11 @@ def dual_select(select: Callable[..., tuple[torch.Tensor, torch.Tensor]], layer:
 
 
 @ROUTING.register
-class HitFirst:
+class HitFirst(RoutingPolicy):
     """ExpertFlow 3.4: exact; the engine computes resident experts' rows before waiting for the misses."""
 
     name: ClassVar[str] = "hit-first"
-    exact: ClassVar[bool] = True
+    changes_output = False
     reroutes: ClassVar[bool] = False
     hit_first: ClassVar[bool] = True
 
@@ -114,7 +109,7 @@ class HitFirst:
 
 
 @ROUTING.register
-class PlanRestricted:
+class PlanRestricted(RoutingPolicy):
     """CasMoE's restricted mode: each layer selects its top-k among the experts the prompt-level plan allowed
     (`set_allowed`; `moeflow.plan.run`); the others' logits are -inf for selection. `renorm` (default, as
     CasMoE) weights the chosen experts as the family does over the allowed experts only (a softmax family's
@@ -123,9 +118,9 @@ class PlanRestricted:
     `moeflow run --plan casmoe --plan-opt mode=restricted`, not `--routing`."""
 
     name: ClassVar[str] = "plan-restricted"
-    exact: ClassVar[bool] = False
-    lossy: ClassVar[bool] = True
+    changes_output = True
     reroutes: ClassVar[bool] = True
+    dual_logits: ClassVar[bool] = True
 
     def __init__(self, renorm: bool | str = True, **opts: Any):
         if opts:
@@ -145,9 +140,6 @@ class PlanRestricted:
             m = torch.zeros(num_experts, dtype=torch.bool)
             m[list(ids)] = True
             self.allowed[l] = m
-
-    def bias(self, layer: int, num_experts: int, resident: Callable[[ExpertKey], bool]) -> torch.Tensor | None:
-        return None  # acts through select_logits
 
     def select_logits(
         self, layer: int, logits: torch.Tensor, resident: Callable[[ExpertKey], bool], top_k: int

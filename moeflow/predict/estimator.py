@@ -61,10 +61,17 @@ class EstimatorNet(nn.Module):
         self.head = nn.Linear(m, num_experts)
 
     def forward(self, x: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
-        z = self.A((x - self.mu) / self.sd) + self.pos(pair)  # [T,m]
+        return self.trunk(self.A((x - self.mu) / self.sd) + self.pos(pair))  # [T,E] logits
+
+    def project(self, x: torch.Tensor, cols: slice) -> torch.Tensor:
+        """The first layer's term of the input features `cols` (standardised): [...,len(cols)] -> [...,m], no bias."""
+        return ((x.float() - self.mu[cols]) / self.sd[cols]) @ self.A.weight[:, cols].T
+
+    def trunk(self, z: torch.Tensor) -> torch.Tensor:
+        """After the first layer: residual SiLU blocks, LayerNorm, head. [...,m] -> [...,E] logits."""
         for B, C in zip(self.B, self.C):
-            z = z + C(F.silu(B(z)))  # [T,m]
-        return self.head(self.norm(z))  # [T,E] logits
+            z = z + C(F.silu(B(z)))  # [...,m]
+        return self.head(self.norm(z))
 
 
 def _hidden(data: RoutingData, layer: int) -> np.ndarray:
@@ -157,6 +164,8 @@ class Estimator:
         self.net: EstimatorNet | None = None
         self.history: list[dict[str, float]] = []
         self.fit_seconds = 0.0
+        self.val_recall: dict[tuple[int, int], float] | None = None  # (source layer, S) -> validation recall@k
+        self.val_prompts: np.ndarray | None = None  # prompt ids of that validation part
 
     @classmethod
     def create(cls, model: torch.nn.Module, cfg: Any) -> Estimator:
@@ -166,44 +175,75 @@ class Estimator:
         return self.pairs.index((source, s))
 
     @torch.no_grad()
-    def _components(self, data: RoutingData, rows: np.ndarray) -> dict[str, torch.Tensor]:
-        """Per-row inputs of all pairs for `rows` (built into features per mini-batch, see `_batch`)."""
+    def _parts(self, data: RoutingData, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        """The inputs of every (pair, row) for `rows`, kept per part so that a mini-batch of rows x all pairs
+        runs the first layer once per distinct input (`_logits_parts`): q per pair and row, [u | g] per
+        source rank and row, the token embeddings per row; and the targets of each pair."""
         assert self.qh is not None and self.feat is not None
-        ml = list(data.spec.moe_layers)
-        ctx = data.context(max(1, self.context))[rows]
-        qs: list[torch.Tensor] = []
+        spec = data.spec
+        ml = list(spec.moe_layers)
+        n = len(rows)
+        srcs = sorted({ml.index(l) for l, _ in self.pairs})  # source ranks in use
         by_src: dict[int, list[torch.Tensor]] = {}
         for src in ml:
             smax = max([s for (l, s) in self.pairs if l == src], default=0)
             if smax == 0:
                 continue
             parts: list[list[torch.Tensor]] = [[] for _ in range(smax)]
-            for sl in iter_chunks(len(rows), 4096):
+            for sl in iter_chunks(n, 4096):
                 b = batch_from_rows(data, src, rows[sl])
                 for j, q in enumerate(self.qh.chain(b, smax)):
                     parts[j].append(q.half())
             by_src[src] = [torch.cat(p) for p in parts]
-        for src, s in self.pairs:
-            qs.append(by_src[src][s - 1])
+        ids = torch.stack([torch.from_numpy(data.layers[l].topk_ids[rows]) for l in ml], 1)  # [N,L,k]
+        w = torch.stack([torch.from_numpy(data.layers[l].topk_weights[rows]) for l in ml], 1).float()  # [N,L,k]
+        ug = []
+        for r in srcs:  # the history weighs earlier layers' chosen experts 1, the source's its gate weights
+            wr = torch.ones_like(w)
+            wr[:, r] = w[:, r]
+            g = self.feat.gates(ids, wr, torch.full((n,), r))  # [N,L*E]
+            ug.append(torch.cat([torch.from_numpy(_hidden(data, ml[r])[rows]).float(), g], 1).half())
+        tgt = torch.tensor([ml.index(target_of(spec, l, s)) for l, s in self.pairs])  # [P]
+        ctx = torch.from_numpy(data.context(max(1, self.context))[rows])
         return {
-            "q": torch.stack(qs),  # [P,N,H] f16
-            "u": torch.stack([torch.from_numpy(_hidden(data, l)[rows]) for l in ml]),  # [L,N,H] f16
-            "ids": torch.stack([torch.from_numpy(data.layers[l].topk_ids[rows]) for l in ml], 1),  # [N,L,k]
-            "w": torch.stack([torch.from_numpy(data.layers[l].topk_weights[rows]) for l in ml], 1),  # [N,L,k]
-            "tok": self.feat.tokens(torch.from_numpy(ctx), len(rows)).half(),  # [N,cH]
-            "src_rank": torch.tensor([ml.index(l) for l, _ in self.pairs]),  # [P]
-            "tgt_rank": torch.tensor([ml.index(target_of(data.spec, l, s)) for l, s in self.pairs]),  # [P]
+            "q": torch.stack([by_src[src][s - 1] for src, s in self.pairs]),  # [P,N,H] f16
+            "ug": torch.stack(ug),  # [R,N,H+L*E] f16: router input and gate history per source rank
+            "tok": self.feat.tokens(ctx, n).half(),  # [N,cH]
+            "pair_src": torch.tensor([srcs.index(ml.index(l)) for l, _ in self.pairs]),  # [P] row of ug
+            "truth": ids[:, tgt].permute(1, 0, 2).contiguous(),  # [P,N,k] routed experts of each pair's target
+            "probs": torch.stack([torch.from_numpy(data.layers[ml[t]].probs[rows]) for t in tgt.tolist()]),  # [P,N,E] f16
         }
 
-    def _batch(self, c: dict[str, torch.Tensor], p: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
-        """Features [B,F] of samples (pair p, row i); history weights: 1 for earlier layers, g at the source."""
-        assert self.feat is not None
-        r = c["src_rank"][p]
-        w = torch.ones_like(c["w"][i])
-        own = torch.arange(w.shape[1])[None, :] == r[:, None]
-        w = torch.where(own[..., None], c["w"][i], w)
-        g = self.feat.gates(c["ids"][i], w, r)
-        return _Features.assemble(c["q"][p, i], c["u"][r, i], c["tok"][i].float(), g)
+    def _features_parts(self, c: dict[str, torch.Tensor], p: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        """The full features [B,F] of samples (pair p [B], row i [B]) from `_parts` (the standardisation's sample)."""
+        H = self.feat.spec.hidden_size if self.feat is not None else 0
+        ug = c["ug"][c["pair_src"][p], i].float()  # [B,H+L*E]
+        return _Features.assemble(c["q"][p, i], ug[:, :H], c["tok"][i].float(), ug[:, H:])
+
+    def _logits_parts(self, c: dict[str, torch.Tensor], i: torch.Tensor) -> torch.Tensor:
+        """Logits [P,B,E] of every pair for rows i [B]: `EstimatorNet.forward` on `_features_parts`, with the
+        first layer applied per part (q: [P,B], u and g: [R,B], tokens: [B]) and summed."""
+        assert self.net is not None and self.feat is not None
+        net, H = self.net, self.feat.spec.hidden_size
+        cH = self.context * H
+        ug = c["ug"][:, i].float()  # [R,B,H+L*E]
+        z = net.project(c["q"][:, i], slice(0, H))  # [P,B,m]
+        zs = net.project(ug[..., :H], slice(H, 2 * H)) + net.project(ug[..., H:], slice(2 * H + cH, None))  # [R,B,m]
+        z = z + zs[c["pair_src"]] + net.A.bias + net.pos.weight[:, None, :]
+        if cH:
+            z = z + net.project(c["tok"][i], slice(2 * H, 2 * H + cH))  # [B,m] broadcast over pairs
+        return net.trunk(z)  # [P,B,E]
+
+    @torch.no_grad()
+    def _val_recall(self, c: dict[str, torch.Tensor], rows_per_step: int) -> torch.Tensor:
+        """[P] recall@k of each pair on the rows of `c`."""
+        assert self.net is not None
+        P, N, k = c["truth"].shape
+        hits = torch.zeros(P)
+        for sl in iter_chunks(N, max(1, 4 * rows_per_step)):
+            top = torch.topk(self._logits_parts(c, torch.arange(sl.start, sl.stop)), k, -1).indices  # [P,B,k]
+            hits += (top[..., :, None] == c["truth"][:, sl, None, :]).any(-1).sum((1, 2)).float()
+        return hits / max(1, N * k)
 
     def fit(
         self,
@@ -213,6 +253,11 @@ class Estimator:
         dvec: dict[int, torch.Tensor] | None = None,
         progress: Callable[[float], None] | None = None,
     ) -> None:
+        """Train on the prompts of `data` minus a validation part (`cfg.hybrid_val` of them, split with seed
+        `cfg.seed + 1`, the split `Hybrid` picks its pairs on): up to `cfg.est_epochs` epochs, stopping once
+        validation recall@k has not improved for `cfg.est_patience` epochs, keeping the best epoch's weights.
+        Each step takes `cfg.est_batch` // P rows with all P (layer, S) pairs. `val_recall` / `val_prompts`
+        record the validation result for `Hybrid`."""
         t0 = time.perf_counter()
         dvec = dvec if dvec is not None else compute_default_vectors(model, data, max_tokens=cfg.dv_max_tokens)
         self.qh = QuasiHidden(model, dvec)
@@ -220,53 +265,78 @@ class Estimator:
         self.max_lookahead = cfg.max_s
         self.pairs = data.rank_pairs(cfg.max_s)
         spec = data.spec
-        ml = list(spec.moe_layers)
+        P = len(self.pairs)
+        if len(np.unique(data.prompt_id)) >= 2:
+            fit_part, val = data.split(cfg.hybrid_val, cfg.seed + 1)
+        else:  # one prompt: no validation, every epoch is trained
+            fit_part, val = data, None
         rng = np.random.default_rng(cfg.seed)
-        rows = np.arange(data.n)
-        per_row = max(1, cfg.est_max_samples // max(1, len(self.pairs)))  # samples = rows x pairs
+        rows = np.arange(fit_part.n)
+        per_row = max(1, cfg.est_max_samples // max(1, P))  # samples = rows x pairs
         if len(rows) > min(cfg.est_max_tokens, per_row):
             rows = np.sort(rng.choice(rows, min(cfg.est_max_tokens, per_row), replace=False))
-        c = self._components(data, rows)
-        probs = torch.stack([torch.from_numpy(data.layers[l].probs[rows]) for l in ml])  # [L,N,E] f16
-        N, P = len(rows), len(self.pairs)
+        c = self._parts(fit_part, rows)
+        cv = None
+        if val is not None:
+            vrows = np.arange(val.n)
+            if len(vrows) > per_row:
+                vrows = np.sort(rng.choice(vrows, per_row, replace=False))
+            cv = self._parts(val, vrows)
+        N = len(rows)
         torch.manual_seed(cfg.seed)
         self.net = EstimatorNet(self.feat.dim, spec.num_experts, P, self.m, self.n, self.blocks)
         with torch.no_grad():  # feature standardisation from a sample of the training set
             idx = torch.randperm(P * N)[:20000]
-            x = self._batch(c, idx // N, idx % N)
+            x = self._features_parts(c, idx // N, idx % N)
             self.net.mu.copy_(x.mean(0))
             self.net.sd.copy_(x.std(0).clamp(min=1e-3))
+        y = c["probs"].float().clamp(min=1e-6)
+        y = y / y.sum(-1, keepdim=True)  # [P,N,E] KL targets
         opt = torch.optim.AdamW(self.net.parameters(), lr=cfg.est_lr, weight_decay=cfg.est_weight_decay)
-        per_epoch = (P * N + cfg.est_batch - 1) // cfg.est_batch
+        rows_per_step = max(1, cfg.est_batch // P)
+        per_epoch = -(-N // rows_per_step)
         epochs = max(cfg.est_epochs, -(-cfg.est_min_steps // per_epoch))  # small traces: at least est_min_steps
         steps = epochs * per_epoch
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.est_lr, total_steps=max(1, steps), pct_start=0.1)
-        self.net.train()
+        k, E = spec.top_k, spec.num_experts
+        best: tuple[float, dict[str, torch.Tensor] | None, torch.Tensor | None, int] = (-1.0, None, None, -1)
         done = 0
         for ep in range(epochs):
-            perm = torch.randperm(P * N)
+            self.net.train()
+            perm = torch.randperm(N)
             tot = 0.0
-            for i in range(0, P * N, cfg.est_batch):
-                j = perm[i : i + cfg.est_batch]
-                p_, r_ = j // N, j % N
-                tgt = c["tgt_rank"][p_]
-                y = probs[tgt, r_].float().clamp(min=1e-6)
-                y = y / y.sum(-1, keepdim=True)
-                logits = self.net(self._batch(c, p_, r_), p_)
-                loss = F.kl_div(F.log_softmax(logits, -1), y, reduction="batchmean")
+            for j in range(0, N, rows_per_step):
+                i = perm[j : j + rows_per_step]
+                logits = self._logits_parts(c, i).flatten(0, 1)  # [P*B,E]
+                loss = F.kl_div(F.log_softmax(logits, -1), y[:, i].flatten(0, 1), reduction="batchmean")
                 if cfg.est_bce > 0:
-                    hot = torch.zeros_like(logits).scatter(-1, c["ids"][r_, tgt], 1.0)
-                    loss = loss + cfg.est_bce * F.binary_cross_entropy_with_logits(logits, hot) * spec.num_experts / spec.top_k
-                opt.zero_grad()
+                    hot = torch.zeros_like(logits).scatter(-1, c["truth"][:, i].flatten(0, 1), 1.0)
+                    loss = loss + cfg.est_bce * F.binary_cross_entropy_with_logits(logits, hot) * E / k
+                opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
                 sched.step()
-                tot += loss.item() * len(j)
+                tot += float(loss) * len(i)
                 done += 1
                 if progress is not None:
                     progress(done / max(1, steps))
-            self.history.append({"epoch": ep + 1, "loss": tot / (P * N)})
+            self.net.eval()
+            rec = {"epoch": ep + 1, "loss": tot / N}
+            if cv is not None:
+                vr = self._val_recall(cv, rows_per_step)
+                rec["val_recall"] = float(vr.mean())
+                if rec["val_recall"] > best[0] + 1e-4:
+                    best = (rec["val_recall"], {n: t.clone() for n, t in self.net.state_dict().items()}, vr, ep)
+            self.history.append(rec)
+            if cv is not None and ep - best[3] >= cfg.est_patience:
+                break
+        if best[1] is not None:
+            self.net.load_state_dict(best[1])
+        self.val_recall = None if best[2] is None else {pr: float(v) for pr, v in zip(self.pairs, best[2])}
+        self.val_prompts = None if val is None else np.unique(val.prompt_id)
         self.net.eval()
+        if progress is not None:
+            progress(1.0)
         self.fit_seconds = time.perf_counter() - t0
 
     def features(self, lookahead: int, batch: SourceBatch) -> torch.Tensor:
@@ -362,21 +432,36 @@ class Hybrid:
         estimator: Estimator | None = None,
         progress: Callable[[float], None] | None = None,
     ) -> None:
-        """Fits an estimator on part of the training prompts (or reuses `estimator` if it was fitted
-        on `fit_part`) and picks the threshold on the rest."""
-        fit_part, val = data.split(cfg.hybrid_val, cfg.seed + 1)
+        """Picks the (layer, S) pairs the estimator serves on the validation part of the training prompts
+        (`Estimator.fit`'s: `cfg.hybrid_val` of them, seed `cfg.seed + 1`). Reuses `estimator` when it was
+        fitted on `data` (its validation prompts are this split's), else fits one."""
+        _, val = data.split(cfg.hybrid_val, cfg.seed + 1)
         dvec = dvec if dvec is not None else compute_default_vectors(model, data, max_tokens=cfg.dv_max_tokens)
         self.router_pf = RouterPF(model, dvec, cfg.max_s)
-        self.estimator = Estimator.create(model, cfg)
-        self.estimator.fit(fit_part, model, cfg, dvec=dvec, progress=progress)
+        vp = np.unique(val.prompt_id)
+        if (
+            estimator is None
+            or estimator.val_recall is None
+            or estimator.val_prompts is None
+            or not np.array_equal(estimator.val_prompts, vp)
+            or estimator.max_lookahead < cfg.max_s
+        ):
+            estimator = Estimator.create(model, cfg)
+            estimator.fit(data, model, cfg, dvec=dvec, progress=progress)
+        assert estimator.val_recall is not None
+        self.estimator = estimator
         self.max_lookahead = cfg.max_s
         rec: dict[tuple[int, int], tuple[float, float]] = {}
-        val_ctx = val.context(max(1, self.estimator.context))
-        for src, s in data.rank_pairs(cfg.max_s):
-            tgt = target_of(data.spec, src, s)
-            b = batch_from_rows(val, src, np.arange(val.n), ctx=val_ctx)
-            truth = torch.from_numpy(val.layers[tgt].topk_ids)
-            rec[(src, s)] = (_recall(self.router_pf.predict(tgt, s, b), truth), _recall(self.estimator.predict(tgt, s, b), truth))
+        qh = self.router_pf.qh
+        assert qh is not None
+        pairs = data.rank_pairs(cfg.max_s)
+        for src in sorted({l for l, _ in pairs}):  # Router-PF: one chain per source layer serves every S
+            smax = max(s for l, s in pairs if l == src)
+            b = batch_from_rows(val, src, np.arange(val.n))
+            for s, q in enumerate(qh.chain(b, smax), start=1):
+                tgt = target_of(data.spec, src, s)
+                scores = torch.softmax(b.router_logits(qh.adapter, tgt, q).float(), -1)  # [T,E] = RouterPF.predict
+                rec[(src, s)] = (_recall(scores, torch.from_numpy(val.layers[tgt].topk_ids)), estimator.val_recall[(src, s)])
         best = (-1.0, 0.0)
         for thr in [*sorted({0.0, *[r for r, _ in rec.values()]}), 1.01]:
             mean = float(np.mean([e if r < thr else r for r, e in rec.values()]))

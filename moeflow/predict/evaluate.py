@@ -6,10 +6,15 @@ For every predictor and every (source layer, S) with S in 1..max_s, on the held-
   until their cumulative mass reaches `mass` (ExpertFlow 3.2.1's way of sizing a prefetch);
 - the ExpertFlow fit of accuracy against step, f(t) = a e^{-bt} + c, on the per-pair recall@k
   points (scipy `curve_fit` when importable, else a grid over b with least squares for a, c),
-  and Delta_inf = c_p - c_g (predictor minus pre-gate), beside the paper's Table 2.
+  and Delta_inf = c_p - c_g (predictor minus pre-gate), ExpertFlow Table 2's quantities (the paper's own
+  values are quoted by `make reproduce-expertflow`, recipes/reproduce/expertflow.py).
   The fit is bounded to a decay (a in [0, 2], b in [0, 5], c in [0, 1]): accuracy falls with S towards c.
   Note: with L MoE layers only S <= L-1 exists; with 3 distinct S the 3-parameter fit interpolates, so
   c is an extrapolation from three points (read it with that in mind).
+  A fit whose c the points do not determine is reported as degenerate (`decay_fit_status`): a parameter
+  ends at a bound (c = 0 or 1, no decay, all of it before the first S), or the fitted curve covers less
+  than half of its decay over the measured S (b * (S_max - S_min) < ln 2: a near-linear fall, whose
+  asymptote is whatever the bounds allow). Its numbers are then not reported (`fit` null, `fit_status`).
 """
 
 from __future__ import annotations
@@ -25,27 +30,22 @@ import torch
 from ..moe.sets import mass_mask, topk_hits
 from .data import RoutingData, batch_from_rows, iter_chunks, target_of
 
-# ExpertFlow (Table 2, section 4.3): fitted asymptotic accuracy of their predictor (c_p) and of
-# pre-gate (c_g), in percent, on DeepSeek-V2-Lite, Qwen1.5-MoE and Qwen2-MoE. The paper's numbers,
-# copied for comparison; not measured here.
-PAPER_TABLE2 = {
-    "DeepSeek": {"c_p": 63.44, "c_g": 26.43, "delta_inf": 37.01},
-    "Qwen1.5": {"c_p": 65.31, "c_g": 33.29, "delta_inf": 32.02},
-    "Qwen2": {"c_p": 60.45, "c_g": 29.61, "delta_inf": 30.84},
-}
-PAPER_CITATION = "ExpertFlow (shared/papers/expertflow.txt), Table 2, section 4.3"
-
 
 class DecayFit(TypedDict):
-    """`fit_decay`'s result: f(t) = a e^{-bt} + c, its rmse, the number of distinct t and the fit method."""
+    """`fit_decay`'s result: f(t) = a e^{-bt} + c, its rmse, the number and range of distinct t, the fit method."""
 
     a: float
     b: float
     c: float
     rmse: float
     distinct_S: int
+    min_S: float
+    max_S: float
     method: str
     delta_inf_vs_pregate: NotRequired[float]  # set by `evaluate`: c - c of pre-gate
+
+
+FIT_BOUNDS = {"a": (0.0, 2.0), "b": (0.0, 5.0), "c": (0.0, 1.0)}  # fit_decay's parameter bounds
 
 
 def set_metrics(scores: torch.Tensor, truth: torch.Tensor, mass: float) -> dict[str, float]:
@@ -111,7 +111,9 @@ def evaluate(
         }
         for name, r in results.items()
     }
-    fits = {name: fit_decay([(m["S"], m["recall_at_k"]) for m in r.values()]) for name, r in results.items()}
+    raw = {name: fit_decay([(m["S"], m["recall_at_k"]) for m in r.values()]) for name, r in results.items()}
+    status = {name: decay_fit_status(f, len({m["S"] for m in r.values()})) for (name, f), r in zip(raw.items(), results.values())}
+    fits = {name: f if status[name] == "ok" else None for name, f in raw.items()}
     g = fits.get("pregate")
     for f in fits.values():
         if f is not None and g is not None:
@@ -125,7 +127,7 @@ def evaluate(
         "results": results,
         "by_s": by_s,
         "fit": fits,
-        "paper_table2": {"source": PAPER_CITATION, "values_percent": PAPER_TABLE2},
+        "fit_status": status,
     }
 
 
@@ -144,7 +146,7 @@ def fit_decay(points: list[tuple[float, float]]) -> DecayFit | None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # 3 points, 3 parameters: no covariance, expected
             (a, b, c), _ = curve_fit(
-                f, t, y, p0=(max(y) - min(y) + 1e-3, 0.5, min(y)), bounds=([0.0, 0.0, 0.0], [2.0, 5.0, 1.0]), maxfev=20000
+                f, t, y, p0=(max(y) - min(y) + 1e-3, 0.5, min(y)), bounds=tuple(zip(*FIT_BOUNDS.values())), maxfev=20000
             )
         method = "scipy.curve_fit"
     except Exception:  # scipy missing or no convergence: grid over b, least squares for a, c
@@ -162,46 +164,147 @@ def fit_decay(points: list[tuple[float, float]]) -> DecayFit | None:
         _, a, b, c = best
         method = "numpy grid"
     rmse = float(math.sqrt(np.mean((f(t, a, b, c) - y) ** 2)))
-    return {"a": float(a), "b": float(b), "c": float(c), "rmse": rmse, "distinct_S": len(np.unique(t)), "method": method}
+    return {
+        "a": float(a),
+        "b": float(b),
+        "c": float(c),
+        "rmse": rmse,
+        "distinct_S": len(np.unique(t)),
+        "min_S": float(t.min()),
+        "max_S": float(t.max()),
+        "method": method,
+    }
+
+
+def decay_fit_status(fit: DecayFit | None, distinct_s: int) -> str:
+    """'ok' when the fit determines its asymptote c; else why not ('too few S ...', 'degenerate: ...').
+
+    Degenerate: a parameter at its bound (the bounded least squares did not find a free optimum: c = 0 or 1
+    is the bound, not the data; a = 0 or b = 0: no decay; b = 5: all decay before the first S), or the
+    curve covers less than half of its decay over the measured S (b * (S_max - S_min) < ln 2), so c is
+    extrapolated further below the last point than the points fall in all."""
+    if fit is None:
+        return f"too few S ({distinct_s} distinct; a fit needs 3)" if distinct_s < 3 else "degenerate: no fit converged"
+    params = {"a": fit["a"], "b": fit["b"], "c": fit["c"]}
+    for k, (lo, hi) in FIT_BOUNDS.items():
+        tol = 1e-3 * (hi - lo)
+        if not lo + tol < params[k] < hi - tol:
+            at_lo = params[k] <= lo + tol
+            hint = {
+                ("a", True): ": recall does not fall with S",
+                ("b", True): ": no decay",
+                ("b", False): ": all decay before the first S",
+            }
+            return f"degenerate: {k} at its bound {lo if at_lo else hi:g}" + hint.get((k, at_lo), "")
+    if fit["b"] * (fit["max_S"] - fit["min_S"]) < math.log(2):
+        return f"degenerate: less than half the decay within S {fit['min_S']:g}..{fit['max_S']:g} (c extrapolated)"
+    return "ok"
+
+
+# ---- held out or not ------------------------------------------------------------------------------
+
+
+def trace_prompt_ids(trace: str | Path, data: RoutingData | None = None) -> list[str]:
+    """The prompt ids (content hashes) of a trace folder's meta.json, or of the prompts `data` holds (read
+    from that trace: `data.prompt_id` indexes meta.json's `prompt_ids`), sorted."""
+    from ..trace import Trace
+
+    ids = Trace(str(trace)).prompt_ids
+    if data is None:
+        return sorted(ids)
+    return sorted({ids[int(i)] for i in np.unique(data.prompt_id)})
+
+
+def sample_overlap(meta: Mapping[str, Any], eval_prompt_ids: list[str]) -> dict[str, Any]:
+    """Whether an evaluation's prompts are held out from a predictor folder's training: `heldout` (None:
+    unknown), `overlap_prompts` (how many of them the predictors saw), `eval_prompts`, `overlap_basis`.
+
+    The folder's `trace.trained_prompt_ids` (the prompts fitted on) when recorded; else (an older folder) the
+    training trace's prompts if that trace is still readable at its recorded path."""
+    tr = meta.get("trace") or {}
+    seen: list[str] | None = tr.get("trained_prompt_ids")
+    basis = "trained prompts"
+    if seen is None:
+        basis = "training trace"
+        try:
+            seen = trace_prompt_ids(tr["path"])
+        except Exception:  # moved or deleted: unknown
+            seen = None
+    out: dict[str, Any] = {"eval_prompts": len(eval_prompt_ids), "overlap_basis": basis if seen is not None else None}
+    if seen is None:
+        return {**out, "heldout": None, "overlap_prompts": None}
+    n = len(set(eval_prompt_ids) & set(seen))
+    return {**out, "heldout": n == 0, "overlap_prompts": n}
+
+
+def sample_label(report: Mapping[str, Any]) -> str:
+    """'held-out', or what else the figures of `report` are (its `sample_overlap` keys; absent: held out)."""
+    h = report.get("heldout", True)
+    if h is False:
+        how = "were trained on" if report.get("overlap_basis") == "trained prompts" else "were in the training trace"
+        return f"in-sample ({report['overlap_prompts']} of {report['eval_prompts']} eval prompts {how})"
+    if h is None:
+        return "held-out unknown (the predictor folder does not record its training prompts, nor can its trace be read)"
+    return "held-out"
 
 
 # ---- presentation -------------------------------------------------------------------------------
 
 
 def tables(report: dict[str, Any]) -> list:
-    from rich.table import Table
+    """Renderables of a train / eval report that stay readable at 80 columns: per predictor and step S the mean
+    recall@k over target layers with its worst and best layer (the per-layer values are in `--json`)."""
+    from ..tables import FitTable
 
     res = report["results"]
-    targets = sorted({m["target"] for r in res.values() for m in r.values()})
-    t1 = Table(
-        title=f"held-out recall@k per target layer and step S ({report['n_tokens']} tokens, "
-        f"{report['n_prompts']} prompts); mass-set precision at mass {report['mass']}"
+    sample = sample_label(report)
+    t1 = FitTable(
+        f"{sample} recall@k by step S ({report['n_tokens']} tokens, {report['n_prompts']} prompts): mean over "
+        f"target layers, worst and best layer; precision and size of the mass-{report['mass']} set. "
+        "Per-layer values: --json",
+        key=2,
     )
-    t1.add_column("predictor")
-    t1.add_column("S", justify="right")
-    for tg in targets:
-        t1.add_column(f"L{tg}", justify="right")
-    t1.add_column("mean", justify="right")
-    t1.add_column("prec@mass", justify="right")
-    t1.add_column("|set|", justify="right")
+    for c_ in ("predictor", "S", "recall@k", "worst layer", "best layer", "prec@mass", "|set|"):
+        t1.add_column(c_)
     for name, r in res.items():
-        for s in sorted({m["S"] for m in r.values()}):
+        steps = sorted({m["S"] for m in r.values()})
+        for s in steps:
             ms = [m for m in r.values() if m["S"] == s]
-            by_t = {m["target"]: m["recall_at_k"] for m in ms}
+            lo = min(ms, key=lambda m: m["recall_at_k"])
+            hi = max(ms, key=lambda m: m["recall_at_k"])
             t1.add_row(
                 name,
                 str(s),
-                *[f"{by_t[tg]:.3f}" if tg in by_t else "" for tg in targets],
                 f"{np.mean([m['recall_at_k'] for m in ms]):.3f}",
+                f"{lo['recall_at_k']:.3f} L{lo['target']}",
+                f"{hi['recall_at_k']:.3f} L{hi['target']}",
                 f"{np.mean([m['mass_precision'] for m in ms]):.3f}",
                 f"{np.mean([m['mass_set_size'] for m in ms]):.1f}",
+                end_section=s == steps[-1],
             )
-    t2 = Table(title="accuracy vs step: f(t) = a e^{-bt} + c fitted to held-out recall@k (this model)")
-    for c_ in ("predictor", "a", "b", "c (asymptote)", "Δ∞ = c - c_pregate", "fit rmse", "distinct S"):
-        t2.add_column(c_, justify="right")
+    status = report.get("fit_status") or {}
+    why = {n: st.removeprefix("degenerate: ") for n, st in status.items() if st.startswith("degenerate")}
+    caption = "a fit needs recall at 3 distinct S (--max-s 3 or more, and more MoE layers than S)"
+    if why:
+        caption += (
+            "; * degenerate: the points do not determine c, so no c is given ("
+            + "; ".join(f"{n}: {w}" for n, w in why.items())
+            + ")"
+        )
+    t2 = FitTable(
+        f"recall@k against step S fitted as a·exp(-b·S) + c, {sample} (this model); "
+        "c: the recall far ahead; vs pregate: c minus pregate's c",
+        caption=caption,
+    )
+    for c_ in ("predictor", "a", "b", "c", "vs pregate", "fit rmse", "S values"):
+        t2.add_column(c_)
     for name, f in report["fit"].items():
         if f is None:
-            t2.add_row(name, "-", "-", "-", "-", "-", "<3 (fit needs 3)")
+            n_s = len({m["S"] for m in res[name].values()})
+            if name in why:
+                t2.add_row(name, "—", "—", "degenerate fit*", "—", "—", str(n_s))
+            else:
+                t2.add_row(name, "-", "-", "-", "-", "-", str(n_s))
             continue
         d = f.get("delta_inf_vs_pregate")
         t2.add_row(
@@ -209,23 +312,18 @@ def tables(report: dict[str, Any]) -> list:
             f"{f['a']:.3f}",
             f"{f['b']:.3f}",
             f"{f['c']:.3f}",
-            "" if d is None else f"{d:+.3f}",
+            "—" if d is None else f"{d:+.3f}",
             f"{f['rmse']:.4f}",
             str(f["distinct_S"]),
         )
-    t3 = Table(title=f"for comparison, the PAPER's values (not measured here): {PAPER_CITATION}, accuracy in %")
-    for c_ in ("model group", "c_p (predictor)", "c_g (pre-gate)", "Δ∞ = c_p - c_g"):
-        t3.add_column(c_, justify="right")
-    for g, v in PAPER_TABLE2.items():
-        t3.add_row(g, f"{v['c_p']:.2f}", f"{v['c_g']:.2f}", f"{v['delta_inf']:.2f}")
-    out = [t1, t2, t3]
+    out = [t1, t2]
     dec = report.get("decode_by_s")
     if dec:
-        t4 = Table(title="decode tokens only: mean recall@k by step S (a batch-1 decode step's prefetch)")
+        t4 = FitTable("decode tokens only: mean recall@k by step S (a batch-1 decode step's prefetch)")
         ss = sorted({int(s) for v in dec.values() for s in v})
         t4.add_column("predictor")
         for s in ss:
-            t4.add_column(f"S={s}", justify="right")
+            t4.add_column(f"S={s}")
         for name, v in dec.items():
             by_step = {int(k): x for k, x in v.items()}
             t4.add_row(name, *[f"{by_step[s]:.3f}" if s in by_step else "" for s in ss])
@@ -252,7 +350,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     ax1.xaxis.get_major_locator().set_params(integer=True)
     ax2.xaxis.get_major_locator().set_params(integer=True)
     ax1.set(xlabel="target MoE layer (S = 1)", ylabel="recall@k (hit rate)", title="per-layer recall, held out")
-    ax2.set(xlabel="step S", ylabel="mean recall@k", title="recall vs S (dotted: a e^{-bS} + c)")
+    ax2.set(xlabel="step S", ylabel="mean recall@k", title=r"recall vs S (dotted: fit $a\,e^{-bS} + c$)")
     ax1.legend(fontsize=7)
     ax1.grid(alpha=0.3)
     ax2.grid(alpha=0.3)

@@ -1,6 +1,7 @@
 """The predictor folder: meta.json + one sub-folder per predictor, written atomically.
 
-    <out>/meta.json        kind "predictors", schema, model_fingerprint, trace (path, fingerprint),
+    <out>/meta.json        kind "predictors", schema, model_fingerprint, trace (path, fingerprint,
+                           trained_prompt_ids: the prompts fitted on; absent in older folders),
                            predictors (names), config (TrainConfig), eval (the held-out report)
     <out>/<name>/...       what each predictor's `save` writes
     <out>/recall.png       per-layer recall and recall-vs-S plot
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..artifacts import atomic_dir, check_fingerprint, new_meta, read_meta, write_json_atomic
+from ..artifacts import another_model, atomic_dir, check_fingerprint, made_with, new_meta, read_meta, write_json_atomic
 from ..errors import ArtifactError, MoeflowError
 from ..moe import model_fingerprint
 from .base import PREDICTORS
@@ -63,10 +64,12 @@ def read_plan_meta(folder: Path, kind: str, schema: int, fingerprint: str | None
     if meta.get("kind") != kind or meta.get("schema") != schema:
         raise ArtifactError(f"{folder}/{kind}.json is not an {name} of schema {schema}; re-run `moeflow train --only {kind}`")
     if fingerprint is not None and meta.get("model_fingerprint") != fingerprint:
-        raise ArtifactError(
-            f"{name} at {folder} was made for another model (fingerprint {meta.get('model_fingerprint')}, "
-            f"this model is {fingerprint}); re-run `moeflow train --only {kind}` with this --model"
-        )
+        try:  # the predictor folder's meta.json records the model
+            parent = json.loads((folder.parent / "meta.json").read_text())
+        except (OSError, ValueError):
+            parent = {}
+        made = {**meta, "model": meta.get("model") or (made_with(parent) if isinstance(parent, dict) else None)}
+        raise another_model(f"{name} at {folder}", made, fingerprint, f"re-run `moeflow train --only {kind}` with this --model")
     return meta
 
 
@@ -87,9 +90,11 @@ def save_predictors(
     report: dict[str, Any] | None,
     plot_fn: Any = None,
     extra: Mapping[str, Any] | None = None,
+    trained_prompt_ids: list[str] | None = None,
 ) -> Path:
     """`extra`: sub-folder name -> a function writing it (the CasMoE planner's `eam/`, `eap/`), listed in
-    meta.json under `extra`."""
+    meta.json under `extra`. `trained_prompt_ids`: the trace's prompt ids (content hashes) the predictors were
+    fitted on, kept under `trace` so `moeflow eval` can tell whether its prompts are held out."""
     out = Path(out)
     with atomic_dir(out) as tmp:
         for name, p in predictors.items():
@@ -104,7 +109,11 @@ def save_predictors(
             KIND,
             SCHEMA,
             model_fingerprint(model),
-            trace={"path": str(trace), "fingerprint": trace_fingerprint},
+            trace={
+                "path": str(trace),
+                "fingerprint": trace_fingerprint,
+                **({"trained_prompt_ids": list(trained_prompt_ids)} if trained_prompt_ids is not None else {}),
+            },
             predictors=list(predictors),
             extra=list(extra or {}),
             config=config,

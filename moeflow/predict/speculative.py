@@ -81,10 +81,16 @@ def speculative_routing(
 
 
 @torch.no_grad()
-def measure_quality(model: torch.nn.Module, predictor: Any, sequences: Sequence[Sequence[int]]) -> dict[str, float]:
-    """Teacher-forced on each sequence: argmax agreement (speculative vs own routing) and perplexities."""
+def measure_quality(model: torch.nn.Module, predictor: Any, sequences: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Teacher-forced on each sequence: argmax agreement (speculative vs own routing) and perplexities, with the
+    95% interval of their ratio (`ppl_ratio_ci95`: a paired bootstrap over blocks of tokens,
+    `moeflow.quality.measure.dppl_interval`) and whether it holds 1 (`ppl_within_noise`)."""
+    from ..quality.measure import dppl_interval, within_noise
+
     agree = n = 0
     nll_ref = nll_spec = 0.0
+    tok_ref: list[list[float]] = []
+    tok_spec: list[list[float]] = []
     stats: dict[str, Any] = {}
     for seq in sequences:
         ids = torch.tensor([list(seq)], dtype=torch.long)
@@ -96,15 +102,20 @@ def measure_quality(model: torch.nn.Module, predictor: Any, sequences: Sequence[
         tgt = ids[0, 1:]
         agree += int((ref.argmax(-1) == spec.argmax(-1)).sum())
         n += len(tgt)
-        nll_ref += float(torch.nn.functional.cross_entropy(ref, tgt, reduction="sum"))
-        nll_spec += float(torch.nn.functional.cross_entropy(spec, tgt, reduction="sum"))
+        tok_ref.append(torch.nn.functional.cross_entropy(ref, tgt, reduction="none").double().tolist())  # [T-1]
+        tok_spec.append(torch.nn.functional.cross_entropy(spec, tgt, reduction="none").double().tolist())
+        nll_ref += sum(tok_ref[-1])
+        nll_spec += sum(tok_spec[-1])
     if n == 0:
         return {"tokens": 0}
+    ci = dppl_interval(tok_spec, tok_ref)
     return {
         "tokens": n,
         "greedy_agreement": agree / n,
         "ppl_resident": math.exp(nll_ref / n),
         "ppl_speculative": math.exp(nll_spec / n),
         "ppl_ratio": math.exp((nll_spec - nll_ref) / n),
+        "ppl_ratio_ci95": None if ci is None else [1 + ci[0] / 100, 1 + ci[1] / 100],
+        "ppl_within_noise": within_noise(ci),
         "routing_exact_match": stats["agree"] / max(1, stats["replaced"]),
     }

@@ -38,7 +38,7 @@ class TrainConfig:
     seed: int = 0
     max_s: int = 4  # largest step S fitted and evaluated
     mass: float = 0.8  # cumulative score mass of the evaluated prefetch set
-    threads: int = 2
+    threads: int | None = None  # torch threads and forest jobs (None: moeflow.threads' rule)
     dv_max_tokens: int = 50_000  # tokens per layer used for the default vectors
     est_latent: int = 128  # estimator m
     est_hidden: int = 256  # estimator n
@@ -48,7 +48,8 @@ class TrainConfig:
     est_lr: float = 3e-3
     est_weight_decay: float = 1e-4
     est_bce: float = 0.0  # weight of a multi-label BCE on the routed top-k beside the KL (held out: 0 was best)
-    est_batch: int = 512
+    est_batch: int = 512  # samples (rows x (layer, S) pairs) per optimiser step
+    est_patience: int = 1  # stop after this many epochs without a better validation recall
     est_max_tokens: int = 30_000  # training rows (tokens), each used for every (layer, S) pair
     est_max_samples: int = 240_000  # rows x pairs cap (memory: the chained q of every pair is kept)
     est_min_steps: int = 300  # at least this many optimiser steps (small traces)
@@ -75,11 +76,12 @@ class TrainConfig:
     eap_batch: int = 32
     embedder: str = ""  # sentence-transformers model folder for the EAM ("": all-MiniLM-L6-v2)
     force: bool = False  # replace an existing predictor folder at `out`
+    wait: bool = False  # wait for another writer of `out` instead of refusing (moeflow.locks.out_lock)
 
     def __post_init__(self) -> None:
         for flag, v in (
             ("--max-s", self.max_s),
-            ("--threads", self.threads),
+            ("--threads", 1 if self.threads is None else self.threads),
             ("--forest-trees", self.forest_trees),
             ("--forest-samples", self.forest_max_samples),
             ("--est-epochs", self.est_epochs),
@@ -108,8 +110,11 @@ class EvalConfig:
     plan_k: int = 0  # experts per layer a plan is scored on (0: top-k)
     speculative: bool = False  # also measure speculative execution's quality cost
     spec_sequences: int = 24  # trace prompts (prompt + generated tokens) used for that
+    threads: int | None = None  # torch threads (None: moeflow.threads' rule)
 
     def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be >= 1 (got {self.threads})")
         for flag, v in (("--max-s", self.max_s), ("--spec-sequences", self.spec_sequences), ("window", self.window)):
             if v < 1:
                 raise ConfigError(f"{flag} must be >= 1 (got {v})")
@@ -128,33 +133,47 @@ def _check_names(names: tuple[str, ...]) -> None:
 def _check_trace_model(data: RoutingData, model: torch.nn.Module, trace: str) -> None:
     fp = model_fingerprint(model)
     if data.fingerprint is not None and data.fingerprint != fp:
-        raise ArtifactError(
-            f"trace {trace} was recorded with another model (fingerprint {data.fingerprint}, "
-            f"this model is {fp}); pass the --model it was traced with"
-        )
+        import json
+
+        from ..artifacts import another_model
+
+        try:  # the trace's meta names the model it was traced with (when recorded)
+            meta = {**json.loads((Path(trace) / "meta.json").read_text()), "model_fingerprint": data.fingerprint}
+        except (OSError, ValueError, TypeError):
+            meta = {"model_fingerprint": data.fingerprint}
+        raise another_model(f"trace {trace}", meta, fp, "pass the --model it was traced with")
 
 
 def _load_model(path: str) -> torch.nn.Module:
     from ..models import load_model
 
     if not Path(path).is_dir():
-        raise ArtifactError(f"model folder {path} does not exist; pass --model DIR")
+        from ..models import missing_model
+
+        raise ArtifactError(missing_model(path))
     model, _ = load_model(path, dtype="float32", device="cpu")
     return model
 
 
-def fit_all(train: RoutingData, model: torch.nn.Module, cfg: TrainConfig, progress: Any = None) -> dict[str, Any]:
-    """name -> fitted predictor (baselines, pregate if hidden states exist, then cfg.only)."""
+def fit_all(
+    train: RoutingData, model: torch.nn.Module, cfg: TrainConfig, progress: Any = None, seconds: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """name -> fitted predictor (baselines, pregate if hidden states exist, then cfg.only; hybrid reuses the
+    estimator). `seconds` gets the shared default vectors' time under "default vectors"."""
     from .default_vectors import compute_default_vectors
 
     own = [n for n in cfg.only if n != "pregate" and n not in PLANNERS and n not in GPS]
+    own.sort(key=lambda n: n == "hybrid")  # after the estimator it reuses
     names = list(BASELINES) + (["pregate"] if train.has_hidden else []) + own
     task = (lambda name, total: progress.add_task(name, total=total)) if progress else (lambda *a: None)
     adv = (lambda t, **kw: progress.update(t, **kw)) if progress else (lambda *a, **k: None)
     dvec = None
     if any(n in ("router-pf", "estimator", "hybrid") for n in names):
-        t = task("default vectors", len(train.spec.moe_layers))
+        t = task("mean expert outputs", len(train.spec.moe_layers))  # the default vectors (Speculating Experts 3)
+        t0 = time.perf_counter()
         dvec = compute_default_vectors(model, train, max_tokens=cfg.dv_max_tokens, progress=lambda: adv(t, advance=1))
+        if seconds is not None:
+            seconds["default vectors"] = time.perf_counter() - t0
     out: dict[str, Any] = {}
     for n in names:
         t = task(f"fit {n}", 1.0)
@@ -162,8 +181,10 @@ def fit_all(train: RoutingData, model: torch.nn.Module, cfg: TrainConfig, progre
         t0 = time.perf_counter()
         if n in ("router-pf",):
             p.fit(train, model, cfg, dvec=dvec)
-        elif n in ("estimator", "hybrid"):
+        elif n == "estimator":
             p.fit(train, model, cfg, dvec=dvec, progress=lambda f, t=t: adv(t, completed=f))
+        elif n == "hybrid":
+            p.fit(train, model, cfg, dvec=dvec, estimator=out.get("estimator"), progress=lambda f, t=t: adv(t, completed=f))
         else:
             p.fit(train, model, cfg)
         p.fit_seconds = getattr(p, "fit_seconds", 0.0) or (time.perf_counter() - t0)
@@ -173,38 +194,47 @@ def fit_all(train: RoutingData, model: torch.nn.Module, cfg: TrainConfig, progre
 
 
 def main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
-    """`moeflow train`: fit, evaluate on held-out prompts, save the predictor folder; the report."""
+    """`moeflow train`: fit, evaluate on held-out prompts, save the predictor folder; the report.
+
+    The checks come first; the lock of `cfg.out` is held from then until the folder is published."""
+    from ..locks import out_lock
     from ..models import torch_threads
 
-    with torch_threads(max(1, cfg.threads)):
+    _check(cfg)
+    with out_lock(cfg.out, wait=cfg.wait, command="moeflow train", check=lambda: _check(cfg)), torch_threads(cfg.threads):
         return _main(cfg, console)
 
 
-def _main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
+def _check(cfg: TrainConfig) -> None:
+    """Before any work: the predictor names, --holdout, --out (`artifacts.check_out`)."""
     from ..artifacts import check_out
-    from .evaluate import evaluate, plot
-    from .io import KIND, save_predictors
+    from .io import KIND
 
     _check_names(cfg.only)
     if not 0.0 < cfg.holdout < 1.0:
         raise ConfigError(f"--holdout must be in (0, 1), got {cfg.holdout}")
-    check_out(cfg.out, kind=KIND, inputs=(cfg.trace, cfg.model), force=cfg.force)  # before any work
+    check_out(cfg.out, kind=KIND, inputs=(cfg.trace, cfg.model), force=cfg.force)
+
+
+def _main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+
+    from ..progress import progress
+    from ..threads import apply_threads
+    from .evaluate import evaluate, plot, trace_prompt_ids
+    from .io import save_predictors
+
     model = _load_model(cfg.model)
+    threads = apply_threads(cfg.threads, model, "cpu")
+    cfg = dataclasses.replace(cfg, threads=threads.n)  # the forest's jobs too
+    if console is not None:
+        console.print(f"[dim]threads: {threads.describe()}[/]")
     need_hidden = any(PREDICTORS[n].needs_hidden for n in cfg.only if n not in PLANNERS and n not in GPS)
     data = from_trace(cfg.trace, need_hidden=need_hidden)
     _check_trace_model(data, model, cfg.trace)
     train, held = data.split(cfg.holdout, cfg.seed)
-    with Progress(
-        TextColumn("{task.description:<22}"),
-        BarColumn(),
-        TextColumn("{task.percentage:>3.0f}%"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-        disable=console is None,
-    ) as prog:
+    columns = (TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn())
+    with progress("train", enabled=console is not None, console=console, columns=columns, transient=False) as prog:
         preds = fit_all(train, model, cfg, prog)
         pairs = len(data.rank_pairs(cfg.max_s))
         t = prog.add_task("evaluate (held out)", total=pairs * len(preds))
@@ -242,16 +272,30 @@ def _main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
         report=report,
         plot_fn=plot,
         extra=savers,
+        trained_prompt_ids=trace_prompt_ids(cfg.trace, train),
     )
     report["out"] = str(cfg.out)
+    report.update(threads.to_dict())
     return report
 
 
 def eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
-    from .evaluate import evaluate
+    """`moeflow eval`: the report (torch's thread count restored after)."""
+    from ..models import torch_threads
+
+    with torch_threads(cfg.threads):
+        return _eval_main(cfg, console)
+
+
+def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
+    from ..threads import apply_threads
+    from .evaluate import evaluate, sample_overlap, trace_prompt_ids
     from .io import load_predictors, read_predictor_meta
 
     model = _load_model(cfg.model)
+    threads = apply_threads(cfg.threads, model, "cpu")
+    if console is not None:
+        console.print(f"[dim]threads: {threads.describe()}[/]")
     meta = read_predictor_meta(cfg.predictors)
     names = list(cfg.only) if cfg.only else list(meta.get("predictors", []))
     data = from_trace(cfg.trace)
@@ -281,7 +325,9 @@ def eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         report["speculative"] = {
             n: measure_quality(model, p, seqs) for n, p in preds.items() if n in ("router-pf", "estimator", "hybrid", "pregate")
         }
-    report["trace_overlap_warning"] = str(Path(meta["trace"]["path"]).resolve()) == str(Path(cfg.trace).resolve())
+    report.update(sample_overlap(meta, trace_prompt_ids(cfg.trace)))  # in-sample when they saw these prompts
+    report["trace_overlap_warning"] = report["heldout"] is False
+    report.update(threads.to_dict())
     return report
 
 

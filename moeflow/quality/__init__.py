@@ -5,7 +5,8 @@ the same inputs and reports, per configuration: held-out perplexity scored token
 (as decode passes, so the expert cache behaves as in generation) and its change vs resident, greedy token
 agreement with resident's output (share of tokens, tokens to the first divergence), accuracy on a prompt set
 with answers (MMLU, GSM8K) where the model scores above chance, and TPOT / bytes per token of the same run.
-Every configuration is labelled lossy or exact from its policies (`lossy` class attributes) and `--speculative`.
+Every configuration is labelled lossy or exact by `moeflow.policies.lossy` (the policies' declared capabilities,
+`--speculative`, a restricted plan, the device type), the answer `moeflow run` gives too.
 """
 
 from .config import QualityConfig, is_lossy

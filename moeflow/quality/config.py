@@ -9,20 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from ..policies.lossy import Lossy
 from ..policies.parse import parse_policy
 from ..runtime.config import RunConfig
 
 TASKS = ("mmlu", "gsm8k", "none")
 TEXTS = ("wikitext2", "wikitext2-test")  # named text sets; anything else is a text file
-
-
-def policy_lossy(policy: Any) -> bool:
-    """A built policy's `lossy` (class or instance attribute); without one, `not exact`; without either, lossy."""
-    lossy = getattr(policy, "lossy", None)
-    if lossy is not None:
-        return bool(lossy)
-    exact = getattr(policy, "exact", None)
-    return True if exact is None else not bool(exact)
 
 
 def build_named(kind: str, text: str) -> Any:
@@ -33,12 +25,10 @@ def build_named(kind: str, text: str) -> Any:
     return (MISS if kind == "miss" else ROUTING).create(name, **opts)
 
 
-def is_lossy(mode: str, miss: str, routing: str, speculative: bool) -> bool:
-    """Whether a configuration can change the model's output: --speculative, or a lossy miss / routing policy
-    (resident and on-demand run the router's experts, loaded and run: exact)."""
-    if mode != "offload":
-        return False
-    return speculative or policy_lossy(build_named("miss", miss)) or policy_lossy(build_named("routing", routing))
+def is_lossy(run: RunConfig, miss: str, routing: str, device_type: str, r: dict[str, Any] | None = None) -> Lossy:
+    """Whether the configuration (`run` with this miss / routing policy; `r`: one run of its sweep) can change
+    the model's output on a `device_type` device: `RunConfig.lossy`, the one answer `moeflow run` gives too."""
+    return run_config_for(run, miss, routing).lossy(device_type, r)
 
 
 def run_config_for(run: RunConfig, miss: str, routing: str) -> RunConfig:

@@ -25,7 +25,9 @@ from rich.console import Console
 
 from ..errors import MoeflowError
 from ..moe import get_adapter
+from ..policies.lossy import device_type
 from ..policies.parse import parse_policy
+from ..runtime.adaptive_s import requested_step_size
 from ..runtime.config import RunConfig
 from ..runtime.generate import generate_batch
 from ..runtime.link import make_link
@@ -42,7 +44,7 @@ from ..runtime.main import (
 )
 from ..runtime.metrics import RunMetrics
 from . import measure
-from .config import QualityConfig, is_lossy, run_config_for
+from .config import QualityConfig, run_config_for
 
 RESULT_KIND = "quality"
 
@@ -51,7 +53,7 @@ def plan(cfg: QualityConfig) -> list[dict[str, Any]]:
     """The reference first, then every (miss, routing) x (mode, capacity, eviction, prefetch) of the sweep
     (on-demand once: it always fetches and keeps the router's choice)."""
     runs: list[dict[str, Any]] = [{"mode": "resident", "capacity": None, "eviction": None, "prefetch": None}]
-    runs[0].update(miss=None, routing=None, speculative=False, lossy=False, plan=None)
+    runs[0].update(miss=None, routing=None, speculative=False, lossy=False, lossy_reasons=[], plan=None)
     pspec = cfg.run.plan_spec()
     seen_on_demand = False
     for miss, routing in product(cfg.misses, cfg.routings):
@@ -61,13 +63,15 @@ def plan(cfg: QualityConfig) -> list[dict[str, Any]]:
                 continue
             seen_on_demand |= r["mode"] == "on-demand"
             off = r["mode"] == "offload"
+            why = rc.lossy(device_type(cfg.run.device), r)  # the one lossy answer, as `moeflow run`'s
             runs.append(
                 {
                     **r,
                     "miss": miss if off else None,
                     "routing": routing if off else None,
                     "speculative": cfg.run.speculative and off,
-                    "lossy": is_lossy(r["mode"], miss, routing, cfg.run.speculative) or bool(off and pspec and pspec.lossy),
+                    "lossy": why.lossy,
+                    "lossy_reasons": list(why.reasons),
                     "plan": pspec.describe() if off and pspec is not None else None,
                 }
             )
@@ -97,7 +101,8 @@ def make_engine(
 
 
 def main(cfg: QualityConfig, console: Console | None = None) -> dict[str, Any]:
-    """Run `cfg`; return {"model", "reference", "text", "task", "runs": [...]} (what --json prints)."""
+    """Run `cfg`; return {"model", "reference", "text", "task", "runs": [...]} (what --json prints, and each run's
+    per-token NLLs `ppl_token_nll`, left out of --json)."""
     cfg.preflight()
     if console is None:
         stream = sys.stderr if cfg.run.json else sys.stdout
@@ -110,6 +115,7 @@ def main(cfg: QualityConfig, console: Console | None = None) -> dict[str, Any]:
 
 def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
     from ..models import load_model
+    from ..threads import apply_threads
 
     rc = cfg.run
     device = torch.device(rc.device)
@@ -120,7 +126,8 @@ def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
     spec = get_adapter(model).spec
     link_spec = resolve_link(rc, device)
     cal, cal_path = read_calibration(rc, model, link_spec)
-    lookahead = rc.lookahead or int((cal or {}).get("initial_s") or 1)
+    threads = apply_threads(rc.threads, model, rc.device, calibration=cal)
+    lookahead, _ = requested_step_size(rc.lookahead, cal, spec.num_moe_layers, Path(rc.model).name)
     runs = plan(cfg)
     caps: dict[str, int] = {}
     for miss, routing in product(cfg.misses, cfg.routings):
@@ -137,7 +144,7 @@ def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
     elif cfg.task == "gsm8k":
         items = measure.gsm8k_items(rc.data_dir, cfg.task_limit)
     keep = (max_pos or 1 << 30) - (cfg.task_new_tokens if cfg.task == "gsm8k" else 0)
-    item_ids = [tok(it.prompt, return_tensors="pt").input_ids[:, -max(1, keep) :] for it in items]  # the end kept
+    item_ids = [tok(it.prompt, return_tensors="pt", verbose=False).input_ids[:, -max(1, keep) :] for it in items]  # the end kept
     planner, prompt_plans, window_plans, item_plans = None, [], [], []
     if rc.plan is not None:  # CasMoE (moeflow.plan.run, as `run`): plans made before any run
         from ..plan.run import RunPlanner
@@ -153,7 +160,8 @@ def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
     console.print(
         f"[dim]{spec.arch}: {spec.num_moe_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}; link "
         f"{link_spec}; S={lookahead}; {len(encoded)} prompt(s) x {rc.max_new_tokens} tokens; perplexity "
-        f"{sum(int(w.shape[1]) - 1 for w in windows)} tokens of {text_desc}; task {cfg.task} ({len(items)})[/]"
+        f"{sum(int(w.shape[1]) - 1 for w in windows)} tokens of {text_desc}; task {cfg.task} ({len(items)}); "
+        f"{threads.describe()}[/]"
     )
 
     results: list[dict[str, Any]] = []
@@ -219,6 +227,7 @@ def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
         agree, first = measure.agreement(outs, ref_outs)
         assert ref_score is not None
         delta = 100 * (score.ppl / ref_score.ppl - 1) if score.ppl is not None and ref_score.ppl is not None else None
+        ci = measure.dppl_interval(score.token_nll, ref_score.token_nll) if delta is not None else None
         task = None
         if items:
             task = {
@@ -239,6 +248,9 @@ def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
                 "ppl": score.ppl,
                 "ppl_tokens": score.tokens,
                 "ppl_delta_pct": delta,
+                "dppl_ci95": list(ci) if ci is not None else None,  # percent, paired block bootstrap vs resident
+                "dppl_within_noise": measure.within_noise(ci),
+                "ppl_token_nll": score.token_nll,  # per window, per scored token (nats); not in --json
                 "tf_agreement": measure.tf_agreement(score, ref_score),
                 "agreement": agree,
                 "first_divergence": first,
@@ -257,6 +269,7 @@ def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
         "model": rc.model,
         "reference": "resident",
         "calibration": cal_path if cal else None,
+        **threads.to_dict(),
         "text": {"source": text_desc, "tokens": sum(int(w.shape[1]) - 1 for w in windows), "windows": len(windows)},
         "task": cfg.task,
         "prompts": len(encoded),
@@ -266,7 +279,8 @@ def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
     if planner is not None:
         report["plan"] = planner.summary(prompt_plans + window_plans + item_plans)
     if rc.json:
-        sys.stdout.write(json.dumps(report, default=str) + "\n")
+        runs_out = [{k: v for k, v in r.items() if k != "ppl_token_nll"} for r in results]
+        sys.stdout.write(json.dumps({**report, "runs": runs_out}, default=str) + "\n")
     return report
 
 
@@ -295,21 +309,23 @@ def task_cell(task: dict[str, Any] | None) -> str:
 
 
 def quality_table(results: list[dict[str, Any]], title: str = "moeflow quality"):
-    """One row per configuration: exact/LOSSY, perplexity and its change, agreement, task, TPOT, bytes/token."""
-    from rich.table import Table
+    """One row per configuration: exact/LOSSY, perplexity and its change, agreement, task, TPOT, bytes/token
+    (readable at 80 columns: `moeflow.tables.FitTable`)."""
+    from rich.text import Text
 
     from ..runtime.metrics import _bytes
+    from ..tables import FitTable
 
-    t = Table(title=title)
-    cols = ("run", "exact", "ppl", "Δppl %", "agree", "1st div", "tf agree", "task", "TPOT ms", "ΔTPOT %", "bytes/tok")
+    t = FitTable(title)
+    cols = ("run", "exact", "ppl", "Δppl %", "agree", "1st div", "tf agree", "task", "TPOT ms", "ΔTPOT %", "bytes /tok")
     for c in cols:
-        t.add_column(c, justify="left" if c in ("run", "exact", "task") else "right", no_wrap=c != "run")
+        t.add_column(c, justify="left" if c in ("run", "exact", "task") else "right")
     for r in results:
         t.add_row(
             r["run"],
-            "[bold red]LOSSY[/]" if r["lossy"] else "exact",
+            Text("LOSSY", style="bold red") if r["lossy"] else Text("exact"),
             _f(r["ppl"], ".3f"),
-            _f(r["ppl_delta_pct"], "+.2f"),
+            measure.dppl_cell(r["ppl_delta_pct"], r.get("dppl_ci95")),
             _f(r["agreement"], ".3f"),
             _f(r["first_divergence"], ".1f"),
             _f(r["tf_agreement"], ".3f"),
@@ -318,6 +334,15 @@ def quality_table(results: list[dict[str, Any]], title: str = "moeflow quality")
             _f(r["tpot_delta_pct"], "+.1f"),
             _bytes(r["bytes_per_token"]),
         )
+    notes = []
+    if any(r.get("dppl_ci95") for r in results):
+        notes.append(
+            f"Δppl %: vs resident, [95% interval] from a paired bootstrap over blocks of {measure.BOOT_BLOCK} scored "
+            f"tokens ({measure.BOOT_RESAMPLES} resamples); within noise: the interval holds 0, the sample cannot tell "
+            "the change from none"
+        )
     if any(r["task"] and not r["task"]["above_chance"] for r in results):
-        t.caption = "at chance: the task accuracy is not above chance (one-sided binomial, p < 0.05); it says nothing"
+        notes.append("at chance: the task accuracy is not above chance (one-sided binomial, p < 0.05); it says nothing")
+    if notes:
+        t.caption = "; ".join(notes)
     return t

@@ -2,6 +2,8 @@
 
 - `stream_nll`: perplexity windows scored token by token, one forward pass per token with the KV cache, as
   decode runs (the expert cache sees the same one-token passes as in generation);
+- `dppl_interval`: the 95% interval of a perplexity change against a reference scored on the same tokens
+  (paired block bootstrap of the per-token NLL differences); `within_noise` when it contains 0;
 - `agreement`: greedy outputs against the reference's (share of matching positions, tokens to the first
   divergence);
 - `mmlu_items` / `mmlu_correct`: the answer letter with the highest log-likelihood after "Answer:";
@@ -17,13 +19,14 @@ import math
 import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError, MoeflowError
+from ..moe.tx_compat import kv_cache_kwargs
 
 LETTERS = "ABCDEFGH"
 
@@ -56,7 +59,7 @@ def text_windows(tok: Any, text: str, tokens: int, windows: int, max_positions: 
     need = windows * (tokens + 1)
     ids: list[int] = []
     for chunk in range(0, len(text), 3000):  # tokenize only what the windows need
-        ids += tok(text[chunk : chunk + 3000], add_special_tokens=False).input_ids
+        ids += tok(text[chunk : chunk + 3000], add_special_tokens=False, verbose=False).input_ids  # cut into windows below
         if len(ids) >= need:
             break
     out = [torch.tensor([ids[i : i + tokens + 1]]) for i in range(0, min(need, len(ids)), tokens + 1)]
@@ -71,6 +74,7 @@ class StreamScore:
     nll: float = 0.0  # summed over scored tokens (nats)
     tokens: int = 0
     argmax: list[torch.Tensor] | None = None  # per window: the predicted next token at every position
+    token_nll: list[list[float]] = field(default_factory=list)  # per window: each scored token's NLL (nats)
 
     @property
     def ppl(self) -> float | None:
@@ -89,16 +93,18 @@ def stream_nll(
     score = StreamScore(argmax=[])
     for wi, w in enumerate(windows):
         w = w.to(device)
-        past = None
+        cache = kv_cache_kwargs(model)  # filled in place by each forward
         preds = []
+        nlls: list[float] = []
         with around(wi) if around is not None else nullcontext():
             for i in range(w.shape[1] - 1):
-                out = model(input_ids=w[:, i : i + 1], past_key_values=past, use_cache=True)
-                past = out.past_key_values
+                out = model(input_ids=w[:, i : i + 1], use_cache=True, **cache)
                 logp = torch.log_softmax(out.logits[0, -1].double(), -1)
-                score.nll -= float(logp[w[0, i + 1]])
+                nlls.append(-float(logp[w[0, i + 1]]))
+                score.nll += nlls[-1]
                 preds.append(int(logp.argmax()))
                 score.tokens += 1
+        score.token_nll.append(nlls)
         assert score.argmax is not None
         score.argmax.append(torch.tensor(preds))
     return score
@@ -110,6 +116,60 @@ def tf_agreement(a: StreamScore, ref: StreamScore) -> float | None:
         return None
     same = sum(int((x == y).sum()) for x, y in zip(a.argmax, ref.argmax))
     return same / max(1, sum(int(y.numel()) for y in ref.argmax))
+
+
+# ---- the noise of a perplexity change -------------------------------------------------------------------
+
+BOOT_BLOCK = 32  # tokens per bootstrap block: neighbouring tokens share a KV cache and an expert cache
+BOOT_RESAMPLES = 1000
+BOOT_SEED = 0
+
+
+def dppl_interval(
+    nll: list[list[float]],
+    ref: list[list[float]],
+    *,
+    block: int = BOOT_BLOCK,
+    resamples: int = BOOT_RESAMPLES,
+    seed: int = BOOT_SEED,
+    level: float = 0.95,
+) -> tuple[float, float] | None:
+    """The `level` interval (percent) of the relative perplexity change exp(mean(nll - ref)) - 1 of a run against
+    a reference scored on the same windows and token positions (`StreamScore.token_nll`): a paired bootstrap
+    over blocks of `block` consecutive tokens within each window (the last block of a window shorter), blocks
+    drawn with replacement, `resamples` times with a fixed seed. None without scored tokens."""
+    import numpy as np
+
+    if [len(w) for w in nll] != [len(w) for w in ref]:
+        raise ValueError("dppl_interval needs both scores on the same windows and tokens")
+    sums, counts = [], []
+    for a, b in zip(nll, ref):
+        d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)  # [T] per-token NLL change
+        for i in range(0, len(d), max(1, block)):
+            sums.append(float(d[i : i + block].sum()))
+            counts.append(len(d[i : i + block]))
+    if not sums:
+        return None
+    s, n = np.asarray(sums), np.asarray(counts, dtype=np.float64)
+    pick = np.random.default_rng(seed).integers(0, len(s), size=(resamples, len(s)))  # [R,blocks]
+    rel = np.expm1(s[pick].sum(1) / n[pick].sum(1)) * 100  # [R] percent
+    tail = (1 - level) / 2 * 100
+    lo, hi = np.percentile(rel, [tail, 100 - tail])
+    return float(lo), float(hi)
+
+
+def within_noise(ci: tuple[float, float] | list[float] | None) -> bool | None:
+    """Whether an interval of a change contains 0 (the change is inside the noise); None without one."""
+    return None if ci is None else bool(ci[0] <= 0 <= ci[1])
+
+
+def dppl_cell(delta: float | None, ci: tuple[float, float] | list[float] | None, fmt: str = "+.2f") -> str:
+    """'+1.23 [-0.40, +2.90] within noise': a perplexity change (percent) with its interval, for tables."""
+    if delta is None:
+        return "-"
+    if ci is None:
+        return format(delta, fmt)
+    return f"{delta:{fmt}} [{ci[0]:{fmt}}, {ci[1]:{fmt}}]" + (" within noise" if within_noise(ci) else "")
 
 
 # ---- greedy agreement -----------------------------------------------------------------------------------

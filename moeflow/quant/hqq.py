@@ -11,7 +11,7 @@ import torch
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from ..runtime.store import ExpertLayout
+    from ..moe.layout import ExpertLayout
 
 BITS = (8, 4, 2)  # the low precisions the store can hold
 FULL = 0  # "bits" of a full-precision (model dtype) copy

@@ -36,8 +36,8 @@ from ..errors import ConfigError
 _TOP = {"model", "trace", "predictors", "only", "holdout", "seed", "margin", "keep", "log", "status", "prompts"}
 _TABLES = {"trace_options", "train_options"}
 _SOURCE = {"source", "limit", "split", "column"}
-_TRACE_FIXED = {"model", "prompts", "out", "limit", "split", "column", "data_dir", "progress"}
-_TRAIN_FIXED = {"trace", "out", "model", "only", "holdout", "seed", "force"}
+_TRACE_FIXED = {"model", "prompts", "out", "limit", "split", "column", "data_dir", "progress", "wait"}
+_TRAIN_FIXED = {"trace", "out", "model", "only", "holdout", "seed", "force", "wait"}
 
 
 @dataclass(frozen=True)

@@ -131,12 +131,13 @@ def retrain(cfg: RetrainConfig, console: Any = None) -> dict[str, Any]:
 
 
 def _run(cfg: RetrainConfig, rec: dict[str, Any], console: Any) -> None:
-    from ..models import load_model
+    from ..models import load_model, torch_threads
     from ..moe import model_fingerprint
     from ..predict.data import from_trace
     from ..predict.io import KIND, read_predictor_meta
     from ..predict.train import PLANNERS, TrainConfig, _check_names, _load_model
     from ..predict.train import main as train_main
+    from ..threads import apply_threads
 
     _check_names(cfg.only)
     final = Path(os.path.abspath(cfg.predictors))
@@ -146,7 +147,10 @@ def _run(cfg: RetrainConfig, rec: dict[str, Any], console: Any) -> None:
     )
     if tok is None:
         raise ArtifactError(f"{cfg.model} has no tokenizer (tokenizer.json); save one beside the checkpoint")
-    rec["prompts_added"] = _trace_new(cfg, model, tok, console)
+    with torch_threads(None):  # the trace's threads as `moeflow trace` picks them; restored after
+        threads = apply_threads(cfg.trace_options.get("threads"), model, cfg.trace_options.get("device", "cpu"))
+        rec["prompts_added"] = _trace_new(cfg, model, tok, console)
+    rec.update(threads.to_dict())
     fp = {
         "trace": trace_fingerprint(cfg.trace),
         "model": model_fingerprint(model),

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..calibrate.stepsize import ceil_s, mean_pairwise_distance, occupancy_limit, s_formula
+from ..errors import ConfigError
 
 
 @dataclass
@@ -321,9 +322,9 @@ class StepSizeController:
         """The controller `--adaptive-s` attaches to a (bound) engine: S in [1, MoE layers - 1] and no further than
         a learned prefetcher's trained S (it predicts no further); started from the calibration when there is one."""
         hi = max(1, num_moe_layers - 1)
-        horizon = getattr(getattr(getattr(engine, "prefetcher", None), "pred", None), "max_lookahead", None)
+        horizon = predictor_horizon(getattr(engine, "prefetcher", None))
         if horizon:
-            hi = min(hi, int(horizon))
+            hi = min(hi, horizon)
         if calib:
             return cls.from_calibration(calib, max_s=hi, num_layers=num_layers)
         return cls(initial_s=min(lookahead, hi), max_s=hi, num_layers=num_layers)
@@ -341,6 +342,42 @@ class StepSizeController:
             experts_per_layer=calib.get("experts_per_layer"),
             **kw,
         )
+
+
+def requested_step_size(flag: int | None, calib: dict[str, Any] | None, num_moe_layers: int, model: str) -> tuple[int, str]:
+    """(step size S, where it came from): `-S`, else the calibration's `initial_s`, else 1. S prefetches S
+    MoE layers ahead, so it can be 1..num_moe_layers - 1: a larger `-S` is refused (ConfigError), a larger
+    calibrated S (a calibration made with other settings) is clamped and the source says so."""
+    hi = max(1, num_moe_layers - 1)
+    if flag is not None:
+        if flag > hi:
+            raise ConfigError(f"-S {flag}: {model} has {num_moe_layers} MoE layers, so S can be 1..{hi}")
+        return flag, "-S"
+    s = int((calib or {}).get("initial_s") or 0)
+    if not s:
+        return 1, "default"
+    return (hi, f"calibration's S={s} clamped to {hi}") if s > hi else (s, "calibration")
+
+
+def predictor_horizon(prefetcher: Any) -> int | None:
+    """The largest S a learned prefetcher's predictor was trained for (it predicts no further); None for others."""
+    h = getattr(getattr(prefetcher, "pred", None), "max_lookahead", None)
+    return int(h) if h else None
+
+
+def prefetch_step_size(prefetcher: Any, s: int) -> tuple[int, str | None]:
+    """(the step size a bound prefetch policy uses when the engine's S is `s`, why that is not `s` or None):
+    the policy's own `lookahead=` option wins over S, and a learned predictor looks no further than its
+    trained S (`moeflow.policies.learned`)."""
+    name = getattr(prefetcher, "name", "") or "the prefetch policy"
+    used, why = s, None
+    own = getattr(prefetcher, "lookahead", None)
+    if own is not None and int(own) != s:
+        used, why = int(own), f"{name} has its own lookahead={own}"
+    horizon = predictor_horizon(prefetcher)
+    if horizon is not None and used > horizon:
+        used, why = horizon, f"{name}'s predictor was trained for S <= {horizon} (moeflow train --max-s)"
+    return used, why
 
 
 def _device(module: Any) -> Any:

@@ -23,44 +23,45 @@ One access order (the engine's router hook and experts call, and the simulator, 
 per forward pass `begin_pass`, then per MoE layer):
   `begin_layer` -> unique routed experts sorted by id with summed gate weights (`needed_experts`) ->
   `route` (stale prefetches of this layer still queued on the link are cancelled when the gate says so; the
-  miss policy, then `demand`: hits pinned first, then misses in id order; a hit whose prefetch is still
-  queued is promoted to demand priority) when they fit one
-  wave (`wave_capacity`), else nothing yet -> `prefetch(proposals)` (priority order; each proposal that is
-  not resident is admitted or refused by the prefetch policy's gate, `PrefetchGate`) -> per wave
+  miss policy, then `demand`: hits pinned first, then misses in id order; a hit whose prefetch is still queued
+  is promoted to demand priority) when they fit one wave (`wave_capacity`), else nothing yet ->
+  `prefetch(proposals)` (priority order; each proposal that is not resident is admitted or refused by the
+  prefetch policy's gate, `PrefetchGate`) -> per wave
   (`plan_waves`: resident experts first; one wave = the routed slots): `demand_wave` (only when `route`
   demanded nothing), `wait`, the layer's compute, `release`.
 
-Mixed precision: a miss action `("fetch", bits)` loads the store's compact copy at `bits` (int8/4/2, HQQ;
-`moeflow.quant`) into the slot's first bytes; the slot records its precision (`Slot.bits`, 0 = full) and
-the copy is dequantized into the model-dtype row on the device as soon as it is known complete (`_ready`),
-before any compute reads it. Every load counts its own transfer's bytes (`bytes_at(bits)`) in `bytes_moved`;
-without a store the compact size is estimated (`compact_bytes_estimate`). A hit on a low-precision slot
-counts `lowbit_hits`. With a miss policy whose `upgrade` is True (`cascade`) each low-precision slot gets,
-when the layer releases it, a full-precision copy queued as a prefetch-priority transfer into the same slot
-(`upgrades`); until it lands the slot is in flight, so a later use waits for the exact expert. Eviction
-policies with `on_precision(key, bits)` (`lhu`) are told every slot's precision (load and upgrade).
+Mixed precision (`runtime/misses.py`): a `("fetch", bits)` miss loads a compact copy (`Slot.bits`), `_ready`
+dequantizes it, `upgrade` (`cascade`) queues the full row over it on `release`; eviction policies with
+`hears_precision` (`lhu`) are told every slot's precision (load and upgrade).
+
+Compiled core (`runtime/cachecore.py`, `runtime/corecache.py`): with an eviction policy that declares a
+`kernel` (lru, lfu, least-stale, belady-approx; the simulator's Belady MIN) and an instant link (the simulator's
+`InstantLink`, the runtime's `DirectLink`), the decisions, the policy's state and the counters live in numba
+kernels, one call per cache call (`demand`, `prefetch`, `release`, `begin_pass`, `begin_layer`); this object
+then holds the tensors, tickets and the views others read (`slot_of`, `slots[s].key/state/pinned/bits/ticket`,
+`table`), following each call's evictions and loads. The simulator replays a whole stream through the same
+kernels in one call (`replay`). Every other policy or link (in flight copies, cancellation, a traffic gate
+that reads the link) runs the Python mechanism below, in the runtime and the simulator alike.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast, overload
 
 import torch
 
-from ..errors import ConfigError
-from ..policies.base import FETCH, Candidates, EvictionPolicy, ExpertKey, MissInfo, Position, PrefetchRequest, miss_action
+from ..policies.base import Candidates, EvictionPolicy, ExpertKey, MissPolicy, Position, PrefetchRequest
 from ..quant import FULL, compact_bytes_estimate
+from .cachecore import LOG_EVICT, LOG_LOAD
+from .corecache import CacheCore, ReplayResult, kernel_kind
+from .counters import GATHER_BYTES, MAX_GROUPS, CacheCounters, check_capacity, needed_experts, wave_capacity  # noqa: F401
 from .link import Link, Ticket
+from .misses import fetch_bits
 from .store import HostExpertStore
 
 FREE, LOADING, READY = "free", "loading", "ready"
-MAX_GROUPS = 1024  # torch._grouped_mm on CUDA refuses more groups than this in one call
-GATHER_BYTES = 1 << 30  # at most this many bytes of expert weights gathered per grouped call
-
-
 _new = object.__new__
 
 
@@ -70,73 +71,6 @@ def _position(pass_id: int, layer: int, layer_rank: int, time: int) -> Position:
     d = p.__dict__
     d["pass_id"], d["layer"], d["layer_rank"], d["time"] = pass_id, layer, layer_rank, time
     return p
-
-
-def wave_capacity(part_capacity: int, expert_bytes: int) -> int:
-    """Most experts one grouped call (one wave) may cover: slots, the kernel's group limit, the gather budget."""
-    return max(1, min(part_capacity, MAX_GROUPS, GATHER_BYTES // max(1, expert_bytes)))
-
-
-def needed_experts(flat: torch.Tensor, weights: torch.Tensor) -> tuple[list[int], dict[int, float]]:
-    """Unique experts of a call (host tensors `[S]` ids, `[S]` float32 gate weights), sorted by id, and their
-    gate weight summed over the call's tokens (float32, in row order): the order of every cache access."""
-    ids = flat.tolist()
-    if len(set(ids)) == len(ids):  # every expert once (a decode step): nothing to sum
-        ws = weights.tolist()
-        order = sorted(range(len(ids)), key=ids.__getitem__)
-        return [ids[i] for i in order], {ids[i]: ws[i] for i in order}
-    uniq = torch.unique(flat)  # sorted [U]
-    summed = torch.zeros(uniq.numel(), dtype=torch.float32)
-    summed.index_add_(0, torch.searchsorted(uniq, flat), weights)
-    experts = uniq.tolist()
-    return experts, dict(zip(experts, summed.tolist()))
-
-
-@dataclass
-class CacheCounters:
-    """Monotone counters; subtract two snapshots for a window (one prompt, one forward pass)."""
-
-    accesses: int = 0  # needed experts, one per (forward pass, layer, unique expert)
-    hits: int = 0  # needed and already in a slot at routing time (ready or copy in flight)
-    misses: int = 0  # needed and not in a slot: a demand load (misses == demand_loads)
-    late: int = 0  # hits whose copy was still in flight (a prefetch not finished: stall)
-    loads: int = 0  # transfers issued (demand + prefetch)
-    demand_loads: int = 0
-    prefetch_issued: int = 0  # prefetch transfers issued (requests for resident experts are skipped)
-    prefetch_used: int = 0  # prefetched experts accessed before their eviction (counted once)
-    prefetch_unused_evicted: int = 0  # overfetch: prefetched experts evicted without ever being used
-    prefetch_refused: int = 0  # proposals (not resident) the prefetch gate did not admit
-    prefetch_cancelled: int = 0  # issued prefetches withdrawn before their copy started (stale: their layer
-    #   routed to other experts); not in loads / bytes_moved (loads = demand_loads + issued - cancelled)
-    collision_misses: int = 0  # needed experts that were evicted earlier in the same forward pass
-    evictions: int = 0
-    bytes_moved: int = 0  # bytes of every transfer issued: full rows, compact low-precision copies, upgrades
-    lowbit_loads: int = 0  # demand loads of a low-precision copy (miss action ("fetch", bits); lossy)
-    lowbit_hits: int = 0  # hits on a slot holding a low-precision copy (lossy)
-    upgrades: int = 0  # full-precision copies queued over low-precision slots (`cascade`); not in `loads`
-    stall_s: float = 0.0  # seconds the compute thread waited for copies
-
-    @property
-    def ready_hits(self) -> int:
-        """Needed experts whose copy had completed: no wait at all."""
-        return self.hits - self.late
-
-    @property
-    def waited(self) -> int:
-        """Needed experts the layer had to wait for (demand loads + late prefetches): ExpertFlow's stalls."""
-        return self.misses + self.late
-
-    def __sub__(self, other: CacheCounters) -> CacheCounters:
-        return CacheCounters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)})
-
-    def __add__(self, other: CacheCounters) -> CacheCounters:
-        return CacheCounters(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)})
-
-    def copy(self) -> CacheCounters:
-        return dataclasses.replace(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @dataclass
@@ -150,6 +84,7 @@ class Slot:
     last_use: Any = None  # link marker after the last compute that read this slot
     bits: int = FULL  # precision of the copy in the slot (FULL = 0: the model dtype; 8/4/2: a compact copy)
     dequant: int = FULL  # bits of a compact copy in flight that `_ready` must dequantize (FULL: none)
+    issued: int = 0  # a prefetched slot's sequence number (`ExpertCache._prefetch_seq` at its issue)
 
 
 class ExpertCache:
@@ -166,8 +101,11 @@ class ExpertCache:
         spec: Any = None,
         expert_bytes: int | None = None,
         gate: Any = None,
+        compiled: bool | None = None,
     ):
-        """`store=None` (with `spec`, optionally `expert_bytes`): bookkeeping only, no tensors (the simulator)."""
+        """`store=None` (with `spec`, optionally `expert_bytes`): bookkeeping only, no tensors (the simulator).
+        `compiled`: None keeps the bookkeeping in the compiled core when the policy and link allow it (see
+        "Compiled core" above), False always runs the Python mechanism, True requires the core."""
         if store is None and spec is None:
             raise ValueError("ExpertCache needs a store, or spec= for a tensor-free (simulated) cache")
         spec = store.spec if store is not None else spec
@@ -191,7 +129,7 @@ class ExpertCache:
             self.buffer = torch.empty(C, store.layout.row_numel, dtype=store.layout.dtype, device=device)
             self.views = store.layout.views(self.buffer)
             self.table = torch.full((L, spec.num_experts), -1, dtype=torch.long, device=device)
-        self._instant = bool(getattr(link, "instant", False))  # copies complete at submit (simulator links)
+        self._instant = link.instant  # copies complete at submit (simulator links)
         self.slots = [Slot() for _ in range(C)]
         self.slot_of: dict[ExpertKey, int] = {}
         self._resident_in = [0] * L  # resident experts per MoE layer
@@ -205,8 +143,37 @@ class ExpertCache:
         self.time = 0
         self.pass_id = -1
         self._evicted_in_pass: dict[ExpertKey, int] = {}
+        self._prefetch_seq = 0  # prefetches issued so far (never decreases: cancelled ones count)
+        self._phase_seq = self._generation_seq = 0  # `_prefetch_seq` when the phase / generation began
         self.upgrade = False  # cascade: queue a full-precision copy over each low-precision slot on release
-        self._on_precision = getattr(eviction, "on_precision", None)
+        self._on_precision = eviction.on_precision if eviction is not None and eviction.hears_precision else None
+        self.core = self._make_core(compiled)
+
+    def _make_core(self, compiled: bool | None) -> CacheCore | None:
+        """The compiled core for a policy with a `kernel`, an instant link without a transfer estimate (so a
+        prefetch gate admits by its budget alone) and MoE layers in ascending order; else None (Python)."""
+        kind = kernel_kind(self.eviction)
+        why = None
+        if kind is None:
+            why = f"eviction policy {getattr(self.eviction, 'name', None)!r} has no compiled kernel"
+        elif not self.link.instant or self.link.transfer_estimate_s(self.expert_bytes) is not None:
+            why = f"link {self.link.name!r} is not instant"
+        elif list(self.spec.moe_layers) != sorted(self.spec.moe_layers):
+            why = "the MoE layers are not in ascending order"
+        if why is not None or compiled is False:
+            if compiled:
+                raise ValueError(f"compiled cache core unavailable: {why}")
+            return None
+        return CacheCore(
+            capacity=self.capacity,
+            num_layers=self.spec.num_moe_layers,
+            num_experts=self.spec.num_experts,
+            per_layer=self.per_layer,
+            kind=kind,
+            policy=self.eviction,
+            bytes_of_bits=[self.expert_bytes] + [0] * 8,  # compact sizes: set when a load asks for them
+            log=True,
+        )
 
     # ---- capacity --------------------------------------------------------------------------------
     def _check_capacity(self) -> None:
@@ -218,11 +185,26 @@ class ExpertCache:
 
     def begin_pass(self, pass_id: int) -> None:
         self.pass_id = pass_id
-        if self.eviction is not None:
+        if self.core is not None:
+            self.core.begin_pass(pass_id)
+        elif self.eviction is not None:
             self.eviction.on_pass_start(Position(pass_id, self.spec.moe_layers[0], 0, self.time))
 
+    def mark_phase(self, *, new_generation: bool = False) -> None:
+        """A phase (a generation's prefill, or its decode passes) begins; `new_generation`: a generation too.
+        A prefetch issued before it and first used after it counts in `prefetch_used_prior_phase` (and in
+        `prefetch_used_prior_generation` when issued before the generation began), so a window's prefetch
+        precision counts only the copies the window itself issued (`RunMetrics.prefetch_precision`)."""
+        self._phase_seq = self._prefetch_seq
+        if new_generation:
+            self._generation_seq = self._prefetch_seq
+        if self.core is not None:
+            self.core.mark_phase(new_generation)
+
     def begin_layer(self, layer: int) -> None:
-        if self.eviction is not None:
+        if self.core is not None:
+            self.core.begin_layer(self.rank[layer])
+        elif self.eviction is not None:
             self.eviction.on_layer_start(self.position(layer))
 
     def resident(self, key: ExpertKey) -> bool:
@@ -283,6 +265,8 @@ class ExpertCache:
         """
         if len(experts) > self.part_capacity:
             raise RuntimeError(f"demand of {len(experts)} experts exceeds {self.part_capacity} slots; use waves")
+        if self.core is not None:
+            return self._core_demand(layer, experts, bits)
         slot_of, slots, c, ev = self.slot_of, self.slots, self.counters, self.eviction
         for e in experts:
             s = slot_of.get((layer, e))
@@ -319,6 +303,10 @@ class ExpertCache:
             slot = slots[s]
             if slot.prefetched and not slot.used:
                 c.prefetch_used += 1
+                if slot.issued < self._phase_seq:
+                    c.prefetch_used_prior_phase += 1
+                    if slot.issued < self._generation_seq:
+                        c.prefetch_used_prior_generation += 1
             slot.used = True
             self.time = t = t + 1
             if ev is not None:
@@ -327,47 +315,13 @@ class ExpertCache:
         return out
 
     def check_misses(
-        self, miss: Any, layer: int, experts: Sequence[int], scores: dict[int, float] | None = None
+        self, miss: MissPolicy | None, layer: int, experts: Sequence[int], scores: dict[int, float] | None = None
     ) -> dict[int, int]:
-        """Ask the miss policy about every needed expert without a slot; returns {expert: bits} of the misses
-        to load as a low-precision copy. The cache implements the fetch actions ("fetch", ("fetch", bits));
-        drop / substitute / cpu are the engine's (policies with `needs_routing`, asked in its router hook).
-
-        A policy with `precisions` (the mixed-precision ones) first sees every needed expert's summed gate
-        weight (`observe(layer, scores)`) and is asked with `info=MissInfo(rank=0, score, tokens=0)`
-        (rank and tokens unknown here)."""
+        """{expert: bits} of the needed experts without a slot to load as a low-precision copy (`fetch_bits`)."""
         if miss is None:
             return {}
-        mixed = getattr(miss, "precisions", None) is not None
-        if mixed:
-            scores = scores or {}
-            miss.observe(layer, {e: scores.get(e, 0.0) for e in experts})
-            self.upgrade = self.upgrade or bool(getattr(miss, "upgrade", False))
-        out: dict[int, int] = {}
-        for e in experts:
-            if (layer, e) not in self.slot_of:
-                key, pos = (layer, e), self.position(layer)
-                if mixed:
-                    action = miss.on_miss(key, pos, MissInfo(0, float(scores.get(e, 0.0)) if scores else 0.0, 0, self.resident))
-                else:
-                    action = miss.on_miss(key, pos)
-                try:
-                    kind, arg = miss_action(action)
-                except ValueError as err:
-                    raise ConfigError(f"miss policy {miss.name!r}: {err}") from None
-                if kind != FETCH:
-                    raise ConfigError(
-                        f"miss policy {miss.name!r} asked for {action!r}; the cache implements only fetch actions "
-                        "(drop / substitute / cpu are applied by the engine's router hook: set needs_routing)"
-                    )
-                if arg is not None and arg != FULL:
-                    if self.store is not None and arg not in self.store.compact:
-                        raise ConfigError(
-                            f"miss policy {miss.name!r} asked for an int{arg} copy; the store holds "
-                            f"{', '.join(f'int{b}' for b in self.store.precisions) or 'none'} (list it in its `precisions`)"
-                        )
-                    out[e] = int(arg)
-        return out
+        self.upgrade = self.upgrade or miss.upgrade
+        return fetch_bits(miss, layer, experts, scores, self.slot_of, self.position, self.resident, self.store)
 
     def route(
         self, layer: int, experts: Sequence[int], scores: dict[int, float], wave_cap: int, miss: Any = None
@@ -410,6 +364,14 @@ class ExpertCache:
     def release(self, slots: Sequence[int]) -> None:
         """The layer's compute that read `slots` has been issued: unpin them (free them if not retaining)."""
         marker = self.link.record_use()
+        if self.core is not None:
+            for s in slots:
+                slot = self.slots[s]
+                slot.pinned = False
+                slot.last_use = marker
+            self.core.release(slots, self.retain, self.upgrade)
+            self._core_apply()
+            return
         for s in slots:
             slot = self.slots[s]
             slot.pinned = False
@@ -471,14 +433,15 @@ class ExpertCache:
         gate = self.gate
         if gate is not None:
             gate.begin(self.link, self.expert_bytes, pos.pass_id, pos.layer_rank)
+        if self.core is not None:
+            return self._core_prefetch(requests, pos, gate)
         for req in sorted(requests, key=lambda r: -r.priority):
             key = (int(req.key[0]), int(req.key[1]))
             if key[0] not in self.rank or not 0 <= key[1] < self.spec.num_experts:
                 continue
             if key in self.slot_of:  # already resident or in flight: tell the policy only
-                on_predicted = getattr(self.eviction, "on_predicted", None)
-                if on_predicted is not None:
-                    on_predicted(key, pos)
+                if self.eviction is not None:
+                    self.eviction.on_predicted(key, pos)
                 continue
             if gate is not None and not gate.admit(req, self.rank[key[0]] - pos.layer_rank):
                 self.counters.prefetch_refused += 1
@@ -487,9 +450,88 @@ class ExpertCache:
             if s is None:
                 continue
             self._load(s, key, prefetched=True, pos=pos)
+            self.slots[s].issued = self._prefetch_seq
+            self._prefetch_seq += 1
             self.counters.prefetch_issued += 1
             issued.add(s)
         return len(issued)
+
+    # ---- compiled core -------------------------------------------------------------------------------
+    def _core_demand(self, layer: int, experts: Sequence[int], bits: dict[int, int] | None) -> list[int]:
+        core = cast(CacheCore, self.core)
+        for b in set(bits.values()) if bits else ():
+            core.st.byb[b] = self.bytes_at(b)
+        out = core.demand(self.rank[layer], experts, bits)
+        self._core_apply()
+        slots = self.slots
+        for s in out:
+            slots[s].pinned = True
+        self.time = core.time
+        return out
+
+    def _core_prefetch(self, requests: Sequence[PrefetchRequest], pos: Position, gate: Any) -> int:
+        core = cast(CacheCore, self.core)
+        left = -1 if gate is None else gate.quota()
+        if left is None:  # unreachable: the core is built only for links without a transfer estimate
+            raise RuntimeError("the prefetch gate needs the link for this call; the compiled core cannot ask it")
+        E, rank = self.spec.num_experts, self.rank
+        keys = []
+        for req in sorted(requests, key=lambda r: -r.priority):
+            l, e = int(req.key[0]), int(req.key[1])
+            r = rank.get(l)
+            keys.append(r * E + e if r is not None and 0 <= e < E else -1)
+        issued, admitted, refused = core.prefetch(pos.layer_rank, keys, left)
+        if gate is not None:
+            gate.count(admitted, refused)
+        self._core_apply()
+        return issued
+
+    def _core_apply(self) -> None:
+        """Follow the core's last call: its evictions, loads (the copies) and upgrades, and its counters."""
+        core = cast(CacheCore, self.core)
+        E, layers, slots, table = self.spec.num_experts, self.spec.moe_layers, self.slots, self.table
+        for op, s, k, arg in core.records():
+            r, e = divmod(k, E)
+            key = (layers[r], e)
+            if op == LOG_EVICT:
+                del self.slot_of[key]
+                if table is not None:
+                    table[r, e] = -1
+                self._resident_in[r] -= 1
+                slots[s] = Slot(last_use=slots[s].last_use)
+            elif op == LOG_LOAD:
+                bits, prefetched = arg & 255, bool(arg >> 8)
+                slot = slots[s]
+                slot.ticket = self._submit(s, key, bits, demand=not prefetched)
+                slot.state, slot.key, slot.bits, slot.prefetched = READY, key, bits, prefetched
+                if bits != FULL and self.store is not None and self.buffer is not None:
+                    self.store.dequantize(bits, self.buffer[s])  # the copy is complete (instant link)
+                self.slot_of[key] = s
+                if table is not None:
+                    table[r, e] = s
+                self._resident_in[r] += 1
+            else:  # LOG_UPGRADE: the full row over a low-precision slot
+                slots[s].ticket = self._submit(s, key, FULL, demand=False)
+                slots[s].bits = FULL
+        core.counters(self.counters)
+
+    def replay(self, stream: Any, proposals: Any, *, wave_cap: int, count_phase: int | None, left: int) -> ReplayResult:
+        """The simulator: a whole access stream through the compiled core in one call (`CacheCore.replay`); the
+        slot map follows the final state."""
+        if self.core is None:
+            raise RuntimeError("ExpertCache.replay needs the compiled core")
+        res = self.core.replay(stream, proposals, wave_cap=wave_cap, count_phase=count_phase, left=left)
+        self.slot_of.clear()
+        self._resident_in = [0] * self.spec.num_moe_layers
+        E, layers = self.spec.num_experts, self.spec.moe_layers
+        for s, k in self.core.resident():
+            r, e = divmod(k, E)
+            self.slots[s] = Slot(state=READY, key=(layers[r], e))
+            self.slot_of[(layers[r], e)] = s
+            self._resident_in[r] += 1
+        self.core.counters(self.counters)
+        self.time = self.core.time
+        return res
 
     # ---- slots ----------------------------------------------------------------------------------------
     @overload
@@ -594,25 +636,3 @@ class ExpertCache:
 
     def close(self) -> None:
         self.link.drain()
-
-
-def check_capacity(spec: Any, capacity: int, *, per_layer: bool = False) -> None:
-    """Refuse a cache of `capacity` experts below top-k (per layer with `per_layer`) or above all routed experts.
-
-    `moeflow run` calls it for every capacity of a sweep before the first run; the cache calls it again."""
-    C, need = capacity, spec.top_k
-    if per_layer:
-        per = C // spec.num_moe_layers
-        if per < need:
-            raise ConfigError(
-                f"--capacity {C} with --per-layer-cache gives {per} slots per layer, below top-k={need}; "
-                f"use at least {need * spec.num_moe_layers} experts"
-            )
-    elif C < need:
-        raise ConfigError(
-            f"--capacity {C} experts is below top-k={need}, the experts one decode token needs per layer; use at least {need}"
-        )
-    if C > spec.total_experts:
-        raise ConfigError(
-            f"--capacity {C} exceeds the model's {spec.total_experts} routed experts; use at most {spec.total_experts} (100%)"
-        )

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..policies.parse import build_policy, check_capacity_syntax, opts_dict, parse_capacity, parse_opts, policy_args, split_list  # noqa: F401  (their one home)
 
+if TYPE_CHECKING:
+    from ..policies.lossy import Lossy
+
 MODES = ("offload", "resident", "on-demand")
 EXPERTS_IMPLS = ("auto", "batched_mm", "grouped_mm")  # resident's stock experts implementation (auto: measured)
-SPECULATIVE_PREFETCH = ("router-pf", "estimator", "hybrid")  # learned prefetchers whose guess can run (lossy)
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class RunConfig:
     calibration: str | None = None  # calibration JSON; None = calibration/<device>.json
     dtype: str = "auto"
     device: str = "cpu"
-    threads: int | None = None  # torch intra-op threads (None = torch's default)
+    threads: int | None = None  # torch intra-op threads (None: the rule of moeflow.threads)
     out: str | None = None  # JSONL: one line per prompt and run
     json: bool = False
     sweep: bool = False
@@ -57,6 +59,7 @@ class RunConfig:
     speculative: bool = False  # LOSSY: run the predicted experts instead of the router's
     column: str | None = None  # prompt column of a CSV/TSV/JSON prompt file (None: auto)
     force: bool = False  # replace an existing `moeflow run` JSONL at `out`
+    wait: bool = False  # wait for another writer of `out` instead of refusing (moeflow.locks.out_lock)
     batch_size: int = 1  # prompts decoded together (left-padded)
     warmup: bool = True  # one untimed short generation per run before the timed one
     experts_impl: str = "auto"  # resident: auto (fastest of batched_mm / grouped_mm, measured) or a name
@@ -96,9 +99,7 @@ class RunConfig:
             raise ConfigError("give --prompts FILE|NAME or --prompt TEXT")
         self._check_policies()
         self._check_plan()
-        if self.speculative and (
-            set(self.modes) != {"offload"} or any(policy_args(p)[0] not in SPECULATIVE_PREFETCH for p in self.prefetches)
-        ):
+        if self.speculative and (set(self.modes) != {"offload"} or not all(_speculates(p) for p in self.prefetches)):
             raise ConfigError(
                 "--speculative needs --mode offload --prefetch router-pf|estimator|hybrid "
                 "--prefetch-opt predictors=DIR (for every run of a sweep)"
@@ -144,6 +145,33 @@ class RunConfig:
 
         return parse_plan(self.plan, self.plan_opts, self.prefetch_opts)
 
+    def lossy(self, device_type: str, run: dict[str, Any] | None = None) -> Lossy:
+        """Whether a run of this configuration on a `device_type` device can change the model's output: the one
+        answer (`moeflow.policies.lossy.Lossy`: `lossy`, `reasons`) from the built policies, `--speculative` and
+        a restricted `--plan` (whose routing is `plan-restricted`). `run`: one run of `runtime.main.plan_runs`
+        (its mode, eviction, prefetch); None: every run (lossy when any is). Resident and on-demand runs run
+        the router's experts, loaded: exact."""
+        from ..policies import EVICTION, MISS, PREFETCH, ROUTING
+        from ..policies.lossy import EXACT, lossy
+
+        if (run is not None and run.get("mode") != "offload") or "offload" not in self.modes:
+            return EXACT
+        evictions = [run["eviction"]] if run is not None and run.get("eviction") else list(self.evictions)
+        prefetches = [run["prefetch"]] if run is not None and run.get("prefetch") else list(self.prefetches)
+        spec = self.plan_spec()
+        if spec is not None and spec.lossy:
+            routing = ROUTING.create("plan-restricted", renorm=spec.renorm)
+        else:
+            routing = build_policy(ROUTING, self.routing, self.routing_opts)
+        return lossy(
+            device_type=device_type,
+            eviction=[build_policy(EVICTION, t, self.eviction_opts) for t in evictions],
+            prefetch=[build_policy(PREFETCH, t, self.prefetch_opts) for t in prefetches],
+            miss=build_policy(MISS, self.miss, self.miss_opts),
+            routing=routing,
+            speculative=self.speculative,
+        )
+
     def preflight(self) -> None:
         """What depends on this machine and disk, checked before anything loads: the device, `--out`."""
         from pathlib import Path
@@ -163,3 +191,11 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _speculates(prefetch: str) -> bool:
+    """Whether prefetch policy `prefetch` (`name[:k=v,...]`) declares that its predictor can route (`--speculative`)."""
+    from ..policies import PREFETCH
+
+    name = policy_args(prefetch)[0]
+    return name in PREFETCH and PREFETCH[name].speculates

@@ -172,6 +172,8 @@ def generate_batch(
     def observe(st: PassStats) -> None:
         if phases["prefill"] is None:
             phases["prefill"] = st.counters
+            if engine is not None:
+                engine.cache.mark_phase()  # the decode passes begin: their prefetch precision counts their own copies
         else:
             phases["decode"].append(st.counters)
 
@@ -200,6 +202,7 @@ def generate_batch(
 
     if engine is not None:
         engine.observers.append(observe)
+        engine.cache.mark_phase(new_generation=True)
         c0 = engine.cache.counters.copy()
         l0 = (engine.link.busy_s, engine.link.bytes)
     clock = PassClock(model)

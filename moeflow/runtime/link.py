@@ -131,6 +131,7 @@ class Link:
     """Base: counters shared by all links."""
 
     name = "link"
+    instant = False  # True: every copy is complete at submit (the simulator's `InstantLink`)
 
     def __init__(self) -> None:
         self._busy_s = 0.0  # seconds the link spent on completed transfers
@@ -425,8 +426,8 @@ class CudaLink(Link):
         self._account(t)
 
     def _settle(self) -> None:
-        """Account every pending copy whose event has fired (was: only copies someone waited for or
-        queried, so `bytes` missed prefetches that completed unobserved; issue 10)."""
+        """Account every pending copy whose event has fired, waited for or not, so `bytes` includes prefetches
+        that completed unobserved."""
         if self._pending:
             for t in self._pending:
                 if t.event.query():

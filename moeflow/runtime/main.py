@@ -21,6 +21,7 @@ from ..artifacts import atomic_write
 from ..errors import ArtifactError, ConfigError, MoeflowError
 from ..moe import get_adapter
 from ..policies.parse import build_policy, parse_capacity, policy_args
+from .adaptive_s import requested_step_size
 from .config import RunConfig
 from .generate import build_engine, fastest_experts_impl, generate_batch
 from .link import make_link, parse_link
@@ -156,7 +157,7 @@ def encode_prompts(cfg: RunConfig, model: Any, tok: Any, prompts: list[tuple[str
     check_lengths(model, cfg.max_prompt_tokens, 0)
     encoded = []
     for pid, text in prompts:
-        ids = tok(text, return_tensors="pt").input_ids[:, : cfg.max_prompt_tokens]  # [1,P]
+        ids = tok(text, return_tensors="pt", truncation=True, max_length=cfg.max_prompt_tokens).input_ids  # [1,P<=max]
         check_lengths(model, ids.shape[1], cfg.max_new_tokens, what=f"prompt {pid} ({text[:30]!r})")
         encoded.append((pid, text, ids))
     return encoded
@@ -211,8 +212,9 @@ def _run_hooks(cfg: RunConfig, model: Any, spec: Any, engine: Any, cal: dict[str
             )
             st.callback(ctrl.attach(engine))
         if cfg.speculative:
-            pred = getattr(getattr(engine, "prefetcher", None), "pred", None)
-            if pred is None or getattr(pred, "name", "") == "forest":
+            pf = engine.prefetcher if engine is not None else None
+            pred = pf.pred if pf is not None and pf.speculates else None
+            if pred is None:
                 raise ConfigError(
                     "--speculative needs --mode offload --prefetch router-pf|estimator|hybrid --prefetch-opt predictors=DIR"
                 )
@@ -239,6 +241,40 @@ class _SRecorder:
         if self.engine is not None and self.observe in self.engine.observers:
             self.engine.observers.remove(self.observe)
         return self.used[1:]
+
+
+NO_PREFETCH = "no prefetch: S is not used"
+
+
+def use_step_size(engine: Any, requested: int, adaptive: bool) -> dict[str, Any]:
+    """What a run reports about S once its engine is bound (and, with --adaptive-s, its controller attached):
+    `lookahead` = the S its prefetcher uses (None: it prefetches nothing, or S adapts: `lookahead_adaptive`
+    is filled in after the run from `s_history`), `lookahead_requested` and `lookahead_note` when that is not
+    the S asked for. A fixed S is set on the engine as used, so `s_history` holds it."""
+    from .adaptive_s import prefetch_step_size
+
+    pf = getattr(engine, "prefetcher", None)
+    if pf is None or getattr(pf, "name", "none") == "none":
+        return {"lookahead": None, "lookahead_requested": requested, "lookahead_note": NO_PREFETCH}
+    used, why = prefetch_step_size(pf, requested)
+    if adaptive:
+        out: dict[str, Any] = {"lookahead": None, "lookahead_requested": requested, "lookahead_adaptive": None}
+        if why is not None and getattr(pf, "lookahead", None) is not None:
+            out["lookahead_note"] = f"{why}: adaptive S has no effect on it"
+        elif why is not None:
+            out["lookahead_note"] = f"{why}: adaptive S stays in 1..{used}"
+        return out
+    engine.lookahead = used
+    if why is None:
+        return {"lookahead": used}
+    return {"lookahead": used, "lookahead_requested": requested, "lookahead_note": f"{why}: S={requested} runs as S={used}"}
+
+
+def adaptive_summary(s_history: list[int]) -> dict[str, Any] | None:
+    """The range and mean of the step sizes an adaptive-S run's decode passes used (None: no decode pass)."""
+    if not s_history:
+        return None
+    return {"min": min(s_history), "max": max(s_history), "mean": sum(s_history) / len(s_history), "passes": len(s_history)}
 
 
 def _label(run: dict[str, Any], capacity: int | None, total: int, cfg: RunConfig | None = None) -> str:
@@ -274,14 +310,16 @@ def main(cfg: RunConfig, console: Console | None = None) -> list[dict[str, Any]]
     if console is None:
         stream = sys.stderr if cfg.json else sys.stdout
         console = Console(stderr=cfg.json, width=None if stream.isatty() else 160)
+    from ..locks import out_lock
     from ..models import torch_threads
 
-    with torch_threads(cfg.threads):
+    with out_lock(cfg.out, wait=cfg.wait, command="moeflow run", check=cfg.preflight), torch_threads(cfg.threads):
         return _main(cfg, console)
 
 
 def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
     from ..models import load_model
+    from ..threads import apply_threads
 
     device = torch.device(cfg.device)
     prompts = read_prompts(cfg)
@@ -291,12 +329,13 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
     spec = get_adapter(model).spec
     link_spec = resolve_link(cfg, device)
     cal, cal_path = read_calibration(cfg, model, link_spec)
+    threads = apply_threads(cfg.threads, model, cfg.device, calibration=cal)
     if cal is None:
         console.print(
             f"[bold yellow]WARNING: no calibration at {cal_path}: step size S defaults to 1 "
             f"(run `moeflow calibrate` for this device and link).[/]"
         )
-    lookahead = cfg.lookahead or int((cal or {}).get("initial_s") or 1)
+    lookahead, s_source = requested_step_size(cfg.lookahead, cal, spec.num_moe_layers, Path(cfg.model).name)
     runs = plan_runs(cfg)
     caps = check_runs(cfg, model, runs)
     encoded = encode_prompts(cfg, model, tok, prompts)
@@ -309,7 +348,8 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
     eos = tok.eos_token_id if tok.eos_token_id is not None else getattr(model.config, "eos_token_id", None)
     console.print(
         f"[dim]{spec.arch}: {spec.num_moe_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}, "
-        f"{spec.total_experts} routed experts; link {link_spec}; S={lookahead}; {len(prompts)} prompt(s)[/]"
+        f"{spec.total_experts} routed experts; link {link_spec}; S={lookahead} ({s_source}); {len(prompts)} prompt(s); "
+        f"{threads.describe()}[/]"
     )
 
     batches = [encoded[i : i + cfg.batch_size] for i in range(0, len(encoded), cfg.batch_size)]
@@ -337,6 +377,7 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
             for run in runs:
                 capacity = caps.get(run["capacity"]) if run["mode"] == "offload" else None
                 label = _label(run, capacity, spec.total_experts, cfg)
+                lossy_run = cfg.lossy(device.type, run)  # the one lossy answer (moeflow.policies.lossy), as quality's
                 impl = None
                 if run["mode"] == "resident":  # the stock model with its fastest stock experts implementation
                     if resident_impl is None:
@@ -353,6 +394,7 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                             weng if weng is not None else contextlib.nullcontext(),
                             _run_hooks(cfg, model, spec, weng, cal, lookahead),
                         ):
+                            use_step_size(weng, lookahead, cfg.adaptive_s)  # the S the timed run uses
                             wkw = {**gen_kw, "min_new_tokens": min(cfg.min_new_tokens or 0, warm_new) or None}
                             generate_batch(model, [ids for _, _, ids in batches[0]], weng, max_new_tokens=warm_new, **wkw)
                     finally:
@@ -370,10 +412,13 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                         engine if engine is not None else contextlib.nullcontext(),
                         _run_hooks(cfg, model, spec, engine, cal, lookahead),
                     ):
-                        from rich.progress import Progress
+                        s_used = use_step_size(engine, lookahead, cfg.adaptive_s)
+                        if s_used.get("lookahead_note") not in (None, NO_PREFETCH):
+                            console.print(f"[yellow]{label}: {s_used['lookahead_note']}[/]")
+                        from ..progress import progress
 
-                        with Progress(console=console, transient=True, disable=not console.is_terminal) as prog:
-                            task = prog.add_task(label, total=len(encoded))
+                        with progress("run", console=console) as prog:
+                            task = prog.add_task(label, total=len(encoded), unit="prompts")
                             for bi, batch in enumerate(batches):
                                 s_rec = _SRecorder(engine)
                                 sets = planned.begin(engine, [plans[p] for p, _, _ in batch]) if planned else {}
@@ -387,6 +432,7 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                                         **gen_kw,
                                     )
                                 m.experts_impl = impl
+                                m.lossy = lossy_run.lossy
                                 m.s_history = s_rec.done()
                                 if planned is not None:
                                     planned.end(engine)
@@ -429,7 +475,7 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                         link.close()
                 total = RunMetrics.total(per_batch, label=label)
                 total.experts_impl = impl
-                total.lossy = total.lossy or cfg.speculative or bool(planned and planned.spec.lossy)
+                total.lossy = lossy_run.lossy
                 rows.append(total)
                 results.append(
                     {
@@ -437,16 +483,24 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                         **run,
                         "capacity_experts": capacity,
                         "link": link.describe(),
-                        "lookahead": lookahead,
+                        **s_used,
                         "batch_size": cfg.batch_size,
                         "experts_impl": impl,
                         "warmup": cfg.warmup,
                         "metrics": total.to_dict(),
+                        "lossy_reasons": list(lossy_run.reasons),
                         "outputs": outputs,
                     }
                 )
                 if planned is not None:
                     results[-1]["plan"] = planned.summary([plans[pid] for pid, _, _ in encoded])
+                if "lookahead_adaptive" in s_used:
+                    ad = results[-1]["lookahead_adaptive"] = adaptive_summary(total.s_history)
+                    if ad is not None:
+                        console.print(
+                            f"[dim]{label}: adaptive S {ad['min']}..{ad['max']}, mean {ad['mean']:.2f} "
+                            f"over {ad['passes']} decode passes[/]"
+                        )
     finally:
         model.set_experts_implementation("grouped_mm")
     console.print(metrics_table(rows, title=f"moeflow run — {Path(cfg.model).name}, {link_spec}"))
@@ -463,7 +517,12 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
             f"{update['db_size']} entries" + (f", saved to {update['saved']}" if update["saved"] else "")
         )
     if cfg.json:
-        payload: dict[str, Any] = {"model": cfg.model, "calibration": cal_path if cal else None, "runs": results}
+        payload: dict[str, Any] = {
+            "model": cfg.model,
+            "calibration": cal_path if cal else None,
+            **threads.to_dict(),
+            "runs": results,
+        }
         if update is not None:
             payload["plan_update"] = update
         sys.stdout.write(json.dumps(payload, default=str) + "\n")

@@ -9,8 +9,11 @@ Definitions (docs/architecture.md, "Metrics vocabulary"):
 - stall: seconds the compute thread waited for an expert copy; stall share = stall / wall.
 - hit rate: needed experts already in a slot (ready, or a prefetch still in flight: `late`) when the layer
   routed / needed experts; the same definition as the simulator's. Late hits cost stall, not a transfer.
-- prefetch precision: prefetched experts used before eviction / prefetch copies issued.
-- prefetch recall: needed experts that were resident thanks to a prefetch / needed experts.
+- prefetch precision: prefetch copies issued in a window that were used before eviction / prefetch copies
+  issued in it (0..1). The windows are a generation (its prefill and decode) and its decode passes: a copy
+  issued during prefill and first used while decoding counts for the generation, not for the decode passes
+  (`CacheCounters.prefetch_used_prior_phase`, `ExpertCache.mark_phase`).
+- prefetch recall: needed experts that were resident thanks to a prefetch (whenever issued) / needed experts.
 - collision misses: needed experts evicted earlier in the same forward pass.
 - effective bandwidth: bytes moved / busy link seconds.
 """
@@ -81,7 +84,8 @@ class RunMetrics:
 
     @property
     def prefetch_precision(self) -> float | None:
-        return _ratio(self.counters.prefetch_used, self.counters.prefetch_issued)
+        c = self.counters
+        return _ratio(c.prefetch_used - c.prefetch_used_prior_generation, c.prefetch_issued)
 
     @property
     def prefetch_recall(self) -> float | None:
@@ -89,7 +93,8 @@ class RunMetrics:
 
     @property
     def decode_prefetch_precision(self) -> float | None:
-        return _ratio(self.decode_counters.prefetch_used, self.decode_counters.prefetch_issued)
+        c = self.decode_counters
+        return _ratio(c.prefetch_used - c.prefetch_used_prior_phase, c.prefetch_issued)
 
     @property
     def decode_prefetch_recall(self) -> float | None:
@@ -204,21 +209,22 @@ COLUMNS = (
     "dec hit",
     "dec prec",
     "dec recall",
-    "collis.",
-    "xfer/tok",
-    "bytes/tok",
+    "collis. misses",
+    "xfers /tok",
+    "bytes /tok",
     "eff GB/s",
 )
 
 
 def metrics_table(rows: Iterable[RunMetrics], title: str = "moeflow run"):
-    """A rich Table with one row per RunMetrics: hit rate, prefetch precision/recall, transfers and bytes
-    over decode passes (per decode token); stall share over the whole generation; collisions over all passes."""
-    from rich.table import Table
+    """A table with one row per RunMetrics: hit rate, prefetch precision/recall, transfers and bytes over decode
+    passes (per decode token); stall share over the whole generation; collisions over all passes. Readable at
+    80 columns: the columns that do not fit follow in a second table (`moeflow.tables.FitTable`)."""
+    from ..tables import FitTable
 
-    t = Table(title=title, show_lines=False)
+    t = FitTable(title)
     for c in COLUMNS:
-        t.add_column(c, justify="left" if c == "run" else "right", no_wrap=c != "run")
+        t.add_column(c)
     for m in rows:
         t.add_row(
             m.label

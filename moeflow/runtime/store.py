@@ -1,9 +1,7 @@
 """Host expert store: every routed expert's weights in ONE contiguous host buffer, so one copy moves one expert.
 
-For each MoE layer the experts module holds stacked per-expert tensors (`gate_up_proj [E,2I,H]`,
-`down_proj [E,H,I]`, GPT-OSS biases `[E,...]`). `ExpertLayout` fixes where each of them lives inside
-one flat expert row (offsets padded to 64 bytes, so every parameter view is aligned), and
-`HostExpertStore` keeps, per layer, a `[E, row_numel]` host tensor whose row e is expert e.
+`HostExpertStore` keeps, per MoE layer, a `[E, row_numel]` host tensor whose row e is expert e, in the
+flat row layout of `moeflow.moe.layout.ExpertLayout` (every per-expert parameter at a 64-byte aligned offset).
 On a CUDA target the rows are pinned so copies can run asynchronously on a side stream.
 
 `offload(model)` moves the stacked parameters into the store and replaces them on the device by
@@ -19,59 +17,12 @@ device, so the slot buffer and the engine's grouped GEMM stay the same for every
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..errors import ConfigError
 from ..moe.adapters import Adapter
+from ..moe.layout import ALIGN_BYTES, ExpertLayout, ParamSlice  # noqa: F401  (importable from here too)
 from ..quant import FULL, CompactLayout, dequantize_row, quantize_rows
-
-ALIGN_BYTES = 64
-
-
-@dataclass(frozen=True)
-class ParamSlice:
-    name: str  # attribute on the experts module, e.g. "gate_up_proj"
-    shape: tuple[int, ...]  # one expert's shape, e.g. (2I, H)
-    offset: int  # start inside the expert row, in elements
-    numel: int
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """Where each per-expert parameter sits inside one flat expert row (same for every MoE layer)."""
-
-    params: tuple[ParamSlice, ...]
-    row_numel: int  # padded row length, in elements
-    dtype: torch.dtype
-
-    @property
-    def row_bytes(self) -> int:
-        return self.row_numel * torch.empty((), dtype=self.dtype).element_size()
-
-    def views(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-parameter views `[N, *shape]` of a `[N, row_numel]` tensor (no copy)."""
-        out = {}
-        for p in self.params:
-            out[p.name] = rows[:, p.offset : p.offset + p.numel].unflatten(1, p.shape)
-        return out
-
-    @classmethod
-    def of(cls, stacked: dict[str, torch.Tensor]) -> ExpertLayout:
-        dtypes = {t.dtype for t in stacked.values()}
-        if len(dtypes) != 1:
-            raise ConfigError(f"experts mix dtypes {sorted(map(str, dtypes))}; load the model with one --dtype")
-        dtype = dtypes.pop()
-        esize = torch.empty((), dtype=dtype).element_size()
-        step = max(1, ALIGN_BYTES // esize)
-        params, off = [], 0
-        for name, t in stacked.items():
-            shape = tuple(t.shape[1:])
-            n = int(t[0].numel())
-            params.append(ParamSlice(name, shape, off, n))
-            off += -(-n // step) * step
-        return cls(tuple(params), off, dtype)
 
 
 def _pin(t: torch.Tensor) -> torch.Tensor:

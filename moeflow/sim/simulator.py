@@ -37,8 +37,9 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..policies import EVICTION, MISS, PREFETCH, ExpertKey, LayerContext, Position
+from ..policies import EVICTION, MISS, PREFETCH, EvictionPolicy, ExpertKey, LayerContext, Position
 from ..policies.base import Candidates
+from ..policies.miss import Fetch
 from ..runtime.cache import CacheCounters, ExpertCache, needed_experts, wave_capacity
 from .access import AccessTrace
 from .link import make_sim_link
@@ -58,6 +59,7 @@ class SimStats:
     demand_loads: int = 0
     prefetch_loads: int = 0  # CacheCounters.prefetch_issued
     prefetch_used: int = 0  # prefetched experts accessed before their eviction
+    prefetch_used_prior: int = 0  # of those, issued before their generation (phase, with `count_phase`) began
     prefetch_hits: int = 0  # hits on a prefetched expert not used before (= prefetch_used with the shared cache)
     proposed_accesses: int = 0  # accesses whose expert the prefetcher proposed earlier in the pass
     proposals: int = 0
@@ -92,7 +94,7 @@ class SimStats:
 
     @property
     def prefetch_precision(self) -> float:
-        return self.prefetch_used / self.prefetch_loads if self.prefetch_loads else 0.0
+        return (self.prefetch_used - self.prefetch_used_prior) / self.prefetch_loads if self.prefetch_loads else 0.0
 
     @property
     def prefetch_recall(self) -> float:
@@ -176,7 +178,7 @@ def _needed(idx: np.ndarray, w: np.ndarray) -> tuple[list[int], dict[int, float]
 # ---- Belady's MIN ------------------------------------------------------------------------------------------
 
 
-class Belady:
+class Belady(EvictionPolicy):
     """MIN: the victim is the candidate whose next use (layer step) is farthest away (never = after the end);
     ties go to the larger key. Built from the access trace it will be replayed on (every pass, in the
     simulator's order); it counts layer steps from `on_layer_start`. Next uses are precomputed with numpy
@@ -288,7 +290,7 @@ def _resolve(registry, spec: Any, what: str) -> tuple[Any, str]:
         name, opts = spec
         label = name + ("(" + ",".join(f"{k}={v}" for k, v in opts.items()) + ")" if opts else "")
         return registry.create(name, **opts), label
-    return spec, getattr(spec, "label", None) or str(getattr(spec, "name", what))  # policies have a str `name`
+    return spec, str(spec.name)
 
 
 def simulate(
@@ -313,13 +315,13 @@ def simulate(
     ev, ev_name = (eviction, "belady") if isinstance(eviction, Belady) else _resolve(EVICTION, eviction, "eviction")
     pf, pf_name = _resolve(PREFETCH, prefetch, "prefetch")
     ms, _ = _resolve(MISS, miss, "miss")
-    if type(ms).__name__ == "Fetch" and getattr(ms, "name", None) == "fetch":
+    if type(ms) is Fetch:
         ms = None  # the built-in exact policy: stateless, always 'fetch' (what the cache does without one)
-    prefetching = getattr(pf, "name", pf_name) != "none"
+    prefetching = pf.proposes
     comp = _compile(acc)
     spec = _Spec(tuple(acc.moe_layers), acc.num_experts, acc.top_k, int(acc.expert_bytes or 1))
     lk = make_sim_link(link)
-    gate = getattr(pf, "gate", None) if prefetching else None  # the prefetch policy's admission (PrefetchGate)
+    gate = pf.gate if prefetching else None  # the prefetch policy's admission (PrefetchGate)
     cache = ExpertCache(None, capacity, link=lk, eviction=ev, per_layer=per_layer, spec=spec, gate=gate)
     wcap = wave_capacity(cache.part_capacity, cache.expert_bytes)
     st = SimStats(capacity=capacity, eviction=ev_name, prefetch=pf_name, link=lk.describe())
@@ -334,6 +336,8 @@ def simulate(
     proposed: set[ExpertKey] = set()
     t0 = time.perf_counter()
     for pass_id, (phase, tokens, steps) in enumerate(comp.passes):
+        if phase == 0 or phase != seg_phase:  # as `generate_batch`: a prefill begins a generation, decode a phase
+            cache.mark_phase(new_generation=phase == 0)
         if phase != seg_phase:
             if seg_phase is not None:
                 phase_sums[seg_phase] = phase_sums.get(seg_phase, CacheCounters()) + (c - seg0)
@@ -394,6 +398,7 @@ def simulate(
     h = c if count_phase is None else phase_sums.get(count_phase, CacheCounters())
     st.accesses, st.hits, st.misses, st.collisions = h.accesses, h.hits, h.misses, h.collision_misses
     st.demand_loads, st.prefetch_loads, st.prefetch_used = h.demand_loads, h.prefetch_issued, h.prefetch_used
+    st.prefetch_used_prior = h.prefetch_used_prior_generation if count_phase is None else h.prefetch_used_prior_phase
     st.prefetch_hits, st.evictions, st.late, st.stall_s = h.prefetch_used, h.evictions, h.late, h.stall_s
     st.max_resident = cache.num_resident()  # residency never shrinks with retained slots
     st.hits_per_layer = {l: hits_l[r] for r, l in enumerate(moe) if acc_l[r]}

@@ -29,8 +29,9 @@ class TraceConfig:
     dtype: str = "auto"
     device: str = "cpu"
     shard_size: int | None = None  # token records per Arrow shard (None: about 256 MiB); closes at a prompt boundary
-    threads: int | None = None  # torch intra-op threads (None: torch's default)
+    threads: int | None = None  # torch intra-op threads (None: the rule of moeflow.threads)
     progress: bool = True
+    wait: bool = False  # wait for another writer of `out` instead of refusing (moeflow.locks.out_lock)
 
     def __post_init__(self) -> None:
         if not self.prompts or not self.out:

@@ -282,11 +282,9 @@ class Trace:
 
     def check_model(self, model: Any) -> None:
         """Raise ArtifactError if `model` is not the model this trace was recorded with."""
+        from ..artifacts import another_model
         from ..moe import model_fingerprint
 
         fp = model_fingerprint(model)
         if fp != self.fingerprint:
-            raise ArtifactError(
-                f"trace at {self.path} is a trace of another model (fingerprint {self.fingerprint}, "
-                f"this model is {fp}); re-run `moeflow trace` with this --model"
-            )
+            raise another_model(f"trace at {self.path}", self.meta, fp, "re-run `moeflow trace` with this --model")

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..artifacts import META, check_out
+from ..artifacts import META, check_out, check_writable
 from ..data import Prompt, load_prompts
 from ..data.prompts import resolve_source
 from ..errors import MoeflowError
@@ -26,9 +26,11 @@ from .writer import RoutingRecorder, TraceWriter, generation_kwargs, trace_one
 
 
 def _progress(console: Any, enabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    return Progress(
+    from ..progress import progress
+
+    columns = (
         TextColumn("[bold]tracing"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -37,10 +39,8 @@ def _progress(console: Any, enabled: bool):
         TimeElapsedColumn(),
         TextColumn("eta"),
         TimeRemainingColumn(),
-        console=console,
-        disable=not enabled,
-        transient=False,
     )
+    return progress("trace", enabled=enabled, console=console, columns=columns, transient=False)
 
 
 def prompt_seed(seed: int, prompt_id: str) -> int:
@@ -104,6 +104,7 @@ def run_trace(
         limit=cfg.limit,
         column=cfg.column,
         hidden_dtype=cfg.hidden_dtype,
+        model=cfg.model,
     )
     tokens, gen_tokens, t0 = 0, 0, time.perf_counter()
     with sigterm_interrupts(), writer, _progress(console, cfg.progress and console is not None) as bar:
@@ -115,7 +116,7 @@ def run_trace(
         todo = [p for p in prompts if not writer.has(p.id)]
         skipped = len(prompts) - len(todo)
         encoded = encode_prompts(tokenizer, todo, cfg, model)
-        task = bar.add_task("trace", total=len(todo), tokens=0, tps=0.0)
+        task = bar.add_task("trace", total=len(todo), unit="prompts", tokens=0, tps=0.0)
         for p, ids in zip(todo, encoded, strict=True):
             if ids.shape[1] == 0:
                 bar.advance(task)
@@ -145,9 +146,11 @@ def run_trace(
 def check_trace_out(cfg: TraceConfig) -> None:
     """Refuse, before any work, an --out that is, contains or is inside the model or the prompt file, or
     that holds anything but a trace (`artifacts.check_out`; a trace is appended to). A folder holding only
-    what a killed first run left (shards, no meta.json) is left to the writer, which reuses it."""
+    what a killed first run left (shards, no meta.json) is left to the writer, which reuses it (once it is
+    known to be writable)."""
     out = Path(cfg.out)
     if out.is_dir() and not (out / META).exists() and all(p.name.startswith((".", "shard-")) for p in out.iterdir()):
+        check_writable(out, inside=True)
         return
     src = resolve_source(cfg.prompts, cfg.data_dir, cfg.split)
     check_out(out, kind=KIND, inputs=(cfg.model, src), reuse=True)
@@ -157,23 +160,29 @@ def main(cfg: TraceConfig, console: Any = None, json_out: bool = False) -> dict[
     """Load `cfg.model` and `cfg.prompts`, trace, print a result line (or JSON)."""
     from rich.console import Console
 
+    from ..locks import out_lock
     from ..models import load_model, torch_threads
+    from ..threads import apply_threads
 
     console = console or Console(stderr=True)
     cfg.preflight()
     check_trace_out(cfg)
-    prompts = load_prompts(cfg.prompts, data_dir=cfg.data_dir, limit=cfg.limit, split=cfg.split, column=cfg.column)
-    with torch_threads(cfg.threads):
+    with (
+        out_lock(cfg.out, wait=cfg.wait, command="moeflow trace", check=lambda: check_trace_out(cfg)),
+        torch_threads(cfg.threads),
+    ):
+        prompts = load_prompts(cfg.prompts, data_dir=cfg.data_dir, limit=cfg.limit, split=cfg.split, column=cfg.column)
         model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
         if tok is None:
             raise MoeflowError(f"{cfg.model} has no tokenizer (tokenizer.json); save one beside the checkpoint")
-        res = run_trace(model, tok, prompts, cfg, console)
+        threads = apply_threads(cfg.threads, model, cfg.device)
+        res = {**run_trace(model, tok, prompts, cfg, console), **threads.to_dict()}
     if json_out:
         print(json.dumps(res))
     else:
         console.print(
             f"traced {res['prompts_added']} prompts ({res['prompts_skipped']} already in the trace), "
             f"{res['tokens_added']} tokens at {res['tokens_per_s']} tok/s -> {res['out']} "
-            f"({res['trace_prompts']} prompts, {res['trace_tokens']} tokens in all)"
+            f"({res['trace_prompts']} prompts, {res['trace_tokens']} tokens in all); {threads.describe()}"
         )
     return res

@@ -123,24 +123,23 @@ def trace_summary(trace: Any, phase: str | None = None) -> dict[str, Any]:
 
 def render_summary(summary: dict[str, Any], console: Any) -> None:
     """A rich table of `trace_summary(...)`."""
-    from rich.table import Table
+    from ..tables import FitTable
 
     s = summary
     title = (
         f"{s['path']}: {s['arch']}, {s['prompts']} prompts, {s['tokens']} tokens ({s['phase']}; "
         f"prefill {s['prefill_tokens']}, decode {s['decode_tokens']}), {s['num_experts']} experts top-{s['top_k']}"
     )
-    t = Table(
-        title=title,
-        title_justify="left",
-        caption="dead: experts under 1% of mean load; skew: max/mean load (MoE-GPS); H router: mean per-token "
-        "router entropy / log E; H load: entropy of the load / log E",
-        caption_justify="left",
+    t = FitTable(
+        title,
+        caption="dead: experts under 1% of mean load (the first 8 named); skew: max/mean load (MoE-GPS); H router: "
+        "mean per-token router entropy / log E; H load: entropy of the load / log E",
     )
     for name in ("layer", "tokens", "dead", "skew", "H router", "H load", "busiest"):
         t.add_column(name, justify="left" if name == "dead" else "right")
     for L in s["layers"]:
-        dead = f"{len(L['dead'])}" + (f"  {L['dead'][:8]}{'…' if len(L['dead']) > 8 else ''}" if L["dead"] else "")
+        more = f" +{len(L['dead']) - 8}" if len(L["dead"]) > 8 else ""
+        dead = f"{len(L['dead'])}" + (f": {' '.join(map(str, L['dead'][:8]))}{more}" if L["dead"] else "")
         busiest = int(np.argmax(L["counts"])) if L["assignments"] else "-"
         t.add_row(
             str(L["layer"]),

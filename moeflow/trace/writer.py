@@ -298,9 +298,11 @@ class TraceWriter:
         limit: int | None = None,
         column: str | None = None,
         hidden_dtype: str = "float16",
+        model: str | None = None,
     ):
         self.out = Path(out)
         self.hidden_dtype = hidden_dtype
+        self.model = model  # the --model path, recorded in a new trace's meta (named in wrong-model messages)
         self.shard_size = shard_size or auto_shard_size(spec, record_hidden)
         self._args = (fingerprint, spec, record_hidden, generation)
         self.meta: dict[str, Any] = {}
@@ -364,6 +366,7 @@ class TraceWriter:
             generation=generation,
             record_hidden=record_hidden,
             hidden_dtype=self.hidden_dtype,
+            **({"model": str(self.model)} if self.model else {}),
             num_tokens=0,
             prompt_ids=[],
             shards=[],

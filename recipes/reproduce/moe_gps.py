@@ -27,7 +27,7 @@ INTRO = (
     "MoE-GPS simulates one MoE layer's prefill on 4 A100s (tensor-parallel attention, expert-parallel FFN) and compares "
     "no prediction, Distribution-Only Prediction (offline MLE of each expert's share, used to duplicate hot experts; no "
     "run-time overhead) and Token-to-Expert Prediction (per-token routing prediction that also saves the dispatch, at a "
-    "predictor cost that grows with accuracy); it finds Distribution-Only best at low skewness and on fast links (23% faster "
+    "predictor cost that grows with accuracy); it finds Distribution-Only best at low skewness and on fast links (faster "
     "than Token-to-Expert's best on Mixtral 8x7B / MMLU over NVLink) and Token-to-Expert only at high skewness on slow links. "
     "Here `moeflow gps` runs the same analytic comparison with the paper's hardware and layer shape, driven by the routing "
     "that our small model (its experts and top-k, not Mixtral's 8 / top-2) produces on MMLU, Alpaca and SST2; the skewness "
@@ -39,6 +39,8 @@ INTRO = (
 DATASETS = ("mmlu", "alpaca", "sst2")
 NAMES = {"mmlu": "MMLU", "alpaca": "Alpaca Eval", "sst2": "SST2"}
 PAPER_SKEW = {"mmlu": 1.388, "alpaca": 1.402, "sst2": 1.990}
+# Sec. 4, on Fig. 2 (NVLink): "For skewness = 1.4 (MMLU-like), it achieves 23% speedup than Token-to-Expert's optimal setting"
+PAPER_FIG2 = {"skewness": 1.4, "speedup_pct": 23}
 STRATEGIES = ("none", "distribution", "token_to_expert")
 LABELS = {"none": "no prediction", "distribution": "distribution-only", "token_to_expert": "token-to-expert (best acc.)"}
 # Fig. 3's systems: the paper's two interconnects, and one slower link to show where the balance tips. The names are
@@ -46,6 +48,11 @@ LABELS = {"none": "no prediction", "distribution": "distribution-only", "token_t
 # from its JSON (`system.link.name`).
 SYSTEMS = (("nvlink", ["--interconnect", "nvlink"]), ("pcie", ["--interconnect", "pcie"]), ("8gbps", ["--link-gbps", 8]))
 SYSTEM_NAMES = {"nvlink": "NVLink 3.0", "pcie": "PCIe", "8gbps": "8 GB/s link"}
+
+
+def _paper_fig2(system: str) -> tuple[float | None, float | None]:
+    """The paper's (skewness, speedup %) cells of the Fig. 2 headline: printed for NVLink only."""
+    return (PAPER_FIG2["skewness"], PAPER_FIG2["speedup_pct"]) if system == "nvlink" else (None, None)
 
 
 def _pct(x: float | None) -> float | None:
@@ -71,8 +78,8 @@ def _traces(r: Recipe) -> dict[str, Path]:
     return out
 
 
-def _skew_table(r: Recipe, traces: dict[str, Path], gps: dict[str, Any]) -> None:
-    """Sec. 3's numbers: batch-wise skewness (seq 512) per dataset, and the distribution-only error rate."""
+def _skew_steps(r: Recipe, traces: dict[str, Path]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Steps of Sec. 3's table: `moeflow inspect` per trace and `moeflow train --only gps` per dataset."""
     insp, fits = {}, {}
     for ds, tr in traces.items():
         insp[ds] = r.moeflow(f"inspect-{ds}", "inspect", tr, "--phase", "prefill")
@@ -80,6 +87,11 @@ def _skew_table(r: Recipe, traces: dict[str, Path], gps: dict[str, Any]) -> None
         pred = r.scratch / f"gps-predictors-{ds}"
         args = ["train", "--only", "gps", "--trace", traces[ds], "--out", pred, "--force", "--threads", r.threads]
         fits[ds] = r.moeflow(f"train-gps-{ds}", *args)
+    return insp, fits
+
+
+def _skew_table(r: Recipe, traces: dict[str, Path], gps: dict[str, Any], insp: dict[str, Any], fits: dict[str, Any]) -> None:
+    """Sec. 3's numbers: batch-wise skewness (seq 512) per dataset, and the distribution-only error rate."""
     t = r.table(
         "skewness",
         "Sec. 3: average batch-wise skewness (seq. length 512) and Distribution-Only error rate |p̂ − p| / (1/E), layer-averaged",
@@ -257,8 +269,9 @@ def _fig2(r: Recipe, by_system: dict[str, Any]) -> None:
         )
         if name == "nvlink":
             t.note(
-                "Paper (Sec. 4 text on Fig. 2, NVLink): Distribution-Only generally beats Token-to-Expert; at skewness 1.4 "
-                "(MMLU-like) it is 23% faster than Token-to-Expert's best setting; Token-to-Expert saves more only when "
+                "Paper (Sec. 4 text on Fig. 2, NVLink): Distribution-Only generally beats Token-to-Expert; at skewness "
+                f"{PAPER_FIG2['skewness']} (MMLU-like) it is {PAPER_FIG2['speedup_pct']}% faster than Token-to-Expert's best "
+                "setting; Token-to-Expert saves more only when "
                 "skew is high or communication is a bottleneck."
             )
         else:
@@ -274,7 +287,8 @@ def _fig2_headline(r: Recipe, by_system: dict[str, Any]) -> None:
     """The one number the paper prints for Fig. 2: distribution-only's speedup over token-to-expert's best at skew 1.4."""
     t = r.table(
         "fig2-headline",
-        "Fig. 2 (text): Distribution-Only speedup over Token-to-Expert's best setting at the lowest skewness (paper: 1.4, MMLU)",
+        "Fig. 2 (text): Distribution-Only speedup over Token-to-Expert's best setting at the lowest skewness "
+        f"(paper: {PAPER_FIG2['skewness']}, MMLU)",
         ["ours: skewness", "ours: speedup (%)", "paper: skewness", "paper: speedup (%)"],
         label="interconnect",
         source=[f"gps-mmlu-{n}" for n, _ in SYSTEMS[:2]],
@@ -282,12 +296,12 @@ def _fig2_headline(r: Recipe, by_system: dict[str, Any]) -> None:
     for name, _ in SYSTEMS[:2]:
         pts = _points(by_system.get(name))
         if not pts:
-            t.row(SYSTEM_NAMES[name], None, None, 1.4 if name == "nvlink" else None, 23.0 if name == "nvlink" else None)
+            t.row(SYSTEM_NAMES[name], None, None, *_paper_fig2(name))
             continue
         skew, _, p = pts[0]
         s = p["strategies"]
         speedup = 100.0 * (s["token_to_expert"]["total"] / s["distribution"]["total"] - 1.0)
-        t.row(SYSTEM_NAMES[name], skew, speedup, 1.4 if name == "nvlink" else None, 23.0 if name == "nvlink" else None)
+        t.row(SYSTEM_NAMES[name], skew, speedup, *_paper_fig2(name))
         if name == "nvlink":
             side = "faster" if speedup > 0 else "slower"
             sysd, E, k = by_system[name]["system"], by_system[name]["num_experts"], by_system[name]["top_k"]
@@ -296,7 +310,8 @@ def _fig2_headline(r: Recipe, by_system: dict[str, Any]) -> None:
             bound = "below" if per_expert < ridge else "above"
             t.note(
                 f"NVLink: at skewness {skew:.2f} (the lowest point of our sweep) distribution-only is {abs(speedup):.1f}% "
-                f"{side} than token-to-expert's best (paper: 23% faster at 1.4). Token-to-expert's overhead here is the "
+                f"{side} than token-to-expert's best (paper: {PAPER_FIG2['speedup_pct']}% faster at {PAPER_FIG2['skewness']}). "
+                "Token-to-expert's overhead here is the "
                 f"simulator's overhead curve ({by_system[name]['overhead_curve']['source']}), not the paper's predictors "
                 f"measured on an A100; and with our routing ({k} of {E} experts) the average expert gets {per_expert:.0f} "
                 f"tokens per 512-token batch, {bound} the A100 roofline ridge ({ridge:.0f} tokens), which decides how much "
@@ -407,12 +422,12 @@ def _fig3(r: Recipe, by_system: dict[str, Any]) -> None:
         )
 
 
-def _ep(r: Recipe) -> None:
-    """Simulator ranking vs measured expert parallelism (gloo CPU processes)."""
+def _ep_step(r: Recipe) -> Any:
+    """`benchmarks/gps_vs_ep.py`: the simulator's placements run under `moeflow ep` (gloo CPU processes)."""
     out = r.scratch / "gps_vs_ep"
     n, held = r.pick(24, 48), r.pick(8, 12)
     trace = r.scratch / f"trace-olmoe-mini-alpaca-{n}"
-    data = r.python(
+    return r.python(
         "gps-vs-ep",
         "benchmarks/gps_vs_ep.py",
         "--trace",
@@ -426,6 +441,10 @@ def _ep(r: Recipe) -> None:
         "--out",
         out,
     )
+
+
+def _ep(r: Recipe, data: Any) -> None:
+    """Simulator ranking vs measured expert parallelism (gloo CPU processes)."""
     t = r.table(
         "ep",
         "Simulator vs measured expert parallelism (not in the paper): ms per MoE layer (FFN + dispatch + combine), "
@@ -476,9 +495,13 @@ def _ep(r: Recipe) -> None:
 
 
 def main(r: Recipe) -> None:
+    # steps: the commands, in order
     traces = _traces(r)
     by_system, by_dataset = _gps_runs(r, traces)
-    _skew_table(r, traces, by_dataset)
+    insp, fits = _skew_steps(r, traces)
+    ep = _ep_step(r)
+    # tables and figures, from the steps' JSON
+    _skew_table(r, traces, by_dataset, insp, fits)
     _fig2(r, by_system)
     _fig3(r, by_system)
-    _ep(r)
+    _ep(r, ep)

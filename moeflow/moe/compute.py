@@ -1,0 +1,120 @@
+"""Routed-expert compute: the one implementation the offload engine and expert-parallel execution share.
+
+transformers' `grouped_mm` experts forward, in three steps so a caller
+can put the routed rows wherever its experts' weights live (device slots, the host store, a rank's shard):
+
+1. `sort_routing(top_k_index [T,k])` -> (expert ids [S], perm [S]): the S = T*k (token, expert) rows sorted
+   by expert id with `torch.sort`, exactly as `grouped_mm` sorts them; row i is token `perm[i] // k`.
+2. `grouped_experts(module, x [N,H], expert_ids [N], weights, rows [N], groups)` -> [N,H]: up/gate projection,
+   gate or activation, down projection, biases per row, post-expert norm, with ONE group per distinct
+   expert of `expert_ids` (the routed experts only: never all E, never all slots); each group's weights are
+   gathered (`index_select`) from `weights` (per-parameter stacks `[R, ...]`) at the group's `rows` entry.
+   The kernel is transformers' grouped linear, through the version-checked shim `moeflow.moe.tx_compat`.
+3. `combine(out [n,H], positions [n], weights [S], tokens, k, dtype)` -> [tokens,H]: each row times its gate
+   weight, put back in (token, slot) order and summed over the k slots of each token, as `grouped_mm` does.
+
+`routed_experts_forward(hidden, top_k_index, top_k_weights, compute)` chains the three in one process.
+Each group holds exactly the rows, in exactly the order, it has in the stock call, so every caller is
+bit-identical to `grouped_mm`. No host synchronization and no tensor built from a Python list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from . import tx_compat
+
+
+class Aranges:
+    """`torch.arange(n)` per size and device, made once (no allocation per call on the decode path)."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def __call__(self, n: int, device: torch.device) -> torch.Tensor:
+        a = self._made.get((n, device))
+        if a is None:
+            a = self._made[(n, device)] = torch.arange(n, device=device)
+        return a
+
+
+def sort_routing(top_k_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids [S] ascending, perm [S]) of the routing [T,k] flattened to S = T*k rows, as `grouped_mm`."""
+    return torch.sort(top_k_index.reshape(-1))
+
+
+def grouped_experts(
+    module: Any,
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: Mapping[str, torch.Tensor],
+    rows: torch.Tensor,
+    groups: int,
+    arange: Callable[[int, torch.device], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The experts of `module` over `x [N,H]`, rows sorted by expert id `expert_ids [N]`; -> [N,H].
+
+    `weights`: name -> `[R, ...]` stacked per-expert parameters (the experts module's names: `gate_up_proj` or
+    `up_proj`, `down_proj`, their `_bias`); `rows [N]`: the entry of `weights` holding each row's expert (a
+    slot, a host row, a shard index); `groups` >= the number of distinct experts in `expert_ids` (extra
+    groups are empty). `module` gives the flags and the activation (`has_gate`, `has_bias`,
+    `is_transposed`, `_apply_gate` / `act_fn`, `has_post_expert_norm`, `post_expert_norm`).
+    """
+    N = expert_ids.numel()
+    if N == 0 or groups == 0:
+        return x.new_zeros(N, x.shape[-1])
+    dev = expert_ids.device
+    gid = torch.zeros(N, dtype=torch.long, device=dev)  # [N] group of each row
+    torch.cumsum(expert_ids[1:] != expert_ids[:-1], 0, out=gid[1:])
+    steps = arange(groups, dev) if arange is not None else torch.arange(groups, device=dev)  # [G]
+    offsets = torch.searchsorted(gid, steps, right=True, out_int32=True)  # [G] end row of each group
+    entry_g = torch.zeros(groups, dtype=torch.long, device=dev).scatter_(0, gid, rows)  # [G] weights entry per group
+    up = "gate_up_proj" if module.has_gate else "up_proj"
+    bias = weights[up + "_bias"][rows] if module.has_bias else None  # [N, 2I] or [N, I]
+    proj = tx_compat.grouped_linear(
+        x, weights[up].index_select(0, entry_g), offsets, bias=bias, is_transposed=module.is_transposed
+    )  # [N, 2I] or [N, I]
+    proj = module._apply_gate(proj) if module.has_gate else module.act_fn(proj)  # [N, I]
+    bias = weights["down_proj_bias"][rows] if module.has_bias else None  # [N, H]
+    proj = tx_compat.grouped_linear(
+        proj, weights["down_proj"].index_select(0, entry_g), offsets, bias=bias, is_transposed=module.is_transposed
+    )  # [N, H]
+    if module.has_post_expert_norm:
+        proj = module.post_expert_norm(proj)
+    return proj
+
+
+def combine(
+    out: torch.Tensor,
+    positions: torch.Tensor,
+    weights: torch.Tensor,
+    tokens: int,
+    k: int,
+    dtype: torch.dtype,
+    first_token: int = 0,
+) -> torch.Tensor:
+    """Weighted sum over each token's k experts, as `grouped_mm`: `out [n,H]` rows at flat (token*k + slot)
+    `positions [n]`, gate `weights [S]` (the whole call's, flat); every slot of tokens
+    `first_token .. first_token + tokens - 1` must be among `positions`. -> [tokens,H] in `dtype`."""
+    weighted = out * weights[positions].unsqueeze(-1)  # [n,H] (promoted dtype, as stock)
+    flat = torch.empty(tokens * k, out.shape[-1], dtype=weighted.dtype, device=out.device)  # [tokens*k, H]
+    flat[positions - first_token * k] = weighted  # (token, slot) order
+    return flat.view(tokens, k, out.shape[-1]).sum(dim=1).to(dtype)  # [tokens,H]
+
+
+def routed_experts_forward(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """One experts call in one process: sort, `compute(x [S,H], expert_ids [S]) -> [S,H]` over the sorted rows
+    (the caller's `grouped_experts` over wherever its experts live), combine. hidden [T,H] -> [T,H]."""
+    T = hidden.shape[0]
+    k = top_k_index.size(-1)
+    expert_ids, perm = sort_routing(top_k_index)  # [S], [S]
+    out = compute(hidden[perm // k], expert_ids)  # [S,H] sorted order
+    return combine(out, perm, top_k_weights.reshape(-1), T, k, hidden.dtype)

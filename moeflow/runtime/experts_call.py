@@ -1,0 +1,198 @@
+"""The offload engine's experts call: the routed experts computed from the device slots (and the host store).
+
+`ExpertsCall.forward(module, layer, hidden [T,H], top_k_index [T,k], top_k_weights [T,k])` is what
+transformers' experts interface calls under the `moeflow` implementation (through `OffloadEngine`):
+1. the routing the router hook left (`RouteStep.take`): the experts and their pinned slots (one wave), or
+   the experts to demand in waves (a prefill needing more experts than a wave holds: `cache.plan_waves`,
+   resident experts first), or nothing (deferred: every expert of the layer resident and ready);
+2. `moeflow.moe.compute.routed_experts_forward`: the stock sort; then per wave the wait for its own slots
+   only (`cache.wait` / `demand_wave`, booked as non-compute time), `grouped_experts` over the rows of the
+   wave with each expert's weights gathered from its slot through the cache's device table
+   (`table[expert_ids]`: no tensor from a Python list), `release`; the stock weighted combine.
+Order inside one pinned wave: with `hit-first` the ready experts' rows first, then (cpu misses) the host
+experts, then the wait for the slots still loading; `cpu` experts (`_host_rows`) run the same grouped
+kernels over the host store's rows (activations move, weights never do). Every path writes its rows into
+one `[S,H]` buffer before the single combine, so the result is bit-identical to `grouped_mm` (rows are
+independent; each group holds the stock call's rows in the stock order).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..moe.compute import Aranges, grouped_experts, routed_experts_forward
+from ..policies.base import MissPolicy
+from .cache import ExpertCache
+from .passstats import EngineCounts, PassAccount
+from .step import RouteStep
+from .store import HostExpertStore
+
+Wave = tuple[list[int] | None, Any]  # (experts, their pinned slots | their scores to demand | None: deferred)
+
+
+class ExpertsCall:
+    """The experts call of every MoE layer of one attached engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        step: RouteStep,
+        cache: ExpertCache,
+        store: HostExpertStore,
+        miss: MissPolicy | None,
+        hit_first: bool,
+        account: PassAccount,
+        counts: EngineCounts,
+    ):
+        self.step, self.cache, self.store, self.miss = step, cache, store, miss
+        self.spec = store.spec
+        self.hit_first = hit_first  # compute resident experts before waiting (`RoutingPolicy.hit_first`)
+        self.account, self.counts = account, counts
+        self._aranges = Aranges()
+
+    def forward(
+        self, module: nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The layer's routed experts: hidden [T,H] -> [T,H], bit-identical to transformers' `grouped_mm`."""
+        routed = self.step.take(layer, top_k_index, top_k_weights)
+        waves: list[Wave]
+        if routed.experts is None:  # deferred: all resident, ready
+            waves, groups = [(None, None)], min(top_k_index.numel(), self.spec.num_experts)
+        elif routed.slots is not None:
+            waves, groups = [(routed.experts, routed.slots)], len(routed.experts)
+        else:  # prefill beyond one wave: demanded wave by wave
+            scores = routed.scores
+            plan = self.cache.plan_waves(layer, routed.experts, self.step.wave_cap)
+            waves, groups = [(w, scores) for w in plan], len(routed.experts)
+        cache = self.cache
+        if cache.table is None:  # unreachable: an engine's cache has a store, hence a device table
+            raise RuntimeError("the expert cache has no device slot table")
+        table = cache.table[cache.rank[layer]]  # [E] slot of each expert, -1
+
+        def sorted_rows(x_g: torch.Tensor, eg: torch.Tensor) -> torch.Tensor:
+            return self._compute(module, layer, x_g, eg, table, waves, groups, routed.cpu)
+
+        return routed_experts_forward(hidden, top_k_index, top_k_weights, sorted_rows)
+
+    def _compute(
+        self,
+        module: nn.Module,
+        layer: int,
+        x_g: torch.Tensor,
+        eg: torch.Tensor,
+        table: torch.Tensor,
+        waves: list[Wave],
+        groups: int,
+        cpu: list[int] | None,
+    ) -> torch.Tensor:
+        """Every sorted row `x_g [S,H]` (experts `eg [S]`, ascending) through its expert -> [S,H].
+
+        `waves`: `[(experts, slots)]` pinned by the router hook, `[(experts, scores)]` demanded one wave at a
+        time, or `[(None, None)]` (deferred). `cpu`: experts without a slot the miss policy runs on the host."""
+        cache = self.cache
+        S = eg.numel()
+        out_g: torch.Tensor | None = None
+        split = None
+        if len(waves) == 1 and waves[0][0] is not None and (cpu or self.hit_first):
+            split = self._split_wave(layer, waves[0][0], waves[0][1], cpu)
+        if split is not None:  # parts of one pinned wave, ready ones first under hit-first
+            for i, (part_experts, part_slots) in enumerate(split):
+                self._demand_wave(layer, part_experts, part_slots)  # waits for this part's slots only
+                if part_experts:
+                    rows, eg_w = self._rows(part_experts, eg)
+                    proj = self._grouped(module, x_g[rows], eg_w, table[eg_w], len(part_experts))  # [S_w,H]
+                    out_g = _put(out_g, rows, proj, S)
+                if i == 0 and cpu:  # host experts run while the misses' copies are in flight
+                    out_g = self._host_rows(module, layer, cpu, x_g, eg, out_g)
+            cache.release(waves[0][1])
+        elif len(waves) == 1:
+            experts, slots = waves[0]
+            if experts is not None:
+                slots = self._demand_wave(layer, experts, slots)
+            out_g = self._grouped(module, x_g, eg, table[eg], groups)  # [S,H]
+            if experts is not None:
+                cache.release(slots)
+        else:
+            for experts, scores in waves:
+                if experts is None:  # unreachable: only a single deferred wave has no experts
+                    raise RuntimeError(f"layer {layer}: a planned wave without experts")
+                slots = self._demand_wave(layer, experts, scores)
+                rows, eg_w = self._rows(experts, eg)  # [S_w] rows of this wave, their experts sorted
+                proj = self._grouped(module, x_g[rows], eg_w, table[eg_w], len(experts))  # [S_w,H]
+                out_g = _put(out_g, rows, proj, S)
+                cache.release(slots)
+            if cpu:
+                out_g = self._host_rows(module, layer, cpu, x_g, eg, out_g)
+        if out_g is None:  # unreachable: every routed row belongs to a wave or a host expert
+            raise RuntimeError(f"layer {layer}: no expert computed")
+        return out_g
+
+    def _split_wave(
+        self, layer: int, experts: list[int], slots: list[int], cpu: list[int] | None
+    ) -> list[tuple[list[int], list[int]]] | None:
+        """`[(experts, slots)]` parts of a pinned wave in compute order: under hit-first the ready experts,
+        then the ones still loading; None when one grouped call over the whole wave will do."""
+        ready = [self.cache.is_ready((layer, e)) for e in experts]
+        if self.hit_first and any(ready) and not all(ready):
+            first = [(e, s) for e, s, r in zip(experts, slots, ready) if r]
+            rest = [(e, s) for e, s, r in zip(experts, slots, ready) if not r]
+            return [([e for e, _ in first], [s for _, s in first]), ([e for e, _ in rest], [s for _, s in rest])]
+        return [(experts, slots)] if cpu else None
+
+    def _rows(self, experts: list[int], eg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [S_w] of the sorted routing that go to `experts`, their expert ids [S_w], sorted)."""
+        member = torch.zeros(self.spec.num_experts, dtype=torch.bool, device=eg.device)
+        member[torch.tensor(experts, device=eg.device)] = True  # [E]
+        rows = torch.nonzero(member[eg]).squeeze(1)  # [S_w]
+        return rows, eg[rows]
+
+    def _demand_wave(self, layer: int, experts: list[int], slots_or_scores: Any) -> list[int]:
+        """Slots of a wave: already pinned by the router hook (a list), or demanded now (scores given)."""
+        t0 = time.perf_counter()
+        if isinstance(slots_or_scores, list):
+            slots = slots_or_scores
+            self.cache.wait(slots)
+        else:
+            loads0 = self.cache.counters.loads
+            slots = self.cache.demand_wave(layer, experts, slots_or_scores, self.miss)
+            self.account.count_loads(layer, self.cache.counters.loads - loads0)
+        self.account.book(time.perf_counter() - t0)
+        return slots
+
+    def _host_rows(
+        self, module: nn.Module, layer: int, cpu: list[int], x_g: torch.Tensor, eg: torch.Tensor, out_g: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Rows routed to the host experts `cpu`: activations to the host, the same grouped kernels over the
+        host store's rows, results back into `out_g` (moves activations only, never weights)."""
+        rows, eg_c = self._rows(cpu, eg)
+        t0 = time.perf_counter()
+        x_h, eg_h = x_g[rows].cpu(), eg_c.cpu()
+        views = self.store.layout.views(self.store.rows[layer])  # [E,...] host, no copy
+        proj = self._grouped(module, x_h, eg_h, eg_h, len(cpu), views=views)  # [S_c,H] host
+        out_g = _put(out_g, rows, proj.to(x_g.device), x_g.shape[0])
+        self.counts.host_s += time.perf_counter() - t0
+        return out_g
+
+    def _grouped(
+        self,
+        module: nn.Module,
+        x: torch.Tensor,
+        eg: torch.Tensor,
+        rows: torch.Tensor,
+        groups: int,
+        views: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """`grouped_experts` over the device slots (`rows` = each row's slot) or, with `views`, the host store."""
+        return grouped_experts(module, x, eg, self.cache.views if views is None else views, rows, groups, self._aranges)
+
+
+def _put(out_g: torch.Tensor | None, rows: torch.Tensor, proj: torch.Tensor, n: int) -> torch.Tensor:
+    """`proj [S_w,H]` into rows `rows` of the `[n,H]` output (allocated on first use)."""
+    if out_g is None:
+        out_g = torch.empty(n, proj.shape[-1], dtype=proj.dtype, device=proj.device)
+    out_g[rows] = proj
+    return out_g

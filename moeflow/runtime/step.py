@@ -1,0 +1,293 @@
+"""The per-layer step: what the offload engine does in a MoE layer's router hook, before the experts call.
+
+`RouteStep.route(event)` for MoE layer l of the running pass, in this order (the cache's "one access order"):
+1. deferral: when no access of l can miss and nothing needs the routing on the host (`can_defer`: no
+   prefetch and no rerouting policy, slots retained, every expert of l in a ready slot), only queue the
+   routing; `flush` replays the queued accesses into the cache (the same events, the same order, the same
+   counters) with ONE host read for all of them, before the next layer that takes this path and at pass end;
+2. `on_layer_start` (`cache.begin_layer`), then the routing policy (`reroute`: a bias or dual logits
+   through `adapter.select`) when it `reroutes`;
+3. the routed ids and gate weights to the host in ONE packed transfer (`to_host`, `host_syncs`);
+4. a `needs_routing` miss policy (`apply_miss`): drop / substitute rewrite the ids and weights the model
+   gets back, cpu experts leave the needed list (the experts call computes them on the host);
+5. the unique needed experts and their summed gate weights (`needed_experts`) -> `cache.route` (stale
+   prefetches cancelled, the other miss policies, demand loads: hits pinned first);
+6. with a proposing prefetch policy: `LayerContext` -> `propose` -> `cache.prefetch` (its gate admits each
+   copy), so the copies overlap this layer's expert compute.
+What the experts call needs (`Routed`: the routing it should receive, the experts, their pinned slots, the
+host experts) waits in `pending`; `take` hands it over and falls back to a host read when the experts
+call received another tensor than the hook saw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+from ..moe import RouterEvent
+from ..policies.base import CPU, DROP, SUBSTITUTE, LayerContext, MissInfo, MissPolicy, PrefetchPolicy, RoutingPolicy, miss_action
+from ..policies.routing import dual_select
+from .cache import ExpertCache
+from .counters import needed_experts
+from .passstats import EngineCounts, PassAccount
+
+
+@dataclass
+class Routed:
+    """A layer's routing, seen by the router hook, waiting for the layer's experts call."""
+
+    indices: torch.Tensor  # [T,k] the routing the experts call is expected to receive
+    experts: list[int] | None = None  # unique experts (None: deferred, everything resident)
+    slots: list[int] | None = None  # their pinned slots (None: deferred or more than one wave)
+    scores: dict[int, float] | None = None  # summed gate weight per expert (for waves demanded later)
+    cpu: list[int] | None = None  # experts the miss policy runs on the host (no slot)
+
+
+def same_routing(routed: Routed, top_k_index: torch.Tensor) -> bool:
+    """The experts call got the tensor the router hook saw (no host read: same storage and layout)."""
+    a, b = routed.indices, top_k_index
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
+
+
+class RouteStep:
+    """The router hook's work per MoE layer (see the module docstring) and the routings it leaves behind."""
+
+    def __init__(
+        self,
+        *,
+        adapter,
+        cache: ExpertCache,
+        wave_cap: int,
+        miss: MissPolicy | None,
+        routing: RoutingPolicy | None,
+        prefetcher: PrefetchPolicy | None,
+        retain: bool,
+        account: PassAccount,
+        counts: EngineCounts,
+        predict_logits: Callable[[int, torch.Tensor], torch.Tensor],
+        lookahead: Callable[[], int],
+    ):
+        self.adapter, self.spec, self.cache = adapter, adapter.spec, cache
+        self.wave_cap = wave_cap  # most experts one grouped call may cover (`wave_capacity`)
+        self.miss, self.routing, self.prefetcher = miss, routing, prefetcher
+        self.retain = retain
+        self.account, self.counts = account, counts
+        self.predict_logits, self.lookahead = predict_logits, lookahead
+        self.prefetching = prefetcher is not None and prefetcher.proposes
+        self.rerouting = routing is not None and routing.reroutes
+        self.miss_hook = miss is not None and miss.needs_routing  # drop / substitute / cpu in the router hook
+        self.pending: dict[int, Routed] = {}
+        self.deferred: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, indices, weights)
+        self.residual: dict[int, torch.Tensor] = {}  # this pass's post-attention residuals (`needs_residual`)
+
+    # ---- pass boundaries ---------------------------------------------------------------------------
+    def begin_pass(self) -> None:
+        self.pending.clear()
+        self.residual.clear()
+
+    def end_pass(self) -> None:
+        self.flush()
+        for r in self.pending.values():  # a layer routed but never computed
+            if r.slots is not None:
+                self.cache.release(r.slots)
+        self.pending.clear()
+
+    # ---- the router hook ---------------------------------------------------------------------------
+    def route(self, ev: RouterEvent) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Layer `ev.layer` has routed: demand loads and prefetches, as early as possible. Returns the
+        replacement routing (logits, weights [T,k], indices [T,k]) when a policy changed it, else None."""
+        cache, l = self.cache, ev.layer
+        logits, weights, indices = ev.logits, ev.weights, ev.indices
+        if self.can_defer(l, indices):
+            self.deferred.append((l, indices, weights))
+            self.pending[l] = Routed(indices)
+            return None
+        self.flush()  # earlier layers' accesses first: events stay in order
+        cache.begin_layer(l)
+        replaced = None
+        if self.rerouting:
+            chosen = self.reroute(l, logits)
+            if chosen is not None:
+                weights, indices = chosen
+                replaced = (logits, weights, indices)
+        ids_h, w_h = self.to_host([(indices, weights)])[0]
+        cpu: list[int] = []
+        if self.miss_hook and self.miss is not None:
+            changed, ids_h, w_h, cpu = apply_miss(self.miss, cache, l, ids_h, w_h, indices.shape, self.counts.miss_counts)
+            if changed:
+                indices = ids_h.view(indices.shape).to(indices.device)
+                weights = w_h.view(weights.shape).to(device=weights.device, dtype=weights.dtype)
+                replaced = (logits, weights, indices)
+        experts, scores = needed_experts(ids_h, w_h)
+        if cpu:
+            experts = [e for e in experts if e not in cpu]
+            scores = {e: v for e, v in scores.items() if e not in cpu}
+        routed = Routed(indices, experts, scores=scores, cpu=cpu or None)
+        loads0 = cache.counters.loads  # the access order of `moeflow.runtime.cache` (shared with the simulator)
+        routed.slots = cache.route(l, experts, scores, self.wave_cap, None if self.miss_hook else self.miss)
+        self.account.count_loads(l, cache.counters.loads - loads0)
+        self.pending[l] = routed
+        if self.prefetching:
+            self.prefetch(l, ev.x, logits, indices, weights)
+        return replaced
+
+    def can_defer(self, layer: int, indices: torch.Tensor) -> bool:
+        """No access of this layer can miss and nothing needs its routing on the host before compute."""
+        return (
+            not self.prefetching
+            and not self.rerouting
+            and self.retain
+            and min(indices.numel(), self.spec.num_experts) <= self.wave_cap
+            and self.cache.layer_all_ready(layer)
+        )
+
+    def flush(self) -> None:
+        """Replay the deferred accesses into the cache (one host synchronization for all of them)."""
+        if not self.deferred:
+            return
+        deferred, self.deferred = self.deferred, []
+        cache = self.cache
+        for (l, _, _), (ids, w) in zip(deferred, self.to_host([(i, w) for _, i, w in deferred])):
+            experts, scores = needed_experts(ids, w)
+            cache.begin_layer(l)
+            cache.release(cache.demand(l, experts, scores))  # all hits: pins nothing past this line
+
+    def to_host(self, routings: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Expert ids and gate weights of several routings, copied to the host in ONE transfer."""
+        flat = [t.reshape(-1).to(torch.float64) for i, w in routings for t in (i, w)]  # f64: ids and weights exact
+        packed = torch.cat(flat).cpu() if len(flat) > 1 else flat[0].cpu()
+        self.counts.host_syncs += 1
+        out, o = [], 0
+        for i, _ in routings:
+            n = i.numel()
+            out.append((packed[o : o + n].long(), packed[o + n : o + 2 * n].float()))  # [S] ids, [S] weights
+            o += 2 * n
+        return out
+
+    def reroute(self, layer: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The routing policy's choice (weights [T,k], indices [T,k]) from the router's logits [T,E], or None
+        (the router's own). `dual_logits`: z' selects, the original logits weight (z' too with `renorm`)."""
+        routing, ad = self.routing, self.adapter
+        if routing is None:
+            return None
+        if routing.dual_logits:
+            z2 = routing.select_logits(layer, logits, self.cache.resident, self.spec.top_k)
+            if z2 is None:
+                return None
+            return ad.select(layer, z2) if routing.renorm else dual_select(ad.select, layer, logits, z2)
+        bias = routing.bias(layer, self.spec.num_experts, self.cache.is_ready)
+        return ad.select(layer, logits, bias) if bias is not None else None
+
+    def prefetch(self, layer: int, x: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> None:
+        """The prefetch policy's proposals for later layers (`LayerContext`) -> the cache's gated copies."""
+        cache, spec = self.cache, self.spec
+        ctx = LayerContext(
+            pos=cache.position(layer),
+            layer=layer,
+            moe_layers=spec.moe_layers,
+            num_experts=spec.num_experts,
+            top_k=spec.top_k,
+            router_input=x,
+            logits=logits.reshape(-1, logits.shape[-1]),
+            indices=indices.reshape(-1, indices.shape[-1]),
+            weights=weights.reshape(-1, weights.shape[-1]),
+            predict_logits=self.predict_logits,
+            token_ids=self.account.token_ids,
+            residual=self.residual.get(layer),
+            lookahead=self.lookahead(),
+            resident=cache.resident,
+        )
+        if self.prefetcher is None:  # unreachable: `prefetching` implies a prefetch policy
+            raise RuntimeError("RouteStep.prefetch called without a prefetch policy")
+        reqs = self.prefetcher.propose(ctx)
+        keys = [(int(r.key[0]), int(r.key[1])) for r in reqs]
+        self.account.proposed(keys, cache.resident)  # N_e for the step-size controller
+        if reqs:
+            uniq = set(keys)
+            before = {k: cache.slots[s].ticket for k in uniq if (s := cache.slot_of.get(k)) is not None}
+            if cache.prefetch(reqs, layer):  # a load = a requested key with a new ticket (also evicted + reloaded)
+                for k in uniq:
+                    s = cache.slot_of.get(k)
+                    if s is not None and cache.slots[s].ticket is not before.get(k):
+                        self.account.count_loads(k[0], 1)
+
+    # ---- for the experts call ----------------------------------------------------------------------
+    def take(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Routed:
+        """The routing the router hook left for this experts call (deferred: `experts` None); when the call
+        received another tensor (a caller outside the hooks), its experts from one host read."""
+        routed = self.pending.pop(layer, None)
+        if routed is not None and routed.experts is None:  # deferred: all resident, ready
+            return routed
+        if routed is None or not same_routing(routed, top_k_index):  # not the tensor the hook saw
+            self.flush()
+            experts, scores = needed_experts(*self.to_host([(top_k_index, top_k_weights)])[0])
+            if routed is not None and routed.experts != experts:
+                if routed.slots is not None:
+                    self.cache.release(routed.slots)
+                routed = None
+            routed = routed or Routed(top_k_index, experts, scores=scores)
+        if routed.experts is None or routed.scores is None:  # unreachable: only deferred layers lack them
+            raise RuntimeError(f"layer {layer}: the router hook recorded no experts for this call")
+        return routed
+
+
+def apply_miss(
+    miss: MissPolicy,
+    cache: ExpertCache,
+    layer: int,
+    ids: torch.Tensor,
+    w: torch.Tensor,
+    shape: torch.Size,
+    counts: dict[str, int],
+) -> tuple[bool, torch.Tensor, torch.Tensor, list[int]]:
+    """Ask a `needs_routing` miss policy about every missing expert of the call (host tensors `[S]`).
+
+    Returns (routing changed, ids, weights, cpu experts): a dropped expert's entries get weight 0 and
+    the id of the token's best kept expert (computed, then weighted by 0), or with the policy's `renorm`
+    the token's kept weights are rescaled to the original sum; a substituted one's entries get the
+    substitute's id (weights kept); `cpu` experts keep their entries and are computed on the host.
+    `counts[action]` (drop / substitute / cpu) counts the missing experts handled without a copy.
+    """
+    k = int(shape[-1])
+    T = ids.numel() // k
+    idx, wt = ids.view(T, k), w.view(T, k)
+    missing = [e for e in idx.unique().tolist() if not cache.resident((layer, int(e)))]
+    if not missing:
+        return False, ids, w, []
+    order = torch.argsort(wt, dim=1, descending=True, stable=True)  # [T,k] columns by weight
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(1, k + 1).expand(T, k))  # [T,k] 1-based
+    pos = cache.position(layer)
+    dropped, subs, cpu = [], {}, []
+    for e in missing:
+        m = idx == e
+        info = MissInfo(int(rank[m].min()), float(wt[m].max()), int(m.any(1).sum()), cache.resident)
+        kind, arg = miss_action(miss.on_miss((layer, e), pos, info))
+        if kind == DROP:
+            dropped.append(e)
+        elif kind == SUBSTITUTE and arg is not None:
+            if not cache.resident((layer, arg)):
+                raise ConfigError(f"miss policy {miss.name!r} substituted ({layer}, {arg}), which is not resident")
+            subs[e] = arg
+        elif kind == CPU:
+            cpu.append(e)
+    for key, n in ((DROP, len(dropped)), (SUBSTITUTE, len(subs)), (CPU, len(cpu))):
+        counts[key] += n
+    if not dropped and not subs:
+        return False, ids, w, cpu
+    new_idx, new_w = idx.clone(), wt.clone()
+    for e, r in subs.items():
+        new_idx[idx == e] = r
+    if dropped:
+        drop = torch.isin(idx, torch.tensor(dropped))  # [T,k]
+        usable = ~drop & ~torch.isin(new_idx, torch.tensor(cpu, dtype=torch.long))  # kept, with a slot
+        if not bool(usable.any(1).all()):  # unreachable for `drop` (a token's top expert is never dropped)
+            raise ConfigError(f"miss policy {miss.name!r} dropped every expert of a token in layer {layer}")
+        best = torch.where(usable, wt, torch.full_like(wt, -1.0)).argmax(1, keepdim=True)  # [T,1]
+        new_idx = torch.where(drop, new_idx.gather(1, best).expand(T, k), new_idx)
+        new_w = torch.where(drop, torch.zeros_like(wt), new_w)
+        if miss.renorm:
+            new_w = new_w * (wt.sum(1, keepdim=True) / new_w.sum(1, keepdim=True))
+    return True, new_idx.reshape(-1), new_w.reshape(-1), cpu

@@ -1,0 +1,48 @@
+"""Timings the runtime measures on this machine: one host expert, one plain row copy (`auto` miss policy,
+`benchmarks/cpu_vs_fetch.py`), each the fastest of a few calls after a warm-up."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..moe.compute import grouped_experts
+
+
+def time_call(fn: Callable[[], Any], repeats: int = 5) -> float:
+    """Fastest of `repeats` timed calls (after one warm-up)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def time_host_expert(adapter: Any, store: Any, tokens: int) -> float:
+    """Fastest seconds to run one expert of the first MoE layer on `tokens` rows on the host, from the host
+    store's rows (`store` must hold the experts: after `offload`), as the `cpu` miss policy runs it."""
+    l = adapter.spec.moe_layers[0]
+    module = adapter.experts(l)
+    x = torch.randn(tokens, adapter.spec.hidden_size, dtype=store.layout.dtype)  # [N,H]
+    eg = torch.zeros(tokens, dtype=torch.long)  # [N] expert 0
+    views = store.layout.views(store.rows[l])  # [E,...] host, no copy
+    with torch.no_grad():
+        return time_call(lambda: grouped_experts(module, x, eg, views, eg, 1))
+
+
+def time_row_copy(store: Any, device: torch.device) -> float:
+    """Fastest seconds of one plain host -> device copy of one expert row (no link emulation)."""
+    row = store.row(store.spec.moe_layers[0], 0)
+    dst = torch.empty_like(row, device=device)
+
+    def copy() -> None:
+        dst.copy_(row)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return time_call(copy)
