@@ -2,7 +2,8 @@
 #   make setup   create .venv and install moeflow with its test dependencies, at the versions in requirements.lock
 #   make lock    re-resolve requirements.lock in a fresh virtualenv (newest versions pyproject.toml allows)
 #   make test    the CPU test suite (GPU and slow tests are marked and skipped)
-#   make lint    ruff (lint + format check) and mypy, configured in pyproject.toml
+#   make gpu-check [QUICK=1]   every `gpu` test and the GPU benchmarks: one table, one JSON line (exits 0 with "no CUDA device" without one)
+#   make lint    ruff (lint + format check), mypy and the layering contract (lint-imports), configured in pyproject.toml
 #   make docs    regenerate docs/cli.md (from the typer app) and docs/results/*.md (from benchmarks/results/*.json)
 #   make reproduce-<paper> [QUICK=1] [DEVICE=cuda]   re-make a paper's tables into reports/<paper>/
 #   make reproduce-all     every paper (`make -k` keeps going past a recipe with a failed step)
@@ -22,7 +23,7 @@ QUICK   ?=
 DEVICE  ?= cpu
 REPRO_FLAGS = $(if $(filter 1 yes true,$(QUICK)),--quick) --device $(DEVICE) --model $(MODEL) --data-dir $(DATA)
 
-.PHONY: setup lock test test-slow test-gpu lint docs models bench clean-artifacts reproduce-all $(REPRODUCE)
+.PHONY: setup lock test test-slow test-gpu gpu-check lint docs models bench clean-artifacts reproduce-all $(REPRODUCE)
 
 # Every install is constrained by the lock (with its torch pin replaced by $(TORCH)), so a fresh clone gets what CI tested.
 setup:
@@ -55,12 +56,17 @@ lint:
 	$(BIN)/ruff check moeflow tests benchmarks recipes
 	$(BIN)/ruff format --check moeflow tests benchmarks recipes
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test-slow:
 	$(BIN)/python -m pytest -q -m "slow" tests
 
 test-gpu:
 	$(BIN)/python -m pytest -q -m "gpu" tests
+
+# `pytest -m gpu` and the GPU benchmarks (benchmarks/gpu_check.py); logs and gpu-check.json in reports/gpu-check/
+gpu-check:
+	$(BIN)/python benchmarks/gpu_check.py --model $(MODEL) $(if $(filter 1 yes true,$(QUICK)),--quick)
 
 models:
 	$(BIN)/python recipes/train_models.py --data-dir $(DATA) --out models --minutes 50 --only olmoe-mini & \

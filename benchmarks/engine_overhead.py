@@ -13,6 +13,7 @@ reads, `engine.host_syncs`, over decode passes), all with `benchmarks/_profile.p
     python benchmarks/engine_overhead.py --model models/olmoe-mini --threads 1
     python benchmarks/engine_overhead.py --make-model olmoe-1b-7b-shape /tmp/olmoe-7b   # then:
     python benchmarks/engine_overhead.py --model /tmp/olmoe-7b --device cuda
+    python benchmarks/engine_overhead.py --shape olmoe-1b-7b-shape --device cuda   # the same, built in memory
 
 Targets: <= 1.10x resident on the GPU shape, <= 1.05x on CPU. Prints a rich table, then one JSON line.
 """
@@ -62,6 +63,23 @@ def make_model(shape: str, out: Path) -> None:
     print(json.dumps({"made": str(out), "shape": shape, "parameters": n}))
 
 
+def shape_model(shape: str, device: str, dtype: str):
+    """A random-weight OLMoE model of a named shape built directly on `device` (no checkpoint), in eval mode
+    with the stock `grouped_mm` experts; `dtype` auto: bf16 on CUDA, fp32 on CPU. Deterministic (seed 0)."""
+    from transformers import AutoModelForCausalLM, OlmoeConfig
+
+    from moeflow.models import resolve_dtype
+
+    dt = resolve_dtype(dtype, device)
+    dt = torch.bfloat16 if dt == "auto" else dt  # "auto" is a checkpoint's own dtype: this shape's is bf16
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(OlmoeConfig(**SHAPES[shape]), dtype=dt)
+    model = model.to(device).eval()  # a no-op where the factory honoured the device context
+    model.set_experts_implementation("grouped_mm")
+    return model
+
+
 def _tpot(model, ids, engine, new: int) -> float:
     from moeflow.runtime.generate import generate_one
 
@@ -79,8 +97,14 @@ def main() -> None:
         default=None,
         help=f"build a random-weight checkpoint ({', '.join(SHAPES)}) into DIR and exit",
     )
+    ap.add_argument(
+        "--shape",
+        default=None,
+        choices=tuple(SHAPES),
+        help="instead of --model: a random-weight OLMoE of this shape built in memory on --device (no download)",
+    )
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dtype", default="auto", help="auto (default): bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1)")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -104,9 +128,15 @@ def main() -> None:
     console = Console(stderr=True)
     device = torch.device(a.device)
     cuda = device.type == "cuda"
-    path = a.model or default_model_path()
-    resident, _ = load_model(path, dtype=a.dtype, device=a.device, experts_implementation="grouped_mm")
-    offloaded, _ = load_model(path, dtype=a.dtype, device=a.device, experts_implementation="grouped_mm")
+    if a.shape and a.model:
+        ap.error("give --model or --shape, not both")
+    if a.shape:
+        path = f"random {a.shape}"
+        resident, offloaded = shape_model(a.shape, a.device, a.dtype), shape_model(a.shape, a.device, a.dtype)
+    else:
+        path = a.model or default_model_path()
+        resident, _ = load_model(path, dtype=a.dtype, device=a.device, experts_implementation="grouped_mm")
+        offloaded, _ = load_model(path, dtype=a.dtype, device=a.device, experts_implementation="grouped_mm")
     adapter, adapter_off = get_adapter(resident), get_adapter(offloaded)
     spec = adapter.spec
     vocab = resident.config.vocab_size

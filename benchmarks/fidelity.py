@@ -6,7 +6,7 @@ Sweeps, on the default model over the emulated link, at 5% and 25% capacity (`--
   over the precisions (8, 4, 2 bits); a name not registered yet is SKIPPED and printed;
 - `cache-aware` routing at lambda in {0, 0.1, 0.3, 0.5, 1.0} and `hit-first` (when registered), with fetch;
 - `--speculative` with `router-pf` when `--predictors DIR` is given.
-Every configuration runs through `moeflow quality` (moeflow.quality.main: perplexity scored token by token
+Every configuration runs through `moeflow quality` (moeflow.stages.quality.main: perplexity scored token by token
 under the engine, greedy agreement, TPOT and bytes per token of the same run, vs resident). Quality change
 and speed change are taken relative to `fetch` at the same capacity.
 
@@ -41,10 +41,10 @@ from rich.table import Table
 
 from moeflow.models import default_model_path
 from moeflow.policies import MISS, ROUTING
-from moeflow.quality import QualityConfig
-from moeflow.quality import main as quality_main
 from moeflow.quality.measure import dppl_cell, dppl_interval, within_noise
-from moeflow.runtime.config import RunConfig
+from moeflow.stages.quality import main as quality_main
+from moeflow.stages.quality_config import QualityConfig
+from moeflow.stages.run_config import RunConfig
 
 MISS_POLICIES = ("fetch", "drop", "substitute", "fetch-lowest-bit", "fetch-priority", "cascade", "cpu", "auto")
 LAMBDAS = (0.0, 0.1, 0.3, 0.5, 1.0)

@@ -121,7 +121,6 @@ def main() -> None:
 
     from moeflow.data.prompts import load_prompts
     from moeflow.ep.placement import parse_placement
-    from moeflow.ep.run import EPConfig, launch
     from moeflow.gps.predictors import mle
     from moeflow.gps.simulator import (
         Interconnect,
@@ -134,7 +133,8 @@ def main() -> None:
         spread,
         static_placement,
     )
-    from moeflow.runtime.config import RunConfig
+    from moeflow.stages.ep import EPConfig, launch
+    from moeflow.stages.run_config import RunConfig
     from moeflow.trace import Trace
 
     t_start = time.time()

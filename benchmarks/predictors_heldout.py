@@ -135,8 +135,8 @@ def main() -> None:
 
     from moeflow.models import torch_threads
     from moeflow.predict.data import from_trace
-    from moeflow.predict.train import EvalConfig, TrainConfig, eval_main
-    from moeflow.predict.train import main as train_main
+    from moeflow.stages.train import EvalConfig, TrainConfig, eval_main
+    from moeflow.stages.train import main as train_main
 
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
@@ -194,7 +194,7 @@ def main() -> None:
                     per_layer[p][name].setdefault(f"L{m['target']}", {})[int(m["S"])] = round(m["recall_at_k"], 4)
 
         from moeflow.predict.io import load_predictors
-        from moeflow.predict.train import _load_model
+        from moeflow.stages.train import load_cpu_model as _load_model
 
         model = _load_model(args.model)
         _, preds = load_predictors(pred_dir, model)
@@ -266,7 +266,7 @@ def main() -> None:
 
 
 def _train_opts(kvs: list[str]) -> dict:
-    from moeflow.predict.train import TrainConfig
+    from moeflow.stages.train import TrainConfig
 
     opts: dict = {}
     for kv in kvs:
@@ -311,8 +311,10 @@ def main_traces(args: argparse.Namespace) -> None:
     from moeflow.predict.data import from_trace, target_of
     from moeflow.predict.evaluate import evaluate
     from moeflow.predict.io import load_predictors, read_predictor_meta
-    from moeflow.predict.train import TrainConfig, _load_model, sequences
-    from moeflow.predict.train import main as train_main
+    from moeflow.predict.train import sequences
+    from moeflow.stages.train import TrainConfig
+    from moeflow.stages.train import load_cpu_model as _load_model
+    from moeflow.stages.train import main as train_main
 
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
@@ -368,7 +370,7 @@ def main_traces(args: argparse.Namespace) -> None:
                     for key, v in ra.items():
                         extra.setdefault(key, {}).setdefault(name, {})[p] = v
             if args.speculative:
-                from moeflow.predict.speculative import measure_quality
+                from moeflow.quality.speculative import measure_quality
 
                 seqs = sequences(data, args.spec_sequences)
                 t0 = time.perf_counter()

@@ -394,8 +394,17 @@ def fidelity_headline(doc: dict[str, Any]) -> str:
                 f"{best['vs_fetch_tpot_gain_pct']:+.0f}% TPOT vs `fetch`"
             )
     rec = res.get("recommended")
-    verdict = f"recommended `{rec['config']}` at {rec['capacity']}" if rec else "no lossy policy beats the best exact one"
+    if not _has_intervals(res):
+        verdict = "no recommendation: recorded without Δppl intervals; re-record to get one"
+    else:
+        verdict = f"recommended `{rec['config']}` at {rec['capacity']}" if rec else "no lossy policy beats the best exact one"
     return "; ".join(parts) + f" ({verdict})"
+
+
+def _has_intervals(res: dict) -> bool:
+    """A fidelity result whose rows carry a Δppl interval: only such a result may recommend a lossy policy."""
+    rows = res.get("table") or res.get("rows") or []
+    return any(isinstance(r, dict) and any(k.startswith("dppl_ci95") for k in r) for r in rows)
 
 
 @study("fidelity")
@@ -445,7 +454,12 @@ def fidelity(doc: dict[str, Any]) -> str:
         body.append(line)
     out += [_table(header, body, "ll" + "rrrr" * len(caps)), ""]
     rec = res.get("recommended")
-    if rec:
+    if not _has_intervals(res):
+        out.append(
+            "Recommended: none. This result was recorded before each Δppl carried a 95% interval, so a difference "
+            "here may be inside the noise; re-record it (the command above) for a recommendation."
+        )
+    elif rec:
         out.append(
             f"Recommended (the fastest lossy configuration losing at most {args['max_ppl_loss']:g}% perplexity and faster "
             f"than the best exact one at its capacity): `{rec['config']}` at {rec['capacity']}, "

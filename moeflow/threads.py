@@ -17,15 +17,14 @@ time slice stalls every such op at its barrier, which made a 16-token run of the
 (OLMoE-1B-7B: 2048 x 1024 = 2 Mi, Mixtral: 4096 x 14336) are above it.
 
 `resolve_threads` is the rule (pure: the environment and CPU count can be passed in); `apply_threads`
-resolves it for a loaded model (finding the calibration) and sets torch's count.
+(`moeflow.stages.threads`) resolves it for a loaded model (finding the calibration) and sets torch's count.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
@@ -133,67 +132,3 @@ def resolve_threads(
         return ThreadChoice(n, "calibration", f"fastest measured by `moeflow calibrate`, {where}")
     n, why = default_threads(model_spec, cores)
     return ThreadChoice(n, "default", why)
-
-
-def calibration_candidates(device: str, root: str | os.PathLike = CALIBRATION_ROOT) -> list[Path]:
-    """What `moeflow calibrate` writes for `device`: `<root>/<device>.json`, then `<root>/<device>-emulated-*.json`."""
-    from .calibrate.io import calibration_path, device_name
-
-    name = device_name(device)
-    first = calibration_path(name, root)
-    rest = sorted(Path(root).glob(f"{name}-emulated-*.json")) if Path(root).is_dir() else []
-    return [first, *rest]
-
-
-def find_thread_calibration(
-    model: Any, device: str, *, records: Iterable[Mapping[str, Any] | None] = (), root: str | os.PathLike = CALIBRATION_ROOT
-) -> Mapping[str, Any] | None:
-    """The first calibration of `model` on `device` that records `best_threads`: among `records` (already
-    read and checked, e.g. `moeflow run`'s), then the files `calibration_candidates` names. A file that is
-    missing, unreadable or made for another model is skipped (`moeflow run` reports those itself)."""
-    for rec in records:
-        if rec and rec.get("best_threads") is not None:
-            return rec
-    from .calibrate.io import load_calibration
-    from .errors import MoeflowError
-
-    fingerprint = None
-    for path in calibration_candidates(device, root):
-        if not path.is_file():
-            continue
-        if fingerprint is None:
-            from .moe import model_fingerprint
-
-            fingerprint = model_fingerprint(model)
-        try:
-            rec = load_calibration(path, fingerprint=fingerprint)
-        except MoeflowError:
-            continue
-        if rec.get("best_threads") is not None:
-            return {**rec, "path": str(path)}
-    return None
-
-
-def apply_threads(
-    flag: int | None,
-    model: Any,
-    device: str = "cpu",
-    *,
-    calibration: Mapping[str, Any] | None = None,
-    cores: int | None = None,
-    look_up: bool = True,
-) -> ThreadChoice:
-    """Resolve the rule for a loaded `model` on `device` (its spec; `calibration`, else one found by
-    `find_thread_calibration` unless `look_up` is False) and set torch's intra-op thread count to it.
-    The caller restores the previous count (`moeflow.models.torch_threads`)."""
-    import torch
-
-    from .moe import get_adapter
-
-    spec = get_adapter(model).spec
-    cal = None
-    if flag is None and env_threads() is None and look_up:
-        cal = find_thread_calibration(model, device, records=(calibration,))
-    choice = resolve_threads(flag, cal, spec, cores=cores)
-    torch.set_num_threads(choice.n)
-    return choice

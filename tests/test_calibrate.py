@@ -172,8 +172,8 @@ def test_sweep_records_best_threads(tmp_path, tiny_models, monkeypatch):
     records the fastest as best_threads, the other compute times at that count; torch's count is restored."""
     import torch
 
-    from moeflow.calibrate import CalibrateConfig, main
     from moeflow.calibrate.measure import best_thread_count
+    from moeflow.stages.calibrate import CalibrateConfig, main
 
     monkeypatch.delenv("MOEFLOW_THREADS", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from moeflow.cli.app import _register, app, main
-from moeflow.trace import Trace, TraceConfig
+from moeflow.stages.trace import TraceConfig
+from moeflow.trace import Trace
 
 from .test_trace import tiny_tokenizer
 
@@ -27,7 +28,7 @@ def checkpoint(tmp_path_factory, tiny_models):
 
 def test_flags_map_to_config(monkeypatch):
     seen = {}
-    monkeypatch.setattr("moeflow.trace.main", lambda cfg, json_out=False: seen.update(cfg=cfg, json=json_out))
+    monkeypatch.setattr("moeflow.stages.trace.main", lambda cfg, json_out=False: seen.update(cfg=cfg, json=json_out))
     res = CliRunner().invoke(
         app,
         [

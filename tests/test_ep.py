@@ -25,8 +25,8 @@ def ckpt(tmp_path_factory):
 
 
 def _cfg(ckpt, **kw):
-    from moeflow.ep.run import EPConfig
-    from moeflow.runtime.config import RunConfig
+    from moeflow.stages.ep import EPConfig
+    from moeflow.stages.run_config import RunConfig
 
     run_kw = dict(
         model=str(ckpt),
@@ -52,7 +52,7 @@ def _cli(args):
 
 def test_world_size_2_gloo_identical_with_duplicated_expert(ckpt):
     """One spawn of two gloo ranks runs both placements: tokens equal one process, both ranks compute rows."""
-    from moeflow.ep.run import launch
+    from moeflow.stages.ep import launch
 
     res = launch(_cfg(ckpt, world_size=2, placements=("contiguous", str(ckpt.parent / "dup.json")), timeout_s=120))
     assert res is not None and res["world_size"] == 2 and res["backend"] == "gloo"

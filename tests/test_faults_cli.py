@@ -148,7 +148,7 @@ def test_calibrate_out_directory_refused_before_measuring(ckpt, tmp_path, capsys
     def no_measure(*a, **k):
         raise AssertionError("measured before --out was checked")
 
-    monkeypatch.setattr("moeflow.calibrate.run.bandwidth_sweep", no_measure)
+    monkeypatch.setattr("moeflow.stages.calibrate.bandwidth_sweep", no_measure)
     d = tmp_path / "adir"
     d.mkdir()
     one_line_error(["calibrate", "-m", ckpt, "--out", d], capsys, f"--out {d}")
@@ -179,7 +179,8 @@ def test_calibration_with_step_size_below_one_is_refused_when_read(ckpt, tmp_pat
     rec["initial_s"] = 0
     cal.write_text(json.dumps(rec))
     calls = []
-    monkeypatch.setattr("moeflow.runtime.main.generate_batch", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr("moeflow.stages.run.generate_batch", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr("moeflow.stages.session.generate_batch", lambda *a, **k: calls.append(1))  # the warm-up
     one_line_error(
         ["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--calibration", cal], capsys, "step size S = 0", "integer >= 1"
     )
@@ -196,7 +197,9 @@ def test_sweep_bad_late_value_fails_before_any_generation(ckpt, tmp_path, capsys
         calls.append(1)
         raise AssertionError("generation started before every sweep value was checked")
 
-    monkeypatch.setattr("moeflow.runtime.main.generate_batch", counting)
+    monkeypatch.setattr("moeflow.stages.run.generate_batch", counting)
+
+    monkeypatch.setattr("moeflow.stages.session.generate_batch", counting)  # the warm-up
     out = tmp_path / "gen.jsonl"
     base = ["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--sweep", "--threads", "1", "--out", out]
     # the last capacity is below top-k = 2: known only with the model, still refused before the first run
@@ -217,7 +220,9 @@ def test_ctrl_c_prints_interrupted_exits_130_and_writes_nothing(ckpt, tmp_path, 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("moeflow.runtime.main.generate_batch", interrupted)
+    monkeypatch.setattr("moeflow.stages.run.generate_batch", interrupted)
+
+    monkeypatch.setattr("moeflow.stages.session.generate_batch", interrupted)  # the warm-up
     out = tmp_path / "gen.jsonl"
     code, _, err = cli(["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--mode", "resident", "--out", out], capsys)
     assert code == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
@@ -230,7 +235,9 @@ def test_sigterm_becomes_an_exception_exits_143(ckpt, tmp_path, capsys, monkeypa
         time.sleep(30)  # the handler raises in this thread; the sleep never finishes
         raise AssertionError("SIGTERM did not interrupt the stage")
 
-    monkeypatch.setattr("moeflow.runtime.main.generate_batch", terminated)
+    monkeypatch.setattr("moeflow.stages.run.generate_batch", terminated)
+
+    monkeypatch.setattr("moeflow.stages.session.generate_batch", terminated)  # the warm-up
     before = signal.getsignal(signal.SIGTERM)
     out = tmp_path / "gen.jsonl"
     code, _, err = cli(["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--mode", "resident", "--out", out], capsys)
@@ -242,10 +249,10 @@ def test_sigterm_becomes_an_exception_exits_143(ckpt, tmp_path, capsys, monkeypa
 def test_real_sigint_to_python_m_moeflow(ckpt, tmp_path):
     """A real SIGINT to `python -m moeflow run` while it generates: "interrupted", exit 130, no --out file."""
     code = (
-        "import sys, time, moeflow.runtime.main as m\n"
+        "import sys, time, moeflow.stages.run as m, moeflow.stages.session as s\n"
         "def slow(*a, **k):\n"
         "    print('generating', flush=True); time.sleep(60)\n"
-        "m.generate_batch = slow\n"
+        "m.generate_batch = s.generate_batch = slow\n"
         "from moeflow.__main__ import main\n"
         "main(sys.argv[1:])\n"
     )
@@ -349,9 +356,9 @@ def test_run_column_picks_the_prompt_field(ckpt, tmp_path, capsys):
 
 def test_one_flag_vocabulary_with_hidden_old_spellings(tmp_path, capsys, monkeypatch):
     seen = {}
-    monkeypatch.setattr("moeflow.runtime.main.main", lambda cfg: seen.update(run=cfg))
-    monkeypatch.setattr("moeflow.sim.run.main", lambda cfg: seen.update(sim=cfg) or {"rows": []})
-    monkeypatch.setattr("moeflow.predict.train.eval_main", lambda cfg, console=None: seen.update(ev=cfg) or {})
+    monkeypatch.setattr("moeflow.stages.run.main", lambda cfg: seen.update(run=cfg))
+    monkeypatch.setattr("moeflow.stages.simulate.main", lambda cfg: seen.update(sim=cfg) or {"rows": []})
+    monkeypatch.setattr("moeflow.stages.train.eval_main", lambda cfg, console=None: seen.update(ev=cfg) or {})
 
     def cfg_of(key, argv):
         code, _, err = cli(argv, capsys)
@@ -408,8 +415,9 @@ def test_python_dash_m_moeflow():
 # ---- item 9: layering ----------------------------------------------------------------------------------
 
 
-def test_runtime_main_does_not_import_the_cli():
-    tree = ast.parse((REPO / "moeflow" / "runtime" / "main.py").read_text())
-    mods = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    mods += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    assert not [m for m in mods if "cli" in m.split(".")], mods
+def test_the_run_stage_does_not_import_the_cli():
+    for name in ("run.py", "session.py", "run_config.py"):
+        tree = ast.parse((REPO / "moeflow" / "stages" / name).read_text())
+        mods = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        mods += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not [m for m in mods if "cli" in m.split(".")], (name, mods)

@@ -519,7 +519,7 @@ def test_a_corrupt_estimator_is_one_line(trained, tmp_path):
 
 def test_calibrate_out_rules_before_any_measurement(trained, tmp_path, monkeypatch, capsys):
     _, root, trace, _ = trained
-    import moeflow.calibrate.run as run
+    import moeflow.stages.calibrate as run
 
     def no_work(*a, **k):
         raise AssertionError("measured before checking --out")
@@ -682,8 +682,8 @@ def _no_work(monkeypatch) -> None:
         raise AssertionError("work started before --out was checked")
 
     monkeypatch.setattr("moeflow.models.load_model", refuse)
-    monkeypatch.setattr("moeflow.predict.train.fit_all", refuse)
-    monkeypatch.setattr("moeflow.calibrate.run.bandwidth_sweep", refuse)
+    monkeypatch.setattr("moeflow.stages.train.fit_all", refuse)
+    monkeypatch.setattr("moeflow.stages.calibrate.bandwidth_sweep", refuse)
 
 
 def stage_args(command: str, root: Path, trace: Path, out: Path) -> list[str]:

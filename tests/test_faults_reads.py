@@ -17,7 +17,8 @@ import pytest
 from moeflow.cli.app import _register, main
 from moeflow.data import load_prompts, prompt_id
 from moeflow.errors import ArtifactError, ConfigError, MoeflowError
-from moeflow.trace import Trace, run_trace
+from moeflow.stages.trace import run_trace
+from moeflow.trace import Trace
 
 from .conftest import REPO
 from .test_trace import cfg, prompts, tiny_tokenizer
@@ -204,7 +205,7 @@ def test_appended_trace_records_every_source(tiny_models, tok, tmp_path):
 def test_second_ctrl_c_while_flushing_keeps_the_finished_prompts(tiny_models, tok, tmp_path, monkeypatch):
     """Ctrl-C during the 3rd prompt, then Ctrl-C again while the buffered prompts are written: the second
     signal waits until the shard and meta.json are written, so prompts 1-2 stay in a valid trace."""
-    import moeflow.trace.run as run_mod
+    import moeflow.stages.trace as run_mod
     import moeflow.trace.writer as wmod
 
     real_one, real_shard = run_mod.trace_one, wmod.write_shard

@@ -224,7 +224,7 @@ def test_gps_sweep_repeats_no_point(small_trace, capsys):
     point, not several copies of it: each skewness appears once in the sweep, the plot's points and the table;
     the others are listed as skipped with the point they landed on."""
     from moeflow.cli.app import main
-    from moeflow.gps.guide import duplicate_of
+    from moeflow.stages.gps import duplicate_of
 
     a, b, c = {"skewness": 1.661}, {"skewness": 1.664}, {"skewness": 1.70}
     assert duplicate_of(b, [a, c]) is a and duplicate_of(c, [a, b]) is None and duplicate_of(a, [a]) is None

@@ -162,7 +162,7 @@ def test_every_writer_is_refused_with_75_while_another_holds_its_out(setup, tmp_
 
 def test_train_wait_waits_for_the_other_writer_and_never_silently_replaces_it(setup, tmp_path, monkeypatch, capsys):
     import moeflow.locks as locks
-    import moeflow.predict.train as train
+    import moeflow.stages.train as train
 
     root, trace = setup
     out = tmp_path / "pred"
@@ -188,7 +188,7 @@ def test_two_train_processes_one_out_and_a_crashed_holder(setup, tmp_path, capsy
     out, fitting = tmp_path / "pred", tmp_path / "fitting"
     first_script = (
         "import pathlib, sys, time\n"
-        "import moeflow.predict.train as t\n"
+        "import moeflow.stages.train as t\n"
         "def slow(*a, **k):\n"
         "    pathlib.Path(sys.argv[1]).write_text('x'); time.sleep(120)\n"
         "t.fit_all = slow\n"

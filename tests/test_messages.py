@@ -75,7 +75,7 @@ def listed(name: str, text: str) -> bool:
 
 def test_simulate_refuses_a_learned_prefetcher_in_words(ckpt, tmp_path, capsys):
     from moeflow.policies import PREFETCH
-    from moeflow.sim.run import replayable_prefetchers
+    from moeflow.stages.simulate import replayable_prefetchers
 
     learned = [n for n in PREFETCH if n not in replayable_prefetchers()]
     assert {"router-pf", "estimator", "hybrid", "token-id", "forest"} <= set(learned)
@@ -97,7 +97,7 @@ def test_simulate_has_run_defaults(capsys, monkeypatch):
     from moeflow.models import default_model_path
 
     seen = {}
-    monkeypatch.setattr("moeflow.sim.run.main", lambda cfg: seen.update(cfg=cfg) or {"rows": []})
+    monkeypatch.setattr("moeflow.stages.simulate.main", lambda cfg: seen.update(cfg=cfg) or {"rows": []})
     code, _, err = cli(["simulate", "-t", "T", "--json"], capsys)
     assert code == 0, err
     cfg = seen["cfg"]

@@ -104,7 +104,8 @@ def test_card_numbers_are_consistent(committed):
 def test_traces_prompts(committed, tmp_path):
     pytest.importorskip("moeflow.trace")
     from moeflow.data.prompts import Prompt, prompt_id
-    from moeflow.trace import Trace, TraceConfig, run_trace
+    from moeflow.stages.trace import TraceConfig, run_trace
+    from moeflow.trace import Trace
 
     name, folder, model, tok = committed
     texts = ["Question: What is 3 plus 4?\nAnswer:", "The king said to his son"]

@@ -95,7 +95,7 @@ def test_restricted_routes_only_inside_the_plan(tiny_models, prompt):
 
 
 def test_plan_flags_are_checked_before_the_model_loads(tmp_path):
-    from moeflow.runtime.config import RunConfig
+    from moeflow.stages.run_config import RunConfig
 
     base: dict = dict(model="m", prompt=("hi",))
     with pytest.raises(ConfigError, match="mode='fast' unknown"):

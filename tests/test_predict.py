@@ -70,7 +70,7 @@ def tiny_setup(tmp_path_factory):
 
 
 def small_cfg(**kw):
-    from moeflow.predict.train import TrainConfig
+    from moeflow.stages.train import TrainConfig
 
     base = dict(
         trace="",
@@ -280,9 +280,10 @@ def test_learned_prefetchers_keep_generation_exact(trained_folder, tiny_setup):
     """Prefetch only moves bytes: greedy output with each learned prefetcher equals the resident model's."""
     from moeflow.policies.learned import LearnedPrefetch
     from moeflow.predict.io import save_predictors
-    from moeflow.predict.train import TrainConfig, fit_all
+    from moeflow.predict.train import fit_all
     from moeflow.runtime.generate import build_engine, generate_one
     from moeflow.runtime.link import DirectLink
+    from moeflow.stages.train import TrainConfig
 
     model, root, out, _ = trained_folder
     _, _, data = tiny_setup
@@ -332,7 +333,7 @@ def test_speculative_execution_changes_routing_and_is_measured(tiny_setup):
     from moeflow.moe import get_adapter
     from moeflow.predict.data import SourceBatch
     from moeflow.predict.default_vectors import RouterPF, compute_default_vectors
-    from moeflow.predict.speculative import measure_quality
+    from moeflow.quality.speculative import measure_quality
 
     model, _, data = tiny_setup
     seqs = [data.token_id[data.prompt_id == p][:12].tolist() for p in range(3)]
@@ -358,7 +359,7 @@ def test_speculative_execution_with_a_perfect_predictor_is_lossless(tiny_setup):
     """A predictor that returns each target layer's true router probabilities (recorded by transformers'
     own `output_router_logits`): speculation then routes exactly as the model does, so nothing changes."""
     from moeflow.predict.data import SourceBatch
-    from moeflow.predict.speculative import measure_quality
+    from moeflow.quality.speculative import measure_quality
 
     model, _, data = tiny_setup
     ml = data.spec.moe_layers
@@ -537,8 +538,9 @@ def test_decay_fit_reports_a_degenerate_fit_instead_of_its_numbers():
     assert "less than half the decay" in decay_fit_status(slow, 4)  # type: ignore[arg-type]
     assert decay_fit_status(fit_decay([(1, 0.5), (2, 0.4)]), 2).startswith("too few S")
     # the table says so instead of printing a number
+    sets = {"mass_precision": 0.5, "mass_set_size": 2.0}
     res = {
-        n: {f"{s}->{s + 1}": {"source": s, "target": s + 1, "S": s, "recall_at_k": y(s), "mass_precision": 0.5, "mass_set_size": 2.0} for s in S}
+        n: {f"{s}->{s + 1}": {"source": s, "target": s + 1, "S": s, "recall_at_k": y(s), **sets} for s in S}
         for n, y in (("pregate", lambda s: 0.3 * math.exp(-s) + 0.5), ("forest", lambda s: 0.8 - 0.05 * s))
     }
     rep = {"results": res, "n_tokens": 10, "n_prompts": 2, "mass": 0.8}

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from moeflow.cli.app import main
-from moeflow.retrain import retrain_lock
-from moeflow.retrain.lock import lock_path
+from moeflow.locks import lock_path
+from moeflow.stages.retrain import retrain_lock
 
 from .test_trace import tiny_tokenizer
 
@@ -143,7 +143,7 @@ def test_kill_9_mid_train_keeps_promoted_version(tmp_path, checkpoint, capsys):
     flag = tmp_path / "training"
     script = (
         "import sys, time, pathlib\n"
-        "import moeflow.predict.train as t\n"
+        "import moeflow.stages.train as t\n"
         "def slow(*a, **k):\n"
         "    pathlib.Path(sys.argv[2]).write_text('x'); time.sleep(120)\n"
         "t.fit_all = slow\n"

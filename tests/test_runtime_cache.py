@@ -9,10 +9,10 @@ from moeflow.errors import ConfigError
 from moeflow.moe import get_adapter
 from moeflow.policies import EVICTION, LayerContext, PrefetchPolicy, PrefetchRequest
 from moeflow.policies.parse import opts_dict, parse_capacity, parse_opts
-from moeflow.runtime.config import RunConfig
 from moeflow.runtime.engine import OffloadEngine
 from moeflow.runtime.generate import build_engine, create_policy, generate_one
 from moeflow.runtime.link import DirectLink
+from moeflow.stages.run_config import RunConfig
 
 NEW = 8
 

@@ -96,18 +96,22 @@ def test_run_caps_adaptive_s_at_a_learned_prefetchers_trained_horizon():
     (the prefetcher cannot look further), while pre-gate keeps the full [1, L_moe - 1] range."""
     from types import SimpleNamespace
 
-    from moeflow.runtime.main import _run_hooks
+    from moeflow.stages.session import run_hooks
 
-    def controller_max_s(pred):
+    def controller_max_s(horizon):
         engine = SimpleNamespace(
-            prefetcher=SimpleNamespace(pred=pred), observers=[], lookahead=1, spec=SimpleNamespace(num_layers=12), model=None
+            prefetcher=SimpleNamespace(horizon=horizon),
+            observers=[],
+            lookahead=1,
+            spec=SimpleNamespace(num_layers=12),
+            model=None,
         )
         cfg = SimpleNamespace(adaptive_s=True, speculative=False)
-        with _run_hooks(cfg, None, SimpleNamespace(num_moe_layers=12, num_layers=12), engine, None, 11):
+        with run_hooks(cfg, None, SimpleNamespace(num_moe_layers=12, num_layers=12), engine, None, 11):
             (on_pass,) = engine.observers
             return on_pass.__self__.max_s, engine.lookahead
 
-    assert controller_max_s(SimpleNamespace(max_lookahead=4)) == (4, 4)
+    assert controller_max_s(4) == (4, 4)  # the prefetcher's declared horizon (a learned one: its trained S)
     assert controller_max_s(None) == (11, 11)
 
 
@@ -127,9 +131,10 @@ def test_the_step_size_reported_is_the_one_used():
     """A learned predictor trained for S <= 4 runs at S = 4 when 11 is asked (the engine's S is set to it, so
     s_history holds it) and says why; a policy's own lookahead wins; no prefetch uses no S; adaptive S is a range."""
     from moeflow.runtime.adaptive_s import prefetch_step_size
-    from moeflow.runtime.main import NO_PREFETCH, adaptive_summary, use_step_size
+    from moeflow.stages.run import adaptive_summary
+    from moeflow.stages.session import NO_PREFETCH, use_step_size
 
-    forest = SimpleNamespace(name="forest", lookahead=None, pred=SimpleNamespace(max_lookahead=4))
+    forest = SimpleNamespace(name="forest", proposes=True, lookahead=None, horizon=4)
     assert prefetch_step_size(forest, 3) == (3, None)
     used, why = prefetch_step_size(forest, 11)
     assert used == 4 and "trained for S <= 4" in why
@@ -137,12 +142,11 @@ def test_the_step_size_reported_is_the_one_used():
     rep = use_step_size(engine, 11, adaptive=False)
     assert rep["lookahead"] == 4 and rep["lookahead_requested"] == 11 and engine.lookahead == 4
     assert rep["lookahead_note"].endswith("S=11 runs as S=4")
-    own = SimpleNamespace(prefetcher=SimpleNamespace(name="pregate", lookahead=2), lookahead=5)
+    own = SimpleNamespace(prefetcher=SimpleNamespace(name="pregate", proposes=True, lookahead=2, horizon=None), lookahead=5)
     assert use_step_size(own, 5, adaptive=False)["lookahead"] == 2 and own.lookahead == 2
-    assert use_step_size(SimpleNamespace(prefetcher=SimpleNamespace(name="pregate", lookahead=None), lookahead=3), 3, False) == {
-        "lookahead": 3
-    }
-    none = use_step_size(SimpleNamespace(prefetcher=SimpleNamespace(name="none"), lookahead=3), 3, False)
+    plain = SimpleNamespace(name="pregate", proposes=True, lookahead=None, horizon=None)
+    assert use_step_size(SimpleNamespace(prefetcher=plain, lookahead=3), 3, False) == {"lookahead": 3}
+    none = use_step_size(SimpleNamespace(prefetcher=SimpleNamespace(name="none", proposes=False), lookahead=3), 3, False)
     assert none["lookahead"] is None and none["lookahead_note"] == NO_PREFETCH
     assert use_step_size(None, 3, False)["lookahead"] is None  # resident: no engine
     ad = use_step_size(SimpleNamespace(prefetcher=forest, lookahead=4), 11, adaptive=True)

@@ -164,7 +164,7 @@ def test_run_sweep_table(setup, capsys, monkeypatch):
     """`moeflow run` prints at 160 columns into a file; its table still reads at 80 in a terminal."""
     import importlib
 
-    rm = importlib.import_module("moeflow.runtime.main")
+    rm = importlib.import_module("moeflow.stages.run")
     ck, _, _ = setup
     made = []
     real = rm.metrics_table
@@ -180,7 +180,7 @@ def test_run_sweep_table(setup, capsys, monkeypatch):
 def test_quality_table(setup, capsys, monkeypatch):
     import importlib
 
-    qm = importlib.import_module("moeflow.quality.main")  # moeflow.quality.main is also a function's name
+    qm = importlib.import_module("moeflow.stages.quality")
     ck, _, _ = setup
     made = []
     real = qm.quality_table

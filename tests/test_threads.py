@@ -69,7 +69,7 @@ def _calibration(path, model, **fields):
 
 
 def test_calibration_lookup(tmp_path, tiny_models):
-    from moeflow.threads import find_thread_calibration
+    from moeflow.stages.threads import find_thread_calibration
 
     olmoe, mixtral = tiny_models("olmoe"), tiny_models("mixtral")
     root = tmp_path / "calibration"
@@ -145,7 +145,7 @@ def test_every_threads_flag_states_the_rule():
     for cmd in ("trace", "train", "eval", "run", "quality"):
         r = CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "300"})
         assert r.exit_code == 0 and "MOEFLOW_THREADS" in r.output and "calibrate" in r.output, cmd
-    from moeflow.predict.train import EvalConfig, TrainConfig
+    from moeflow.stages.train import EvalConfig, TrainConfig
 
     assert TrainConfig(trace="t", out="o", model="m").threads is None  # the rule, not a fixed 2
     with pytest.raises(ConfigError, match="--threads must be >= 1"):

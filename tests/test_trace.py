@@ -15,7 +15,8 @@ import torch
 from moeflow.data import Prompt, prompt_id
 from moeflow.errors import ArtifactError
 from moeflow.moe import get_adapter
-from moeflow.trace import Trace, TraceConfig, run_trace
+from moeflow.stages.trace import TraceConfig, run_trace
+from moeflow.trace import Trace
 from moeflow.trace.summary import dead_experts, expert_counts, layer_stats, load_entropy, router_entropy, skewness, trace_summary
 from moeflow.trace.writer import RoutingRecorder, generation_kwargs, trace_one
 
@@ -186,7 +187,7 @@ def test_trace_append_skip_and_reader(tiny_models, tok, tmp_path):
 
 def test_small_shards_and_crash_resume(tiny_models, tok, tmp_path, monkeypatch):
     """A crash mid-run keeps every finished shard; the next run adds only the missing prompts."""
-    import moeflow.trace.run as run_mod
+    import moeflow.stages.trace as run_mod
 
     model = tiny_models("olmoe")
     out = tmp_path / "tr"

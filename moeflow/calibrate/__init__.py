@@ -1,11 +1,9 @@
 """Calibration: bandwidth sweep, per-layer compute timing, ExpertFlow's initial step size S, named regimes."""
 
-from .config import CalibrateConfig
 from .io import calibration_path, device_name, load_calibration, write_calibration
 from .stepsize import copy_share, copy_share_bandwidth, initial_step_size, parse_regime, regime_bandwidth, specmd_bandwidth
 
 __all__ = [
-    "CalibrateConfig",
     "calibration_path",
     "copy_share",
     "copy_share_bandwidth",
@@ -17,9 +15,3 @@ __all__ = [
     "specmd_bandwidth",
     "write_calibration",
 ]
-
-
-def main(cfg: CalibrateConfig):
-    from .run import main as _main
-
-    return _main(cfg)

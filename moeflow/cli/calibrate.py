@@ -1,4 +1,4 @@
-"""`moeflow calibrate`: flags -> CalibrateConfig -> moeflow.calibrate.main."""
+"""`moeflow calibrate`: flags -> CalibrateConfig -> moeflow.stages.calibrate.main."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def build_config(
     wait: bool = False,
 ) -> Any:
     """The flag -> config mapping (kept separate so it can be tested without measuring)."""
-    from ..calibrate import CalibrateConfig
+    from ..stages.calibrate import CalibrateConfig
 
     return CalibrateConfig(
         model=model,
@@ -153,7 +153,7 @@ def calibrate_cmd(
     as_json: bool = json_option(),
 ) -> None:
     """Measure host->device bandwidth, decode compute per layer and per expert; compute ExpertFlow's step size S."""
-    from ..calibrate import main
+    from ..stages.calibrate import main
 
     cfg = build_config(
         model=model,

@@ -1,4 +1,5 @@
-"""`moeflow ep`: greedy generation with the routed experts partitioned across N processes (flags -> EPConfig -> ep.run)."""
+"""`moeflow ep`: greedy generation with the routed experts partitioned across N processes
+(flags -> EPConfig -> moeflow.stages.ep)."""
 
 from __future__ import annotations
 
@@ -70,8 +71,8 @@ def ep(
     """Run the model expert-parallel over torch.distributed (all_to_all dispatch and combine; gloo on CPU,
     NCCL on GPUs), check its greedy tokens against one process, print per-layer dispatch / compute /
     combine times and rows per rank. Several GPUs or nodes: `torchrun ... -m moeflow ep` (docs/distributed.md)."""
-    from ..ep.run import EPConfig, main
-    from ..runtime.config import RunConfig
+    from ..stages.ep import EPConfig, main
+    from ..stages.run_config import RunConfig
 
     rc = RunConfig(
         model=model,

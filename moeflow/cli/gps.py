@@ -1,4 +1,4 @@
-"""`moeflow gps`: flags -> GPSConfig -> moeflow.gps.guide.main (the MoE-GPS strategy guideline)."""
+"""`moeflow gps`: flags -> GPSConfig -> moeflow.stages.gps.main (the MoE-GPS strategy guideline)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def gps_cmd(
 ) -> None:
     """Which expert-prediction strategy to use (MoE-GPS): simulated prefill latency per MoE layer on N GPUs for no prediction,
     distribution-only and token-to-expert prediction, broken into attention / FFN / communication / overhead."""
-    from ..gps.guide import GPSConfig, main, render
+    from ..stages.gps import GPSConfig, main, render
 
     cfg = GPSConfig(
         trace=trace,

@@ -1,5 +1,5 @@
 """`moeflow quality`: the quality cost of configurations against `resident`, beside their speed
-(flags -> QualityConfig -> moeflow.quality.main)."""
+(flags -> QualityConfig -> moeflow.stages.quality.main)."""
 
 from __future__ import annotations
 
@@ -93,8 +93,9 @@ def quality(
     """Perplexity, greedy agreement and task accuracy of each configuration against `resident`, beside its
     TPOT and bytes per token; lossy configurations are labelled LOSSY."""
     from ..policies.parse import parse_opts, split_list
-    from ..quality import QualityConfig, main
-    from ..runtime.config import RunConfig
+    from ..stages.quality import main
+    from ..stages.quality_config import QualityConfig
+    from ..stages.run_config import RunConfig
 
     misses = split_list(miss) or ("fetch",)
     routings = split_list(routing) or ("standard",)

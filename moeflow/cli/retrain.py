@@ -19,8 +19,8 @@ def retrain(
 ) -> None:
     """Append new prompts to the trace, retrain when anything changed, promote the new predictors only when
     they are not worse (exit 0: unchanged / promoted / rejected; 75: another retrain holds the lock)."""
-    from ..retrain import load_config
-    from ..retrain import retrain as run
+    from ..stages.retrain import load_config
+    from ..stages.retrain import retrain as run
 
     cfg = load_config(config)
     console = Console(stderr=as_json)

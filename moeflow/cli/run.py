@@ -1,4 +1,4 @@
-"""`moeflow run`: generate with routed experts offloaded to host memory (flags -> RunConfig -> runtime.main)."""
+"""`moeflow run`: generate with routed experts offloaded to host memory (flags -> RunConfig -> moeflow.stages.run)."""
 
 from __future__ import annotations
 
@@ -151,8 +151,8 @@ def run(
     """Generate with routed experts in host memory and a device expert cache; print text and metrics
     (with --json: each run's metrics and each prompt's generated text)."""
     from ..policies.parse import parse_opts, split_list
-    from ..runtime.config import RunConfig
-    from ..runtime.main import main
+    from ..stages.run import main
+    from ..stages.run_config import RunConfig
 
     cfg = RunConfig(
         model=model,

@@ -1,4 +1,4 @@
-"""`moeflow simulate`: flags -> SimulateConfig -> moeflow.sim.run.main."""
+"""`moeflow simulate`: flags -> SimulateConfig -> moeflow.stages.simulate.main."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def simulate_cmd(
     per token; `--json` rows carry `decode_counters` with the fields of `moeflow run --json`. The defaults are
     `moeflow run`'s; the model (--model) is loaded only for pregate, whose routers it applies."""
     from ..policies.parse import parse_opts, split_list
-    from ..sim.run import SimulateConfig, main
+    from ..stages.simulate import SimulateConfig, main
 
     cfg = SimulateConfig(
         trace=trace,

@@ -1,4 +1,4 @@
-"""`moeflow trace` and `moeflow inspect`: flags -> TraceConfig -> moeflow.trace.main."""
+"""`moeflow trace` and `moeflow inspect`: flags -> TraceConfig -> moeflow.stages.trace.main."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ _PROMPTS_HELP = (
 def build_config(**flags: Any) -> Any:
     """The flag -> config mapping (kept separate so it can be tested without running a trace): the flags are
     TraceConfig's fields, with its defaults."""
-    from ..trace.config import TraceConfig
+    from ..stages.trace import TraceConfig
 
     return TraceConfig(**flags)
 
@@ -41,7 +41,7 @@ def build_config(**flags: Any) -> Any:
 def _summarize(path: str, phase: str | None, as_json: bool) -> None:
     from rich.console import Console
 
-    from ..inspect import main
+    from ..stages.inspect import main
     from ..trace.summary import render_summary
 
     s = main(path, phase)
@@ -108,7 +108,7 @@ def trace_cmd(
         alias(None, summary, "`moeflow inspect DIR`", "`moeflow trace --summary DIR`")
         _summarize(summary, phase, as_json)
         return
-    from ..trace import main
+    from ..stages.trace import main
 
     cfg = build_config(
         model=model,

@@ -30,6 +30,21 @@ def _print_planner(report: dict, console: Console) -> None:
         console.print(t)
 
 
+def _print_seconds(report: dict, console: Console) -> None:
+    """Wall seconds of each predictor's fit and of the shared steps (the --json `seconds_per_predictor`,
+    `seconds_steps`, `seconds`)."""
+    from rich.table import Table
+
+    t = Table(title=f"train seconds: {report['seconds']:.1f} in all")
+    t.add_column("fit / step")
+    t.add_column("seconds", justify="right")
+    for name, sec in report["seconds_per_predictor"].items():
+        t.add_row(f"fit {name}", f"{sec:.2f}")
+    for name, sec in report["seconds_steps"].items():
+        t.add_row(name, f"{sec:.2f}")
+    console.print(t)
+
+
 def _print_gps(report: dict, console: Console) -> None:
     if report.get("gps"):
         from ..gps.predictors import render
@@ -51,10 +66,10 @@ def train(
     only: list[str] | None = typer.Option(
         None,
         "--only",
-        help="Learned predictor(s) to fit: router-pf, estimator, "
-        "hybrid, forest, the CasMoE planner's eam / eap, and gps (the MoE-GPS predictors; repeat the flag). "
-        "Default: all six (not gps). pregate and the "
-        "baselines frequency / token-id are always included.",
+        help="Learned predictor(s) to fit (repeat the flag): router-pf, estimator, hybrid, forest, the CasMoE "
+        "planner's eam / eap (for `run --plan casmoe`), and gps (the MoE-GPS predictors). Default: router-pf, "
+        "estimator, hybrid, forest, the ones `moeflow run --prefetch` loads; eam, eap and gps only when named "
+        "(e.g. --only eam --only eap). pregate and the baselines frequency / token-id are always included.",
     ),
     plan_opt: list[str] | None = typer.Option(
         None,
@@ -68,22 +83,29 @@ def train(
     seed: int = typer.Option(0, "--seed", help="Seed of the split, the random token embedding and the fits."),
     max_s: int = typer.Option(4, "--max-s", help="Largest step S (MoE layers ahead) to fit and evaluate."),
     forest_trees: int = typer.Option(24, "--forest-trees", help="Random-forest trees."),
-    forest_samples: int = typer.Option(40_000, "--forest-samples", help="Training samples for the forest (subsampled)."),
-    est_epochs: int = typer.Option(8, "--est-epochs", help="Estimator training epochs (at least 300 steps)."),
+    forest_samples: int = typer.Option(
+        30_000, "--forest-samples", help="Training samples for the forest (rows x (layer, S) pairs, subsampled)."
+    ),
+    est_epochs: int = typer.Option(
+        3,
+        "--est-epochs",
+        help="Most estimator training epochs: it stops earlier once recall on a validation part of the training "
+        "prompts stops improving, and trains at least 300 steps.",
+    ),
     threads: int | None = threads_option(),
     force: bool = typer.Option(False, "--force", help="Replace an existing predictor folder at --out."),
     wait: bool = wait_option(),
     as_json: bool = json_option(),
 ) -> None:
     """Fit layer-ahead expert predictors on a trace, evaluate them on held-out prompts, save a predictor folder."""
-    from ..plan.train import PLANNERS, plan_overrides
-    from ..predict.train import LEARNED, TrainConfig, main
+    from ..plan.train import plan_overrides
+    from ..stages.train import LEARNED, TrainConfig, main
 
     cfg = TrainConfig(
         trace=str(trace),
         out=str(out),
         model=str(model),
-        only=tuple(only) if only else LEARNED + PLANNERS,
+        only=tuple(only) if only else LEARNED,
         holdout=holdout,
         seed=seed,
         max_s=max_s,
@@ -103,7 +125,7 @@ def train(
     _print_report(report, console)
     _print_planner(report, console)
     _print_gps(report, console)
-    console.print("fit seconds: " + ", ".join(f"{n} {s:g}" for n, s in report["fit_seconds"].items()), highlight=False)
+    _print_seconds(report, console)
     if "hybrid" in report:
         h = report["hybrid"]
         on = ", ".join(h["estimator_on"]) or "none"
@@ -136,7 +158,7 @@ def eval_(
 ) -> None:
     """Evaluate a predictor folder on a trace: recall@k / precision per layer and S, decay fit vs pre-gate."""
     from ..plan.train import plan_overrides
-    from ..predict.train import EvalConfig, eval_main
+    from ..stages.train import EvalConfig, eval_main
 
     cfg = EvalConfig(
         predictors=str(predictors),

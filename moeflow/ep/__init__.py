@@ -2,7 +2,7 @@
 
 - `placement`: which rank(s) hold each expert (`{"layer": {"expert": [ranks]}}` JSON, duplication allowed);
 - `engine`: `ExpertParallel`, the `moeflow-ep` experts implementation (all_to_all dispatch / combine);
-- `run`: `moeflow ep` (spawned gloo/NCCL workers, or torchrun), identity check, per-layer report.
+- `moeflow.stages.ep`: `moeflow ep` (spawned gloo/NCCL workers, or torchrun), identity check, per-layer report.
 """
 
 from __future__ import annotations

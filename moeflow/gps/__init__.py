@@ -1,2 +1,2 @@
 """MoE-GPS: prediction strategies for expert duplication across GPUs (`predictors`), a prefill
-simulator for N GPUs (`simulator`) and the strategy guideline behind `moeflow gps` (`guide`)."""
+simulator for N GPUs (`simulator`); the strategy guideline behind `moeflow gps` is `moeflow.stages.gps`."""

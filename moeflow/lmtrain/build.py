@@ -13,12 +13,11 @@ import torch
 from ..artifacts import atomic_dir, now_iso, write_json_atomic
 from ..data.corpus import load_corpus
 from .configs import model_config
+from .files import TRAIN_LOG, TRAINING_JSON
 from .loop import LMTrainConfig, train
 from .tokenizer import encode_docs, train_tokenizer
 
 MAX_FOLDER_BYTES = 25 * 2**20
-TRAINING_JSON = "training.json"
-TRAIN_LOG = "train_log.jsonl"
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from .losses import per_layer_balance_loss, router_z_loss
 
 @dataclass(frozen=True)
 class LMTrainConfig:
-    """Language-model training loop settings (the embedded models; `moeflow train` uses `predict.train.TrainConfig`)."""
+    """Language-model training loop settings (the embedded models; `moeflow train` uses `moeflow.stages.train.TrainConfig`)."""
 
     seq_len: int = 256
     batch_size: int = 16

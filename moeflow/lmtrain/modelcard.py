@@ -213,7 +213,7 @@ def samples(model, tok, max_new_tokens: int = 48) -> list[dict[str, Any]]:
 
 
 def read_log(folder: Path) -> list[dict]:
-    from .build import TRAIN_LOG
+    from .files import TRAIN_LOG
 
     p = Path(folder) / TRAIN_LOG
     return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.is_file() else []
@@ -281,7 +281,7 @@ def compute_card(
     """Every number of the card of the saved model in `folder` (held-out token stream `val_tokens`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .build import TRAINING_JSON
+    from .files import TRAINING_JSON
     from .loop import val_windows
 
     folder = Path(folder)

@@ -107,6 +107,7 @@ class BindContext:
     expert_bytes: int  # one routed expert's full-precision row
     time_host_expert: Callable[[int], float]  # fastest seconds to run one expert on N rows on the host
     time_row_copy: Callable[[], float]  # fastest seconds of one plain host -> device copy of one expert row
+    host_hidden: Callable[[], float | None] | None = None  # share of host expert time hidden so far (`auto`)
 
 
 @runtime_checkable

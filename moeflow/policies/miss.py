@@ -11,7 +11,7 @@ simulator implements `fetch` only.
 | drop | skip misses of rank >= `min_rank` (3) and weight < `score` (0: any); `renorm` | no |
 | substitute | most similar resident expert (router-row cosine), 1 - cos <= `tol` | no |
 | cpu | run the missing expert on the host from the store's row; activations move | on CPU |
-| auto | per miss: cpu if host compute for the tokens beats one copy, else fetch | on CPU |
+| auto | per miss: cpu if host compute now and at the expected later hits beats one copy, else fetch | on CPU |
 | fetch-lowest-bit | ("fetch", `bits`): the store's lowest-precision copy (default int2; HQQ) | no |
 | fetch-priority | misses scoring below the layer's `percentile` (60): ("fetch", b), b from `bits` (8/4/2) by tier | no |
 | cascade | ("fetch", `bits`) now (int4), then the full row queued over the slot (prefetch priority) | no |
@@ -137,10 +137,20 @@ class Cpu(MissPolicy):
 
 @MISS.register
 class Auto(MissPolicy):
-    """Per miss, `cpu` when the host computes the expert for the tokens at hand faster than one copy takes,
-    else `fetch`. host time = `host_s` + `per_token_s` x (tokens - 1); copy time = `copy_s`. Missing values
-    come from the calibration (`moeflow run` passes them) or are measured at `bind` (host: a host-store
-    expert on 1 and 8 rows; copy: the link's estimate, else one timed row copy)."""
+    """Per miss, `cpu` or `fetch`, whichever costs less over the expert's expected later accesses.
+
+    cpu: the host computes the expert now for the call's tokens, and again at each later access (a cpu
+    expert never enters the cache), each time only the part the device's own work does not hide:
+    `cost_cpu = (host(tokens) + reuse x host(1)) x (1 - hidden)`, host(n) = `host_s` + `per_token_s` x (n - 1).
+    fetch: one copy now, after which those later accesses are hits: `cost_fetch = copy_s`.
+    `cpu` when cost_cpu < cost_fetch. `reuse` = the expected later hits of a fetched expert: a fixed value
+    when given, else learned, recent-weighted (`decay` per fetch): hits that experts `auto` fetched earned
+    while resident / experts `auto` fetched, starting from `prior` (one pseudo-fetch with that many hits).
+    `hidden` = the share of host time the engine measured hidden behind the device so far (0 until a host
+    expert ran; `OffloadEngine.host_hidden_share`). Missing timings come from the calibration (`moeflow run`
+    passes `host_s`) or are measured at `bind` (host: a host-store expert on 1 and 8 rows; copy: the link's
+    estimate, else one timed row copy). Hits are heard through `observe` (every experts call's experts with a
+    slot); a fetched expert stops being followed once it is no longer resident."""
 
     name: ClassVar[str] = "auto"
     changes_output = False  # fetch and cpu are both exact on a CPU device; `needs_host`: lossy elsewhere
@@ -148,14 +158,32 @@ class Auto(MissPolicy):
     needs_host: ClassVar[bool] = True
     needs_model: ClassVar[bool] = True  # host and copy timings
 
-    def __init__(self, host_s: float | None = None, per_token_s: float | None = None, copy_s: float | None = None):
+    def __init__(
+        self,
+        host_s: float | None = None,
+        per_token_s: float | None = None,
+        copy_s: float | None = None,
+        reuse: float | None = None,
+        prior: float = 1.0,
+        decay: float = 0.98,
+    ):
+        if not 0.0 < float(decay) <= 1.0:
+            raise ValueError("decay must be in (0, 1]")
         self.host_s, self.per_token_s, self.copy_s = host_s, per_token_s, copy_s
+        self.fixed_reuse = None if reuse is None else float(reuse)
+        self.decay = float(decay)
+        self.fetches, self.hits = 1.0, float(prior)  # decayed counts: auto's fetches, the hits they earned
         self._link: Any = None
         self._nbytes = 0
+        self._hidden: Any = None  # () -> measured hidden share of host time, or None
+        self._resident: Any = None  # the cache's `resident(key)` (from `MissInfo`)
+        self._followed: dict[int, set[int]] = {}  # layer -> experts auto fetched, still followed for hits
+        self._fresh: set[ExpertKey] = set()  # fetched in the layer call now running (not a hit of itself)
         self.decisions = {FETCH: 0, CPU: 0}
 
     def bind(self, ctx: BindContext) -> None:
         self._link, self._nbytes = ctx.link, ctx.expert_bytes
+        self._hidden = ctx.host_hidden
         if self.host_s is None or self.per_token_s is None:
             t1, t8 = ctx.time_host_expert(1), ctx.time_host_expert(8)
             self.host_s = t1 if self.host_s is None else self.host_s
@@ -164,17 +192,54 @@ class Auto(MissPolicy):
             est = self._link.transfer_estimate_s(self._nbytes)
             self.copy_s = est if est is not None else ctx.time_row_copy()
 
+    @property
+    def reuse(self) -> float:
+        """Expected later hits of a fetched expert (fixed, or learned: decayed hits / decayed fetches)."""
+        return self.fixed_reuse if self.fixed_reuse is not None else self.hits / self.fetches
+
+    @property
+    def hidden(self) -> float:
+        """Share of host time hidden behind the device's work, as measured so far (0 before any)."""
+        h = self._hidden() if self._hidden is not None else None
+        return 0.0 if h is None else min(1.0, max(0.0, float(h)))
+
     def estimate(self, tokens: int) -> tuple[float, float]:
-        """(host seconds for `tokens` rows, copy seconds) of one expert."""
+        """(host seconds for `tokens` rows, copy seconds) of one expert, no overlap or reuse counted."""
         host = float(self.host_s or 0.0) + float(self.per_token_s or 0.0) * max(0, tokens - 1)
         return host, float(self.copy_s or 0.0)
 
+    def costs(self, tokens: int) -> tuple[float, float]:
+        """(cost_cpu, cost_fetch) of one miss with `tokens` rows, in seconds (see the class docstring)."""
+        host, copy = self.estimate(tokens)
+        host1, _ = self.estimate(1)
+        return (host + self.reuse * host1) * (1.0 - self.hidden), copy
+
     def on_miss(self, key: ExpertKey, pos: Position, info: MissInfo | None = None) -> MissAction:
         tokens = info.tokens if info is not None else 1
-        host, copy = self.estimate(tokens)
-        act = CPU if host < copy else FETCH
+        if info is not None:
+            self._resident = info.resident
+        cost_cpu, cost_fetch = self.costs(tokens)
+        act = CPU if cost_cpu < cost_fetch else FETCH
         self.decisions[act] += 1
+        if act == FETCH:
+            self.fetches = self.fetches * self.decay + 1.0
+            self.hits *= self.decay
+            self._followed.setdefault(key[0], set()).add(key[1])
+            self._fresh.add(key)
         return act
+
+    def observe(self, layer: int, scores: dict[int, float]) -> None:
+        """A layer call's experts with a slot (after the call): each followed one not fetched by this very
+        call earned a hit; followed experts no longer resident are dropped."""
+        followed = self._followed.get(layer)
+        if followed:
+            resident = self._resident
+            for e in list(followed):
+                if resident is not None and not resident((layer, e)):
+                    followed.discard(e)
+                elif e in scores and (layer, e) not in self._fresh:
+                    self.hits += 1.0
+        self._fresh = {k for k in self._fresh if k[0] != layer}
 
 
 # ---- mixed precision (SpecMD 3.1.2, HOBBIT) ----------------------------------------------------------

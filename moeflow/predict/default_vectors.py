@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..errors import ArtifactError
 from ..moe import get_adapter, residual_norm
@@ -54,13 +55,12 @@ def compute_default_vectors(
         counts = torch.zeros(E, dtype=torch.float64)
         for i in range(0, len(rows), chunk):
             r = rows[i : i + chunk]
-            x = torch.from_numpy(a.hidden_in[r]).to(dt)  # [T,H]
             ids = torch.from_numpy(a.topk_ids[r])  # [T,k]
-            for j in range(ids.shape[1]):
-                e = ids[:, j : j + 1]  # [T,1]
-                y = experts(x, e, torch.ones(e.shape, dtype=dt))  # [T,H] output of expert e[t]
-                sums.index_add_(0, e[:, 0], y.double())
-                counts.index_add_(0, e[:, 0], torch.ones(len(r), dtype=torch.float64))
+            x = torch.from_numpy(a.hidden_in[r]).to(dt).repeat_interleave(ids.shape[1], 0)  # [T*k,H] each token k times
+            e = ids.reshape(-1, 1)  # [T*k,1] one of its routed experts per copy
+            y = experts(x, e, torch.ones(e.shape, dtype=dt))  # [T*k,H] output of expert e
+            sums.index_add_(0, e[:, 0], y.double())
+            counts.index_add_(0, e[:, 0], torch.ones(len(e), dtype=torch.float64))
         out[l] = (sums / counts.clamp(min=1)[:, None]).float()  # [E,H]; unseen experts: 0
         if progress is not None:
             progress()
@@ -78,8 +78,8 @@ class QuasiHidden:
     @torch.no_grad()
     def step(self, h: torch.Tensor, layer: int, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """h_{next} ~= h + sum_k w_k d_{layer, ids_k}: [T,H] (h is the post-attention residual of `layer`)."""
-        d = self.dvec[layer][ids]  # [T,k,H]
-        return h.float() + (w.float().unsqueeze(-1) * d).sum(1)  # [T,H]
+        d = F.embedding_bag(ids.long(), self.dvec[layer], per_sample_weights=w.float(), mode="sum")  # [T,H] sum_k w_k d_ids_k
+        return h.float() + d  # [T,H]
 
     @torch.no_grad()
     def normed(self, h: torch.Tensor, layer: int) -> torch.Tensor:

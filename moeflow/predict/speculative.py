@@ -7,15 +7,14 @@ as in the paper's Algorithm 1, line 7); when that next layer routes, its (weight
 replaced by the family's own selection rule applied to the predicted scores (log-probabilities as
 logits). The first MoE layer keeps its router. A forward pre-hook on each MoE layer's
 `post_attention_layernorm` captures the residual r_l the quasi-hidden state needs.
-This is LOSSY by design: `measure_quality` reports greedy (argmax) agreement and perplexity against
-the same model with its own routing, teacher-forced on token sequences.
+This is LOSSY by design: `moeflow.quality.speculative.measure_quality` reports greedy (argmax) agreement
+and perplexity against the same model with its own routing, teacher-forced on token sequences.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -78,44 +77,3 @@ def speculative_routing(
         router_hooks(ad, on_route, prepend=True),
     ):
         yield stats
-
-
-@torch.no_grad()
-def measure_quality(model: torch.nn.Module, predictor: Any, sequences: Sequence[Sequence[int]]) -> dict[str, Any]:
-    """Teacher-forced on each sequence: argmax agreement (speculative vs own routing) and perplexities, with the
-    95% interval of their ratio (`ppl_ratio_ci95`: a paired bootstrap over blocks of tokens,
-    `moeflow.quality.measure.dppl_interval`) and whether it holds 1 (`ppl_within_noise`)."""
-    from ..quality.measure import dppl_interval, within_noise
-
-    agree = n = 0
-    nll_ref = nll_spec = 0.0
-    tok_ref: list[list[float]] = []
-    tok_spec: list[list[float]] = []
-    stats: dict[str, Any] = {}
-    for seq in sequences:
-        ids = torch.tensor([list(seq)], dtype=torch.long)
-        if ids.shape[1] < 2:
-            continue
-        ref = model(ids).logits[0, :-1].float()  # [T-1,V]
-        with speculative_routing(model, predictor, stats=stats):
-            spec = model(ids).logits[0, :-1].float()
-        tgt = ids[0, 1:]
-        agree += int((ref.argmax(-1) == spec.argmax(-1)).sum())
-        n += len(tgt)
-        tok_ref.append(torch.nn.functional.cross_entropy(ref, tgt, reduction="none").double().tolist())  # [T-1]
-        tok_spec.append(torch.nn.functional.cross_entropy(spec, tgt, reduction="none").double().tolist())
-        nll_ref += sum(tok_ref[-1])
-        nll_spec += sum(tok_spec[-1])
-    if n == 0:
-        return {"tokens": 0}
-    ci = dppl_interval(tok_spec, tok_ref)
-    return {
-        "tokens": n,
-        "greedy_agreement": agree / n,
-        "ppl_resident": math.exp(nll_ref / n),
-        "ppl_speculative": math.exp(nll_spec / n),
-        "ppl_ratio": math.exp((nll_spec - nll_ref) / n),
-        "ppl_ratio_ci95": None if ci is None else [1 + ci[0] / 100, 1 + ci[1] / 100],
-        "ppl_within_noise": within_noise(ci),
-        "routing_exact_match": stats["agree"] / max(1, stats["replaced"]),
-    }

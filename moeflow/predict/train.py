@@ -1,26 +1,23 @@
-"""`moeflow train` and `moeflow eval`: fit predictors on a trace, evaluate on held-out prompts, save.
-
-`main(TrainConfig)` loads the model and the trace, splits prompts into train / held-out, computes the
-default vectors once (shared by router-pf, estimator, hybrid), fits each requested predictor plus the
-trivial baselines (`frequency`, `token-id`) and the parameter-free `pregate`, evaluates all of them on
-the held-out prompts and writes the predictor folder atomically (`moeflow.predict.io`).
+"""Fitting the predictors of `moeflow train` (the stage is `moeflow.stages.train`): `fit_all` computes the
+default vectors once (shared by router-pf, estimator, hybrid) and fits each requested predictor plus the
+trivial baselines (`frequency`, `token-id`) and the parameter-free `pregate`; `decode_only` and `sequences`
+are the decode-time evaluation and the token sequences the speculative-quality measurement uses.
+`cfg` is the stage's `TrainConfig` (the predictors read their hyperparameters from it).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import ArtifactError, ConfigError
+from ..errors import ConfigError
 from ..moe import model_fingerprint
 from .base import PREDICTORS
-from .data import RoutingData, from_trace
+from .data import RoutingData
 
 LEARNED = ("router-pf", "estimator", "hybrid", "forest")
 BASELINES = ("frequency", "token-id")
@@ -28,101 +25,7 @@ PLANNERS = ("eam", "eap")  # the CasMoE prompt-level planner (moeflow.plan), wri
 GPS = ("gps",)  # the MoE-GPS predictors (moeflow.gps.predictors), written to gps/
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    trace: str
-    out: str
-    model: str
-    only: tuple[str, ...] = LEARNED + PLANNERS  # learned predictors to fit (pregate and baselines always come along)
-    holdout: float = 0.2  # fraction of prompts held out for evaluation
-    seed: int = 0
-    max_s: int = 4  # largest step S fitted and evaluated
-    mass: float = 0.8  # cumulative score mass of the evaluated prefetch set
-    threads: int | None = None  # torch threads and forest jobs (None: moeflow.threads' rule)
-    dv_max_tokens: int = 50_000  # tokens per layer used for the default vectors
-    est_latent: int = 128  # estimator m
-    est_hidden: int = 256  # estimator n
-    est_blocks: int = 1  # residual SiLU blocks
-    est_context: int = 2  # input embeddings of the last tokens fed to the estimator
-    est_epochs: int = 8
-    est_lr: float = 3e-3
-    est_weight_decay: float = 1e-4
-    est_bce: float = 0.0  # weight of a multi-label BCE on the routed top-k beside the KL (held out: 0 was best)
-    est_batch: int = 512  # samples (rows x (layer, S) pairs) per optimiser step
-    est_patience: int = 1  # stop after this many epochs without a better validation recall
-    est_max_tokens: int = 30_000  # training rows (tokens), each used for every (layer, S) pair
-    est_max_samples: int = 240_000  # rows x pairs cap (memory: the chained q of every pair is kept)
-    est_min_steps: int = 300  # at least this many optimiser steps (small traces)
-    hybrid_val: float = 0.25  # part of the training prompts used to pick Hybrid-PF's threshold
-    forest_trees: int = 24
-    forest_depth: int = 20
-    forest_min_leaf: int = 8
-    forest_max_features: float = 0.3
-    forest_max_samples: int = 40_000
-    forest_window: int = 4
-    forest_base: str = "none"  # forest learns y - base: none (y itself; best held out) | pregate (top-k; ExpertFlow) | prior
-    forest_dim: int = 16
-    plan_phase: str = "prefill"  # CasMoE EP labels from prefill tokens, or "all" (+ decode)
-    plan_label: str = "ep"  # ep (eq. 3) | count (Table 4)
-    plan_k: int = 0  # experts per layer a plan is scored on (0: the model's top-k)
-    plan_eps: float = 0.3  # cascade gate: EAM when its best cosine >= eps, else EAP
-    eam_k_prime: int = 3  # EAM neighbours fused (eq. 5)
-    eam_weighted: bool = False  # similarity-weighted fusion instead of the plain mean
-    eap_layers: int = 6  # EAP encoder (initialised from MiniLM; the paper: 6 / 64 / 128)
-    eap_hidden: int = 64
-    eap_intermediate: int = 128
-    eap_epochs: int = 30
-    eap_lr: float = 1e-3
-    eap_batch: int = 32
-    embedder: str = ""  # sentence-transformers model folder for the EAM ("": all-MiniLM-L6-v2)
-    force: bool = False  # replace an existing predictor folder at `out`
-    wait: bool = False  # wait for another writer of `out` instead of refusing (moeflow.locks.out_lock)
-
-    def __post_init__(self) -> None:
-        for flag, v in (
-            ("--max-s", self.max_s),
-            ("--threads", 1 if self.threads is None else self.threads),
-            ("--forest-trees", self.forest_trees),
-            ("--forest-samples", self.forest_max_samples),
-            ("--est-epochs", self.est_epochs),
-        ):
-            if v < 1:
-                raise ConfigError(f"{flag} must be >= 1 (got {v})")
-        if not 0.0 < self.holdout < 1.0:
-            raise ConfigError(f"--holdout must be in (0, 1), got {self.holdout}")
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["only"] = list(self.only)
-        return d
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    predictors: str
-    trace: str
-    model: str
-    only: tuple[str, ...] = ()
-    max_s: int = 4
-    mass: float = 0.8
-    window: int = 4
-    plan_eps: float = 0.3  # CasMoE cascade gate threshold
-    plan_k: int = 0  # experts per layer a plan is scored on (0: top-k)
-    speculative: bool = False  # also measure speculative execution's quality cost
-    spec_sequences: int = 24  # trace prompts (prompt + generated tokens) used for that
-    threads: int | None = None  # torch threads (None: moeflow.threads' rule)
-
-    def __post_init__(self) -> None:
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"--threads must be >= 1 (got {self.threads})")
-        for flag, v in (("--max-s", self.max_s), ("--spec-sequences", self.spec_sequences), ("window", self.window)):
-            if v < 1:
-                raise ConfigError(f"{flag} must be >= 1 (got {v})")
-        if not 0.0 < self.mass <= 1.0:
-            raise ConfigError(f"--mass must be in (0, 1], got {self.mass}")
-
-
-def _check_names(names: tuple[str, ...]) -> None:
+def check_names(names: tuple[str, ...]) -> None:
     bad = [n for n in names if n not in PREDICTORS and n not in PLANNERS and n not in GPS]
     if bad:
         raise ConfigError(
@@ -130,7 +33,7 @@ def _check_names(names: tuple[str, ...]) -> None:
         )
 
 
-def _check_trace_model(data: RoutingData, model: torch.nn.Module, trace: str) -> None:
+def check_trace_model(data: RoutingData, model: torch.nn.Module, trace: str) -> None:
     fp = model_fingerprint(model)
     if data.fingerprint is not None and data.fingerprint != fp:
         import json
@@ -144,19 +47,8 @@ def _check_trace_model(data: RoutingData, model: torch.nn.Module, trace: str) ->
         raise another_model(f"trace {trace}", meta, fp, "pass the --model it was traced with")
 
 
-def _load_model(path: str) -> torch.nn.Module:
-    from ..models import load_model
-
-    if not Path(path).is_dir():
-        from ..models import missing_model
-
-        raise ArtifactError(missing_model(path))
-    model, _ = load_model(path, dtype="float32", device="cpu")
-    return model
-
-
 def fit_all(
-    train: RoutingData, model: torch.nn.Module, cfg: TrainConfig, progress: Any = None, seconds: dict[str, float] | None = None
+    train: RoutingData, model: torch.nn.Module, cfg: Any, progress: Any = None, seconds: dict[str, float] | None = None
 ) -> dict[str, Any]:
     """name -> fitted predictor (baselines, pregate if hidden states exist, then cfg.only; hybrid reuses the
     estimator). `seconds` gets the shared default vectors' time under "default vectors"."""
@@ -191,144 +83,6 @@ def fit_all(
         adv(t, completed=1.0)
         out[n] = p
     return out
-
-
-def main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
-    """`moeflow train`: fit, evaluate on held-out prompts, save the predictor folder; the report.
-
-    The checks come first; the lock of `cfg.out` is held from then until the folder is published."""
-    from ..locks import out_lock
-    from ..models import torch_threads
-
-    _check(cfg)
-    with out_lock(cfg.out, wait=cfg.wait, command="moeflow train", check=lambda: _check(cfg)), torch_threads(cfg.threads):
-        return _main(cfg, console)
-
-
-def _check(cfg: TrainConfig) -> None:
-    """Before any work: the predictor names, --holdout, --out (`artifacts.check_out`)."""
-    from ..artifacts import check_out
-    from .io import KIND
-
-    _check_names(cfg.only)
-    if not 0.0 < cfg.holdout < 1.0:
-        raise ConfigError(f"--holdout must be in (0, 1), got {cfg.holdout}")
-    check_out(cfg.out, kind=KIND, inputs=(cfg.trace, cfg.model), force=cfg.force)
-
-
-def _main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
-    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
-
-    from ..progress import progress
-    from ..threads import apply_threads
-    from .evaluate import evaluate, plot, trace_prompt_ids
-    from .io import save_predictors
-
-    model = _load_model(cfg.model)
-    threads = apply_threads(cfg.threads, model, "cpu")
-    cfg = dataclasses.replace(cfg, threads=threads.n)  # the forest's jobs too
-    if console is not None:
-        console.print(f"[dim]threads: {threads.describe()}[/]")
-    need_hidden = any(PREDICTORS[n].needs_hidden for n in cfg.only if n not in PLANNERS and n not in GPS)
-    data = from_trace(cfg.trace, need_hidden=need_hidden)
-    _check_trace_model(data, model, cfg.trace)
-    train, held = data.split(cfg.holdout, cfg.seed)
-    columns = (TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn())
-    with progress("train", enabled=console is not None, console=console, columns=columns, transient=False) as prog:
-        preds = fit_all(train, model, cfg, prog)
-        pairs = len(data.rank_pairs(cfg.max_s))
-        t = prog.add_task("evaluate (held out)", total=pairs * len(preds))
-        report = evaluate(
-            preds, held, max_s=cfg.max_s, window=cfg.forest_window, mass=cfg.mass, progress=lambda: prog.update(t, advance=1)
-        )
-    report["decode_by_s"] = decode_only(preds, held, cfg.max_s, cfg.forest_window, cfg.mass)
-    report["fit_seconds"] = {n: round(float(getattr(p, "fit_seconds", 0.0)), 3) for n, p in preds.items()}
-    report["train_tokens"], report["heldout_tokens"] = train.n, held.n
-    planners = tuple(n for n in cfg.only if n in PLANNERS)
-    savers: dict[str, Any] = {}
-    if planners:
-        from ..plan.train import fit_planner, load_tokenizer
-
-        report["planner"], savers = fit_planner(
-            train, held, cfg, fingerprint=model_fingerprint(model), tokenizer=load_tokenizer(cfg.model), names=planners
-        )
-    if "gps" in cfg.only:
-        from ..gps.predictors import fit_and_evaluate
-
-        suite, report["gps"] = fit_and_evaluate(train, held, model)
-        savers = {**savers, "gps": lambda d, s=suite: (d.mkdir(), s.save(d))}
-    if "hybrid" in preds:
-        report["hybrid"] = {
-            "threshold": preds["hybrid"].threshold,
-            "estimator_on": [f"{l}+{s}" for l, s in sorted(preds["hybrid"].use_estimator)],
-        }
-    save_predictors(
-        cfg.out,
-        preds,
-        model,
-        trace=cfg.trace,
-        trace_fingerprint=data.trace_fingerprint,
-        config=cfg.to_dict(),
-        report=report,
-        plot_fn=plot,
-        extra=savers,
-        trained_prompt_ids=trace_prompt_ids(cfg.trace, train),
-    )
-    report["out"] = str(cfg.out)
-    report.update(threads.to_dict())
-    return report
-
-
-def eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
-    """`moeflow eval`: the report (torch's thread count restored after)."""
-    from ..models import torch_threads
-
-    with torch_threads(cfg.threads):
-        return _eval_main(cfg, console)
-
-
-def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
-    from ..threads import apply_threads
-    from .evaluate import evaluate, sample_overlap, trace_prompt_ids
-    from .io import load_predictors, read_predictor_meta
-
-    model = _load_model(cfg.model)
-    threads = apply_threads(cfg.threads, model, "cpu")
-    if console is not None:
-        console.print(f"[dim]threads: {threads.describe()}[/]")
-    meta = read_predictor_meta(cfg.predictors)
-    names = list(cfg.only) if cfg.only else list(meta.get("predictors", []))
-    data = from_trace(cfg.trace)
-    _check_trace_model(data, model, cfg.trace)
-    skipped = []
-    if not data.has_hidden:
-        skipped = [n for n in names if PREDICTORS[n].needs_hidden]
-        names = [n for n in names if n not in skipped]
-    _, preds = load_predictors(cfg.predictors, model, names)
-    report = evaluate(preds, data, max_s=cfg.max_s, window=cfg.window, mass=cfg.mass)
-    report["decode_by_s"] = decode_only(preds, data, cfg.max_s, cfg.window, cfg.mass)
-    report["skipped_no_hidden"] = skipped
-    wanted = set(cfg.only)  # empty: everything the folder holds
-    if {"eam", "eap"} & set(meta.get("extra") or []) and (not wanted or wanted & set(PLANNERS)):
-        from ..plan.train import eval_planner
-
-        report["planner"] = eval_planner(cfg.predictors, data, cfg, fingerprint=model_fingerprint(model), model_dir=cfg.model)
-    if (Path(cfg.predictors) / "gps" / "config.json").is_file() and (not wanted or wanted & set(GPS)):
-        from ..gps.predictors import GPSSuite, RoutingRows, input_embeddings
-
-        suite = GPSSuite.load(Path(cfg.predictors) / "gps")
-        report["gps"] = suite.evaluate(None, RoutingRows.from_data(data), input_embeddings(model))
-    if cfg.speculative:
-        from .speculative import measure_quality
-
-        seqs = sequences(data, cfg.spec_sequences)
-        report["speculative"] = {
-            n: measure_quality(model, p, seqs) for n, p in preds.items() if n in ("router-pf", "estimator", "hybrid", "pregate")
-        }
-    report.update(sample_overlap(meta, trace_prompt_ids(cfg.trace)))  # in-sample when they saw these prompts
-    report["trace_overlap_warning"] = report["heldout"] is False
-    report.update(threads.to_dict())
-    return report
 
 
 def sequences(data: RoutingData, limit: int, max_len: int = 256) -> list[list[int]]:

@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .recipe import Recipe
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 
-def _env_lines(env: dict[str, Any], r: Recipe) -> list[str]:
+class RecipeView(Protocol):
+    """What `render` reads of a `moeflow.report.recipe.Recipe` (its steps, tables and missing items)."""
+
+    paper: str
+    title: str
+    quick: bool
+    device: str
+    model: str
+    intro: str
+
+    @property
+    def steps(self) -> Sequence[Any]: ...
+
+    @property
+    def tables(self) -> Sequence[Any]: ...
+
+    @property
+    def missing_items(self) -> Sequence[Any]: ...
+
+
+def _env_lines(env: dict[str, Any], r: RecipeView) -> list[str]:
     gpu = env.get("gpu") or "none"
     commit = (env.get("git_commit") or "unknown")[:12] + (" (with uncommitted changes)" if env.get("git_dirty") else "")
     cal = [s.command for s in r.steps if s.command.startswith("moeflow calibrate")]
@@ -24,7 +42,7 @@ def _env_lines(env: dict[str, Any], r: Recipe) -> list[str]:
     ]
 
 
-def render(r: Recipe, env: dict[str, Any], seconds: float) -> str:
+def render(r: RecipeView, env: dict[str, Any], seconds: float) -> str:
     out = [f"# Reproducing {r.title}", ""]
     tier = "QUICK=1" if r.quick else "full"
     out.append(

@@ -1,8 +1,8 @@
 """Offloaded MoE inference: host expert store, device expert cache, transfer links, the per-layer engine,
-the generate loop and its metrics. `moeflow run` is `moeflow.runtime.main.main(RunConfig)`."""
+the generate loop and its metrics. `moeflow run` is `moeflow.stages.run.main(RunConfig)`."""
 
+from ..policies.parse import parse_capacity
 from .cache import CacheCounters, ExpertCache
-from .config import RunConfig, parse_capacity
 from .engine import IMPL_NAME, OffloadEngine, PassStats, register_experts_implementation
 from .generate import build_engine, generate_one
 from .link import CudaLink, DirectLink, EmulatedLink, Link, make_link, parse_link
@@ -21,7 +21,6 @@ __all__ = [
     "Link",
     "OffloadEngine",
     "PassStats",
-    "RunConfig",
     "RunMetrics",
     "build_engine",
     "generate_one",

@@ -1,6 +1,6 @@
 """Adaptive step size S (ExpertFlow 3.2.1-3.2.2, 3.3.2): how many MoE layers ahead to prefetch.
 
-    S_formula = N_e * E_s / (C_s * T_l)      (`moeflow.calibrate.stepsize.s_formula`)
+    S_formula = N_e * E_s / (C_s * T_l)      (`moeflow.runtime.stepsize.s_formula`)
 
 - N_e: the expected number of experts per MoE layer that are NOT resident yet, i.e. what must cross the
   link per layer step. Measured per pass from the prefetch policy's proposals against the cache
@@ -43,8 +43,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..calibrate.stepsize import ceil_s, mean_pairwise_distance, occupancy_limit, s_formula
 from ..errors import ConfigError
+from .stepsize import ceil_s, mean_pairwise_distance, occupancy_limit, s_formula
 
 
 @dataclass
@@ -322,7 +322,7 @@ class StepSizeController:
         """The controller `--adaptive-s` attaches to a (bound) engine: S in [1, MoE layers - 1] and no further than
         a learned prefetcher's trained S (it predicts no further); started from the calibration when there is one."""
         hi = max(1, num_moe_layers - 1)
-        horizon = predictor_horizon(getattr(engine, "prefetcher", None))
+        horizon = predictor_horizon(engine.prefetcher)
         if horizon:
             hi = min(hi, horizon)
         if calib:
@@ -360,18 +360,18 @@ def requested_step_size(flag: int | None, calib: dict[str, Any] | None, num_moe_
 
 
 def predictor_horizon(prefetcher: Any) -> int | None:
-    """The largest S a learned prefetcher's predictor was trained for (it predicts no further); None for others."""
-    h = getattr(getattr(prefetcher, "pred", None), "max_lookahead", None)
-    return int(h) if h else None
+    """The largest S a prefetch policy can predict (its declared `horizon`: a learned predictor's trained S, it
+    predicts no further); None for any other policy, or no policy."""
+    return None if prefetcher is None else prefetcher.horizon
 
 
 def prefetch_step_size(prefetcher: Any, s: int) -> tuple[int, str | None]:
     """(the step size a bound prefetch policy uses when the engine's S is `s`, why that is not `s` or None):
     the policy's own `lookahead=` option wins over S, and a learned predictor looks no further than its
     trained S (`moeflow.policies.learned`)."""
-    name = getattr(prefetcher, "name", "") or "the prefetch policy"
+    name = prefetcher.name or "the prefetch policy"
     used, why = s, None
-    own = getattr(prefetcher, "lookahead", None)
+    own = prefetcher.lookahead
     if own is not None and int(own) != s:
         used, why = int(own), f"{name} has its own lookahead={own}"
     horizon = predictor_horizon(prefetcher)

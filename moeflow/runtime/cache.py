@@ -155,7 +155,7 @@ class ExpertCache:
         kind = kernel_kind(self.eviction)
         why = None
         if kind is None:
-            why = f"eviction policy {getattr(self.eviction, 'name', None)!r} has no compiled kernel"
+            why = f"eviction policy {type(self.eviction).__name__} has no compiled kernel"
         elif not self.link.instant or self.link.transfer_estimate_s(self.expert_bytes) is not None:
             why = f"link {self.link.name!r} is not instant"
         elif list(self.spec.moe_layers) != sorted(self.spec.moe_layers):
@@ -164,6 +164,7 @@ class ExpertCache:
             if compiled:
                 raise ValueError(f"compiled cache core unavailable: {why}")
             return None
+        assert kind is not None  # `why` is None only with a kernel
         return CacheCore(
             capacity=self.capacity,
             num_layers=self.spec.num_moe_layers,

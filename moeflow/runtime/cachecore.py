@@ -3,11 +3,11 @@
 One mechanism for the runtime and the simulator. With an eviction policy that declares a `kernel` (lru, lfu,
 least-stale, belady-approx, and the simulator's Belady MIN) and a link whose copies complete at submit
 (`Link.instant`: the simulator's instant link, the runtime's direct link), `ExpertCache` keeps every decision
-and counter here (`moeflow.runtime.corecache.CacheCore`) and calls one kernel per cache call (`k_demand`,
-`k_prefetch`, `k_release`, `k_begin_pass`, `k_begin_layer`); the simulator's `k_replay` replays a whole
-access stream through the same internal functions (`_demand`, `_prefetch`, `_release`, ...) in one call.
-Every other policy or link keeps the Python mechanism (`ExpertCache`'s own methods and the policy's events),
-in the runtime and the simulator alike.
+and counter here (`moeflow.runtime.corecache.CacheCore`) and makes one kernel call per cache call (`k_call`:
+demand, prefetch, release, begin_pass, begin_layer); the simulator's `k_replay` replays a whole access stream
+through the same internal functions (`_demand`, `_prefetch`, `_release`, `pol_pass_start`, `pol_layer_start`) in
+one call. Every other policy or link keeps the Python mechanism (`ExpertCache`'s own methods and the policy's
+events), in the runtime and the simulator alike.
 
 The kernels follow `ExpertCache`'s Python mechanism with an instant link step for step (hits pinned first,
 misses in id order, each evicting the policy's victim; prefetches in priority order, resident proposals told
@@ -16,10 +16,11 @@ to the policy (`on_predicted`), a slot issued in the same call never a victim) a
 victims, the same counters (tests/test_sim_core.py checks both against the Python path on random streams).
 
 State: ONE int64 array `I` (a header of sizes and section offsets, then every integer section), one float64
-array `F` and one int64 array `X` (Belady MIN's next-use tables; empty otherwise), so a call from Python
-unboxes three arrays. Keys are `rank * E + expert` (rank: the MoE layer's index), slots `0..C-1`, -1 = none.
-Compiled once per machine (`cache=True`, next to this file or numba's user cache; without a writable one
-each process compiles again).
+array `F` and one int64 array `X` (Belady MIN's next-use tables; empty otherwise): a call from Python unboxes
+three arrays, and every kernel indexes them at `I[section offset] + i` (flat code compiles fast; `views` gives
+Python numpy views of the sections). Keys are `rank * E + expert` (rank: the MoE layer's index), slots
+`0..C-1`, -1 = none. Compiled once per machine (`cache=True`: next to this file, or numba's user-wide cache
+when that is read-only; with neither, once per process).
 """
 
 from __future__ import annotations
@@ -31,16 +32,26 @@ import numpy as np
 try:  # numba caches compiled kernels next to this file, or in its user-wide cache when that is read-only
     from numba import njit as _njit
 
-    def _jit(fn):
+    _OPTS = dict(nogil=True, error_model="numpy")  # numpy's error model: no exception paths to compile
+
+    def _jit(fn):  # a kernel called from Python
+        return _cached(fn, **_OPTS)
+
+    def _fn(fn):  # a function only kernels call: no Python entry to compile
+        return _cached(fn, no_cpython_wrapper=True, no_cfunc_wrapper=True, **_OPTS)
+
+    def _cached(fn, **opts):
         try:
-            return _njit(cache=True, nogil=True)(fn)
+            return _njit(cache=True, **opts)(fn)
         except RuntimeError:  # no writable cache location: compile in every process instead
-            return _njit(nogil=True)(fn)
+            return _njit(**opts)(fn)
 
 except ImportError:  # pragma: no cover - numba is a dependency; without it the kernels run as Python (slow)
 
     def _jit(fn):
         return fn
+
+    _fn = _jit
 
 
 # ---- policy kinds ---------------------------------------------------------------------------------------
@@ -167,10 +178,12 @@ PGF_MEAN, PGF_EMA, PGF_PRIOR, NPGF = range(4)
 LOG_EVICT, LOG_LOAD, LOG_UPGRADE = 1, 2, 3
 NEVER_PASS = -(1 << 62)  # `_evicted_in_pass` of a key never evicted
 
-St = namedtuple(
-    "St",
-    "hdr sc cnt skey pin pref used bits iss prot sof evp res free nfree byb log pk lst heap hskip pg seen srank "
-    "plist isl pkf pgf pah far X",
+# entry point ops (`k_call`)
+OP_DEMAND, OP_PREFETCH, OP_RELEASE, OP_BEGIN_PASS, OP_BEGIN_LAYER = 1, 2, 3, 4, 5
+
+Views = namedtuple(
+    "Views",
+    "hdr sc cnt skey pin pref used bits iss prot sof evp res free nfree byb log pk lst heap pg seen srank pkf pgf pah",
 )
 
 
@@ -226,344 +239,347 @@ def layout(
     I = np.zeros(off, np.int64)
     F = np.zeros(foff, np.float64)
     I[:NHDR] = hdr
-    st = unpack(I, F, np.zeros(0, np.int64))
-    st.skey[:] = -1
-    st.sof[:] = -1
-    st.evp[:] = NEVER_PASS
-    st.sc[SC_PASS] = -1
+    v = views(I, F)
+    v.skey[:] = -1
+    v.sof[:] = -1
+    v.evp[:] = NEVER_PASS
+    v.sc[SC_PASS] = -1
     for p in range(parts):  # `reversed(part slots)`: popping from the end gives the part's first slot first
-        st.free[p * per : (p + 1) * per] = np.arange(p * per + per - 1, p * per - 1, -1)
-        st.nfree[p] = per
-    st.pk[:, PK_PREV] = -1
-    st.pk[:, PK_NEXT] = -1
-    st.lst[:] = -1
-    st.pg[PG_LSPASS] = -1
-    st.pg[PG_STEP] = -1
-    st.pgf[PGF_MEAN], st.pgf[PGF_EMA], st.pgf[PGF_PRIOR] = 1.0, ema, prior
-    st.pah[:] = prior
+        v.free[p * per : (p + 1) * per] = np.arange(p * per + per - 1, p * per - 1, -1)
+        v.nfree[p] = per
+    v.pk[:, PK_PREV] = -1
+    v.pk[:, PK_NEXT] = -1
+    v.lst[:] = -1
+    v.pg[PG_LSPASS] = -1
+    v.pg[PG_STEP] = -1
+    v.pgf[PGF_MEAN], v.pgf[PGF_EMA], v.pgf[PGF_PRIOR] = 1.0, ema, prior
+    v.pah[:] = prior
     return I, F
 
 
-@_jit
-def _sec(I, o, n):
-    return I[I[o] : I[o] + n]
+def views(I: np.ndarray, F: np.ndarray) -> Views:
+    """Numpy views of the state's sections (Python side; the kernels index `I` and `F` directly)."""
+    C, K, L = int(I[H_C]), int(I[H_K]), int(I[H_L])
+    lc, hc = int(I[H_LOGCAP]), int(I[H_HCAP])
 
+    def sec(o: int, n: int) -> np.ndarray:
+        return I[I[o] : I[o] + n]
 
-@_jit
-def unpack(I, F, X):
-    """Views of every section of the state."""
-    C, K, L = I[H_C], I[H_K], I[H_L]
-    lc, hc = I[H_LOGCAP], I[H_HCAP]
-    return St(
+    return Views(
         I[:NHDR],
-        _sec(I, O_SC, NSC),
-        _sec(I, O_CNT, NCNT),
-        _sec(I, O_SKEY, C),
-        _sec(I, O_PIN, C),
-        _sec(I, O_PREF, C),
-        _sec(I, O_USED, C),
-        _sec(I, O_BITS, C),
-        _sec(I, O_ISS, C),
-        _sec(I, O_PROT, C),
-        _sec(I, O_SOF, K),
-        _sec(I, O_EVP, K),
-        _sec(I, O_RES, L),
-        _sec(I, O_FREE, max(1, I[H_PARTS] * I[H_PER])),
-        _sec(I, O_NFREE, I[H_PARTS]),
-        _sec(I, O_BYB, 9),
-        _sec(I, O_LOG, lc * 4).reshape((lc, 4)),
-        _sec(I, O_PK, K * NPK).reshape((K, NPK)),
-        _sec(I, O_LST, 4 * L).reshape((2 * L, 2)),
-        _sec(I, O_HEAP, hc * 3).reshape((hc, 3)),
-        _sec(I, O_HSKIP, hc * 3).reshape((hc, 3)),
-        _sec(I, O_PG, NPG),
-        _sec(I, O_SEEN, L),
-        _sec(I, O_SRANK, L),
-        _sec(I, O_PLIST, K),
-        _sec(I, O_ISL, C),
+        sec(O_SC, NSC),
+        sec(O_CNT, NCNT),
+        sec(O_SKEY, C),
+        sec(O_PIN, C),
+        sec(O_PREF, C),
+        sec(O_USED, C),
+        sec(O_BITS, C),
+        sec(O_ISS, C),
+        sec(O_PROT, C),
+        sec(O_SOF, K),
+        sec(O_EVP, K),
+        sec(O_RES, L),
+        sec(O_FREE, max(1, int(I[H_PARTS] * I[H_PER]))),
+        sec(O_NFREE, int(I[H_PARTS])),
+        sec(O_BYB, 9),
+        sec(O_LOG, lc * 4).reshape(lc, 4),
+        sec(O_PK, K * NPK).reshape(K, NPK),
+        sec(O_LST, 4 * L).reshape(2 * L, 2),
+        sec(O_HEAP, hc * 3).reshape(hc, 3),
+        sec(O_PG, NPG),
+        sec(O_SEEN, L),
+        sec(O_SRANK, L),
         F[I[OF_PKF] : I[OF_PKF] + K],
         F[I[OF_PGF] : I[OF_PGF] + NPGF],
         F[I[OF_PAH] : I[OF_PAH] + L + 2],
-        F[I[OF_FAR] : I[OF_FAR] + C],
-        X,
     )
 
 
-# ---- small structures ------------------------------------------------------------------------------------
+# ---- small structures (flat: `I[base + i]`) -------------------------------------------------------------
 
 
-@_jit
-def _log(st, op, s, k, arg):
-    if st.hdr[H_LOGON]:
-        n = st.sc[SC_NLOG]
-        st.log[n, 0], st.log[n, 1], st.log[n, 2], st.log[n, 3] = op, s, k, arg
-        st.sc[SC_NLOG] = n + 1
+@_fn
+def _log(I, op, s, k, arg):
+    if I[H_LOGON]:
+        sc = I[O_SC]
+        n = I[sc + SC_NLOG]
+        b = I[O_LOG] + 4 * n
+        I[b], I[b + 1], I[b + 2], I[b + 3] = op, s, k, arg
+        I[sc + SC_NLOG] = n + 1
 
 
-@_jit
-def _ll_unlink(st, li, k):
-    pk, lst = st.pk, st.lst
-    prev, nxt = pk[k, PK_PREV], pk[k, PK_NEXT]
+@_fn
+def _ll_unlink(I, li, k):
+    lst = I[O_LST] + 2 * li
+    prev, nxt = I[I[O_PK] + k * NPK + PK_PREV], I[I[O_PK] + k * NPK + PK_NEXT]
     if prev >= 0:
-        pk[prev, PK_NEXT] = nxt
+        I[I[O_PK] + prev * NPK + PK_NEXT] = nxt
     else:
-        lst[li, 0] = nxt
+        I[lst] = nxt
     if nxt >= 0:
-        pk[nxt, PK_PREV] = prev
+        I[I[O_PK] + nxt * NPK + PK_PREV] = prev
     else:
-        lst[li, 1] = prev
-    pk[k, PK_PREV] = -1
-    pk[k, PK_NEXT] = -1
+        I[lst + 1] = prev
+    I[I[O_PK] + k * NPK + PK_PREV] = -1
+    I[I[O_PK] + k * NPK + PK_NEXT] = -1
 
 
-@_jit
-def _ll_append(st, li, k):
-    pk, lst = st.pk, st.lst
-    tail = lst[li, 1]
-    pk[k, PK_PREV] = tail
-    pk[k, PK_NEXT] = -1
+@_fn
+def _ll_append(I, li, k):
+    lst = I[O_LST] + 2 * li
+    tail = I[lst + 1]
+    I[I[O_PK] + k * NPK + PK_PREV] = tail
+    I[I[O_PK] + k * NPK + PK_NEXT] = -1
     if tail >= 0:
-        pk[tail, PK_NEXT] = k
+        I[I[O_PK] + tail * NPK + PK_NEXT] = k
     else:
-        lst[li, 0] = k
-    lst[li, 1] = k
+        I[lst] = k
+    I[lst + 1] = k
 
 
-@_jit
-def _h_less(h, i, j):
-    return h[i, 0] < h[j, 0] or (h[i, 0] == h[j, 0] and (h[i, 1] < h[j, 1] or (h[i, 1] == h[j, 1] and h[i, 2] < h[j, 2])))
+# The heap: a min-heap of entries (a, b, key) at I[O_HEAP] ordered by (a, b), which is unique among live
+# entries (lfu: (count, tick), ticks are unique; belady: (-score, 0), a score names its key).
 
 
-@_jit
-def _h_swap(h, i, j):
-    for c in range(3):
-        h[i, c], h[j, c] = h[j, c], h[i, c]
-
-
-@_jit
-def _h_down(h, n, i):
+@_fn
+def _h_down(I, h, n, i):
     while True:
         c = 2 * i + 1
         if c >= n:
             return
-        if c + 1 < n and _h_less(h, c + 1, c):
+        x, y = h + 3 * c, h + 3 * c + 3
+        if c + 1 < n and (I[y] < I[x] or (I[y] == I[x] and I[y + 1] < I[x + 1])):
             c += 1
-        if not _h_less(h, c, i):
+            x = y
+        z = h + 3 * i
+        if not (I[x] < I[z] or (I[x] == I[z] and I[x + 1] < I[z + 1])):
             return
-        _h_swap(h, i, c)
+        for t in range(3):
+            I[x + t], I[z + t] = I[z + t], I[x + t]
         i = c
 
 
-@_jit
-def _h_up(h, i):
-    while i > 0:
-        p = (i - 1) // 2
-        if not _h_less(h, i, p):
-            return
-        _h_swap(h, i, p)
-        i = p
-
-
-@_jit
-def _h_pop(st):
-    h, n = st.heap, st.pg[PG_HSIZE] - 1
+@_fn
+def _h_pop(I):
+    h, pg = I[O_HEAP], I[O_PG]
+    n = I[pg + PG_HSIZE] - 1
     for c in range(3):
-        h[0, c] = h[n, c]
-    st.pg[PG_HSIZE] = n
-    _h_down(h, n, 0)
+        I[h + c] = I[h + 3 * n + c]
+    I[pg + PG_HSIZE] = n
+    _h_down(I, h, n, 0)
 
 
-@_jit
-def _h_live(st, i):
+@_fn
+def _h_live(I, i):
     """lfu: the entry's tick is its key's last use; belady: its score is its key's score (both: tracked)."""
-    k = st.heap[i, 2]
-    if not st.pk[k, PK_TR]:
+    e = I[O_HEAP] + 3 * i
+    k = I[e + 2]
+    if not I[I[O_PK] + k * NPK + PK_TR]:
         return False
-    if st.hdr[H_KIND] == KIND_LFU:
-        return st.heap[i, 1] == st.pk[k, PK_LAST]
-    return -st.heap[i, 0] == st.pk[k, PK_SCORE]
+    if I[H_KIND] == KIND_LFU:
+        return I[e + 1] == I[I[O_PK] + k * NPK + PK_LAST]
+    return -I[e] == I[I[O_PK] + k * NPK + PK_SCORE]
 
 
-@_jit
-def _h_push(st, a, b, k):
-    h = st.heap
-    n = st.pg[PG_HSIZE]
-    if n == st.hdr[H_HCAP]:  # full: keep the live entries only (a compaction, the order is unchanged)
+@_fn
+def _h_push(I, a, b, k):
+    h, pg = I[O_HEAP], I[O_PG]
+    n = I[pg + PG_HSIZE]
+    if n == I[H_HCAP]:  # full: keep the live entries only (a compaction; victims do not change)
         m = 0
         for i in range(n):
-            if _h_live(st, i):
+            if _h_live(I, i):
                 for c in range(3):
-                    h[m, c] = h[i, c]
+                    I[h + 3 * m + c] = I[h + 3 * i + c]
                 m += 1
         n = m
         for i in range(n // 2 - 1, -1, -1):
-            _h_down(h, n, i)
-    h[n, 0], h[n, 1], h[n, 2] = a, b, k
-    st.pg[PG_HSIZE] = n + 1
-    _h_up(h, n)
+            _h_down(I, h, n, i)
+    e = h + 3 * n
+    I[e], I[e + 1], I[e + 2] = a, b, k
+    I[pg + PG_HSIZE] = n + 1
+    i = n
+    while i > 0:  # up
+        p = (i - 1) // 2
+        x, z = h + 3 * i, h + 3 * p
+        if not (I[x] < I[z] or (I[x] == I[z] and I[x + 1] < I[z + 1])):
+            return
+        for t in range(3):
+            I[x + t], I[z + t] = I[z + t], I[x + t]
+        i = p
 
 
-@_jit
-def _is_cand(st, k, part):
+@_fn
+def _is_cand(I, k, part):
     """A victim candidate of `part`: resident, not pinned, not issued by the running prefetch call."""
-    s = st.sof[k]
-    if s < 0 or st.pin[s] or st.prot[s]:
+    s = I[I[O_SOF] + k]
+    if s < 0 or I[I[O_PIN] + s] or I[I[O_PROT] + s]:
         return False
-    return not st.hdr[H_PERLAYER] or k // st.hdr[H_E] == part
+    return not I[H_PERLAYER] or k // I[H_E] == part
 
 
-@_jit
-def _h_first(st, part):
+@_fn
+def _h_first(I, part):
     """The smallest live heap entry whose key is a candidate (-1: none); dead entries dropped, others kept."""
-    h, hs = st.heap, st.hskip
+    h, hs, pg = I[O_HEAP], I[O_HSKIP], I[O_PG]
     nskip = 0
     found = -1
-    while st.pg[PG_HSIZE] > 0:
-        if not _h_live(st, 0):
-            _h_pop(st)
+    while I[pg + PG_HSIZE] > 0:
+        if not _h_live(I, 0):
+            _h_pop(I)
             continue
-        k = h[0, 2]
-        if _is_cand(st, k, part):
+        k = I[h + 2]
+        if _is_cand(I, k, part):
             found = k
             break
         for c in range(3):
-            hs[nskip, c] = h[0, c]
+            I[hs + 3 * nskip + c] = I[h + c]
         nskip += 1
-        _h_pop(st)
+        _h_pop(I)
     for i in range(nskip):
-        _h_push(st, hs[i, 0], hs[i, 1], hs[i, 2])
+        _h_push(I, I[hs + 3 * i], I[hs + 3 * i + 1], I[hs + 3 * i + 2])
     return found
 
 
 # ---- the policies' events ------------------------------------------------------------------------------------
 
 
-@_jit
-def _touch(st, k):
+@_fn
+def _touch(I, k):
     """`_Base._touch`: a new tick; lru: to the end of its part's list; lfu: a heap entry (count, tick, key)."""
-    pk, kind = st.pk, st.hdr[H_KIND]
-    st.pg[PG_TICK] += 1
-    t = st.pg[PG_TICK]
+    kind, pg = I[H_KIND], I[O_PG]
+    I[pg + PG_TICK] += 1
+    t = I[pg + PG_TICK]
     if kind == KIND_LRU:
-        li = k // st.hdr[H_E] if st.hdr[H_PERLAYER] else 0
-        if pk[k, PK_TR]:
-            _ll_unlink(st, li, k)
-        _ll_append(st, li, k)
-    pk[k, PK_TR] = 1
-    pk[k, PK_LAST] = t
+        li = k // I[H_E] if I[H_PERLAYER] else 0
+        if I[I[O_PK] + k * NPK + PK_TR]:
+            _ll_unlink(I, li, k)
+        _ll_append(I, li, k)
+    I[I[O_PK] + k * NPK + PK_TR] = 1
+    I[I[O_PK] + k * NPK + PK_LAST] = t
     if kind == KIND_LFU:
-        _h_push(st, pk[k, PK_CNT], t, k)
+        _h_push(I, I[I[O_PK] + k * NPK + PK_CNT], t, k)
 
 
-@_jit
-def _see(st, r):
+@_fn
+def _see(I, r):
     """belady-approx `_see`: layer rank `r` is known; ranks among the known layers follow."""
-    if st.seen[r]:
+    seen, srank = I[O_SEEN], I[O_SRANK]
+    if I[seen + r]:
         return
-    st.seen[r] = 1
+    I[seen + r] = 1
     n = 0
-    for i in range(st.hdr[H_L]):
-        if st.seen[i]:
-            st.srank[i] = n
+    for i in range(I[H_L]):
+        if I[seen + i]:
+            I[srank + i] = n
             n += 1
-    st.pg[PG_NSEEN] = n
+    I[I[O_PG] + PG_NSEEN] = n
 
 
-@_jit
-def _ahead(st, kr, pr):
-    _see(st, kr)
-    _see(st, pr)
-    return (st.srank[kr] - st.srank[pr] - 1) % st.pg[PG_NSEEN] + 1
+@_fn
+def _ahead(I, kr, pr):
+    """belady-approx `_ahead`: MoE layer steps from the running layer (rank pr) until layer rank kr runs."""
+    _see(I, kr)
+    _see(I, pr)
+    srank = I[O_SRANK]
+    return (I[srank + kr] - I[srank + pr] - 1) % I[I[O_PG] + PG_NSEEN] + 1
 
 
-@_jit
-def _outcome(st, ahead, used):
-    ema = st.pgf[PGF_EMA]
-    st.pah[ahead] = (1.0 - ema) * st.pah[ahead] + ema * (1.0 if used else 0.0)
+@_fn
+def _pred_drop(I, k):
+    """Remove `k`'s pending proposal (the pending list's last takes its place)."""
+    pl, pg = I[O_PLIST], I[O_PG]
+    i = I[I[O_PK] + k * NPK + PK_PIDX]
+    n = I[pg + PG_NPRED] - 1
+    last = I[pl + n]
+    I[pl + i] = last
+    I[I[O_PK] + last * NPK + PK_PIDX] = i
+    I[pg + PG_NPRED] = n
+    I[I[O_PK] + k * NPK + PK_HASPRED] = 0
 
 
-@_jit
-def _pred_drop(st, k):
-    """Remove `k`'s pending proposal (swap with the pending list's last)."""
-    pk, pl = st.pk, st.plist
-    i = pk[k, PK_PIDX]
-    n = st.pg[PG_NPRED] - 1
-    last = pl[n]
-    pl[i] = last
-    pk[last, PK_PIDX] = i
-    st.pg[PG_NPRED] = n
-    pk[k, PK_HASPRED] = 0
-
-
-@_jit
-def _predict(st, k, pr):
-    pk, p = st.pk, st.sc[SC_PASS]
-    if pk[k, PK_HASPRED] and pk[k, PK_PPASS] == p:
+@_fn
+def _predict(I, k, pr):
+    p = I[I[O_SC] + SC_PASS]
+    if I[I[O_PK] + k * NPK + PK_HASPRED] and I[I[O_PK] + k * NPK + PK_PPASS] == p:
         return
-    ahead = _ahead(st, k // st.hdr[H_E], pr)
-    if not pk[k, PK_HASPRED]:
-        n = st.pg[PG_NPRED]
-        st.plist[n] = k
-        pk[k, PK_PIDX] = n
-        st.pg[PG_NPRED] = n + 1
-        pk[k, PK_HASPRED] = 1
-    pk[k, PK_PPASS] = p
-    pk[k, PK_PAHEAD] = ahead
+    ahead = _ahead(I, k // I[H_E], pr)
+    if not I[I[O_PK] + k * NPK + PK_HASPRED]:
+        pg = I[O_PG]
+        n = I[pg + PG_NPRED]
+        I[I[O_PLIST] + n] = k
+        I[I[O_PK] + k * NPK + PK_PIDX] = n
+        I[pg + PG_NPRED] = n + 1
+        I[I[O_PK] + k * NPK + PK_HASPRED] = 1
+    I[I[O_PK] + k * NPK + PK_PPASS] = p
+    I[I[O_PK] + k * NPK + PK_PAHEAD] = ahead
 
 
-@_jit
-def _ls_pass_start(st, p):
+@_fn
+def _ls_pass_start(I, p):
     """least-stale `on_pass_start`: every current queue joins the end of its layer's stale queue."""
-    if p == st.pg[PG_LSPASS]:
+    pg = I[O_PG]
+    if p == I[pg + PG_LSPASS]:
         return
-    st.pg[PG_LSPASS] = p
-    L, pk, lst = st.hdr[H_L], st.pk, st.lst
+    I[pg + PG_LSPASS] = p
+    L, lst = I[H_L], I[O_LST]
     for r in range(L):
-        h = lst[L + r, 0]
+        cur, stale = lst + 2 * (L + r), lst + 2 * r
+        h = I[cur]
         if h < 0:
             continue
         k = h
         while k >= 0:
-            pk[k, PK_CUR] = 0
-            k = pk[k, PK_NEXT]
-        tail = lst[r, 1]
+            I[I[O_PK] + k * NPK + PK_CUR] = 0
+            k = I[I[O_PK] + k * NPK + PK_NEXT]
+        tail = I[stale + 1]
         if tail >= 0:
-            pk[tail, PK_NEXT] = h
-            pk[h, PK_PREV] = tail
+            I[I[O_PK] + tail * NPK + PK_NEXT] = h
+            I[I[O_PK] + h * NPK + PK_PREV] = tail
         else:
-            lst[r, 0] = h
-        lst[r, 1] = lst[L + r, 1]
-        lst[L + r, 0] = -1
-        lst[L + r, 1] = -1
+            I[stale] = h
+        I[stale + 1] = I[cur + 1]
+        I[cur] = -1
+        I[cur + 1] = -1
 
 
-@_jit
-def _ls_make_current(st, k):
-    p = st.sc[SC_PASS]
-    if p != st.pg[PG_LSPASS]:
-        _ls_pass_start(st, p)
-    pk = st.pk
-    if pk[k, PK_CUR]:
+@_fn
+def _ls_sync(I):
+    p = I[I[O_SC] + SC_PASS]
+    if p != I[I[O_PG] + PG_LSPASS]:
+        _ls_pass_start(I, p)
+
+
+@_fn
+def _ls_make_current(I, k):
+    _ls_sync(I)
+    if I[I[O_PK] + k * NPK + PK_CUR]:
         return
-    r, L = k // st.hdr[H_E], st.hdr[H_L]
-    pk[k, PK_CUR] = 1
-    if pk[k, PK_ENT]:
-        _ll_unlink(st, r, k)
-    pk[k, PK_ENT] = 1
-    _ll_append(st, L + r, k)
+    r, L = k // I[H_E], I[H_L]
+    I[I[O_PK] + k * NPK + PK_CUR] = 1
+    if I[I[O_PK] + k * NPK + PK_ENT]:
+        _ll_unlink(I, r, k)
+    I[I[O_PK] + k * NPK + PK_ENT] = 1
+    _ll_append(I, L + r, k)
 
 
-@_jit
-def pol_insert(st, k, pr, prefetched):
+@_fn
+def _min_set(I, k, step):
+    """belady: key k's score from `step`, the step of its next use (`never` = S + 1 when none)."""
+    I[I[O_PK] + k * NPK + PK_TR] = 1
+    I[I[O_PK] + k * NPK + PK_SCORE] = step * I[H_K] + k
+    _h_push(I, -I[I[O_PK] + k * NPK + PK_SCORE], 0, k)
+
+
+@_fn
+def pol_insert(I, F, X, k, pr, prefetched):
     """`on_insert(key, pos, prefetched)`; `pr`: the position's layer rank."""
-    kind, pk = st.hdr[H_KIND], st.pk
+    kind = I[H_KIND]
     if kind == KIND_MIN:
         if prefetched:  # not accessed now: its first use from the current step on
-            X = st.X
-            step = st.pg[PG_STEP]
-            S, A = X[0], X[1]
-            ko = 2 + (S + 1) + 2 * A
-            ks = ko + st.hdr[H_K] + 1
+            step, S, A = I[I[O_PG] + PG_STEP], X[0], X[1]
+            ko = 2 + (S + 1) + 2 * A  # per key, the offsets of its access steps
+            ks = ko + I[H_K] + 1
             lo, hi = X[ko + k], X[ko + k + 1]
             while lo < hi:
                 mid = (lo + hi) // 2
@@ -571,41 +587,36 @@ def pol_insert(st, k, pr, prefetched):
                     lo = mid + 1
                 else:
                     hi = mid
-            nu = X[ks + lo] if lo < X[ko + k + 1] else S + 1
-            pk[k, PK_TR] = 1
-            pk[k, PK_SCORE] = nu * st.hdr[H_K] + k
-            _h_push(st, -pk[k, PK_SCORE], 0, k)
+            _min_set(I, k, X[ks + lo] if lo < X[ko + k + 1] else S + 1)
         return
-    _touch(st, k)
+    _touch(I, k)
     if kind == KIND_LS:
         if prefetched:
-            _ls_make_current(st, k)
+            _ls_make_current(I, k)
         else:
-            p = st.sc[SC_PASS]
-            if p != st.pg[PG_LSPASS]:
-                _ls_pass_start(st, p)
-            r, L = k // st.hdr[H_E], st.hdr[H_L]
-            if pk[k, PK_ENT]:
-                _ll_unlink(st, L + r if pk[k, PK_CUR] else r, k)
-            pk[k, PK_ENT] = 1
-            _ll_append(st, L + r if pk[k, PK_CUR] else r, k)
+            _ls_sync(I)
+            r, L = k // I[H_E], I[H_L]
+            li = L + r if I[I[O_PK] + k * NPK + PK_CUR] else r
+            if I[I[O_PK] + k * NPK + PK_ENT]:
+                _ll_unlink(I, li, k)
+            I[I[O_PK] + k * NPK + PK_ENT] = 1
+            _ll_append(I, li, k)
     elif kind == KIND_BA:
-        pk[k, PK_REF] = st.sc[SC_PASS]
+        I[I[O_PK] + k * NPK + PK_REF] = I[I[O_SC] + SC_PASS]
         if prefetched:
-            _predict(st, k, pr)
+            _predict(I, k, pr)
 
 
-@_jit
-def pol_access(st, k):
+@_fn
+def pol_access(I, F, X, k):
     """`on_access(key, pos)` (the gate weight matters to none of the compiled policies)."""
-    kind, pk = st.hdr[H_KIND], st.pk
+    kind = I[H_KIND]
     if kind == KIND_MIN:
-        X = st.X
-        step = st.pg[PG_STEP]
-        S, A = X[0], X[1]
+        step, S, A = I[I[O_PG] + PG_STEP], X[0], X[1]
         nu = S + 1
-        if 0 <= step < S:
-            lo, hi = X[2 + step], X[2 + step + 1]
+        if 0 <= step < S:  # this step's keys, ascending, and the step of each one's next use
+            lo, end = X[2 + step], X[2 + step + 1]
+            hi = end
             ek = 2 + S + 1
             while lo < hi:
                 mid = (lo + hi) // 2
@@ -613,125 +624,132 @@ def pol_access(st, k):
                     lo = mid + 1
                 else:
                     hi = mid
-            if lo < X[2 + step + 1] and X[ek + lo] == k:
+            if lo < end and X[ek + lo] == k:
                 nu = X[ek + A + lo]
-        pk[k, PK_TR] = 1
-        pk[k, PK_SCORE] = nu * st.hdr[H_K] + k
-        _h_push(st, -pk[k, PK_SCORE], 0, k)
+        _min_set(I, k, nu)
         return
     if kind == KIND_LFU:
-        pk[k, PK_CNT] += 1
-    _touch(st, k)
+        I[I[O_PK] + k * NPK + PK_CNT] += 1
+    _touch(I, k)
     if kind == KIND_LS:
-        _ls_make_current(st, k)
+        _ls_make_current(I, k)
     elif kind == KIND_BA:
-        _see(st, k // st.hdr[H_E])
-        p = st.sc[SC_PASS]
-        if pk[k, PK_HASLU] and p > pk[k, PK_LASTUSE]:
-            ema = st.pgf[PGF_EMA]
-            gap = float(p - pk[k, PK_LASTUSE])
-            if pk[k, PK_HASINT]:
-                st.pkf[k] = (1.0 - ema) * st.pkf[k] + ema * gap
+        _see(I, k // I[H_E])
+        p = I[I[O_SC] + SC_PASS]
+        pg, pgf = I[O_PG], I[OF_PGF]
+        ema = F[pgf + PGF_EMA]
+        if I[I[O_PK] + k * NPK + PK_HASLU] and p > I[I[O_PK] + k * NPK + PK_LASTUSE]:
+            gap = float(p - I[I[O_PK] + k * NPK + PK_LASTUSE])
+            f = I[OF_PKF] + k
+            if I[I[O_PK] + k * NPK + PK_HASINT]:
+                F[f] = (1.0 - ema) * F[f] + ema * gap
             else:
-                st.pkf[k] = gap
-                pk[k, PK_HASINT] = 1
-            st.pg[PG_NINTS] += 1
-            st.pgf[PGF_MEAN] += (gap - st.pgf[PGF_MEAN]) / min(st.pg[PG_NINTS], 1000)
-        pk[k, PK_HASLU] = 1
-        pk[k, PK_LASTUSE] = p
-        pk[k, PK_REF] = p
-        if pk[k, PK_HASPRED]:
-            pp, ahead = pk[k, PK_PPASS], pk[k, PK_PAHEAD]
-            _pred_drop(st, k)
-            if pp == p:
-                _outcome(st, ahead, True)
+                F[f] = gap
+                I[I[O_PK] + k * NPK + PK_HASINT] = 1
+            I[pg + PG_NINTS] += 1
+            F[pgf + PGF_MEAN] += (gap - F[pgf + PGF_MEAN]) / min(I[pg + PG_NINTS], 1000)
+        I[I[O_PK] + k * NPK + PK_HASLU] = 1
+        I[I[O_PK] + k * NPK + PK_LASTUSE] = p
+        I[I[O_PK] + k * NPK + PK_REF] = p
+        if I[I[O_PK] + k * NPK + PK_HASPRED]:
+            pp, ahead = I[I[O_PK] + k * NPK + PK_PPASS], I[I[O_PK] + k * NPK + PK_PAHEAD]
+            _pred_drop(I, k)
+            if pp == p:  # `_outcome(ahead, True)`
+                a = I[OF_PAH] + ahead
+                F[a] = (1.0 - ema) * F[a] + ema * 1.0
 
 
-@_jit
-def pol_evict(st, k):
-    kind, pk = st.hdr[H_KIND], st.pk
-    if kind == KIND_LRU and pk[k, PK_TR]:
-        _ll_unlink(st, k // st.hdr[H_E] if st.hdr[H_PERLAYER] else 0, k)
+@_fn
+def pol_evict(I, k):
+    kind = I[H_KIND]
+    if kind == KIND_LRU and I[I[O_PK] + k * NPK + PK_TR]:
+        _ll_unlink(I, k // I[H_E] if I[H_PERLAYER] else 0, k)
     elif kind == KIND_LS:
-        if pk[k, PK_ENT]:
-            r = k // st.hdr[H_E]
-            _ll_unlink(st, st.hdr[H_L] + r if pk[k, PK_CUR] else r, k)
-            pk[k, PK_ENT] = 0
-        pk[k, PK_CUR] = 0
-    pk[k, PK_TR] = 0
+        if I[I[O_PK] + k * NPK + PK_ENT]:
+            r = k // I[H_E]
+            _ll_unlink(I, I[H_L] + r if I[I[O_PK] + k * NPK + PK_CUR] else r, k)
+            I[I[O_PK] + k * NPK + PK_ENT] = 0
+        I[I[O_PK] + k * NPK + PK_CUR] = 0
+    I[I[O_PK] + k * NPK + PK_TR] = 0
 
 
-@_jit
-def pol_predicted(st, k, pr):
+@_fn
+def pol_predicted(I, k, pr):
     """`on_predicted(key, pos)`: a proposal of a resident key."""
-    kind = st.hdr[H_KIND]
+    kind = I[H_KIND]
     if kind == KIND_LS:
-        if st.pk[k, PK_TR]:
-            _ls_make_current(st, k)
+        if I[I[O_PK] + k * NPK + PK_TR]:
+            _ls_make_current(I, k)
     elif kind == KIND_BA:
-        _predict(st, k, pr)
+        _predict(I, k, pr)
 
 
-@_jit
-def pol_pass_start(st, p):
-    kind = st.hdr[H_KIND]
+@_fn
+def _ba_expire(I, F, p, rr):
+    """belady-approx: proposals of an earlier pass, or (rr >= 0) of a layer before rank rr of this pass, were
+    wasted (their layer ran without them)."""
+    pg, pl, E, srank = I[O_PG], I[O_PLIST], I[H_E], I[O_SRANK]
+    ema = F[I[OF_PGF] + PGF_EMA]
+    i = 0
+    while i < I[pg + PG_NPRED]:
+        k = I[pl + i]
+        pp = I[I[O_PK] + k * NPK + PK_PPASS]
+        if pp < p or (rr >= 0 and pp == p and I[srank + k // E] < rr):
+            a = I[OF_PAH] + I[I[O_PK] + k * NPK + PK_PAHEAD]
+            _pred_drop(I, k)
+            F[a] = (1.0 - ema) * F[a] + ema * 0.0  # `_outcome(ahead, False)`
+        else:
+            i += 1
+
+
+@_fn
+def pol_pass_start(I, F, p):
+    kind = I[H_KIND]
     if kind == KIND_LS:
-        _ls_pass_start(st, p)
+        _ls_pass_start(I, p)
     elif kind == KIND_BA:
-        i = 0
-        while i < st.pg[PG_NPRED]:
-            k = st.plist[i]
-            if st.pk[k, PK_PPASS] < p:
-                ahead = st.pk[k, PK_PAHEAD]
-                _pred_drop(st, k)
-                _outcome(st, ahead, False)
-            else:
-                i += 1
+        _ba_expire(I, F, p, -1)
 
 
-@_jit
-def pol_layer_start(st, r):
-    kind = st.hdr[H_KIND]
+@_fn
+def pol_layer_start(I, F, r):
+    kind = I[H_KIND]
     if kind == KIND_MIN:
-        st.pg[PG_STEP] += 1
+        I[I[O_PG] + PG_STEP] += 1
     elif kind == KIND_BA:
-        _see(st, r)
-        rr, p, E = st.srank[r], st.sc[SC_PASS], st.hdr[H_E]
-        i = 0
-        while i < st.pg[PG_NPRED]:  # proposals whose layer ran without using them
-            k = st.plist[i]
-            pp = st.pk[k, PK_PPASS]
-            if pp < p or (pp == p and st.srank[k // E] < rr):
-                ahead = st.pk[k, PK_PAHEAD]
-                _pred_drop(st, k)
-                _outcome(st, ahead, False)
-            else:
-                i += 1
+        _see(I, r)
+        _ba_expire(I, F, I[I[O_SC] + SC_PASS], I[I[O_SRANK] + r])
 
 
-@_jit
-def _ba_victim(st, part, pr):
+@_fn
+def _ba_victim(I, F, part, pr):
     """belady-approx: the candidate of largest E[next use] (ties within 1e-9: least recent, then key)."""
-    C, E, per = st.hdr[H_C], st.hdr[H_E], st.hdr[H_PER]
-    pk, far = st.pk, st.far
-    p = st.sc[SC_PASS]
-    lo, hi = (part * per, part * per + per) if st.hdr[H_PERLAYER] else (0, C)
-    top = -np.inf
+    C, E, per = I[H_C], I[H_E], I[H_PER]
+    skey, pin, prot, far = I[O_SKEY], I[O_PIN], I[O_PROT], I[OF_FAR]
+    pkf, pah = I[OF_PKF], I[OF_PAH]
+    mean = F[I[OF_PGF] + PGF_MEAN]
+    p = I[I[O_SC] + SC_PASS]
+    lo, hi = (part * per, part * per + per) if I[H_PERLAYER] else (0, C)
+    top = -1.0  # every E[next use] is >= 1
     n = 0
     for s in range(lo, hi):
-        k = st.skey[s]
-        if k < 0 or st.pin[s] or st.prot[s]:
+        k = I[skey + s]
+        if k < 0 or I[pin + s] or I[prot + s]:
             continue
-        kr = k // E
-        d = _ahead(st, kr, pr)
-        L = st.pg[PG_NSEEN]
-        I = max(st.pkf[k] if pk[k, PK_HASINT] else st.pgf[PGF_MEAN], float(p - pk[k, PK_REF]), 1.0)
-        if pk[k, PK_HASPRED] and pk[k, PK_PPASS] == p and d < L:
-            p1 = st.pah[pk[k, PK_PAHEAD]]
+        d = _ahead(I, k // E, pr)
+        L = I[I[O_PG] + PG_NSEEN]
+        Ik = F[pkf + k] if I[I[O_PK] + k * NPK + PK_HASINT] else mean  # max(interval, age, 1.0)
+        age = float(p - I[I[O_PK] + k * NPK + PK_REF])
+        if age > Ik:
+            Ik = age
+        if 1.0 > Ik:
+            Ik = 1.0
+        if I[I[O_PK] + k * NPK + PK_HASPRED] and I[I[O_PK] + k * NPK + PK_PPASS] == p and d < L:
+            p1 = F[pah + I[I[O_PK] + k * NPK + PK_PAHEAD]]
         else:
-            p1 = 1.0 / I
-        f = d + (1.0 - p1) * L * I
-        far[s] = f
+            p1 = 1.0 / Ik
+        f = d + (1.0 - p1) * L * Ik
+        F[far + s] = f
         if f > top:
             top = f
         n += 1
@@ -739,283 +757,361 @@ def _ba_victim(st, part, pr):
         return -1
     best, bt = -1, 0
     for s in range(lo, hi):
-        k = st.skey[s]
-        if k < 0 or st.pin[s] or st.prot[s]:
+        k = I[skey + s]
+        if k < 0 or I[pin + s] or I[prot + s]:
             continue
-        if far[s] >= top - 1e-9:
-            t = pk[k, PK_LAST]
+        if F[far + s] >= top - 1e-9:
+            t = I[I[O_PK] + k * NPK + PK_LAST]
             if best < 0 or t < bt or (t == bt and k < best):
                 best, bt = k, t
     return best
 
 
-@_jit
-def pol_victim(st, part, pr):
+@_fn
+def _list_first(I, li, part):
+    """The first candidate of list `li` (-1: none)."""
+    k = I[I[O_LST] + 2 * li]
+    while k >= 0:
+        if _is_cand(I, k, part):
+            return k
+        k = I[I[O_PK] + k * NPK + PK_NEXT]
+    return -1
+
+
+@_fn
+def pol_victim(I, F, part, pr):
     """The policy's victim among `part`'s candidates (-1: no candidate); `pr`: the position's layer rank."""
-    kind = st.hdr[H_KIND]
+    kind = I[H_KIND]
     if kind == KIND_LRU:
-        k = st.lst[part, 0]
-        while k >= 0:
-            if _is_cand(st, k, part):
-                return k
-            k = st.pk[k, PK_NEXT]
-        return -1
+        return _list_first(I, part, part)
     if kind == KIND_LFU or kind == KIND_MIN:
-        return _h_first(st, part)
+        return _h_first(I, part)
     if kind == KIND_LS:
-        p = st.sc[SC_PASS]
-        if p != st.pg[PG_LSPASS]:
-            _ls_pass_start(st, p)
-        L = st.hdr[H_L]
-        r0, r1 = (part, part + 1) if st.hdr[H_PERLAYER] else (0, L)
+        _ls_sync(I)
+        L = I[H_L]
+        r0, r1 = (part, part + 1) if I[H_PERLAYER] else (0, L)
         for base in (0, L):  # the stale queues first, by layer, then the current ones
             for r in range(r0, r1):
-                k = st.lst[base + r, 0]
-                while k >= 0:
-                    if _is_cand(st, k, part):
-                        return k
-                    k = st.pk[k, PK_NEXT]
+                k = _list_first(I, base + r, part)
+                if k >= 0:
+                    return k
         return -1
-    return _ba_victim(st, part, pr)
+    return _ba_victim(I, F, part, pr)
 
 
 # ---- the cache mechanism -----------------------------------------------------------------------------------
 
 
-@_jit
-def _evict(st, s):
-    k = st.skey[s]
-    E = st.hdr[H_E]
-    if st.pref[s] and not st.used[s]:
-        st.cnt[C_PF_UNUSED] += 1
-    st.cnt[C_EVICT] += 1
-    st.evp[k] = st.sc[SC_PASS]
-    st.sof[k] = -1
-    st.res[k // E] -= 1
-    st.sc[SC_NRES] -= 1
-    st.skey[s] = -1
-    st.pin[s] = 0
-    st.pref[s] = 0
-    st.used[s] = 0
-    st.bits[s] = 0
-    st.iss[s] = 0
-    part = k // E if st.hdr[H_PERLAYER] else 0
-    per = st.hdr[H_PER]
-    st.free[part * per + st.nfree[part]] = s
-    st.nfree[part] += 1
-    _log(st, LOG_EVICT, s, k, 0)
-    pol_evict(st, k)
+@_fn
+def _evict(I, s):
+    k = I[I[O_SKEY] + s]
+    E, cnt, sc = I[H_E], I[O_CNT], I[O_SC]
+    if I[I[O_PREF] + s] and not I[I[O_USED] + s]:
+        I[cnt + C_PF_UNUSED] += 1
+    I[cnt + C_EVICT] += 1
+    I[I[O_EVP] + k] = I[sc + SC_PASS]
+    I[I[O_SOF] + k] = -1
+    I[I[O_RES] + k // E] -= 1
+    I[sc + SC_NRES] -= 1
+    I[I[O_SKEY] + s] = -1
+    I[I[O_PIN] + s] = 0
+    I[I[O_PREF] + s] = 0
+    I[I[O_USED] + s] = 0
+    I[I[O_BITS] + s] = 0
+    I[I[O_ISS] + s] = 0
+    part = k // E if I[H_PERLAYER] else 0
+    nf = I[O_NFREE] + part
+    I[I[O_FREE] + part * I[H_PER] + I[nf]] = s
+    I[nf] += 1
+    _log(I, LOG_EVICT, s, k, 0)
+    pol_evict(I, k)
 
 
-@_jit
-def _load(st, s, k, pr, prefetched, b):
-    st.skey[s] = k
-    st.bits[s] = b
-    st.pref[s] = prefetched
-    st.used[s] = 0
-    st.sof[k] = s
-    st.res[k // st.hdr[H_E]] += 1
-    st.sc[SC_NRES] += 1
-    st.cnt[C_LOADS] += 1
-    st.cnt[C_BYTES] += st.byb[b]
-    _log(st, LOG_LOAD, s, k, b + 256 * prefetched)
-    pol_insert(st, k, pr, prefetched)
+@_fn
+def _load(I, F, X, s, k, pr, prefetched, b):
+    cnt, sc = I[O_CNT], I[O_SC]
+    I[I[O_SKEY] + s] = k
+    I[I[O_BITS] + s] = b
+    I[I[O_PREF] + s] = prefetched
+    I[I[O_USED] + s] = 0
+    I[I[O_SOF] + k] = s
+    I[I[O_RES] + k // I[H_E]] += 1
+    I[sc + SC_NRES] += 1
+    I[cnt + C_LOADS] += 1
+    I[cnt + C_BYTES] += I[I[O_BYB] + b]
+    _log(I, LOG_LOAD, s, k, b + 256 * prefetched)
+    pol_insert(I, F, X, k, pr, prefetched)
 
 
-@_jit
-def _acquire(st, k, pr):
+@_fn
+def _acquire(I, F, X, k, pr):
     """A free slot of `k`'s part, evicting the policy's victim if needed; -1: no candidate."""
-    part = k // st.hdr[H_E] if st.hdr[H_PERLAYER] else 0
-    per = st.hdr[H_PER]
-    if st.nfree[part] == 0:
-        v = pol_victim(st, part, pr)
+    part = k // I[H_E] if I[H_PERLAYER] else 0
+    nf = I[O_NFREE] + part
+    if I[nf] == 0:
+        v = pol_victim(I, F, part, pr)
         if v < 0:
             return -1
-        _evict(st, st.sof[v])
-    st.nfree[part] -= 1
-    return st.free[part * per + st.nfree[part]]
+        _evict(I, I[I[O_SOF] + v])
+    I[nf] -= 1
+    return I[I[O_FREE] + part * I[H_PER] + I[nf]]
 
 
-@_jit
-def _demand(st, r, experts, nbits, out):
+@_fn
+def _demand(I, F, X, r, experts, nbits, out):
     """`ExpertCache.demand` (instant link): pin hits, then per expert in order hit or miss (a victim, a load);
     returns -1 on success, else the index of the expert no slot could be found for (all pinned)."""
-    E = st.hdr[H_E]
+    E, cnt, sc = I[H_E], I[O_CNT], I[O_SC]
+    sof, pin, bits, pref, used, iss = I[O_SOF], I[O_PIN], I[O_BITS], I[O_PREF], I[O_USED], I[O_ISS]
     n = experts.shape[0]
     for i in range(n):
-        s = st.sof[r * E + experts[i]]
+        s = I[sof + r * E + experts[i]]
         if s >= 0:
-            st.pin[s] = 1
-    cnt = st.cnt
-    p = st.sc[SC_PASS]
+            I[pin + s] = 1
+    p = I[sc + SC_PASS]
     for i in range(n):
         k = r * E + experts[i]
-        s = st.sof[k]
-        cnt[C_ACC] += 1
+        s = I[sof + k]
+        I[cnt + C_ACC] += 1
         if s >= 0:
-            cnt[C_HIT] += 1
-            if st.bits[s] != 0:
-                cnt[C_LB_HITS] += 1
+            I[cnt + C_HIT] += 1
+            if I[bits + s] != 0:
+                I[cnt + C_LB_HITS] += 1
         else:
-            cnt[C_MISS] += 1
-            if st.evp[k] == p:
-                cnt[C_COLL] += 1
-            s = _acquire(st, k, r)
+            I[cnt + C_MISS] += 1
+            if I[I[O_EVP] + k] == p:
+                I[cnt + C_COLL] += 1
+            s = _acquire(I, F, X, k, r)
             if s < 0:
                 return i
             b = nbits[i]
-            _load(st, s, k, r, 0, b)
-            cnt[C_DEM] += 1
+            _load(I, F, X, s, k, r, 0, b)
+            I[cnt + C_DEM] += 1
             if b != 0:
-                cnt[C_LB_LOADS] += 1
-            st.pin[s] = 1
-        if st.pref[s] and not st.used[s]:
-            cnt[C_PFU] += 1
-            if st.iss[s] < st.sc[SC_PHSEQ]:
-                cnt[C_PFU_PH] += 1
-                if st.iss[s] < st.sc[SC_GENSEQ]:
-                    cnt[C_PFU_GEN] += 1
-        st.used[s] = 1
-        st.sc[SC_TIME] += 1
-        pol_access(st, k)
+                I[cnt + C_LB_LOADS] += 1
+            I[pin + s] = 1
+        if I[pref + s] and not I[used + s]:
+            I[cnt + C_PFU] += 1
+            if I[iss + s] < I[sc + SC_PHSEQ]:
+                I[cnt + C_PFU_PH] += 1
+                if I[iss + s] < I[sc + SC_GENSEQ]:
+                    I[cnt + C_PFU_GEN] += 1
+        I[used + s] = 1
+        I[sc + SC_TIME] += 1
+        pol_access(I, F, X, k)
         out[i] = s
     return -1
 
 
-@_jit
-def _prefetch(st, pr, keys, left):
-    """`ExpertCache.prefetch` over keys in priority order (-1: not a key of this cache); `left`: copies the gate
-    admits (-1: all). Returns (issued, admitted, refused)."""
-    issued = admitted = refused = 0
-    cnt = st.cnt
-    isl = st.isl  # the slots issued in this call
-    for i in range(keys.shape[0]):
+@_fn
+def _prefetch(I, F, X, pr, keys, n, left, res):
+    """`ExpertCache.prefetch` over keys[:n] in priority order (-1: not a key of this cache); `left`: copies the
+    gate admits (-1: all). Adds (issued, admitted, refused) to res[0:3]."""
+    cnt, sc, prot, isl = I[O_CNT], I[O_SC], I[O_PROT], I[O_ISL]
+    issued = 0
+    for i in range(n):
         k = keys[i]
         if k < 0:
             continue
-        if st.sof[k] >= 0:
-            pol_predicted(st, k, pr)
+        if I[I[O_SOF] + k] >= 0:
+            pol_predicted(I, k, pr)
             continue
         if left == 0:
-            cnt[C_REFUSED] += 1
-            refused += 1
+            I[cnt + C_REFUSED] += 1
+            res[2] += 1
             continue
-        admitted += 1
+        res[1] += 1
         if left > 0:
             left -= 1
-        s = _acquire(st, k, pr)
+        s = _acquire(I, F, X, k, pr)
         if s < 0:
             continue
-        _load(st, s, k, pr, 1, 0)
-        st.iss[s] = st.sc[SC_PSEQ]
-        st.sc[SC_PSEQ] += 1
-        cnt[C_PFI] += 1
-        st.prot[s] = 1
-        isl[issued] = s
+        _load(I, F, X, s, k, pr, 1, 0)
+        I[I[O_ISS] + s] = I[sc + SC_PSEQ]
+        I[sc + SC_PSEQ] += 1
+        I[cnt + C_PFI] += 1
+        I[prot + s] = 1
+        I[isl + issued] = s
         issued += 1
     for i in range(issued):
-        st.prot[isl[i]] = 0
-    return issued, admitted, refused
+        I[prot + I[isl + i]] = 0
+    res[0] += issued
 
 
-@_jit
-def _release(st, slots, n, retain, upgrade):
+@_fn
+def _release(I, slots, n, retain, upgrade):
+    cnt = I[O_CNT]
     for i in range(n):
         s = slots[i]
-        st.pin[s] = 0
-        k = st.skey[s]
+        I[I[O_PIN] + s] = 0
+        k = I[I[O_SKEY] + s]
         if k < 0:
             continue
         if not retain:
-            _evict(st, s)
-        elif upgrade and st.bits[s] != 0:
-            st.bits[s] = 0
-            st.cnt[C_UPGRADES] += 1
-            st.cnt[C_BYTES] += st.byb[0]
-            _log(st, LOG_UPGRADE, s, k, 0)
+            _evict(I, s)
+        elif upgrade and I[I[O_BITS] + s] != 0:
+            I[I[O_BITS] + s] = 0
+            I[cnt + C_UPGRADES] += 1
+            I[cnt + C_BYTES] += I[I[O_BYB]]
+            _log(I, LOG_UPGRADE, s, k, 0)
+
+
+# ---- entry points: one per kernel, the runtime's cache calls and the simulator's replay -------------------
 
 
 @_jit
-def _begin_pass(st, p):
-    st.sc[SC_PASS] = p
-    pol_pass_start(st, p)
-
-
-# ---- entry points (one per cache call; the runtime's ExpertCache) -----------------------------------------
-
-
-@_jit
-def k_demand(I, F, X, r, experts, nbits, out):
-    st = unpack(I, F, X)
-    st.sc[SC_NLOG] = 0
-    return _demand(st, r, experts, nbits, out)
-
-
-@_jit
-def k_prefetch(I, F, X, pr, keys, left):
-    st = unpack(I, F, X)
-    st.sc[SC_NLOG] = 0
-    return _prefetch(st, pr, keys, left)
-
-
-@_jit
-def k_release(I, F, X, slots, retain, upgrade):
-    st = unpack(I, F, X)
-    st.sc[SC_NLOG] = 0
-    _release(st, slots, slots.shape[0], retain, upgrade)
+def k_call(I, F, X, op, arg, a, b, out):
+    """One cache call. OP_DEMAND: rank `arg`, experts `a`, their bits `b`, slots -> `out`, returns -1 or the
+    index of the expert no slot was found for; OP_PREFETCH: source rank `arg`, keys `a`, `b[0]` copies admitted
+    (-1: all), (issued, admitted, refused) -> `out`; OP_RELEASE: slots `a`, `arg` = retain + 2 * upgrade;
+    OP_BEGIN_PASS / OP_BEGIN_LAYER: pass / rank `arg`."""
+    I[I[O_SC] + SC_NLOG] = 0
+    if op == OP_DEMAND:
+        return _demand(I, F, X, arg, a, b, out)
+    if op == OP_PREFETCH:
+        out[0] = out[1] = out[2] = 0
+        _prefetch(I, F, X, arg, a, a.shape[0], b[0], out)
+    elif op == OP_RELEASE:
+        _release(I, a, a.shape[0], arg & 1, arg >> 1)
+    elif op == OP_BEGIN_PASS:
+        I[I[O_SC] + SC_PASS] = arg
+        pol_pass_start(I, F, arg)
+    elif op == OP_BEGIN_LAYER:
+        pol_layer_start(I, F, arg)
+    return -1
 
 
 @_jit
-def k_begin_pass(I, F, X, p):
-    _begin_pass(unpack(I, F, X), p)
-
-
-@_jit
-def k_begin_layer(I, F, X, r):
-    pol_layer_start(unpack(I, F, X), r)
-
-
-# ---- the simulator: a whole access stream in one call ----------------------------------------------------
-
-
-@_jit
-def k_replay(
-    I, F, X, phase, tokens, pass_off, step_rank, exp_off, exps, prop_off, prop_keys, wcap, count_phase, left, out, sums, per_layer
-):
-    """`moeflow.sim.simulator.simulate`'s loop (instant link, fetch misses) over a stream: per pass its steps
-    `pass_off[p]..pass_off[p+1]`, per step its MoE layer rank and sorted unique experts `exps[exp_off[j]:...]`,
-    and (`prop_off` non-empty) the prefetch policy's keys in priority order `prop_keys[prop_off[j]:...]`.
+def k_replay(I, F, X, R, W, wcap, count_phase, left, out, sums, per_layer):
+    """`moeflow.sim.simulator.simulate`'s loop (instant link, fetch misses) over a stream `R` (`pack_stream`),
+    with zeroed scratch `W` (`replay_scratch`); a wave holds `wcap` <= E experts.
     `count_phase` -1: count every pass. Writes `out` [status, passes, tokens, proposed accesses, proposals,
     admitted, refused], `sums` [2, NCNT] (counters per phase: prefill, decode), `per_layer` [3, L] (hits,
     accesses, collision misses of counted passes). status: -1 ok, else the step whose demand found no slot."""
-    st = unpack(I, F, X)
-    E, K = st.hdr[H_E], st.hdr[H_K]
-    cnt = st.cnt
+    logon = I[H_LOGON]
+    I[H_LOGON] = 0  # nothing to follow call by call
+    P, S, A = R[0], R[1], R[2]
+    phase = R[4 : 4 + P]
+    tokens = R[4 + P : 4 + 2 * P]
+    pass_off = R[4 + 2 * P : 5 + 3 * P]
+    step_rank = R[5 + 3 * P : 5 + 3 * P + S]
+    exp_off = R[5 + 3 * P + S : 6 + 3 * P + 2 * S]
+    exps = R[6 + 3 * P + 2 * S : 6 + 3 * P + 2 * S + A]
+    q0 = 6 + 3 * P + 2 * S + A
+    prop_off = R[q0 : q0 + S + 1] if R[3] >= 0 else R[q0:q0]
+    prop_keys = R[q0 + S + 1 :] if R[3] >= 0 else R[q0:q0]
+    _replay(
+        I,
+        F,
+        X,
+        W,
+        phase,
+        tokens,
+        pass_off,
+        step_rank,
+        exp_off,
+        exps,
+        prop_off,
+        prop_keys,
+        wcap,
+        count_phase,
+        left,
+        out,
+        sums,
+        per_layer,
+    )
+    I[H_LOGON] = logon
+
+
+def replay_scratch(I: np.ndarray) -> np.ndarray:
+    """Zeroed scratch for `k_replay` (the kernels allocate nothing)."""
+    K, E = int(I[H_K]), int(I[H_E])
+    return np.zeros(2 * K + 4 * E + 3 + NCNT, dtype=np.int64)
+
+
+def pack_stream(phase, tokens, pass_off, step_rank, exp_off, experts, prop_off=None, prop_keys=None) -> np.ndarray:
+    """`R` for `k_replay`: [P, S, A, Q (-1: no proposals), phase [P], tokens [P], pass_off [P+1], step_rank [S],
+    exp_off [S+1], experts [A], (prop_off [S+1], prop_keys [Q])]: per pass its steps, per step its MoE layer
+    rank and ascending experts, and the prefetch keys of each step in issue order."""
+    P, S, A = len(phase), len(step_rank), len(experts)
+    Q = -1 if prop_off is None else len(prop_keys)
+    parts = [np.array([P, S, A, Q]), phase, tokens, pass_off, step_rank, exp_off, experts]
+    if prop_off is not None:
+        parts += [prop_off, prop_keys]
+    return np.concatenate([np.asarray(x, dtype=np.int64) for x in parts])
+
+
+@_fn
+def _propose(I, F, X, r, keys, left, res, proposed, plist, nprop, counted, out):
+    """The step's prefetch proposals: marked as proposed in this pass, then issued (`_prefetch`); returns the
+    number of marked keys."""
+    if keys.shape[0] == 0:
+        return nprop
+    if counted:
+        out[4] += keys.shape[0]
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        if k >= 0 and not proposed[k]:
+            proposed[k] = 1
+            plist[nprop] = k
+            nprop += 1
+    _prefetch(I, F, X, r, keys, keys.shape[0], left, res)
+    return nprop
+
+
+@_fn
+def _replay(
+    I,
+    F,
+    X,
+    W,
+    phase,
+    tokens,
+    pass_off,
+    step_rank,
+    exp_off,
+    exps,
+    prop_off,
+    prop_keys,
+    wcap,
+    count_phase,
+    left,
+    out,
+    sums,
+    per_layer,
+):
+    E, K, cnt, sc, sof = I[H_E], I[H_K], I[O_CNT], I[O_SC], I[O_SOF]
+    C = I[cnt : cnt + NCNT]
     prefetching = prop_off.shape[0] > 0
-    proposed = np.zeros(K, np.uint8)
-    plist = np.empty(K, np.int64)
+    # scratch, zeroed (`replay_scratch`): proposed flags and their list [K each]; slots, zero bits, the wave
+    # order, one wave [E each]; gate results [3]; the counters when the phase began [NCNT]
+    proposed, plist = W[:K], W[K : 2 * K]
+    w0 = 2 * K
+    slots, zeros, order, wbuf = W[w0 : w0 + E], W[w0 + E : w0 + 2 * E], W[w0 + 2 * E : w0 + 3 * E], W[w0 + 3 * E : w0 + 4 * E]
+    res, seg0 = W[w0 + 4 * E : w0 + 4 * E + 3], W[w0 + 4 * E + 3 : w0 + 4 * E + 3 + NCNT]
     nprop = 0
-    slots = np.empty(max(1, wcap), np.int64)
-    zeros = np.zeros(max(1, wcap), np.int64)
     seg_phase = -1
-    seg0 = cnt.copy()
+    for c in range(NCNT):
+        seg0[c] = C[c]
     out[0] = -1
     for p in range(phase.shape[0]):
         ph = phase[p]
         if ph == 0 or ph != seg_phase:  # `mark_phase`
-            st.sc[SC_PHSEQ] = st.sc[SC_PSEQ]
+            I[sc + SC_PHSEQ] = I[sc + SC_PSEQ]
             if ph == 0:
-                st.sc[SC_GENSEQ] = st.sc[SC_PSEQ]
+                I[sc + SC_GENSEQ] = I[sc + SC_PSEQ]
         if ph != seg_phase:
-            if seg_phase >= 0:
-                sums[seg_phase] += cnt - seg0
+            for c in range(NCNT):
+                if seg_phase >= 0:
+                    sums[seg_phase, c] += C[c] - seg0[c]
+                seg0[c] = C[c]
             seg_phase = ph
-            seg0[:] = cnt
         counted = count_phase < 0 or ph == count_phase
         if counted:
             out[1] += 1
             out[2] += tokens[p]
-        _begin_pass(st, p)
+        I[sc + SC_PASS] = p  # `begin_pass`
+        pol_pass_start(I, F, p)
         for i in range(nprop):
             proposed[plist[i]] = 0
         nprop = 0
@@ -1023,64 +1119,52 @@ def k_replay(
             r = step_rank[j]
             ex = exps[exp_off[j] : exp_off[j + 1]]
             n = ex.shape[0]
-            h0, a0, k0 = cnt[C_HIT], cnt[C_ACC], cnt[C_COLL]
-            pol_layer_start(st, r)
-            routed = n <= wcap
-            if routed:
-                if _demand(st, r, ex, zeros, slots) >= 0:
+            keys = prop_keys[prop_off[j] : prop_off[j + 1]] if prefetching else prop_keys
+            pol_layer_start(I, F, r)
+            routed = n <= wcap  # one wave: demand, the prefetch, release; else the prefetch, then the waves
+            nw = 1
+            if not routed:  # the prefetch, then waves of <= wcap experts, resident ones first, each ascending
+                nprop = _propose(I, F, X, r, keys, left, res, proposed, plist, nprop, counted, out)
+                nw = (n + wcap - 1) // wcap
+                m = 0
+                for i in range(n):
+                    if I[sof + r * E + ex[i]] >= 0:
+                        order[m] = ex[i]
+                        m += 1
+                for i in range(n):
+                    if I[sof + r * E + ex[i]] < 0:
+                        order[m] = ex[i]
+                        m += 1
+            for w in range(nw):
+                wave = ex
+                if not routed:
+                    m0, m1 = w * wcap, min(n, w * wcap + wcap)
+                    for i in range(m0, m1):  # insertion sort
+                        v, t = order[i], i - m0
+                        while t > 0 and wbuf[t - 1] > v:
+                            wbuf[t] = wbuf[t - 1]
+                            t -= 1
+                        wbuf[t] = v
+                    wave = wbuf[: m1 - m0]
+                h0, a0, k0 = C[C_HIT], C[C_ACC], C[C_COLL]
+                if _demand(I, F, X, r, wave, zeros, slots) >= 0:
                     out[0] = j
                     return
                 if counted:
-                    per_layer[0, r] += cnt[C_HIT] - h0
-                    per_layer[1, r] += cnt[C_ACC] - a0
-                    per_layer[2, r] += cnt[C_COLL] - k0
-                    if nprop:
-                        for i in range(n):
-                            out[3] += proposed[r * E + ex[i]]
-            if prefetching:
-                keys = prop_keys[prop_off[j] : prop_off[j + 1]]
-                if keys.shape[0] > 0:
-                    if counted:
-                        out[4] += keys.shape[0]
-                    for i in range(keys.shape[0]):
-                        k = keys[i]
-                        if k >= 0 and not proposed[k]:
-                            proposed[k] = 1
-                            plist[nprop] = k
-                            nprop += 1
-                    _, adm, ref = _prefetch(st, r, keys, left)
-                    out[5] += adm
-                    out[6] += ref
-            if routed:
-                _release(st, slots, n, 1, 0)
-                continue
-            # more experts than a wave holds: waves of <= wcap, resident experts first, each sorted by id
-            order = np.empty(n, np.int64)
-            m = 0
-            for i in range(n):
-                if st.sof[r * E + ex[i]] >= 0:
-                    order[m] = ex[i]
-                    m += 1
-            for i in range(n):
-                if st.sof[r * E + ex[i]] < 0:
-                    order[m] = ex[i]
-                    m += 1
-            for w0 in range(0, n, wcap):
-                wave = np.sort(order[w0 : min(n, w0 + wcap)])
-                h0, a0, k0 = cnt[C_HIT], cnt[C_ACC], cnt[C_COLL]
-                if _demand(st, r, wave, zeros, slots) >= 0:
-                    out[0] = j
-                    return
-                if counted:
-                    per_layer[0, r] += cnt[C_HIT] - h0
-                    per_layer[1, r] += cnt[C_ACC] - a0
-                    per_layer[2, r] += cnt[C_COLL] - k0
+                    per_layer[0, r] += C[C_HIT] - h0
+                    per_layer[1, r] += C[C_ACC] - a0
+                    per_layer[2, r] += C[C_COLL] - k0
                     if nprop:
                         for i in range(wave.shape[0]):
                             out[3] += proposed[r * E + wave[i]]
-                _release(st, slots, wave.shape[0], 1, 0)
+                if routed:
+                    nprop = _propose(I, F, X, r, keys, left, res, proposed, plist, nprop, counted, out)
+                _release(I, slots, wave.shape[0], 1, 0)
     if seg_phase >= 0:
-        sums[seg_phase] += cnt - seg0
+        for c in range(NCNT):
+            sums[seg_phase, c] += C[c] - seg0[c]
+    out[5] += res[1]
+    out[6] += res[2]
 
 
 def belady_tables(step_off: np.ndarray, step_keys: np.ndarray, K: int) -> np.ndarray:

@@ -19,8 +19,6 @@ from ..policies.base import EvictionPolicy
 from . import cachecore as cc
 from .counters import CacheCounters
 
-_unpack: Any = getattr(cc.unpack, "py_func", cc.unpack)  # numpy views of the sections, without compiling
-
 
 def kernel_kind(policy: Any) -> int | None:
     """The compiled kind (`cachecore.KIND_*`) of an eviction policy object, None for the Python mechanism.
@@ -75,10 +73,12 @@ class CacheCore:
         self.kind, self.E, self.L = kind, num_experts, num_layers
         self.I, self.F = cc.layout(C=capacity, L=num_layers, E=num_experts, per_layer=per_layer, kind=kind, log=log, **opts)
         self.X = np.ascontiguousarray(policy.kernel_tables(), dtype=np.int64) if kind == cc.KIND_MIN else np.zeros(0, np.int64)
-        st = _unpack(self.I, self.F, self.X)
+        st = cc.views(self.I, self.F)
         st.byb[:] = np.asarray(bytes_of_bits, dtype=np.int64)
         self.st = st
         self.per = int(st.hdr[cc.H_PER])
+        self._res = np.zeros(3, dtype=np.int64)
+        self._none = np.zeros(0, dtype=np.int64)
 
     # ---- state ------------------------------------------------------------------------------------------
     @property
@@ -110,10 +110,10 @@ class CacheCore:
             sc[cc.SC_GENSEQ] = sc[cc.SC_PSEQ]
 
     def begin_pass(self, pass_id: int) -> None:
-        cc.k_begin_pass(self.I, self.F, self.X, int(pass_id))
+        cc.k_call(self.I, self.F, self.X, cc.OP_BEGIN_PASS, int(pass_id), self._none, self._none, self._none)
 
     def begin_layer(self, rank: int) -> None:
-        cc.k_begin_layer(self.I, self.F, self.X, int(rank))
+        cc.k_call(self.I, self.F, self.X, cc.OP_BEGIN_LAYER, int(rank), self._none, self._none, self._none)
 
     def demand(self, rank: int, experts: Sequence[int], bits: dict[int, int] | None) -> list[int]:
         n = len(experts)
@@ -123,7 +123,7 @@ class CacheCore:
             for i, e in enumerate(experts):
                 nb[i] = bits.get(e, 0)
         out = np.empty(n, dtype=np.int64)
-        i = cc.k_demand(self.I, self.F, self.X, int(rank), ex, nb, out)
+        i = cc.k_call(self.I, self.F, self.X, cc.OP_DEMAND, int(rank), ex, nb, out)
         if i >= 0:
             raise RuntimeError(f"no evictable slot for {(rank, int(ex[i]))}: all {self.per} are pinned")
         return out.tolist()
@@ -132,39 +132,26 @@ class CacheCore:
         """Keys (`rank * E + expert`, -1: skipped) in priority order; `left` copies admitted (-1: all).
         Returns (issued, admitted, refused)."""
         ks = np.fromiter(keys, dtype=np.int64, count=len(keys))
-        issued, admitted, refused = cc.k_prefetch(self.I, self.F, self.X, int(rank), ks, int(left))
-        return int(issued), int(admitted), int(refused)
+        res = self._res
+        cc.k_call(self.I, self.F, self.X, cc.OP_PREFETCH, int(rank), ks, np.array([left], dtype=np.int64), res)
+        issued, admitted, refused = res.tolist()
+        return issued, admitted, refused
 
     def release(self, slots: Sequence[int], retain: bool, upgrade: bool) -> None:
         ss = np.fromiter(slots, dtype=np.int64, count=len(slots))
-        cc.k_release(self.I, self.F, self.X, ss, int(retain), int(upgrade))
+        cc.k_call(self.I, self.F, self.X, cc.OP_RELEASE, int(retain) + 2 * int(upgrade), ss, self._none, self._none)
 
     def replay(self, stream: Any, proposals: Any, *, wave_cap: int, count_phase: int | None, left: int) -> ReplayResult:
-        """A whole access stream (`moeflow.sim.simulator.Stream`) and its proposals (`Proposals` or None) in one
+        """A whole access stream (`moeflow.sim.stream.Stream`) and its proposals (`Proposals` or None) in one
         kernel call, as the simulator's loop makes the cache calls."""
         out = np.zeros(7, dtype=np.int64)
         sums = np.zeros((2, cc.NCNT), dtype=np.int64)
         per_layer = np.zeros((3, self.L), dtype=np.int64)
-        empty = np.zeros(0, dtype=np.int64)
-        cc.k_replay(
-            self.I,
-            self.F,
-            self.X,
-            stream.phase,
-            stream.tokens,
-            stream.pass_off,
-            stream.step_rank,
-            stream.exp_off,
-            stream.experts,
-            proposals.off if proposals is not None else empty,
-            proposals.keys if proposals is not None else empty,
-            int(wave_cap),
-            -1 if count_phase is None else int(count_phase),
-            int(left),
-            out,
-            sums,
-            per_layer,
-        )
+        R = stream.packed(proposals)
+        count = -1 if count_phase is None else int(count_phase)
+        W = cc.replay_scratch(self.I)
+        wcap = min(int(wave_cap), self.E)  # a step has at most E experts: a larger wave never splits
+        cc.k_replay(self.I, self.F, self.X, R, W, wcap, count, int(left), out, sums, per_layer)
         if out[0] >= 0:
             raise RuntimeError(f"no evictable slot at step {int(out[0])}: every slot of the cache is pinned")
         return ReplayResult(out, sums, per_layer)

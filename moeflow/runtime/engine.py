@@ -38,6 +38,7 @@ from . import timing
 from .cache import ExpertCache
 from .counters import GATHER_BYTES, MAX_GROUPS, CacheCounters, needed_experts, wave_capacity  # noqa: F401
 from .experts_call import ExpertsCall
+from .host_worker import HostWorker, hidden_share
 from .link import Link
 from .passstats import EngineCounts, Observer, PassAccount, PassStats  # noqa: F401  (PassStats: importable here)
 from .step import RouteStep
@@ -71,6 +72,7 @@ class OffloadEngine:
         per_layer: bool = False,
         retain: bool = True,
         lookahead: int = 1,
+        host_worker: bool = True,
     ):
         self.adapter = get_adapter(model)
         check_replaceable(model, self.adapter, IMPL_NAME, "offloading")
@@ -81,6 +83,7 @@ class OffloadEngine:
         self.per_layer, self.retain = per_layer, retain
         self.capacity = capacity
         self.lookahead = int(lookahead)  # step size S; controllers may change it between passes
+        self.host_worker = bool(host_worker)  # host experts beside the device's (False: serially)
         self.observers: list[Observer] = []
         self.pass_start_hooks: list[Callable[[], None]] = []  # called at every pass start, after the cache's (plans)
         self.device = next(model.parameters()).device
@@ -111,8 +114,18 @@ class OffloadEngine:
 
     @property
     def host_s(self) -> float:
-        """Seconds spent running experts on the host (miss policy `cpu` / `auto`)."""
+        """Seconds the host spent running experts (miss policy `cpu` / `auto`; copies to and from it included)."""
         return self.counts.host_s
+
+    @property
+    def host_wait_s(self) -> float:
+        """Seconds experts calls waited for host experts (the part of `host_s` not hidden behind the device)."""
+        return self.counts.host_wait_s
+
+    @property
+    def host_hidden_share(self) -> float | None:
+        """Share of `host_s` hidden behind the device's work (0..1); None before any host expert ran."""
+        return hidden_share(self.counts.host_s, self.counts.host_wait_s)
 
     @property
     def miss_counts(self) -> dict[str, int]:
@@ -157,7 +170,13 @@ class OffloadEngine:
             )
             stack.callback(self.link.close)
             ctx = BindContext(
-                self.model, self.adapter, self.link, self.store.expert_bytes, self.time_host_expert, self.time_row_copy
+                self.model,
+                self.adapter,
+                self.link,
+                self.store.expert_bytes,
+                self.time_host_expert,
+                self.time_row_copy,
+                host_hidden=lambda: self.host_hidden_share,
             )
             if pf is not None and pf.needs_model:  # learned prefetchers load predictors, read experts: before offload
                 stack.callback(pf.bind(ctx))
@@ -180,6 +199,10 @@ class OffloadEngine:
                 predict_logits=self._predict_logits,
                 lookahead=lambda: self.lookahead,
             )
+            host = None
+            if self.host_worker and miss is not None and miss.needs_host:  # cpu / auto: host experts on a thread
+                host = HostWorker(self.device, self.counts)
+                stack.callback(host.close)
             self._call = ExpertsCall(
                 step=step,
                 cache=cache,
@@ -188,6 +211,7 @@ class OffloadEngine:
                 hit_first=self.routing is not None and self.routing.hit_first,
                 account=self.account,
                 counts=self.counts,
+                host=host,
             )
             stack.enter_context(use_experts_impl(self.model, self.adapter, IMPL_NAME, self))
             if prefetching and pf is not None and pf.needs_residual:  # post-attention residual (None without a norm)

@@ -9,11 +9,13 @@ transformers' experts interface calls under the `moeflow` implementation (throug
    only (`cache.wait` / `demand_wave`, booked as non-compute time), `grouped_experts` over the rows of the
    wave with each expert's weights gathered from its slot through the cache's device table
    (`table[expert_ids]`: no tensor from a Python list), `release`; the stock weighted combine.
-Order inside one pinned wave: with `hit-first` the ready experts' rows first, then (cpu misses) the host
-experts, then the wait for the slots still loading; `cpu` experts (`_host_rows`) run the same grouped
-kernels over the host store's rows (activations move, weights never do). Every path writes its rows into
-one `[S,H]` buffer before the single combine, so the result is bit-identical to `grouped_mm` (rows are
-independent; each group holds the stock call's rows in the stock order).
+Host experts (`cpu` misses) run the same grouped kernels over the host store's rows (activations move,
+weights never do): with a host worker (`runtime/host_worker.py`) their rows are submitted FIRST and computed
+on the worker thread while this thread computes the experts with a slot (waits included), then joined just
+before the combine; without one (`_host_rows`) serially, after the first part of the wave. Order inside one
+pinned wave: with `hit-first` the ready experts' rows first, then the wait for the slots still loading.
+Every path writes its rows into one `[S,H]` buffer before the single combine, so the result is bit-identical
+to `grouped_mm` (rows are independent; each group holds the stock call's rows in the stock order).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 from ..moe.compute import Aranges, grouped_experts, routed_experts_forward
 from ..policies.base import MissPolicy
 from .cache import ExpertCache
+from .host_worker import HostJob, HostWorker
 from .passstats import EngineCounts, PassAccount
 from .step import RouteStep
 from .store import HostExpertStore
@@ -47,12 +50,15 @@ class ExpertsCall:
         hit_first: bool,
         account: PassAccount,
         counts: EngineCounts,
+        host: HostWorker | None = None,
     ):
         self.step, self.cache, self.store, self.miss = step, cache, store, miss
+        self.host = host  # computes host experts beside this thread (None: serially, on this thread)
         self.spec = store.spec
         self.hit_first = hit_first  # compute resident experts before waiting (`RoutingPolicy.hit_first`)
         self.account, self.counts = account, counts
         self._aranges = Aranges()
+        self._host_aranges = Aranges()  # the worker thread's own (the cache is a dict)
 
     def forward(
         self, module: nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -76,7 +82,10 @@ class ExpertsCall:
         def sorted_rows(x_g: torch.Tensor, eg: torch.Tensor) -> torch.Tensor:
             return self._compute(module, layer, x_g, eg, table, waves, groups, routed.cpu)
 
-        return routed_experts_forward(hidden, top_k_index, top_k_weights, sorted_rows)
+        out = routed_experts_forward(hidden, top_k_index, top_k_weights, sorted_rows)
+        if self.miss is not None and self.miss.needs_routing and routed.scores is not None:
+            self.miss.observe(layer, routed.scores)  # the call's experts with a slot (hits and fetched)
+        return out
 
     def _compute(
         self,
@@ -96,6 +105,7 @@ class ExpertsCall:
         cache = self.cache
         S = eg.numel()
         out_g: torch.Tensor | None = None
+        job = self._submit_host(module, layer, cpu, x_g, eg) if cpu and self.host is not None else None
         split = None
         if len(waves) == 1 and waves[0][0] is not None and (cpu or self.hit_first):
             split = self._split_wave(layer, waves[0][0], waves[0][1], cpu)
@@ -106,7 +116,7 @@ class ExpertsCall:
                     rows, eg_w = self._rows(part_experts, eg)
                     proj = self._grouped(module, x_g[rows], eg_w, table[eg_w], len(part_experts))  # [S_w,H]
                     out_g = _put(out_g, rows, proj, S)
-                if i == 0 and cpu:  # host experts run while the misses' copies are in flight
+                if i == 0 and cpu and job is None:  # serial host experts while the misses' copies are in flight
                     out_g = self._host_rows(module, layer, cpu, x_g, eg, out_g)
             cache.release(waves[0][1])
         elif len(waves) == 1:
@@ -125,8 +135,11 @@ class ExpertsCall:
                 proj = self._grouped(module, x_g[rows], eg_w, table[eg_w], len(experts))  # [S_w,H]
                 out_g = _put(out_g, rows, proj, S)
                 cache.release(slots)
-            if cpu:
+            if cpu and job is None:
                 out_g = self._host_rows(module, layer, cpu, x_g, eg, out_g)
+        if job is not None:  # the host rows, computed beside the work above
+            host_rows, host_job = job
+            out_g = _put(out_g, host_rows, host_job.join(), S)
         if out_g is None:  # unreachable: every routed row belongs to a wave or a host expert
             raise RuntimeError(f"layer {layer}: no expert computed")
         return out_g
@@ -158,10 +171,27 @@ class ExpertsCall:
             self.cache.wait(slots)
         else:
             loads0 = self.cache.counters.loads
-            slots = self.cache.demand_wave(layer, experts, slots_or_scores, self.miss)
+            miss = None if self.miss is not None and self.miss.needs_routing else self.miss  # decided in the hook
+            slots = self.cache.demand_wave(layer, experts, slots_or_scores, miss)
             self.account.count_loads(layer, self.cache.counters.loads - loads0)
         self.account.book(time.perf_counter() - t0)
         return slots
+
+    def _submit_host(
+        self, module: nn.Module, layer: int, cpu: list[int], x_g: torch.Tensor, eg: torch.Tensor
+    ) -> tuple[torch.Tensor, HostJob]:
+        """Hand the rows routed to the host experts `cpu` to the host worker: (their rows [S_c], the job).
+        The same rows, grouping and kernel as `_host_rows`, so the result is bit-identical to it."""
+        if self.host is None:  # unreachable: only called with a host worker
+            raise RuntimeError("no host worker")
+        rows, eg_c = self._rows(cpu, eg)
+        views = self.store.layout.views(self.store.rows[layer])  # [E,...] host, no copy
+        groups, aranges = len(cpu), self._host_aranges
+
+        def compute(x_h: torch.Tensor, eg_h: torch.Tensor) -> torch.Tensor:
+            return grouped_experts(module, x_h, eg_h, views, eg_h, groups, aranges)  # [S_c,H] host
+
+        return rows, self.host.submit(x_g[rows], eg_c, compute)
 
     def _host_rows(
         self, module: nn.Module, layer: int, cpu: list[int], x_g: torch.Tensor, eg: torch.Tensor, out_g: torch.Tensor | None
@@ -174,7 +204,9 @@ class ExpertsCall:
         views = self.store.layout.views(self.store.rows[layer])  # [E,...] host, no copy
         proj = self._grouped(module, x_h, eg_h, eg_h, len(cpu), views=views)  # [S_c,H] host
         out_g = _put(out_g, rows, proj.to(x_g.device), x_g.shape[0])
-        self.counts.host_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.counts.host_s += dt
+        self.counts.host_wait_s += dt  # serial: nothing hidden
         return out_g
 
     def _grouped(

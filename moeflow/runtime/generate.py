@@ -17,7 +17,8 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..moe import get_adapter
-from ..policies import EVICTION, MISS, PREFETCH, ROUTING, Registry
+from ..policies.base import EVICTION, MISS, PREFETCH, ROUTING  # importing moeflow.policies registers every policy
+from ..registry import Registry
 from .engine import OffloadEngine, PassStats
 from .link import Link
 from .metrics import RunMetrics
@@ -205,6 +206,7 @@ def generate_batch(
         engine.cache.mark_phase(new_generation=True)
         c0 = engine.cache.counters.copy()
         l0 = (engine.link.busy_s, engine.link.bytes)
+        h0 = (engine.host_s, engine.host_wait_s)
     clock = PassClock(model)
     torch.manual_seed(seed)
     try:
@@ -242,6 +244,7 @@ def generate_batch(
             m.decode_counters = m.decode_counters + c
         m.link_busy_s = engine.link.busy_s - l0[0]
         m.link_bytes = engine.link.bytes - l0[1]
+        m.host_s, m.host_wait_s = engine.host_s - h0[0], engine.host_wait_s - h0[1]
         m.expert_bytes = engine.store.expert_bytes
         m.lossy = engine.lossy
     return news, m

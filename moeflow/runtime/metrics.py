@@ -16,6 +16,8 @@ Definitions (docs/architecture.md, "Metrics vocabulary"):
 - prefetch recall: needed experts that were resident thanks to a prefetch (whenever issued) / needed experts.
 - collision misses: needed experts evicted earlier in the same forward pass.
 - effective bandwidth: bytes moved / busy link seconds.
+- host time: seconds the host worker ran missed experts (`cpu` / `auto`); host wait: seconds the experts
+  calls waited for it; host hidden share = 1 - host wait / host time (host time hidden behind the device).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class RunMetrics:
     expert_bytes: int = 0
     s_history: list[int] = field(default_factory=list)  # step size S used at each decode pass (adaptive S)
     lossy: bool = False  # a lossy miss / routing policy (or --speculative): outputs may differ from the model's
+    host_s: float = 0.0  # host worker busy seconds (missed experts computed on the host)
+    host_wait_s: float = 0.0  # seconds the experts calls waited for the host worker
 
     # ---- derived ----------------------------------------------------------------------------------
     @property
@@ -109,6 +113,12 @@ class RunMetrics:
         return _ratio(self.decode_counters.bytes_moved, self.decode_tokens)
 
     @property
+    def host_hidden_share(self) -> float | None:
+        if self.host_s <= 0:
+            return None
+        return min(1.0, max(0.0, 1.0 - self.host_wait_s / self.host_s))
+
+    @property
     def effective_gbps(self) -> float | None:
         r = _ratio(self.link_bytes, self.link_busy_s)
         return r / 1e9 if r is not None else None
@@ -127,6 +137,8 @@ class RunMetrics:
             "decode_s",
             "link_busy_s",
             "link_bytes",
+            "host_s",
+            "host_wait_s",
         ):
             setattr(out, f, getattr(self, f) + getattr(other, f))
         out.counters = self.counters + other.counters
@@ -179,6 +191,9 @@ class RunMetrics:
             "bytes_per_token": self.bytes_per_token,
             "effective_gbps": self.effective_gbps,
             "expert_bytes": self.expert_bytes,
+            "host_s": self.host_s,
+            "host_wait_s": self.host_wait_s,
+            "host_hidden_share": self.host_hidden_share,
             "s_history": list(self.s_history),
             "counters": self.counters.to_dict(),
             "decode_counters": self.decode_counters.to_dict(),

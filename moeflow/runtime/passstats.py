@@ -55,7 +55,8 @@ class EngineCounts:
     """Counts over the engine's whole life (not per pass)."""
 
     host_syncs: int = 0  # device -> host reads the engine made (each one a sync on CUDA)
-    host_s: float = 0.0  # seconds spent running experts on the host (miss policy `cpu` / `auto`)
+    host_s: float = 0.0  # seconds the host worker was busy running experts (miss policy `cpu` / `auto`)
+    host_wait_s: float = 0.0  # seconds experts calls waited for the host worker (host_s not hidden)
     miss_counts: dict[str, int] = field(default_factory=lambda: {DROP: 0, SUBSTITUTE: 0, CPU: 0})  # missing
     #   experts (per layer call and expert) handled without a copy, by the miss policy's action
 

@@ -22,6 +22,14 @@ the `SimStats` headline fields count the passes of `count_phase` (None: all).
 
 `belady(...)`: Belady's MIN for demand paging (evict the resident expert whose next use is farthest in
 the future), through the same cache: the best hit count any eviction policy can reach without prefetching.
+
+Compiled replay: when the cache runs its compiled core (an eviction policy with a `kernel`: lru, lfu,
+least-stale, belady-approx, belady; the instant link), the miss policy is `fetch` and the prefetch policy's
+proposals depend on the trace alone (`none`, `pregate`, `all-next-layer`: `moeflow.sim.stream`, computed once
+per trace), the whole trace is replayed in ONE kernel call (`ExpertCache.replay`) through the same kernels the
+cache runs per call, in the order above. Otherwise (`compiled=False`, a modelled link, another policy) this
+loop drives the cache call by call. `SimStats.seconds` is the replay's wall time, `prepare_s` the one-time
+preparation (stream, proposals; cached on the trace), `engine` which replay ran.
 """
 
 from __future__ import annotations
@@ -37,12 +45,15 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..policies import EVICTION, MISS, PREFETCH, EvictionPolicy, ExpertKey, LayerContext, Position
+from ..policies import EVICTION, MISS, PREFETCH, EvictionPolicy, ExpertKey, Position
 from ..policies.base import Candidates
 from ..policies.miss import Fetch
 from ..runtime.cache import CacheCounters, ExpertCache, needed_experts, wave_capacity
+from ..runtime.cachecore import belady_tables
+from ..runtime.corecache import ReplayResult, counters_of
 from .access import AccessTrace
 from .link import make_sim_link
+from .stream import layer_context, precomputable, proposals, stream
 
 
 @dataclass
@@ -74,6 +85,8 @@ class SimStats:
     decode_counters: CacheCounters = field(default_factory=CacheCounters)  # decode passes (as `moeflow run`)
     replayed_accesses: int = 0  # accesses of every replayed pass
     seconds: float = 0.0  # wall time of the replay (cache, policies, link model)
+    prepare_s: float = 0.0  # one-time preparation of the compiled replay (stream, proposals; cached per trace)
+    engine: str = "python"  # compiled: one kernel call over the trace; python: the cache call by call
     link: str = "instant"
 
     @property
@@ -127,9 +140,6 @@ class _Compiled:
     """Per pass: (phase, tokens, [(layer, rank, experts sorted by id, {expert: summed gate weight}, step)])."""
 
     passes: list[tuple[int, int, list[tuple[int, int, list[int], dict[int, float], Any]]]]
-    accesses: int
-    codes: np.ndarray  # [A] step * M + rank * E + expert, one per access, in replay order
-    steps: int
 
 
 def _compile(acc: AccessTrace) -> _Compiled:
@@ -137,16 +147,11 @@ def _compile(acc: AccessTrace) -> _Compiled:
     cached = getattr(acc, "_compiled", None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    E = acc.num_experts
-    M = len(acc.moe_layers) * E
     rank_of = {l: r for r, l in enumerate(acc.moe_layers)}
     passes = []
-    codes: list[int] = []
-    n = step_no = 0
     for p in acc.passes:
         steps = []
         for s in p.steps:
-            r = rank_of[s.layer]
             idx = s.indices
             w = np.ones(idx.shape, dtype=np.float32) if s.weights is None else s.weights
             if idx.shape[0] == 1:  # one token: k distinct experts, the engine's no-sum path
@@ -159,13 +164,9 @@ def _compile(acc: AccessTrace) -> _Compiled:
                     experts, scores = _needed(idx, w)
             else:
                 experts, scores = _needed(idx, w)
-            base = step_no * M + r * E
-            codes.extend(base + e for e in experts)
-            n += len(experts)
-            steps.append((s.layer, r, experts, scores, s))
-            step_no += 1
+            steps.append((s.layer, rank_of[s.layer], experts, scores, s))
         passes.append((p.phase, p.tokens, steps))
-    out = _Compiled(passes, n, np.asarray(codes, dtype=np.int64), step_no)
+    out = _Compiled(passes)
     acc._compiled = (key, out)  # type: ignore[attr-defined]
     return out
 
@@ -182,40 +183,46 @@ class Belady(EvictionPolicy):
     """MIN: the victim is the candidate whose next use (layer step) is farthest away (never = after the end);
     ties go to the larger key. Built from the access trace it will be replayed on (every pass, in the
     simulator's order); it counts layer steps from `on_layer_start`. Next uses are precomputed with numpy
+    (`cachecore.belady_tables`, which the compiled core reads: `kernel`); the Python events look them up
     (one dict lookup per access); `victim` takes the top of a lazy max-heap of the resident keys' next uses,
     skipping keys that are not candidates (pinned), when the cache passes its `Candidates` view; any other
     sequence gets one C-level `max` over the candidates (the same victim: every key's score is distinct)."""
 
     name: ClassVar[str] = "belady"
+    kernel = "belady"
 
     def __init__(self, acc: AccessTrace):
-        comp = _compile(acc)
+        st = stream(acc)
         self.E = acc.num_experts
         self.M = len(acc.moe_layers) * self.E
-        self.never = comp.steps + 1
-        codes = comp.codes
-        step, ki = codes // self.M, codes % self.M
-        order = np.lexsort((step, ki))  # by key, then step
-        s_sorted, k_sorted = step[order], ki[order]
-        nxt = np.full(len(codes), self.never, dtype=np.int64)
-        same = k_sorted[1:] == k_sorted[:-1]
-        nxt[:-1][same] = s_sorted[1:][same]
-        self._next = dict(zip(codes[order].tolist(), nxt.tolist()))  # code of an access -> step of the next use
-        self._k_sorted, self._s_sorted = k_sorted, s_sorted
+        self._rank = {l: r for r, l in enumerate(acc.moe_layers)}
+        S, A = len(st.step_rank), st.accesses
+        self.never = S + 1
+        self._tables = belady_tables(st.exp_off, st.step_keys(self.E), self.M)
+        X = self._tables
+        self._step_keys = X[3 + S : 3 + S + A]  # [A] key of each access, by step
+        self._next_of = X[3 + S + A : 3 + S + 2 * A]  # [A] the step of its key's next use
+        self._key_off = X[3 + S + 2 * A : 4 + S + 2 * A + self.M]  # [K+1]
+        self._key_steps = X[4 + S + 2 * A + self.M :]  # [A] per key, its access steps ascending
+        self._exp_off = st.exp_off
+        self._next: dict[int, int] | None = None  # code (step * M + key) -> step of the next use, on first use
         self._score: dict[ExpertKey, int] = {}  # resident key -> next use * M + key index (larger = evict)
         self._heap: list[tuple[int, ExpertKey]] = []  # (-score, key), lazy: live while it is the key's score
         self.step = -1
 
+    def kernel_tables(self) -> np.ndarray:
+        """The next-use tables the compiled core reads (`cachecore.belady_tables`)."""
+        return self._tables
+
     def on_layer_start(self, pos: Position) -> None:
         self.step += 1
 
-    def next_use(self, key: ExpertKey, rank: int) -> int:
+    def next_use(self, key: ExpertKey) -> int:
         """First use of `key` at or after the current step (`never` if none)."""
-        ki = rank * self.E + key[1]
-        lo = int(np.searchsorted(self._k_sorted, ki, "left"))
-        hi = int(np.searchsorted(self._k_sorted, ki, "right"))
-        i = lo + bisect.bisect_left(self._s_sorted[lo:hi].tolist(), self.step)
-        return int(self._s_sorted[i]) if i < hi else self.never
+        ki = self._rank[key[0]] * self.E + key[1]
+        lo, hi = int(self._key_off[ki]), int(self._key_off[ki + 1])
+        i = lo + bisect.bisect_left(self._key_steps[lo:hi].tolist(), self.step)
+        return int(self._key_steps[i]) if i < hi else self.never
 
     def victim(self, candidates: Sequence[ExpertKey], pos: Position) -> ExpertKey:
         if type(candidates) is Candidates:  # every candidate is resident, so scored
@@ -246,9 +253,12 @@ class Belady(EvictionPolicy):
 
     def on_insert(self, key, pos, *, prefetched):
         if prefetched:  # not accessed now: its next use from here
-            self._set(key, self.next_use(key, pos.layer_rank) * self.M + pos.layer_rank * self.E + key[1])
+            self._set(key, self.next_use(key) * self.M + self._rank[key[0]] * self.E + key[1])
 
     def on_access(self, key, pos, *, score):
+        if self._next is None:
+            step_of = np.repeat(np.arange(len(self._exp_off) - 1), np.diff(self._exp_off))
+            self._next = dict(zip((step_of * self.M + self._step_keys).tolist(), self._next_of.tolist()))
         ki = pos.layer_rank * self.E + key[1]
         self._set(key, self._next.get(self.step * self.M + ki, self.never) * self.M + ki)
 
@@ -283,14 +293,15 @@ class _Spec:
         return len(self.moe_layers) * self.num_experts
 
 
-def _resolve(registry, spec: Any, what: str) -> tuple[Any, str]:
+def _resolve(registry, spec: Any, what: str) -> tuple[Any, str, bool]:
+    """(policy, label, built here: a fresh object)."""
     if isinstance(spec, str):
-        return registry.create(spec), spec
+        return registry.create(spec), spec, True
     if isinstance(spec, tuple):  # (name, {options})
         name, opts = spec
         label = name + ("(" + ",".join(f"{k}={v}" for k, v in opts.items()) + ")" if opts else "")
-        return registry.create(name, **opts), label
-    return spec, str(spec.name)
+        return registry.create(name, **opts), label, True
+    return spec, str(spec.name), False
 
 
 def simulate(
@@ -307,24 +318,64 @@ def simulate(
     layer_time_s: float = 0.0,
     per_layer: bool = False,
     count_phase: int | None = None,
+    compiled: bool | None = None,
 ) -> SimStats:
     """Replay `acc` through a tensor-free `ExpertCache` of `capacity` experts (policies: names, (name, options)
-    or objects; `link`: None/'instant', 'emulated:GBPS[,LATENCY_US]' or a sim link object)."""
+    or objects; `link`: None/'instant', 'emulated:GBPS[,LATENCY_US]' or a sim link object). `compiled`: None
+    replays in one kernel call where possible (see "Compiled replay"), False drives the cache call by call
+    with the Python mechanism (the reference), True requires the compiled replay."""
     if capacity < 1:
         raise ConfigError(f"capacity must be >= 1 expert, got {capacity}")
-    ev, ev_name = (eviction, "belady") if isinstance(eviction, Belady) else _resolve(EVICTION, eviction, "eviction")
-    pf, pf_name = _resolve(PREFETCH, prefetch, "prefetch")
-    ms, _ = _resolve(MISS, miss, "miss")
+    if isinstance(eviction, Belady):
+        ev, ev_name = eviction, "belady"
+    else:
+        ev, ev_name, _ = _resolve(EVICTION, eviction, "eviction")
+    pf, pf_name, pf_fresh = _resolve(PREFETCH, prefetch, "prefetch")
+    ms, _, _ = _resolve(MISS, miss, "miss")
     if type(ms) is Fetch:
         ms = None  # the built-in exact policy: stateless, always 'fetch' (what the cache does without one)
     prefetching = pf.proposes
-    comp = _compile(acc)
     spec = _Spec(tuple(acc.moe_layers), acc.num_experts, acc.top_k, int(acc.expert_bytes or 1))
     lk = make_sim_link(link)
     gate = pf.gate if prefetching else None  # the prefetch policy's admission (PrefetchGate)
-    cache = ExpertCache(None, capacity, link=lk, eviction=ev, per_layer=per_layer, spec=spec, gate=gate)
+    cache = ExpertCache(
+        None, capacity, link=lk, eviction=ev, per_layer=per_layer, spec=spec, gate=gate, compiled=None if compiled else compiled
+    )
     wcap = wave_capacity(cache.part_capacity, cache.expert_bytes)
     st = SimStats(capacity=capacity, eviction=ev_name, prefetch=pf_name, link=lk.describe())
+    whole = cache.core is not None and ms is None and (not prefetching or precomputable(pf))
+    if compiled and not whole:
+        raise ValueError(
+            f"no compiled replay for eviction {ev_name!r}, prefetch {pf_name!r}, miss {getattr(ms, 'name', 'fetch')!r} "
+            f"on link {lk.describe()!r}"
+        )
+    if whole:
+        t0 = time.perf_counter()
+        strm = stream(acc)
+        props = proposals(acc, pf, lookahead, predict_logits, cache=pf_fresh) if prefetching else None
+        left = -1
+        if gate is not None:  # the gate's quota per call (an instant link: no admission reads the link)
+            gate.begin(lk, cache.expert_bytes, 0, 0)
+            left = cast(int, gate.quota())
+        t1 = time.perf_counter()
+        res = cache.replay(strm, props, wave_cap=wcap, count_phase=count_phase, left=left)
+        st.seconds = time.perf_counter() - t1
+        st.prepare_s, st.engine = t1 - t0, "compiled"
+        if gate is not None:
+            gate.count(int(res.out[5]), int(res.out[6]))
+        cast(Any, lk).advance(layer_time_s * len(strm.step_rank))  # the simulator's links (sim/link.py) advance
+        _fill_compiled(st, res, cache, count_phase)
+    else:
+        _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, layer_time_s, wcap, count_phase)
+    if check and cache.num_resident() > capacity:
+        raise RuntimeError("cache over capacity")
+    return st
+
+
+def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, layer_time_s, wcap, count_phase) -> None:
+    """The cache call by call, in the engine's order."""
+    prefetching = pf.proposes
+    comp = _compile(acc)
     moe = tuple(acc.moe_layers)
     c = cache.counters
     L = len(moe)
@@ -340,8 +391,8 @@ def simulate(
             cache.mark_phase(new_generation=phase == 0)
         if phase != seg_phase:
             if seg_phase is not None:
-                phase_sums[seg_phase] = phase_sums.get(seg_phase, CacheCounters()) + (c - seg0)
-            seg_phase, seg0 = phase, c.copy()
+                phase_sums[seg_phase] = phase_sums.get(seg_phase, CacheCounters()) + (cache.counters - seg0)
+            seg_phase, seg0 = phase, cache.counters.copy()
         counted = count_phase is None or phase == count_phase
         if counted:
             st.passes += 1
@@ -350,6 +401,7 @@ def simulate(
         if prefetching:
             proposed.clear()
         for layer, rank, experts, scores, step in steps:
+            c = cache.counters
             if counted:
                 h0, a0, k0 = c.hits, c.accesses, c.collision_misses
             begin_layer(layer)
@@ -358,10 +410,10 @@ def simulate(
                 hits_l[rank] += c.hits - h0
                 acc_l[rank] += c.accesses - a0
                 col_l[rank] += c.collision_misses - k0
-                if proposed:
+                if proposed and slots is not None:  # in waves: counted per wave below
                     st.proposed_accesses += sum(1 for e in experts if (layer, e) in proposed)
             if prefetching:
-                ctx = _context(acc, step, cache.position(layer), moe, lookahead, predict_logits, cache.resident)
+                ctx = layer_context(acc, step, cache.position(layer), moe, lookahead, predict_logits, cache.resident)
                 reqs = pf.propose(ctx)
                 if reqs:
                     if counted:
@@ -386,12 +438,34 @@ def simulate(
                             st.proposed_accesses += sum(1 for e in wave if (layer, e) in proposed)
                     advance(layer_time_s / len(waves))
                     release(s)
-            if check and cache.num_resident() > capacity:
+            if check and cache.num_resident() > cache.capacity:
                 raise RuntimeError("cache over capacity")
     st.seconds = time.perf_counter() - t0
+    c = cache.counters
     if seg_phase is not None:
         phase_sums[seg_phase] = phase_sums.get(seg_phase, CacheCounters()) + (c - seg0)
     lk.drain()
+    _fill(st, cache, phase_sums, count_phase)
+    st.hits_per_layer = {l: hits_l[r] for r, l in enumerate(moe) if acc_l[r]}
+    st.accesses_per_layer = {l: acc_l[r] for r, l in enumerate(moe) if acc_l[r]}
+    st.collisions_per_layer = {l: col_l[r] for r, l in enumerate(moe) if col_l[r]}
+
+
+def _fill_compiled(st: SimStats, res: ReplayResult, cache: ExpertCache, count_phase: int | None) -> None:
+    passes, tokens, proposed, props = (int(v) for v in res.out[1:5])
+    st.passes, st.tokens, st.proposed_accesses, st.proposals = passes, tokens, proposed, props
+    sums = {ph: counters_of(res.sums[ph]) for ph in (0, 1) if res.sums[ph].any()}
+    _fill(st, cache, sums, count_phase)
+    hits, accs, cols = (row.tolist() for row in res.per_layer)
+    moe = cache.spec.moe_layers
+    st.hits_per_layer = {l: hits[r] for r, l in enumerate(moe) if accs[r]}
+    st.accesses_per_layer = {l: accs[r] for r, l in enumerate(moe) if accs[r]}
+    st.collisions_per_layer = {l: cols[r] for r, l in enumerate(moe) if cols[r]}
+
+
+def _fill(st: SimStats, cache: ExpertCache, phase_sums: dict[int, CacheCounters], count_phase: int | None) -> None:
+    """The headline fields from the cache's counters (all passes) and those of each phase."""
+    c = cache.counters
     st.counters = c.copy()
     st.decode_counters = phase_sums.get(1, CacheCounters())
     st.replayed_accesses = c.accesses
@@ -401,41 +475,6 @@ def simulate(
     st.prefetch_used_prior = h.prefetch_used_prior_generation if count_phase is None else h.prefetch_used_prior_phase
     st.prefetch_hits, st.evictions, st.late, st.stall_s = h.prefetch_used, h.evictions, h.late, h.stall_s
     st.max_resident = cache.num_resident()  # residency never shrinks with retained slots
-    st.hits_per_layer = {l: hits_l[r] for r, l in enumerate(moe) if acc_l[r]}
-    st.accesses_per_layer = {l: acc_l[r] for r, l in enumerate(moe) if acc_l[r]}
-    st.collisions_per_layer = {l: col_l[r] for r, l in enumerate(moe) if col_l[r]}
-    return st
-
-
-def _context(
-    acc: AccessTrace, step, pos: Position, moe: tuple[int, ...], lookahead: int, predict_logits, resident
-) -> LayerContext:
-    x = step.router_input
-    idx = torch.as_tensor(step.indices)  # [T,k]
-    w = torch.as_tensor(step.weights) if step.weights is not None else torch.ones(idx.shape)
-
-    def no_router(layer: int, x: torch.Tensor) -> torch.Tensor:
-        raise ConfigError(
-            "this prefetch policy needs the model's routers: pass predict_logits "
-            "(e.g. get_adapter(model).router_logits) and an access trace with router inputs"
-        )
-
-    if x is None:
-        x = torch.zeros(idx.shape[0], 0)
-    return LayerContext(
-        pos=pos,
-        layer=step.layer,
-        moe_layers=moe,
-        num_experts=acc.num_experts,
-        top_k=acc.top_k,
-        router_input=x,
-        logits=torch.zeros(idx.shape[0], acc.num_experts),
-        indices=idx,
-        weights=w,
-        predict_logits=predict_logits or no_router,
-        lookahead=lookahead,
-        resident=resident,
-    )
 
 
 def belady(acc: AccessTrace, capacity: int, **kw: Any) -> SimStats:

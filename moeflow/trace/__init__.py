@@ -1,10 +1,8 @@
 """Routing traces: router hooks -> per-token records -> Arrow shards (`writer.py`), the `Trace`
-reader (`reader.py`), routing statistics (`summary.py`) and the `moeflow trace` stage (`run.py`)."""
+reader (`reader.py`), routing statistics (`summary.py`) (the `moeflow trace` stage is `moeflow.stages.trace`)."""
 
-from .config import TraceConfig
 from .format import SCHEMA
 from .reader import Trace
-from .run import main, run_trace
 from .summary import layer_stats, trace_summary
 from .writer import RoutingRecorder, TraceWriter
 
@@ -12,10 +10,7 @@ __all__ = [
     "SCHEMA",
     "RoutingRecorder",
     "Trace",
-    "TraceConfig",
     "TraceWriter",
     "layer_stats",
-    "main",
-    "run_trace",
     "trace_summary",
 ]

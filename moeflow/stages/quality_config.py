@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..policies.lossy import Lossy
 from ..policies.parse import parse_policy
-from ..runtime.config import RunConfig
+from .run_config import RunConfig
 
 TASKS = ("mmlu", "gsm8k", "none")
 TEXTS = ("wikitext2", "wikitext2-test")  # named text sets; anything else is a text file

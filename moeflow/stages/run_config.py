@@ -3,7 +3,7 @@
 `RunConfig(...)` checks every value that the flags alone decide (every item of every --sweep list:
 modes, capacity syntax, eviction / prefetch names and options, the link), so a bad late value fails
 before the first run; `preflight()` checks the device and `--out` before the model loads; the
-capacities that need the model (below top-k, above all experts) are checked by `runtime.main` after it
+capacities that need the model (below top-k, above all experts) are checked by `moeflow.stages.session` after it
 loads and before the first generation."""
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class RunConfig:
     def _check_policies(self) -> None:
         """Every capacity's syntax, every eviction / prefetch with its options, miss, routing and link."""
         from ..policies import EVICTION, MISS, PREFETCH, ROUTING
-        from .link import parse_link
+        from ..runtime.link import parse_link
 
         offload = "offload" in self.modes
         if offload:
@@ -148,7 +148,7 @@ class RunConfig:
     def lossy(self, device_type: str, run: dict[str, Any] | None = None) -> Lossy:
         """Whether a run of this configuration on a `device_type` device can change the model's output: the one
         answer (`moeflow.policies.lossy.Lossy`: `lossy`, `reasons`) from the built policies, `--speculative` and
-        a restricted `--plan` (whose routing is `plan-restricted`). `run`: one run of `runtime.main.plan_runs`
+        a restricted `--plan` (whose routing is `plan-restricted`). `run`: one run of `moeflow.stages.session.plan_runs`
         (its mode, eviction, prefetch); None: every run (lossy when any is). Resident and on-demand runs run
         the router's experts, loaded: exact."""
         from ..policies import EVICTION, MISS, PREFETCH, ROUTING

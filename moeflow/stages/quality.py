@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import sys
 from itertools import product
@@ -23,28 +24,24 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from ..errors import MoeflowError
-from ..moe import get_adapter
 from ..policies.lossy import device_type
 from ..policies.parse import parse_policy
-from ..runtime.adaptive_s import requested_step_size
-from ..runtime.config import RunConfig
+from ..quality import measure
 from ..runtime.generate import generate_batch
 from ..runtime.link import make_link
-from ..runtime.main import (
-    _label,
-    _run_hooks,
+from ..runtime.metrics import RunMetrics
+from .quality_config import QualityConfig, run_config_for
+from .run_config import RunConfig
+from .session import (
     check_runs,
     encode_prompts,
     engine_for,
+    open_session,
     plan_runs,
-    read_calibration,
-    read_prompts,
-    resolve_link,
+    run_hooks,
+    run_label,
+    warm_up,
 )
-from ..runtime.metrics import RunMetrics
-from . import measure
-from .config import QualityConfig, run_config_for
 
 RESULT_KIND = "quality"
 
@@ -79,7 +76,7 @@ def plan(cfg: QualityConfig) -> list[dict[str, Any]]:
 
 
 def label(run: dict[str, Any], capacity: int | None, total: int, cfg: RunConfig) -> str:
-    base = _label(run, capacity, total)
+    base = run_label(run, capacity, total)
     if run["mode"] == "offload":
         extra = [x for x in (run["miss"], run["routing"]) if x not in ("fetch", "standard")]
         base += "".join(f" {x}" for x in extra) + (" speculative" if run["speculative"] else "")
@@ -114,20 +111,10 @@ def main(cfg: QualityConfig, console: Console | None = None) -> dict[str, Any]:
 
 
 def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
-    from ..models import load_model
-    from ..threads import apply_threads
-
     rc = cfg.run
-    device = torch.device(rc.device)
-    prompts = read_prompts(rc)
-    model, tok = load_model(rc.model, dtype=rc.dtype, device=rc.device, experts_implementation="grouped_mm")
-    if tok is None:
-        raise MoeflowError(f"{rc.model} has no tokenizer files; `moeflow quality` needs one")
-    spec = get_adapter(model).spec
-    link_spec = resolve_link(rc, device)
-    cal, cal_path = read_calibration(rc, model, link_spec)
-    threads = apply_threads(rc.threads, model, rc.device, calibration=cal)
-    lookahead, _ = requested_step_size(rc.lookahead, cal, spec.num_moe_layers, Path(rc.model).name)
+    ses = open_session(rc, "moeflow quality")
+    model, tok, spec, device, link_spec = ses.model, ses.tok, ses.spec, ses.device, ses.link_spec
+    cal, cal_path, threads, lookahead, prompts = ses.cal, ses.cal_path, ses.threads, ses.lookahead, ses.prompts
     runs = plan(cfg)
     caps: dict[str, int] = {}
     for miss, routing in product(cfg.misses, cfg.routings):
@@ -174,17 +161,16 @@ def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
         run_rc = run_config_for(rc, run["miss"] or "fetch", run["routing"] or "standard")
         spec_rc = run_rc if run["speculative"] else dataclasses.replace(run_rc, speculative=False)
         if rc.warmup:
-            wlink = make_link(link_spec, device)
-            weng = make_engine(rc, model, run, capacity, wlink, lookahead, planner)
-            try:
-                with (
-                    weng if weng is not None else contextlib.nullcontext(),
-                    _run_hooks(spec_rc, model, spec, weng, cal, lookahead),
-                ):
-                    generate_batch(model, [encoded[0][2]], weng, max_new_tokens=min(4, rc.max_new_tokens), **gen_kw)
-            finally:
-                if weng is None:
-                    wlink.close()
+            warm_up(
+                ses,
+                spec_rc,
+                functools.partial(
+                    make_engine, rc, model, run, capacity, lookahead=lookahead, planner=planner
+                ),  # (link) -> engine
+                [encoded[0][2]],
+                min(4, rc.max_new_tokens),
+                gen_kw,
+            )
         link = make_link(link_spec, device)
         engine = make_engine(rc, model, run, capacity, link, lookahead, planner)
         planned = planner if run["mode"] == "offload" and engine is not None else None
@@ -200,7 +186,7 @@ def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
         try:
             with (
                 engine if engine is not None else contextlib.nullcontext(),
-                _run_hooks(spec_rc, model, spec, engine, cal, lookahead),
+                run_hooks(spec_rc, model, spec, engine, cal, lookahead),
             ):
                 for pi, (_, _, ids) in enumerate(encoded):
                     with with_plan(prompt_plans[pi] if planned else None):

@@ -4,224 +4,40 @@
 Everything that can be refused is refused before the first generation: the flags when the RunConfig is
 built, the device and `--out` before the model loads (`RunConfig.preflight`), the calibration when it is
 read, and every run of a sweep (its capacity against the model, a learned prefetcher's predictor folder)
-by `plan_runs` before the first run."""
+by `check_runs` before the first run (`moeflow.stages.session`, shared with `moeflow quality`)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 
 from ..artifacts import atomic_write
-from ..errors import ArtifactError, ConfigError, MoeflowError
-from ..moe import get_adapter
-from ..policies.parse import build_policy, parse_capacity, policy_args
-from .adaptive_s import requested_step_size
-from .config import RunConfig
-from .generate import build_engine, fastest_experts_impl, generate_batch
-from .link import make_link, parse_link
-from .metrics import RunMetrics, metrics_table
+from ..policies.parse import policy_args
+from ..runtime.generate import fastest_experts_impl, generate_batch
+from ..runtime.link import make_link
+from ..runtime.metrics import RunMetrics, metrics_table
+from .run_config import RunConfig
+from .session import (
+    NO_PREFETCH,
+    check_runs,
+    encode_prompts,
+    engine_for,
+    expert_bytes_of,
+    open_session,
+    plan_runs,
+    run_hooks,
+    run_label,
+    use_step_size,
+    warm_up,
+)
 
 RESULT_KIND = "run"  # the "kind" of every `--out` JSONL line (moeflow.artifacts.check_out recognises it)
-
-# ---- calibration -------------------------------------------------------------------------------------
-
-
-def resolve_link(cfg: RunConfig, device: torch.device) -> str:
-    """`auto` is `cuda` on a CUDA device and `direct` (a plain copy, no emulation) on CPU."""
-    kind, _, _ = parse_link(cfg.link)
-    if kind != "auto":
-        return cfg.link
-    return "cuda" if device.type == "cuda" else "direct"
-
-
-def read_calibration(cfg: RunConfig, model: Any, link_spec: str) -> tuple[dict[str, Any] | None, str]:
-    """(calibration or None, path looked at): `--calibration FILE`, else what `moeflow calibrate` writes for
-    this device and link (`calibration/cpu.json`, `calibration/cpu-emulated-2gbps.json`, `calibration/cuda-....json`).
-    A calibration made for another model is refused (moeflow.calibrate.load_calibration checks the fingerprint)."""
-    from ..calibrate import calibration_path, device_name, load_calibration
-
-    kind, gbps, _ = parse_link(link_spec)
-    if cfg.calibration:
-        path = Path(cfg.calibration)
-    else:
-        path = calibration_path(device_name(cfg.device, gbps if kind == "emulated" else None))
-    if not path.is_file():
-        if cfg.calibration:
-            raise MoeflowError(f"calibration file {path} does not exist; run `moeflow calibrate` or drop --calibration")
-        return None, str(path)
-    cal = load_calibration(path, model)
-    check_step_size(cal, path)
-    return cal, str(path)
-
-
-def check_step_size(cal: dict[str, Any], path: str | Path) -> None:
-    """Refuse a calibration whose step size S (`initial_s`) is not an integer >= 1 (S = 0 would prefetch the
-    layer that is already running)."""
-    s = cal.get("initial_s")
-    if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
-        raise ArtifactError(
-            f"calibration {path} has step size S = {s!r}, S must be an integer >= 1; "
-            f"re-run `moeflow calibrate` or pass another --calibration"
-        )
-
-
-# ---- prompts -----------------------------------------------------------------------------------------
-
-
-def read_prompts(cfg: RunConfig) -> list[tuple[str, str]]:
-    out: list[tuple[str, str]] = [(f"prompt-{i}", t) for i, t in enumerate(cfg.prompt)]
-    if cfg.prompts:
-        from ..data.prompts import load_prompts
-
-        out += [
-            (p.id, p.text)
-            for p in load_prompts(cfg.prompts, data_dir=cfg.data_dir, limit=cfg.limit, split=cfg.split, column=cfg.column)
-        ]
-    if cfg.limit is not None:
-        out = out[: cfg.limit]
-    if not out:
-        raise ConfigError("no prompts to run")
-    return out
-
-
-# ---- runs -----------------------------------------------------------------------------------------------
-
-
-def plan_runs(cfg: RunConfig) -> list[dict[str, Any]]:
-    """Every (mode, capacity, eviction, prefetch) combination, in flag order (non-offload modes once)."""
-    runs: list[dict[str, Any]] = []
-    for mode in cfg.modes:
-        if mode != "offload":
-            runs.append({"mode": mode, "capacity": None, "eviction": None, "prefetch": None})
-            continue
-        for cap in cfg.capacities:
-            for ev in cfg.evictions:
-                for pf in cfg.prefetches:
-                    runs.append({"mode": mode, "capacity": cap, "eviction": ev, "prefetch": pf})
-    return runs
-
-
-def expert_bytes_of(model: Any) -> int:
-    """Bytes of one routed expert as the host store lays it out (the unit of a byte-size --capacity)."""
-    from .store import ExpertLayout
-
-    ad = get_adapter(model)
-    first = ad.per_expert_params(ad.spec.moe_layers[0])
-    return ExpertLayout.of({n: p.detach() for n, p in first.items()}).row_bytes
-
-
-def check_runs(cfg: RunConfig, model: Any, runs: list[dict[str, Any]]) -> dict[str, int]:
-    """Check what needs the model for every run before the first one: each capacity (top-k .. all experts)
-    and each learned prefetcher's predictor folder (kind, schema, model, predictor present).
-    Returns capacity spec -> experts."""
-    from ..policies import PREFETCH
-    from ..policies.learned import LearnedPrefetch
-    from .cache import check_capacity
-
-    spec = get_adapter(model).spec
-    caps: dict[str, int] = {}
-    if any(r["mode"] == "offload" for r in runs):
-        eb = expert_bytes_of(model)
-        for c in cfg.capacities:
-            caps[c] = parse_capacity(c, total_experts=spec.total_experts, expert_bytes=eb)
-            check_capacity(spec, caps[c], per_layer=cfg.per_layer_cache)
-        for text in cfg.prefetches:
-            pol = build_policy(PREFETCH, text, cfg.prefetch_opts)
-            if isinstance(pol, LearnedPrefetch):
-                from ..artifacts import check_fingerprint
-                from ..moe import model_fingerprint
-                from ..predict.io import read_predictor_meta
-
-                meta = read_predictor_meta(pol.folder)
-                check_fingerprint(meta, model_fingerprint(model), "predictor folder", pol.folder)
-                if pol.predictor not in meta.get("predictors", []):
-                    raise ArtifactError(
-                        f"{pol.folder} has no {pol.predictor} predictor; re-run "
-                        f"`moeflow train --only {pol.predictor}` or pick another --prefetch"
-                    )
-    return caps
-
-
-def encode_prompts(cfg: RunConfig, model: Any, tok: Any, prompts: list[tuple[str, str]]) -> list[tuple[str, str, Any]]:
-    """(id, text, input ids [1,P]) per prompt, at most --max-prompt-tokens (the beginning kept). A
-    --max-prompt-tokens, or a prompt + --max-new-tokens, beyond the model's maximum position is refused
-    before the first generation (`moeflow.models.check_lengths`); nothing is cut to make it fit."""
-    from ..models import check_lengths
-
-    check_lengths(model, cfg.max_prompt_tokens, 0)
-    encoded = []
-    for pid, text in prompts:
-        ids = tok(text, return_tensors="pt", truncation=True, max_length=cfg.max_prompt_tokens).input_ids  # [1,P<=max]
-        check_lengths(model, ids.shape[1], cfg.max_new_tokens, what=f"prompt {pid} ({text[:30]!r})")
-        encoded.append((pid, text, ids))
-    return encoded
-
-
-def engine_for(
-    cfg: RunConfig,
-    model: Any,
-    run: dict[str, Any],
-    capacity: int | None,
-    link: Any,
-    lookahead: int,
-    miss: str,
-    miss_opts: dict[str, Any],
-    routing: str,
-    routing_opts: dict[str, Any],
-) -> Any:
-    """`build_engine` for one planned run: its eviction / prefetch (with the config's --*-opt pairs), and the
-    miss / routing policies the caller resolved."""
-    ev_name, ev_opts = policy_args(run["eviction"] or "lru", cfg.eviction_opts)
-    pf_name, pf_opts = policy_args(run["prefetch"] or "none", cfg.prefetch_opts)
-    if cfg.speculative and "gate" not in pf_opts:
-        # speculative execution computes exactly the predicted experts: refusing their prefetch only makes misses
-        pf_opts = {**pf_opts, "gate": "off"}
-    return build_engine(
-        model,
-        mode=run["mode"],
-        link=link,
-        capacity=capacity or 0,
-        eviction=ev_name,
-        prefetch=pf_name,
-        miss=miss,
-        routing=routing,
-        miss_opts=miss_opts,
-        routing_opts=routing_opts,
-        per_layer=cfg.per_layer_cache,
-        lookahead=lookahead,
-        eviction_opts=ev_opts,
-        prefetch_opts=pf_opts,
-    )
-
-
-@contextlib.contextmanager
-def _run_hooks(cfg: RunConfig, model: Any, spec: Any, engine: Any, cal: dict[str, Any] | None, lookahead: int):
-    """`--adaptive-s` (a StepSizeController driving engine.lookahead) and `--speculative` routing."""
-    with contextlib.ExitStack() as st:
-        if cfg.adaptive_s and engine is not None:
-            from .adaptive_s import StepSizeController
-
-            ctrl = StepSizeController.for_engine(  # the engine is entered first: its prefetcher is bound
-                engine, num_moe_layers=spec.num_moe_layers, num_layers=spec.num_layers, calib=cal, lookahead=lookahead
-            )
-            st.callback(ctrl.attach(engine))
-        if cfg.speculative:
-            pf = engine.prefetcher if engine is not None else None
-            pred = pf.pred if pf is not None and pf.speculates else None
-            if pred is None:
-                raise ConfigError(
-                    "--speculative needs --mode offload --prefetch router-pf|estimator|hybrid --prefetch-opt predictors=DIR"
-                )
-            from ..predict.speculative import speculative_routing
-
-            st.enter_context(speculative_routing(model, pred, engine=engine, adapter=engine.adapter))
-        yield
 
 
 class _SRecorder:
@@ -243,50 +59,11 @@ class _SRecorder:
         return self.used[1:]
 
 
-NO_PREFETCH = "no prefetch: S is not used"
-
-
-def use_step_size(engine: Any, requested: int, adaptive: bool) -> dict[str, Any]:
-    """What a run reports about S once its engine is bound (and, with --adaptive-s, its controller attached):
-    `lookahead` = the S its prefetcher uses (None: it prefetches nothing, or S adapts: `lookahead_adaptive`
-    is filled in after the run from `s_history`), `lookahead_requested` and `lookahead_note` when that is not
-    the S asked for. A fixed S is set on the engine as used, so `s_history` holds it."""
-    from .adaptive_s import prefetch_step_size
-
-    pf = getattr(engine, "prefetcher", None)
-    if pf is None or getattr(pf, "name", "none") == "none":
-        return {"lookahead": None, "lookahead_requested": requested, "lookahead_note": NO_PREFETCH}
-    used, why = prefetch_step_size(pf, requested)
-    if adaptive:
-        out: dict[str, Any] = {"lookahead": None, "lookahead_requested": requested, "lookahead_adaptive": None}
-        if why is not None and getattr(pf, "lookahead", None) is not None:
-            out["lookahead_note"] = f"{why}: adaptive S has no effect on it"
-        elif why is not None:
-            out["lookahead_note"] = f"{why}: adaptive S stays in 1..{used}"
-        return out
-    engine.lookahead = used
-    if why is None:
-        return {"lookahead": used}
-    return {"lookahead": used, "lookahead_requested": requested, "lookahead_note": f"{why}: S={requested} runs as S={used}"}
-
-
 def adaptive_summary(s_history: list[int]) -> dict[str, Any] | None:
     """The range and mean of the step sizes an adaptive-S run's decode passes used (None: no decode pass)."""
     if not s_history:
         return None
     return {"min": min(s_history), "max": max(s_history), "mean": sum(s_history) / len(s_history), "passes": len(s_history)}
-
-
-def _label(run: dict[str, Any], capacity: int | None, total: int, cfg: RunConfig | None = None) -> str:
-    suffix = (" adaptive-S" if cfg and cfg.adaptive_s else "") + (" SPECULATIVE(lossy)" if cfg and cfg.speculative else "")
-    if cfg and (cfg.miss != "fetch" or cfg.routing != "standard"):
-        suffix += f" miss={cfg.miss} routing={cfg.routing}"
-    if cfg and cfg.plan:
-        mode = dict(cfg.plan_opts).get("mode", "preload")
-        suffix += " plan=casmoe:" + ("RESTRICTED(lossy)" if mode == "restricted" else mode)
-    if run["mode"] != "offload" or capacity is None:
-        return str(run["mode"])
-    return f"C={capacity} ({100 * capacity / total:.0f}%) {run['eviction']}+{run['prefetch']}{suffix}"
 
 
 def _pick_impl(cfg: RunConfig, model: Any, batch: list[tuple[str, str, Any]], console: Console) -> str:
@@ -318,24 +95,21 @@ def main(cfg: RunConfig, console: Console | None = None) -> list[dict[str, Any]]
 
 
 def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
-    from ..models import load_model
-    from ..threads import apply_threads
-
-    device = torch.device(cfg.device)
-    prompts = read_prompts(cfg)
-    model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, experts_implementation="grouped_mm")
-    if tok is None:
-        raise MoeflowError(f"{cfg.model} has no tokenizer files; `moeflow run` needs one to encode prompts")
-    spec = get_adapter(model).spec
-    link_spec = resolve_link(cfg, device)
-    cal, cal_path = read_calibration(cfg, model, link_spec)
-    threads = apply_threads(cfg.threads, model, cfg.device, calibration=cal)
+    ses = open_session(cfg, "moeflow run")
+    model, tok, spec, device, link_spec = ses.model, ses.tok, ses.spec, ses.device, ses.link_spec
+    cal, cal_path, threads, lookahead, s_source, prompts = (
+        ses.cal,
+        ses.cal_path,
+        ses.threads,
+        ses.lookahead,
+        ses.s_source,
+        ses.prompts,
+    )
     if cal is None:
         console.print(
             f"[bold yellow]WARNING: no calibration at {cal_path}: step size S defaults to 1 "
             f"(run `moeflow calibrate` for this device and link).[/]"
         )
-    lookahead, s_source = requested_step_size(cfg.lookahead, cal, spec.num_moe_layers, Path(cfg.model).name)
     runs = plan_runs(cfg)
     caps = check_runs(cfg, model, runs)
     encoded = encode_prompts(cfg, model, tok, prompts)
@@ -376,7 +150,7 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
         with out_f as fh:
             for run in runs:
                 capacity = caps.get(run["capacity"]) if run["mode"] == "offload" else None
-                label = _label(run, capacity, spec.total_experts, cfg)
+                label = run_label(run, capacity, spec.total_experts, cfg)
                 lossy_run = cfg.lossy(device.type, run)  # the one lossy answer (moeflow.policies.lossy), as quality's
                 impl = None
                 if run["mode"] == "resident":  # the stock model with its fastest stock experts implementation
@@ -387,19 +161,16 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                 else:  # the engine replaces grouped_mm (and is bit-exact to it)
                     model.set_experts_implementation("grouped_mm")
                 if cfg.warmup:  # untimed, on an engine of its own: nothing of it reaches counters or outputs
-                    wlink = make_link(link_spec, device)
-                    weng = make_engine(run, capacity, wlink)
-                    try:
-                        with (
-                            weng if weng is not None else contextlib.nullcontext(),
-                            _run_hooks(cfg, model, spec, weng, cal, lookahead),
-                        ):
-                            use_step_size(weng, lookahead, cfg.adaptive_s)  # the S the timed run uses
-                            wkw = {**gen_kw, "min_new_tokens": min(cfg.min_new_tokens or 0, warm_new) or None}
-                            generate_batch(model, [ids for _, _, ids in batches[0]], weng, max_new_tokens=warm_new, **wkw)
-                    finally:
-                        if weng is None:
-                            wlink.close()
+                    wkw = {**gen_kw, "min_new_tokens": min(cfg.min_new_tokens or 0, warm_new) or None}
+                    warm_up(
+                        ses,
+                        cfg,
+                        functools.partial(make_engine, run, capacity),  # (link) -> engine
+                        [ids for _, _, ids in batches[0]],
+                        warm_new,
+                        wkw,
+                        step_size=True,  # the S the timed run uses
+                    )
                 link = make_link(link_spec, device)
                 engine = make_engine(run, capacity, link)
                 planned = planner if run["mode"] == "offload" and engine is not None else None
@@ -410,7 +181,7 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                 try:
                     with (
                         engine if engine is not None else contextlib.nullcontext(),
-                        _run_hooks(cfg, model, spec, engine, cal, lookahead),
+                        run_hooks(cfg, model, spec, engine, cal, lookahead),
                     ):
                         s_used = use_step_size(engine, lookahead, cfg.adaptive_s)
                         if s_used.get("lookahead_note") not in (None, NO_PREFETCH):

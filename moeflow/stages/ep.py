@@ -32,10 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..ep.engine import PHASES, ExpertParallel
+from ..ep.placement import Placement, check_world_size, default_placement, load_placement
 from ..errors import ConfigError, MoeflowError
-from ..runtime.config import RunConfig
-from .engine import PHASES, ExpertParallel
-from .placement import Placement, check_world_size, default_placement, load_placement
+from .run_config import RunConfig
 
 BACKENDS = ("auto", "gloo", "nccl")
 CONTIGUOUS = "contiguous"
@@ -122,7 +122,7 @@ def resolve_placements(cfg: EPConfig, spec: Any, world_size: int) -> list[tuple[
 def preflight(cfg: EPConfig, world_size: int) -> list[tuple[str, Placement]]:
     """Everything that can be refused before a worker starts: device, backend, model, placements, prompts."""
     from ..checks import check_device
-    from ..runtime.main import read_prompts
+    from .session import read_prompts
 
     check_device(cfg.run.device)
     if _backend(cfg) == "nccl" and not torch.distributed.is_nccl_available():
@@ -247,7 +247,7 @@ def _run_rank(
     cfg: EPConfig, rc: RunConfig, placements: list[tuple[str, Placement]], threads: int, backend: str
 ) -> dict[str, Any] | None:
     from ..models import load_model
-    from ..runtime.main import encode_prompts, read_prompts
+    from .session import encode_prompts, read_prompts
 
     rank, world = dist.get_rank(), dist.get_world_size()
     prompts = read_prompts(rc)

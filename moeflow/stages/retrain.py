@@ -6,23 +6,207 @@ Outcomes: "unchanged" (the trace + model + config fingerprint equals the promote
 previous run rejected with the same margin), "promoted", "rejected", "failed". A kill at any instant leaves
 the promoted version intact: the candidate is written under `.<name>.versions/tmp-<ns>-<pid>/` (removed
 by the next write once its pid is gone) and promotion is `atomic_dir`'s one symlink `os.replace`.
+
+The config, `retrain.toml`: what `moeflow retrain` traces, trains, compares and where it records the outcome.
+
+    model = "models/olmoe"            # checkpoint folder (with its tokenizer)
+    trace = "traces/live"             # trace folder, appended to
+    predictors = "predictors/live"    # predictor folder (a symlink to the promoted version)
+    only = ["pregate", "forest"]      # predictors to train; the promotion score is their mean recall@k at S=1
+    holdout = 0.2                     # fraction of the trace's prompts held out (split by `seed`)
+    seed = 0
+    margin = 0.01                     # promote when new >= current - margin
+    keep = 3                          # promoted versions kept (>= 2)
+    log = "retrain.log"               # one line per run appended
+    status = "retrain-status.json"    # the last run's outcome (written atomically)
+
+    [[prompts]]                       # one table per prompt source (as `moeflow trace --prompts`)
+    source = "data/new-prompts.jsonl"
+    limit = 500                       # optional; also split, column
+
+    [trace_options]                   # optional TraceConfig fields (max_new_tokens, record_hidden, ...)
+    [train_options]                   # optional TrainConfig fields (max_s, forest_trees, ...)
+
+Relative paths are taken from the config file's folder.
+
+The retrain lock: the predictor folder's artifact lock (`moeflow.locks.out_lock`), so a retrain, a
+`moeflow train --out` of the same folder and a second retrain never write it at once.
+
+Busy: `LockBusy` (exit 75, EX_TEMPFAIL) naming the holder; a cron run does nothing and tries again later.
+A holder killed in any way (kill -9 included) releases it; the next run takes over and records the dead
+holder (`took_over`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
 import shutil
 import time
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..artifacts import META, _current, _versions, atomic_dir, check_out, now_iso, write_json_atomic
-from ..errors import ArtifactError
-from .config import RetrainConfig
-from .lock import retrain_lock
+from ..errors import ArtifactError, ConfigError
+from ..locks import EX_TEMPFAIL, LockBusy, describe, lock_path, out_lock
+
+_TOP = {"model", "trace", "predictors", "only", "holdout", "seed", "margin", "keep", "log", "status", "prompts"}
+_TABLES = {"trace_options", "train_options"}
+_SOURCE = {"source", "limit", "split", "column"}
+_TRACE_FIXED = {"model", "prompts", "out", "limit", "split", "column", "data_dir", "progress", "wait"}
+_TRAIN_FIXED = {"trace", "out", "model", "only", "holdout", "seed", "force", "wait"}
+
+
+@dataclass(frozen=True)
+class PromptSource:
+    source: str
+    limit: int | None = None
+    split: str | None = None
+    column: str | None = None
+
+
+@dataclass(frozen=True)
+class RetrainConfig:
+    model: str
+    trace: str
+    predictors: str
+    prompts: tuple[PromptSource, ...]
+    only: tuple[str, ...] = ("pregate",)
+    holdout: float = 0.2
+    seed: int = 0
+    margin: float = 0.0
+    keep: int = 3
+    log: str | None = None
+    status: str | None = None
+    trace_options: dict[str, Any] = field(default_factory=dict)
+    train_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            raise ConfigError("retrain config needs at least one [[prompts]] table with a `source`")
+        if not self.only:
+            raise ConfigError("retrain config `only` must name at least one predictor")
+        if all(n in ("eam", "eap", "gps") for n in self.only):
+            raise ConfigError(
+                "retrain config `only` needs a layer-ahead predictor (e.g. pregate, forest): promotion compares their "
+                "held-out recall@k at S=1; eam/eap/gps are trained alongside but not scored"
+            )
+        if not 0.0 < self.holdout < 1.0:
+            raise ConfigError(f"retrain config `holdout` must be in (0, 1), got {self.holdout}")
+        if self.keep < 2:
+            raise ConfigError(f"retrain config `keep` must be >= 2 (the current and the previous version), got {self.keep}")
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """What shapes the trained predictors besides the trace and the model (not log/status/keep/margin)."""
+        return {
+            "only": sorted(self.only),
+            "holdout": self.holdout,
+            "seed": self.seed,
+            "train": dict(sorted(self.train_options.items())),
+        }
+
+    def config_fingerprint(self) -> str:
+        blob = json.dumps(self.fingerprint_fields(), sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _path(base: Path, v: Any, key: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise ConfigError(f"retrain config `{key}` must be a path string")
+    p = Path(v).expanduser()
+    return str(p if p.is_absolute() else base / p)
+
+
+def _check_fields(table: dict[str, Any], cls: type, fixed: set[str], where: str) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)} - fixed
+    bad = sorted(set(table) - names)
+    if bad:
+        raise ConfigError(f"retrain config [{where}] has unknown key(s) {', '.join(bad)}; allowed: {', '.join(sorted(names))}")
+    return dict(table)
+
+
+def load_config(path: str | Path) -> RetrainConfig:
+    """Read and check a retrain TOML file (one ConfigError line for anything wrong)."""
+    from .trace import TraceConfig
+    from .train import TrainConfig
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"retrain config {p} does not exist; pass --config FILE (see `moeflow retrain --help`)")
+    try:
+        raw = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"retrain config {p} is not valid TOML: {e}") from e
+    bad = sorted(set(raw) - _TOP - _TABLES)
+    if bad:
+        raise ConfigError(f"retrain config {p} has unknown key(s) {', '.join(bad)}; allowed: {', '.join(sorted(_TOP | _TABLES))}")
+    for k in ("model", "trace", "predictors", "prompts"):
+        if k not in raw:
+            raise ConfigError(f"retrain config {p} needs `{k}`")
+    base = p.resolve().parent
+    sources = []
+    raw_sources = raw["prompts"]
+    if not isinstance(raw_sources, list):
+        raise ConfigError("retrain config `prompts` must be a list of tables ([[prompts]] with `source`)")
+    for i, s in enumerate(raw_sources):
+        if not isinstance(s, dict) or "source" not in s or set(s) - _SOURCE:
+            raise ConfigError(f"retrain config prompts[{i}] must be a table with `source` and optional limit, split, column")
+        src = str(s["source"])
+        local = base / src
+        sources.append(
+            PromptSource(
+                source=str(local) if not Path(src).is_absolute() and local.exists() else src,
+                limit=s.get("limit"),
+                split=s.get("split"),
+                column=s.get("column"),
+            )
+        )
+    only = raw.get("only", ["pregate"])
+    if isinstance(only, str):
+        only = [only]
+    try:
+        return RetrainConfig(
+            model=_path(base, raw["model"], "model"),
+            trace=_path(base, raw["trace"], "trace"),
+            predictors=_path(base, raw["predictors"], "predictors"),
+            prompts=tuple(sources),
+            only=tuple(str(x) for x in only),
+            holdout=float(raw.get("holdout", 0.2)),
+            seed=int(raw.get("seed", 0)),
+            margin=float(raw.get("margin", 0.0)),
+            keep=int(raw.get("keep", 3)),
+            log=_path(base, raw["log"], "log") if "log" in raw else None,
+            status=_path(base, raw["status"], "status") if "status" in raw else None,
+            trace_options=_check_fields(raw.get("trace_options", {}), TraceConfig, _TRACE_FIXED, "trace_options"),
+            train_options=_check_fields(raw.get("train_options", {}), TrainConfig, _TRAIN_FIXED, "train_options"),
+        )
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"retrain config {p}: {e}") from e
+
+
+__all__ = ["EX_TEMPFAIL", "LockBusy", "describe", "lock_path", "retrain_lock"]
+
+
+@contextlib.contextmanager
+def retrain_lock(predictors: str | os.PathLike) -> Iterator[dict[str, Any]]:
+    """Hold the lock of `predictors`; raise LockBusy naming the holder when another process has it.
+
+    Yields {"path", "took_over": the previous holder's record when its process is gone (a stale lock), or None}.
+    """
+    with out_lock(
+        predictors, command="moeflow retrain", flag="predictors", hint="this run does nothing, try again later"
+    ) as held:
+        yield held
+
 
 S = 1  # the promotion score is mean recall@k at step S=1 of the chosen predictors
 
@@ -69,10 +253,9 @@ def _last_status(cfg: RetrainConfig) -> dict[str, Any]:
 
 
 def _trace_new(cfg: RetrainConfig, model: Any, tok: Any, console: Any) -> int:
-    """Append every source's prompts not yet in the trace (`moeflow.trace.run.run_trace`); prompts added."""
+    """Append every source's prompts not yet in the trace (`moeflow.stages.trace.run_trace`); prompts added."""
     from ..data import load_prompts
-    from ..trace.config import TraceConfig
-    from ..trace.run import check_trace_out, run_trace
+    from .trace import TraceConfig, check_trace_out, run_trace
 
     added = 0
     for src in cfg.prompts:
@@ -135,11 +318,12 @@ def _run(cfg: RetrainConfig, rec: dict[str, Any], console: Any) -> None:
     from ..moe import model_fingerprint
     from ..predict.data import from_trace
     from ..predict.io import KIND, read_predictor_meta
-    from ..predict.train import PLANNERS, TrainConfig, _check_names, _load_model
-    from ..predict.train import main as train_main
-    from ..threads import apply_threads
+    from ..predict.train import PLANNERS, check_names
+    from .threads import apply_threads
+    from .train import TrainConfig, load_cpu_model
+    from .train import main as train_main
 
-    _check_names(cfg.only)
+    check_names(cfg.only)
     final = Path(os.path.abspath(cfg.predictors))
     check_out(final, kind=KIND, inputs=(cfg.trace, cfg.model), reuse=True)
     model, tok = load_model(
@@ -195,7 +379,7 @@ def _run(cfg: RetrainConfig, rec: dict[str, Any], console: Any) -> None:
         # the same held-out prompts for both: predict's split of the current trace by seed
         need_hidden = "pregate" in cfg.only or any(n in cfg.only for n in ("router-pf", "estimator", "hybrid"))
         _, held = from_trace(cfg.trace, need_hidden=need_hidden).split(cfg.holdout, cfg.seed)
-        emodel = _load_model(cfg.model)
+        emodel = load_cpu_model(cfg.model)
         names = [n for n in cfg.only if n not in PLANNERS and n != "gps"]
         new = _score(cand, names, emodel, held, tcfg.forest_window)
         old = None

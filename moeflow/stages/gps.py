@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArtifactError, ConfigError
-from .simulator import (
+from ..gps.simulator import (
     GPUS,
     LINKS,
     SHAPES,

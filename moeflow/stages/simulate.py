@@ -15,9 +15,7 @@ def replayable(name: str) -> bool:
     """Whether the simulator can replay prefetch policy `name`: not one that needs the running model (a learned
     prefetcher reads the post-attention residual and binds to the model; only `moeflow run` has them)."""
     cls = PREFETCH.get(name)
-    return cls is None or not (
-        getattr(cls, "needs_model", False) or getattr(cls, "needs_residual", False) or getattr(cls, "predictor", "")
-    )
+    return cls is None or not (cls.needs_model or cls.needs_residual)
 
 
 def replayable_prefetchers() -> tuple[str, ...]:
@@ -64,7 +62,7 @@ class SimulateConfig:
             raise ConfigError(f"--lookahead must be >= 1 (got {self.lookahead})")
         if self.layer_time_us < 0:
             raise ConfigError(f"--layer-time-us must be >= 0 (got {self.layer_time_us})")
-        from .link import make_sim_link
+        from ..sim.link import make_sim_link
 
         make_sim_link(self.link)
         if self.max_prompts is not None and self.max_prompts < 1:
@@ -126,9 +124,9 @@ def main(cfg: SimulateConfig) -> dict[str, Any]:
     import time
 
     from ..progress import progress
+    from ..sim.access import from_trace
+    from ..sim.simulator import belady, simulate
     from ..trace import Trace
-    from .access import from_trace
-    from .simulator import belady, simulate
 
     tr = Trace(cfg.trace)
     spec = tr.spec
@@ -194,7 +192,7 @@ def main(cfg: SimulateConfig) -> dict[str, Any]:
 
 def _needs_router_input(name: str) -> bool:
     cls = PREFETCH.get(name)
-    return bool(getattr(cls, "needs_router_input", name == "pregate"))
+    return cls is not None and cls.needs_router_input
 
 
 def _lookahead(cfg: SimulateConfig, tr: Any, prefetches: tuple[str, ...]) -> tuple[int, str]:
@@ -206,7 +204,8 @@ def _lookahead(cfg: SimulateConfig, tr: Any, prefetches: tuple[str, ...]) -> tup
     if cfg.lookahead is not None:
         return cfg.lookahead, "--lookahead"
     names = [parse_policy(p)[0] for p in prefetches]
-    if all(not getattr(PREFETCH.get(n), "proposes", n != "none") for n in names):
+    classes = [PREFETCH.get(n) for n in names]
+    if all(cls is not None and not cls.proposes for cls in classes):
         return 1, "no prefetch"
     from ..calibrate import calibration_path, device_name, load_calibration
     from ..runtime.link import parse_link

@@ -1,0 +1,314 @@
+"""What `moeflow run`, `moeflow quality` and `moeflow ep` share: the session (`open_session`: the model and
+tokenizer loaded under the thread rule, the link resolved, the calibration found and checked, the step size
+S asked for), the prompts (`read_prompts`, `encode_prompts`), the checks made before the first generation
+(`plan_runs`, `check_runs`), the engine of one planned run (`engine_for`, `run_hooks`, `use_step_size`) and
+its untimed warm-up (`warm_up`).
+
+Everything that can be refused is refused before the first generation: the flags when the RunConfig is
+built, the device and `--out` before the model loads (`RunConfig.preflight`), the calibration when it is
+read, and every run of a sweep (its capacity against the model, a learned prefetcher's predictor folder)
+by `check_runs` before the first run."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ArtifactError, ConfigError, MoeflowError
+from ..moe import get_adapter
+from ..policies.parse import build_policy, parse_capacity, policy_args
+from ..runtime.adaptive_s import requested_step_size
+from ..runtime.generate import build_engine, generate_batch
+from ..runtime.link import make_link, parse_link
+from .run_config import RunConfig
+from .threads import apply_threads
+
+
+@dataclass
+class Session:
+    """What one `moeflow run` / `moeflow quality` works with, loaded once (`open_session`)."""
+
+    model: Any
+    tok: Any  # its tokenizer
+    spec: Any  # `moeflow.moe.MoESpec`
+    device: torch.device
+    link_spec: str  # `--link` with `auto` resolved
+    cal: dict[str, Any] | None  # the calibration found (None: none)
+    cal_path: str  # where it was looked for
+    threads: Any  # `moeflow.threads.ThreadChoice`
+    lookahead: int  # the step size S asked for (-S, the calibration's, or 1)
+    s_source: str  # where S comes from
+    prompts: list[tuple[str, str]]  # (id, text)
+
+
+def open_session(cfg: RunConfig, command: str) -> Session:
+    """Read the prompts, load the model and tokenizer (`command` needs one: refused without), resolve the link,
+    read the calibration, apply the thread rule (`moeflow.threads`) and resolve the step size S."""
+    from ..models import load_model
+
+    device = torch.device(cfg.device)
+    prompts = read_prompts(cfg)
+    model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, experts_implementation="grouped_mm")
+    if tok is None:
+        raise MoeflowError(f"{cfg.model} has no tokenizer files; `{command}` needs one to encode prompts")
+    spec = get_adapter(model).spec
+    link_spec = resolve_link(cfg, device)
+    cal, cal_path = read_calibration(cfg, model, link_spec)
+    threads = apply_threads(cfg.threads, model, cfg.device, calibration=cal)
+    lookahead, s_source = requested_step_size(cfg.lookahead, cal, spec.num_moe_layers, Path(cfg.model).name)
+    return Session(model, tok, spec, device, link_spec, cal, cal_path, threads, lookahead, s_source, prompts)
+
+
+def warm_up(
+    s: Session,
+    cfg: RunConfig,
+    make_engine: Callable[[Any], Any],
+    inputs: list[Any],
+    max_new_tokens: int,
+    gen_kw: dict[str, Any],
+    *,
+    step_size: bool = False,
+) -> None:
+    """One untimed generation of `inputs` (input ids [1,P] each) on an engine and link of its own
+    (`make_engine(link)`), so nothing of it reaches the timed run's counters or outputs; `step_size`: set the
+    S the timed run uses on it first (`use_step_size`)."""
+    wlink = make_link(s.link_spec, s.device)
+    weng = make_engine(wlink)
+    try:
+        with weng if weng is not None else contextlib.nullcontext(), run_hooks(cfg, s.model, s.spec, weng, s.cal, s.lookahead):
+            if step_size:
+                use_step_size(weng, s.lookahead, cfg.adaptive_s)
+            generate_batch(s.model, inputs, weng, max_new_tokens=max_new_tokens, **gen_kw)
+    finally:
+        if weng is None:
+            wlink.close()
+
+
+def resolve_link(cfg: RunConfig, device: torch.device) -> str:
+    """`auto` is `cuda` on a CUDA device and `direct` (a plain copy, no emulation) on CPU."""
+    kind, _, _ = parse_link(cfg.link)
+    if kind != "auto":
+        return cfg.link
+    return "cuda" if device.type == "cuda" else "direct"
+
+
+def read_calibration(cfg: RunConfig, model: Any, link_spec: str) -> tuple[dict[str, Any] | None, str]:
+    """(calibration or None, path looked at): `--calibration FILE`, else what `moeflow calibrate` writes for
+    this device and link (`calibration/cpu.json`, `calibration/cpu-emulated-2gbps.json`, `calibration/cuda-....json`).
+    A calibration made for another model is refused (moeflow.calibrate.load_calibration checks the fingerprint)."""
+    from ..calibrate import calibration_path, device_name, load_calibration
+
+    kind, gbps, _ = parse_link(link_spec)
+    if cfg.calibration:
+        path = Path(cfg.calibration)
+    else:
+        path = calibration_path(device_name(cfg.device, gbps if kind == "emulated" else None))
+    if not path.is_file():
+        if cfg.calibration:
+            raise MoeflowError(f"calibration file {path} does not exist; run `moeflow calibrate` or drop --calibration")
+        return None, str(path)
+    cal = load_calibration(path, model)
+    check_step_size(cal, path)
+    return cal, str(path)
+
+
+def check_step_size(cal: dict[str, Any], path: str | Path) -> None:
+    """Refuse a calibration whose step size S (`initial_s`) is not an integer >= 1 (S = 0 would prefetch the
+    layer that is already running)."""
+    s = cal.get("initial_s")
+    if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
+        raise ArtifactError(
+            f"calibration {path} has step size S = {s!r}, S must be an integer >= 1; "
+            f"re-run `moeflow calibrate` or pass another --calibration"
+        )
+
+
+def read_prompts(cfg: RunConfig) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = [(f"prompt-{i}", t) for i, t in enumerate(cfg.prompt)]
+    if cfg.prompts:
+        from ..data.prompts import load_prompts
+
+        out += [
+            (p.id, p.text)
+            for p in load_prompts(cfg.prompts, data_dir=cfg.data_dir, limit=cfg.limit, split=cfg.split, column=cfg.column)
+        ]
+    if cfg.limit is not None:
+        out = out[: cfg.limit]
+    if not out:
+        raise ConfigError("no prompts to run")
+    return out
+
+
+def plan_runs(cfg: RunConfig) -> list[dict[str, Any]]:
+    """Every (mode, capacity, eviction, prefetch) combination, in flag order (non-offload modes once)."""
+    runs: list[dict[str, Any]] = []
+    for mode in cfg.modes:
+        if mode != "offload":
+            runs.append({"mode": mode, "capacity": None, "eviction": None, "prefetch": None})
+            continue
+        for cap in cfg.capacities:
+            for ev in cfg.evictions:
+                for pf in cfg.prefetches:
+                    runs.append({"mode": mode, "capacity": cap, "eviction": ev, "prefetch": pf})
+    return runs
+
+
+def expert_bytes_of(model: Any) -> int:
+    """Bytes of one routed expert as the host store lays it out (the unit of a byte-size --capacity)."""
+    from ..runtime.store import ExpertLayout
+
+    ad = get_adapter(model)
+    first = ad.per_expert_params(ad.spec.moe_layers[0])
+    return ExpertLayout.of({n: p.detach() for n, p in first.items()}).row_bytes
+
+
+def check_runs(cfg: RunConfig, model: Any, runs: list[dict[str, Any]]) -> dict[str, int]:
+    """Check what needs the model for every run before the first one: each capacity (top-k .. all experts)
+    and each learned prefetcher's predictor folder (kind, schema, model, predictor present).
+    Returns capacity spec -> experts."""
+    from ..policies import PREFETCH
+    from ..policies.learned import LearnedPrefetch
+    from ..runtime.cache import check_capacity
+
+    spec = get_adapter(model).spec
+    caps: dict[str, int] = {}
+    if any(r["mode"] == "offload" for r in runs):
+        eb = expert_bytes_of(model)
+        for c in cfg.capacities:
+            caps[c] = parse_capacity(c, total_experts=spec.total_experts, expert_bytes=eb)
+            check_capacity(spec, caps[c], per_layer=cfg.per_layer_cache)
+        for text in cfg.prefetches:
+            pol = build_policy(PREFETCH, text, cfg.prefetch_opts)
+            if isinstance(pol, LearnedPrefetch):
+                from ..artifacts import check_fingerprint
+                from ..moe import model_fingerprint
+                from ..predict.io import read_predictor_meta
+
+                meta = read_predictor_meta(pol.folder)
+                check_fingerprint(meta, model_fingerprint(model), "predictor folder", pol.folder)
+                if pol.predictor not in meta.get("predictors", []):
+                    raise ArtifactError(
+                        f"{pol.folder} has no {pol.predictor} predictor; re-run "
+                        f"`moeflow train --only {pol.predictor}` or pick another --prefetch"
+                    )
+    return caps
+
+
+def encode_prompts(cfg: RunConfig, model: Any, tok: Any, prompts: list[tuple[str, str]]) -> list[tuple[str, str, Any]]:
+    """(id, text, input ids [1,P]) per prompt, at most --max-prompt-tokens (the beginning kept). A
+    --max-prompt-tokens, or a prompt + --max-new-tokens, beyond the model's maximum position is refused
+    before the first generation (`moeflow.models.check_lengths`); nothing is cut to make it fit."""
+    from ..models import check_lengths
+
+    check_lengths(model, cfg.max_prompt_tokens, 0)
+    encoded = []
+    for pid, text in prompts:
+        ids = tok(text, return_tensors="pt", truncation=True, max_length=cfg.max_prompt_tokens).input_ids  # [1,P<=max]
+        check_lengths(model, ids.shape[1], cfg.max_new_tokens, what=f"prompt {pid} ({text[:30]!r})")
+        encoded.append((pid, text, ids))
+    return encoded
+
+
+def engine_for(
+    cfg: RunConfig,
+    model: Any,
+    run: dict[str, Any],
+    capacity: int | None,
+    link: Any,
+    lookahead: int,
+    miss: str,
+    miss_opts: dict[str, Any],
+    routing: str,
+    routing_opts: dict[str, Any],
+) -> Any:
+    """`build_engine` for one planned run: its eviction / prefetch (with the config's --*-opt pairs), and the
+    miss / routing policies the caller resolved."""
+    ev_name, ev_opts = policy_args(run["eviction"] or "lru", cfg.eviction_opts)
+    pf_name, pf_opts = policy_args(run["prefetch"] or "none", cfg.prefetch_opts)
+    if cfg.speculative and "gate" not in pf_opts:
+        # speculative execution computes exactly the predicted experts: refusing their prefetch only makes misses
+        pf_opts = {**pf_opts, "gate": "off"}
+    return build_engine(
+        model,
+        mode=run["mode"],
+        link=link,
+        capacity=capacity or 0,
+        eviction=ev_name,
+        prefetch=pf_name,
+        miss=miss,
+        routing=routing,
+        miss_opts=miss_opts,
+        routing_opts=routing_opts,
+        per_layer=cfg.per_layer_cache,
+        lookahead=lookahead,
+        eviction_opts=ev_opts,
+        prefetch_opts=pf_opts,
+    )
+
+
+@contextlib.contextmanager
+def run_hooks(cfg: RunConfig, model: Any, spec: Any, engine: Any, cal: dict[str, Any] | None, lookahead: int):
+    """`--adaptive-s` (a StepSizeController driving engine.lookahead) and `--speculative` routing."""
+    with contextlib.ExitStack() as st:
+        if cfg.adaptive_s and engine is not None:
+            from ..runtime.adaptive_s import StepSizeController
+
+            ctrl = StepSizeController.for_engine(  # the engine is entered first: its prefetcher is bound
+                engine, num_moe_layers=spec.num_moe_layers, num_layers=spec.num_layers, calib=cal, lookahead=lookahead
+            )
+            st.callback(ctrl.attach(engine))
+        if cfg.speculative:
+            pf = engine.prefetcher if engine is not None else None
+            pred = pf.pred if pf is not None and pf.speculates else None
+            if pred is None:
+                raise ConfigError(
+                    "--speculative needs --mode offload --prefetch router-pf|estimator|hybrid --prefetch-opt predictors=DIR"
+                )
+            from ..predict.speculative import speculative_routing
+
+            st.enter_context(speculative_routing(model, pred, engine=engine, adapter=engine.adapter))
+        yield
+
+
+NO_PREFETCH = "no prefetch: S is not used"
+
+
+def use_step_size(engine: Any, requested: int, adaptive: bool) -> dict[str, Any]:
+    """What a run reports about S once its engine is bound (and, with --adaptive-s, its controller attached):
+    `lookahead` = the S its prefetcher uses (None: it prefetches nothing, or S adapts: `lookahead_adaptive`
+    is filled in after the run from `s_history`), `lookahead_requested` and `lookahead_note` when that is not
+    the S asked for. A fixed S is set on the engine as used, so `s_history` holds it."""
+    from ..runtime.adaptive_s import prefetch_step_size
+
+    pf = engine.prefetcher if engine is not None else None
+    if pf is None or not pf.proposes:
+        return {"lookahead": None, "lookahead_requested": requested, "lookahead_note": NO_PREFETCH}
+    used, why = prefetch_step_size(pf, requested)
+    if adaptive:
+        out: dict[str, Any] = {"lookahead": None, "lookahead_requested": requested, "lookahead_adaptive": None}
+        if why is not None and pf.lookahead is not None:
+            out["lookahead_note"] = f"{why}: adaptive S has no effect on it"
+        elif why is not None:
+            out["lookahead_note"] = f"{why}: adaptive S stays in 1..{used}"
+        return out
+    engine.lookahead = used
+    if why is None:
+        return {"lookahead": used}
+    return {"lookahead": used, "lookahead_requested": requested, "lookahead_note": f"{why}: S={requested} runs as S={used}"}
+
+
+def run_label(run: dict[str, Any], capacity: int | None, total: int, cfg: RunConfig | None = None) -> str:
+    suffix = (" adaptive-S" if cfg and cfg.adaptive_s else "") + (" SPECULATIVE(lossy)" if cfg and cfg.speculative else "")
+    if cfg and (cfg.miss != "fetch" or cfg.routing != "standard"):
+        suffix += f" miss={cfg.miss} routing={cfg.routing}"
+    if cfg and cfg.plan:
+        mode = dict(cfg.plan_opts).get("mode", "preload")
+        suffix += " plan=casmoe:" + ("RESTRICTED(lossy)" if mode == "restricted" else mode)
+    if run["mode"] != "offload" or capacity is None:
+        return str(run["mode"])
+    return f"C={capacity} ({100 * capacity / total:.0f}%) {run['eviction']}+{run['prefetch']}{suffix}"

@@ -1,0 +1,241 @@
+"""The compiled cache core (`moeflow.runtime.cachecore`) against the Python mechanism it replaces.
+
+Every compiled policy (lru, lfu, least-stale, belady-approx, Belady's MIN) is driven call by call through two
+caches, one compiled and one Python (`compiled=False`), on random streams: after every call the victims it
+evicted, the slot map and every counter are equal (prefetch proposals with resident, repeated and foreign keys,
+a gate budget, low-precision loads with cascade upgrades, prefills in waves, per-layer partitions). Then the
+simulator's one-call replay equals its Python replay on a model's trace (`none`, `all-next-layer`, `pregate`),
+and the batched pre-gate proposals equal the policy's own `propose`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moeflow.policies import EVICTION, PREFETCH, PrefetchRequest
+from moeflow.policies.prefetch import PrefetchGate
+from moeflow.runtime.cache import ExpertCache
+from moeflow.runtime.cachecore import LOG_EVICT
+from moeflow.runtime.link import DirectLink
+from moeflow.sim import AccessTrace, LayerStep, Pass, record_generate, simulate
+from moeflow.sim.link import InstantLink, ModelledLink
+from moeflow.sim.simulator import Belady, _Spec
+from moeflow.sim.stream import proposals, stream
+
+COMPILED = ("lru", "lfu", "least-stale", "belady-approx", "belady")
+PYTHON_ONLY = ("fld", "lhu", "score", "lru2")
+
+
+def _trace(seed: int, *, L: int = 4, E: int = 8, k: int = 2, passes: int = 40) -> AccessTrace:
+    """Random routing with skewed popularity; every 8th pass a prefill of several tokens (waves when they
+    route to more experts than the capacity)."""
+    rng = np.random.default_rng(seed)
+    pop = rng.dirichlet(np.full(E, 0.5), size=L)  # [L, E]
+    acc = AccessTrace(tuple(range(0, 2 * L, 2)), E, k)  # decoder layers 0, 2, 4, ...
+    for p in range(passes):
+        T = int(rng.integers(3, 7)) if p % 8 == 0 else 1
+        steps = [
+            LayerStep(layer, np.stack([rng.choice(E, k, replace=False, p=pop[r]) for _ in range(T)]))
+            for r, layer in enumerate(acc.moe_layers)
+        ]
+        acc.passes.append(Pass(0 if p % 8 == 0 else 1, p // 8, steps))
+    return acc
+
+
+def _policy(name: str, acc: AccessTrace):
+    return Belady(acc) if name == "belady" else EVICTION.create(name)
+
+
+def _evictions(cache: ExpertCache) -> list:
+    """The keys `cache` evicts, in order (a hook on its Python or compiled mechanism)."""
+    out: list = []
+    if cache.core is None:
+        evict = cache._evict
+
+        def hook(s: int) -> None:
+            out.append(cache.slots[s].key)
+            evict(s)
+
+        cache._evict = hook  # type: ignore[method-assign]
+    else:
+        apply, core = cache._core_apply, cache.core
+        E, layers = cache.spec.num_experts, cache.spec.moe_layers
+
+        def hook_core() -> None:
+            out.extend((layers[k // E], k % E) for op, _, k, _ in core.records() if op == LOG_EVICT)
+            apply()
+
+        cache._core_apply = hook_core  # type: ignore[method-assign]
+    return out
+
+
+def _drive(name: str, acc: AccessTrace, capacity: int, *, per_layer: bool, seed: int, compiled: bool):
+    """The simulator's call order over `acc` with random prefetches, gate budgets, low-precision misses and
+    cascade upgrades; returns one snapshot (counters, slot map, evictions so far) per call."""
+    rng = np.random.default_rng(seed)
+    spec = _Spec(acc.moe_layers, acc.num_experts, acc.top_k, 1000)
+    gate = PrefetchGate(False, budget=2000)  # at most two copies per prefetch call: refusals too
+    cache = ExpertCache(
+        None,
+        capacity,
+        link=InstantLink(),
+        eviction=_policy(name, acc),
+        spec=spec,
+        gate=gate,
+        per_layer=per_layer,
+        compiled=compiled,
+    )
+    assert (cache.core is not None) == compiled
+    evicted = _evictions(cache)
+    snaps = []
+
+    def snap(what: str) -> None:
+        snaps.append((what, cache.counters.to_dict(), dict(cache.slot_of), list(evicted), cache.time))
+
+    wcap = cache.part_capacity
+    for pass_id, p in enumerate(acc.passes):
+        cache.mark_phase(new_generation=p.phase == 0)
+        cache.begin_pass(pass_id)
+        cache.upgrade = bool(rng.random() < 0.5)
+        for step in p.steps:
+            cache.begin_layer(step.layer)
+            experts = sorted(set(step.indices.reshape(-1).tolist()))
+            scores = {e: 1.0 for e in experts}
+            bits = {e: 4 for e in experts if rng.random() < 0.2}
+            waves = [experts] if len(experts) <= wcap else cache.plan_waves(step.layer, experts, wcap)
+            slots = cache.demand(step.layer, waves[0], scores, bits) if len(waves) == 1 else None
+            snap("demand")
+            reqs = [
+                PrefetchRequest((int(l), int(e)), priority=float(rng.random()))
+                for l, e in zip(rng.choice([*acc.moe_layers, 99], 6), rng.integers(0, acc.num_experts + 1, 6))
+            ]
+            cache.prefetch(reqs, step.layer)
+            snap("prefetch")
+            if slots is not None:
+                cache.release(slots)
+            else:
+                for wave in waves:
+                    cache.release(cache.demand(step.layer, wave, scores))
+            snap("release")
+    return snaps
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+@pytest.mark.parametrize("name", COMPILED)
+def test_kernel_equals_python_call_by_call(name, per_layer):
+    for seed in (0, 1):
+        acc = _trace(seed)
+        for capacity in (8, 12) if per_layer else (3, 6, 13):
+            py = _drive(name, acc, capacity, per_layer=per_layer, seed=seed, compiled=False)
+            core = _drive(name, acc, capacity, per_layer=per_layer, seed=seed, compiled=True)
+            assert len(py) == len(core)
+            for i, (a, b) in enumerate(zip(py, core)):
+                assert a == b, (name, capacity, seed, i, a[0])
+            last = py[-1][1]
+            assert last["evictions"] > 0 and last["prefetch_issued"] > 0 and last["prefetch_refused"] > 0
+            assert last["lowbit_loads"] > 0 and last["upgrades"] > 0
+
+
+def test_compiled_core_only_where_it_is_the_same_mechanism():
+    acc = _trace(0)
+    spec = _Spec(acc.moe_layers, acc.num_experts, acc.top_k, 1000)
+
+    def core(policy, link=None, **kw):
+        return ExpertCache(None, 6, link=link or InstantLink(), eviction=policy, spec=spec, **kw).core is not None
+
+    for name in COMPILED:
+        assert core(_policy(name, acc)) and core(_policy(name, acc), DirectLink()), name
+        assert not core(_policy(name, acc), ModelledLink(10.0)), name  # copies in flight: the Python mechanism
+        assert not core(_policy(name, acc), compiled=False)
+    for name in PYTHON_ONLY:
+        assert not core(EVICTION.create(name)), name
+    assert not core(EVICTION.create("least-stale", right="farthest"))  # the study variant has no kernel
+
+    class Forwarding:  # forwards every attribute, is not an EvictionPolicy subclass: its own events count
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, a):
+            return getattr(self.inner, a)
+
+    assert not core(Forwarding(EVICTION.create("lru")))
+    with pytest.raises(ValueError, match="not instant"):
+        core(EVICTION.create("lru"), ModelledLink(10.0), compiled=True)
+
+
+@pytest.fixture(scope="module")
+def model_acc(tiny_models):
+    model = tiny_models("olmoe")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 250, (int(n),), generator=g) for n in (5, 9, 7)]
+    return model, record_generate(model, prompts, max_new_tokens=10)
+
+
+def _same(a, b) -> None:
+    skip = {"seconds", "prepare_s", "engine", "accesses_per_s"}
+    da, db = a.to_dict(), b.to_dict()
+    assert {k: v for k, v in da.items() if k not in skip} == {k: v for k, v in db.items() if k not in skip}
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiled_replay_equals_python_replay(model_acc, name):
+    from moeflow.moe import get_adapter
+
+    model, acc = model_acc
+    logits = get_adapter(model).router_logits
+    total = len(acc.moe_layers) * acc.num_experts
+    for prefetch in ["none", ("all-next-layer", {"budget": 2 * acc.expert_bytes or 2}), ("pregate", {"overfetch": 1.5})]:
+        for capacity, per_layer, phase in ((2, False, 1), (total // 4, False, None), (len(acc.moe_layers) * 3, True, 1)):
+            kw = dict(lookahead=2, predict_logits=logits, per_layer=per_layer, count_phase=phase)
+            py = simulate(acc, capacity, _policy(name, acc), prefetch, compiled=False, **kw)
+            fast = simulate(acc, capacity, _policy(name, acc), prefetch, compiled=True, **kw)
+            assert (py.engine, fast.engine) == ("python", "compiled")
+            _same(py, fast)
+            assert fast.evictions > 0 and fast.replayed_accesses == py.replayed_accesses > 0
+            assert prefetch == "none" or capacity == acc.top_k or fast.counters.prefetch_issued > 0  # top-k: all pinned
+
+
+def test_waves_replay_equally(model_acc):
+    """Prefills routing more experts than the cache holds run in waves, resident experts first."""
+    _, acc = model_acc
+    prefill = max(len(set(s.indices.reshape(-1).tolist())) for p in acc.passes for s in p.steps)
+    capacity = acc.top_k + 1
+    assert prefill > capacity
+    for name in COMPILED:
+        _same(
+            simulate(acc, capacity, _policy(name, acc), compiled=False),
+            simulate(acc, capacity, _policy(name, acc), compiled=True),
+        )
+
+
+def test_batched_pregate_equals_the_policys_propose(model_acc):
+    from moeflow.moe import get_adapter
+    from moeflow.sim.stream import _sequential
+
+    model, acc = model_acc
+    logits = get_adapter(model).router_logits
+    for opts in ({"overfetch": 1.0}, {"overfetch": 2.0}, {"mass": 0.6}):
+        batched = proposals(acc, PREFETCH.create("pregate", **opts), 3, logits, cache=False)
+        one_by_one = _sequential(acc, PREFETCH.create("pregate", **opts), 3, logits)
+        assert np.array_equal(batched.off, one_by_one.off) and np.array_equal(batched.keys, one_by_one.keys), opts
+        assert len(batched.keys) > 0
+
+
+def test_stream_is_the_engines_access_order(model_acc):
+    _, acc = model_acc
+    st = stream(acc)
+    from moeflow.runtime.counters import needed_experts
+
+    j = 0
+    for p, ps in enumerate(acc.passes):
+        assert st.pass_off[p + 1] - st.pass_off[p] == len(ps.steps)
+        for s in ps.steps:
+            flat = torch.as_tensor(s.indices.reshape(-1)).long()
+            want, _ = needed_experts(flat, torch.ones(flat.shape))
+            assert st.experts[st.exp_off[j] : st.exp_off[j + 1]].tolist() == want
+            j += 1
+    two = st.repeat(2)
+    assert two.phase.tolist() == st.phase.tolist() * 2 and two.experts.tolist() == st.experts.tolist() * 2
+    assert two.exp_off[-1] == 2 * st.accesses and two.pass_off[-1] == 2 * len(st.step_rank)

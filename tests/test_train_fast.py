@@ -1,0 +1,239 @@
+"""`moeflow train`'s default set, its seconds per predictor, and the fast fits (estimator, hybrid, forest)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_predict import REPO, small_cfg, structured_prompts, tiny_setup, write_trace  # noqa: F401
+
+STEPS = {"load", "default vectors", "evaluate", "save"}
+
+
+def _train(args: list[str]) -> tuple[int, str, str]:
+    from typer.testing import CliRunner
+
+    from moeflow.cli.app import _register, app
+
+    _register()
+    r = CliRunner().invoke(app, ["train", *args])
+    return r.exit_code, r.stdout, r.output
+
+
+def _learned_prefetch_predictors() -> set[str]:
+    """The predictor each learned prefetch policy of `moeflow run --prefetch` loads from the folder."""
+    from moeflow.policies.base import PREFETCH
+    from moeflow.policies.learned import LearnedPrefetch
+
+    return {cls.predictor for cls in PREFETCH.values() if isinstance(cls, type) and issubclass(cls, LearnedPrefetch)}
+
+
+@pytest.fixture(scope="module")
+def default_train(tiny_setup):  # noqa: F811
+    """`moeflow train` with its default predictor set, once with --json and once as text."""
+    _, trace, _ = tiny_setup
+    root = trace.parent
+    base = ["--trace", str(trace), "--model", str(root / "model"), "--max-s", "2", "--forest-trees", "4"]
+    base += ["--forest-samples", "2000", "--threads", "1"]
+    code, out, log = _train([*base, "--out", str(root / "fast-json"), "--json"])
+    assert code == 0, log
+    code, _, text = _train([*base, "--out", str(root / "fast-text")])
+    assert code == 0, text
+    return root, json.loads(out.strip().splitlines()[-1]), text
+
+
+def test_default_set_is_what_run_prefetchers_load(default_train):
+    from moeflow.stages.train import BASELINES, LEARNED
+
+    root, rep, _ = default_train
+    meta = json.loads((root / "fast-json" / "meta.json").read_text())
+    fitted = set(meta["predictors"])
+    assert _learned_prefetch_predictors() <= fitted  # every `run --prefetch <learned>` finds its predictor
+    assert fitted == {*LEARNED, *BASELINES, "pregate"} and set(LEARNED) == _learned_prefetch_predictors() - set(BASELINES)
+    assert meta["config"]["only"] == list(LEARNED) and "planner" not in rep and "gps" not in rep  # not asked for
+    assert meta["extra"] == [] and not {"eam", "eap", "gps"} & {p.name for p in (root / "fast-json").iterdir()}
+
+
+def test_train_json_has_seconds_per_fitted_predictor(default_train):
+    root, rep, _ = default_train
+    fitted = json.loads((root / "fast-json" / "meta.json").read_text())["predictors"]
+    per = rep["seconds_per_predictor"]
+    assert set(per) == set(fitted) and all(v >= 0 for v in per.values())
+    assert set(rep["seconds_steps"]) == STEPS
+    # the whole stage: every fit and every shared step happened inside it (each figure rounded to 1 ms)
+    assert rep["seconds"] >= sum(per.values()) + sum(rep["seconds_steps"].values()) - 0.001 * (len(per) + len(STEPS))
+    assert per["estimator"] > 0 and per["forest"] > 0
+
+
+def test_train_text_prints_the_seconds_table(default_train):
+    _, _, text = default_train
+    assert "train seconds" in text
+    for row in ("fit estimator", "fit hybrid", "fit forest", "fit router-pf", "default vectors", "evaluate"):
+        assert row in text, row
+
+
+def test_only_planners_still_fit_and_are_timed(tmp_path):
+    """`--only eam --only eap`: the CasMoE planner alone, each part with its seconds."""
+    from moeflow.models import load_model, tiny_model
+
+    tiny_model("olmoe").save_pretrained(tmp_path / "model")
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # the planner reads prompt text
+        shutil.copy(REPO / "models" / "olmoe-mini" / f, tmp_path / "model" / f)
+    model, _ = load_model(str(tmp_path / "model"), dtype="float32")
+    trace = write_trace(model, tmp_path / "trace", structured_prompts(8, 8), new_tokens=2, record_hidden=False)
+    args = ["-t", str(trace), "-o", str(tmp_path / "pred"), "-m", str(tmp_path / "model"), "--only", "eam", "--only", "eap"]
+    args += ["--plan-opt", "eap_layers=1", "--plan-opt", "eap_epochs=1", "--max-s", "1", "--threads", "1", "--json"]
+    code, out, log = _train(args)
+    assert code == 0, log
+    rep = json.loads(out.strip().splitlines()[-1])
+    meta = json.loads((tmp_path / "pred" / "meta.json").read_text())
+    assert meta["extra"] == ["eam", "eap"] and set(meta["predictors"]) == {"frequency", "token-id"}
+    assert set(rep["seconds_per_predictor"]) == {"frequency", "token-id", "eam", "eap"}
+    assert "default vectors" not in rep["seconds_steps"]  # nothing needed them
+
+
+@pytest.fixture(scope="module")
+def fitted_default(tiny_setup):  # noqa: F811
+    """router-pf, estimator, hybrid and forest with the default training settings (small forest)."""
+    from moeflow.predict.train import fit_all
+    from moeflow.stages.train import TrainConfig
+
+    model, _, data = tiny_setup
+    train, held = data.split(0.3, 0)
+    cfg = TrainConfig(trace="", out="", model="", max_s=3, threads=1, forest_trees=8)
+    return model, train, held, cfg, fit_all(train, model, cfg)
+
+
+def test_estimator_and_forest_learn_beyond_the_baselines(fitted_default):
+    """Held-out recall@k of the tiny trace, mean over S: the estimator beats pre-gate, Router-PF and token-id
+    (an estimator that does not learn, e.g. with a zero learning rate, is below them), the forest beats
+    token-id and frequency."""
+    from moeflow.predict.evaluate import evaluate
+
+    _, _, held, _, preds = fitted_default
+    mean = {n: float(np.mean(list(v.values()))) for n, v in evaluate(preds, held, max_s=3)["by_s"].items()}
+    assert mean["estimator"] > max(mean["pregate"], mean["router-pf"], mean["token-id"]) + 0.01, mean
+    assert mean["hybrid"] >= min(mean["estimator"], mean["router-pf"]) - 1e-9, mean
+    assert mean["forest"] > mean["token-id"] + 0.05 and mean["forest"] > mean["frequency"] + 0.1, mean
+
+
+def test_hybrid_reuses_the_fitted_estimator(fitted_default):
+    _, train, _, cfg, preds = fitted_default
+    hyb, est = preds["hybrid"], preds["estimator"]
+    assert hyb.estimator is est  # one estimator fit serves both
+    assert set(hyb.val) == {f"{l}+{s}" for l, s in train.rank_pairs(cfg.max_s)}
+    assert {k: v["estimator"] for k, v in hyb.val.items()} == {f"{l}+{s}": r for (l, s), r in est.val_recall.items()}
+
+
+def test_training_forward_equals_the_network_and_predict(fitted_default):
+    """The per-part first layer of training (rows x all pairs) computes EstimatorNet on the full features,
+    plus the target router's logits of q, which is what `predict` scores at run time."""
+    from moeflow.predict.data import batch_from_rows, target_of
+
+    _, train, _, _, preds = fitted_default
+    est = preds["estimator"]
+    rows = np.arange(min(train.n, 40))
+    c = est._parts(train, rows)
+    P, N = len(est.pairs), len(rows)
+    i = torch.arange(N)
+    with torch.no_grad():
+        got = est._logits_parts(c, i)  # [P,N,E]
+        p_ = torch.arange(P).repeat_interleave(N)
+        want = est.net(est._features_parts(c, p_, i.repeat(P)), p_).reshape(P, N, -1) + c["rl"]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    ctx = train.context(max(1, est.context))
+    for j, (src, s) in enumerate(est.pairs):
+        b = batch_from_rows(train, src, rows, ctx=ctx)
+        # training stores q in float16: the same distribution up to that rounding
+        torch.testing.assert_close(est.predict(target_of(train.spec, src, s), s, b), torch.softmax(got[j], -1), rtol=0, atol=2e-2)
+
+
+def test_estimator_stops_early_and_keeps_the_best_epoch(tiny_setup, monkeypatch):  # noqa: F811
+    from moeflow.predict.estimator import Estimator
+    from moeflow.stages.train import TrainConfig
+
+    model, _, data = tiny_setup
+    scores = iter([0.5, 0.7, 0.6, 0.65, 0.9, 0.9])
+    states: list[dict[str, torch.Tensor]] = []
+
+    def fake_val(self, c, rows_per_step):
+        states.append({k: v.clone() for k, v in self.net.state_dict().items()})
+        return torch.full((len(self.pairs),), next(scores))
+
+    monkeypatch.setattr(Estimator, "_val_recall", fake_val)
+    cfg = TrainConfig(trace="", out="", model="", max_s=2, est_epochs=6, est_min_steps=1, est_batch=64, est_patience=1)
+    est = Estimator.create(model, cfg)
+    est.fit(data, model, cfg)
+    assert [h["epoch"] for h in est.history] == [1, 2, 3]  # epoch 3 did not beat epoch 2
+    assert [h["val_recall"] for h in est.history] == pytest.approx([0.5, 0.7, 0.6])
+    final = est.net.state_dict()
+    assert all(torch.equal(final[k], states[1][k]) for k in final)  # epoch 2's weights
+    assert not all(torch.equal(states[1][k], states[2][k]) for k in final)
+    assert est.val_recall == {p: pytest.approx(0.7) for p in est.pairs}
+
+
+def test_residual_flag_round_trips_and_an_older_folder_loads_plain(fitted_default, tmp_path):
+    from moeflow.predict.data import batch_from_rows
+    from moeflow.predict.estimator import Estimator
+
+    model, _, held, _, preds = fitted_default
+    est = preds["estimator"]
+    est.save(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["residual"] is True
+    ml = held.spec.moe_layers
+    b = batch_from_rows(held, ml[0], np.arange(held.n), ctx=held.context(max(1, est.context)))
+    torch.testing.assert_close(Estimator.load(tmp_path, model).predict(ml[1], 1, b), est.predict(ml[1], 1, b), rtol=0, atol=0)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["residual"]  # a folder written before the residual form: the network's logits alone
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    old = Estimator.load(tmp_path, model)
+    assert old.residual is False
+    x = est.features(1, b)
+    pair = torch.full((len(x),), est.pairs.index((ml[0], 1)))
+    with torch.no_grad():
+        torch.testing.assert_close(old.predict(ml[1], 1, b), torch.softmax(est.net(x, pair), -1))
+
+
+def test_array_forest_predicts_deep_uneven_trees_like_scikit_learn():
+    """Walks of different depth per (row, tree), and NaN features (each split's missing-value side)."""
+    from sklearn.ensemble import RandomForestRegressor
+
+    from moeflow.predict.forest import ArrayForest
+
+    rng = np.random.default_rng(1)
+    X = rng.standard_normal((800, 6)).astype(np.float32)
+    X[rng.random(X.shape) < 0.05] = np.nan
+    Y = np.stack([np.nan_to_num(X[:, 0]) > 0.8, np.nan_to_num(X[:, 1] * X[:, 2]) > 0.3], 1).astype(np.float64)
+    rf = RandomForestRegressor(n_estimators=6, max_depth=None, min_samples_leaf=1, random_state=0).fit(X, Y)
+    depths = [e.tree_.max_depth for e in rf.estimators_]
+    assert max(depths) > 10
+    Xt = rng.standard_normal((500, 6)).astype(np.float32)
+    Xt[rng.random(Xt.shape) < 0.05] = np.nan
+    np.testing.assert_allclose(ArrayForest.from_sklearn(rf).predict(Xt), rf.predict(Xt), rtol=0, atol=1e-12)
+
+
+def test_forest_tries_at_least_the_minimum_features_per_split(tiny_setup, monkeypatch):  # noqa: F811
+    """A small model's few features: the forest still tries MIN_SPLIT_FEATURES of them (or all) per split."""
+    import sklearn.ensemble
+
+    from moeflow.predict.forest import MIN_SPLIT_FEATURES, Forest
+    from moeflow.stages.train import TrainConfig
+
+    seen: list[object] = []
+
+    class Spy(sklearn.ensemble.RandomForestRegressor):
+        def fit(self, X, y, sample_weight=None):
+            seen.append(self.max_features)
+            return super().fit(X, y, sample_weight)
+
+    monkeypatch.setattr(sklearn.ensemble, "RandomForestRegressor", Spy)
+    model, _, data = tiny_setup
+    cfg = TrainConfig(trace="", out="", model="", max_s=2, threads=1, forest_trees=2, forest_max_samples=500)
+    f = Forest.create(model, cfg)
+    f.fit(data, model, cfg)
+    assert round(cfg.forest_max_features * f.n_features) < MIN_SPLIT_FEATURES  # the floor applies to this model
+    assert seen == [min(f.n_features, MIN_SPLIT_FEATURES)]
