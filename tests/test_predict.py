@@ -169,9 +169,14 @@ def test_every_predictor_beats_frequency_on_tiny(fitted_tiny):
     for name in ("pregate", "router-pf", "estimator", "hybrid", "forest"):
         assert rep["by_s"][name][1] > freq + 0.05, (name, rep["by_s"][name][1], freq)
     assert set(rep["by_s"]["router-pf"]) == {1, 2, 3}
-    # the decay fit c(S) = a * exp(-b S) + c of each predictor, and its gap to pre-gating's asymptote
-    forest, pregate = rep["fit"]["forest"], rep["fit"]["pregate"]
-    assert forest["delta_inf_vs_pregate"] == pytest.approx(forest["c"] - pregate["c"])
+    # the decay fit c(S) = a * exp(-b S) + c of each predictor: numbers only for a fit that determines c (3 S
+    # points on a random tiny model often do not), and then its gap to pre-gating's asymptote
+    fits, status = rep["fit"], rep["fit_status"]
+    for name in ("forest", "pregate"):
+        assert (fits[name] is None) == (status[name] != "ok"), (name, status[name])
+    forest, pregate = fits["forest"], fits["pregate"]
+    if forest is not None and pregate is not None:
+        assert forest["delta_inf_vs_pregate"] == pytest.approx(forest["c"] - pregate["c"])
 
 
 @pytest.fixture(scope="module")

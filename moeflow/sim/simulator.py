@@ -346,7 +346,7 @@ def simulate(
     whole = cache.core is not None and ms is None and (not prefetching or precomputable(pf))
     if compiled and not whole:
         raise ValueError(
-            f"no compiled replay for eviction {ev_name!r}, prefetch {pf_name!r}, miss {getattr(ms, 'name', 'fetch')!r} "
+            f"no compiled replay for eviction {ev_name!r}, prefetch {pf_name!r}, miss {'fetch' if ms is None else type(ms).__name__} "
             f"on link {lk.describe()!r}"
         )
     if whole:
