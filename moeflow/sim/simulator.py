@@ -346,8 +346,8 @@ def simulate(
     whole = cache.core is not None and ms is None and (not prefetching or precomputable(pf))
     if compiled and not whole:
         raise ValueError(
-            f"no compiled replay for eviction {ev_name!r}, prefetch {pf_name!r}, miss {'fetch' if ms is None else type(ms).__name__} "
-            f"on link {lk.describe()!r}"
+            f"no compiled replay for eviction {ev_name!r}, prefetch {pf_name!r}, "
+            f"miss {'fetch' if ms is None else type(ms).__name__} on link {lk.describe()!r}"
         )
     if whole:
         t0 = time.perf_counter()
