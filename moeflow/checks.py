@@ -2,7 +2,7 @@
 
 A config's `__post_init__` checks what the flags alone decide (ranges, names, syntax); its `preflight()`
 checks what depends on the machine (`check_device`: is CUDA there?) and on the disk
-(`moeflow.artifacts.check_out`: may `--out` be written?). Each stage calls `cfg.preflight()` first,
+(`moeflow.outputs.check_out`: may `--out` be written?). Each stage calls `cfg.preflight()` first,
 before it loads a model, prompts or a trace.
 """
 

@@ -27,8 +27,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .artifacts import _mkdirs, _pid_alive, _rmdirs, now_iso, unwritable
+from .artifacts import _mkdirs, _pid_alive, _rmdirs, now_iso
 from .errors import MoeflowError
+from .outputs import unwritable
 
 EX_TEMPFAIL = 75  # sysexits.h: try again later
 

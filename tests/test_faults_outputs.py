@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from moeflow.artifacts import artifact_kind, atomic_dir, check_out
+from moeflow.artifacts import artifact_kind, atomic_dir
 from moeflow.errors import ArtifactError, ConfigError
+from moeflow.outputs import check_out
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -184,7 +184,8 @@ def test_a_typo_suggests_only_flags_help_shows(capsys):
 
 
 def test_artifact_kinds_read_as_nouns(trace, tmp_path, capsys):
-    from moeflow.artifacts import check_out, read_meta
+    from moeflow.artifacts import read_meta
+    from moeflow.outputs import check_out
 
     with pytest.raises(ArtifactError) as e:
         read_meta(trace, "predictors", 1)

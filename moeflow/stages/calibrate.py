@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import check_out, new_meta
+from ..artifacts import new_meta
 from ..calibrate.io import KIND, SCHEMA, calibration_path, device_name, write_calibration
 from ..calibrate.measure import bandwidth_sweep, expert_timing, fit_latency, thread_counts, thread_sweep
 from ..calibrate.stepsize import initial_step_size, parse_regime, regime_bandwidth
 from ..errors import ConfigError
+from ..outputs import check_out
 
 DEFAULT_SIZES_KIB = (64, 256, 1024, 4096, 16384)
 
@@ -65,7 +66,7 @@ class CalibrateConfig:
 
     def preflight(self) -> None:
         """What depends on this machine, checked before anything loads: the device (`--out` is checked by
-        the stage with `moeflow.artifacts.check_out` before the model loads)."""
+        the stage with `moeflow.outputs.check_out` before the model loads)."""
         from ..checks import check_device
 
         check_device(self.device)
@@ -104,7 +105,7 @@ def main(cfg: CalibrateConfig) -> dict[str, Any]:
 
 
 def _checked_out(cfg: CalibrateConfig) -> Path | None:
-    """The calibration file to write (None with --no-write), checked before any work (`artifacts.check_out`)."""
+    """The calibration file to write (None with --no-write), checked before any work (`outputs.check_out`)."""
     if not cfg.write:
         return None
     out = Path(cfg.out) if cfg.out else calibration_path(device_name(cfg.device, cfg.link_gbps))

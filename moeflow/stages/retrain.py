@@ -52,9 +52,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import META, _current, _versions, atomic_dir, check_out, now_iso, write_json_atomic
+from ..artifacts import META, _current, _versions, atomic_dir, now_iso, write_json_atomic
 from ..errors import ArtifactError, ConfigError
 from ..locks import EX_TEMPFAIL, LockBusy, describe, lock_path, out_lock
+from ..outputs import check_out
 
 _TOP = {"model", "trace", "predictors", "only", "holdout", "seed", "margin", "keep", "log", "status", "prompts"}
 _TABLES = {"trace_options", "train_options"}

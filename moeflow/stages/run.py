@@ -37,7 +37,7 @@ from .session import (
     warm_up,
 )
 
-RESULT_KIND = "run"  # the "kind" of every `--out` JSONL line (moeflow.artifacts.check_out recognises it)
+RESULT_KIND = "run"  # the "kind" of every `--out` JSONL line (moeflow.outputs.check_out recognises it)
 
 
 class _SRecorder:

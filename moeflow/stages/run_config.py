@@ -176,8 +176,8 @@ class RunConfig:
         """What depends on this machine and disk, checked before anything loads: the device, `--out`."""
         from pathlib import Path
 
-        from ..artifacts import check_out
         from ..checks import check_device
+        from ..outputs import check_out
 
         check_device(self.device)
         spec = self.plan_spec()

@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 
-from ..artifacts import META, check_out, check_writable
+from ..artifacts import META
 from ..data import Prompt, load_prompts
 from ..data.prompts import resolve_source
 from ..errors import ConfigError, MoeflowError
 from ..models import check_lengths
 from ..moe import get_adapter, model_fingerprint
+from ..outputs import check_out, check_writable
 from ..trace.format import KIND
 from ..trace.writer import RoutingRecorder, TraceWriter, generation_kwargs, trace_one
 
@@ -223,7 +224,7 @@ def run_trace(
 
 def check_trace_out(cfg: TraceConfig) -> None:
     """Refuse, before any work, an --out that is, contains or is inside the model or the prompt file, or
-    that holds anything but a trace (`artifacts.check_out`; a trace is appended to). A folder holding only
+    that holds anything but a trace (`outputs.check_out`; a trace is appended to). A folder holding only
     what a killed first run left (shards, no meta.json) is left to the writer, which reuses it (once it is
     known to be writable)."""
     out = Path(cfg.out)

@@ -156,8 +156,8 @@ def main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
 
 
 def _check(cfg: TrainConfig) -> None:
-    """Before any work: the predictor names, --holdout, --out (`artifacts.check_out`)."""
-    from ..artifacts import check_out
+    """Before any work: the predictor names, --holdout, --out (`outputs.check_out`)."""
+    from ..outputs import check_out
     from ..predict.io import KIND
 
     check_names(cfg.only)
