@@ -34,6 +34,7 @@ setup:
 	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt "$(TORCH)"
 	DISABLE_CUDA=1 $(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e ".[dev]"   # DISABLE_CUDA: hqq's sdist skips its optional CUDA kernels
 	$(BIN)/python -m pip check
+	$(BIN)/python -c 'from moeflow.runtime.cachecore import warm; print(f"cache core kernels ready in {warm():.0f} s")'   # numba compiles them once (cached beside the sources)
 	$(BIN)/moeflow --version
 
 # A fresh resolution into requirements.lock; check it with `make setup lint test` before committing it.

@@ -332,3 +332,34 @@ def test_least_stale_on_the_default_models_decode_trace(default_decode):
     c = capacity_of(acc, 0.50)
     a, b = simulate(acc, c, "lru"), simulate(acc, c, "least-stale")
     assert b.collisions < a.collisions and b.misses > a.misses
+
+
+def test_simulate_json_rows_report_accesses_per_second(traced):
+    """`moeflow simulate --json`: every row (compiled eviction policies, Belady) carries `accesses_per_s` (replayed
+    accesses per second of its replay, the name scripts read) with `replayed_accesses` and `seconds`, and its
+    counters are the Python mechanism's on the same trace."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moeflow.cli.app import _register, app
+    from moeflow.sim.simulator import Belady
+    from moeflow.trace import Trace
+
+    ck, tr = traced
+    _register()
+    args = ["simulate", "--trace", str(tr), "-c", "4", "-p", "none", "--model", str(ck), "--json"]
+    for e in ("lru", "lfu", "least-stale", "belady-approx"):
+        args += ["-e", e]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout.strip().splitlines()[-1])["rows"]
+    assert [x["eviction"] for x in rows] == ["lru", "lfu", "least-stale", "belady-approx", "belady"]
+    acc = from_trace(Trace(tr))
+    for x in rows:
+        assert x["accesses_per_s"] > 0 and x["seconds"] > 0
+        assert x["accesses_per_s"] == pytest.approx(x["replayed_accesses"] / x["seconds"])
+        policy = Belady(acc) if x["eviction"] == "belady" else x["eviction"]
+        ref = simulate(acc, 4, policy, count_phase=1, compiled=False)  # the Python mechanism, call by call
+        assert x["replayed_accesses"] == ref.replayed_accesses > 0
+        assert (x["hits"], x["misses"], x["evictions"]) == (ref.hits, ref.misses, ref.evictions), x["eviction"]

@@ -174,7 +174,7 @@ def model_acc(tiny_models):
 
 
 def _same(a, b) -> None:
-    skip = {"seconds", "prepare_s", "engine", "accesses_per_s"}
+    skip = {"seconds", "cpu_s", "prepare_s", "engine", "accesses_per_s"}
     da, db = a.to_dict(), b.to_dict()
     assert {k: v for k, v in da.items() if k not in skip} == {k: v for k, v in db.items() if k not in skip}
 
@@ -239,3 +239,15 @@ def test_stream_is_the_engines_access_order(model_acc):
     two = st.repeat(2)
     assert two.phase.tolist() == st.phase.tolist() * 2 and two.experts.tolist() == st.experts.tolist() * 2
     assert two.exp_off[-1] == 2 * st.accesses and two.pass_off[-1] == 2 * len(st.step_rank)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_every_slot_pinned_is_refused_in_both(compiled):
+    acc = _trace(0)
+    spec = _Spec(acc.moe_layers, acc.num_experts, acc.top_k, 1000)
+    cache = ExpertCache(None, 2, link=InstantLink(), eviction=EVICTION.create("lru"), spec=spec, compiled=compiled)
+    cache.begin_pass(0)
+    cache.demand(0, [0, 1], {})  # not released: both slots pinned
+    assert cache.prefetch([PrefetchRequest((2, 0))], 0) == 0  # a prefetch finds no victim: skipped
+    with pytest.raises(RuntimeError, match="no evictable slot"):
+        cache.demand(2, [0], {})

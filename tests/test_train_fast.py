@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from moeflow.errors import ConfigError
 from tests.test_predict import REPO, small_cfg, structured_prompts, tiny_setup, write_trace  # noqa: F401
 
 STEPS = {"load", "default vectors", "evaluate", "save"}
@@ -217,7 +219,8 @@ def test_array_forest_predicts_deep_uneven_trees_like_scikit_learn():
 
 
 def test_forest_tries_at_least_the_minimum_features_per_split(tiny_setup, monkeypatch):  # noqa: F811
-    """A small model's few features: the forest still tries MIN_SPLIT_FEATURES of them (or all) per split."""
+    """A small model's few features: the forest still tries MIN_SPLIT_FEATURES of them (or all) per split; each
+    tree draws `forest_bootstrap` of the samples."""
     import sklearn.ensemble
 
     from moeflow.predict.forest import MIN_SPLIT_FEATURES, Forest
@@ -227,7 +230,7 @@ def test_forest_tries_at_least_the_minimum_features_per_split(tiny_setup, monkey
 
     class Spy(sklearn.ensemble.RandomForestRegressor):
         def fit(self, X, y, sample_weight=None):
-            seen.append(self.max_features)
+            seen.append((self.max_features, self.max_samples))
             return super().fit(X, y, sample_weight)
 
     monkeypatch.setattr(sklearn.ensemble, "RandomForestRegressor", Spy)
@@ -236,4 +239,6 @@ def test_forest_tries_at_least_the_minimum_features_per_split(tiny_setup, monkey
     f = Forest.create(model, cfg)
     f.fit(data, model, cfg)
     assert round(cfg.forest_max_features * f.n_features) < MIN_SPLIT_FEATURES  # the floor applies to this model
-    assert seen == [min(f.n_features, MIN_SPLIT_FEATURES)]
+    assert seen == [(min(f.n_features, MIN_SPLIT_FEATURES), cfg.forest_bootstrap)]
+    with pytest.raises(ConfigError, match="forest_bootstrap"):
+        f.fit(data, model, dataclasses.replace(cfg, forest_bootstrap=0.0))

@@ -84,7 +84,7 @@ def train(
     max_s: int = typer.Option(4, "--max-s", help="Largest step S (MoE layers ahead) to fit and evaluate."),
     forest_trees: int = typer.Option(24, "--forest-trees", help="Random-forest trees."),
     forest_samples: int = typer.Option(
-        30_000, "--forest-samples", help="Training samples for the forest (rows x (layer, S) pairs, subsampled)."
+        40_000, "--forest-samples", help="Training samples for the forest (rows x (layer, S) pairs, subsampled)."
     ),
     est_epochs: int = typer.Option(
         3,

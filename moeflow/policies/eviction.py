@@ -26,6 +26,12 @@ sequence of candidates gets the full scan (`min` by the rank); both give the sam
 | belady-approx | longest predicted time to next use (layer distance, reuse interval, proposals) | Belady's MIN, approx. |
 
 `least-stale` lives in `least_stale.py`, `belady-approx` in `belady_approx.py` (both built on `_Base`).
+
+Compiled twins: lru, lfu, least-stale (its `fifo` order) and belady-approx declare a `kernel`; with an instant
+link (the simulator's, the runtime's `direct`) the cache keeps their bookkeeping in numba kernels
+(`moeflow.runtime.cachecore`: the same victims and counters, tests/test_sim_core.py) and never calls the events
+below, in the runtime and the simulator alike. These classes are the reference, and the mechanism on every
+other link; fld, lhu, score and lru2 have no kernel (always these events).
 """
 
 from __future__ import annotations

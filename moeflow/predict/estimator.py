@@ -311,7 +311,7 @@ class Estimator:
             self.net.sd.copy_(x.std(0).clamp(min=1e-3))
         y = c["probs"].float().clamp(min=1e-6)
         y = y / y.sum(-1, keepdim=True)  # [P,N,E] KL targets
-        opt = torch.optim.AdamW(self.net.parameters(), lr=cfg.est_lr, weight_decay=cfg.est_weight_decay)
+        opt = torch.optim.AdamW(self.net.parameters(), lr=cfg.est_lr, weight_decay=cfg.est_weight_decay, fused=True)
         rows_per_step = max(1, cfg.est_batch // P)
         per_epoch = -(-N // rows_per_step)
         epochs = max(cfg.est_epochs, -(-cfg.est_min_steps // per_epoch))  # small traces: at least est_min_steps

@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..errors import ArtifactError
+from ..errors import ArtifactError, ConfigError
 from ..moe import get_adapter
 from .base import PREDICTORS
 from .data import RoutingData, SourceBatch, batch_from_rows, target_of
@@ -273,6 +273,8 @@ class Forest:
 
         from sklearn.ensemble import RandomForestRegressor
 
+        if not 0.0 < cfg.forest_bootstrap <= 1.0:
+            raise ConfigError(f"forest_bootstrap must be in (0, 1], got {cfg.forest_bootstrap}")
         t0 = time.perf_counter()
         self.max_lookahead = cfg.max_s
         self.base_kind = cfg.forest_base if (data.has_hidden or cfg.forest_base != "pregate") else "none"
@@ -298,10 +300,11 @@ class Forest:
             max_depth=cfg.forest_depth or None,
             min_samples_leaf=cfg.forest_min_leaf,
             max_features=min(self.n_features, max(MIN_SPLIT_FEATURES, round(cfg.forest_max_features * self.n_features))),
+            max_samples=cfg.forest_bootstrap,
             n_jobs=cfg.threads,
             random_state=cfg.seed,
         )
-        rf.fit(np.concatenate(X), np.concatenate(Y))
+        rf.fit(np.concatenate(X, dtype=np.float32), np.concatenate(Y))  # float32: what scikit-learn splits on
         self.rf = ArrayForest.from_sklearn(rf)  # run-time prediction: numpy, one thread, off the model's cores
         self.fit_seconds = time.perf_counter() - t0
 

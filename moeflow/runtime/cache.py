@@ -370,8 +370,8 @@ class ExpertCache:
                 slot = self.slots[s]
                 slot.pinned = False
                 slot.last_use = marker
-            self.core.release(slots, self.retain, self.upgrade)
-            self._core_apply()
+            if self.core.release(slots, self.retain, self.upgrade):  # else nothing but pins changed
+                self._core_apply()
             return
         for s in slots:
             slot = self.slots[s]

@@ -32,7 +32,7 @@ import numpy as np
 try:  # numba caches compiled kernels next to this file, or in its user-wide cache when that is read-only
     from numba import njit as _njit
 
-    _OPTS = dict(nogil=True, error_model="numpy")  # numpy's error model: no exception paths to compile
+    _OPTS = dict(nogil=True, error_model="numpy", _nrt=False)  # no exception paths, no reference counting
 
     def _jit(fn):  # a kernel called from Python
         return _cached(fn, **_OPTS)
@@ -141,12 +141,18 @@ NCNT = len(COUNTERS)
     O_SRANK,
     O_PLIST,
     O_ISL,
+    O_SRK,
+    O_SREF,  # belady-approx, per slot: its key's PK_REF, PK_PPASS (NEVER_PASS: no proposal) and PK_PAHEAD
+    O_SPP,
+    O_SPA,
+    O_HPOS,  # lfu, belady: each key's position in the heap (-1: none)
     OF_PKF,
     OF_PGF,
     OF_PAH,
     OF_FAR,
+    OF_SIV,  # belady-approx, per slot: its key's interval EMA (-1: none)
     NHDR,
-) = range(41)
+) = range(47)
 
 # mechanism scalars (sc)
 SC_TIME, SC_PASS, SC_PSEQ, SC_PHSEQ, SC_GENSEQ, SC_NLOG, SC_NRES, NSC = range(8)
@@ -168,8 +174,9 @@ SC_TIME, SC_PASS, SC_PSEQ, SC_PHSEQ, SC_GENSEQ, SC_NLOG, SC_NRES, NSC = range(8)
     PK_PAHEAD,
     PK_PIDX,  # its index in the pending list
     PK_HASINT,  # belady-approx: an interval EMA exists
+    PK_NU,  # belady: the step of the next use after the key's last access (-1: not accessed yet)
     NPK,
-) = range(17)
+) = range(18)
 # policy scalars (pg)
 PG_TICK, PG_HSIZE, PG_LSPASS, PG_STEP, PG_NSEEN, PG_NINTS, PG_NPRED, NPG = range(8)
 # policy float scalars (pgf)
@@ -183,7 +190,7 @@ OP_DEMAND, OP_PREFETCH, OP_RELEASE, OP_BEGIN_PASS, OP_BEGIN_LAYER = 1, 2, 3, 4, 
 
 Views = namedtuple(
     "Views",
-    "hdr sc cnt skey pin pref used bits iss prot sof evp res free nfree byb log pk lst heap pg seen srank pkf pgf pah",
+    "hdr sc cnt skey pin pref used bits iss prot sof evp res free nfree byb log pk lst heap pg seen srank hpos pkf pgf pah",
 )
 
 
@@ -195,7 +202,7 @@ def layout(
     parts = L if per_layer else 1
     per = C // L if per_layer else C
     logcap = 2 * K + 16
-    hcap = 4 * C + 130
+    hcap = C + 2
     sizes = [
         (O_SC, NSC),
         (O_CNT, NCNT),
@@ -222,13 +229,18 @@ def layout(
         (O_SRANK, L),
         (O_PLIST, K),
         (O_ISL, C),
+        (O_SRK, C),
+        (O_SREF, C),
+        (O_SPP, C),
+        (O_SPA, C),
+        (O_HPOS, K),
     ]
     hdr = np.zeros(NHDR, np.int64)
     off = NHDR
     for o, n in sizes:
         hdr[o] = off
         off += n
-    fsizes = [(OF_PKF, K), (OF_PGF, NPGF), (OF_PAH, L + 2), (OF_FAR, C)]
+    fsizes = [(OF_PKF, K), (OF_PGF, NPGF), (OF_PAH, L + 2), (OF_FAR, C), (OF_SIV, C)]
     foff = 0
     for o, n in fsizes:
         hdr[o] = foff
@@ -249,6 +261,8 @@ def layout(
         v.nfree[p] = per
     v.pk[:, PK_PREV] = -1
     v.pk[:, PK_NEXT] = -1
+    v.pk[:, PK_NU] = -1
+    v.hpos[:] = -1
     v.lst[:] = -1
     v.pg[PG_LSPASS] = -1
     v.pg[PG_STEP] = -1
@@ -289,6 +303,7 @@ def views(I: np.ndarray, F: np.ndarray) -> Views:
         sec(O_PG, NPG),
         sec(O_SEEN, L),
         sec(O_SRANK, L),
+        sec(O_HPOS, K),
         F[I[OF_PKF] : I[OF_PKF] + K],
         F[I[OF_PGF] : I[OF_PGF] + NPGF],
         F[I[OF_PAH] : I[OF_PAH] + L + 2],
@@ -337,76 +352,80 @@ def _ll_append(I, li, k):
     I[lst + 1] = k
 
 
-# The heap: a min-heap of entries (a, b, key) at I[O_HEAP] ordered by (a, b), which is unique among live
-# entries (lfu: (count, tick), ticks are unique; belady: (-score, 0), a score names its key).
+# The heap (lfu, belady): an indexed min-heap of the tracked keys, one entry (a, b, key) each at I[O_HEAP],
+# ordered by (a, b), unique among keys (lfu: (count, tick), ticks are unique; belady: (-score, 0), a score
+# names its key); O_HPOS holds each key's position, so an update sifts it in place.
 
 
 @_fn
-def _h_down(I, h, n, i):
-    while True:
-        c = 2 * i + 1
-        if c >= n:
-            return
-        x, y = h + 3 * c, h + 3 * c + 3
-        if c + 1 < n and (I[y] < I[x] or (I[y] == I[x] and I[y + 1] < I[x + 1])):
-            c += 1
-            x = y
-        z = h + 3 * i
-        if not (I[x] < I[z] or (I[x] == I[z] and I[x + 1] < I[z + 1])):
-            return
-        for t in range(3):
-            I[x + t], I[z + t] = I[z + t], I[x + t]
-        i = c
+def _hx_less(I, x, y):
+    return I[x] < I[y] or (I[x] == I[y] and I[x + 1] < I[y + 1])
 
 
 @_fn
-def _h_pop(I):
-    h, pg = I[O_HEAP], I[O_PG]
+def _hx_sift(I, i):
+    """Restore the heap order around position i: its entry moves up, else down, parents or children moving
+    into the hole it leaves."""
+    h, n, hp = I[O_HEAP], I[I[O_PG] + PG_HSIZE], I[O_HPOS]
+    a, b, k = I[h + 3 * i], I[h + 3 * i + 1], I[h + 3 * i + 2]
+    j = i
+    while j > 0:
+        q = (j - 1) // 2
+        y = h + 3 * q
+        if not (a < I[y] or (a == I[y] and b < I[y + 1])):
+            break
+        x = h + 3 * j
+        I[x], I[x + 1], I[x + 2] = I[y], I[y + 1], I[y + 2]
+        I[hp + I[x + 2]] = j
+        j = q
+    if j == i:
+        while True:
+            c = 2 * j + 1
+            if c >= n:
+                break
+            if c + 1 < n and _hx_less(I, h + 3 * c + 3, h + 3 * c):
+                c += 1
+            y = h + 3 * c
+            if not (I[y] < a or (I[y] == a and I[y + 1] < b)):
+                break
+            x = h + 3 * j
+            I[x], I[x + 1], I[x + 2] = I[y], I[y + 1], I[y + 2]
+            I[hp + I[x + 2]] = j
+            j = c
+    x = h + 3 * j
+    I[x], I[x + 1], I[x + 2] = a, b, k
+    I[hp + k] = j
+
+
+@_fn
+def _hx_set(I, k, a, b):
+    """Key k's entry is now (a, b)."""
+    h, pg, at = I[O_HEAP], I[O_PG], I[O_HPOS] + k
+    i = I[at]
+    if i < 0:
+        i = I[pg + PG_HSIZE]
+        I[pg + PG_HSIZE] = i + 1
+        I[at] = i
+        I[h + 3 * i + 2] = k
+    I[h + 3 * i] = a
+    I[h + 3 * i + 1] = b
+    _hx_sift(I, i)
+
+
+@_fn
+def _hx_remove(I, k):
+    h, pg, at = I[O_HEAP], I[O_PG], I[O_HPOS] + k
+    i = I[at]
+    if i < 0:
+        return
     n = I[pg + PG_HSIZE] - 1
-    for c in range(3):
-        I[h + c] = I[h + 3 * n + c]
+    I[at] = -1
     I[pg + PG_HSIZE] = n
-    _h_down(I, h, n, 0)
-
-
-@_fn
-def _h_live(I, i):
-    """lfu: the entry's tick is its key's last use; belady: its score is its key's score (both: tracked)."""
-    e = I[O_HEAP] + 3 * i
-    k = I[e + 2]
-    if not I[I[O_PK] + k * NPK + PK_TR]:
-        return False
-    if I[H_KIND] == KIND_LFU:
-        return I[e + 1] == I[I[O_PK] + k * NPK + PK_LAST]
-    return -I[e] == I[I[O_PK] + k * NPK + PK_SCORE]
-
-
-@_fn
-def _h_push(I, a, b, k):
-    h, pg = I[O_HEAP], I[O_PG]
-    n = I[pg + PG_HSIZE]
-    if n == I[H_HCAP]:  # full: keep the live entries only (a compaction; victims do not change)
-        m = 0
-        for i in range(n):
-            if _h_live(I, i):
-                for c in range(3):
-                    I[h + 3 * m + c] = I[h + 3 * i + c]
-                m += 1
-        n = m
-        for i in range(n // 2 - 1, -1, -1):
-            _h_down(I, h, n, i)
-    e = h + 3 * n
-    I[e], I[e + 1], I[e + 2] = a, b, k
-    I[pg + PG_HSIZE] = n + 1
-    i = n
-    while i > 0:  # up
-        p = (i - 1) // 2
-        x, z = h + 3 * i, h + 3 * p
-        if not (I[x] < I[z] or (I[x] == I[z] and I[x + 1] < I[z + 1])):
-            return
+    if i != n:
         for t in range(3):
-            I[x + t], I[z + t] = I[z + t], I[x + t]
-        i = p
+            I[h + 3 * i + t] = I[h + 3 * n + t]
+        I[I[O_HPOS] + I[h + 3 * i + 2]] = i
+        _hx_sift(I, i)
 
 
 @_fn
@@ -419,34 +438,54 @@ def _is_cand(I, k, part):
 
 
 @_fn
-def _h_first(I, part):
-    """The smallest live heap entry whose key is a candidate (-1: none); dead entries dropped, others kept."""
-    h, hs, pg = I[O_HEAP], I[O_HSKIP], I[O_PG]
-    nskip = 0
-    found = -1
-    while I[pg + PG_HSIZE] > 0:
-        if not _h_live(I, 0):
-            _h_pop(I)
-            continue
-        k = I[h + 2]
+def _hx_first(I, part):
+    """The smallest entry whose key is a candidate (-1: none): best-first over the heap, a frontier of
+    positions (a small heap at I[O_HSKIP]) holding the children of the non-candidates passed."""
+    h, f, n = I[O_HEAP], I[O_HSKIP], I[I[O_PG] + PG_HSIZE]
+    if n == 0:
+        return -1
+    m = 1
+    I[f] = 0
+    while m > 0:
+        i = I[f]  # the frontier's smallest position; pop it
+        m -= 1
+        I[f] = I[f + m]
+        j = 0
+        while True:
+            c = 2 * j + 1
+            if c >= m:
+                break
+            if c + 1 < m and _hx_less(I, h + 3 * I[f + c + 1], h + 3 * I[f + c]):
+                c += 1
+            if not _hx_less(I, h + 3 * I[f + c], h + 3 * I[f + j]):
+                break
+            I[f + j], I[f + c] = I[f + c], I[f + j]
+            j = c
+        k = I[h + 3 * i + 2]
         if _is_cand(I, k, part):
-            found = k
-            break
-        for c in range(3):
-            I[hs + 3 * nskip + c] = I[h + c]
-        nskip += 1
-        _h_pop(I)
-    for i in range(nskip):
-        _h_push(I, I[hs + 3 * i], I[hs + 3 * i + 1], I[hs + 3 * i + 2])
-    return found
+            return k
+        for c in (2 * i + 1, 2 * i + 2):  # its children join the frontier
+            if c < n:
+                j = m
+                I[f + j] = c
+                m += 1
+                while j > 0:
+                    q = (j - 1) // 2
+                    if not _hx_less(I, h + 3 * I[f + j], h + 3 * I[f + q]):
+                        break
+                    I[f + j], I[f + q] = I[f + q], I[f + j]
+                    j = q
+    return -1
 
 
 # ---- the policies' events ------------------------------------------------------------------------------------
 
 
 @_fn
-def _touch(I, k):
-    """`_Base._touch`: a new tick; lru: to the end of its part's list; lfu: a heap entry (count, tick, key)."""
+def _touch(I, k, order):
+    """`_Base._touch`: a new tick; lru: to the end of its part's list; with `order`, lfu: its heap entry
+    (count, tick) (a demand load's insert skips it: the access that follows at once sets it, and nothing asks
+    for a victim between the two)."""
     kind, pg = I[H_KIND], I[O_PG]
     I[pg + PG_TICK] += 1
     t = I[pg + PG_TICK]
@@ -457,8 +496,8 @@ def _touch(I, k):
         _ll_append(I, li, k)
     I[I[O_PK] + k * NPK + PK_TR] = 1
     I[I[O_PK] + k * NPK + PK_LAST] = t
-    if kind == KIND_LFU:
-        _h_push(I, I[I[O_PK] + k * NPK + PK_CNT], t, k)
+    if kind == KIND_LFU and order:
+        _hx_set(I, k, I[I[O_PK] + k * NPK + PK_CNT], t)
 
 
 @_fn
@@ -496,6 +535,19 @@ def _pred_drop(I, k):
     I[I[O_PK] + last * NPK + PK_PIDX] = i
     I[pg + PG_NPRED] = n
     I[I[O_PK] + k * NPK + PK_HASPRED] = 0
+
+
+@_fn
+def _ba_slot(I, F, k):
+    """belady-approx: the per-slot copy of resident key k's fields (the victim scan reads slots in order)."""
+    s = I[I[O_SOF] + k]
+    if s < 0:
+        return
+    b = I[O_PK] + k * NPK
+    I[I[O_SREF] + s] = I[b + PK_REF]
+    I[I[O_SPP] + s] = I[b + PK_PPASS] if I[b + PK_HASPRED] else NEVER_PASS
+    I[I[O_SPA] + s] = I[b + PK_PAHEAD]
+    F[I[OF_SIV] + s] = F[I[OF_PKF] + k] if I[b + PK_HASINT] else -1.0
 
 
 @_fn
@@ -568,7 +620,7 @@ def _min_set(I, k, step):
     """belady: key k's score from `step`, the step of its next use (`never` = S + 1 when none)."""
     I[I[O_PK] + k * NPK + PK_TR] = 1
     I[I[O_PK] + k * NPK + PK_SCORE] = step * I[H_K] + k
-    _h_push(I, -I[I[O_PK] + k * NPK + PK_SCORE], 0, k)
+    _hx_set(I, k, -I[I[O_PK] + k * NPK + PK_SCORE], 0)
 
 
 @_fn
@@ -578,18 +630,21 @@ def pol_insert(I, F, X, k, pr, prefetched):
     if kind == KIND_MIN:
         if prefetched:  # not accessed now: its first use from the current step on
             step, S, A = I[I[O_PG] + PG_STEP], X[0], X[1]
-            ko = 2 + (S + 1) + 2 * A  # per key, the offsets of its access steps
-            ks = ko + I[H_K] + 1
-            lo, hi = X[ko + k], X[ko + k + 1]
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if X[ks + mid] < step:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            _min_set(I, k, X[ks + lo] if lo < X[ko + k + 1] else S + 1)
+            nu = I[I[O_PK] + k * NPK + PK_NU]  # the use after its last access: none since, so at or after now
+            if nu < step:  # not accessed yet (or no such use): search its access steps
+                ko = 2 + (S + 1) + 2 * A  # per key, the offsets of its access steps
+                ks = ko + I[H_K] + 1
+                lo, hi = X[ko + k], X[ko + k + 1]
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if X[ks + mid] < step:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                nu = X[ks + lo] if lo < X[ko + k + 1] else S + 1
+            _min_set(I, k, nu)
         return
-    _touch(I, k)
+    _touch(I, k, prefetched)
     if kind == KIND_LS:
         if prefetched:
             _ls_make_current(I, k)
@@ -605,6 +660,7 @@ def pol_insert(I, F, X, k, pr, prefetched):
         I[I[O_PK] + k * NPK + PK_REF] = I[I[O_SC] + SC_PASS]
         if prefetched:
             _predict(I, k, pr)
+        _ba_slot(I, F, k)
 
 
 @_fn
@@ -626,11 +682,12 @@ def pol_access(I, F, X, k):
                     hi = mid
             if lo < end and X[ek + lo] == k:
                 nu = X[ek + A + lo]
+        I[I[O_PK] + k * NPK + PK_NU] = nu
         _min_set(I, k, nu)
         return
     if kind == KIND_LFU:
         I[I[O_PK] + k * NPK + PK_CNT] += 1
-    _touch(I, k)
+    _touch(I, k, 1)
     if kind == KIND_LS:
         _ls_make_current(I, k)
     elif kind == KIND_BA:
@@ -657,6 +714,7 @@ def pol_access(I, F, X, k):
             if pp == p:  # `_outcome(ahead, True)`
                 a = I[OF_PAH] + ahead
                 F[a] = (1.0 - ema) * F[a] + ema * 1.0
+        _ba_slot(I, F, k)
 
 
 @_fn
@@ -670,11 +728,13 @@ def pol_evict(I, k):
             _ll_unlink(I, I[H_L] + r if I[I[O_PK] + k * NPK + PK_CUR] else r, k)
             I[I[O_PK] + k * NPK + PK_ENT] = 0
         I[I[O_PK] + k * NPK + PK_CUR] = 0
+    elif kind == KIND_LFU or kind == KIND_MIN:
+        _hx_remove(I, k)
     I[I[O_PK] + k * NPK + PK_TR] = 0
 
 
 @_fn
-def pol_predicted(I, k, pr):
+def pol_predicted(I, F, k, pr):
     """`on_predicted(key, pos)`: a proposal of a resident key."""
     kind = I[H_KIND]
     if kind == KIND_LS:
@@ -682,6 +742,7 @@ def pol_predicted(I, k, pr):
             _ls_make_current(I, k)
     elif kind == KIND_BA:
         _predict(I, k, pr)
+        _ba_slot(I, F, k)
 
 
 @_fn
@@ -697,6 +758,7 @@ def _ba_expire(I, F, p, rr):
         if pp < p or (rr >= 0 and pp == p and I[srank + k // E] < rr):
             a = I[OF_PAH] + I[I[O_PK] + k * NPK + PK_PAHEAD]
             _pred_drop(I, k)
+            _ba_slot(I, F, k)
             F[a] = (1.0 - ema) * F[a] + ema * 0.0  # `_outcome(ahead, False)`
         else:
             i += 1
@@ -723,47 +785,58 @@ def pol_layer_start(I, F, r):
 
 @_fn
 def _ba_victim(I, F, part, pr):
-    """belady-approx: the candidate of largest E[next use] (ties within 1e-9: least recent, then key)."""
-    C, E, per = I[H_C], I[H_E], I[H_PER]
-    skey, pin, prot, far = I[O_SKEY], I[O_PIN], I[O_PROT], I[OF_FAR]
-    pkf, pah = I[OF_PKF], I[OF_PAH]
+    """belady-approx: the candidate of largest E[next use] (ties within 1e-9: least recent, then key).
+    `BeladyApprox.victim`'s arithmetic, term by term (the same floats), over the per-slot copies (`_ba_slot`);
+    the layers' ranks among the layers seen so far (`_ahead`), once every layer is seen the ranks themselves."""
+    C, per, L = I[H_C], I[H_PER], I[H_L]
+    skey, pin, prot, srk, far = I[O_SKEY], I[O_PIN], I[O_PROT], I[O_SRK], I[OF_FAR]
+    sref, spp, spa, siv, pk, pah = I[O_SREF], I[O_SPP], I[O_SPA], I[OF_SIV], I[O_PK], I[OF_PAH]
     mean = F[I[OF_PGF] + PGF_MEAN]
     p = I[I[O_SC] + SC_PASS]
     lo, hi = (part * per, part * per + per) if I[H_PERLAYER] else (0, C)
+    if I[I[O_PG] + PG_NSEEN] == L:  # every layer seen: d from the ranks, nothing to `_see` (branch-free)
+        for s in range(lo, hi):
+            ok = I[skey + s] >= 0 and I[pin + s] == 0 and I[prot + s] == 0
+            d = I[srk + s] - pr - 1
+            d = d + L + 1 if d < 0 else d + 1
+            iv = F[siv + s]  # max(interval (none: the mean), passes since last use or load, 1)
+            Ik = iv if iv >= 0.0 else mean
+            age = float(p - I[sref + s])
+            Ik = age if age > Ik else Ik
+            Ik = 1.0 if 1.0 > Ik else Ik
+            pa = F[pah + I[spa + s]]
+            p1 = pa if I[spp + s] == p and d < L else 1.0 / Ik
+            f = d + (1.0 - p1) * L * Ik
+            F[far + s] = f if ok else -1.0
+    else:
+        for s in range(lo, hi):
+            if I[skey + s] < 0 or I[pin + s] or I[prot + s]:
+                F[far + s] = -1.0
+                continue
+            d = _ahead(I, I[srk + s], pr)
+            Ls = I[I[O_PG] + PG_NSEEN]
+            iv = F[siv + s]
+            Ik = iv if iv >= 0.0 else mean
+            age = float(p - I[sref + s])
+            Ik = age if age > Ik else Ik
+            Ik = 1.0 if 1.0 > Ik else Ik
+            p1 = F[pah + I[spa + s]] if I[spp + s] == p and d < Ls else 1.0 / Ik
+            F[far + s] = d + (1.0 - p1) * Ls * Ik
     top = -1.0  # every E[next use] is >= 1
-    n = 0
     for s in range(lo, hi):
-        k = I[skey + s]
-        if k < 0 or I[pin + s] or I[prot + s]:
-            continue
-        d = _ahead(I, k // E, pr)
-        L = I[I[O_PG] + PG_NSEEN]
-        Ik = F[pkf + k] if I[I[O_PK] + k * NPK + PK_HASINT] else mean  # max(interval, age, 1.0)
-        age = float(p - I[I[O_PK] + k * NPK + PK_REF])
-        if age > Ik:
-            Ik = age
-        if 1.0 > Ik:
-            Ik = 1.0
-        if I[I[O_PK] + k * NPK + PK_HASPRED] and I[I[O_PK] + k * NPK + PK_PPASS] == p and d < L:
-            p1 = F[pah + I[I[O_PK] + k * NPK + PK_PAHEAD]]
-        else:
-            p1 = 1.0 / Ik
-        f = d + (1.0 - p1) * L * Ik
-        F[far + s] = f
-        if f > top:
-            top = f
-        n += 1
-    if n == 0:
+        f = F[far + s]
+        top = f if f > top else top
+    if top < 0.0:
         return -1
     best, bt = -1, 0
+    cut = top - 1e-9
     for s in range(lo, hi):
-        k = I[skey + s]
-        if k < 0 or I[pin + s] or I[prot + s]:
+        if F[far + s] < cut:
             continue
-        if F[far + s] >= top - 1e-9:
-            t = I[I[O_PK] + k * NPK + PK_LAST]
-            if best < 0 or t < bt or (t == bt and k < best):
-                best, bt = k, t
+        k = I[skey + s]
+        t = I[pk + k * NPK + PK_LAST]
+        if best < 0 or t < bt or (t == bt and k < best):
+            best, bt = k, t
     return best
 
 
@@ -785,7 +858,7 @@ def pol_victim(I, F, part, pr):
     if kind == KIND_LRU:
         return _list_first(I, part, part)
     if kind == KIND_LFU or kind == KIND_MIN:
-        return _h_first(I, part)
+        return _hx_first(I, part)
     if kind == KIND_LS:
         _ls_sync(I)
         L = I[H_L]
@@ -831,6 +904,7 @@ def _evict(I, s):
 def _load(I, F, X, s, k, pr, prefetched, b):
     cnt, sc = I[O_CNT], I[O_SC]
     I[I[O_SKEY] + s] = k
+    I[I[O_SRK] + s] = k // I[H_E]
     I[I[O_BITS] + s] = b
     I[I[O_PREF] + s] = prefetched
     I[I[O_USED] + s] = 0
@@ -914,7 +988,7 @@ def _prefetch(I, F, X, pr, keys, n, left, res):
         if k < 0:
             continue
         if I[I[O_SOF] + k] >= 0:
-            pol_predicted(I, k, pr)
+            pol_predicted(I, F, k, pr)
             continue
         if left == 0:
             I[cnt + C_REFUSED] += 1
@@ -1184,3 +1258,26 @@ def belady_tables(step_off: np.ndarray, step_keys: np.ndarray, K: int) -> np.nda
     key_off = np.searchsorted(k_sorted, np.arange(K + 1))
     head = np.array([S, A], dtype=np.int64)
     return np.concatenate([head, step_off.astype(np.int64), keys, nxt, key_off.astype(np.int64), s_sorted])
+
+
+def warm() -> float:
+    """Compile every kernel (or load it from numba's cache) on a tiny cache; the seconds it took. One compile
+    serves every policy: the kind is data in `I`."""
+    import time
+
+    t0 = time.perf_counter()
+    I, F = layout(C=2, L=2, E=2, per_layer=False, kind=KIND_LRU, log=True)
+    X, none, out = np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(3, np.int64)
+    views(I, F).byb[:] = 1
+    k_call(I, F, X, OP_BEGIN_PASS, 0, none, none, none)
+    k_call(I, F, X, OP_BEGIN_LAYER, 0, none, none, none)
+    k_call(I, F, X, OP_DEMAND, 0, np.array([0, 1]), np.zeros(2, np.int64), out)
+    k_call(I, F, X, OP_PREFETCH, 0, np.array([2]), np.array([-1]), out)
+    k_call(I, F, X, OP_RELEASE, 1, out[:2].copy(), none, none)
+    I, F = layout(C=2, L=2, E=2, per_layer=False, kind=KIND_LRU, log=False)
+    views(I, F).byb[:] = 1
+    R = pack_stream([1], [1], [0, 2], [0, 1], [0, 1, 2], [0, 1], [0, 1, 1], [2])
+    k_replay(
+        I, F, X, R, replay_scratch(I), 2, -1, -1, np.zeros(7, np.int64), np.zeros((2, NCNT), np.int64), np.zeros((3, 2), np.int64)
+    )
+    return time.perf_counter() - t0

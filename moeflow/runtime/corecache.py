@@ -79,6 +79,7 @@ class CacheCore:
         self.per = int(st.hdr[cc.H_PER])
         self._res = np.zeros(3, dtype=np.int64)
         self._none = np.zeros(0, dtype=np.int64)
+        self._ex, self._out, self._zeros = (np.zeros(num_experts, dtype=np.int64) for _ in range(3))
 
     # ---- state ------------------------------------------------------------------------------------------
     @property
@@ -117,15 +118,14 @@ class CacheCore:
 
     def demand(self, rank: int, experts: Sequence[int], bits: dict[int, int] | None) -> list[int]:
         n = len(experts)
-        ex = np.fromiter(experts, dtype=np.int64, count=n)
-        nb = np.zeros(n, dtype=np.int64)
+        ex, out = self._ex[:n], self._out[:n]  # buffers of E: one layer's experts at most
+        ex[:] = experts
+        nb = self._zeros[:n]
         if bits:
-            for i, e in enumerate(experts):
-                nb[i] = bits.get(e, 0)
-        out = np.empty(n, dtype=np.int64)
+            nb = np.fromiter((bits.get(e, 0) for e in experts), dtype=np.int64, count=n)
         i = cc.k_call(self.I, self.F, self.X, cc.OP_DEMAND, int(rank), ex, nb, out)
         if i >= 0:
-            raise RuntimeError(f"no evictable slot for {(rank, int(ex[i]))}: all {self.per} are pinned")
+            raise RuntimeError(f"no evictable slot for MoE layer #{rank}'s expert {int(ex[i])}: all {self.per} are pinned")
         return out.tolist()
 
     def prefetch(self, rank: int, keys: Sequence[int], left: int) -> tuple[int, int, int]:
@@ -137,9 +137,13 @@ class CacheCore:
         issued, admitted, refused = res.tolist()
         return issued, admitted, refused
 
-    def release(self, slots: Sequence[int], retain: bool, upgrade: bool) -> None:
-        ss = np.fromiter(slots, dtype=np.int64, count=len(slots))
+    def release(self, slots: Sequence[int], retain: bool, upgrade: bool) -> bool:
+        """Unpin `slots` (evicting them without `retain`, queueing upgrades with `upgrade`); True when that
+        evicted or upgraded something (`records`)."""
+        ss = self._ex[: len(slots)]
+        ss[:] = slots
         cc.k_call(self.I, self.F, self.X, cc.OP_RELEASE, int(retain) + 2 * int(upgrade), ss, self._none, self._none)
+        return bool(self.st.sc[cc.SC_NLOG])
 
     def replay(self, stream: Any, proposals: Any, *, wave_cap: int, count_phase: int | None, left: int) -> ReplayResult:
         """A whole access stream (`moeflow.sim.stream.Stream`) and its proposals (`Proposals` or None) in one

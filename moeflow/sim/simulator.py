@@ -85,6 +85,7 @@ class SimStats:
     decode_counters: CacheCounters = field(default_factory=CacheCounters)  # decode passes (as `moeflow run`)
     replayed_accesses: int = 0  # accesses of every replayed pass
     seconds: float = 0.0  # wall time of the replay (cache, policies, link model)
+    cpu_s: float = 0.0  # CPU time of the replay (this process; a steadier figure on a shared machine)
     prepare_s: float = 0.0  # one-time preparation of the compiled replay (stream, proposals; cached per trace)
     engine: str = "python"  # compiled: one kernel call over the trace; python: the cache call by call
     link: str = "instant"
@@ -357,9 +358,9 @@ def simulate(
         if gate is not None:  # the gate's quota per call (an instant link: no admission reads the link)
             gate.begin(lk, cache.expert_bytes, 0, 0)
             left = cast(int, gate.quota())
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         res = cache.replay(strm, props, wave_cap=wcap, count_phase=count_phase, left=left)
-        st.seconds = time.perf_counter() - t1
+        st.seconds, st.cpu_s = time.perf_counter() - t1, time.process_time() - c1
         st.prepare_s, st.engine = t1 - t0, "compiled"
         if gate is not None:
             gate.count(int(res.out[5]), int(res.out[6]))
@@ -385,7 +386,7 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, layer_
     route, prefetch_, wait, release, advance = cache.route, cache.prefetch, cache.wait, cache.release, cast(Any, lk).advance
     begin_layer = cache.begin_layer
     proposed: set[ExpertKey] = set()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for pass_id, (phase, tokens, steps) in enumerate(comp.passes):
         if phase == 0 or phase != seg_phase:  # as `generate_batch`: a prefill begins a generation, decode a phase
             cache.mark_phase(new_generation=phase == 0)
@@ -440,7 +441,7 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, layer_
                     release(s)
             if check and cache.num_resident() > cache.capacity:
                 raise RuntimeError("cache over capacity")
-    st.seconds = time.perf_counter() - t0
+    st.seconds, st.cpu_s = time.perf_counter() - t0, time.process_time() - c0
     c = cache.counters
     if seg_phase is not None:
         phase_sums[seg_phase] = phase_sums.get(seg_phase, CacheCounters()) + (c - seg0)

@@ -68,7 +68,8 @@ class TrainConfig:
     forest_depth: int = 0  # 0: no limit (forest_min_leaf bounds the trees)
     forest_min_leaf: int = 8
     forest_max_features: float = 0.1
-    forest_max_samples: int = 30_000
+    forest_max_samples: int = 40_000
+    forest_bootstrap: float = 0.75  # each tree's bootstrap draw, a fraction of forest_max_samples
     forest_window: int = 4
     forest_base: str = "none"  # forest learns y - base: none (y itself; best held out) | pregate (top-k; ExpertFlow) | prior
     forest_dim: int = 16

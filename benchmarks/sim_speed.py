@@ -1,0 +1,155 @@
+"""Simulator replay speed: accesses per second of the compiled replay against the Python mechanism, per eviction
+policy x prefetch policy, on a recorded trace (one core).
+
+    .venv/bin/moeflow trace --prompts gsm8k --limit 30 --record-hidden --threads 1 --out /tmp/h8/trace
+    .venv/bin/python benchmarks/sim_speed.py --model models/olmoe-deep --trace /tmp/h8/trace [--capacity 25%] \\
+        [--repeat N | --accesses 8e6] [--python-repeat 1] [--prefetch none --prefetch pregate]
+
+The compiled replay (`simulate(..., compiled=True)`: one kernel call over the whole stream) runs on the trace
+replicated `--repeat` times (its passes concatenated; default: enough copies for `--accesses`), so that each
+timing lasts about a second; the Python
+mechanism (`compiled=False`, the cache call by call: the reference) on `--python-repeat` copies, in the same
+run; both on the same trace give the same counters (checked here on one copy). Pre-gate proposals are
+computed once per trace (batched router calls) and are not part of a replay's time (`prepare` column).
+Speeds are replayed accesses (every pass) per second of the replay, wall clock (`accesses_per_s` of
+`moeflow simulate --json`) and CPU time of this process (steadier on a shared machine). The numba kernels
+are compiled (or loaded from their cache) before the first timing; that time is reported too.
+
+Prints a table and, last, one JSON line. Not a test: no assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from moeflow.models import load_model  # noqa: E402
+from moeflow.moe import get_adapter  # noqa: E402
+from moeflow.policies.parse import parse_capacity  # noqa: E402
+from moeflow.sim import AccessTrace, from_trace, simulate  # noqa: E402
+from moeflow.sim.simulator import Belady  # noqa: E402
+from moeflow.trace import Trace  # noqa: E402
+
+EVICTIONS = ("lru", "lfu", "least-stale", "belady-approx", "belady")
+COMPARED = ("hits", "misses", "collisions", "loads", "prefetch_loads", "evictions", "proposed_accesses", "max_resident")
+
+
+def router_predictor(model: Any):
+    """`predict_logits(layer, x)`: the layer's own router on x in the router's dtype (as `moeflow simulate`)."""
+    ad = get_adapter(model)
+
+    def predict(layer: int, x: torch.Tensor) -> torch.Tensor:
+        w = next(ad.router(layer).parameters())
+        with torch.no_grad():
+            return ad.router_logits(layer, x.to(w.dtype))
+
+    return predict
+
+
+def replicate(acc: AccessTrace, n: int) -> AccessTrace:
+    return AccessTrace(acc.moe_layers, acc.num_experts, acc.top_k, acc.passes * n, acc.expert_bytes)
+
+
+def run(acc: AccessTrace, capacity: int, ev: str, pf: str, predict: Any, compiled: bool) -> Any:
+    policy = Belady(acc) if ev == "belady" else ev
+    return simulate(acc, capacity, policy, pf, predict_logits=predict, compiled=compiled, count_phase=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="models/olmoe-deep", help="checkpoint whose routers pre-gate (default %(default)s)")
+    ap.add_argument("--trace", required=True, help="folder written by `moeflow trace --record-hidden`")
+    ap.add_argument("--capacity", default="25%", help="experts, or percent of all routed experts (default %(default)s)")
+    ap.add_argument("--evictions", default=",".join(EVICTIONS), help="comma-separated (default: %(default)s)")
+    ap.add_argument("--prefetch", action="append", help="none and/or pregate (repeatable; default both)")
+    ap.add_argument("--repeat", type=int, default=0, help="trace copies the compiled replay runs (default: --accesses)")
+    ap.add_argument("--accesses", type=float, default=8e6, help="accesses the copies reach at least (default %(default)g)")
+    ap.add_argument("--python-repeat", type=int, default=1, help="trace copies the Python replay runs (default %(default)s)")
+    ap.add_argument("--best-of", type=int, default=3, help="timings per compiled row, the fastest kept (default %(default)s)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # one core
+    prefetches = args.prefetch or ["none", "pregate"]
+    pregate = any(p != "none" for p in prefetches)
+    tr = Trace(args.trace)
+    acc = from_trace(tr, with_router_input=pregate)
+    predict = None
+    if pregate:
+        model, _ = load_model(args.model)
+        tr.check_model(model)
+        predict = router_predictor(model)
+    capacity = parse_capacity(args.capacity, total_experts=len(acc.moe_layers) * acc.num_experts, expert_bytes=None)
+    one = sum(len(s.needed()) for p in acc.passes for s in p.steps)
+    args.repeat = args.repeat or max(1, -(-int(args.accesses) // max(1, one)))
+    fast_acc, py_acc = replicate(acc, args.repeat), replicate(acc, args.python_repeat)
+    t0 = time.perf_counter()
+    simulate(replicate(acc, 1), capacity, "lru", compiled=True)  # compile the kernels, or load them from numba's cache
+    first_call_s = time.perf_counter() - t0
+    rows = []
+    for pf in prefetches:
+        for ev in (e.strip() for e in args.evictions.split(",") if e.strip()):
+            same = all(
+                getattr(a, f) == getattr(b, f)
+                for a, b in [(run(acc, capacity, ev, pf, predict, True), run(acc, capacity, ev, pf, predict, False))]
+                for f in COMPARED
+            )
+            runs = [run(fast_acc, capacity, ev, pf, predict, True) for _ in range(args.best_of)]
+            fast = min(runs, key=lambda s: s.cpu_s)
+            py = run(py_acc, capacity, ev, pf, predict, False)
+            rows.append(
+                {
+                    "eviction": ev,
+                    "prefetch": pf,
+                    "capacity": capacity,
+                    "accesses": fast.replayed_accesses,
+                    "seconds": fast.seconds,
+                    "cpu_s": fast.cpu_s,
+                    "prepare_s": runs[0].prepare_s,  # the first replay of the copies prepares (later ones reuse it)
+                    "accesses_per_s": fast.accesses_per_s,
+                    "accesses_per_cpu_s": fast.replayed_accesses / fast.cpu_s if fast.cpu_s > 0 else 0.0,
+                    "python_accesses": py.replayed_accesses,
+                    "python_seconds": py.seconds,
+                    "python_accesses_per_s": py.accesses_per_s,
+                    "python_accesses_per_cpu_s": py.replayed_accesses / py.cpu_s if py.cpu_s > 0 else 0.0,
+                    "same_counters": same,
+                }
+            )
+            r = rows[-1]
+            r["speedup"] = r["accesses_per_cpu_s"] / r["python_accesses_per_cpu_s"] if r["python_accesses_per_cpu_s"] else 0.0
+    table = Table(title=f"replay speed, {args.trace}, capacity {capacity} ({args.capacity}), compiled x{args.repeat}")
+    for col in ("eviction", "prefetch", "accesses", "seconds", "M acc/s", "M acc/cpu-s", "Python M acc/s", "speed-up", "same"):
+        table.add_column(col, justify="left" if col in ("eviction", "prefetch") else "right")
+    for r in rows:
+        table.add_row(
+            r["eviction"],
+            r["prefetch"],
+            f"{r['accesses']:,}",
+            f"{r['seconds']:.3f}",
+            f"{r['accesses_per_s'] / 1e6:.2f}",
+            f"{r['accesses_per_cpu_s'] / 1e6:.2f}",
+            f"{r['python_accesses_per_s'] / 1e6:.3f}",
+            f"{r['speedup']:.0f}x",
+            "yes" if r["same_counters"] else "NO",
+        )
+    console = Console(width=max(120, Console().width))
+    console.print(table)
+    console.print(
+        f"compiled kernels ready in {first_call_s:.1f} s (first call: compile, or load numba's cache); "
+        f"speed-up: compiled / Python, CPU-time rates; preparing the stream and the proposals once per trace: "
+        f"{max(r['prepare_s'] for r in rows):.2f} s"
+    )
+    print(json.dumps({"trace": args.trace, "repeat": args.repeat, "first_call_s": first_call_s, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
