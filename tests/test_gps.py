@@ -12,6 +12,7 @@ import torch
 
 from moeflow.gps import predictors as P
 from moeflow.gps import simulator as S
+from moeflow.gps import skew as K
 
 # ---- distribution-only ---------------------------------------------------------------------------
 
@@ -110,7 +111,7 @@ def _synthetic_layers(skew_bias: float, E=32, k=4, n=4096, seed=0):
     logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
     ids = np.argsort(-logp, 1)[:, :k]
     cnt = np.bincount(ids.reshape(-1), minlength=E) + 1.0
-    return S.LayerRouting(logp, ids, np.log(cnt / cnt.sum()))
+    return K.LayerRouting(logp, ids, np.log(cnt / cnt.sum()))
 
 
 def _point(interconnect: str, bias: float):

@@ -34,16 +34,17 @@ def prompt() -> torch.Tensor:
 
 def _logits(model, prompt: torch.Tensor, steps: int = 3) -> torch.Tensor:
     """Logits [1+steps, V] of the prefill's last position and `steps` greedy decode steps (KV cache)."""
+    from moeflow.moe.tx_compat import kv_cache_kwargs
+
     rows = []
+    kv = kv_cache_kwargs(model)  # filled in place by each call
     with torch.no_grad():
-        out = model(prompt, use_cache=True)
+        out = model(prompt, use_cache=True, **kv)
         rows.append(out.logits[0, -1])
-        past = out.past_key_values
         for _ in range(steps):
             nxt = rows[-1].argmax().view(1, 1)  # [1,1]
-            out = model(nxt, past_key_values=past, use_cache=True)
+            out = model(nxt, use_cache=True, **kv)
             rows.append(out.logits[0, -1])
-            past = out.past_key_values
     return torch.stack(rows)
 
 

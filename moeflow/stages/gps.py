@@ -22,15 +22,14 @@ from ..gps.simulator import (
     LINKS,
     SHAPES,
     Interconnect,
-    LayerRouting,
     OverheadCurve,
     Shape,
     SweepInput,
     System,
     evaluate_point,
-    find_gamma,
     measure_this_machine,
 )
+from ..gps.skew import LayerRouting, find_gamma
 
 STRATEGY_NAMES = {"none": "no prediction", "distribution": "distribution-only", "token_to_expert": "token-to-expert"}
 
