@@ -394,16 +394,17 @@ def fidelity_headline(doc: dict[str, Any]) -> str:
                 f"{best['vs_fetch_tpot_gain_pct']:+.0f}% TPOT vs `fetch`"
             )
     rec = res.get("recommended")
-    if not _has_intervals(res):
+    if not _has_intervals(doc):
         verdict = "no recommendation: recorded without Δppl intervals; re-record to get one"
     else:
         verdict = f"recommended `{rec['config']}` at {rec['capacity']}" if rec else "no lossy policy beats the best exact one"
     return "; ".join(parts) + f" ({verdict})"
 
 
-def _has_intervals(res: dict) -> bool:
-    """A fidelity result whose rows carry a Δppl interval: only such a result may recommend a lossy policy."""
-    rows = res.get("table") or res.get("rows") or []
+def _has_intervals(doc: dict) -> bool:
+    """A fidelity result whose rows (the attached table's) carry a Δppl interval: only such a result may recommend a
+    lossy policy."""
+    rows = [r for t in doc.get("attached", {}).values() if isinstance(t, dict) for r in t.get("rows", [])]
     return any(isinstance(r, dict) and any(k.startswith("dppl_ci95") for k in r) for r in rows)
 
 
@@ -434,7 +435,7 @@ def fidelity(doc: dict[str, Any]) -> str:
     configs = list(dict.fromkeys(r["config"] for r in rows))
     header = ["configuration", "output"]
     for c in caps:
-        header += [f"{c}: Δppl %", f"{c}: agree", f"{c}: TPOT gain vs fetch", f"{c}: bytes/token"]
+        header += [f"{c}: Δppl % [95% CI]", f"{c}: agree", f"{c}: TPOT gain vs fetch", f"{c}: bytes/token"]
     body = []
     for name in configs:
         any_row = next(by[(name, c)] for c in caps if (name, c) in by)
@@ -445,8 +446,9 @@ def fidelity(doc: dict[str, Any]) -> str:
                 line += ["—"] * 4
                 continue
             gain = r.get("vs_fetch_tpot_gain_pct")
+            ci = r.get("dppl_ci95")
             line += [
-                _f(r["ppl_delta_pct"], "+.2f"),
+                _f(r["ppl_delta_pct"], "+.2f") + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else ""),
                 _f(r["agreement"], ".3f"),
                 "—" if gain is None else f"{gain:+.0f}%",
                 _bytes(r["bytes_per_token"]),
@@ -454,7 +456,7 @@ def fidelity(doc: dict[str, Any]) -> str:
         body.append(line)
     out += [_table(header, body, "ll" + "rrrr" * len(caps)), ""]
     rec = res.get("recommended")
-    if not _has_intervals(res):
+    if not _has_intervals(doc):
         out.append(
             "Recommended: none. This result was recorded before each Δppl carried a 95% interval, so a difference "
             "here may be inside the noise; re-record it (the command above) for a recommendation."

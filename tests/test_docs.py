@@ -88,6 +88,18 @@ def test_a_changed_result_changes_its_page():
     assert rr.render(doc) != page
 
 
+def test_a_fidelity_result_recommends_only_with_intervals():
+    """The recommendation shows only when the attached rows carry Δppl intervals (the recorded result does)."""
+    rr = _render_results()
+    doc = json.loads((REPO / "benchmarks" / "results" / "fidelity.json").read_text())
+    assert doc["result"]["recommended"], "the recorded fidelity result recommends nothing; pick another check"
+    assert "Recommended (" in rr.render(doc) and "(recommended `" in rr.HEADLINES["fidelity"][1](doc)
+    for table in doc["attached"].values():
+        for r in table["rows"]:
+            r.pop("dppl_ci95", None)
+    assert "Recommended: none" in rr.render(doc) and "no recommendation" in rr.HEADLINES["fidelity"][1](doc)
+
+
 def test_every_study_names_its_model_and_has_a_page():
     rr = _render_results()
     for path in sorted((REPO / "benchmarks" / "results").glob("*.json")):
