@@ -17,6 +17,9 @@ against `on-demand` loading, the resident model and the physical bound, measured
    (the best prefetching run's `propose` time per decode token / its TPOT) and, with `--adaptive-s`,
    lru+pregate at fixed S = 1..3 and adaptive S (`adaptive_vs_best_fixed`).
 
+`--policies` and `--prefetch` choose the evictions and the prefetch policies run with each (default: every
+registered eviction with `pregate`); options follow a colon, separated by `;` (`next-use:decay=0.8`).
+
 Every `pregate` run goes through the traffic-aware prefetch gate (`PrefetchGate`, default on); the row
 `lru+pregate (gate=off)` is the same prefetcher with `--prefetch-opt gate=off,cancel=off` (every proposal
 issued, no stale cancellation), side by side with `lru+none` and `on-demand`.
@@ -54,7 +57,7 @@ from moeflow.data.prompts import load_prompts
 from moeflow.models import load_model
 from moeflow.moe import get_adapter
 from moeflow.policies import EVICTION
-from moeflow.policies.parse import parse_capacity
+from moeflow.policies.parse import parse_capacity, parse_policy
 from moeflow.runtime.generate import build_engine, fastest_experts_impl, generate_one
 from moeflow.runtime.link import CudaLink, EmulatedLink
 from moeflow.runtime.metrics import RunMetrics
@@ -149,7 +152,14 @@ def main() -> None:
         "--link", default="emulated", choices=("emulated", "cuda"), help="emulated (default: bandwidth-bound regime) or cuda"
     )
     ap.add_argument("--profile-tokens", type=int, default=6, help="new tokens of the profiled generation per configuration")
-    ap.add_argument("--policies", default=None, help="comma list of evictions (default: all registered)")
+    ap.add_argument(
+        "--policies", default=None, help="comma list of evictions, name or name:key=value;... (default: all registered)"
+    )
+    ap.add_argument(
+        "--prefetch",
+        default="pregate",
+        help="comma list of prefetch policies (name or name:key=value;...) run with every eviction (default pregate)",
+    )
     ap.add_argument("--adaptive-s", action="store_true", help="add lru+pregate at fixed S=1..3 and adaptive S")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled generations (faster)")
     args = ap.parse_args()
@@ -232,9 +242,11 @@ def main() -> None:
     bound_min = max(resident.tpot_s, belady_tpt * (lat + eb / bw))
 
     # 3. runs: (mode, eviction, prefetch, prefetch options, lookahead, adaptive)
-    evictions = args.policies.split(",") if args.policies else sorted(EVICTION)
+    evictions = [e.strip().replace(";", ",") for e in args.policies.split(",")] if args.policies else sorted(EVICTION)
     off = {"gate": "off", "cancel": "off"}
-    plan = [("on-demand", None, None, None, 1, False)] + [("offload", ev, "pregate", None, 1, False) for ev in evictions]
+    prefetches = [p.strip().replace(";", ",") for p in args.prefetch.split(",") if p.strip()]
+    plan = [("on-demand", None, None, None, 1, False)]
+    plan += [("offload", ev, pf, None, 1, False) for pf in prefetches for ev in evictions]
     plan += [("offload", "lru", "pregate", off, 1, False), ("offload", "lru", "none", None, 1, False)]
     if args.adaptive_s:
         plan += [("offload", "lru", "pregate", None, s, False) for s in (2, 3) if s < spec.num_moe_layers]
@@ -243,14 +255,17 @@ def main() -> None:
 
     def make_engine(mode, ev, pf, opts, s):
         link = CudaLink(device) if args.link == "cuda" else EmulatedLink(bw / 1e9, lat)
+        ev_name, ev_opts = parse_policy(ev or "lru")  # `name:key=value,...`
+        pf_name, pf_opts = parse_policy(pf or "none")
         return build_engine(
             model,
             mode=mode,
             link=link,
             capacity=capacity,
-            eviction=ev or "lru",
-            prefetch=pf or "none",
-            prefetch_opts=opts,
+            eviction=ev_name,
+            eviction_opts=ev_opts,
+            prefetch=pf_name,
+            prefetch_opts={**pf_opts, **(opts or {})},
             lookahead=s,
         )
 

@@ -14,8 +14,11 @@ The final JSON line also carries the ratios against the bounds: `bound_ratio` (b
 TPOT, Belady-minimum transfers per decode token x expert bytes / bandwidth), Belady's MIN replayed by the
 simulator on this run's own routing, recorded greedily from the resident model), `transfers_vs_belady` (the
 best run's decode transfers per token / Belady's), `recall_at_k` (held-out recall@k by predictor and S from
-the predictor folder's evaluation, decode tokens), `predictor_share` (the best learned run's predictor
-time per pass / its TPOT) and, with `--adaptive-s`, fixed S = 1..3 rows per policy next to adaptive S
+the predictor folder's evaluation, decode tokens), `recall_at_k_runtime` (the same, scored with the run-time
+path the policies run: `predictor.runner()`, every S of a source layer in one call), `predictor_share` (the best
+learned run's predictor time per pass on the model's thread / its TPOT), `predictor_share_by_run` (that share for
+every learned run; the forest's rows add `worker_s_per_pass`, its worker thread's time, off the model's thread)
+and, with `--adaptive-s`, fixed S = 1..3 rows per policy next to adaptive S
 (`adaptive_vs_best_fixed`: adaptive TPOT / best fixed TPOT, per policy). Every prefetcher goes through the
 traffic-aware gate (`PrefetchGate`, default on; `--prefetch-opt gate=off` via `--gate off` here).
 
@@ -110,14 +113,46 @@ def run_one(
         "stall_s_per_token": tot.decode_counters.stall_s / max(1, tot.decode_tokens),
         "hit_rate": tot.decode_counters.hits / max(1, tot.decode_counters.accesses),
         "loads_per_token": tot.decode_counters.loads / max(1, tot.decode_tokens),
-        # propose() time over all forward passes (prefill + decode), per pass
+        # propose() time on the model's thread (the critical path) over all forward passes, per pass
         "predict_s_per_pass": pol.predict_s / max(1, len(prompts) * new_tokens) if hasattr(pol, "predict_s") else 0.0,
         "final_s": ctrl.s if ctrl else lookahead,
         "s_changes": len(ctrl.history) - 1 if ctrl else 0,
     }
-    if hasattr(pol, "runner"):
+    if hasattr(pol, "runner"):  # the forest: its worker thread's time is off the model's thread
         res["forest_cache_hits"], res["forest_fallbacks"] = pol.runner.hits, pol.runner.fallbacks
+        res["worker_s_per_pass"] = pol.runner.busy_s / max(1, len(prompts) * new_tokens)
     return outs, res
+
+
+def runtime_recall(model, pred_dir: Path, names: list[str], rows_max: int = 4000) -> dict[str, dict[str, float]]:
+    """Held-out recall@k by S of the run-time path (`predictor.runner()`: every S of a source layer in one
+    call, what the policies run) on the decode tokens of the predictor folder's held-out prompts."""
+    from moeflow.moe.sets import recall_at_k
+    from moeflow.predict.data import batch_from_rows, from_trace, target_of
+    from moeflow.predict.io import load_predictors, read_predictor_meta
+
+    meta = read_predictor_meta(pred_dir)
+    cfg = meta["config"]
+    data = from_trace(meta["trace"]["path"])
+    _, held = data.split(cfg.get("holdout", 0.2), cfg.get("seed", 0))
+    _, preds = load_predictors(pred_dir, model, names)
+    ml, spec = held.spec.moe_layers, held.spec
+    ctx = held.context(4)
+    rows = np.flatnonzero(held.phase == 1)[:rows_max]
+    out: dict[str, dict[str, float]] = {}
+    for name, p in preds.items():
+        if not hasattr(p, "runner"):
+            continue
+        run = p.runner()
+        hits: dict[int, list[float]] = {}
+        for src in ml[:-1]:
+            steps = min(p.max_lookahead, len(ml) - 1 - ml.index(src))
+            sc = run.scores(batch_from_rows(held, src, rows, ctx=ctx), steps)  # [S,T,E]
+            for s in range(1, steps + 1):
+                top = np.argsort(-sc[s - 1], -1, kind="stable")[:, : spec.top_k]
+                hits.setdefault(s, []).append(recall_at_k(top, held.layers[target_of(spec, src, s)].topk_ids[rows]))
+        out[name] = {str(s): float(np.mean(v)) for s, v in sorted(hits.items())}
+    return out
 
 
 class _null:
@@ -266,6 +301,7 @@ def main() -> None:
             ada[p] = offl[f"{p} adaptive S"]["tpot_s"] / min(fx)
     meta = read_predictor_meta(a.predictors)
     ev = meta.get("eval") or {}
+    rt_recall = runtime_recall(model, Path(a.predictors), policies) if a.device == "cpu" else None
     ratios = {
         "belady_transfers_per_token": belady_tpt,
         "bound_s": bound,
@@ -274,6 +310,8 @@ def main() -> None:
         "transfers_vs_belady": offl[best]["loads_per_token"] / belady_tpt if belady_tpt else None,
         "recall_at_k": ev.get("decode_by_s") or ev.get("by_s"),
         "predictor_share": offl[best_l]["predictor_share"] if best_l else None,
+        "predictor_share_by_run": {k: offl[k]["predictor_share"] for k in learned},
+        "recall_at_k_runtime": rt_recall,
         "best_learned_run": best_l,
         "adaptive_vs_best_fixed": ada,
         "none_vs_best_prefetch": offl["none"]["tpot_s"] / offl[best]["tpot_s"],

@@ -70,8 +70,9 @@ def trace_cmds(args: argparse.Namespace, name: str, sources: list[str], limit: i
 
 
 def decode_cost(preds: dict, data, max_s: int, reps: int = 30) -> dict[str, float]:
-    """Seconds per decode token and source layer: every S of one source layer for one token (the forest: one
-    grouped call), averaged over `reps` decode rows of `data`."""
+    """Seconds per decode token and source layer: every S of one source layer for one token with the run-time path
+    (`predictor.runner()`: one call for all S, what the prefetch policies run; `predict` per S for a predictor
+    without one), averaged over `reps` decode rows of `data`."""
     from moeflow.predict.data import batch_from_rows, target_of
 
     ml = data.spec.moe_layers
@@ -81,11 +82,14 @@ def decode_cost(preds: dict, data, max_s: int, reps: int = 30) -> dict[str, floa
     ss = [s for s in range(1, max_s + 1) if s < len(ml)]
     out = {}
     for name, p in preds.items():
+        run = p.runner() if hasattr(p, "runner") else None
+        if run is not None:  # compile / warm once outside the timing
+            run.scores(batch_from_rows(data, src, rows[:1], ctx=ctx), len(ss))
         t0 = time.perf_counter()
         for r in rows:
             b = batch_from_rows(data, src, np.array([r]), ctx=ctx)
-            if hasattr(p, "predict_group"):
-                p.predict_group([(target_of(data.spec, src, s), s) for s in ss], b)
+            if run is not None:
+                run.scores(b, len(ss))
             else:
                 for s in ss:
                     p.predict(target_of(data.spec, src, s), s, b)

@@ -230,3 +230,47 @@ def test_cli_on_cuda(tmp_path, tiny_models):
     assert rec["link"] == "cuda" and rec["device"].startswith("cuda-")
     assert rec["device"] == device_name("cuda") and torch.cuda.get_device_name(0).split()[0] in rec["device"]
     assert rec["bandwidth_bytes_per_s"] > 1e8 and rec["layer_time_s"] > 0
+
+
+def test_split_passes_adds_up_to_the_period():
+    """Each decode pass's period (end to end) = per MoE layer attention + router hook + proposal + experts call,
+    plus the rest (`token_s`); a pass that did not route every MoE layer once, in order, is skipped."""
+    from moeflow.calibrate.measure import split_passes
+
+    def mark(t0):  # pass start t0; layer l: router hook at +1, +1.5 (0.25 of it the proposal), experts end +2
+        route = [(l, t0 + 1 + 2 * i, t0 + 1.5 + 2 * i, 0.25) for i, l in enumerate((0, 2))]
+        experts = [(l, t0 + 2 + 2 * i) for i, l in enumerate((0, 2))]
+        return {"start": t0, "end": t0 + 5, "route": route, "experts": experts}
+
+    passes = [mark(0.0), mark(6.0), mark(13.0), {**mark(20.0), "route": mark(20.0)["route"][:1]}]
+    out = split_passes(passes, (0, 2))
+    assert out["attention_s"] == [1.0, 1.0] and out["route_s"] == [0.25, 0.25] and out["predict_s"] == [0.25, 0.25]
+    assert out["experts_s"] == [0.5, 0.5] and out["passes"] == 2  # the 4th pass routed one layer: skipped
+    # periods 6 and 7 (end to end) less the 4 s the layers took
+    assert out["token_s"] == pytest.approx(2.5)
+    with pytest.raises(RuntimeError, match="no decode pass"):
+        split_passes(passes[:1], (0, 2))
+
+
+def test_calibration_records_engine_and_link_time(tmp_path, tiny_models):
+    """`moeflow calibrate --link-gbps` records what `moeflow simulate --calibrated-time` reads: the engine's decode
+    pass split per MoE layer (pregate's proposal too) and the emulated link's submit and wake seconds."""
+    from moeflow.sim.simulator import TimeModel
+    from moeflow.stages.calibrate import CalibrateConfig, main
+
+    model = tiny_models("olmoe")
+    ck = tmp_path / "tiny"
+    model.save_pretrained(ck)
+    cfg = CalibrateConfig(model=str(ck), link_gbps=1.0, sizes_kib=(16,), repeats=1, decode_steps=3, write=False, threads=1)
+    rec = main(cfg)
+    et, lt = rec["engine_time"], rec["link_timing"]
+    from moeflow.moe import get_adapter
+
+    n = get_adapter(model).spec.num_moe_layers
+    for k in ("attention_s", "route_s", "experts_s"):
+        assert len(et[k]) == n and min(et[k]) >= 0 and max(et[k]) > 0, k
+    assert len(et["predict_s"]["pregate"]) == n and et["token_s"] >= 0 and et["passes"] == 3
+    assert lt["submit_s"] > 0 and lt["wake_s"] >= 0 and lt["bytes"] == rec["expert_bytes"]
+    tm = TimeModel.from_calibration(rec, "pregate")
+    assert tm.pass_s(n, True) > tm.pass_s(n, False) > 0
+    assert main(CalibrateConfig(model=str(ck), sizes_kib=(16,), repeats=1, decode_steps=3, write=False))["link_timing"] is None

@@ -22,7 +22,7 @@ def load(pol, key, pos, score=1.0, prefetched=False):
 
 
 def test_registries_and_errors():
-    assert set(EVICTION) == {"lru", "lfu", "fld", "score", "lru2", "least-stale", "belady-approx", "lhu"}
+    assert set(EVICTION) == {"lru", "lfu", "fld", "score", "lru2", "least-stale", "belady-approx", "lhu", "next-use"}
     assert set(PREFETCH) >= {"none", "pregate", "all-next-layer"}
     assert MISS.create("fetch").on_miss((0, 1), P(0, 0)) == "fetch" and not MISS.create("fetch").changes_output
     assert ROUTING.create("standard").bias(0, 8, lambda k: True) is None

@@ -363,3 +363,177 @@ def test_simulate_json_rows_report_accesses_per_second(traced):
         ref = simulate(acc, 4, policy, count_phase=1, compiled=False)  # the Python mechanism, call by call
         assert x["replayed_accesses"] == ref.replayed_accesses > 0
         assert (x["hits"], x["misses"], x["evictions"]) == (ref.hits, ref.misses, ref.evictions), x["eviction"]
+
+
+# ---- the modelled clock: TimeModel, predicted TPOT ---------------------------------------------------------
+
+MS = 1e-3
+
+
+def _two_layer_trace() -> AccessTrace:
+    """Prefill: expert 0 of layers 0 and 1; decode: expert 0 of layer 0 (a hit), expert 1 of layer 1 (not resident).
+    One expert is 1 MB: 1 ms on a 1 GB/s link."""
+    acc = AccessTrace((0, 1), 4, 1, expert_bytes=10**6)
+    for phase, e1 in ((0, 0), (1, 1)):
+        acc.passes.append(Pass(phase, 0, [LayerStep(0, np.array([[0]])), LayerStep(1, np.array([[e1]]))]))
+    return acc
+
+
+class _Scripted:
+    """A prefetch policy (no gate) proposing `script[i]` at its i-th call."""
+
+    name = "scripted"
+    proposes = True
+    needs_router_input = needs_residual = needs_model = False
+    gate = None
+    lookahead = None
+
+    def __init__(self, script):
+        self.script, self.calls = script, 0
+
+    def propose(self, ctx):
+        from moeflow.policies.base import PrefetchRequest
+
+        self.calls += 1
+        return [PrefetchRequest(k) for k in self.script.get(self.calls - 1, [])]
+
+
+def test_time_model_places_each_host_term_around_the_copies():
+    """Decode pass of `_two_layer_trace` with expert (1, 1) prefetched at layer 0's proposal: attention + router
+    hook (0.6 ms) run before layer 0's routing, the proposal (0.4 ms at layer 0, none at the last layer) before
+    its copy is submitted (due 1.0 + 1.0 ms), the experts call (0.2 ms) after the wait, then layer 1's attention
+    + hook (0.6 ms): layer 1 waits 2.0 - 1.8 = 0.2 ms for its copy; then its experts (0.2 ms) and the pass's
+    rest (0.3 ms): 2.5 ms per decode pass. Placed anywhere else (the proposal after its copy, attention after
+    the wait) the stall differs."""
+    from moeflow.sim.simulator import TimeModel
+
+    tm = TimeModel(
+        attention_s=(0.5 * MS,), route_s=(0.1 * MS,), predict_s=(0.4 * MS, 0.0), experts_s=(0.2 * MS,), token_s=0.3 * MS
+    )
+    st = simulate(_two_layer_trace(), 4, "lru", _Scripted({2: [(1, 1)]}), link="emulated:1", timing=tm, count_phase=1)
+    assert st.passes == 1 and st.hits == 2 and st.late == 1
+    assert st.stall_s == pytest.approx(0.2 * MS)
+    assert st.time_s == pytest.approx(2.5 * MS) and st.pass_s == pytest.approx(2.5 * MS)
+    # without a proposal the decode pass waits for layer 1's demand copy: 1.0 ms
+    st = simulate(_two_layer_trace(), 4, "lru", _Scripted({}), link="emulated:1", timing=tm, count_phase=1)
+    assert st.stall_s == pytest.approx(1.0 * MS)
+    assert st.time_s == pytest.approx((0.6 + 0.4 + 0.2 + 0.6 + 1.0 + 0.2 + 0.3) * MS)
+
+
+def test_modelled_link_submit_and_wake_seconds():
+    """`submit_s` advances the clock after a copy is scheduled (the copy's due time stays), `wake_s` is added to
+    every wait that stalls: layer 1's demand copy (due 1 ms after its submission) stalls 1.0 - 0.1 + 0.05 ms."""
+    from moeflow.sim.simulator import TimeModel
+
+    tm = TimeModel(token_s=0.3 * MS, submit_s=0.1 * MS, wake_s=0.05 * MS)
+    st = simulate(_two_layer_trace(), 4, "lru", "none", link="emulated:1", timing=tm, count_phase=1)
+    assert st.misses == 1 and st.stall_s == pytest.approx(0.95 * MS)
+    assert st.time_s == pytest.approx((0.1 + 0.95 + 0.3) * MS)
+    plain = simulate(_two_layer_trace(), 4, "lru", "none", link="emulated:1", timing=TimeModel(token_s=0.3 * MS), count_phase=1)
+    assert plain.stall_s == pytest.approx(1.0 * MS) and plain.time_s == pytest.approx(1.3 * MS)
+
+
+def test_a_new_generation_drains_the_link_untimed():
+    """Prefetches still in flight when a generation ends are complete when the next one's prefill starts (as
+    `moeflow run` drains the link between prompts): the second prompt's decode pass finds (0, 3) ready. Without
+    the drain the prefill's demand copy of (0, 2) would go ahead of it and that decode pass would wait 0.7 ms."""
+    from moeflow.sim.simulator import TimeModel
+
+    acc = _two_layer_trace()
+    acc.passes += [
+        Pass(0, 1, [LayerStep(0, np.array([[2]])), LayerStep(1, np.array([[0]]))]),
+        Pass(1, 1, [LayerStep(0, np.array([[3]])), LayerStep(1, np.array([[0]]))]),
+    ]
+    # at the first decode pass's last layer (after its demand copy), 3 ms of prefetches: (0, 1), (0, 3), (1, 3)
+    script = {3: [(0, 1), (0, 3), (1, 3)]}
+    st = simulate(acc, 8, "lru", _Scripted(script), link="emulated:1", timing=TimeModel(token_s=0.3 * MS), count_phase=1)
+    # decode passes: the first waits 1 ms for its demand copy of (1, 1); the second waits for nothing
+    assert st.passes == 2 and st.misses == 1 and st.stall_s == pytest.approx(1.0 * MS)
+    assert st.time_s == pytest.approx((1.3 + 0.3) * MS)
+
+
+def test_time_model_on_an_instant_link_compiled_and_call_by_call():
+    """With no stall every pass takes the time model's seconds: the compiled replay and the call-by-call one agree,
+    the proposal's time counts only for a proposing prefetch policy, `layer_time_s` is `experts_s` of every layer."""
+    from moeflow.sim.simulator import TimeModel
+
+    acc = synthetic(30, num_experts=8, top_k=2, seed=1)
+    tm = TimeModel(attention_s=(1.0, 2.0, 3.0, 4.0), route_s=(0.5,), predict_s=(0.25,), experts_s=(2.0,), token_s=7.0)
+    want = 7.0 + (1 + 2 + 3 + 4) + 4 * 0.5 + 4 * 2.0
+    for compiled in (None, False):
+        st = simulate(acc, 8, "lru", "none", timing=tm, compiled=compiled)
+        assert st.time_s == pytest.approx(30 * want) and st.pass_s == pytest.approx(want)
+        st = simulate(acc, 8, "lru", "all-next-layer", timing=tm, compiled=compiled)
+        assert st.pass_s == pytest.approx(want + 4 * 0.25)
+    assert simulate(acc, 8, "lru", layer_time_s=0.5).pass_s == pytest.approx(4 * 0.5)
+    with pytest.raises(ConfigError, match="not both"):
+        simulate(acc, 8, "lru", layer_time_s=0.5, timing=tm)
+    with pytest.raises(ConfigError, match="2 values for 4 MoE layers"):
+        simulate(acc, 8, "lru", timing=TimeModel(attention_s=(1.0, 2.0)))
+
+
+def test_time_model_from_calibration():
+    from moeflow.sim.simulator import TimeModel
+
+    cal = {
+        "engine_time": {
+            "attention_s": [1.0, 2.0],
+            "route_s": [0.5, 0.5],
+            "experts_s": [3.0, 3.0],
+            "predict_s": {"pregate": [0.25, 0.0]},
+            "token_s": 4.0,
+        },
+        "link_timing": {"submit_s": 0.01, "wake_s": 0.02},
+    }
+    tm = TimeModel.from_calibration(cal, "pregate")
+    assert tm.per_layer(2) == ([1.5, 2.5], [0.25, 0.0], [3.0, 3.0]) and (tm.submit_s, tm.wake_s) == (0.01, 0.02)
+    assert tm.pass_s(2, True) == pytest.approx(4.0 + 4.0 + 0.25 + 6.0)
+    assert TimeModel.from_calibration(cal, "none").predict_s == (0.0,)
+    with pytest.raises(ConfigError, match="re-run `moeflow calibrate`"):
+        TimeModel.from_calibration({"layer_time_s": 1.0})
+
+
+def test_simulate_cli_calibrated_time_predicts_tpot(traced, tmp_path):
+    """`moeflow simulate --calibrated-time` advances the modelled link's clock by the calibration's measured times:
+    each row's `predicted_tpot_s` is `simulate(..., timing=TimeModel.from_calibration(...))`'s per decode pass;
+    refused with --layer-time-us, or with a calibration that has no engine_time (one line each)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    import moeflow.cli.simulate  # noqa: F401
+    from moeflow.calibrate import write_calibration
+    from moeflow.cli.app import _register, app
+    from moeflow.sim.simulator import TimeModel
+    from moeflow.stages.calibrate import CalibrateConfig
+    from moeflow.stages.calibrate import main as calibrate
+    from moeflow.trace import Trace
+
+    ck, tr = traced
+    cal = tmp_path / "cal.json"
+    rec = calibrate(
+        CalibrateConfig(model=str(ck), link_gbps=1.0, sizes_kib=(16,), repeats=1, decode_steps=3, out=str(cal), threads=1)
+    )
+    _register()
+    base = ["simulate", "--trace", str(tr), "-c", "3", "-e", "lru", "-p", "none", "--link", "emulated:0.01"]
+    base += ["--model", str(ck), "--no-belady", "--json", "--calibration", str(cal)]
+    r = CliRunner().invoke(app, [*base, "--calibrated-time"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    want = simulate(
+        from_trace(Trace(tr)), 3, "lru", "none", link="emulated:0.01", timing=TimeModel.from_calibration(rec), count_phase=1
+    )
+    (row,) = res["rows"]
+    assert res["time_model"] == "calibration" and want.stall_s > 0
+    assert row["predicted_tpot_s"] == pytest.approx(want.pass_s) and row["time_s"] == pytest.approx(want.time_s)
+    assert row["predicted_tpot_s"] > TimeModel.from_calibration(rec).pass_s(len(want.accesses_per_layer), False)
+    r = CliRunner().invoke(app, [*base, "--layer-time-us", "100"])  # without it: the layer time alone
+    plain = json.loads(r.stdout.strip().splitlines()[-1])["rows"][0]
+    ref = simulate(from_trace(Trace(tr)), 3, "lru", "none", link="emulated:0.01", layer_time_s=1e-4, count_phase=1)
+    assert plain["predicted_tpot_s"] == pytest.approx(ref.pass_s) != pytest.approx(want.pass_s)
+    bad = CliRunner().invoke(app, [*base, "--calibrated-time", "--layer-time-us", "5"])
+    assert bad.exit_code != 0 and isinstance(bad.exception, MoeflowError) and "drop --layer-time-us" in str(bad.exception)
+    old = tmp_path / "old.json"
+    write_calibration(old, {k: v for k, v in json.loads(cal.read_text()).items() if k != "engine_time"})
+    bad = CliRunner().invoke(app, [*base[:-2], "--calibration", str(old), "--calibrated-time"])
+    assert bad.exit_code != 0 and isinstance(bad.exception, MoeflowError) and "no engine_time" in str(bad.exception)

@@ -251,3 +251,69 @@ def test_every_slot_pinned_is_refused_in_both(compiled):
     assert cache.prefetch([PrefetchRequest((2, 0))], 0) == 0  # a prefetch finds no victim: skipped
     with pytest.raises(RuntimeError, match="no evictable slot"):
         cache.demand(2, [0], {})
+
+
+def test_stream_of_repeated_passes_is_the_copies(model_acc):
+    """A trace whose pass objects repeat (a benchmark's copies) is prepared once per distinct pass and gathered:
+    its stream and its batched pre-gate proposals are those of the copies, in order."""
+    from moeflow.moe import get_adapter
+
+    model, acc = model_acc
+    logits = get_adapter(model).router_logits
+    n = 3
+    rep = AccessTrace(acc.moe_layers, acc.num_experts, acc.top_k, acc.passes * n, acc.expert_bytes)
+    one, many = stream(acc), stream(rep)
+    want = one.repeat(n)
+    for f in ("phase", "tokens", "pass_off", "step_rank", "exp_off", "experts"):
+        assert np.array_equal(getattr(many, f), getattr(want, f)), f
+    pf = PREFETCH.create("pregate", overfetch=1.5)
+    p1, pn = proposals(acc, pf, 2, logits, cache=False), proposals(rep, pf, 2, logits, cache=False)
+    p_want = p1.repeat(n)
+    assert len(p1.keys) > 0
+    assert np.array_equal(pn.off, p_want.off) and np.array_equal(pn.keys, p_want.keys)
+
+
+def test_every_core_source_stamps_every_kernel(tmp_path, monkeypatch):
+    """numba stamps a cached kernel with its own file; the core's kernels inline functions of every
+    `cachecore*` module, so their stamp digests all of them: an edit to any one recompiles every kernel."""
+    import shutil
+
+    from moeflow.runtime import cachecore_layout as lay
+    from moeflow.runtime.cachecore import k_call, k_replay
+
+    for kernel in (k_call, k_replay):
+        if not hasattr(kernel._cache, "_impl"):  # no writable cache location: compiled per process, nothing stale
+            pytest.skip("numba has no cache location here")
+        locator = kernel._cache._impl.locator
+        assert locator.get_source_stamp() == lay._core_stamp(), kernel
+    for p in sorted(lay._HERE.glob("cachecore*.py")):
+        shutil.copy(p, tmp_path / p.name)
+    monkeypatch.setattr(lay, "_HERE", tmp_path)
+    monkeypatch.setattr(lay, "_STAMP", [])
+    before = lay._core_stamp()
+    for name in ("cachecore_ba.py", "cachecore_struct.py"):
+        (tmp_path / name).write_text((tmp_path / name).read_text() + "\n# edited\n")
+        monkeypatch.setattr(lay, "_STAMP", [])
+        after = lay._core_stamp()
+        assert after != before, name
+        before = after
+
+
+def test_begin_layer_rides_on_the_next_kernel_call():
+    """The runtime's `begin_layer` costs no kernel call of its own: the next call starts the layer first."""
+    from moeflow.runtime import cachecore as cc
+    from moeflow.runtime.cachecore_layout import PG_STEP
+
+    acc = _trace(0)
+    spec = _Spec(acc.moe_layers, acc.num_experts, acc.top_k, 1000)
+    cache = ExpertCache(None, 6, link=InstantLink(), eviction=_policy("belady", acc), spec=spec)
+    core = cache.core
+    assert core is not None
+    ops: list = []
+    call = core._call
+    core._call = lambda *a: (ops.append(a[3]), call(*a))[1]
+    cache.begin_pass(0)
+    cache.begin_layer(acc.moe_layers[0])
+    assert ops == [cc.OP_BEGIN_PASS] and core.st.pg[PG_STEP] == -1
+    cache.demand(acc.moe_layers[0], [0, 1], {})
+    assert ops == [cc.OP_BEGIN_PASS, cc.OP_DEMAND] and core.st.pg[PG_STEP] == 0

@@ -4,9 +4,9 @@ A tiny olmoe checkpoint (3 MoE layers x 8 experts, top-2: 24 experts, 6 needed p
 greedily with `--record-hidden --hidden-dtype float32` (exact router inputs for pre-gating), then run greedily
 with the same prompts and max-new-tokens through the offload engine (`--link direct`) for every eviction
 policy x prefetch {none, pregate} x 3 capacities, and the trace is replayed by the simulator (instant link)
-for the same sweep. Every `decode_counters` field (and every `counters` field, prefill passes included)
-that does not depend on weights or wall time (all but `bytes_moved`, which uses the host store's padded
-row size, and `stall_s`) must be equal.
+for the same sweep. Every `decode_counters` field (and, with `--prefill serial`, the prefill path the
+simulator replays, every `counters` field, prefill passes included) that does not depend on weights or wall
+time (all but `bytes_moved`, which uses the host store's padded row size, and `stall_s`) must be equal.
 """
 
 from __future__ import annotations
@@ -65,7 +65,10 @@ def both(tmp_path_factory, tiny_models):
     sweep += [a for e in sorted(EVICTION) for a in ("-e", e)]
     sweep += [a for p in PREFETCHES for a in ("-f", p)]
     common = ["--model", str(ck), "--lookahead", "1", "--json"]
-    run = _cli(["run", "--prompts", str(prompts), "--max-new-tokens", NEW_TOKENS, "--link", "direct", "--sweep", *sweep, *common])
+    run_args = ["run", "--prompts", str(prompts), "--max-new-tokens", NEW_TOKENS, "--link", "direct", "--sweep", *sweep, *common]
+    # the prefill path the simulator replays (the default staged prefill copies in its own order, so the cache it
+    # leaves for decode, and hence the decode counters, may differ slightly)
+    run = _cli([*run_args, "--prefill", "serial"])
     sim = _cli(["simulate", "--trace", str(tr), "--no-belady", *sweep, *common])
     return run, sim
 

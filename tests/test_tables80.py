@@ -174,7 +174,7 @@ def test_run_sweep_table(setup, capsys, monkeypatch):
     argv += ["-c", "2,50%", "-e", "least-stale", "-f", "none,pregate:overfetch=1.5", "--threads", "1", "--no-warmup"]
     code, _, err = cli(argv, capsys)
     assert code == 0, err
-    assert_readable(render_text(made, WIDTH), "resident", "least-stale+pregate:overfetch=1.5", "TPOT ms", "eff GB/s")
+    assert_readable(render_text(made, WIDTH), "resident", "least-stale+pregate:overfetch=1.5", "TPOT", "TTFT/bound", "eff GB/s")
 
 
 def test_quality_table(setup, capsys, monkeypatch):

@@ -220,7 +220,7 @@ def test_array_forest_predicts_deep_uneven_trees_like_scikit_learn():
 
 def test_forest_tries_at_least_the_minimum_features_per_split(tiny_setup, monkeypatch):  # noqa: F811
     """A small model's few features: the forest still tries MIN_SPLIT_FEATURES of them (or all) per split; each
-    tree draws `forest_bootstrap` of the samples."""
+    tree draws `forest_tree_samples` of the pool, or the whole pool when that is smaller."""
     import sklearn.ensemble
 
     from moeflow.predict.forest import MIN_SPLIT_FEATURES, Forest
@@ -230,15 +230,70 @@ def test_forest_tries_at_least_the_minimum_features_per_split(tiny_setup, monkey
 
     class Spy(sklearn.ensemble.RandomForestRegressor):
         def fit(self, X, y, sample_weight=None):
-            seen.append((self.max_features, self.max_samples))
+            seen.append((self.max_features, self.max_samples, len(X)))
             return super().fit(X, y, sample_weight)
 
     monkeypatch.setattr(sklearn.ensemble, "RandomForestRegressor", Spy)
     model, _, data = tiny_setup
-    cfg = TrainConfig(trace="", out="", model="", max_s=2, threads=1, forest_trees=2, forest_max_samples=500)
+    cfg = TrainConfig(
+        trace="", out="", model="", max_s=2, threads=1, forest_trees=2, forest_max_samples=500, forest_tree_samples=120
+    )
     f = Forest.create(model, cfg)
     f.fit(data, model, cfg)
     assert round(cfg.forest_max_features * f.n_features) < MIN_SPLIT_FEATURES  # the floor applies to this model
-    assert seen == [(min(f.n_features, MIN_SPLIT_FEATURES), cfg.forest_bootstrap)]
-    with pytest.raises(ConfigError, match="forest_bootstrap"):
-        f.fit(data, model, dataclasses.replace(cfg, forest_bootstrap=0.0))
+    pool = seen[0][2]
+    assert pool > 120 and seen == [(min(f.n_features, MIN_SPLIT_FEATURES), 120, pool)]
+    f.fit(data, model, dataclasses.replace(cfg, forest_tree_samples=10 * pool))
+    assert seen[1][1:] == (pool, pool)  # a standard bootstrap of the whole pool
+    with pytest.raises(ConfigError, match="forest_tree_samples"):
+        dataclasses.replace(cfg, forest_tree_samples=0)
+
+
+def test_evaluate_scores_each_pair_once_and_hybrid_reuses_its_parts(fitted_default, monkeypatch):
+    """One predict call per (predictor, layer, S) over all held-out rows: Hybrid's pairs take the scores of the
+    estimator or router-pf it delegates to, with the same figures as its own `predict` gives."""
+    from moeflow.predict.evaluate import evaluate
+
+    _, _, held, cfg, preds = fitted_default
+    hyb = preds["hybrid"]
+    assert hyb.router_pf is preds["router-pf"]  # fit_all hands hybrid the fitted router-pf
+    calls: dict[str, int] = {}
+    for name in ("estimator", "router-pf"):
+        p = preds[name]
+        orig = p.predict
+
+        def counted(*a, _orig=orig, _name=name):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _orig(*a)
+
+        monkeypatch.setattr(p, "predict", counted)
+    rep = evaluate(preds, held, max_s=cfg.max_s, chunk=held.n)
+    pairs = held.rank_pairs(cfg.max_s)
+    assert calls == {"estimator": len(pairs), "router-pf": len(pairs)}  # none more for hybrid
+
+    class Plain:  # the hybrid seen only through predict (no delegate)
+        max_lookahead = hyb.max_lookahead
+
+        def predict(self, *a):
+            return hyb.predict(*a)
+
+    alone = evaluate({"hybrid": Plain()}, held, max_s=cfg.max_s)
+    assert rep["results"]["hybrid"] == alone["results"]["hybrid"]
+    for (src, s), key in zip(pairs, rep["results"]["hybrid"]):
+        part = "estimator" if (src, s) in hyb.use_estimator else "router-pf"
+        assert rep["results"]["hybrid"][key] == rep["results"][part][key]
+
+
+def test_evaluate_gives_decode_recall_in_the_same_pass(fitted_default):
+    """`decode_by_s`: recall on the decode tokens alone, equal to evaluating those rows by themselves."""
+    from moeflow.predict.evaluate import evaluate
+
+    _, _, held, cfg, preds = fitted_default
+    rows = np.flatnonzero(held.phase == 1)
+    assert 0 < len(rows) < held.n
+    rep = evaluate(preds, held, max_s=cfg.max_s)
+    want = evaluate(preds, held, max_s=cfg.max_s, rows=rows)["by_s"]
+    assert rep["decode_by_s"].keys() == want.keys()
+    for name, by_s in want.items():
+        assert rep["decode_by_s"][name] == pytest.approx(by_s, abs=1e-12), name
+    assert evaluate(preds, held, max_s=cfg.max_s, rows=np.flatnonzero(held.phase == 0))["decode_by_s"] is None

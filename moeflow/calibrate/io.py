@@ -4,7 +4,9 @@ Top-level fields the runtime reads: `bandwidth_bytes_per_s` (C_s, at the expert 
 `latency_s`, `layer_time_s` (T_l), `expert_bytes` (E_s), `experts_per_layer` (N_e), `initial_s`, and
 `best_threads` (the torch thread count every command uses by default, `moeflow.threads`; `thread_sweep` has
 the decode time per token at each count timed). A file without `best_threads` (written before it was
-recorded) stays valid: commands then use the default count.
+recorded) stays valid: commands then use the default count. `engine_time` (the offload engine's decode pass
+split per MoE layer: `measure.engine_timing`) and `link_timing` (the emulated link's `submit_s`, `wake_s`) are
+what `moeflow simulate --calibrated-time` reads; a file without them stays valid for everything else.
 """
 
 from __future__ import annotations

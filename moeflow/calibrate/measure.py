@@ -7,6 +7,11 @@ fastest are the calibration's `best_threads`). On CUDA:
 pinned host -> device copies timed with CUDA events, module timings with synchronisation. Without CUDA:
 host memcpy (`Tensor.copy_`, one thread), and, when asked, the runtime's `EmulatedLink` (submit + wait,
 wall time) so the numbers include its worker-thread overhead.
+
+What the simulator's clock needs (`moeflow.sim.simulator.TimeModel`): `engine_timing` splits the offload
+engine's decode pass (every expert resident) into per-layer attention, router hook, prefetch proposal and
+experts call, and the rest of the pass (`token_s`); `link_timing` measures the emulated link's host time per
+submit and its waiting thread's lateness.
 """
 
 from __future__ import annotations
@@ -205,3 +210,166 @@ def expert_timing(adapter: Any, repeats: int, device: str) -> float:
             if i >= 2:
                 out.append(time.perf_counter() - t0)
     return min(out)
+
+
+def link_timing(link: Any, nbytes: int, repeats: int, burst: int = 1) -> dict[str, float]:
+    """The emulated link's host terms for transfers of `nbytes`, as a layer's demand loads use it: `burst`
+    copies submitted back to back, then waited for in order, `repeats` times (after one warm-up). `submit_s`:
+    mean seconds one `link.submit` takes on the calling thread; `wake_s`: mean of how long after a copy is due a
+    wait that slept returns (the sleeping thread's lateness, the worker's real copy included); means, as a run's
+    stall adds them up. `moeflow.sim.link.ModelledLink` adds both."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)  # [nbytes]
+    dsts = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(max(1, burst))]  # burst x [nbytes]
+    subs, wakes = [], []
+    for i in range(repeats + 1):
+        tickets = []
+        for dst in dsts:
+            c0 = link.clock_s()
+            tickets.append(link.submit(src, dst))
+            if i:  # the first round is a warm-up
+                subs.append(link.clock_s() - c0)
+        for t in tickets:
+            slept = link.clock_s() < t.due
+            link.wait(t)
+            if i and slept:
+                wakes.append(max(0.0, link.clock_s() - t.due))
+    return {
+        "submit_s": statistics.fmean(subs),
+        "wake_s": statistics.fmean(wakes) if wakes else 0.0,
+        "bytes": nbytes,
+        "burst": max(1, burst),
+        "repeats": repeats,
+    }
+
+
+class _EngineClock:
+    """Wall-clock marks of one offload engine's decode passes: pass start and end (model hooks registered after
+    the engine's), each router hook's start and end with its prefetch proposal's seconds, each experts call's end.
+    It wraps the engine's `step.route`, `step.prefetch` and `experts_forward` on the instances (the runtime is
+    not changed); `remove` restores them."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.step = engine, engine.step
+        self.passes: list[dict[str, Any]] = []
+        self._cur: dict[str, Any] | None = None
+        self._pred = 0.0
+        route, prefetch, experts = self.step.route, self.step.prefetch, engine.experts_forward
+
+        def timed_route(ev: Any) -> Any:
+            t0, self._pred = time.perf_counter(), 0.0
+            out = route(ev)
+            if self._cur is not None:
+                self._cur["route"].append((ev.layer, t0, time.perf_counter(), self._pred))
+            return out
+
+        def timed_prefetch(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return prefetch(*a, **k)
+            finally:
+                self._pred += time.perf_counter() - t0
+
+        def timed_experts(module: Any, layer: int, *a: Any, **k: Any) -> Any:
+            out = experts(module, layer, *a, **k)
+            if self._cur is not None:
+                self._cur["experts"].append((layer, time.perf_counter()))
+            return out
+
+        self.step.route, self.step.prefetch, engine.experts_forward = timed_route, timed_prefetch, timed_experts
+        model = engine.model
+        self._hooks = [model.register_forward_pre_hook(self._start), model.register_forward_hook(self._end)]
+
+    def _start(self, *a: Any) -> None:
+        self._cur = {"start": time.perf_counter(), "route": [], "experts": []}
+
+    def _end(self, *a: Any) -> None:
+        if self._cur is not None:
+            self._cur["end"] = time.perf_counter()
+            self.passes.append(self._cur)
+        self._cur = None
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        for obj, name in ((self.step, "route"), (self.step, "prefetch"), (self.engine, "experts_forward")):
+            obj.__dict__.pop(name, None)
+
+
+def split_passes(passes: Sequence[dict[str, Any]], moe_layers: Sequence[int]) -> dict[str, Any]:
+    """Per MoE layer rank, the means over `passes` (each after a previous one: its period is end to end) of
+    attention (previous experts call's end, or the pass start, to the router hook), route (the router hook less
+    its proposal), predict (the proposal) and experts (router hook's end to experts call's end); token: the
+    period less all of them. A pass that did not route and call every MoE layer once, in order, is skipped.
+    Means, not medians: they add up to the mean period, which is what TPOT is (a pass the scheduler preempted
+    counts in a run's TPOT too, and medians per part would drop it)."""
+    rows: dict[str, list[list[float]]] = {
+        k: [[] for _ in moe_layers] for k in ("attention_s", "route_s", "predict_s", "experts_s")
+    }
+    tokens = []
+    for prev, p in zip(passes, passes[1:]):
+        if [r[0] for r in p["route"]] != list(moe_layers) or [e[0] for e in p["experts"]] != list(moe_layers):
+            continue
+        mark, used = p["start"], 0.0
+        for i, ((_, r0, r1, pred), (_, e1)) in enumerate(zip(p["route"], p["experts"])):
+            parts = {"attention_s": r0 - mark, "route_s": r1 - r0 - pred, "predict_s": pred, "experts_s": e1 - r1}
+            for k, v in parts.items():
+                rows[k][i].append(v)
+            used += sum(parts.values())
+            mark = e1
+        tokens.append(p["end"] - prev["end"] - used)
+    if not tokens:
+        raise RuntimeError("no decode pass routed every MoE layer once; cannot split the engine's time")
+    out: dict[str, Any] = {k: [statistics.fmean(v) for v in per] for k, per in rows.items()}
+    out["token_s"] = max(0.0, statistics.fmean(tokens))
+    out["passes"] = len(tokens)
+    return out
+
+
+def engine_timing(
+    model: Any, adapter: Any, steps: int, device: str, prefetches: Sequence[str] = ("pregate",), prompt_len: int = 16
+) -> dict[str, Any]:
+    """The offload engine's host time at decode with every routed expert resident and ready (link `auto`: a
+    direct copy on CPU, so no copy is waited for), split per MoE layer by `split_passes`, one engine per
+    prefetch policy of `prefetches` (S = 1). `attention_s`, `route_s`, `experts_s` and `token_s` are those of
+    the first policy's engine (a proposing one: the router hook then never takes the deferred path that only a
+    layer with all its experts resident and no prefetching takes); `predict_s[policy]` per layer for each."""
+    from ..policies import EVICTION, PREFETCH
+    from ..runtime.engine import OffloadEngine
+    from ..runtime.link import make_link
+
+    spec = adapter.spec
+    vocab = int(model.config.vocab_size)
+    ids = torch.randint(3, max(4, min(vocab, 1000)), (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)  # [1,P]
+    out: dict[str, Any] = {"predict_s": {}, "prefetches": list(prefetches), "steps": steps}
+    for i, name in enumerate(prefetches):
+        engine = OffloadEngine(
+            model,
+            capacity=spec.total_experts,
+            link=make_link("auto", torch.device(device)),
+            eviction=EVICTION.create("lru"),
+            prefetch=PREFETCH.create(name),
+            lookahead=1,
+        )
+        with engine, torch.no_grad():
+            engine.warm()
+            clock = _EngineClock(engine)
+            try:
+                for _ in range(2):  # warm-up run, then the timed run (its first pass is the prefill)
+                    clock.passes.clear()
+                    model.generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        max_new_tokens=steps + 1,
+                        min_new_tokens=steps + 1,
+                        do_sample=False,
+                        eos_token_id=None,
+                        pad_token_id=getattr(model.config, "pad_token_id", None) or 0,
+                    )
+            finally:
+                clock.remove()
+        split = split_passes(clock.passes, spec.moe_layers)  # pairs: the prefill ends the first period
+        out["predict_s"][name] = split["predict_s"]
+        if i == 0:
+            out.update({k: split[k] for k in ("attention_s", "route_s", "experts_s", "token_s", "passes")})
+    return out

@@ -119,7 +119,7 @@ def _stoppable(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _register() -> None:
     # Each module adds its command(s) to `app`; import order is the order in --help.
     _flags_take_no_value()
-    for name in ("trace", "train", "retrain", "calibrate", "run", "simulate", "quality", "ep", "gps"):
+    for name in ("trace", "train", "retrain", "calibrate", "run", "simulate", "tune", "quality", "ep", "gps"):
         try:
             __import__(f"{__package__}.{name}")
         except ModuleNotFoundError as e:  # a stage not built yet in this checkout

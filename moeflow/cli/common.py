@@ -130,13 +130,13 @@ def _learned(name: str) -> bool:
     return bool(getattr(cls, "needs_model", False) or getattr(cls, "needs_residual", False) or getattr(cls, "predictor", ""))
 
 
-def eviction_option() -> Any:
+def eviction_option(default: str = "lru") -> Any:
     return typer.Option(
         None,
         "--eviction",
         "-e",
         help=f"Eviction policy name[:key=value,...]: {policy_names('eviction')}. "
-        "Repeat the flag or give a comma list. Default lru.",
+        f"Repeat the flag or give a comma list. Default {default}.",
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
 from .app import app
@@ -34,6 +36,7 @@ from .common import (
 
 @app.command("run")
 def run(
+    ctx: typer.Context,
     model: str = model_option(),
     prompts: str | None = typer.Option(
         None,
@@ -67,7 +70,7 @@ def run(
     per_layer_cache: bool = typer.Option(
         False, "--per-layer-cache", help="Split the slots evenly between MoE layers (a layer evicts only its own)."
     ),
-    eviction: list[str] | None = eviction_option(),
+    eviction: list[str] | None = eviction_option("next-use"),
     eviction_opt: list[str] | None = policy_opt_option("eviction"),
     prefetch: list[str] | None = prefetch_option("pregate"),
     prefetch_opt: list[str] | None = policy_opt_option("prefetch"),
@@ -126,6 +129,13 @@ def run(
     warmup: bool = typer.Option(
         True, "--warmup/--no-warmup", help="One untimed short generation per run before the timed one (default on)."
     ),
+    prefill: str = typer.Option(
+        "staged",
+        "--prefill",
+        help="Prefill path of offload runs: staged (each layer's routed experts copied in waves, the next wave "
+        "and, with a prefetch policy, the next layer's predicted experts copied during compute) or serial "
+        "(one wave after another). Default staged.",
+    ),
     experts_impl: str = typer.Option(
         "auto",
         "--experts-impl",
@@ -147,6 +157,12 @@ def run(
         help="Run every combination of --mode, --capacity, --eviction, "
         "--prefetch; print one table. Every value is checked before the first run.",
     ),
+    config: str | None = typer.Option(
+        None,
+        "--config",
+        help="Run configuration file written by `moeflow tune --out`: its model, capacity, eviction, prefetch, "
+        "lookahead (S), adaptive S, miss, link and calibration; a flag given here wins over the file.",
+    ),
 ) -> None:
     """Generate with routed experts in host memory and a device expert cache; print text and metrics
     (with --json: each run's metrics and each prompt's generated text)."""
@@ -154,7 +170,7 @@ def run(
     from ..stages.run import main
     from ..stages.run_config import RunConfig
 
-    cfg = RunConfig(
+    kw: dict[str, Any] = dict(
         model=model,
         prompts=prompts,
         column=column,
@@ -170,7 +186,7 @@ def run(
         modes=split_list(mode) or ("offload",),
         capacities=split_list(alias(capacity, cache_capacity, "--capacity", "--cache-capacity")) or ("25%",),
         per_layer_cache=per_layer_cache,
-        evictions=split_list(eviction) or ("lru",),
+        evictions=split_list(eviction) or ("next-use",),
         prefetches=split_list(prefetch) or ("pregate",),
         eviction_opts=parse_opts(eviction_opt or ()),
         prefetch_opts=parse_opts(prefetch_opt or ()),
@@ -193,8 +209,17 @@ def run(
         speculative=speculative,
         batch_size=batch_size,
         warmup=warmup,
+        prefill=prefill,
         experts_impl=experts_impl,
         plan=plan,
         plan_opts=parse_opts(plan_opt or ()),
     )
-    main(cfg)
+    if config:
+        from ..stages.run_config import apply_config_file
+
+        # the flags on the command line (typer may carry its own click: its ParameterSource is compared by name)
+        given = {
+            p for p in ctx.params if getattr(ctx.get_parameter_source(p), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")
+        }
+        kw = apply_config_file(config, kw, given)
+    main(RunConfig(**kw))

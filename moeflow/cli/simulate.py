@@ -27,6 +27,7 @@ def table(res: dict[str, Any]) -> Any:
     from ..tables import FitTable
 
     stall = str(res["link"]) != "instant" or any(r["stall_s"] for r in res["rows"])
+    tpot = any(r.get("predicted_tpot_s") for r in res["rows"])
     t = FitTable(
         f"{res['trace']}: {res['passes']} {res['phase']} passes ({res['replayed_passes']} replayed), "
         f"{res['tokens']} tokens, {res['working_set']:.1f} experts needed per pass of {res['total_experts']}; "
@@ -36,9 +37,11 @@ def table(res: dict[str, Any]) -> Any:
         key=2,
         caption="C: cache capacity in experts; policies: eviction+prefetch; coll. misses: experts evicted earlier in "
         "the same pass; xfers /tok: copies per token; pf prec / recall: prefetch precision and recall"
-        + ("; stall s: seconds waiting for copies on the modelled link" if stall else "; link instant: no stall"),
+        + ("; stall s: seconds waiting for copies on the modelled link" if stall else "; link instant: no stall")
+        + (f"; TPOT ms: predicted time per decode pass ({res.get('time_model')})" if tpot else ""),
     )
-    cols = ["C", "policies", "hit rate", "coll. misses", "xfers /tok", "pf prec", "pf recall"] + (["stall s"] if stall else [])
+    cols = ["C", "policies", "hit rate", "coll. misses", "xfers /tok", "pf prec", "pf recall"]
+    cols += (["stall s"] if stall else []) + (["TPOT ms"] if tpot else [])
     for c in cols:
         t.add_column(c, justify="right" if c == "C" else None)
     for r in res["rows"]:
@@ -51,6 +54,7 @@ def table(res: dict[str, Any]) -> Any:
             f"{r['prefetch_precision']:.2f}",
             f"{r['prefetch_recall']:.2f}",
             *([f"{r['stall_s']:.4f}"] if stall else []),
+            *([f"{r['predicted_tpot_s'] * 1e3:.3f}" if r.get("predicted_tpot_s") is not None else "-"] if tpot else []),
         )
     return t
 
@@ -96,7 +100,17 @@ def simulate_cmd(
         "emulated:GBPS[,LATENCY_US] (EmulatedLink's FIFO schedule on a virtual clock).",
     ),
     layer_time_us: float = typer.Option(
-        0.0, "--layer-time-us", help="Compute per MoE layer per pass on the modelled link's virtual clock (microseconds)."
+        0.0,
+        "--layer-time-us",
+        help="Compute per MoE layer per pass on the link's virtual clock (microseconds; default 0: only stalls advance it).",
+    ),
+    calibrated_time: bool = typer.Option(
+        False,
+        "--calibrated-time",
+        help="Advance the link's clock by the calibration's measured host times (per MoE layer: attention, router "
+        "hook, prefetch proposal, experts call; per pass: the rest; per copy: the emulated link's submit and wake "
+        "lateness) and predict TPOT (`predicted_tpot_s`). Needs a calibration from `moeflow calibrate` of this "
+        "moeflow version (--calibration, else the default file for --link).",
     ),
     as_json: bool = json_option(),
 ) -> None:
@@ -122,6 +136,7 @@ def simulate_cmd(
         progress=not as_json,
         link=link,
         layer_time_us=layer_time_us,
+        calibrated_time=calibrated_time,
     )
     res = main(cfg)
     if as_json:

@@ -84,7 +84,10 @@ def train(
     max_s: int = typer.Option(4, "--max-s", help="Largest step S (MoE layers ahead) to fit and evaluate."),
     forest_trees: int = typer.Option(24, "--forest-trees", help="Random-forest trees."),
     forest_samples: int = typer.Option(
-        40_000, "--forest-samples", help="Training samples for the forest (rows x (layer, S) pairs, subsampled)."
+        120_000,
+        "--forest-samples",
+        help="Training samples for the forest (rows x (layer, S) pairs, subsampled); each tree draws 12,000 of "
+        "them (all when fewer).",
     ),
     est_epochs: int = typer.Option(
         3,

@@ -3,7 +3,7 @@
 Importing this package registers every built-in policy (`EVICTION.create("lru")`, ...).
 """
 
-from . import belady_approx, eviction, least_stale, miss, prefetch, routing  # noqa: F401  (registration side effects)
+from . import belady_approx, eviction, least_stale, miss, next_use, prefetch, routing  # noqa: F401  (registration side effects)
 from .base import (
     EVICTION,
     MISS,

@@ -24,8 +24,10 @@ sequence of candidates gets the full scan (`min` by the rank); both give the sam
 | lru2 | ExpertFlow's two-level LRU: victims from the low tier first, LRU within a tier | ExpertFlow 3.3.1 |
 | least-stale | stale (previous-pass) queue first, current queue only when no stale one is left; FIFO by layer | SpecMD 4.2 |
 | belady-approx | longest predicted time to next use (layer distance, reuse interval, proposals) | Belady's MIN, approx. |
+| next-use | longest expected time to next use, calibrated online (use share, recency, proposals) | Belady's MIN, approx. |
 
-`least-stale` lives in `least_stale.py`, `belady-approx` in `belady_approx.py` (both built on `_Base`).
+`least-stale` lives in `least_stale.py`, `belady-approx` in `belady_approx.py`, `next-use` in `next_use.py` (all
+built on `_Base`; `next-use` has no compiled twin).
 
 Compiled twins: lru, lfu, least-stale (its `fifo` order) and belady-approx declare a `kernel`; with an instant
 link (the simulator's, the runtime's `direct`) the cache keeps their bookkeeping in numba kernels

@@ -5,7 +5,7 @@
 | router-pf | router_{l+s}(quasi-hidden state q chained from layer l) | Speculating Experts 3 |
 | estimator | the neural estimator's logits from q | Speculating Experts 6.1 |
 | hybrid | estimator on the (layer, S) pairs where Router-PF was weak in training, else Router-PF | Speculating Experts 6.3 |
-| forest | ExpertFlow's random-forest delta over pre-gate, evaluated asynchronously on CPU (see below) | ExpertFlow 3.2.2 |
+| forest | ExpertFlow's random forest on CPU (`worker=on`: asynchronously, see below) | ExpertFlow 3.2.2 |
 | token-id | baseline: the experts most often routed for the current token id in the training trace | - |
 
 Options (`--prefetch-opt key=value`): `predictors=DIR` (required: a `moeflow train` folder for this
@@ -13,8 +13,13 @@ model), `lookahead=S` (default: the engine's S), `overfetch=1.0` (top round(k*ov
 or `mass=0.9` (experts in descending score up to that cumulative mass); the gate's `gate=on|off`,
 `cancel=on|off`, `budget=auto|BYTES`, `weight=1.0` (`moeflow.policies.prefetch.PrefetchGate`, default on).
 
-forest's predictions are cached per (token sequence, layer, S); until one is ready the policy uses pre-gate top-k.
-One forest call per source layer serves all its targets l+1..l+S (`AsyncForest.submit_group`).
+Every policy makes ONE predictor call per MoE layer for all its targets l+1..l+S (`predictor.runner()`,
+`moeflow.predict.fast`: the quasi-hidden chain once, the estimator's network once on [S,T], the forest's rows of
+every target in one tree walk), on the model's thread, without the engine's router hooks (the runners apply the
+model's norms and routers directly); `predict_s` is the time `propose` takes there. The forest's `worker=on`
+(default off) runs ExpertFlow's asynchronous dual mode instead: one forest call per source layer for every later
+layer it knows runs in a worker thread (`AsyncForest.submit_group`); predictions are cached per (token sequence,
+layer, S), and until one is ready the policy uses the pre-gate's top-k.
 
 The policy needs the running model (routers and norms) and the post-attention residual r_l, which
 the engine captures and passes as `LayerContext.residual` (`needs_residual`): the engine calls
@@ -28,13 +33,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError
 from ..moe import get_adapter, residual_norm
-from ..moe.sets import mass_mask, topk_mask
+from ..moe.sets import mass_mask
 from .base import PREFETCH, BindContext, LayerContext, PrefetchPolicy, PrefetchRequest
-from .prefetch import make_gate, topk_confidence
+from .prefetch import _on, make_gate, topk_confidence
 
 
 class LearnedPrefetch(PrefetchPolicy):
@@ -75,8 +81,9 @@ class LearnedPrefetch(PrefetchPolicy):
         self._pass = -1
         self._tokens: torch.Tensor | None = None  # [T,w] token context of the current pass
         self._seq: list[int] = []  # token ids of the current prompt so far (batch 1)
-        self.predict_s = 0.0  # time spent in propose (predictor overhead)
+        self.predict_s = 0.0  # time spent in propose on the model's thread (predictor overhead on the critical path)
         self.calls = 0
+        self.fast: Any = None  # the predictor's run-time path (`moeflow.predict.fast`), set by bind
 
     @property
     def horizon(self) -> int | None:
@@ -90,6 +97,8 @@ class LearnedPrefetch(PrefetchPolicy):
         self.model = model = ctx.model
         _, preds = load_predictors(self.folder, model, [self.predictor])
         self.pred = preds[self.predictor]
+        runner = getattr(self.pred, "runner", None)
+        self.fast = runner() if runner is not None else None
         if self.window is None:
             self.window = getattr(self.pred, "window", 4)
         ad = get_adapter(model)
@@ -139,10 +148,35 @@ class LearnedPrefetch(PrefetchPolicy):
     def scores(self, target: int, s: int, batch: Any) -> torch.Tensor:
         return self.pred.predict(target, s, batch)
 
-    def _select(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+    def step_scores(self, targets: list[int], batch: Any) -> np.ndarray:
+        """[S,T,E] scores of the targets l+1..l+S: the predictor's runner in ONE call when it has one
+        (`moeflow.predict.fast`), else `scores` per target."""
+        if self.fast is not None:
+            return self.fast.scores(batch, len(targets))
+        with torch.no_grad():
+            return np.stack([self.scores(t, s, batch).float().cpu().numpy() for s, t in enumerate(targets, start=1)])
+
+    def _requests(self, targets: list[int], sc: np.ndarray, k: int) -> list[PrefetchRequest]:
+        """The prefetch requests of scores sc [S,T,E]: each target's selected experts (top round(k x overfetch)
+        or the `mass` set, per token), priority nearer target first then by probability, confidence k x p."""
+        S, T, E = sc.shape
+        flat = np.asarray(sc, dtype=np.float32).reshape(S * T, E)  # [S*T,E]
+        p = flat / np.maximum(flat.sum(-1, keepdims=True), np.float32(1e-12))
         if self.mass is not None:
-            return mass_mask(scores / scores.sum(-1, keepdim=True).clamp(min=1e-12), self.mass)
-        return topk_mask(scores, min(scores.shape[1], max(1, round(k * self.overfetch))))
+            mask = mass_mask(torch.from_numpy(p), self.mass).numpy()
+        else:
+            m = min(E, max(1, round(k * self.overfetch)))
+            mask = np.zeros((S * T, E), bool)
+            np.put_along_axis(mask, np.argpartition(-flat, m - 1, axis=-1)[:, :m], True, axis=-1)  # top m per row
+        best = np.where(mask, p, np.float32(-1.0)).reshape(S, T, E).max(1)  # [S,E] best probability per target
+        out: list[PrefetchRequest] = []
+        for i, t in enumerate(targets):
+            near = float(S - i)
+            for e in np.flatnonzero(best[i] >= 0.0).tolist():
+                b = float(best[i, e])
+                out.append(PrefetchRequest((t, e), priority=near + b, confidence=topk_confidence(b, k)))
+        out.sort(key=lambda r: -r.priority)
+        return out
 
     def propose(self, ctx: LayerContext) -> list[PrefetchRequest]:
         import time
@@ -157,19 +191,7 @@ class LearnedPrefetch(PrefetchPolicy):
         targets = ctx.next_layers(steps)
         batch = self._batch(ctx)
         self._submit(ctx, batch)
-        out: list[PrefetchRequest] = []
-        with torch.no_grad():
-            for s, t in enumerate(targets, start=1):
-                sc = self.scores(t, s, batch).float()  # [T,E]
-                mask = self._select(sc, ctx.top_k)
-                p = sc / sc.sum(-1, keepdim=True).clamp(min=1e-12)
-                best = p.masked_fill(~mask, -1.0).amax(0)  # [E]
-                near = float(len(targets) - s + 1)
-                out += [
-                    PrefetchRequest((t, e), priority=near + float(best[e]), confidence=topk_confidence(float(best[e]), ctx.top_k))
-                    for e in mask.any(0).nonzero().flatten().tolist()
-                ]
-        out.sort(key=lambda r: -r.priority)
+        out = self._requests(targets, self.step_scores(targets, batch), ctx.top_k) if targets else []
         self.predict_s += time.perf_counter() - t0
         self.calls += 1
         return out
@@ -207,19 +229,38 @@ class TokenIdPrefetch(LearnedPrefetch):
 
 @PREFETCH.register
 class ForestPrefetch(LearnedPrefetch):
-    """The forest runs in a worker thread; a target's scores come from the prediction cache when a
+    """One forest call per MoE layer for its targets l+1..l+S on the model's thread (features in numpy, the trees in
+    a compiled kernel). `worker=on`: ExpertFlow's asynchronous dual mode instead: the call for every later layer
+    the forest knows runs in a worker thread, and a target's scores come from the prediction cache when a
     prediction for (token sequence, target, any S) is ready, else from the pre-gate (its top-k)."""
 
     name: ClassVar[str] = "forest"
     predictor: ClassVar[str] = "forest"
 
+    def __init__(
+        self,
+        predictors: str | None = None,
+        lookahead: int | None = None,
+        overfetch: float = 1.0,
+        mass: float | None = None,
+        window: int | None = None,
+        gate: Any = True,
+        budget: Any = None,
+        cancel: Any = True,
+        weight: float = 1.0,
+        worker: Any = False,
+    ) -> None:
+        super().__init__(predictors, lookahead, overfetch, mass, window, gate, budget, cancel, weight)
+        self.worker = _on(worker, "forest worker")
+
     def bind(self, ctx: BindContext) -> Callable[[], None]:
         from ..predict.forest import AsyncForest
-        from ..predict.pregate import PreGatePredictor
 
         unbind = super().bind(ctx)
-        self.runner = AsyncForest(self.pred)
-        self._pregate = PreGatePredictor(ctx.model)  # the fallback while a forest prediction is not ready
+        if self.worker:
+            self.runner = AsyncForest(self.pred)
+            self.fast = None  # `step_scores` below: the prediction cache, else the pre-gate
+        self._now: tuple[list, np.ndarray] = ([], np.zeros((0, 0, 0), np.float32))
         return unbind
 
     def close(self) -> None:
@@ -233,15 +274,21 @@ class ForestPrefetch(LearnedPrefetch):
         return [tuple(r) for r in batch.token_ctx.tolist()]
 
     def _submit(self, ctx: LayerContext, batch: Any) -> None:
-        # ONE forest call serves this layer: every later layer the forest knows, grouped by (tokens, S)
+        # with the worker: ONE forest call serves this layer, every later layer the forest knows, grouped by
+        # (tokens, S); the pre-gate probabilities of those layers (one product with the stacked routers) are the fallback
+        if not self.worker:
+            return
         keys = self._keys(batch)
-        if keys and keys[0] is not None:
-            pairs = [(t, s) for s, t in enumerate(ctx.next_layers(self.pred.max_lookahead), start=1)]
-            self.runner.submit_group(pairs, batch, keys)
+        targets = ctx.next_layers(self.pred.max_lookahead)
+        probs = self.runner.fast.probs(batch, targets)  # [P,T,E]
+        self._now = (keys, probs)
+        if targets and keys[0] is not None:
+            self.runner.submit_group([(t, s) for s, t in enumerate(targets, start=1)], batch, keys, probs)
 
-    def scores(self, target: int, s: int, batch: Any) -> torch.Tensor:
-        keys = self._keys(batch)
-        pre = lambda: self._pregate.predict(target, s, batch)  # noqa: E731
-        if keys and keys[0] is None:
-            return pre()
-        return self.runner.lookup(target, keys, pre)
+    def step_scores(self, targets: list[int], batch: Any) -> np.ndarray:
+        if not self.worker:
+            return super().step_scores(targets, batch)
+        keys, probs = self._now  # targets are the first len(targets) layers `_submit` saw
+        if keys[0] is None:
+            return probs[: len(targets)]
+        return np.stack([self.runner.lookup(t, keys, probs[i].__array__) for i, t in enumerate(targets)])

@@ -160,6 +160,13 @@ class RouterPF:
         q = self.qh.chain(batch, lookahead)[-1]  # [T,H]
         return torch.softmax(batch.router_logits(self.qh.adapter, target_layer, q).float(), -1)  # [T,E]
 
+    def runner(self) -> Any:
+        """The run-time path: every S of a source layer from one chain (`fast.ChainRunner`)."""
+        from .fast import ChainRunner
+
+        assert self.qh is not None, "fit or load first"
+        return ChainRunner(self.qh)
+
     def save(self, folder: Path) -> None:
         assert self.dvec is not None, "fit first"
         save_dvec(folder, self.dvec)

@@ -380,6 +380,12 @@ class Estimator:
             logits = logits + batch.router_logits(self.qh.adapter, target_layer, q).float()  # Router-PF's logits
         return torch.softmax(logits, -1)  # [T,E]
 
+    def runner(self) -> Any:
+        """The run-time path: every S of a source layer in one pass through the network (`fast.EstimatorRunner`)."""
+        from .fast import EstimatorRunner
+
+        return EstimatorRunner(self)
+
     def save(self, folder: Path) -> None:
         assert self.net is not None and self.qh is not None, "fit first"
         save_dvec(folder, self.qh.dvec)
@@ -456,13 +462,17 @@ class Hybrid:
         dvec: dict[int, torch.Tensor] | None = None,
         estimator: Estimator | None = None,
         progress: Callable[[float], None] | None = None,
+        router_pf: RouterPF | None = None,
     ) -> None:
         """Picks the (layer, S) pairs the estimator serves on the validation part of the training prompts
         (`Estimator.fit`'s: `cfg.hybrid_val` of them, seed `cfg.seed + 1`). Reuses `estimator` when it was
-        fitted on `data` (its validation prompts are this split's), else fits one."""
+        fitted on `data` (its validation prompts are this split's), else fits one; reuses `router_pf` when it
+        holds these default vectors."""
         _, val = data.split(cfg.hybrid_val, cfg.seed + 1)
         dvec = dvec if dvec is not None else compute_default_vectors(model, data, max_tokens=cfg.dv_max_tokens)
-        self.router_pf = RouterPF(model, dvec, cfg.max_s)
+        if router_pf is None or router_pf.dvec is not dvec or router_pf.max_lookahead < cfg.max_s:
+            router_pf = RouterPF(model, dvec, cfg.max_s)
+        self.router_pf = router_pf
         vp = np.unique(val.prompt_id)
         if (
             estimator is None
@@ -477,7 +487,7 @@ class Hybrid:
         self.estimator = estimator
         self.max_lookahead = cfg.max_s
         rec: dict[tuple[int, int], tuple[float, float]] = {}
-        qh = self.router_pf.qh
+        qh = router_pf.qh
         assert qh is not None
         pairs = data.rank_pairs(cfg.max_s)
         for src in sorted({l for l, _ in pairs}):  # Router-PF: one chain per source layer serves every S
@@ -496,11 +506,22 @@ class Hybrid:
         self.use_estimator = {p for p, (r, _) in rec.items() if r < self.threshold}
         self.val = {f"{l}+{s}": {"router_pf": r, "estimator": e} for (l, s), (r, e) in rec.items()}
 
+    def delegate(self, layer: int, lookahead: int) -> Estimator | RouterPF:
+        """The predictor that serves source layer `layer` at step `lookahead` (what `predict` calls)."""
+        assert self.estimator is not None and self.router_pf is not None, "fit or load first"
+        return self.estimator if (layer, lookahead) in self.use_estimator else self.router_pf
+
     def predict(self, target_layer: int, lookahead: int, batch: SourceBatch) -> torch.Tensor:
         assert self.estimator is not None and self.router_pf is not None, "fit or load first"
         if (batch.layer, lookahead) in self.use_estimator:
             return self.estimator.predict(target_layer, lookahead, batch)
         return self.router_pf.predict(target_layer, lookahead, batch)
+
+    def runner(self) -> Any:
+        """The run-time path: one chain and one estimator pass per source layer (`fast.HybridRunner`)."""
+        from .fast import HybridRunner
+
+        return HybridRunner(self)
 
     def save(self, folder: Path) -> None:
         assert self.estimator is not None, "fit first"

@@ -48,17 +48,39 @@ class DecayFit(TypedDict):
 FIT_BOUNDS = {"a": (0.0, 2.0), "b": (0.0, 5.0), "c": (0.0, 1.0)}  # fit_decay's parameter bounds
 
 
-def set_metrics(scores: torch.Tensor, truth: torch.Tensor, mass: float) -> dict[str, float]:
-    """Sums (not means) over rows: recall@k hits, mass-set hits, mass-set sizes. scores [T,E], truth [T,k]."""
+def row_metrics(scores: torch.Tensor, truth: torch.Tensor, mass: float) -> torch.Tensor:
+    """[T,3] per row: recall@k hits, routed experts inside the mass set, mass-set size. scores [T,E], truth [T,k]."""
     k = truth.shape[1]
     scores = scores.float().clamp(min=0)
     top = torch.topk(scores, k, -1).indices  # [T,k]
-    hit_k = topk_hits(top, truth).sum()
+    hit_k = topk_hits(top, truth)  # [T]
     p = scores / scores.sum(-1, keepdim=True).clamp(min=1e-12)  # [T,E]
     chosen = mass_mask(p, mass)  # [T,E] first item always kept
     truth_hot = torch.zeros_like(chosen).scatter(-1, truth, True)
-    inter = (chosen & truth_hot).sum()
-    return {"n": float(len(truth)), "hits_k": float(hit_k), "inter": float(inter), "set_size": float(chosen.sum()), "k": float(k)}
+    inter = (chosen & truth_hot).sum(-1)  # [T]
+    return torch.stack([hit_k, inter, chosen.sum(-1)], 1).double()  # [T,3]
+
+
+def _summary(m: torch.Tensor, k: int) -> dict[str, float]:
+    """Means of `row_metrics` rows m [n,3] (n > 0)."""
+    n = len(m)
+    hits, inter, size = m.sum(0).tolist()
+    return {
+        "recall_at_k": hits / (n * k),
+        "mass_precision": inter / max(size, 1.0),
+        "mass_recall": inter / (n * k),
+        "mass_set_size": size / n,
+    }
+
+
+def _mean_by_s(results: Mapping[str, Mapping[str, Mapping[str, float]]]) -> dict[str, dict[int, float]]:
+    return {
+        name: {
+            s: float(np.mean([m["recall_at_k"] for m in r.values() if m["S"] == s]))
+            for s in sorted({int(m["S"]) for m in r.values()})
+        }
+        for name, r in results.items()
+    }
 
 
 def evaluate(
@@ -72,45 +94,43 @@ def evaluate(
     progress: Callable[[], None] | None = None,
     rows: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """{'pairs': [...], 'results': {name: {'src->tgt': metrics}}, 'by_s': {name: {S: mean recall}}, 'fit': {...}}.
+    """{'pairs': [...], 'results': {name: {'src->tgt': metrics}}, 'by_s': {name: {S: mean recall}}, 'fit': {...},
+    'decode_by_s': the same means on decode tokens only (None without any)}.
 
-    `rows` restricts scoring to those records (e.g. decode tokens); token contexts use all of `data`."""
+    `rows` restricts scoring to those records (e.g. decode tokens); token contexts use all of `data`.
+    Each predictor scores each (layer, S) once for all rows; a predictor with `delegate(layer, S)` (Hybrid)
+    reuses the scores of the predictor it delegates to when that one is among `predictors`."""
     ctx = data.context(window)
     sel = np.arange(data.n) if rows is None else np.asarray(rows)
+    dec = torch.from_numpy(data.phase[sel] == 1)  # [n] decode rows among sel
     pairs = data.rank_pairs(max_s)
+    done: dict[tuple[int, int, int], torch.Tensor] = {}  # (id(predictor), layer, S) -> row_metrics [n,3]
     results: dict[str, dict[str, dict[str, float]]] = {}
+    decode: dict[str, dict[str, dict[str, float]]] = {}
     for name, pred in predictors.items():
         res: dict[str, dict[str, float]] = {}
+        res_dec: dict[str, dict[str, float]] = {}
         for src, s in pairs:
             if s > getattr(pred, "max_lookahead", max_s):
                 continue
             tgt = target_of(data.spec, src, s)
-            acc: dict[str, float] = {}
-            for sl in iter_chunks(len(sel), chunk):
-                r_ = sel[sl]
-                b = batch_from_rows(data, src, r_, ctx=ctx)
-                m = set_metrics(pred.predict(tgt, s, b), torch.from_numpy(data.layers[tgt].topk_ids[r_]), mass)
-                for k_, v in m.items():
-                    acc[k_] = acc.get(k_, 0.0) + v if k_ != "k" else v
-            n, k = acc["n"], acc["k"]
-            res[f"{src}->{tgt}"] = {
-                "source": src,
-                "target": tgt,
-                "S": s,
-                "recall_at_k": acc["hits_k"] / (n * k),
-                "mass_precision": acc["inter"] / max(acc["set_size"], 1.0),
-                "mass_recall": acc["inter"] / (n * k),
-                "mass_set_size": acc["set_size"] / n,
-            }
+            k = data.layers[tgt].topk_ids.shape[1]
+            who = pred.delegate(src, s) if hasattr(pred, "delegate") else pred
+            m = done.get((id(who), src, s))
+            if m is None:
+                parts = []
+                for sl in iter_chunks(len(sel), chunk):
+                    b = batch_from_rows(data, src, sel[sl], ctx=ctx)
+                    parts.append(row_metrics(who.predict(tgt, s, b), torch.from_numpy(data.layers[tgt].topk_ids[sel[sl]]), mass))
+                m = done[(id(who), src, s)] = torch.cat(parts)  # [n,3]
+            res[f"{src}->{tgt}"] = {"source": src, "target": tgt, "S": s, **_summary(m, k)}
+            if bool(dec.any()):
+                res_dec[f"{src}->{tgt}"] = {"S": s, **_summary(m[dec], k)}
             if progress is not None:
                 progress()
         results[name] = res
-    by_s = {
-        name: {
-            s: float(np.mean([m["recall_at_k"] for m in r.values() if m["S"] == s])) for s in sorted({m["S"] for m in r.values()})
-        }
-        for name, r in results.items()
-    }
+        decode[name] = res_dec
+    by_s = _mean_by_s(results)
     raw = {name: fit_decay([(m["S"], m["recall_at_k"]) for m in r.values()]) for name, r in results.items()}
     status = {name: decay_fit_status(f, len({m["S"] for m in r.values()})) for (name, f), r in zip(raw.items(), results.values())}
     fits = {name: f if status[name] == "ok" else None for name, f in raw.items()}
@@ -128,6 +148,7 @@ def evaluate(
         "by_s": by_s,
         "fit": fits,
         "fit_status": status,
+        "decode_by_s": _mean_by_s(decode) if bool(dec.any()) else None,
     }
 
 

@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..errors import ArtifactError, ConfigError
+from ..errors import ArtifactError
 from ..moe import get_adapter
 from .base import PREDICTORS
 from .data import RoutingData, SourceBatch, batch_from_rows, target_of
@@ -78,6 +78,9 @@ class ArrayForest:
         self.n_features = n_features
         self.max_depth = max_depth
         self.n_estimators = len(arrays["roots"])
+        a = arrays  # [N,6] one float64 row per node for the compiled walk (`fast.forest_walk`)
+        cols = ("left", "right", "feature", "leaf", "nan_left", "threshold")
+        self.nodes = np.stack([a[k].astype(np.float64) for k in cols], 1)
 
     @classmethod
     def from_sklearn(cls, rf: Any) -> ArrayForest:
@@ -103,26 +106,13 @@ class ArrayForest:
         return cls({k: np.concatenate(v) for k, v in parts.items()}, int(rf.n_features_in_), rf.max_depth)
 
     def predict(self, X: np.ndarray) -> np.ndarray:
-        """[T,F] -> [T,E] float64: the mean over trees of the leaf each row reaches."""
+        """[T,F] -> [T,E] float64: the mean over trees of the leaf each row reaches (`fast.forest_walk`, compiled;
+        features compared as float32, as scikit-learn does)."""
+        from .fast import forest_walk
+
         a = self.a
-        X = np.asarray(X, dtype=np.float32)  # scikit-learn compares float32 features
-        T, F_ = X.shape
-        flat = X.reshape(-1)
-        node = np.tile(a["roots"], T)  # [T*trees] the node each (row, tree) walk is at, row-major
-        base = np.repeat(np.arange(T, dtype=np.int64) * F_, self.n_estimators)  # [T*trees] row offsets in flat
-        walk = np.flatnonzero(a["left"][node] >= 0)  # the walks not at a leaf yet
-        while len(walk):
-            nd = node[walk]
-            x = flat[base[walk] + a["feature"][nd]].astype(np.float64)
-            go_left = (x <= a["threshold"][nd]) | (np.isnan(x) & a["nan_left"][nd])
-            nd = np.where(go_left, a["left"][nd], a["right"][nd])
-            node[walk] = nd
-            walk = walk[a["left"][nd] >= 0]
-        leaf = a["leaf"][node].reshape(T, self.n_estimators)  # [T,trees]
-        out = np.zeros((T, a["value"].shape[1]), np.float64)
-        for j in range(self.n_estimators):  # tree order, as scikit-learn sums
-            out += a["value"][leaf[:, j]]
-        return out / self.n_estimators
+        X = np.ascontiguousarray(X, dtype=np.float32)
+        return forest_walk(X, self.nodes, a["value"], a["roots"])
 
     def save(self, path: Path) -> None:
         arrays = {
@@ -212,6 +202,17 @@ class Forest:
         p = (c + 0.5 * self.prior_freq[r][None]) / (c.sum(1, keepdims=True) + 0.5)
         return np.concatenate([p, np.log1p(n)], 1).astype(np.float32)
 
+    def prior_all(self, tok: np.ndarray) -> np.ndarray:
+        """[L,T,M+1]: `prior(target, tok)` of every target rank at once (the run-time path, `fast.ForestRunner`)."""
+        c = np.zeros((self.prior_counts.shape[0], len(tok), self.spec.num_experts), np.float32)  # [L,T,M]
+        if len(self.prior_ids):
+            pos = np.clip(np.searchsorted(self.prior_ids, tok), 0, len(self.prior_ids) - 1)
+            known = self.prior_ids[pos] == tok
+            c[:, known] = self.prior_counts[:, pos[known]]
+        tot = c.sum(2, keepdims=True)  # [L,T,1]
+        p = (c + 0.5 * self.prior_freq[:, None, :]) / (tot + 0.5)
+        return np.concatenate([p, np.log1p(tot / self.spec.top_k)], 2).astype(np.float32)
+
     def features(
         self, target: int, s: int, batch: SourceBatch, probs: np.ndarray | None = None, minus: np.ndarray | None = None
     ) -> np.ndarray:
@@ -273,8 +274,6 @@ class Forest:
 
         from sklearn.ensemble import RandomForestRegressor
 
-        if not 0.0 < cfg.forest_bootstrap <= 1.0:
-            raise ConfigError(f"forest_bootstrap must be in (0, 1], got {cfg.forest_bootstrap}")
         t0 = time.perf_counter()
         self.max_lookahead = cfg.max_s
         self.base_kind = cfg.forest_base if (data.has_hidden or cfg.forest_base != "pregate") else "none"
@@ -284,8 +283,10 @@ class Forest:
         pairs = data.rank_pairs(cfg.max_s)
         per = max(1, cfg.forest_max_samples // max(1, len(pairs)))
         ml = list(self.spec.moe_layers)
-        X, Y = [], []
-        for src, s in pairs:
+        n = min(data.n, per)  # rows per pair
+        X = np.empty((len(pairs) * n, self.n_features), np.float32)  # [pairs*n,F] filled in place (no second copy)
+        Y = np.empty((len(pairs) * n, self.spec.num_experts), np.float32)  # [pairs*n,E]
+        for j, (src, s) in enumerate(pairs):
             tgt = target_of(data.spec, src, s)
             rows = np.arange(data.n)
             if len(rows) > per:
@@ -293,18 +294,18 @@ class Forest:
             b = batch_from_rows(data, src, rows, ctx=ctx)
             minus = own[pinv[rows], ml.index(tgt)]  # the row's own prompt, left out of its token prior
             base, probs = self.base(tgt, b if data.has_hidden else _no_router(b), minus)
-            X.append(self.features(tgt, s, b, probs, minus))
-            Y.append(multi_hot(data.layers[tgt].topk_ids[rows], self.spec.num_experts) - base)
+            X[j * n : (j + 1) * n] = self.features(tgt, s, b, probs, minus)
+            Y[j * n : (j + 1) * n] = multi_hot(data.layers[tgt].topk_ids[rows], self.spec.num_experts) - base
         rf = RandomForestRegressor(
             n_estimators=cfg.forest_trees,
             max_depth=cfg.forest_depth or None,
             min_samples_leaf=cfg.forest_min_leaf,
             max_features=min(self.n_features, max(MIN_SPLIT_FEATURES, round(cfg.forest_max_features * self.n_features))),
-            max_samples=cfg.forest_bootstrap,
+            max_samples=min(cfg.forest_tree_samples, len(X)),  # many small draws from a large pool: diverse trees
             n_jobs=cfg.threads,
             random_state=cfg.seed,
         )
-        rf.fit(np.concatenate(X, dtype=np.float32), np.concatenate(Y))  # float32: what scikit-learn splits on
+        rf.fit(X, Y)  # X float32: what scikit-learn splits on
         self.rf = ArrayForest.from_sklearn(rf)  # run-time prediction: numpy, one thread, off the model's cores
         self.fit_seconds = time.perf_counter() - t0
 
@@ -325,6 +326,12 @@ class Forest:
 
     def predict(self, target_layer: int, lookahead: int, batch: SourceBatch) -> torch.Tensor:
         return torch.from_numpy(self.predict_group([(target_layer, lookahead)], batch)[0])
+
+    def runner(self) -> Any:
+        """The run-time path: every (target, S) of a source layer in one call (`fast.ForestRunner`)."""
+        from .fast import ForestRunner
+
+        return ForestRunner(self)
 
     def save(self, folder: Path) -> None:
         assert self.rf is not None, "fit first"
@@ -403,14 +410,20 @@ def _no_router(batch: SourceBatch) -> SourceBatch:
 class AsyncForest:
     """Runs `Forest` predictions in a worker thread; a cache keyed by (token sequence, layer, S).
 
-    `submit_group(pairs, batch, keys)` queues, as ONE forest call for all (target, S) in `pairs`, the rows
-    whose keys are not cached or pending (`submit(target, s, ...)`: one pair); `lookup(target,
-    batch)` returns, per row, the ready prediction with the smallest S for that target (any source),
-    else the pre-gate top-k fallback. Counters say how often each path was taken.
+    `submit_group(pairs, batch, keys, probs)` queues, as ONE forest call for all (target, S) in `pairs`, the rows
+    whose keys are not cached or pending (`submit(target, s, ...)`: one pair); `lookup(target, keys, fallback)`
+    returns, per row, the ready prediction with the smallest S for that target (any source), else the fallback's
+    row (the pre-gate). The caller's thread builds the rows (`fast.ForestRunner.prepare`: the pre-gate
+    probabilities from one product with the stacked routers, pass them as `probs` [P,T,E] when already computed,
+    and the features, numpy); the worker walks the trees in a compiled kernel that releases the GIL, so it never
+    holds the model's thread up. Counters say how often each path was taken; `busy_s` is the worker's time.
     """
 
     def __init__(self, forest: Forest, *, max_entries: int = 65536, workers: int = 1):
+        from .fast import ForestRunner
+
         self.forest = forest
+        self.fast = ForestRunner(forest)
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moeflow-forest")
         self.cache: dict[tuple[Hashable, int, int], np.ndarray] = {}
         self.pending: dict[tuple[Hashable, int, int], Future] = {}
@@ -421,11 +434,11 @@ class AsyncForest:
         self.busy_s = 0.0
         self.calls = 0  # forest calls (one per submitted source layer)
 
-    def _run(self, pairs: list[tuple[int, int]], keys: list, batch: SourceBatch, bases: list) -> None:
+    def _run(self, pairs: list[tuple[int, int]], keys: list, X: np.ndarray, base: np.ndarray, probs: np.ndarray) -> None:
         import time
 
         t0 = time.perf_counter()
-        scores = self.forest.predict_group(pairs, batch, bases)  # one forest call for every (target, S)
+        scores = self.fast.finish(X, base, probs)  # [P,T,E] one forest call for every (target, S)
         with self.lock:
             for (t, s), sc in zip(pairs, scores):
                 for i, q in enumerate(keys):
@@ -439,10 +452,11 @@ class AsyncForest:
     def submit(self, target: int, s: int, batch: SourceBatch, seq_keys: list[Hashable]) -> None:
         self.submit_group([(target, s)], batch, seq_keys)
 
-    def submit_group(self, pairs: list[tuple[int, int]], batch: SourceBatch, seq_keys: list[Hashable]) -> None:
+    def submit_group(
+        self, pairs: list[tuple[int, int]], batch: SourceBatch, seq_keys: list[Hashable], probs: np.ndarray | None = None
+    ) -> None:
         """Queue ONE forest job for every (target, S) in `pairs`, for the rows with any of them not cached
-        or pending. The pre-gate probabilities are computed here, on the caller's thread (they call the
-        model's router); the worker runs only the forest (numpy)."""
+        or pending. `probs` [P,T,E]: the pairs' pre-gate probabilities (computed here when None)."""
         with self.lock:
             todo = [
                 i
@@ -451,27 +465,29 @@ class AsyncForest:
             ]
         if not todo or not pairs:
             return
-        idx = torch.tensor(todo)
-        sub = SourceBatch(
-            batch.layer,
-            batch.router_input[idx] if batch.router_input.numel() else batch.router_input,
-            batch.topk_ids[idx],
-            batch.topk_weights[idx],
-            None,
-            None if batch.token_ctx is None else batch.token_ctx[idx],
-            {l: h[idx] for l, h in batch.history.items()},
-            route=batch.route,
-        )
-        bases = [self.forest.base(t, sub) for t, _ in pairs]
-        sub.route = None
+        probs = self.fast.probs(batch, [t for t, _ in pairs]) if probs is None else probs
+        sub = batch
+        if len(todo) < batch.t:
+            idx = torch.tensor(todo)
+            sub = SourceBatch(
+                batch.layer,
+                batch.router_input[idx] if batch.router_input.numel() else batch.router_input,
+                batch.topk_ids[idx],
+                batch.topk_weights[idx],
+                None,
+                None if batch.token_ctx is None else batch.token_ctx[idx],
+                {l: h[idx] for l, h in batch.history.items()},
+            )
+            probs = probs[:, todo]
         sub_keys = [seq_keys[i] for i in todo]
+        X, base = self.fast.prepare(list(pairs), sub, probs)  # numpy here; the worker walks the trees without the GIL
         with self.lock:
-            fut = self.pool.submit(self._run, list(pairs), sub_keys, sub, bases)
+            fut = self.pool.submit(self._run, list(pairs), sub_keys, X, base, probs)
             for q in sub_keys:
                 for t, s in pairs:
                     self.pending[(q, t, s)] = fut
 
-    def lookup(self, target: int, seq_keys: list[Hashable], fallback: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def lookup(self, target: int, seq_keys: list[Hashable], fallback: Callable[[], Any]) -> np.ndarray:
         """Scores [T,E]: cached forest rows where ready (smallest S first), the fallback's rows elsewhere."""
         out: list[np.ndarray | None] = []
         with self.lock:
@@ -486,10 +502,13 @@ class AsyncForest:
         self.hits += len(out) - len(missing)
         self.fallbacks += len(missing)
         if missing:
-            fb = fallback().float().numpy()
+            fb = fallback()
+            fb = fb.float().numpy() if isinstance(fb, torch.Tensor) else np.asarray(fb, np.float32)
+            if len(missing) == len(out):
+                return fb
             for i in missing:
                 out[i] = fb[i]
-        return torch.from_numpy(np.stack(out))  # type: ignore[arg-type]  # every row filled above
+        return np.stack(out)  # type: ignore[arg-type]  # every row filled above
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

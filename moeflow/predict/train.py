@@ -1,7 +1,7 @@
 """Fitting the predictors of `moeflow train` (the stage is `moeflow.stages.train`): `fit_all` computes the
 default vectors once (shared by router-pf, estimator, hybrid) and fits each requested predictor plus the
-trivial baselines (`frequency`, `token-id`) and the parameter-free `pregate`; `decode_only` and `sequences`
-are the decode-time evaluation and the token sequences the speculative-quality measurement uses.
+trivial baselines (`frequency`, `token-id`) and the parameter-free `pregate`; `sequences` are the token
+sequences the speculative-quality measurement uses.
 `cfg` is the stage's `TrainConfig` (the predictors read their hyperparameters from it).
 """
 
@@ -55,7 +55,7 @@ def fit_all(
     from .default_vectors import compute_default_vectors
 
     own = [n for n in cfg.only if n != "pregate" and n not in PLANNERS and n not in GPS]
-    own.sort(key=lambda n: n == "hybrid")  # after the estimator it reuses
+    own.sort(key=lambda n: n == "hybrid")  # after the estimator and router-pf it reuses
     names = list(BASELINES) + (["pregate"] if train.has_hidden else []) + own
     task = (lambda name, total: progress.add_task(name, total=total)) if progress else (lambda *a: None)
     adv = (lambda t, **kw: progress.update(t, **kw)) if progress else (lambda *a, **k: None)
@@ -76,7 +76,15 @@ def fit_all(
         elif n == "estimator":
             p.fit(train, model, cfg, dvec=dvec, progress=lambda f, t=t: adv(t, completed=f))
         elif n == "hybrid":
-            p.fit(train, model, cfg, dvec=dvec, estimator=out.get("estimator"), progress=lambda f, t=t: adv(t, completed=f))
+            p.fit(
+                train,
+                model,
+                cfg,
+                dvec=dvec,
+                estimator=out.get("estimator"),
+                progress=lambda f, t=t: adv(t, completed=f),
+                router_pf=out.get("router-pf"),
+            )
         else:
             p.fit(train, model, cfg)
         p.fit_seconds = getattr(p, "fit_seconds", 0.0) or (time.perf_counter() - t0)
@@ -93,14 +101,3 @@ def sequences(data: RoutingData, limit: int, max_len: int = 256) -> list[list[in
         rows = rows[np.argsort(data.position[rows])]
         out.append(data.token_id[rows][:max_len].tolist())
     return out
-
-
-def decode_only(preds: dict[str, Any], data: RoutingData, max_s: int, window: int, mass: float) -> dict | None:
-    """Mean recall@k by S on decode tokens only (what a batch-1 decode step prefetches for)."""
-    from .evaluate import evaluate
-
-    rows = np.flatnonzero(data.phase == 1)
-    if len(rows) == 0:
-        return None
-    # the token context must come from the full data (prompt tokens precede the decode tokens)
-    return evaluate(preds, data, max_s=max_s, window=window, mass=mass, rows=rows)["by_s"]

@@ -457,6 +457,24 @@ class ExpertCache:
             issued.add(s)
         return len(issued)
 
+    def stage(self, keys: Sequence[ExpertKey], layer: int) -> int:
+        """A staged batch (`runtime/prefill.py`): copies for `keys` in the given order at prefetch priority,
+        without the prefetch policy's gate (counted as prefetches); never waits. Returns copies issued."""
+        gate, self.gate = self.gate, None
+        try:
+            n = len(keys)
+            return self.prefetch([PrefetchRequest(k, priority=float(n - i)) for i, k in enumerate(keys)], layer)
+        finally:
+            self.gate = gate
+
+    def stage_room(self, layer: int) -> int:
+        """Slots of `layer`'s part that no running layer pins and that hold no expert of `layer` (room for a staged
+        batch of `layer` that evicts none of its own)."""
+        slots = self.slots
+        return sum(
+            not (sl := slots[s]).pinned and (sl.key is None or sl.key[0] != layer) for s in self._part_slots[self._part(layer)]
+        )
+
     # ---- compiled core -------------------------------------------------------------------------------
     def _core_demand(self, layer: int, experts: Sequence[int], bits: dict[int, int] | None) -> list[int]:
         core = cast(CacheCore, self.core)

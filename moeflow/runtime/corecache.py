@@ -19,6 +19,14 @@ from ..policies.base import EvictionPolicy
 from . import cachecore as cc
 from .counters import CacheCounters
 
+_ENTRY: list[Any] = []
+
+
+def _entry() -> Any:
+    if not _ENTRY:
+        _ENTRY.append(cc.k_call_entry())
+    return _ENTRY[0]
+
 
 def kernel_kind(policy: Any) -> int | None:
     """The compiled kind (`cachecore.KIND_*`) of an eviction policy object, None for the Python mechanism.
@@ -77,9 +85,13 @@ class CacheCore:
         st.byb[:] = np.asarray(bytes_of_bits, dtype=np.int64)
         self.st = st
         self.per = int(st.hdr[cc.H_PER])
+        self._call = _entry()  # `cachecore.k_call` without the dispatcher: every array below is C-contiguous
         self._res = np.zeros(3, dtype=np.int64)
+        self._left = np.zeros(1, dtype=np.int64)
         self._none = np.zeros(0, dtype=np.int64)
-        self._ex, self._out, self._zeros = (np.zeros(num_experts, dtype=np.int64) for _ in range(3))
+        ex, out, zeros = (np.zeros(num_experts, dtype=np.int64) for _ in range(3))
+        # views of n = 0..E elements, made once: a call slices nothing (one layer's experts at most)
+        self._ex, self._out, self._zeros = ([x[:n] for n in range(num_experts + 1)] for x in (ex, out, zeros))
 
     # ---- state ------------------------------------------------------------------------------------------
     @property
@@ -96,7 +108,8 @@ class CacheCore:
 
     def records(self) -> list[list[int]]:
         """The last call's evictions, loads and upgrades: [op, slot, key, arg] (`cachecore.LOG_*`)."""
-        return self.st.log[: self.st.sc[cc.SC_NLOG]].tolist()
+        n = int(self.st.sc[cc.SC_NLOG])
+        return self.st.log[:n].tolist() if n else []
 
     def resident(self) -> list[tuple[int, int]]:
         """(slot, key) of every resident slot."""
@@ -111,19 +124,26 @@ class CacheCore:
             sc[cc.SC_GENSEQ] = sc[cc.SC_PSEQ]
 
     def begin_pass(self, pass_id: int) -> None:
-        cc.k_call(self.I, self.F, self.X, cc.OP_BEGIN_PASS, int(pass_id), self._none, self._none, self._none)
+        self._call(self.I, self.F, self.X, cc.OP_BEGIN_PASS, int(pass_id), self._none, self._none, self._none)
 
     def begin_layer(self, rank: int) -> None:
-        cc.k_call(self.I, self.F, self.X, cc.OP_BEGIN_LAYER, int(rank), self._none, self._none, self._none)
+        """Left pending in the state: the next kernel call starts the layer first (one call fewer per layer)."""
+        sc = self.st.sc
+        if sc[cc.SC_PENDL] >= 0:
+            self._flush()
+        sc[cc.SC_PENDL] = rank
+
+    def _flush(self) -> None:
+        self._call(self.I, self.F, self.X, cc.OP_NONE, 0, self._none, self._none, self._none)
 
     def demand(self, rank: int, experts: Sequence[int], bits: dict[int, int] | None) -> list[int]:
         n = len(experts)
-        ex, out = self._ex[:n], self._out[:n]  # buffers of E: one layer's experts at most
+        ex, out = self._ex[n], self._out[n]
         ex[:] = experts
-        nb = self._zeros[:n]
+        nb = self._zeros[n]
         if bits:
             nb = np.fromiter((bits.get(e, 0) for e in experts), dtype=np.int64, count=n)
-        i = cc.k_call(self.I, self.F, self.X, cc.OP_DEMAND, int(rank), ex, nb, out)
+        i = self._call(self.I, self.F, self.X, cc.OP_DEMAND, int(rank), ex, nb, out)
         if i >= 0:
             raise RuntimeError(f"no evictable slot for MoE layer #{rank}'s expert {int(ex[i])}: all {self.per} are pinned")
         return out.tolist()
@@ -133,21 +153,24 @@ class CacheCore:
         Returns (issued, admitted, refused)."""
         ks = np.fromiter(keys, dtype=np.int64, count=len(keys))
         res = self._res
-        cc.k_call(self.I, self.F, self.X, cc.OP_PREFETCH, int(rank), ks, np.array([left], dtype=np.int64), res)
+        self._left[0] = left
+        self._call(self.I, self.F, self.X, cc.OP_PREFETCH, int(rank), ks, self._left, res)
         issued, admitted, refused = res.tolist()
         return issued, admitted, refused
 
     def release(self, slots: Sequence[int], retain: bool, upgrade: bool) -> bool:
         """Unpin `slots` (evicting them without `retain`, queueing upgrades with `upgrade`); True when that
         evicted or upgraded something (`records`)."""
-        ss = self._ex[: len(slots)]
+        ss = self._ex[len(slots)]
         ss[:] = slots
-        cc.k_call(self.I, self.F, self.X, cc.OP_RELEASE, int(retain) + 2 * int(upgrade), ss, self._none, self._none)
+        self._call(self.I, self.F, self.X, cc.OP_RELEASE, int(retain) + 2 * int(upgrade), ss, self._none, self._none)
         return bool(self.st.sc[cc.SC_NLOG])
 
     def replay(self, stream: Any, proposals: Any, *, wave_cap: int, count_phase: int | None, left: int) -> ReplayResult:
         """A whole access stream (`moeflow.sim.stream.Stream`) and its proposals (`Proposals` or None) in one
         kernel call, as the simulator's loop makes the cache calls."""
+        if self.st.sc[cc.SC_PENDL] >= 0:
+            self._flush()
         out = np.zeros(7, dtype=np.int64)
         sums = np.zeros((2, cc.NCNT), dtype=np.int64)
         per_layer = np.zeros((3, self.L), dtype=np.int64)

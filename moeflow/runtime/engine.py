@@ -6,7 +6,8 @@ stacked parameters on the device, makes the C-slot device cache, binds the polic
 (`moeflow.moe.experts_impl`: each experts module tagged with its layer and this engine; no globals hold
 engines), and installs its hooks. Each hook hands over to the module that does that job:
 - model forward pre-hook -> `_on_pass_start`: `pass_id += 1`, `PassAccount.begin`, `RouteStep.begin_pass`,
-  `cache.begin_pass` (`on_pass_start`), then `pass_start_hooks` (plans);
+  `StagedPrefill.begin` (a prefill pass: `runtime/prefill.py`, with `prefill="staged"` its layers' experts move
+  as staged batches, double-buffered), `cache.begin_pass` (`on_pass_start`), then `pass_start_hooks` (plans);
 - router forward hook (`moeflow.moe.router_hooks`) -> `_on_route` -> `RouteStep.route` (`runtime/step.py`:
   deferral, reroute, ONE host read, miss rewriting, `cache.route`, prefetch context and copies);
 - post-attention residual hook (`needs_residual` prefetchers) -> `RouteStep.residual`;
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from ..moe import RouterEvent, get_adapter, residual_hooks, router_hooks
 from ..moe.experts_impl import check_replaceable, register_experts_impl, use_experts_impl
 from ..policies.base import BindContext, EvictionPolicy, MissPolicy, PrefetchPolicy, PrefetchRequest, RoutingPolicy
@@ -41,6 +43,7 @@ from .experts_call import ExpertsCall
 from .host_worker import HostWorker, hidden_share
 from .link import Link
 from .passstats import EngineCounts, Observer, PassAccount, PassStats  # noqa: F401  (PassStats: importable here)
+from .prefill import PREFILL_PATHS, StagedPrefill
 from .step import RouteStep
 from .store import HostExpertStore
 
@@ -73,6 +76,7 @@ class OffloadEngine:
         retain: bool = True,
         lookahead: int = 1,
         host_worker: bool = True,
+        prefill: str = "staged",
     ):
         self.adapter = get_adapter(model)
         check_replaceable(model, self.adapter, IMPL_NAME, "offloading")
@@ -84,6 +88,9 @@ class OffloadEngine:
         self.capacity = capacity
         self.lookahead = int(lookahead)  # step size S; controllers may change it between passes
         self.host_worker = bool(host_worker)  # host experts beside the device's (False: serially)
+        if prefill not in PREFILL_PATHS:
+            raise ConfigError(f"--prefill {prefill!r} unknown; use one of {', '.join(PREFILL_PATHS)}")
+        self.prefill_path = prefill  # staged (`runtime/prefill.py`) or serial (the per-layer step alone)
         self.observers: list[Observer] = []
         self.pass_start_hooks: list[Callable[[], None]] = []  # called at every pass start, after the cache's (plans)
         self.device = next(model.parameters()).device
@@ -93,6 +100,7 @@ class OffloadEngine:
         self.pass_id = -1
         self._cache: ExpertCache | None = None  # created by `attach`
         self._step: RouteStep | None = None
+        self._prefill: StagedPrefill | None = None
         self._call: ExpertsCall | None = None
         self._stack: contextlib.ExitStack | None = None
         self._predicting = False  # a policy (or speculative routing) is applying a router: the hooks ignore it
@@ -168,6 +176,8 @@ class OffloadEngine:
                 retain=self.retain,
                 gate=pf.gate if pf is not None and prefetching else None,
             )
+            if cache.buffer is not None:  # the slot buffer's pages mapped now, not by the first prefill's copies
+                cache.buffer.zero_()
             stack.callback(self.link.close)
             ctx = BindContext(
                 self.model,
@@ -186,10 +196,22 @@ class OffloadEngine:
                 self.store.quantize(miss.precisions, optimize=miss.optimize)
             if miss is not None and miss.needs_model:  # substitute: router similarities; auto: host / copy timings
                 miss.bind(ctx)
+            wave_cap = wave_capacity(cache.part_capacity, self.store.expert_bytes)
+            routing_miss = miss is not None and (miss.needs_routing or bool(miss.precisions))  # decided per call
+            staged = self.prefill_path == "staged" and self.retain and not routing_miss
+            self._prefill = StagedPrefill(
+                cache=cache,
+                spec=self.spec,
+                wave_cap=wave_cap,
+                account=self.account,
+                predict_logits=self._predict_logits,
+                enabled=staged,
+                stage_next=prefetching,  # staging the next layer is speculative: only with a prefetch policy
+            )
             step = self._step = RouteStep(
                 adapter=self.adapter,
                 cache=cache,
-                wave_cap=wave_capacity(cache.part_capacity, self.store.expert_bytes),
+                wave_cap=wave_cap,
                 miss=miss,
                 routing=self.routing,
                 prefetcher=pf,
@@ -198,6 +220,7 @@ class OffloadEngine:
                 counts=self.counts,
                 predict_logits=self._predict_logits,
                 lookahead=lambda: self.lookahead,
+                prefill=self._prefill,
             )
             host = None
             if self.host_worker and miss is not None and miss.needs_host:  # cpu / auto: host experts on a thread
@@ -252,6 +275,7 @@ class OffloadEngine:
         self.pass_id += 1
         self.account.begin(self.pass_id, kwargs.get("input_ids", args[0] if args else None), self.cache.counters, self.link)
         self.step.begin_pass()
+        _attached(self._prefill).begin(self.account.decode)
         self.cache.begin_pass(self.pass_id)
         for hook in list(self.pass_start_hooks):
             hook()
@@ -263,6 +287,8 @@ class OffloadEngine:
         if not self.observers:
             return
         stats = self.account.stats(self.cache.counters, self.link, self.lookahead)
+        if self._prefill is not None and self._prefill.prefill:
+            stats.needed = self._prefill.needed
         for obs in list(self.observers):
             obs(stats)
 

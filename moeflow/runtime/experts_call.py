@@ -70,6 +70,8 @@ class ExpertsCall:
             waves, groups = [(None, None)], min(top_k_index.numel(), self.spec.num_experts)
         elif routed.slots is not None:
             waves, groups = [(routed.experts, routed.slots)], len(routed.experts)
+        elif routed.waves is not None:  # a staged prefill: its own waves (`sorted_rows`)
+            waves, groups = [], len(routed.experts)
         else:  # prefill beyond one wave: demanded wave by wave
             scores = routed.scores
             plan = self.cache.plan_waves(layer, routed.experts, self.step.wave_cap)
@@ -80,6 +82,8 @@ class ExpertsCall:
         table = cache.table[cache.rank[layer]]  # [E] slot of each expert, -1
 
         def sorted_rows(x_g: torch.Tensor, eg: torch.Tensor) -> torch.Tensor:
+            if routed.waves is not None and self.step.prefill is not None:  # a staged prefill (`runtime/prefill.py`)
+                return self.step.prefill.compute(self, module, layer, x_g, eg, table, routed)
             return self._compute(module, layer, x_g, eg, table, waves, groups, routed.cpu)
 
         out = routed_experts_forward(hidden, top_k_index, top_k_weights, sorted_rows)

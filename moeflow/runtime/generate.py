@@ -54,9 +54,11 @@ def build_engine(
     prefetch_opts: dict[str, Any] | None = None,
     miss_opts: dict[str, Any] | None = None,
     routing_opts: dict[str, Any] | None = None,
+    prefill: str = "staged",
 ) -> OffloadEngine | None:
     """`resident` -> None (stock model); `on-demand` -> load after routing, keep nothing past the layer;
-    `offload` -> C-slot cache with the named policies. The engine is not attached yet (use `with`)."""
+    `offload` -> C-slot cache with the named policies; `prefill`: staged or serial (`runtime/prefill.py`).
+    The engine is not attached yet (use `with`)."""
     if mode == "resident":
         return None
     spec = get_adapter(model).spec
@@ -84,6 +86,7 @@ def build_engine(
         routing=create_policy(ROUTING, routing, routing_opts),
         per_layer=per_layer,
         lookahead=lookahead,
+        prefill=prefill,
     )
 
 
@@ -168,11 +171,12 @@ def generate_batch(
     B = len(prompts)
     if B < 1:
         raise ValueError("generate_batch needs at least one prompt")
-    phases: dict[str, Any] = {"prefill": None, "decode": []}
+    phases: dict[str, Any] = {"prefill": None, "decode": [], "prefill_stats": None}
 
     def observe(st: PassStats) -> None:
         if phases["prefill"] is None:
             phases["prefill"] = st.counters
+            phases["prefill_stats"] = st
             if engine is not None:
                 engine.cache.mark_phase()  # the decode passes begin: their prefetch precision counts their own copies
         else:
@@ -247,7 +251,24 @@ def generate_batch(
         m.host_s, m.host_wait_s = engine.host_s - h0[0], engine.host_wait_s - h0[1]
         m.expert_bytes = engine.store.expert_bytes
         m.lossy = engine.lossy
+        st0 = phases["prefill_stats"]
+        if st0 is not None:  # the TTFT bound's ingredients (`RunMetrics.set_ttft_bound`)
+            per = expert_link_s(engine.link, engine.store.expert_bytes)
+            m.prefill_needed = st0.needed
+            m.prefill_xfer_s_sum = st0.needed * (per or 0.0) * B
+            m.prefill_compute_s_sum = st0.compute_s * B
+        m.set_ttft_bound(None)
+    else:
+        m.set_ttft_bound(ttft)  # the resident model is its own bound
     return news, m
+
+
+def expert_link_s(link: Link, expert_bytes: int) -> float | None:
+    """Link seconds of one expert copy: the link's model (emulated), else its measured mean (None: no copy yet)."""
+    est = link.transfer_estimate_s(expert_bytes)
+    if est is not None:
+        return est
+    return expert_bytes * link.busy_s / link.bytes if link.bytes else None
 
 
 def generate_one(

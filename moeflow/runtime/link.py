@@ -32,11 +32,12 @@ cache's `bytes_moved` (every copy the cache issues goes through `submit`).
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,6 +209,11 @@ class Link:
         """A marker placed after a computation that read slots; `submit(after=...)` orders a copy behind it."""
         return None
 
+    def batch(self) -> contextlib.AbstractContextManager[Any]:
+        """Copies submitted inside `with link.batch():` are handed to the copying thread together at its end (one
+        wake-up for a staged batch, `runtime/prefill.py`); their schedule is the same as one by one."""
+        return contextlib.nullcontext()
+
     def drain(self) -> None:
         """Block until every submitted transfer is complete."""
 
@@ -269,6 +275,7 @@ class EmulatedLink(Link):
         self.latency_s = latency_s
         self._sched = PrioritySchedule()  # transfers not yet accounted, in schedule order
         self._q: queue.Queue = queue.Queue()
+        self._batch: list[tuple[Any, Any, Ticket]] | None = None  # copies held back by `batch()`
         self._worker = threading.Thread(target=self._copy_loop, name="moeflow-emulated-link", daemon=True)
         self._worker.start()
 
@@ -289,13 +296,29 @@ class EmulatedLink(Link):
             item = self._q.get()
             if item is None:
                 return
-            src, dst, t = item
-            if not t.cancelled:  # a withdrawn prefetch is not copied (its slot may be reused by a later copy)
-                try:
-                    dst.copy_(src)
-                except BaseException as e:  # surfaced to the waiting thread
-                    t.error = e
-            t.copied.set()
+            for src, dst, t in item if isinstance(item, list) else [item]:
+                if not t.cancelled:  # a withdrawn prefetch is not copied (its slot may be reused by a later copy)
+                    try:
+                        dst.copy_(src)
+                    except BaseException as e:  # surfaced to the waiting thread
+                        t.error = e
+                t.copied.set()
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        if self._batch is not None:  # nested: the outer batch hands everything over
+            yield
+            return
+        self._batch = []
+        try:
+            yield
+        finally:
+            self._flush()
+
+    def _flush(self) -> None:
+        held, self._batch = self._batch, None
+        if held:
+            self._q.put(held)
 
     def submit(self, src, dst, *, after=None, demand=True) -> Ticket:
         if not self._worker.is_alive():
@@ -304,7 +327,10 @@ class EmulatedLink(Link):
         t.copied = threading.Event()
         t.busy_s = self.transfer_s(t.nbytes)
         self._sched.add(t, self._clock(), demand=demand)
-        self._q.put((src, dst, t))  # the worker copies in submission order; the schedule decides `due`
+        if self._batch is not None:
+            self._batch.append((src, dst, t))
+        else:
+            self._q.put((src, dst, t))  # the worker copies in submission order; the schedule decides `due`
         return t
 
     def cancel(self, t: Ticket) -> bool:
@@ -336,6 +362,9 @@ class EmulatedLink(Link):
             if t.error is not None:
                 raise t.error
             return 0.0
+        if self._batch is not None:  # a wait inside a batch: what it holds is handed over first
+            self._flush()
+            self._batch = []
         t0 = self._clock()
         while (rest := t.due - self._clock()) > 0:
             self._sleep(rest)
@@ -351,6 +380,9 @@ class EmulatedLink(Link):
         return self._clock() - t0
 
     def drain(self) -> None:
+        if self._batch:
+            self._flush()
+            self._batch = []
         q = self._sched.q
         while q:
             last = q[-1]

@@ -18,6 +18,10 @@ Definitions (docs/architecture.md, "Metrics vocabulary"):
 - effective bandwidth: bytes moved / busy link seconds.
 - host time: seconds the host worker ran missed experts (`cpu` / `auto`); host wait: seconds the experts
   calls waited for it; host hidden share = 1 - host wait / host time (host time hidden behind the device).
+- TTFT bound: max(resident prefill time, link seconds of the experts the prefill routes that were not resident
+  when it began (`runtime/prefill.py`)); the resident prefill time is the resident run's TTFT of the same
+  prompts when one ran (`ttft_bound_source` "resident"), else the engine's own prefill compute ("compute").
+  ttft_bound_ratio = TTFT / bound (1 = nothing left to gain from overlap).
 """
 
 from __future__ import annotations
@@ -56,11 +60,32 @@ class RunMetrics:
     lossy: bool = False  # a lossy miss / routing policy (or --speculative): outputs may differ from the model's
     host_s: float = 0.0  # host worker busy seconds (missed experts computed on the host)
     host_wait_s: float = 0.0  # seconds the experts calls waited for the host worker
+    prefill_needed: int = 0  # routed experts of the prefills not resident when each began (copies no schedule avoids)
+    prefill_xfer_s_sum: float = 0.0  # link seconds of those copies, x prompts of the batch (mean: prefill_xfer_s)
+    prefill_compute_s_sum: float = 0.0  # the engine's prefill compute (waits excluded), x prompts of the batch
+    ttft_bound_s_sum: float = 0.0  # TTFT bound x prompts of the batch (`set_ttft_bound`; 0: unknown)
+    ttft_bound_source: str | None = None  # "resident" (the resident run's TTFT) or "compute" (the engine's own)
 
     # ---- derived ----------------------------------------------------------------------------------
     @property
     def ttft_s(self) -> float | None:
         return _ratio(self.ttft_s_sum, self.prompts)
+
+    @property
+    def ttft_bound_s(self) -> float | None:
+        return _ratio(self.ttft_bound_s_sum, self.prompts) if self.ttft_bound_s_sum > 0 else None
+
+    @property
+    def ttft_bound_ratio(self) -> float | None:
+        return _ratio(self.ttft_s_sum, self.ttft_bound_s_sum) if self.ttft_bound_s_sum > 0 else None
+
+    def set_ttft_bound(self, resident_ttft_s: float | None) -> None:
+        """The bound of this batch's prefill: max(resident prefill time, its copies' link seconds); without a
+        resident TTFT (`None`) the engine's own prefill compute stands in for the resident prefill time."""
+        n = max(1, self.prompts)
+        res = resident_ttft_s if resident_ttft_s is not None else self.prefill_compute_s_sum / n
+        self.ttft_bound_s_sum = max(res, self.prefill_xfer_s_sum / n) * n
+        self.ttft_bound_source = "resident" if resident_ttft_s is not None else "compute"
 
     @property
     def tpot_s(self) -> float | None:
@@ -139,6 +164,10 @@ class RunMetrics:
             "link_bytes",
             "host_s",
             "host_wait_s",
+            "prefill_needed",
+            "prefill_xfer_s_sum",
+            "prefill_compute_s_sum",
+            "ttft_bound_s_sum",
         ):
             setattr(out, f, getattr(self, f) + getattr(other, f))
         out.counters = self.counters + other.counters
@@ -148,6 +177,8 @@ class RunMetrics:
         out.batch_size = max(self.batch_size, other.batch_size)
         out.experts_impl = self.experts_impl or other.experts_impl
         out.lossy = self.lossy or other.lossy
+        srcs = {x.ttft_bound_source for x in (self, other) if x.ttft_bound_s_sum > 0}
+        out.ttft_bound_source = srcs.pop() if len(srcs) == 1 else ("mixed" if srcs else None)
         return out
 
     @classmethod
@@ -169,6 +200,12 @@ class RunMetrics:
             "experts_impl": self.experts_impl,
             "wall_s": self.wall_s,
             "ttft_s": self.ttft_s,
+            "ttft_bound_s": self.ttft_bound_s,
+            "ttft_bound_ratio": self.ttft_bound_ratio,
+            "ttft_bound_source": self.ttft_bound_source,
+            "prefill_needed_experts": self.prefill_needed,
+            "prefill_xfer_s": _ratio(self.prefill_xfer_s_sum, self.prompts),
+            "prefill_compute_s": _ratio(self.prefill_compute_s_sum, self.prompts),
             "tpot_s": self.tpot_s,
             "decode_passes": self.decode_tokens,
             "decode_tokens": self.decode_row_tokens,
@@ -217,6 +254,7 @@ def _bytes(n: float | None) -> str:
 COLUMNS = (
     "run",
     "TTFT ms",
+    "TTFT/bound",
     "TPOT ms",
     "dec tok/s",
     "tok/s",
@@ -247,6 +285,7 @@ def metrics_table(rows: Iterable[RunMetrics], title: str = "moeflow run"):
             + (f" B={m.batch_size}" if m.batch_size > 1 else "")
             + (" LOSSY" if m.lossy and "lossy" not in m.label.lower() else ""),
             _f(m.ttft_s * 1e3 if m.ttft_s is not None else None, ".1f"),
+            _f(m.ttft_bound_ratio, ".2f"),
             _f(m.tpot_s * 1e3 if m.tpot_s is not None else None, ".2f"),
             _f(m.throughput_tok_s, ".1f"),
             _f(m.tokens_per_s, ".1f"),

@@ -41,6 +41,7 @@ class PassStats:
     predicted: int = 0  # distinct experts the prefetch policy proposed in this pass
     predicted_new: int = 0  # ... of which were not resident when first proposed (N_e's numerator)
     token_ids: torch.Tensor | None = None  # [B*T] input ids of this pass (Dist(t))
+    needed: int = 0  # a prefill: its routed experts not resident when it began (copies the TTFT bound counts)
 
     @property
     def overfetch(self) -> int:

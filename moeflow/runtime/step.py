@@ -14,6 +14,9 @@
    prefetches cancelled, the other miss policies, demand loads: hits pinned first);
 6. with a proposing prefetch policy: `LayerContext` -> `propose` -> `cache.prefetch` (its gate admits each
    copy), so the copies overlap this layer's expert compute.
+In a prefill pass the routed experts not resident at its start are counted (the TTFT bound); with the staged
+prefill (`runtime/prefill.py`) step 3's host read also carries the next layer's pre-gate counts, and steps 5-6
+are `StagedPrefill.route` (waves, the first demanded now; the policy's proposals once every wave is demanded).
 What the experts call needs (`Routed`: the routing it should receive, the experts, their pinned slots, the
 host experts) waits in `pending`; `take` hands it over and falls back to a host read when the experts
 call received another tensor than the hook saw.
@@ -33,6 +36,7 @@ from ..policies.routing import dual_select
 from .cache import ExpertCache
 from .counters import needed_experts
 from .passstats import EngineCounts, PassAccount
+from .prefill import StagedPrefill
 
 
 @dataclass
@@ -44,6 +48,10 @@ class Routed:
     slots: list[int] | None = None  # their pinned slots (None: deferred or more than one wave)
     scores: dict[int, float] | None = None  # summed gate weight per expert (for waves demanded later)
     cpu: list[int] | None = None  # experts the miss policy runs on the host (no slot)
+    waves: list[list[int]] | None = None  # a staged prefill's waves (`runtime/prefill.py`; None: not staged)
+    first: list[int] | None = None  # ... the first wave's pinned slots
+    ahead: tuple[int, list[int]] | None = None  # ... the next MoE layer and its predicted experts, to stage
+    then: Callable[[], None] | None = None  # ... the prefetch policy's step, run when every wave is demanded
 
 
 def same_routing(routed: Routed, top_k_index: torch.Tensor) -> bool:
@@ -69,6 +77,7 @@ class RouteStep:
         counts: EngineCounts,
         predict_logits: Callable[[int, torch.Tensor], torch.Tensor],
         lookahead: Callable[[], int],
+        prefill: StagedPrefill | None = None,
     ):
         self.adapter, self.spec, self.cache = adapter, adapter.spec, cache
         self.wave_cap = wave_cap  # most experts one grouped call may cover (`wave_capacity`)
@@ -76,6 +85,7 @@ class RouteStep:
         self.retain = retain
         self.account, self.counts = account, counts
         self.predict_logits, self.lookahead = predict_logits, lookahead
+        self.prefill = prefill  # prefill passes: the bound's count, and the staged path when it is active
         self.prefetching = prefetcher is not None and prefetcher.proposes
         self.rerouting = routing is not None and routing.reroutes
         self.miss_hook = miss is not None and miss.needs_routing  # drop / substitute / cpu in the router hook
@@ -93,6 +103,8 @@ class RouteStep:
         for r in self.pending.values():  # a layer routed but never computed
             if r.slots is not None:
                 self.cache.release(r.slots)
+            if r.first and self.prefill is not None:
+                self.prefill.release(r)
         self.pending.clear()
 
     # ---- the router hook ---------------------------------------------------------------------------
@@ -101,7 +113,9 @@ class RouteStep:
         replacement routing (logits, weights [T,k], indices [T,k]) when a policy changed it, else None."""
         cache, l = self.cache, ev.layer
         logits, weights, indices = ev.logits, ev.weights, ev.indices
-        if self.can_defer(l, indices):
+        pf = self.prefill if self.prefill is not None and self.prefill.prefill else None
+        staged = pf is not None and pf.active
+        if self.can_defer(l, indices) and (pf is None or not staged or pf.next_ready(l)):
             self.deferred.append((l, indices, weights))
             self.pending[l] = Routed(indices)
             return None
@@ -113,7 +127,9 @@ class RouteStep:
             if chosen is not None:
                 weights, indices = chosen
                 replaced = (logits, weights, indices)
-        ids_h, w_h = self.to_host([(indices, weights)])[0]
+        pred = pf.predict(l, ev.x) if pf is not None and staged else None  # [E] next layer's pre-gate counts
+        hosted = self.to_host([(indices, weights)] if pred is None else [(indices, weights), (pred, pred)])
+        ids_h, w_h = hosted[0]
         cpu: list[int] = []
         if self.miss_hook and self.miss is not None:
             changed, ids_h, w_h, cpu = apply_miss(self.miss, cache, l, ids_h, w_h, indices.shape, self.counts.miss_counts)
@@ -126,6 +142,15 @@ class RouteStep:
             experts = [e for e in experts if e not in cpu]
             scores = {e: v for e, v in scores.items() if e not in cpu}
         routed = Routed(indices, experts, scores=scores, cpu=cpu or None)
+        if pf is not None:
+            pf.count(l, experts)
+            if staged:  # the staged prefill: first wave demanded now, the next layer's experts predicted
+                if self.prefetching:  # the policy's proposals once this layer's waves are all demanded
+                    x = ev.x
+                    routed.then = lambda: self.prefetch(l, x, logits, indices, weights)
+                self.pending[l] = routed
+                pf.route(l, routed, hosted[1][0] if pred is not None else None)
+                return replaced
         loads0 = cache.counters.loads  # the access order of `moeflow.runtime.cache` (shared with the simulator)
         routed.slots = cache.route(l, experts, scores, self.wave_cap, None if self.miss_hook else self.miss)
         self.account.count_loads(l, cache.counters.loads - loads0)
@@ -152,6 +177,8 @@ class RouteStep:
         cache = self.cache
         for (l, _, _), (ids, w) in zip(deferred, self.to_host([(i, w) for _, i, w in deferred])):
             experts, scores = needed_experts(ids, w)
+            if self.prefill is not None and self.prefill.prefill:
+                self.prefill.count(l, experts)
             cache.begin_layer(l)
             cache.release(cache.demand(l, experts, scores))  # all hits: pins nothing past this line
 
@@ -227,6 +254,8 @@ class RouteStep:
             if routed is not None and routed.experts != experts:
                 if routed.slots is not None:
                     self.cache.release(routed.slots)
+                if routed.first and self.prefill is not None:
+                    self.prefill.release(routed)
                 routed = None
             routed = routed or Routed(top_k_index, experts, scores=scores)
         if routed.experts is None or routed.scores is None:  # unreachable: only deferred layers lack them

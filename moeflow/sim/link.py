@@ -8,7 +8,10 @@ The simulated `ExpertCache` (no store) asks `submit_nbytes(nbytes)` for each tra
   of the previous transfer)` and is due `latency + bytes / bandwidth` later, demand transfers ahead of the
   prefetches not yet started (`cancel`, `promote` as on the emulated link); it is ready when `now >= due`;
   `wait` advances the clock to `due` and returns the stall.
-  The simulator advances `now` by the per-layer compute time (`advance`), as compute advances wall time.
+  The simulator advances `now` by the host's time (`advance`: `moeflow.sim.simulator.TimeModel`), as compute
+  advances wall time; `submit_s` is the host's time per copy submitted (the clock advances after the copy is
+  scheduled), `wake_s` the lateness of a wait that stalls (the emulated link's sleeping thread runs again
+  that long after the copy is due; both measured by `moeflow calibrate --link-gbps`, `link_timing`).
 """
 
 from __future__ import annotations
@@ -60,11 +63,14 @@ class ModelledLink(Link):
 
     name = "modelled"
 
-    def __init__(self, gbps: float, latency_s: float = 0.0):
+    def __init__(self, gbps: float, latency_s: float = 0.0, *, submit_s: float = 0.0, wake_s: float = 0.0):
         super().__init__()
         if gbps <= 0 or latency_s < 0:
             raise ConfigError(f"modelled link needs bandwidth > 0 GB/s and latency >= 0 (got {gbps}, {latency_s})")
+        if submit_s < 0 or wake_s < 0:
+            raise ConfigError(f"modelled link needs submit and wake seconds >= 0 (got {submit_s}, {wake_s})")
         self.gbps, self.latency_s = gbps, latency_s
+        self.submit_s, self.wake_s = submit_s, wake_s
         self.now = 0.0
         self._sched = PrioritySchedule()  # transfers not yet accounted, in schedule order
 
@@ -84,6 +90,7 @@ class ModelledLink(Link):
         t = self._submitted(Ticket(nbytes))
         t.busy_s = self.transfer_s(nbytes)
         self._sched.add(t, self.now, demand=demand)
+        self.now += self.submit_s
         return t
 
     def submit(self, src, dst, *, after=None, demand=True) -> Ticket:
@@ -117,6 +124,8 @@ class ModelledLink(Link):
 
     def wait(self, t: Ticket) -> float:
         stall = max(0.0, t.due - self.now)
+        if stall > 0:
+            stall += self.wake_s
         self.now += stall
         return stall
 
@@ -132,8 +141,9 @@ class ModelledLink(Link):
         return f"modelled {self.gbps:g} GB/s, {self.latency_s * 1e6:g} us latency, misses first (virtual clock)"
 
 
-def make_sim_link(spec: str | Link | None) -> Link:
-    """`instant` (default) | `emulated:GBPS[,LATENCY_US]` (the `--link` syntax of `moeflow run`) | a Link object."""
+def make_sim_link(spec: str | Link | None, *, submit_s: float = 0.0, wake_s: float = 0.0) -> Link:
+    """`instant` (default) | `emulated:GBPS[,LATENCY_US]` (the `--link` syntax of `moeflow run`; `submit_s`,
+    `wake_s`: `ModelledLink`'s host terms) | a Link object (as it is)."""
     if spec is None:
         return InstantLink()
     if isinstance(spec, Link):
@@ -144,4 +154,4 @@ def make_sim_link(spec: str | Link | None) -> Link:
     kind, gbps, lat = parse_link(s)
     if kind != "emulated":
         raise ConfigError(f"simulator --link {spec!r}: use instant or emulated:GBPS[,LATENCY_US]")
-    return ModelledLink(gbps, lat)
+    return ModelledLink(gbps, lat, submit_s=submit_s, wake_s=wake_s)

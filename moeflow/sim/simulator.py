@@ -16,6 +16,16 @@ Per forward pass (`begin_pass`) and MoE layer, exactly the engine's sequence of 
 Links (`moeflow.sim.link`): `InstantLink` (copies complete at once: `DirectLink`'s behaviour) or
 `ModelledLink(gbps, latency)` (`EmulatedLink`'s FIFO schedule on a virtual clock; no threads, no sleeping).
 
+Time (`TimeModel`): the link's clock advances as the engine's host thread would, per MoE layer: `attention_s`
+(attention, norms, router) and `route_s` (the router hook: host read, cache calls) before the layer's demand
+copies are submitted, `predict_s` (a proposing prefetch policy's proposal) before its copies are submitted,
+`experts_s` (the experts call) after the layer's slots are waited for; `token_s` per pass (final norm, head,
+generate's loop). `ModelledLink` adds `submit_s` per copy submitted and `wake_s` per wait that stalls.
+`TimeModel.from_calibration` reads what `moeflow calibrate` measured (`engine_time`); `layer_time_s` alone is
+`experts_s` of every layer. `SimStats.time_s` sums, over the counted passes, the clock from the end of the
+previous pass to the end of the pass (as `moeflow run` times decode passes), so `pass_s` is the predicted TPOT
+of decode passes. A new generation (a prefill pass) first drains the link, as `moeflow run` does between prompts.
+
 Every pass of the access trace is replayed in order (prefill passes too: the cache carries over, as in
 `moeflow run`); `decode_counters` are the `CacheCounters` of decode passes, `counters` of all passes, and
 the `SimStats` headline fields count the passes of `count_phase` (None: all).
@@ -89,6 +99,12 @@ class SimStats:
     prepare_s: float = 0.0  # one-time preparation of the compiled replay (stream, proposals; cached per trace)
     engine: str = "python"  # compiled: one kernel call over the trace; python: the cache call by call
     link: str = "instant"
+    time_s: float = 0.0  # modelled seconds of the counted passes (each from the end of the previous pass)
+
+    @property
+    def pass_s(self) -> float | None:
+        """Modelled seconds per counted pass: the predicted TPOT when decode passes are counted."""
+        return self.time_s / self.passes if self.passes else None
 
     @property
     def loads(self) -> int:
@@ -128,9 +144,74 @@ class SimStats:
             "prefetch_precision",
             "prefetch_recall",
             "accesses_per_s",
+            "pass_s",
         ):
             d[k] = getattr(self, k)
         return d
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """Host seconds the link's clock advances by (see "Time" above). Per-layer terms are tuples indexed by MoE
+    layer rank (one value: every layer); all zero is a clock that only stalls advance."""
+
+    attention_s: tuple[float, ...] = (0.0,)  # before the router hook: attention, norms, router (layer 0: + embedding)
+    route_s: tuple[float, ...] = (0.0,)  # the router hook without the prefetch proposal: host read, cache calls
+    predict_s: tuple[float, ...] = (0.0,)  # the prefetch policy's proposal and gate (proposing policies only)
+    experts_s: tuple[float, ...] = (0.0,)  # the experts call (all slots ready): sort, grouped GEMMs, combine
+    token_s: float = 0.0  # per pass, outside the MoE layers: final norm, head, generate's loop between passes
+    submit_s: float = 0.0  # host seconds per copy submitted (ModelledLink)
+    wake_s: float = 0.0  # seconds a wait that stalls returns after its copy is due (ModelledLink)
+
+    def __post_init__(self) -> None:
+        for name in ("attention_s", "route_s", "predict_s", "experts_s"):
+            v = getattr(self, name)
+            if not v or min(v) < 0:
+                raise ConfigError(f"time model {name} needs one value >= 0 or one per MoE layer, got {v!r}")
+        if min(self.token_s, self.submit_s, self.wake_s) < 0:
+            raise ConfigError("time model token_s, submit_s and wake_s must be >= 0")
+
+    @classmethod
+    def layer_time(cls, layer_time_s: float) -> TimeModel:
+        """`layer_time_s` of compute per MoE layer after its slots are ready (nothing else)."""
+        return cls(experts_s=(float(layer_time_s),))
+
+    @classmethod
+    def from_calibration(cls, cal: dict[str, Any], prefetch: str = "none") -> TimeModel:
+        """The terms `moeflow calibrate` measured (`engine_time`, `link_timing`); `predict_s` of `prefetch` (a
+        policy name; zero when it was not measured or proposes nothing)."""
+        et = cal.get("engine_time")
+        if not isinstance(et, dict):
+            raise ConfigError("the calibration has no engine_time; re-run `moeflow calibrate` to measure it")
+        lt = cal.get("link_timing") or {}
+        pred = (et.get("predict_s") or {}).get(prefetch)
+        return cls(
+            attention_s=tuple(et["attention_s"]),
+            route_s=tuple(et["route_s"]),
+            predict_s=tuple(pred) if pred else (0.0,),
+            experts_s=tuple(et["experts_s"]),
+            token_s=float(et["token_s"]),
+            submit_s=float(lt.get("submit_s", 0.0)),
+            wake_s=float(lt.get("wake_s", 0.0)),
+        )
+
+    def per_layer(self, n: int) -> tuple[list[float], list[float], list[float]]:
+        """(before the demand copies, before the prefetch copies, after the wait) per MoE layer rank, `n` layers."""
+
+        def at(v: tuple[float, ...], name: str) -> list[float]:
+            if len(v) == 1:
+                return [v[0]] * n
+            if len(v) != n:
+                raise ConfigError(f"time model {name} has {len(v)} values for {n} MoE layers; re-calibrate this model")
+            return list(v)
+
+        pre = [a + r for a, r in zip(at(self.attention_s, "attention_s"), at(self.route_s, "route_s"))]
+        return pre, at(self.predict_s, "predict_s"), at(self.experts_s, "experts_s")
+
+    def pass_s(self, n: int, prefetching: bool) -> float:
+        """Seconds of one pass through `n` MoE layers that waits for nothing."""
+        pre, pred, post = self.per_layer(n)
+        return self.token_s + sum(pre) + sum(post) + (sum(pred) if prefetching else 0.0)
 
 
 # ---- the access trace in the engine's order, computed once per trace ----------------------------------
@@ -320,13 +401,19 @@ def simulate(
     per_layer: bool = False,
     count_phase: int | None = None,
     compiled: bool | None = None,
+    timing: TimeModel | None = None,
 ) -> SimStats:
     """Replay `acc` through a tensor-free `ExpertCache` of `capacity` experts (policies: names, (name, options)
     or objects; `link`: None/'instant', 'emulated:GBPS[,LATENCY_US]' or a sim link object). `compiled`: None
     replays in one kernel call where possible (see "Compiled replay"), False drives the cache call by call
-    with the Python mechanism (the reference), True requires the compiled replay."""
+    with the Python mechanism (the reference), True requires the compiled replay. `timing`: the host times the
+    clock advances by (`TimeModel`; its `submit_s` / `wake_s` apply to a link given as a string); None:
+    `TimeModel.layer_time(layer_time_s)`."""
     if capacity < 1:
         raise ConfigError(f"capacity must be >= 1 expert, got {capacity}")
+    if timing is not None and layer_time_s:
+        raise ConfigError("give the simulator either layer_time_s or a time model, not both")
+    tm = timing if timing is not None else TimeModel.layer_time(layer_time_s)
     if isinstance(eviction, Belady):
         ev, ev_name = eviction, "belady"
     else:
@@ -337,7 +424,7 @@ def simulate(
         ms = None  # the built-in exact policy: stateless, always 'fetch' (what the cache does without one)
     prefetching = pf.proposes
     spec = _Spec(tuple(acc.moe_layers), acc.num_experts, acc.top_k, int(acc.expert_bytes or 1))
-    lk = make_sim_link(link)
+    lk = make_sim_link(link, submit_s=tm.submit_s, wake_s=tm.wake_s)
     gate = pf.gate if prefetching else None  # the prefetch policy's admission (PrefetchGate)
     cache = ExpertCache(
         None, capacity, link=lk, eviction=ev, per_layer=per_layer, spec=spec, gate=gate, compiled=None if compiled else compiled
@@ -364,18 +451,24 @@ def simulate(
         st.prepare_s, st.engine = t1 - t0, "compiled"
         if gate is not None:
             gate.count(int(res.out[5]), int(res.out[6]))
-        cast(Any, lk).advance(layer_time_s * len(strm.step_rank))  # the simulator's links (sim/link.py) advance
         _fill_compiled(st, res, cache, count_phase)
+        # an instant link never stalls: every pass takes the time model's seconds (every MoE layer runs once)
+        each = tm.pass_s(len(acc.moe_layers), prefetching)
+        cast(Any, lk).advance(each * len(acc.passes))  # the simulator's links (sim/link.py) advance
+        st.time_s = each * st.passes
     else:
-        _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, layer_time_s, wcap, count_phase)
+        _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wcap, count_phase)
     if check and cache.num_resident() > capacity:
         raise RuntimeError("cache over capacity")
     return st
 
 
-def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, layer_time_s, wcap, count_phase) -> None:
-    """The cache call by call, in the engine's order."""
+def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wcap, count_phase) -> None:
+    """The cache call by call, in the engine's order, the link's clock advanced by the time model `tm`."""
     prefetching = pf.proposes
+    pre_s, pred_s, post_s = tm.per_layer(len(acc.moe_layers))
+    clock = lk.clock_s
+    last_end = clock()  # the end of the previous pass on the link's clock
     comp = _compile(acc)
     moe = tuple(acc.moe_layers)
     c = cache.counters
@@ -388,6 +481,9 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, layer_
     proposed: set[ExpertKey] = set()
     t0, c0 = time.perf_counter(), time.process_time()
     for pass_id, (phase, tokens, steps) in enumerate(comp.passes):
+        if phase == 0:  # a new generation: `moeflow run` drains the link between generations (untimed)
+            lk.drain()
+            last_end = clock()
         if phase == 0 or phase != seg_phase:  # as `generate_batch`: a prefill begins a generation, decode a phase
             cache.mark_phase(new_generation=phase == 0)
         if phase != seg_phase:
@@ -406,6 +502,7 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, layer_
             if counted:
                 h0, a0, k0 = c.hits, c.accesses, c.collision_misses
             begin_layer(layer)
+            advance(pre_s[rank])  # attention, router, the router hook up to the demand copies
             slots = route(layer, experts, scores, wcap, ms)
             if counted:
                 hits_l[rank] += c.hits - h0
@@ -416,6 +513,7 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, layer_
             if prefetching:
                 ctx = layer_context(acc, step, cache.position(layer), moe, lookahead, predict_logits, cache.resident)
                 reqs = pf.propose(ctx)
+                advance(pred_s[rank])  # the proposal, before its copies are submitted
                 if reqs:
                     if counted:
                         st.proposals += len(reqs)
@@ -423,7 +521,7 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, layer_
                     prefetch_(reqs, layer)
             if slots is not None:
                 wait(slots)
-                advance(layer_time_s)
+                advance(post_s[rank])
                 release(slots)
             else:  # more experts than one wave holds: waves, resident experts first
                 waves = cache.plan_waves(layer, experts, wcap)
@@ -437,10 +535,15 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, layer_
                         col_l[rank] += c.collision_misses - k0
                         if proposed:
                             st.proposed_accesses += sum(1 for e in wave if (layer, e) in proposed)
-                    advance(layer_time_s / len(waves))
+                    advance(post_s[rank] / len(waves))
                     release(s)
             if check and cache.num_resident() > cache.capacity:
                 raise RuntimeError("cache over capacity")
+        advance(tm.token_s)  # final norm, head, generate's loop until the next pass
+        end = clock()
+        if counted:
+            st.time_s += end - last_end
+        last_end = end
     st.seconds, st.cpu_s = time.perf_counter() - t0, time.process_time() - c0
     c = cache.counters
     if seg_phase is not None:

@@ -13,7 +13,9 @@ proposals depend on the trace alone, never on the cache (`precomputable`):
   logits equal the per-step ones up to float rounding, as any batched matmul);
 - `pregate` with `percentile` (its threshold follows a history of every call) and `all-next-layer`: the
   policy's own `propose`, step by step in replay order.
-Both are cached on the access trace (per policy options, S and predictor).
+Both are cached on the access trace (per policy options, S and predictor). Both are built with numpy over the
+trace's distinct pass objects (a trace whose passes repeat, as a benchmark's copies do, is prepared once per
+distinct pass, then gathered into the full order).
 """
 
 from __future__ import annotations
@@ -89,6 +91,30 @@ class Proposals:
         return Proposals(np.concatenate([self.off[:-1] + i * Q for i in range(n)] + [np.array([n * Q])]), np.tile(self.keys, n))
 
 
+def _distinct(acc: AccessTrace) -> tuple[list[Any], np.ndarray]:
+    """The trace's distinct pass objects in order of first appearance, and each pass's index among them [P]
+    (a trace that repeats its passes, as a benchmark's copies do, is prepared once per distinct pass)."""
+    index: dict[int, int] = {}
+    uniq: list[Any] = []
+    seq = np.empty(len(acc.passes), dtype=np.int64)
+    for i, p in enumerate(acc.passes):
+        u = index.get(id(p))
+        if u is None:
+            u = index[id(p)] = len(uniq)
+            uniq.append(p)
+        seq[i] = u
+    return uniq, seq
+
+
+def _ranges(off: np.ndarray, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows `off[w]..off[w+1]` for each w of `which`, concatenated: (their indices, the new offsets [n+1])."""
+    n = np.diff(off)[which]  # [n]
+    new_off = np.zeros(len(which) + 1, dtype=np.int64)
+    np.cumsum(n, out=new_off[1:])
+    rows = np.arange(new_off[-1], dtype=np.int64) + np.repeat(off[which] - new_off[:-1], n)
+    return rows, new_off
+
+
 def stream(acc: AccessTrace) -> Stream:
     """The access trace's stream (cached on it while its passes are unchanged)."""
     key = (id(acc.passes), len(acc.passes))
@@ -97,24 +123,33 @@ def stream(acc: AccessTrace) -> Stream:
         return cached[1]
     E = acc.num_experts
     rank_of = {l: r for r, l in enumerate(acc.moe_layers)}
-    passes = acc.passes
-    steps = [s for p in passes for s in p.steps]
+    uniq, seq = _distinct(acc)
+    steps = [s for p in uniq for s in p.steps]  # the distinct passes' steps
     S = len(steps)
-    pass_off = np.zeros(len(passes) + 1, dtype=np.int64)
-    np.cumsum([len(p.steps) for p in passes], out=pass_off[1:])
-    rows = [np.asarray(s.indices).reshape(-1) for s in steps]
+    u_pass_off = np.zeros(len(uniq) + 1, dtype=np.int64)
+    np.cumsum([len(p.steps) for p in uniq], out=u_pass_off[1:])
+    rows = [np.asarray(s.indices) for s in steps]  # each [T, k]
     counts = np.fromiter((r.size for r in rows), dtype=np.int64, count=S)
-    flat = np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64)
-    codes = np.unique(np.repeat(np.arange(S, dtype=np.int64), counts) * E + flat)  # by step, then expert; unique
+    try:
+        flat = np.concatenate(rows).reshape(-1).astype(np.int64) if rows else np.zeros(0, np.int64)
+    except ValueError:  # steps of different widths
+        flat = np.concatenate([r.reshape(-1) for r in rows]).astype(np.int64)
+    codes = np.sort(np.repeat(np.arange(S, dtype=np.int64), counts) * E + flat)  # by step, then expert
+    if len(codes):
+        codes = codes[np.concatenate([[True], codes[1:] != codes[:-1]])]  # unique
+    u_rank = np.fromiter((rank_of[s.layer] for s in steps), dtype=np.int64, count=S)
+    u_exp_off = np.searchsorted(codes // E, np.arange(S + 1)).astype(np.int64)
+    step_rows, pass_off = _ranges(u_pass_off, seq)  # every pass's steps, as rows of the distinct steps
+    exp_rows, exp_off = _ranges(u_exp_off, step_rows)
     out = Stream(
-        phase=np.fromiter((p.phase for p in passes), dtype=np.int64, count=len(passes)),
-        tokens=np.fromiter((p.tokens for p in passes), dtype=np.int64, count=len(passes)),
+        phase=np.fromiter((p.phase for p in uniq), dtype=np.int64, count=len(uniq))[seq],
+        tokens=np.fromiter((p.tokens for p in uniq), dtype=np.int64, count=len(uniq))[seq],
         pass_off=pass_off,
-        step_rank=np.fromiter((rank_of[s.layer] for s in steps), dtype=np.int64, count=S),
-        exp_off=np.searchsorted(codes // E, np.arange(S + 1)).astype(np.int64),
-        experts=codes % E,
+        step_rank=u_rank[step_rows],
+        exp_off=exp_off,
+        experts=(codes % E)[exp_rows],
     )
-    acc._stream = (key, out)  # type: ignore[attr-defined]
+    acc._stream = (key, out, step_rows)  # type: ignore[attr-defined]
     return out
 
 
@@ -158,12 +193,15 @@ def _pregate(acc: AccessTrace, pf: PreGatePrefetch, lookahead: int, predict_logi
     """`PreGatePrefetch.propose` for every step: one batched router call per (source layer, target layer)."""
     if predict_logits is None or not acc.has_router_input:
         _no_router(acc.moe_layers[0], torch.zeros(0))
-    st = stream(acc)
+    stream(acc)
+    step_rows = acc._stream[2]  # type: ignore[attr-defined]  # [S] each step's row among the distinct steps
     E, k, moe = acc.num_experts, acc.top_k, acc.moe_layers
     L = len(moe)
     S_ahead = pf.lookahead if pf.lookahead is not None else lookahead
-    steps = [s for p in acc.passes for s in p.steps]
-    rank = st.step_rank
+    uniq, _ = _distinct(acc)
+    steps = [s for p in uniq for s in p.steps]  # proposals depend on a step's router input alone
+    rank_of = {l: r for r, l in enumerate(moe)}
+    rank = np.fromiter((rank_of[s.layer] for s in steps), dtype=np.int64, count=len(steps))
     parts_j: list[np.ndarray] = []  # per (source rank, target): step, priority, offset s, key
     parts_p: list[np.ndarray] = []
     parts_s: list[np.ndarray] = []
@@ -173,9 +211,9 @@ def _pregate(acc: AccessTrace, pf: PreGatePrefetch, lookahead: int, predict_logi
         if not len(js):
             continue
         xs = [steps[j].router_input for j in js.tolist()]  # each [T_j, H]
-        T = torch.tensor([x.shape[0] for x in xs])  # type: ignore[union-attr]
+        T = torch.tensor([x.shape[0] for x in xs])
         row_step = torch.repeat_interleave(torch.arange(len(js)), T)  # [N] local step of each row
-        X = torch.cat(xs)  # type: ignore[arg-type]  # [N, H]
+        X = torch.cat(xs)  # [N, H]
         targets = moe[r + 1 : r + 1 + S_ahead]
         for s, t in enumerate(targets):
             best = torch.full((len(js), E), -1.0)  # [n, E] best selected probability per step
@@ -191,7 +229,9 @@ def _pregate(acc: AccessTrace, pf: PreGatePrefetch, lookahead: int, predict_logi
             parts_p.append(float(len(targets) - s) + b)
             parts_s.append(np.full(len(b), s))
             parts_k.append((r + 1 + s) * E + be.numpy())
-    return _ordered(len(rank), parts_j, parts_p, parts_s, parts_k)
+    u = _ordered(len(rank), parts_j, parts_p, parts_s, parts_k)
+    rows, off = _ranges(u.off, step_rows)
+    return Proposals(off, u.keys[rows])
 
 
 def _ordered(n_steps: int, js: list, prio: list, ss: list, keys: list) -> Proposals:

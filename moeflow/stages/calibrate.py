@@ -12,7 +12,15 @@ from typing import Any
 
 from ..artifacts import new_meta
 from ..calibrate.io import KIND, SCHEMA, calibration_path, device_name, write_calibration
-from ..calibrate.measure import bandwidth_sweep, expert_timing, fit_latency, thread_counts, thread_sweep
+from ..calibrate.measure import (
+    bandwidth_sweep,
+    engine_timing,
+    expert_timing,
+    fit_latency,
+    link_timing,
+    thread_counts,
+    thread_sweep,
+)
 from ..calibrate.stepsize import initial_step_size, parse_regime, regime_bandwidth
 from ..errors import ConfigError
 from ..outputs import check_out
@@ -132,15 +140,22 @@ def _main(cfg: CalibrateConfig) -> dict[str, Any]:
     counts = [pinned.n] if pinned.source in ("--threads", *ENV_VARS) else thread_counts(usable_cores())
     try:
         with progress("calibrate", enabled=cfg.progress) as prog:
-            total = len(sizes) * (2 if link else 1) + len(counts) + 1
+            total = len(sizes) * (2 if link else 1) + len(counts) + 2 + (1 if link else 0)
             task = prog.add_task("bandwidth sweep", total=total, unit="measurements")
             memcpy = bandwidth_sweep(sizes, cfg.device, cfg.repeats, progress=lambda: prog.advance(task))
             emulated = bandwidth_sweep(sizes, cfg.device, cfg.repeats, link, lambda: prog.advance(task)) if link else None
+            link_host = None
+            if link is not None:  # the emulated link's host terms for the simulator's modelled link
+                link_host = link_timing(link, spec.expert_bytes, max(10, 2 * cfg.repeats), burst=spec.top_k)
+                prog.advance(task)
             prog.update(task, description="decode compute")
             best, by_threads, comp = thread_sweep(
                 model, ad, counts, cfg.decode_steps, cfg.device, lambda n: prog.update(task, advance=1)
             )
             expert_s = expert_timing(ad, cfg.repeats, cfg.device)
+            prog.advance(task)
+            prog.update(task, description="engine time")
+            engine_time = engine_timing(model, ad, cfg.decode_steps, cfg.device)
             prog.advance(task)
     finally:
         if link is not None:
@@ -182,6 +197,8 @@ def _main(cfg: CalibrateConfig) -> dict[str, Any]:
             "compute_per_token_s": comp["forward_s"],
             "bytes_per_token_on_demand": bytes_per_token,
             "per_layer": {"layer_s": comp["layer_s"], "moe_block_s": comp["moe_block_s"], "attention_s": comp["attention_s"]},
+            "engine_time": engine_time,  # the offload engine's decode pass split per MoE layer (simulate --calibrated-time)
+            "link_timing": link_host,  # the emulated link's submit seconds and wake lateness (None: no --link-gbps)
             "s_formula": raw,
             "initial_s": s,
             "regimes": regimes,

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 MODES = ("offload", "resident", "on-demand")
 EXPERTS_IMPLS = ("auto", "batched_mm", "grouped_mm")  # resident's stock experts implementation (auto: measured)
+PREFILL_PATHS = ("staged", "serial")  # moeflow.runtime.prefill.PREFILL_PATHS (no runtime import for the flags)
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class RunConfig:
     modes: tuple[str, ...] = ("offload",)  # offload | resident | on-demand (several with --sweep)
     capacities: tuple[str, ...] = ("25%",)  # N experts, P% of all routed experts, or bytes (64MB)
     per_layer_cache: bool = False
-    evictions: tuple[str, ...] = ("lru",)
+    evictions: tuple[str, ...] = ("next-use",)  # the measured default: fewest transfers on held-out prompts
     prefetches: tuple[str, ...] = ("pregate",)
     eviction_opts: tuple[tuple[str, str], ...] = ()
     prefetch_opts: tuple[tuple[str, str], ...] = ()
@@ -62,9 +63,12 @@ class RunConfig:
     wait: bool = False  # wait for another writer of `out` instead of refusing (moeflow.locks.out_lock)
     batch_size: int = 1  # prompts decoded together (left-padded)
     warmup: bool = True  # one untimed short generation per run before the timed one
+    prefill: str = "staged"  # prefill path of engine runs: staged | serial (moeflow.runtime.prefill)
     experts_impl: str = "auto"  # resident: auto (fastest of batched_mm / grouped_mm, measured) or a name
     plan: str | None = None  # --plan casmoe: CasMoE's prompt-level plan (moeflow.plan.run)
     plan_opts: tuple[tuple[str, str], ...] = ()  # --plan-opt key=value (predictors, mode, eps, k, mass, renorm, update, buffer)
+    config: str | None = None  # --config: the run configuration file (`moeflow tune --out`) applied to these fields
+    config_fingerprint: str | None = None  # the model that file was tuned for (checked once the model loads)
 
     def __post_init__(self) -> None:
         for m in self.modes:
@@ -87,6 +91,8 @@ class RunConfig:
             raise ConfigError(f"--lookahead must be >= 1 (got {self.lookahead})")
         if self.batch_size < 1:
             raise ConfigError(f"--batch-size must be >= 1 (got {self.batch_size})")
+        if self.prefill not in PREFILL_PATHS:
+            raise ConfigError(f"--prefill {self.prefill!r} unknown; use one of {', '.join(PREFILL_PATHS)}")
         if self.experts_impl not in EXPERTS_IMPLS:
             raise ConfigError(f"--experts-impl {self.experts_impl!r} unknown; use one of {', '.join(EXPERTS_IMPLS)}")
         if self.threads is not None and self.threads < 1:
@@ -191,6 +197,64 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# run configuration key -> (RunConfig field, the `moeflow run` parameters that set it)
+CONFIG_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "capacity": ("capacities", ("capacity", "cache_capacity")),
+    "eviction": ("evictions", ("eviction",)),
+    "prefetch": ("prefetches", ("prefetch",)),
+    "lookahead": ("lookahead", ("lookahead",)),
+    "adaptive_s": ("adaptive_s", ("adaptive_s",)),
+    "miss": ("miss", ("miss",)),
+    "link": ("link", ("link",)),
+    "calibration": ("calibration", ("calibration",)),
+}
+
+
+def apply_config_file(path: str, kw: dict[str, Any], given: set[str]) -> dict[str, Any]:
+    """`kw` (RunConfig keyword arguments from the flags) with the run configuration file at `path` applied
+    (`moeflow.tune.config`): each of its options, and its model, unless one of the `moeflow run` parameters that
+    set it is in `given` (the flags on the command line win). Records the file and its model's fingerprint."""
+    from ..tune.config import read_run_config
+
+    rec = read_run_config(path)
+    out = dict(kw)
+    for key, (fld, params) in CONFIG_FIELDS.items():
+        if given.intersection(params):
+            continue
+        v = rec["options"][key]
+        if v is None and fld not in ("lookahead", "calibration"):  # null: the flag's default
+            continue
+        if fld in ("capacities", "evictions", "prefetches"):
+            v = (str(v),)
+        elif fld == "lookahead" and v is not None:
+            v = int(v)
+        out[fld] = v
+    if "model" not in given and rec.get("model"):
+        out["model"] = str(rec["model"])
+    out["config"] = str(path)
+    out["config_fingerprint"] = str(rec["model_fingerprint"])
+    return out
+
+
+def check_config_model(cfg: RunConfig, model: Any) -> None:
+    """Refuse running a --config file tuned for another model (one line naming it)."""
+    if cfg.config_fingerprint is None:
+        return
+    from ..moe import model_fingerprint
+
+    fp = model_fingerprint(model)
+    if fp != cfg.config_fingerprint:
+        from ..artifacts import another_model
+        from ..errors import ArtifactError
+        from ..tune.config import read_run_config
+
+        try:
+            meta = read_run_config(str(cfg.config))  # names the model it was tuned for
+        except ArtifactError:
+            meta = {"model_fingerprint": cfg.config_fingerprint}
+        raise another_model(f"run configuration {cfg.config}", meta, fp, "re-run `moeflow tune` with this --model")
 
 
 def _speculates(prefetch: str) -> bool:

@@ -25,7 +25,7 @@ from ..policies.parse import build_policy, parse_capacity, policy_args
 from ..runtime.adaptive_s import requested_step_size
 from ..runtime.generate import build_engine, generate_batch
 from ..runtime.link import make_link, parse_link
-from .run_config import RunConfig
+from .run_config import RunConfig, check_config_model
 from .threads import apply_threads
 
 
@@ -54,6 +54,7 @@ def open_session(cfg: RunConfig, command: str) -> Session:
     device = torch.device(cfg.device)
     prompts = read_prompts(cfg)
     model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, experts_implementation="grouped_mm")
+    check_config_model(cfg, model)  # a --config file tuned for another model, before its calibration is read
     if tok is None:
         raise MoeflowError(f"{cfg.model} has no tokenizer files; `{command}` needs one to encode prompts")
     spec = get_adapter(model).spec
@@ -248,6 +249,7 @@ def engine_for(
         lookahead=lookahead,
         eviction_opts=ev_opts,
         prefetch_opts=pf_opts,
+        prefill=getattr(cfg, "prefill", "staged"),
     )
 
 

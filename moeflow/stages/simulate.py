@@ -52,6 +52,7 @@ class SimulateConfig:
     prefetch_opts: tuple[tuple[str, str], ...] = ()  # --prefetch-opt key=value, for every prefetch policy
     link: str = "instant"  # instant | emulated:GBPS[,LATENCY_US] (modelled on a virtual clock)
     layer_time_us: float = 0.0  # compute per MoE layer per pass on the modelled link's clock
+    calibrated_time: bool = False  # the clock advances by the calibration's engine_time / link_timing (TimeModel)
 
     def __post_init__(self) -> None:
         """Check every value before any work: phase, S, each capacity's syntax, each policy with its options
@@ -62,6 +63,8 @@ class SimulateConfig:
             raise ConfigError(f"--lookahead must be >= 1 (got {self.lookahead})")
         if self.layer_time_us < 0:
             raise ConfigError(f"--layer-time-us must be >= 0 (got {self.layer_time_us})")
+        if self.calibrated_time and self.layer_time_us:
+            raise ConfigError("--calibrated-time takes the layer times from the calibration; drop --layer-time-us")
         from ..sim.link import make_sim_link
 
         make_sim_link(self.link)
@@ -120,7 +123,9 @@ def main(cfg: SimulateConfig) -> dict[str, Any]:
     """Replay the trace (every pass, prompts in order, as `moeflow run` runs them) for every capacity x
     eviction x prefetch, plus Belady per capacity. Each row: the headline metrics over `--phase` passes,
     `decode_counters` (CacheCounters of decode passes, the key and field names of `moeflow run --json`),
-    `counters` (all passes) and `accesses_per_s` (replayed accesses / replay seconds)."""
+    `counters` (all passes), `accesses_per_s` (replayed accesses / replay seconds), `time_s` and
+    `predicted_tpot_s` (the link's clock per decode pass: `moeflow.sim.simulator.TimeModel`, from
+    `--calibrated-time` or `--layer-time-us`)."""
     import time
 
     from ..progress import progress
@@ -152,23 +157,29 @@ def main(cfg: SimulateConfig) -> dict[str, Any]:
     if not any(count is None or p.phase == count for p in acc.passes):
         raise ConfigError(f"{cfg.trace} has no {cfg.phase} passes")
     total = len(acc.moe_layers) * acc.num_experts
-    kw: dict[str, Any] = dict(link=cfg.link, layer_time_s=cfg.layer_time_us * 1e-6, count_phase=count)
+    timing = _time_models(cfg, tr, prefetches)  # per prefetch text, or None (--layer-time-us)
+    kw: dict[str, Any] = dict(link=cfg.link, count_phase=count)
+    if timing is None:
+        kw["layer_time_s"] = cfg.layer_time_us * 1e-6
     rows = []
     jobs = [(c, e, p) for c in caps for e in cfg.evictions for p in prefetches]
     replayed, seconds = 0, 0.0
     with progress("simulate", enabled=cfg.progress) as prog:
         task = prog.add_task("simulating", total=len(jobs) + (len(caps) if cfg.belady else 0), unit="configs")
         for c, e, p in jobs:
-            st = simulate(acc, c, cfg.eviction(e), cfg.prefetch(p), lookahead=lookahead, predict_logits=predict, **kw)
-            rows.append({"capacity": c, "eviction": e, "prefetch": p, "lossy": cfg.lossy("cpu", e, p).lossy, **_summary(st)})
+            tkw = {} if timing is None else {"timing": timing[p]}
+            st = simulate(acc, c, cfg.eviction(e), cfg.prefetch(p), lookahead=lookahead, predict_logits=predict, **kw, **tkw)
+            rows.append(
+                {"capacity": c, "eviction": e, "prefetch": p, "lossy": cfg.lossy("cpu", e, p).lossy, **_summary(st, count)}
+            )
             replayed, seconds = replayed + st.replayed_accesses, seconds + st.seconds
             prog.advance(task)
         if cfg.belady:
             for c in caps:
                 t0 = time.perf_counter()
-                st = belady(acc, c, **kw)
+                st = belady(acc, c, **kw, **({} if timing is None else {"timing": timing["none"]}))
                 st.seconds = time.perf_counter() - t0  # next-use precomputation included
-                rows.append({"capacity": c, "eviction": "belady", "prefetch": "none", "lossy": False, **_summary(st)})
+                rows.append({"capacity": c, "eviction": "belady", "prefetch": "none", "lossy": False, **_summary(st, count)})
                 replayed, seconds = replayed + st.replayed_accesses, seconds + st.seconds
                 prog.advance(task)
     counted = [p for p in acc.passes if count is None or p.phase == count]
@@ -178,6 +189,7 @@ def main(cfg: SimulateConfig) -> dict[str, Any]:
         "link": rows[0]["link"] if rows else cfg.link,
         "lookahead": lookahead,
         "lookahead_source": lookahead_source,
+        "time_model": "calibration" if timing is not None else f"--layer-time-us {cfg.layer_time_us:g}",
         "passes": len(counted),
         "replayed_passes": len(acc.passes),
         "tokens": sum(p.tokens for p in counted),
@@ -199,31 +211,68 @@ def _lookahead(cfg: SimulateConfig, tr: Any, prefetches: tuple[str, ...]) -> tup
     """(S, where it came from): --lookahead, else the calibration `moeflow run` reads on the CPU for this link
     (`--calibration FILE`, `calibration/cpu.json`, `calibration/cpu-emulated-<X>gbps.json`), else 1. The
     calibration is read only when a prefetch policy proposes something (S means nothing to `none`)."""
-    from pathlib import Path
-
     if cfg.lookahead is not None:
         return cfg.lookahead, "--lookahead"
     names = [parse_policy(p)[0] for p in prefetches]
     classes = [PREFETCH.get(n) for n in names]
     if all(cls is not None and not cls.proposes for cls in classes):
         return 1, "no prefetch"
-    from ..calibrate import calibration_path, device_name, load_calibration
-    from ..runtime.link import parse_link
+    from ..calibrate import load_calibration
 
-    if cfg.calibration:
-        path = Path(cfg.calibration)
-        if not path.is_file():
+    path = _calibration_file(cfg)
+    if not path.is_file():
+        if cfg.calibration:
             raise ConfigError(f"calibration file {path} does not exist; run `moeflow calibrate` or drop --calibration")
-    else:
-        kind, gbps, _ = parse_link("direct" if cfg.link.strip().lower() == "instant" else cfg.link)
-        path = calibration_path(device_name("cpu", gbps if kind == "emulated" else None))
-        if not path.is_file():
-            return 1, f"no calibration at {path}"
+        return 1, f"no calibration at {path}"
     cal = load_calibration(path, fingerprint=tr.fingerprint)
     s = cal.get("initial_s")
     if isinstance(s, bool) or not isinstance(s, int) or s < 1:
         raise ConfigError(f"calibration {path} has step size S = {s!r}; re-run `moeflow calibrate` or pass --lookahead")
     return s, f"calibration {path}"
+
+
+def _calibration_file(cfg: SimulateConfig) -> Any:
+    """The calibration `moeflow run` reads on the CPU for this link: `--calibration FILE`, else
+    `calibration/cpu.json` (instant link) or `calibration/cpu-emulated-<X>gbps.json`; it may not exist."""
+    from pathlib import Path
+
+    from ..calibrate import calibration_path, device_name
+    from ..runtime.link import parse_link
+
+    if cfg.calibration:
+        return Path(cfg.calibration)
+    kind, gbps, _ = parse_link("direct" if cfg.link.strip().lower() == "instant" else cfg.link)
+    return calibration_path(device_name("cpu", gbps if kind == "emulated" else None))
+
+
+def _time_models(cfg: SimulateConfig, tr: Any, prefetches: tuple[str, ...]) -> dict[str, Any] | None:
+    """With --calibrated-time: one `TimeModel` per prefetch text (its predictor's measured time; `none` too, for
+    Belady), from the calibration's `engine_time` and `link_timing`; else None."""
+    if not cfg.calibrated_time:
+        return None
+    from ..calibrate import load_calibration
+    from ..sim.simulator import TimeModel
+
+    path = _calibration_file(cfg)
+    if not path.is_file():
+        raise ConfigError(f"--calibrated-time needs a calibration at {path}; run `moeflow calibrate` or pass --calibration")
+    cal = load_calibration(path, fingerprint=tr.fingerprint)
+    if not isinstance(cal.get("engine_time"), dict):
+        raise ConfigError(f"calibration {path} has no engine_time; re-run `moeflow calibrate` to measure it")
+    if not cfg.link.strip().lower().startswith("emulated") or cal.get("link_timing") is None:
+        cal = {**cal, "link_timing": None}  # submit / wake terms belong to the emulated link only
+    names = {p: parse_policy(p)[0] for p in prefetches}
+    measured = (cal["engine_time"].get("predict_s") or {}).keys()
+    for n in names.values():
+        cls = PREFETCH.get(n)
+        if cls is not None and cls.proposes and n not in measured:
+            raise ConfigError(
+                f"calibration {path} has no predictor time for prefetch {n!r} (measured: {', '.join(measured) or 'none'}); "
+                "drop --calibrated-time or simulate a measured policy"
+            )
+    out = {p: TimeModel.from_calibration(cal, n) for p, n in names.items()}
+    out.setdefault("none", TimeModel.from_calibration(cal, "none"))
+    return out
 
 
 def _router_predictor(adapter: Any):
@@ -239,8 +288,11 @@ def _router_predictor(adapter: Any):
     return predict
 
 
-def _summary(st) -> dict[str, Any]:
+def _summary(st, count_phase: int | None = 1) -> dict[str, Any]:
+    """A row's fields; `time_s` (modelled seconds of the counted passes) and, when decode passes are counted,
+    `predicted_tpot_s` (`SimStats.pass_s`: what `moeflow run --json` reports as `tpot_s`)."""
     d = st.to_dict()
+    d["predicted_tpot_s"] = st.pass_s if count_phase == 1 else None
     keep = (
         "hit_rate",
         "hits",
@@ -262,5 +314,7 @@ def _summary(st) -> dict[str, Any]:
         "seconds",
         "accesses_per_s",
         "link",
+        "time_s",
+        "predicted_tpot_s",
     )
     return {k: d[k] for k in keep}

@@ -29,7 +29,6 @@ from ..predict.train import (
     PLANNERS,
     check_names,
     check_trace_model,
-    decode_only,
     fit_all,
     sequences,
 )
@@ -68,8 +67,8 @@ class TrainConfig:
     forest_depth: int = 0  # 0: no limit (forest_min_leaf bounds the trees)
     forest_min_leaf: int = 8
     forest_max_features: float = 0.1
-    forest_max_samples: int = 40_000
-    forest_bootstrap: float = 0.75  # each tree's bootstrap draw, a fraction of forest_max_samples
+    forest_max_samples: int = 120_000  # the pool: rows x (layer, S) pairs, subsampled per pair
+    forest_tree_samples: int = 12_000  # each tree's bootstrap draw from the pool (the whole pool when smaller)
     forest_window: int = 4
     forest_base: str = "none"  # forest learns y - base: none (y itself; best held out) | pregate (top-k; ExpertFlow) | prior
     forest_dim: int = 16
@@ -95,6 +94,7 @@ class TrainConfig:
             ("--threads", 1 if self.threads is None else self.threads),
             ("--forest-trees", self.forest_trees),
             ("--forest-samples", self.forest_max_samples),
+            ("forest_tree_samples", self.forest_tree_samples),
             ("--est-epochs", self.est_epochs),
         ):
             if v < 1:
@@ -196,7 +196,6 @@ def _main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
         report = evaluate(
             preds, held, max_s=cfg.max_s, window=cfg.forest_window, mass=cfg.mass, progress=lambda: prog.update(t, advance=1)
         )
-    report["decode_by_s"] = decode_only(preds, held, cfg.max_s, cfg.forest_window, cfg.mass)
     steps["evaluate"] = time.perf_counter() - t0
     report["fit_seconds"] = {n: round(float(getattr(p, "fit_seconds", 0.0)), 3) for n, p in preds.items()}
     per = {n: float(getattr(p, "fit_seconds", 0.0)) for n, p in preds.items()}
@@ -274,7 +273,6 @@ def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         names = [n for n in names if n not in skipped]
     _, preds = load_predictors(cfg.predictors, model, names)
     report = evaluate(preds, data, max_s=cfg.max_s, window=cfg.window, mass=cfg.mass)
-    report["decode_by_s"] = decode_only(preds, data, cfg.max_s, cfg.window, cfg.mass)
     report["skipped_no_hidden"] = skipped
     wanted = set(cfg.only)  # empty: everything the folder holds
     if {"eam", "eap"} & set(meta.get("extra") or []) and (not wanted or wanted & set(PLANNERS)):

@@ -1,0 +1,172 @@
+"""Time to first token against its bound: the staged prefill path vs the serial one, on the emulated link.
+
+1. prompts of `--tokens` tokens (default 256), cut from ShareGPT and Alpaca texts concatenated
+   (`--data-dir`, default ../shared/data): consecutive windows, so every prompt is real text;
+2. resident TTFT per prompt (the stock model, grouped_mm; the fastest of `--repeats`) and its greedy tokens;
+3. the emulated link's bandwidth: `--gbps`, or by default the one at which copying the first prompt's routed
+   experts takes `--copy-share` (default 1.0) of its resident TTFT: copies and compute equal, the regime where
+   overlap matters most and the bound is hardest to reach;
+4. for every capacity (`--capacity`, default 25%,50%,100%) and both prefill paths (`serial`: the per-layer
+   step, waves one after another; `staged`: `moeflow.runtime.prefill`), each prompt is generated on a fresh
+   engine (a cold cache; `--prefetch`, default pregate, as `moeflow run`) `--repeats` times, interleaved with
+   the other configurations, and the fastest TTFT is kept;
+5. bound per prompt = max(resident TTFT, routed experts not resident at the prefill's start x link seconds per
+   expert); `ttft_bound_ratio` = sum of TTFTs / sum of bounds. Exactness: every run's tokens must equal the
+   resident run's (the row shows `exact`).
+
+Prints a table, then one JSON line (`ttft_bound_ratio`: {path: {capacity: ratio}}).
+
+    .venv/bin/python benchmarks/prefill.py --model models/olmoe-mini --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from moeflow.data.prompts import load_prompts
+from moeflow.models import load_model
+from moeflow.moe import get_adapter
+from moeflow.policies.parse import parse_capacity
+from moeflow.runtime.generate import build_engine, generate_one
+from moeflow.runtime.link import EmulatedLink
+
+PATHS = ("serial", "staged")
+
+
+def make_prompts(tok, data_dir: str, n: int, tokens: int) -> list[torch.Tensor]:
+    """`n` prompts `[1,tokens]`: consecutive windows of ShareGPT then Alpaca texts, concatenated."""
+    texts = [p.text for src in ("sharegpt", "alpaca") for p in load_prompts(src, data_dir, limit=400)]
+    ids = tok("\n\n".join(texts), return_tensors="pt").input_ids.reshape(-1)  # [N]
+    if ids.numel() < n * tokens:
+        raise SystemExit(f"only {ids.numel()} tokens of text for {n} prompts of {tokens}; lower --prompts or --tokens")
+    return [ids[i * tokens : (i + 1) * tokens].reshape(1, -1) for i in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="models/olmoe-mini")
+    ap.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    ap.add_argument("--prompts", type=int, default=3, help="prompts (default 3)")
+    ap.add_argument("--tokens", type=int, default=256, help="tokens per prompt (default 256)")
+    ap.add_argument("--new-tokens", type=int, default=4, help="greedy tokens per run, checked against resident (default 4)")
+    ap.add_argument("--capacity", default="25%,50%,100%", help="cache sizes: N experts or P%% of all (default 25%%,50%%,100%%)")
+    ap.add_argument("--eviction", default="lru")
+    ap.add_argument("--prefetch", default="pregate", help="prefetch policy of both paths (default pregate, as moeflow run)")
+    ap.add_argument("--gbps", type=float, default=None, help="emulated link GB/s (default: from --copy-share)")
+    ap.add_argument(
+        "--copy-share", type=float, default=1.0, help="copy time / resident TTFT that sets the bandwidth (default 1.0)"
+    )
+    ap.add_argument("--latency-us", type=float, default=0.0, help="emulated link latency per copy, microseconds (default 0)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per prompt and configuration, fastest kept (default 5)")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    console = Console(stderr=True)
+
+    model, tok = load_model(args.model)
+    model.set_experts_implementation("grouped_mm")
+    spec = get_adapter(model).spec
+    prompts = make_prompts(tok, args.data_dir, args.prompts, args.tokens)
+    caps = [parse_capacity(c, total_experts=spec.total_experts, expert_bytes=None) for c in args.capacity.split(",")]
+
+    # resident reference: tokens and the fastest TTFT per prompt
+    ref, res_ttft = [], []
+    for ids in prompts:
+        generate_one(model, ids, None, max_new_tokens=1)  # warm-up
+        best = float("inf")
+        for _ in range(args.repeats):
+            out, m = generate_one(model, ids, None, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+            best = min(best, m.ttft_s or best)
+        ref.append(out)
+        res_ttft.append(best)
+
+    def run(path: str, cap: int, ids: torch.Tensor, gbps: float):
+        link = EmulatedLink(gbps, args.latency_us * 1e-6)
+        eng = build_engine(
+            model, mode="offload", link=link, capacity=cap, eviction=args.eviction, prefetch=args.prefetch, prefill=path
+        )
+        assert eng is not None
+        with eng:
+            out, m = generate_one(model, ids, eng, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+        return out, m, link
+
+    gbps = args.gbps
+    if gbps is None:  # copies of the first prompt's routed experts take copy_share x its resident TTFT
+        _, m, _ = run("serial", spec.total_experts, prompts[0], 1e6)
+        gbps = m.prefill_needed * m.expert_bytes / (args.copy_share * res_ttft[0]) / 1e9
+    console.print(
+        f"[dim]{spec.arch}: {spec.num_moe_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}; "
+        f"{len(prompts)} prompts of {args.tokens} tokens; emulated {gbps:.3g} GB/s; capacities {caps}; "
+        f"{args.eviction}+{args.prefetch}; {args.repeats} repeats, {args.threads} thread(s)[/]"
+    )
+
+    configs = [(path, cap) for cap in caps for path in PATHS]
+    for path, cap in configs:  # untimed warm-up of each configuration (compiled kernels, caches)
+        run(path, cap, prompts[0], gbps)
+    best: dict[tuple[str, int], list[float]] = {c: [float("inf")] * len(prompts) for c in configs}
+    info: dict[tuple[str, int], dict] = {
+        c: {"exact": True, "needed": [0] * len(prompts), "xfer": [0.0] * len(prompts)} for c in configs
+    }
+    t_start = time.perf_counter()
+    for _ in range(args.repeats):
+        for i, ids in enumerate(prompts):
+            for c in configs:
+                out, m, link = run(c[0], c[1], ids, gbps)
+                best[c][i] = min(best[c][i], m.ttft_s or float("inf"))
+                info[c]["exact"] &= bool(torch.equal(out, ref[i]))
+                info[c]["needed"][i] = m.prefill_needed
+                info[c]["xfer"][i] = m.prefill_needed * link.transfer_s(m.expert_bytes)
+    wall = time.perf_counter() - t_start
+
+    table = Table(title=f"prefill TTFT vs bound — {Path(args.model).name}, emulated {gbps:.3g} GB/s, {args.tokens}-token prompts")
+    for col in ("capacity", "path", "TTFT ms", "bound ms", "TTFT/bound", "copies", "copy ms", "exact"):
+        table.add_column(col)
+    ratios: dict[str, dict[str, float]] = {p: {} for p in PATHS}
+    exact = True
+    for path, cap in configs:
+        bounds = [max(r, x) for r, x in zip(res_ttft, info[(path, cap)]["xfer"])]
+        ttft = best[(path, cap)]
+        ratio = sum(ttft) / sum(bounds)
+        ratios[path][str(cap)] = round(ratio, 4)
+        exact &= info[(path, cap)]["exact"]
+        n = len(prompts)
+        table.add_row(
+            f"{cap} ({100 * cap / spec.total_experts:.0f}%)",
+            path,
+            f"{sum(ttft) / n * 1e3:.1f}",
+            f"{sum(bounds) / n * 1e3:.1f}",
+            f"{ratio:.2f}",
+            f"{sum(info[(path, cap)]['needed']) / n:.0f}",
+            f"{sum(info[(path, cap)]['xfer']) / n * 1e3:.1f}",
+            "yes" if info[(path, cap)]["exact"] else "NO",
+        )
+    console.print(table)
+    console.print(f"[dim]resident TTFT {sum(res_ttft) / len(res_ttft) * 1e3:.1f} ms; timed runs {wall:.0f} s[/]")
+    sys.stdout.write(
+        json.dumps(
+            {
+                "benchmark": "prefill",
+                "model": args.model,
+                "tokens": args.tokens,
+                "prompts": len(prompts),
+                "gbps": gbps,
+                "capacities": caps,
+                "resident_ttft_s": res_ttft,
+                "exact": exact,
+                "ttft_bound_ratio": ratios,
+            }
+        )
+        + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""Simulator fidelity: does the modelled link predict `moeflow run`'s TPOT?
+
+Traces the prompts once (`moeflow trace --record-hidden --hidden-dtype float32`: the routing `moeflow run` will
+take, greedy), calibrates once (`moeflow calibrate --link-gbps/--link-latency-us` of `--link`, so the
+calibration holds the engine's host times, `engine_time`, and the emulated link's, `link_timing`), then for
+every configuration eviction (`--eviction`) x capacity (`--capacity`) x prefetch (`none`, and `pregate` at each
+S of `--lookahead`) measures TPOT with `moeflow run --link emulated:...` (moeflow.stages.run.main, the same
+calibration) and predicts it with `moeflow simulate --link emulated:...` on the trace, twice:
+- `baseline`: `--layer-time-us` = the calibration's `layer_time_s` (T_l, the stock decoder layer) and nothing else;
+- `calibrated`: `--calibrated-time` (`moeflow.sim.simulator.TimeModel.from_calibration`: per MoE layer
+  attention, router hook, prefetch proposal and experts call, the rest of the pass, the link's submit and wake).
+`--repeats N` runs the whole `moeflow run` sweep N times (one model load) and keeps each configuration's median
+TPOT. Each row also says whether the run's decode hits equal the simulator's (`same_hits`: the same accesses).
+
+Prints the table, writes `--out-dir`/sim_fidelity.json, and ends with one JSON line: `tpot_mean_abs_error` (mean
+of |predicted - measured| / measured, a fraction) and `spearman` (rank correlation over the configurations,
+scipy.stats.spearmanr) of the calibrated model, and `baseline` with the same two figures for T_l alone.
+
+    .venv/bin/python benchmarks/sim_fidelity.py --threads 1
+    .venv/bin/python benchmarks/sim_fidelity.py --model models/olmoe-deep --limit 2 --repeats 3 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def mean_abs_error(pred: list[float], meas: list[float]) -> float:
+    """Mean of |predicted - measured| / measured (a fraction)."""
+    return statistics.fmean(abs(p - m) / m for p, m in zip(pred, meas))
+
+
+def spearman(pred: list[float], meas: list[float]) -> float:
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(pred, meas).statistic)
+
+
+def trace(args: argparse.Namespace, out: Path) -> None:
+    from moeflow.stages.trace import TraceConfig
+    from moeflow.stages.trace import main as trace_main
+
+    cfg = TraceConfig(
+        model=args.model,
+        prompts=args.prompts,
+        out=str(out),
+        max_new_tokens=args.max_new_tokens,
+        limit=args.limit,
+        record_hidden=True,
+        hidden_dtype="float32",  # exact router inputs: pregate replays the run's proposals
+        data_dir=args.data_dir,
+        threads=args.threads,
+        progress=False,
+    )
+    trace_main(cfg, console=Console(file=io.StringIO()))
+
+
+def calibrate(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    from moeflow.runtime.link import parse_link
+    from moeflow.stages.calibrate import CalibrateConfig
+    from moeflow.stages.calibrate import main as calibrate_main
+
+    _, gbps, lat = parse_link(args.link)
+    cfg = CalibrateConfig(
+        model=args.model,
+        link_gbps=gbps,
+        link_latency_s=lat,
+        decode_steps=args.decode_steps,
+        out=str(out),
+        progress=False,
+        threads=args.threads,
+    )
+    return calibrate_main(cfg)
+
+
+def measure(args: argparse.Namespace, cal: Path, lookaheads: list[int]) -> dict[tuple[int, str, str, int], dict[str, Any]]:
+    """(capacity experts, eviction, prefetch, S) -> {"tpot_s": median over repeats, "tpots", "hits", "accesses"}."""
+    from moeflow.stages.run import main as run_main
+    from moeflow.stages.run_config import RunConfig
+
+    got: dict[tuple[int, str, str, int], dict[str, Any]] = {}
+    for _ in range(args.repeats):
+        for s in lookaheads:
+            cfg = RunConfig(
+                model=args.model,
+                prompts=args.prompts,
+                data_dir=args.data_dir,
+                limit=args.limit,
+                max_new_tokens=args.max_new_tokens,
+                capacities=tuple(args.capacity),
+                evictions=tuple(args.eviction),
+                prefetches=("none", "pregate") if s == lookaheads[0] else ("pregate",),
+                link=args.link,
+                lookahead=s,
+                calibration=str(cal),
+                threads=args.threads,
+                sweep=True,
+            )
+            for r in run_main(cfg, console=Console(file=io.StringIO())):
+                key = (int(r["capacity_experts"]), r["eviction"], r["prefetch"], s if r["prefetch"] != "none" else 0)
+                m = r["metrics"]
+                row = got.setdefault(key, {"tpots": []})
+                row["tpots"].append(m["tpot_s"])
+                row["hits"], row["accesses"] = m["decode_counters"]["hits"], m["decode_counters"]["accesses"]
+                row.setdefault("stalls", []).append(m["decode_counters"]["stall_s"] / max(1, m["decode_passes"]))
+    for row in got.values():
+        row["tpot_s"] = statistics.median(row["tpots"])
+        row["stall_s"] = statistics.median(row["stalls"])
+    return got
+
+
+def predict(
+    args: argparse.Namespace, trace_dir: Path, cal: Path, cal_rec: dict[str, Any], lookaheads: list[int], calibrated: bool
+) -> dict[tuple[int, str, str, int], dict[str, Any]]:
+    """(capacity experts, eviction, prefetch, S) -> the simulator's row (`predicted_tpot_s`, `decode_counters`)."""
+    from moeflow.stages.simulate import SimulateConfig
+    from moeflow.stages.simulate import main as simulate_main
+
+    got = {}
+    for s in lookaheads:
+        cfg = SimulateConfig(
+            trace=str(trace_dir),
+            capacities=tuple(args.capacity),
+            evictions=tuple(args.eviction),
+            prefetches=("none", "pregate") if s == lookaheads[0] else ("pregate",),
+            lookahead=s,
+            model=args.model,
+            calibration=str(cal),
+            belady=False,
+            progress=False,
+            link=args.link,
+            layer_time_us=0.0 if calibrated else cal_rec["layer_time_s"] * 1e6,
+            calibrated_time=calibrated,
+        )
+        for r in simulate_main(cfg)["rows"]:
+            got[(int(r["capacity"]), r["eviction"], r["prefetch"], s if r["prefetch"] != "none" else 0)] = r
+    return got
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from moeflow.models import default_model_path
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=default_model_path())
+    ap.add_argument("--link", default="emulated:0.1,20", help="emulated:GBPS[,LATENCY_US] (default 0.1 GB/s, 20 us)")
+    ap.add_argument("--prompts", default="alpaca")
+    ap.add_argument("--limit", type=int, default=4, help="prompts (default 4)")
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--capacity", default="10%,25%,50%")
+    ap.add_argument("--eviction", default="lru,least-stale")
+    ap.add_argument("--lookahead", default="1,2", help="step sizes S for pregate (none runs once)")
+    ap.add_argument("--repeats", type=int, default=2, help="moeflow run sweeps (default 2); each configuration's median TPOT")
+    ap.add_argument("--decode-steps", type=int, default=64, help="decode steps moeflow calibrate times (default 64)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--out-dir", default="benchmarks/results/sim_fidelity")
+    args = ap.parse_args(argv)
+    args.capacity = [c.strip() for c in args.capacity.split(",") if c.strip()]
+    args.eviction = [e.strip() for e in args.eviction.split(",") if e.strip()]
+    lookaheads = sorted({int(s) for s in args.lookahead.split(",") if s.strip()})
+    if not args.link.startswith("emulated:") or args.repeats < 1 or not lookaheads or min(lookaheads) < 1:
+        ap.error("--link must be emulated:GBPS[,LATENCY_US]; --repeats and every --lookahead >= 1")
+    say = Console(stderr=True).print
+    with tempfile.TemporaryDirectory(prefix="sim_fidelity-") as tmp:
+        work = Path(tmp)
+        say("[dim]tracing ...[/]")
+        trace(args, work / "trace")
+        say("[dim]calibrating ...[/]")
+        cal_rec = calibrate(args, work / "calibration.json")
+        say("[dim]moeflow run ...[/]")
+        meas = measure(args, work / "calibration.json", lookaheads)
+        say("[dim]moeflow simulate ...[/]")
+        base = predict(args, work / "trace", work / "calibration.json", cal_rec, lookaheads, calibrated=False)
+        full = predict(args, work / "trace", work / "calibration.json", cal_rec, lookaheads, calibrated=True)
+    rows = []
+    for key in sorted(meas, key=lambda k: (k[0], k[1], k[2], k[3])):
+        c, ev, pf, s = key
+        m, b, f = meas[key], base[key], full[key]
+        rows.append(
+            {
+                "capacity": c,
+                "eviction": ev,
+                "prefetch": pf,
+                "lookahead": s or None,
+                "measured_tpot_s": m["tpot_s"],
+                "measured_tpots": m["tpots"],
+                "baseline_tpot_s": b["predicted_tpot_s"],
+                "predicted_tpot_s": f["predicted_tpot_s"],
+                "measured_hit_rate": m["hits"] / m["accesses"] if m["accesses"] else None,
+                "simulated_hit_rate": f["hit_rate"],
+                "same_hits": m["hits"] == f["decode_counters"]["hits"] and m["accesses"] == f["decode_counters"]["accesses"],
+                "measured_stall_per_token_s": m["stall_s"],
+                "predicted_stall_per_token_s": f["stall_s"] * f["predicted_tpot_s"] / f["time_s"] if f["time_s"] else 0.0,
+            }
+        )
+    measured = [r["measured_tpot_s"] for r in rows]
+    figures = {
+        name: {"tpot_mean_abs_error": mean_abs_error(pred, measured), "spearman": spearman(pred, measured)}
+        for name, pred in (
+            ("calibrated", [r["predicted_tpot_s"] for r in rows]),
+            ("baseline", [r["baseline_tpot_s"] for r in rows]),
+        )
+    }
+    t = Table(
+        title=f"sim fidelity — {Path(args.model).name}, {args.link}, {args.limit} prompts x {args.max_new_tokens} tokens",
+        caption="TPOT ms: measured by moeflow run (median of --repeats), predicted by moeflow simulate with T_l only "
+        "(baseline) and with --calibrated-time; hit, sim hit: decode hit rate of the run and the simulator (a victim is "
+        "never a slot still loading, so timing moves them apart); stall, pred stall: ms per decode token waiting for "
+        "copies, measured and predicted (calibrated)",
+    )
+    for col in ("C", "policies", "S", "hit", "sim hit", "measured", "baseline", "calibrated", "err %", "stall", "pred stall"):
+        t.add_column(col, justify="left" if col == "policies" else "right")
+    for r in rows:
+        t.add_row(
+            str(r["capacity"]),
+            f"{r['eviction']}+{r['prefetch']}",
+            str(r["lookahead"] or "-"),
+            f"{r['measured_hit_rate']:.3f}" if r["measured_hit_rate"] is not None else "-",
+            f"{r['simulated_hit_rate']:.3f}",
+            f"{r['measured_tpot_s'] * 1e3:.2f}",
+            f"{r['baseline_tpot_s'] * 1e3:.2f}",
+            f"{r['predicted_tpot_s'] * 1e3:.2f}",
+            f"{100 * (r['predicted_tpot_s'] / r['measured_tpot_s'] - 1):+.1f}",
+            f"{r['measured_stall_per_token_s'] * 1e3:.2f}",
+            f"{r['predicted_stall_per_token_s'] * 1e3:.2f}",
+        )
+    Console(width=120).print(t)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cal_keep = {k: cal_rec.get(k) for k in ("layer_time_s", "engine_time", "link_timing", "initial_s", "best_threads")}
+    (out / "sim_fidelity.json").write_text(
+        json.dumps({"args": vars(args), "calibration": cal_keep, "figures": figures, "rows": rows}, indent=1, default=str)
+    )
+    final = {
+        "benchmark": "sim_fidelity",
+        "model": args.model,
+        "link": args.link,
+        "configurations": len(rows),
+        "same_hits": sum(r["same_hits"] for r in rows),
+        **figures["calibrated"],
+        "baseline": figures["baseline"],
+        "table": str(out / "sim_fidelity.json"),
+    }
+    sys.stdout.write(json.dumps(final) + "\n")
+    return final
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""Run-time inference of the learned predictors: every S of a source layer in ONE batched call.
+
+The prefetch policies (`moeflow.policies.learned`) call a predictor's runner (`predictor.runner()`) once per MoE
+layer of a forward pass, for all its targets l+1..l+S at once, instead of `predict(target, S, batch)` per target
+(which rebuilds the quasi-hidden chain and the features for every S). `runner.scores(batch, steps)` returns
+[steps,T,E] float32 numpy, row s-1 the scores `predict(target_of(l, s), s, batch)` gives (equal up to float32
+rounding; the forest's are bitwise equal). What the runners precompute at bind time:
+
+- `LayerOps`: the model's post-attention norms and routers as float32 numpy arrays, checked against the modules
+  on a random input when built; a layer whose modules compute something else (a bfloat16 model, another norm)
+  calls the module's `forward` instead. Neither path runs module hooks, so the engine's router and residual hooks
+  never see a prediction.
+- Router-PF (`ChainRunner`): the quasi-hidden chain q_1..q_S once; the router logits of q_s serve both Router-PF's
+  scores for target l+s and the chain's next step.
+- Estimator (`EstimatorRunner`): the feature standardisation folded into the first layer, which is split by input
+  part: the token embeddings' term once per forward pass, the gate history's as a weighted sum of columns, q's for
+  every S in one product; the trunk runs once on [S,T,m]. Hybrid runs it for its estimator pairs only.
+- Forest (`ForestRunner`): the per-pass features (token embedding, the token priors of every target layer) once per
+  pass, the pre-gate probabilities of every target from the stacked routers, and the trees walked by a compiled
+  kernel (`forest_walk`, numba, releases the GIL) that sums leaves in scikit-learn's order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..moe import residual_norm
+
+if TYPE_CHECKING:
+    from .data import SourceBatch
+
+try:  # numba caches the compiled kernel next to this file, or in its user-wide cache when that is read-only
+    from numba import njit as _njit
+
+    def _jit(fn):
+        try:
+            return _njit(cache=True, nogil=True, error_model="numpy")(fn)
+        except RuntimeError:  # no writable cache location: compile in every process instead
+            return _njit(nogil=True, error_model="numpy")(fn)
+
+except ImportError:  # pragma: no cover - numba is a dependency; without it the kernel runs as Python (slow)
+
+    def _jit(fn):
+        return fn
+
+
+@_jit
+def forest_walk(X, nodes, value, roots):  # pragma: no cover - compiled
+    """[T,F] float32 rows -> [T,E] float64: the mean over trees of the leaf each row reaches (tree order, as
+    scikit-learn sums). `nodes` [N,6] float64 rows (left, right, feature, leaf, NaN goes left, threshold; the
+    integers are exact in float64) keep one node's fields together, so a step of a walk reads one row;
+    `value` [leaves,E]; `roots` [trees]."""
+    T = X.shape[0]
+    E = value.shape[1]
+    n = roots.shape[0]
+    out = np.zeros((T, E), np.float64)
+    for i in range(T):
+        for j in range(n):
+            nd = roots[j]
+            while nodes[nd, 0] >= 0:
+                x = np.float64(X[i, int(nodes[nd, 2])])
+                if x <= nodes[nd, 5] or (np.isnan(x) and nodes[nd, 4] != 0):
+                    nd = int(nodes[nd, 0])
+                else:
+                    nd = int(nodes[nd, 1])
+            v = int(nodes[nd, 3])
+            for e in range(E):
+                out[i, e] += value[v, e]
+    for i in range(T):
+        for e in range(E):
+            out[i, e] /= n
+    return out
+
+
+def np32(x: torch.Tensor) -> np.ndarray:
+    """A tensor as float32 numpy on the host (no copy for a float32 CPU tensor)."""
+    return x.detach().to("cpu", torch.float32).numpy()
+
+
+def softmax(z: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis (float32)."""
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+class LayerOps:
+    """The model's post-attention norms and routers of `layers`, hookless, on float32 numpy [T,H] inputs.
+
+    An RMSNorm (`weight`, `variance_epsilon`) and a bias-free linear router run as numpy when they reproduce the
+    module on a random input (relative error < 1e-4); otherwise the module's `forward` runs (no hooks)."""
+
+    def __init__(self, adapter: Any, layers: list[int]):
+        self.adapter = adapter
+        self.norms = {l: residual_norm(adapter, l, hint="the predictors need the norm before the router") for l in layers}
+        self.routers = {l: adapter.router(l) for l in layers}
+        self.nw: dict[int, tuple[np.ndarray, float] | None] = {}
+        self.rw: dict[int, np.ndarray | None] = {}  # layer -> router weight [H,E] (transposed)
+        g = torch.Generator().manual_seed(0)
+        for l in layers:
+            norm, router = self.norms[l], self.routers[l]
+            w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+            x = torch.randn(3, adapter.spec.hidden_size, generator=g) * 2.0  # [3,H]
+            self.nw[l] = (np32(w), float(eps)) if isinstance(w, torch.Tensor) and eps is not None else None
+            if self.nw[l] is not None and not _close(self.norm(l, x.numpy()), self._norm_module(l, x.numpy())):
+                self.nw[l] = None
+            rw = getattr(router, "weight", None)
+            has_bias = getattr(router, "bias", None) is not None
+            self.rw[l] = np.ascontiguousarray(np32(rw).T) if isinstance(rw, torch.Tensor) and not has_bias else None
+            if self.rw[l] is not None and not _close(self.logits(l, x.numpy()), self._logits_module(l, x.numpy())):
+                self.rw[l] = None
+
+    def _param(self, mod: torch.nn.Module) -> torch.Tensor:
+        return next(mod.parameters())
+
+    @torch.no_grad()
+    def _norm_module(self, l: int, h: np.ndarray) -> np.ndarray:
+        p = self._param(self.norms[l])
+        return np32(self.norms[l].forward(torch.from_numpy(h).to(p.device, p.dtype)))
+
+    @torch.no_grad()
+    def _logits_module(self, l: int, x: np.ndarray) -> np.ndarray:
+        p = self.routers[l].weight
+        return np32(self.routers[l].forward(torch.from_numpy(x).to(p.device, p.dtype))[0])
+
+    def norm(self, l: int, h: np.ndarray) -> np.ndarray:
+        """The norm before layer `l`'s router: [T,H] -> [T,H] float32."""
+        nw = self.nw[l]
+        if nw is None:
+            return self._norm_module(l, h)
+        w, eps = nw
+        return (h / np.sqrt((h * h).mean(-1, keepdims=True) + np.float32(eps))) * w
+
+    def logits(self, l: int, x: np.ndarray) -> np.ndarray:
+        """Layer `l`'s router logits: [...,H] -> [...,E] float32."""
+        rw = self.rw[l]
+        return x @ rw if rw is not None else self._logits_module(l, x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+
+    def select(self, l: int, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(weights [T,k] float32, ids [T,k]) exactly as layer `l` routes (the adapter's selection rule)."""
+        p = self.routers[l].weight
+        w, ids = self.adapter.select(l, torch.from_numpy(logits).to(p.device, p.dtype))
+        return np32(w), ids.cpu().numpy()
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and float(np.abs(a - b).max()) <= 1e-4 * max(1.0, float(np.abs(b).max()))
+
+
+class ChainRunner:
+    """Router-PF's quasi-hidden chain for every S of a source layer at once (`QuasiHidden.chain`)."""
+
+    def __init__(self, qh: Any, ops: LayerOps | None = None):
+        self.spec = qh.spec
+        self.ml = list(self.spec.moe_layers)
+        self.ops = ops or LayerOps(qh.adapter, self.ml)
+        self.dvec = {l: np32(v) for l, v in qh.dvec.items()}  # layer -> [E,H]
+
+    def run(self, batch: SourceBatch, steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """(q [S,T,H], router logits of q_s for its target [S,T,E]) for S = 1..steps."""
+        if batch.residual is None:
+            from ..errors import ArtifactError
+
+            raise ArtifactError("router-pf needs the post-attention residual; run with an engine that captures it")
+        ops, ml = self.ops, self.ml
+        r = ml.index(batch.layer)
+        ids, w = batch.topk_ids.cpu().numpy(), np32(batch.topk_weights)
+        h = np32(batch.residual) + (self.dvec[batch.layer][ids] * w[..., None]).sum(1)  # [T,H] r_l + sum_k w_k d_l,e_k
+        qs, zs = [], []
+        for s in range(1, steps + 1):
+            nxt = ml[r + s]
+            q = ops.norm(nxt, h)  # [T,H]
+            z = ops.logits(nxt, q)  # [T,E]
+            qs.append(q)
+            zs.append(z)
+            if s < steps:
+                w2, ids2 = ops.select(nxt, z)
+                h = h + (self.dvec[nxt][ids2] * w2[..., None]).sum(1)
+        return np.stack(qs), np.stack(zs)
+
+    def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
+        """Router-PF's probabilities [S,T,E]."""
+        return softmax(self.run(batch, steps)[1])
+
+
+class EstimatorRunner:
+    """`Estimator.predict` for every S of a source layer in one pass through the network (see the module
+    docstring); `chain` is shared with Hybrid's Router-PF."""
+
+    def __init__(self, est: Any, chain: ChainRunner | None = None):
+        net, feat = est.net, est.feat
+        assert net is not None and feat is not None and est.qh is not None, "fit or load first"
+        self.chain = chain or ChainRunner(est.qh)
+        spec = feat.spec
+        self.ml, self.E, self.H, self.context = list(spec.moe_layers), spec.num_experts, spec.hidden_size, est.context
+        self.residual = est.residual
+        H, cH = self.H, est.context * spec.hidden_size
+        with torch.no_grad():
+            W = (net.A.weight / net.sd[None, :]).float()  # [m,F] standardisation folded in
+            self.b0 = np32(net.A.bias - W @ net.mu)  # [m]
+            W = np32(W)
+        self.AqT = np.ascontiguousarray(W[:, :H].T)  # [H,m]
+        self.AuT = np.ascontiguousarray(W[:, H : 2 * H].T)  # [H,m]
+        self.AtT = np.ascontiguousarray(W[:, 2 * H : 2 * H + cH].T)  # [cH,m]
+        self.AgT = np.ascontiguousarray(W[:, 2 * H + cH :].T)  # [L*E,m]
+        self.pos = np32(net.pos.weight)  # [P,m]
+        self.pair_row = {(int(l), int(s)): i for i, (l, s) in enumerate(est.pairs)}
+        self.blocks = [
+            (np32(B.weight).T.copy(), np32(B.bias), np32(C.weight).T.copy(), np32(C.bias)) for B, C in zip(net.B, net.C)
+        ]
+        g, b = np32(net.norm.weight), np32(net.norm.bias)  # the LayerNorm's affine folded into the head
+        self.eps = np.float32(net.norm.eps)
+        hT = np32(net.head.weight).T  # [m,E]
+        self.headT, self.hb = np.ascontiguousarray(g[:, None] * hT), b @ hT + np32(net.head.bias)
+        self.emb = np32(feat.emb)  # [V,H]
+        self._tok_key: Any = None
+        self._ztok = np.zeros((0, self.b0.shape[0]), np.float32)
+
+    def _token_term(self, batch: SourceBatch) -> np.ndarray:
+        """[T,m] the token embeddings' first-layer term, once per token context (the policy passes one per pass)."""
+        ctx = batch.token_ctx
+        if ctx is not None and ctx is self._tok_key and len(self._ztok) == batch.t:
+            return self._ztok
+        T, H = batch.t, self.H
+        tok = np.zeros((T, self.context * H), np.float32)  # as `_Features.tokens`
+        if ctx is not None and self.context:
+            c = ctx.cpu().numpy()
+            for j in range(min(self.context, c.shape[1])):
+                ids = c[:, -1 - j]
+                ok = (ids >= 0) & (ids < len(self.emb))
+                tok[ok, j * H : (j + 1) * H] = self.emb[ids[ok]]
+        self._tok_key, self._ztok = ctx, tok @ self.AtT
+        return self._ztok
+
+    def _gate_term(self, batch: SourceBatch) -> np.ndarray:
+        """[T,m]: the gate history's first-layer term (earlier layers' chosen experts weigh 1, the source's its gate
+        weights; as `_Features.of_batch`)."""
+        ml, E = self.ml, self.E
+        r_src = ml.index(batch.layer)
+        cols, wts = [], []
+        for l, h in batch.history.items():
+            if l in ml and ml.index(l) < r_src:
+                cols.append(h.cpu().numpy() + ml.index(l) * E)
+        ids = batch.topk_ids.cpu().numpy()
+        T, k = ids.shape
+        wts = [np.ones((T, k * len(cols)), np.float32), np32(batch.topk_weights)]
+        cols.append(ids + r_src * E)
+        c, w = np.concatenate(cols, 1), np.concatenate(wts, 1)  # [T,n*k]
+        return np.matmul(w[:, None, :], self.AgT[c])[:, 0]  # [T,m]
+
+    def logits(self, batch: SourceBatch, q: np.ndarray, rl: np.ndarray, ss: list[int]) -> np.ndarray:
+        """Estimator logits [len(ss),T,E] for steps `ss` from the chain's q [S,T,H] and router logits rl [S,T,E]."""
+        i = np.asarray(ss) - 1
+        S, T, H = len(ss), batch.t, self.H
+        rows = [self.pair_row[(batch.layer, s)] for s in ss]
+        z0 = self._token_term(batch) + np32(batch.router_input) @ self.AuT + self._gate_term(batch) + self.b0  # [T,m]
+        z = (q[i].reshape(S * T, H) @ self.AqT).reshape(S, T, -1) + z0[None] + self.pos[rows][:, None, :]  # [S',T,m]
+        z = z.reshape(S * T, -1)  # [S'T,m]
+        for BT, bb, CT, cb in self.blocks:
+            a = z @ BT + bb  # [S'T,n]
+            z = z + (a * (0.5 + 0.5 * np.tanh(0.5 * a))) @ CT + cb  # SiLU (a x sigmoid(a)) block, residual
+        z = z - z.mean(-1, keepdims=True)
+        z = z / np.sqrt((z * z).mean(-1, keepdims=True) + self.eps)  # LayerNorm (its affine is in the head)
+        out = (z @ self.headT + self.hb).reshape(S, T, -1)  # [S',T,E]
+        return out + rl[i] if self.residual else out
+
+    def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
+        q, rl = self.chain.run(batch, steps)
+        return softmax(self.logits(batch, q, rl, list(range(1, steps + 1))))
+
+
+class HybridRunner:
+    """Hybrid-PF: the estimator's scores on its (layer, S) pairs, Router-PF's elsewhere, from one chain."""
+
+    def __init__(self, hybrid: Any):
+        assert hybrid.estimator is not None, "fit or load first"
+        self.est = EstimatorRunner(hybrid.estimator)
+        self.use = hybrid.use_estimator
+
+    def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
+        q, rl = self.est.chain.run(batch, steps)
+        out = rl.copy()
+        ss = [s for s in range(1, steps + 1) if (batch.layer, s) in self.use]
+        if ss:
+            out[np.asarray(ss) - 1] = self.est.logits(batch, q, rl, ss)
+        return softmax(out)
+
+
+class ForestRunner:
+    """`Forest.predict_group` for every (target, S) of a source layer (see the module docstring)."""
+
+    def __init__(self, forest: Any):
+        assert forest.rf is not None, "fit or load first"
+        self.f = forest
+        self.ml, self.E, self.k = list(forest.spec.moe_layers), forest.spec.num_experts, forest.spec.top_k
+        self.ops = LayerOps(forest.adapter, self.ml)
+        forest.rf.predict(np.zeros((1, forest.rf.n_features), np.float32))  # compile or load the walk now, not in a pass
+        self._tok_key: Any = None
+        self._pass: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def per_pass(self, batch: SourceBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(embedding [T,d], prior of the current token [L,T,E+1], of the previous token [L,T,E+1]), once per
+        token context."""
+        ctx = batch.token_ctx
+        if ctx is not None and ctx is self._tok_key and self._pass is not None and len(self._pass[0]) == batch.t:
+            return self._pass
+        f, t = self.f, batch.t
+        c = ctx.cpu().numpy() if ctx is not None else np.full((t, 1), -1)
+        prev_tok = c[:, -2] if c.shape[1] > 1 else np.full(t, -1)
+        self._tok_key, self._pass = ctx, (f.embed(c), f.prior_all(c[:, -1]), f.prior_all(prev_tok))
+        return self._pass
+
+    def probs(self, batch: SourceBatch, targets: list[int]) -> np.ndarray:
+        """Pre-gate probabilities [P,T,E] of each target layer from the source's router input (0 without one)."""
+        if not batch.router_input.numel() or not targets:
+            return np.zeros((len(targets), batch.t, self.E), np.float32)
+        u = np32(batch.router_input)
+        return softmax(np.stack([self.ops.logits(t, u) for t in targets]))
+
+    def features(self, pairs: list[tuple[int, int]], batch: SourceBatch, probs: np.ndarray) -> np.ndarray:
+        """[P*T,F] the forest's rows for every pair (`Forest.features`, stacked)."""
+        emb, pc, pp = self.per_pass(batch)
+        ml, E, T, P = self.ml, self.E, batch.t, len(pairs)
+        d, LE = emb.shape[1], len(ml) * E
+        X = np.zeros((P, T, self.f.n_features), np.float32)
+        X[:, :, :d] = emb
+        if batch.history:  # prev_act: the experts each layer so far chose, multi-hot per layer rank
+            cols = np.concatenate([h.cpu().numpy() + (d + 2 + ml.index(l) * E) for l, h in batch.history.items()], 1)
+            X[:, np.arange(T)[:, None], cols] = 1.0
+        o = d + 2 + LE
+        for p, (t, s) in enumerate(pairs):
+            r = ml.index(t)
+            X[p, :, d], X[p, :, d + 1] = s, r
+            X[p, :, o : o + E] = probs[p]
+            X[p, :, o + E : o + 2 * E + 1] = pc[r]
+            X[p, :, o + 2 * E + 1 :] = pp[r]
+        return X.reshape(P * T, -1)
+
+    def bases(self, targets: list[int], batch: SourceBatch, probs: np.ndarray) -> np.ndarray:
+        """[P,T,E] what the forest's delta is added to (`Forest.base`)."""
+        f = self.f
+        if f.base_kind == "prior":
+            _, pc, _ = self.per_pass(batch)
+            return np.stack([self.k * pc[self.ml.index(t)][:, : self.E] for t in targets])
+        if f.base_kind == "pregate" and batch.router_input.numel():
+            top = np.argsort(-probs, -1, kind="stable")[..., : self.k]
+            out = np.zeros_like(probs)
+            np.put_along_axis(out, top, 1.0, axis=-1)
+            return out
+        return np.zeros_like(probs)
+
+    def prepare(self, pairs: list[tuple[int, int]], batch: SourceBatch, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(forest rows X [P*T,F], bases [P,T,E]): everything but the tree walk."""
+        return self.features(pairs, batch, probs), self.bases([t for t, _ in pairs], batch, probs)
+
+    def finish(self, X: np.ndarray, base: np.ndarray, probs: np.ndarray) -> np.ndarray:
+        """[P,T,E] scores: the tree walk (compiled, releases the GIL) on `prepare`'s rows, added to the bases."""
+        d = self.f.rf.predict(X).astype(np.float32).reshape(base.shape)
+        return np.clip(base + d, 0.0, None) + 1e-3 * probs + 1e-6
+
+    def scores_pairs(self, pairs: list[tuple[int, int]], batch: SourceBatch, probs: np.ndarray | None = None) -> np.ndarray:
+        """[P,T,E] scores of every (target, S) in `pairs` with ONE tree walk; `probs` their pre-gate probabilities."""
+        probs = self.probs(batch, [t for t, _ in pairs]) if probs is None else probs
+        return self.finish(*self.prepare(pairs, batch, probs), probs)
+
+    def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
+        r = self.ml.index(batch.layer)
+        return self.scores_pairs([(self.ml[r + s], s) for s in range(1, steps + 1)], batch)

@@ -1,0 +1,408 @@
+"""The compiled cache core's state layout: the jit decorators, the constants that name every section and
+column, and the host-side builders of the arrays the kernels read (`layout`, `views`, `pack_stream`,
+`replay_scratch`, `belady_tables`). The kernels themselves: `cachecore` (its overview), `cachecore_struct`,
+`cachecore_policy`, `cachecore_ba`, `cachecore_mech`, `cachecore_replay`.
+
+Kernels are compiled once per machine (`cache=True`: next to these files, or numba's user-wide cache when that
+is read-only; with neither, once per process). numba stamps a cached kernel with its own file only, while a
+kernel here inlines functions of the other `cachecore*` modules: `_CoreStamp` stamps every core function with
+all of their sources, so an edit to any of them recompiles every kernel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import namedtuple
+from pathlib import Path
+
+import numpy as np
+
+_HERE = Path(__file__).resolve().parent
+_STAMP: list[str] = []
+
+
+def _core_stamp() -> str:
+    """A digest of every `cachecore*.py` source (computed once per process)."""
+    if not _STAMP:
+        h = hashlib.sha256()
+        for p in sorted(_HERE.glob("cachecore*.py")):
+            h.update(p.name.encode() + b"\0" + p.read_bytes())
+        _STAMP.append(h.hexdigest())
+    return _STAMP[0]
+
+
+def _stamped_locators() -> list[type]:
+    """numba's cache locators (user-provided dir, in-tree, user-wide), stamped with every core source, for
+    the core's functions only; [] when numba's caching internals differ from the ones this was written for."""
+    try:
+        from numba.core import caching as nc
+
+        bases = [nc.UserProvidedCacheLocator, nc.InTreeCacheLocator, nc.UserWideCacheLocator]
+        impl = getattr(nc, "CacheImpl", None) or getattr(nc, "_CacheImpl")  # noqa: B009  (older numba: _CacheImpl)
+        assert isinstance(impl._locator_classes, list)
+    except (ImportError, AttributeError, AssertionError):  # pragma: no cover - another numba
+        return []
+    out: list[type] = []
+    for base in bases:
+
+        class _CoreStamp(base):  # type: ignore[valid-type, misc]
+            def get_source_stamp(self):
+                return _core_stamp()
+
+            @classmethod
+            def from_function(cls, py_func, py_file):
+                if Path(py_file).resolve().parent != _HERE or not Path(py_file).name.startswith("cachecore"):
+                    return None
+                return super().from_function(py_func, py_file)
+
+        out.append(_CoreStamp)
+    impl._locator_classes[:0] = out
+    return out
+
+
+try:  # numba caches compiled kernels next to this file, or in its user-wide cache when that is read-only
+    from numba import njit as _njit
+
+    _OPTS = dict(nogil=True, error_model="numpy", _nrt=False)  # no exception paths, no reference counting
+    _CACHE = bool(_stamped_locators())  # without the stamp, a stale kernel could survive an edit: no cache
+
+    def _jit(fn):  # a kernel called from Python
+        return _cached(fn, **_OPTS)
+
+    def _fn(fn):  # a function only kernels call: no Python entry to compile
+        return _cached(fn, no_cpython_wrapper=True, no_cfunc_wrapper=True, **_OPTS)
+
+    def _cached(fn, **opts):
+        try:
+            return _njit(cache=_CACHE, **opts)(fn)
+        except RuntimeError:  # no writable cache location: compile in every process instead
+            return _njit(**opts)(fn)
+
+except ImportError:  # pragma: no cover - numba is a dependency; without it the kernels run as Python (slow)
+
+    def _jit(fn):
+        return fn
+
+    _fn = _jit
+
+
+# ---- policy kinds ---------------------------------------------------------------------------------------
+KIND_LRU, KIND_LFU, KIND_LS, KIND_BA, KIND_MIN = 1, 2, 3, 4, 5
+KINDS = {"lru": KIND_LRU, "lfu": KIND_LFU, "least-stale": KIND_LS, "belady-approx": KIND_BA, "belady": KIND_MIN}
+
+# ---- counters: `CacheCounters`' integer fields, in this order (moeflow.runtime.counters) ------------------
+COUNTERS = (
+    "accesses",
+    "hits",
+    "misses",
+    "late",
+    "loads",
+    "demand_loads",
+    "prefetch_issued",
+    "prefetch_used",
+    "prefetch_used_prior_phase",
+    "prefetch_used_prior_generation",
+    "prefetch_unused_evicted",
+    "prefetch_refused",
+    "prefetch_cancelled",
+    "collision_misses",
+    "evictions",
+    "bytes_moved",
+    "lowbit_loads",
+    "lowbit_hits",
+    "upgrades",
+)
+(
+    C_ACC,
+    C_HIT,
+    C_MISS,
+    C_LATE,
+    C_LOADS,
+    C_DEM,
+    C_PFI,
+    C_PFU,
+    C_PFU_PH,
+    C_PFU_GEN,
+    C_PF_UNUSED,
+    C_REFUSED,
+    C_CANCELLED,
+    C_COLL,
+    C_EVICT,
+    C_BYTES,
+    C_LB_LOADS,
+    C_LB_HITS,
+    C_UPGRADES,
+) = range(len(COUNTERS))
+NCNT = len(COUNTERS)
+
+# ---- header of I: sizes, then section offsets ----------------------------------------------------------------
+(
+    H_C,  # slots
+    H_K,  # keys (L * E)
+    H_L,  # MoE layers
+    H_E,  # experts per layer
+    H_PARTS,  # 1, or L with per_layer
+    H_PER,  # slots per part
+    H_PERLAYER,
+    H_KIND,
+    H_LOGCAP,
+    H_HCAP,  # heap capacity
+    H_LOGON,  # 1: record evictions / loads / upgrades for the Python mirror (runtime)
+    O_SC,
+    O_CNT,
+    O_SKEY,
+    O_PIN,
+    O_PREF,
+    O_USED,
+    O_BITS,
+    O_ISS,
+    O_PROT,
+    O_SOF,
+    O_EVP,
+    O_RES,
+    O_FREE,
+    O_NFREE,
+    O_BYB,
+    O_LOG,
+    O_PK,
+    O_LST,
+    O_HEAP,
+    O_HSKIP,
+    O_PG,
+    O_SEEN,
+    O_SRANK,
+    O_PLIST,
+    O_ISL,
+    O_SRK,
+    O_SREF,  # belady-approx, per slot: its key's PK_REF, PK_PPASS (NEVER_PASS: no proposal) and PK_PAHEAD
+    O_SPP,
+    O_SPA,
+    O_HPOS,  # lfu, belady: each key's position in the heap (-1: none)
+    O_LSL,  # belady-approx: per layer its resident slots [L, C], their number [L], each slot's index there [C]
+    O_LSN,
+    O_SPOS,
+    O_BREF,  # belady-approx, per layer: <= the least and <= the second least PK_REF of its resident keys [2, L]
+    O_BNOINT,  # belady-approx, per layer: how many of its resident keys have no interval EMA [L]
+    O_BSCAN,  # belady-approx: the layers a victim search scanned [L]
+    O_BPROP,  # belady-approx, per layer: >= the latest pass a resident key was proposed in [L]
+    O_KR,  # each key's layer rank (`key // E`: a lookup, not a division) [K]
+    OF_PKF,
+    OF_PGF,
+    OF_PAH,
+    OF_FAR,
+    OF_SIV,  # belady-approx, per slot: its key's interval EMA (-1: none)
+    OF_BIV,  # belady-approx, per layer: >= the largest and >= the second largest interval EMA of its keys [2, L]
+    OF_UB,  # belady-approx, per layer: the bound of a victim search [L]
+    NHDR,
+) = range(57)
+
+# mechanism scalars (sc)
+SC_TIME, SC_PASS, SC_PSEQ, SC_PHSEQ, SC_GENSEQ, SC_NLOG, SC_NRES, SC_PENDL, NSC = range(9)  # PENDL: `k_call`
+# per-key policy columns (pk)
+(
+    PK_TR,  # tracked (inserted, not evicted)
+    PK_LAST,  # tick of the last insert or access (`_Base._last`)
+    PK_PREV,  # linked lists: LRU order per part, Least-Stale's queues per layer
+    PK_NEXT,
+    PK_CNT,  # lfu: accesses over the whole run
+    PK_SCORE,  # belady: next use * K + key
+    PK_CUR,  # least-stale: current
+    PK_ENT,  # least-stale: in a queue
+    PK_HASLU,  # belady-approx: last access pass known
+    PK_LASTUSE,
+    PK_REF,  # belady-approx: pass of the last access or load
+    PK_HASPRED,  # belady-approx: a proposal pending
+    PK_PPASS,
+    PK_PAHEAD,
+    PK_PIDX,  # its index in the pending list
+    PK_HASINT,  # belady-approx: an interval EMA exists
+    PK_NU,  # belady: the step of the next use after the key's last access (-1: not accessed yet)
+    PK_HA,  # lfu, belady: the key's heap entry (a, b), kept while it is out of the heap (pinned, just issued)
+    PK_HB,
+    NPK,
+) = range(20)
+# policy scalars (pg)
+PG_TICK, PG_HSIZE, PG_LSPASS, PG_STEP, PG_NSEEN, PG_NINTS, PG_NPRED, NPG = range(8)
+# policy float scalars (pgf)
+PGF_MEAN, PGF_EMA, PGF_PRIOR, NPGF = range(4)
+# log records: (op, slot, key, arg)
+LOG_EVICT, LOG_LOAD, LOG_UPGRADE = 1, 2, 3
+NEVER_PASS = -(1 << 62)  # `_evicted_in_pass` of a key never evicted
+NO_REF = 1 << 62  # O_BREF of a layer with no resident key
+
+# entry point ops (`k_call`)
+OP_NONE, OP_DEMAND, OP_PREFETCH, OP_RELEASE, OP_BEGIN_PASS, OP_BEGIN_LAYER = 0, 1, 2, 3, 4, 5
+
+Views = namedtuple(
+    "Views",
+    "hdr sc cnt skey pin pref used bits iss prot sof evp res free nfree byb log pk lst heap pg seen srank hpos pkf pgf pah",
+)
+
+
+def layout(
+    *, C: int, L: int, E: int, per_layer: bool, kind: int, log: bool, ema: float = 0.3, prior: float = 0.5
+) -> tuple[np.ndarray, np.ndarray]:
+    """Fresh state arrays (I, F) for a cache of C slots over L MoE layers x E experts (`kind`: KIND_*)."""
+    K = L * E
+    parts = L if per_layer else 1
+    per = C // L if per_layer else C
+    logcap = 2 * K + 16
+    hcap = C + 2
+    sizes = [
+        (O_SC, NSC),
+        (O_CNT, NCNT),
+        (O_SKEY, C),
+        (O_PIN, C),
+        (O_PREF, C),
+        (O_USED, C),
+        (O_BITS, C),
+        (O_ISS, C),
+        (O_PROT, C),
+        (O_SOF, K),
+        (O_EVP, K),
+        (O_RES, L),
+        (O_FREE, max(1, parts * per)),
+        (O_NFREE, parts),
+        (O_BYB, 9),
+        (O_LOG, logcap * 4),
+        (O_PK, K * NPK),
+        (O_LST, 2 * L * 2),
+        (O_HEAP, hcap * 3),
+        (O_HSKIP, hcap * 3),
+        (O_PG, NPG),
+        (O_SEEN, L),
+        (O_SRANK, L),
+        (O_PLIST, K),
+        (O_ISL, C),
+        (O_SRK, C),
+        (O_SREF, C),
+        (O_SPP, C),
+        (O_SPA, C),
+        (O_HPOS, K),
+        (O_LSL, L * C),
+        (O_LSN, L),
+        (O_SPOS, C),
+        (O_BREF, 2 * L),
+        (O_BNOINT, L),
+        (O_BSCAN, L),
+        (O_BPROP, L),
+        (O_KR, K),
+    ]
+    hdr = np.zeros(NHDR, np.int64)
+    off = NHDR
+    for o, n in sizes:
+        hdr[o] = off
+        off += n
+    fsizes = [(OF_PKF, K), (OF_PGF, NPGF), (OF_PAH, L + 2), (OF_FAR, C), (OF_SIV, C), (OF_BIV, 2 * L), (OF_UB, L)]
+    foff = 0
+    for o, n in fsizes:
+        hdr[o] = foff
+        foff += n
+    hdr[H_C], hdr[H_K], hdr[H_L], hdr[H_E] = C, K, L, E
+    hdr[H_PARTS], hdr[H_PER], hdr[H_PERLAYER], hdr[H_KIND] = parts, per, int(per_layer), kind
+    hdr[H_LOGCAP], hdr[H_HCAP], hdr[H_LOGON] = logcap, hcap, int(log)
+    I = np.zeros(off, np.int64)
+    F = np.zeros(foff, np.float64)
+    I[:NHDR] = hdr
+    v = views(I, F)
+    v.skey[:] = -1
+    v.sof[:] = -1
+    v.evp[:] = NEVER_PASS
+    v.sc[SC_PASS] = -1
+    v.sc[SC_PENDL] = -1
+    for p in range(parts):  # `reversed(part slots)`: popping from the end gives the part's first slot first
+        v.free[p * per : (p + 1) * per] = np.arange(p * per + per - 1, p * per - 1, -1)
+        v.nfree[p] = per
+    v.pk[:, PK_PREV] = -1
+    v.pk[:, PK_NEXT] = -1
+    v.pk[:, PK_NU] = -1
+    v.hpos[:] = -1
+    v.lst[:] = -1
+    v.pg[PG_LSPASS] = -1
+    v.pg[PG_STEP] = -1
+    v.pgf[PGF_MEAN], v.pgf[PGF_EMA], v.pgf[PGF_PRIOR] = 1.0, ema, prior
+    v.pah[:] = prior
+    I[I[O_BREF] : I[O_BREF] + 2 * L] = NO_REF
+    F[I[OF_BIV] : I[OF_BIV] + 2 * L] = -1.0
+    I[I[O_BPROP] : I[O_BPROP] + L] = NEVER_PASS
+    I[I[O_KR] : I[O_KR] + K] = np.arange(K) // E
+    return I, F
+
+
+def views(I: np.ndarray, F: np.ndarray) -> Views:
+    """Numpy views of the state's sections (Python side; the kernels index `I` and `F` directly)."""
+    C, K, L = int(I[H_C]), int(I[H_K]), int(I[H_L])
+    lc, hc = int(I[H_LOGCAP]), int(I[H_HCAP])
+
+    def sec(o: int, n: int) -> np.ndarray:
+        return I[I[o] : I[o] + n]
+
+    return Views(
+        I[:NHDR],
+        sec(O_SC, NSC),
+        sec(O_CNT, NCNT),
+        sec(O_SKEY, C),
+        sec(O_PIN, C),
+        sec(O_PREF, C),
+        sec(O_USED, C),
+        sec(O_BITS, C),
+        sec(O_ISS, C),
+        sec(O_PROT, C),
+        sec(O_SOF, K),
+        sec(O_EVP, K),
+        sec(O_RES, L),
+        sec(O_FREE, max(1, int(I[H_PARTS] * I[H_PER]))),
+        sec(O_NFREE, int(I[H_PARTS])),
+        sec(O_BYB, 9),
+        sec(O_LOG, lc * 4).reshape(lc, 4),
+        sec(O_PK, K * NPK).reshape(K, NPK),
+        sec(O_LST, 4 * L).reshape(2 * L, 2),
+        sec(O_HEAP, hc * 3).reshape(hc, 3),
+        sec(O_PG, NPG),
+        sec(O_SEEN, L),
+        sec(O_SRANK, L),
+        sec(O_HPOS, K),
+        F[I[OF_PKF] : I[OF_PKF] + K],
+        F[I[OF_PGF] : I[OF_PGF] + NPGF],
+        F[I[OF_PAH] : I[OF_PAH] + L + 2],
+    )
+
+
+# ---- the replay's arrays ----------------------------------------------------------------------------------
+
+
+def replay_scratch(I: np.ndarray) -> np.ndarray:
+    """Zeroed scratch for `k_replay` (the kernels allocate nothing)."""
+    K, E = int(I[H_K]), int(I[H_E])
+    return np.zeros(2 * K + 4 * E + 3 + NCNT, dtype=np.int64)
+
+
+def pack_stream(phase, tokens, pass_off, step_rank, exp_off, experts, prop_off=None, prop_keys=None) -> np.ndarray:
+    """`R` for `k_replay`: [P, S, A, Q (-1: no proposals), phase [P], tokens [P], pass_off [P+1], step_rank [S],
+    exp_off [S+1], experts [A], (prop_off [S+1], prop_keys [Q])]: per pass its steps, per step its MoE layer
+    rank and ascending experts, and the prefetch keys of each step in issue order."""
+    P, S, A = len(phase), len(step_rank), len(experts)
+    Q = -1 if prop_off is None else len(prop_keys)
+    parts = [np.array([P, S, A, Q]), phase, tokens, pass_off, step_rank, exp_off, experts]
+    if prop_off is not None:
+        parts += [prop_off, prop_keys]
+    return np.concatenate([np.asarray(x, dtype=np.int64) for x in parts])
+
+
+def belady_tables(step_off: np.ndarray, step_keys: np.ndarray, K: int) -> np.ndarray:
+    """`X` for Belady's MIN over a stream of S steps (`step_off` [S+1], each step's keys ascending in
+    `step_keys` [A]): [S, A, step_off, step_keys, the next step each access's key is used again (S + 1: never)
+    [A], per key the offsets [K+1] of its access steps, ascending [A]]."""
+    S, A = len(step_off) - 1, len(step_keys)
+    step_of = np.repeat(np.arange(S, dtype=np.int64), np.diff(step_off))  # [A]
+    keys = step_keys.astype(np.int64)
+    order = np.lexsort((step_of, keys))  # by key, then step
+    k_sorted, s_sorted = keys[order], step_of[order]
+    nxt_sorted = np.full(A, S + 1, dtype=np.int64)
+    same = k_sorted[1:] == k_sorted[:-1]
+    nxt_sorted[:-1][same] = s_sorted[1:][same]
+    nxt = np.empty(A, dtype=np.int64)
+    nxt[order] = nxt_sorted
+    key_off = np.searchsorted(k_sorted, np.arange(K + 1))
+    head = np.array([S, A], dtype=np.int64)
+    return np.concatenate([head, step_off.astype(np.int64), keys, nxt, key_off.astype(np.int64), s_sorted])

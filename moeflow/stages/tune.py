@@ -1,0 +1,258 @@
+"""`moeflow tune` stage: search the exact configurations the simulator replays, rank them by predicted TPOT,
+write the best as a run configuration (`moeflow run --config`) with a plot beside it.
+
+Everything that can be refused is refused before the search, and nothing is written then: the flags
+(`TuneConfig`), `--out`, the trace, the budget against the trace's model (top-k .. all experts), the
+calibration (its model and device), the model against the trace."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..policies.parse import parse_capacity
+
+DEFAULT_BUDGET = "25%"
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    trace: str  # folder written by `moeflow trace` (with --record-hidden for pregate)
+    budget: str = DEFAULT_BUDGET  # the expert cache: experts (96), percent of all routed experts (25%) or bytes (1GiB)
+    calibration: str | None = None  # None: calibration/<device>[-emulated-<X>gbps].json as `moeflow run` looks
+    link: str | None = None  # emulated:GBPS[,LATENCY_US]; None: the calibration's measured link
+    device: str = "cpu"  # the device the configuration will run on (the calibration must be of it)
+    model: str | None = None  # None: the model the trace records, else the default model
+    out: str | None = None  # the run configuration file (JSON); the plot goes beside it (<stem>.png)
+    force: bool = False
+    evictions: tuple[str, ...] | None = None  # None: moeflow.tune.search.EVICTIONS
+    prefetches: tuple[str, ...] | None = None  # None: PREFETCHES (pregate ones only for a trace with router inputs)
+    s_values: tuple[int, ...] | None = None  # None: S_VALUES
+    adaptive: bool = True  # also try the adaptive S
+    exhaustive: bool = False  # every candidate on the whole trace (no successive halving)
+    max_prompts: int | None = None  # replay the first N prompts of the trace
+    plot: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        from ..policies import EVICTION, PREFETCH
+        from ..policies.parse import build_policy
+
+        parse_capacity(self.budget, total_experts=1 << 40, expert_bytes=1, flag="--budget")
+        if self.link is not None:
+            from ..runtime.link import parse_link
+
+            kind, _, _ = parse_link(self.link)
+            if kind != "emulated":
+                raise ConfigError(f"--link {self.link!r}: tune models emulated:GBPS[,LATENCY_US] (or the calibration's link)")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ConfigError(f"--limit must be >= 1 (got {self.max_prompts})")
+        for s in self.s_values or ():
+            if s < 1:
+                raise ConfigError(f"--lookahead values must be >= 1 (got {s})")
+        for e in self.evictions or ():
+            build_policy(EVICTION, e)
+        for p in self.prefetches or ():
+            build_policy(PREFETCH, p)
+        if self.evictions == () or self.prefetches == ():
+            raise ConfigError("--eviction and --prefetch need at least one value each")
+
+
+def budget_slots(budget: str, spec: Any) -> int:
+    """Experts of `--budget` for the trace's model, within top-k .. all routed experts."""
+    c = parse_capacity(budget, total_experts=spec.total_experts, expert_bytes=spec.expert_bytes, flag="--budget")
+    if not spec.top_k <= c <= spec.total_experts:
+        raise ConfigError(
+            f"--budget {budget!r} = {c} experts; give at least {spec.top_k} (top-k, the experts one token needs per "
+            f"layer) and at most {spec.total_experts} (all routed experts)"
+        )
+    return c
+
+
+def plot_path(out: str | Path) -> Path:
+    p = Path(out)
+    return p.with_name(p.stem + ".png")
+
+
+def read_calibration(cfg: TuneConfig, tr: Any) -> tuple[dict[str, Any], str, str, str]:
+    """(calibration, its path, the modelled link `emulated:GBPS,LATENCY_US`, the `moeflow run --link` it stands
+    for): `--calibration`, else the file `moeflow run` reads for this device and link. The modelled link is
+    `--link`, else the calibration's measured bandwidth and latency. Refused: none found, another model's,
+    another device's."""
+    from ..calibrate import calibration_path, device_name, load_calibration
+    from ..runtime.link import parse_link
+
+    gbps = parse_link(cfg.link)[1] if cfg.link else None
+    want = device_name(cfg.device, gbps)
+    path = Path(cfg.calibration) if cfg.calibration else calibration_path(want)
+    if not path.is_file():
+        if cfg.calibration:
+            raise ConfigError(f"calibration file {path} does not exist; run `moeflow calibrate` or drop --calibration")
+        hint = f" --link-gbps {gbps:g}" if gbps else ""
+        raise ConfigError(
+            f"tune predicts TPOT from a calibration and found none at {path}; run `moeflow calibrate{hint}` or pass --calibration"
+        )
+    cal = load_calibration(path, fingerprint=tr.fingerprint)
+    got = str(cal.get("device", ""))
+    same = got == want if cfg.link else (got == device_name(cfg.device) or got.startswith(device_name(cfg.device) + "-emulated-"))
+    if not same:
+        raise ConfigError(
+            f"calibration {path} is of device {got!r}, not {want!r}; run `moeflow calibrate` on this device"
+            + (" and link" if cfg.link else "")
+            + " or pass its file"
+        )
+    for k in ("compute_per_token_s", "layer_time_s", "bandwidth_bytes_per_s"):
+        v = cal.get(k)
+        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+            raise ConfigError(f"calibration {path} has no positive {k}; re-run `moeflow calibrate`")
+    if cfg.link:
+        return cal, str(path), cfg.link, cfg.link
+    bw = float(cal.get("fitted_bandwidth_bytes_per_s") or cal["bandwidth_bytes_per_s"])
+    link = f"emulated:{bw / 1e9:.6g},{float(cal.get('latency_s') or 0.0) * 1e6:.6g}"
+    run_link = f"emulated:{float(cal['link_gbps']):g}" if cal.get("link") == "emulated" and cal.get("link_gbps") else "auto"
+    return cal, str(path), link, run_link
+
+
+def main(cfg: TuneConfig) -> dict[str, Any]:
+    """Search, rank, write the run configuration and the plot; the result (`ranked` best first)."""
+    t_start = time.perf_counter()
+    from ..outputs import check_out
+    from ..trace import Trace
+
+    if cfg.out:
+        check_out(cfg.out, kind="run-config", inputs=(cfg.trace, cfg.calibration), force=cfg.force, file=True)
+        if cfg.plot and plot_path(cfg.out).exists() and not cfg.force:
+            raise ConfigError(f"the plot {plot_path(cfg.out)} exists; pass --force to replace it or --no-plot")
+    tr = Trace(cfg.trace)
+    spec = tr.spec
+    capacity = budget_slots(cfg.budget, spec)
+    cal, cal_path, link, run_link = read_calibration(cfg, tr)
+    from ..runtime.link import parse_link
+
+    _, gbps, latency_s = parse_link(link)
+    from ..tune.search import EVICTIONS, PREFETCHES, S_VALUES, CostModel, Evaluator, search, space, uses_s
+
+    cost = CostModel(
+        compute_per_token_s=float(cal["compute_per_token_s"]),
+        layer_time_s=float(cal["layer_time_s"]),
+        gbps=float(gbps),
+        latency_s=float(latency_s),
+        expert_bytes=int(spec.expert_bytes),
+    )
+    prefetches = cfg.prefetches or PREFETCHES
+    routered = [p for p in prefetches if _routered(p)]
+    notes: list[str] = []
+    if routered and not tr.record_hidden:
+        if cfg.prefetches:
+            raise ConfigError(
+                f"--prefetch {routered[0]} needs router inputs: re-run `moeflow trace --record-hidden` ({cfg.trace} has none)"
+            )
+        prefetches = tuple(p for p in prefetches if p not in routered)
+        notes.append(f"{cfg.trace} has no router inputs (trace --record-hidden): pregate not searched")
+    hi = max(1, spec.num_moe_layers - 1)
+    cal_s = cal.get("initial_s")
+    cands = space(
+        spec.num_moe_layers,
+        evictions=cfg.evictions or EVICTIONS,
+        prefetches=prefetches,
+        s_values=cfg.s_values or S_VALUES,
+        calibration_s=min(int(cal_s), hi) if isinstance(cal_s, int) and cal_s >= 1 else None,
+        adaptive=cfg.adaptive,
+    )
+    predict, model_path = None, cfg.model
+    if any(_routered(c.prefetch) for c in cands):
+        from ..models import default_model_path, load_model
+        from ..moe import get_adapter
+        from .simulate import _router_predictor
+
+        model_path = cfg.model or _traced_model(tr) or default_model_path()
+        model, _ = load_model(model_path)
+        tr.check_model(model)
+        predict = _router_predictor(get_adapter(model))
+    model_path = model_path or _traced_model(tr) or str(tr.meta.get("model", ""))
+    from ..progress import progress
+    from ..sim.access import from_trace
+
+    acc = from_trace(tr, max_prompts=cfg.max_prompts, with_router_input=predict is not None)
+    if not any(p.phase == 1 for p in acc.passes):
+        raise ConfigError(f"{cfg.trace} has no decode passes; trace with --max-new-tokens >= 2")
+    ev = Evaluator(acc, capacity, cost, predict, cal, spec.num_layers)
+    fixed = [c.s for c in cands if c.s is not None and uses_s(c.prefetch)]
+    ev.table_s = ev.max_s if any(c.adaptive for c in cands) else max(fixed, default=1)
+    from ..tune.search import rounds
+
+    plan = [(ev.prompts, len(cands))] if cfg.exhaustive else rounds(len(cands), ev.prompts)
+    with progress("tune", enabled=cfg.progress) as prog:
+        task = prog.add_task("replaying", total=sum(n for _, n in plan) + 1, unit="replays")
+        bound = ev.bound()
+        prog.advance(task)
+        ranked, pruned, plan = search(ev, cands, exhaustive=cfg.exhaustive, on_replay=lambda: prog.advance(task))
+    for r in (*ranked, *pruned):
+        r["ratio_to_bound"] = r["predicted_tpot_s"] / bound["bound_tpot_s"]
+    for i, r in enumerate(ranked):
+        r["rank"] = i + 1
+    best = ranked[0]
+    res: dict[str, Any] = {
+        "trace": cfg.trace,
+        "model": model_path,
+        "budget": cfg.budget,
+        "capacity": capacity,
+        "total_experts": spec.total_experts,
+        "link": link,  # the modelled link
+        "run_link": run_link,  # the `moeflow run --link` of the configuration
+        "calibration": cal_path,
+        "cost_model": cost.describe(),
+        "candidates": len(cands),
+        "prompts": ev.prompts,
+        "rounds": [{"prompts": p, "candidates": n} for p, n in plan],
+        **bound,
+        "best": best,
+        "ranked": ranked,
+        "pruned": pruned,
+        "notes": notes,
+        "out": None,
+        "plot": None,
+    }
+    if cfg.out:
+        from ..tune.config import run_config, write_run_config
+
+        options = {
+            "capacity": str(capacity),
+            **{k: best[k] for k in ("eviction", "prefetch", "lookahead", "adaptive_s", "miss")},
+            "link": run_link,
+            "calibration": str(Path(cal_path).resolve()),
+        }
+        tuned = {
+            "trace": str(Path(cfg.trace).resolve()),
+            "budget": cfg.budget,
+            "link_model": link,
+            **{k: best[k] for k in ("label", "predicted_tpot_s", "hit_rate", "bytes_per_token", "ratio_to_bound")},
+            "bound_tpot_s": bound["bound_tpot_s"],
+        }
+        write_run_config(cfg.out, run_config(str(Path(model_path).resolve()), tr.fingerprint, options, tuned))
+        res["out"] = cfg.out
+        if cfg.plot:
+            from ..tune.plot import plot_ranking
+
+            res["plot"] = str(
+                plot_ranking(ranked, bound["bound_tpot_s"], plot_path(cfg.out), title=f"{Path(cfg.trace).name}: C={capacity}")
+            )
+    res["seconds"] = time.perf_counter() - t_start
+    return res
+
+
+def _routered(prefetch: str) -> bool:
+    """Whether prefetch policy `prefetch` reads later layers' routers (pregate: the model is loaded)."""
+    from ..policies import PREFETCH
+    from ..policies.parse import policy_args
+
+    cls = PREFETCH.get(policy_args(prefetch)[0])
+    return cls is not None and bool(cls.needs_router_input)
+
+
+def _traced_model(tr: Any) -> str | None:
+    m = tr.meta.get("model")
+    return str(m) if m and Path(str(m)).is_dir() else None

@@ -1,0 +1,57 @@
+"""The run configuration file `moeflow tune --out FILE` writes and `moeflow run --config FILE` applies.
+
+One JSON object: `kind` "run-config", `schema`, the model it was tuned for (`model`, `model_fingerprint`), the
+`moeflow run` options (`options`: capacity, eviction, prefetch, lookahead, adaptive_s, miss, link, calibration;
+a null lookahead leaves S to the calibration) and what tune predicted for them (`tuned`). Written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..artifacts import new_meta, write_json_atomic
+from ..errors import ArtifactError
+
+KIND = "run-config"
+SCHEMA = 1
+OPTIONS = ("capacity", "eviction", "prefetch", "lookahead", "adaptive_s", "miss", "link", "calibration")
+
+
+def run_config(model: str, fingerprint: str, options: dict[str, Any], tuned: dict[str, Any]) -> dict[str, Any]:
+    """The record: `options` must hold every key of OPTIONS."""
+    missing = [k for k in OPTIONS if k not in options]
+    if missing:
+        raise ValueError(f"run configuration lacks {missing}")
+    return new_meta(KIND, SCHEMA, fingerprint, model=model, options={k: options[k] for k in OPTIONS}, tuned=tuned)
+
+
+def write_run_config(path: str | os.PathLike, record: dict[str, Any]) -> Path:
+    p = Path(path)
+    write_json_atomic(p, record)
+    return p
+
+
+def read_run_config(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and check a run configuration (kind, schema, the option keys); ArtifactError with one line otherwise."""
+    p = Path(path)
+    if not p.is_file():
+        raise ArtifactError(f"no run configuration at {p}; write one with `moeflow tune --out {p}` or drop --config")
+    try:
+        rec = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{p} is not valid JSON ({e}); re-write it with `moeflow tune --out {p}`") from e
+    if not isinstance(rec, dict) or rec.get("kind") != KIND:
+        got = rec.get("kind") if isinstance(rec, dict) else None
+        raise ArtifactError(
+            f"{p} is not a run configuration (it holds {f'a moeflow {got}' if got else 'no moeflow kind'}); "
+            f"pass the file `moeflow tune --out` wrote"
+        )
+    if rec.get("schema") != SCHEMA:
+        raise ArtifactError(f"{p} has run-config schema {rec.get('schema')}, this moeflow reads {SCHEMA}; re-run `moeflow tune`")
+    opts = rec.get("options")
+    if not isinstance(opts, dict) or any(k not in opts for k in OPTIONS) or not rec.get("model_fingerprint"):
+        raise ArtifactError(f"{p} lacks the options or model of a run configuration; re-run `moeflow tune --out {p}`")
+    return rec

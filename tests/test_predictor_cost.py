@@ -1,0 +1,225 @@
+"""The predictors' run-time path (`moeflow.predict.fast`): every S of a source layer in ONE call that equals
+`predict`, the model's norms and routers without their hooks, and the prefetch requests built from it."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_predict import small_cfg, tiny_setup  # noqa: F401  (module fixture)
+
+LEARNED = ("router-pf", "estimator", "hybrid", "forest")
+
+
+@pytest.fixture(scope="module")
+def fitted(tiny_setup):  # noqa: F811
+    from moeflow.predict.train import fit_all
+
+    model, _, data = tiny_setup
+    cfg = small_cfg(only=LEARNED, est_epochs=1, est_min_steps=30, est_max_tokens=300, forest_trees=4, forest_max_samples=2000)
+    preds = fit_all(data, model, cfg)
+    h = preds["hybrid"]  # the estimator on S = 1, Router-PF beyond: both branches of one call
+    h.use_estimator = {(l, 1) for l in data.spec.moe_layers}
+    return model, data, preds
+
+
+def test_one_call_gives_every_s_as_predict_does(fitted):
+    """runner.scores(batch, S)[s-1] = predict(l+s, s, batch) for every source layer and s; the per-pass parts
+    (token terms) are reused across the layers of one pass (one token-context tensor) and redone for the next."""
+    from moeflow.predict.data import batch_from_rows, target_of
+
+    _model, data, preds = fitted
+    ml, spec = data.spec.moe_layers, data.spec
+    ctx = data.context(4)
+    for name in LEARNED:
+        p = preds[name]
+        run = p.runner()
+        for rows in (np.arange(0, data.n, 5)[:9], np.arange(3, data.n, 11)[:9]):  # two "passes", as many rows
+            tok = torch.from_numpy(ctx[rows])  # one object per pass, as the policy passes it
+            for src in ml[:-1]:
+                steps = min(p.max_lookahead, len(ml) - 1 - ml.index(src))
+                b = batch_from_rows(data, src, rows, ctx=ctx)
+                b.token_ctx = tok
+                got = run.scores(b, steps)
+                assert got.shape == (steps, len(rows), spec.num_experts), name
+                for s in range(1, steps + 1):
+                    want = p.predict(target_of(spec, src, s), s, b).float().numpy()
+                    np.testing.assert_allclose(got[s - 1], want, rtol=1e-4, atol=2e-6, err_msg=f"{name} {src}+{s}")
+                if steps > 1:
+                    assert not np.allclose(got[0], got[-1]), name  # each s its own target
+
+
+def test_layer_ops_fall_back_to_the_module_when_numpy_differs(fitted):
+    """A norm the numpy RMSNorm does not reproduce (here a LayerNorm) runs as its module's `forward`."""
+    from moeflow.moe import get_adapter
+    from moeflow.predict.fast import LayerOps
+
+    model, data, _ = fitted
+    ml = list(data.spec.moe_layers)
+    m2 = copy.deepcopy(model)
+    ad = get_adapter(m2)
+    H = data.spec.hidden_size
+    ln = torch.nn.LayerNorm(H)
+    with torch.no_grad():
+        ln.weight.uniform_(0.5, 1.5)
+        ln.bias.uniform_(-0.3, 0.3)
+    ad.layers[ml[1]].post_attention_layernorm = ln
+    ops = LayerOps(ad, ml)
+    assert ops.nw[ml[1]] is None and ops.nw[ml[0]] is not None and all(ops.rw[l] is not None for l in ml)
+    x = np.random.default_rng(0).standard_normal((5, H)).astype(np.float32)
+    with torch.no_grad():
+        np.testing.assert_allclose(ops.norm(ml[1], x), ln(torch.from_numpy(x)).numpy(), rtol=1e-5, atol=1e-6)
+        norm0 = ad.layers[ml[0]].post_attention_layernorm
+        np.testing.assert_allclose(ops.norm(ml[0], x), norm0(torch.from_numpy(x)).numpy(), rtol=1e-5, atol=1e-6)
+        want = ad.router_logits(ml[2], torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(ops.logits(ml[2], x), want, rtol=1e-5, atol=1e-6)
+    ops.rw[ml[2]] = None  # the module path gives the same logits
+    np.testing.assert_allclose(ops.logits(ml[2], x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_forest_prior_of_every_target_at_once(fitted):
+    _, data, preds = fitted
+    f = preds["forest"]
+    tok = np.concatenate([data.token_id[:7], [-1, 10**6]])  # seen ids, an unseen one, padding
+    allp = f.prior_all(tok)
+    for r, l in enumerate(data.spec.moe_layers):
+        np.testing.assert_array_equal(allp[r], f.prior(l, tok))
+
+
+def _old_requests(sc: np.ndarray, targets: list[int], k: int, overfetch: float, mass: float | None):
+    """The per-target request building the policies used before the batched call (the reference)."""
+    from moeflow.moe.sets import mass_mask, topk_mask
+    from moeflow.policies.base import PrefetchRequest
+    from moeflow.policies.prefetch import topk_confidence
+
+    out = []
+    for s, t in enumerate(targets, start=1):
+        x = torch.from_numpy(sc[s - 1])
+        if mass is not None:
+            mask = mass_mask(x / x.sum(-1, keepdim=True).clamp(min=1e-12), mass)
+        else:
+            mask = topk_mask(x, min(x.shape[1], max(1, round(k * overfetch))))
+        p = x / x.sum(-1, keepdim=True).clamp(min=1e-12)
+        best = p.masked_fill(~mask, -1.0).amax(0)
+        near = float(len(targets) - s + 1)
+        out += [
+            PrefetchRequest((t, e), priority=near + float(best[e]), confidence=topk_confidence(float(best[e]), k))
+            for e in mask.any(0).nonzero().flatten().tolist()
+        ]
+    out.sort(key=lambda r: -r.priority)
+    return out
+
+
+@pytest.mark.parametrize("opts", [{}, {"overfetch": 1.5}, {"mass": 0.6}])
+def test_requests_of_all_targets_at_once_equal_per_target(opts):
+    from moeflow.policies.learned import EstimatorPrefetch
+
+    pol = EstimatorPrefetch(predictors="x", **opts)
+    rng = np.random.default_rng(3)
+    sc = rng.dirichlet(np.ones(16), size=(3, 4)).astype(np.float32)  # [S,T,E]
+    targets = [5, 6, 7]
+    got = pol._requests(targets, sc, 2)
+    want = _old_requests(sc, targets, 2, pol.overfetch, pol.mass)
+    assert [r.key for r in got] == [r.key for r in want]
+    np.testing.assert_allclose([(r.priority, r.confidence) for r in got], [(r.priority, r.confidence) for r in want], atol=1e-6)
+    assert len({r.key[0] for r in got}) == 3
+
+
+@pytest.mark.parametrize("name", ["router-pf", "estimator", "hybrid", "forest"])
+def test_the_policy_makes_one_call_per_layer_and_never_runs_a_router_hook(fitted, tmp_path, monkeypatch, name):
+    """In a generation, propose calls the runner once per MoE layer (all S at once), never `predict`, and never
+    the engine's hooked router (`predict_logits`): the output stays the resident model's."""
+    from moeflow.policies.learned import LearnedPrefetch
+    from moeflow.predict.io import save_predictors
+    from moeflow.runtime.generate import build_engine, generate_one
+    from moeflow.runtime.link import DirectLink
+
+    model, data, preds = fitted
+    folder = tmp_path / "pred"
+    save_predictors(folder, {name: preds[name]}, model, trace="t", trace_fingerprint=None, config={}, report=None)
+    model.set_experts_implementation("grouped_mm")
+    prompt = torch.tensor([[3, 9, 27, 4, 17, 8, 30, 2]])
+    ref, _ = generate_one(model, prompt, None, max_new_tokens=5, min_new_tokens=5)
+    cls = type(preds[name])
+    monkeypatch.setattr(cls, "predict", lambda *a, **k: pytest.fail("predict called at run time"))
+    eng = build_engine(
+        model,
+        mode="offload",
+        link=DirectLink(),
+        capacity=data.spec.top_k * 2,
+        eviction="lru",
+        prefetch=name,
+        prefetch_opts={"predictors": str(folder)},
+        lookahead=2,
+    )
+    pol = eng.prefetcher
+    assert isinstance(pol, LearnedPrefetch)
+    hooked: list[int] = []  # hooked-router calls made while the policy proposes (the staged prefill makes its own)
+    calls: list[tuple[int, int]] = []
+    proposing = [False]
+    real_logits, real_propose = eng._predict_logits, pol.propose
+
+    def logits(t, h):
+        if proposing[0]:
+            hooked.append(t)
+        return real_logits(t, h)
+
+    def propose(ctx):
+        proposing[0] = True
+        try:
+            return real_propose(ctx)
+        finally:
+            proposing[0] = False
+
+    eng._predict_logits = logits  # type: ignore[method-assign]
+    pol.propose = propose  # type: ignore[method-assign]
+    with eng:
+        run = pol.fast.scores
+        pol.fast.scores = lambda b, s: calls.append((b.layer, s)) or run(b, s)
+        got, _ = generate_one(model, prompt, eng, max_new_tokens=5, min_new_tokens=5)
+    assert torch.equal(got, ref)
+    ml = data.spec.moe_layers
+    assert hooked == [] and pol.calls > 0
+    passes = pol.calls // len(ml)  # propose runs at every MoE layer of a pass
+    assert pol.calls == passes * len(ml) and len(calls) == passes * (len(ml) - 1)  # the last layer has no target
+    assert all(s == min(2, len(ml) - 1 - ml.index(l)) for l, s in calls)
+
+
+def test_forest_worker_mode_runs_the_trees_off_the_models_thread(fitted, tmp_path):
+    """`worker=on`: ExpertFlow's asynchronous dual mode (one worker call per source layer for every later layer,
+    cache lookups or the pre-gate); the output stays exact. Off (the default) no worker thread exists."""
+    import threading
+
+    from moeflow.predict.io import save_predictors
+    from moeflow.runtime.generate import build_engine, generate_one
+    from moeflow.runtime.link import DirectLink
+
+    model, data, preds = fitted
+    folder = tmp_path / "pred"
+    save_predictors(folder, {"forest": preds["forest"]}, model, trace="t", trace_fingerprint=None, config={}, report=None)
+    model.set_experts_implementation("grouped_mm")
+    prompt = torch.tensor([[3, 9, 27, 4, 17, 8, 30, 2]])
+    ref, _ = generate_one(model, prompt, None, max_new_tokens=5, min_new_tokens=5)
+    for worker in ("off", "on"):
+        eng = build_engine(
+            model,
+            mode="offload",
+            link=DirectLink(),
+            capacity=data.spec.top_k * 2,
+            eviction="lru",
+            prefetch="forest",
+            prefetch_opts={"predictors": str(folder), "worker": worker},
+            lookahead=2,
+        )
+        pol = eng.prefetcher
+        with eng:
+            got, _ = generate_one(model, prompt, eng, max_new_tokens=5, min_new_tokens=5)
+            threads = [t.name for t in threading.enumerate() if t.name.startswith("moeflow-forest")]
+        assert torch.equal(got, ref), worker
+        if worker == "on":
+            assert pol.fast is None and pol.runner.calls > 0 and pol.runner.hits + pol.runner.fallbacks > 0 and threads
+        else:
+            assert pol.fast is not None and not hasattr(pol, "runner") and not threads

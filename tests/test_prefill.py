@@ -1,0 +1,238 @@
+"""The staged prefill path (`moeflow.runtime.prefill`) and the TTFT bound.
+
+Staged prefill is token-identical (and its logits bit-identical) to the resident model down to capacity top-k,
+where a layer's experts are computed in chunks; it never pins more slots than the cache holds; it demands a
+layer's next wave before computing the current one and stages the next layer's predicted experts, so a cold
+prefill already finds experts resident (the serial path finds none); the bound counts the routed experts not
+resident when the prefill began, and `moeflow run --json` reports `ttft_bound_ratio` per configuration.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moeflow.errors import ConfigError
+from moeflow.moe import get_adapter
+from moeflow.runtime.engine import OffloadEngine
+from moeflow.runtime.generate import build_engine, generate_one
+from moeflow.runtime.link import DirectLink, EmulatedLink
+from moeflow.runtime.metrics import RunMetrics
+
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def prompt() -> torch.Tensor:
+    g = torch.Generator().manual_seed(11)
+    return torch.randint(3, 250, (1, 24), generator=g)  # [1,P]: routes more experts per layer than top-k slots
+
+
+def _caps(spec) -> list[int]:
+    return sorted({spec.top_k, max(spec.top_k, spec.total_experts // 4), spec.total_experts})
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "mixtral", "qwen3_moe", "gpt_oss"])
+def test_staged_prefill_exact_down_to_top_k(tiny_models, arch, prompt):
+    model = tiny_models(arch)
+    spec = get_adapter(model).spec
+    ref, _ = generate_one(model, prompt, None, max_new_tokens=NEW, min_new_tokens=NEW)
+    with torch.no_grad():
+        ref_logits = model(prompt).logits
+    for cap in _caps(spec):
+        for pf in ("none", "pregate"):
+            eng = build_engine(model, mode="offload", link=DirectLink(), capacity=cap, eviction="lru", prefetch=pf)
+            assert eng is not None and eng.prefill_path == "staged"  # the default
+            with eng:
+                with torch.no_grad():
+                    logits = model(prompt).logits
+                chunks = eng._prefill.waves_run if eng._prefill is not None else 0
+                out, _ = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
+            assert torch.equal(logits, ref_logits), f"{arch} C={cap} {pf}: prefill logits differ"
+            assert torch.equal(out, ref), f"{arch} C={cap} {pf}: {out.tolist()} != {ref.tolist()}"
+            if cap == spec.top_k:  # a layer routes more experts than the cache holds: computed in chunks
+                assert chunks > spec.num_moe_layers
+
+
+def _pinned_and_resident(model, prompt, cap: int, per_layer: bool) -> list[tuple[int, int]]:
+    """(pinned slots, resident experts) after every demand and staged batch of a staged generation."""
+    eng = build_engine(
+        model, mode="offload", link=EmulatedLink(50.0), capacity=cap, eviction="lru", prefetch="pregate", per_layer=per_layer
+    )
+    assert eng is not None
+    seen: list[tuple[int, int]] = []
+    with eng:
+        cache = eng.cache
+        demand, stage = cache.demand, cache.stage
+
+        def spy(fn):
+            def call(*a, **k):
+                out = fn(*a, **k)
+                seen.append((sum(s.pinned for s in cache.slots), cache.num_resident()))
+                return out
+
+            return call
+
+        cache.demand, cache.stage = spy(demand), spy(stage)  # type: ignore[method-assign]
+        generate_one(model, prompt, eng, max_new_tokens=2, min_new_tokens=2)
+    return seen
+
+
+def test_staged_prefill_never_pins_more_than_the_cache(tiny_models, prompt):
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    for cap, per_layer in ((spec.top_k, False), (spec.top_k * spec.num_moe_layers, True)):
+        seen = _pinned_and_resident(model, prompt, cap, per_layer)
+        assert seen and all(r <= cap for _, r in seen)
+        part = cap // spec.num_moe_layers if per_layer else cap
+        assert max(p for p, _ in seen) <= part  # one layer's waves at a time, at most its part
+
+
+def test_staged_prefill_overlaps_copies_with_compute(tiny_models, prompt):
+    """Cold cache: the serial path waits for each wave with nothing else pinned; the staged path demands the next
+    wave before one waits (two waves pinned at a wait). With a prefetch policy it also stages the next layer's
+    predicted experts; with `none` it copies nothing speculatively."""
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    cap = spec.total_experts // 4
+    seen = {}
+    for path in ("serial", "staged"):
+        for pf in ("none", "pregate"):
+            opts = {"overfetch": 0.25} if pf == "pregate" else None  # the policy: each token's top-1; staging: top-k
+            eng = build_engine(
+                model,
+                mode="offload",
+                link=EmulatedLink(50.0),
+                capacity=cap,
+                eviction="lru",
+                prefetch=pf,
+                prefetch_opts=opts,
+                prefill=path,
+            )
+            assert eng is not None
+            most = [0]
+            with eng:
+                cache = eng.cache
+                wait = cache.wait
+
+                def spy_wait(slots, _wait=wait, _cache=cache, _most=most):
+                    _most[0] = max(_most[0], sum(s.pinned for s in _cache.slots) - len(slots))
+                    return _wait(slots)
+
+                cache.wait = spy_wait  # type: ignore[method-assign]
+                c0 = cache.counters.copy()
+                with torch.no_grad():
+                    model(prompt)
+                c = cache.counters - c0
+                staged = eng._prefill.staged if eng._prefill is not None else 0
+            seen[path, pf] = (most[0], staged, c.prefetch_issued)
+    assert seen["serial", "none"][0] == 0 and seen["staged", "none"][0] > 0  # the next wave pinned while one waits
+    assert seen["staged", "none"][1:] == (0, 0)  # no speculative copy without a prefetch policy
+    assert seen["staged", "pregate"][1] > 0 and seen["serial", "pregate"][1] == 0  # the next layer staged
+
+
+def test_ttft_bound_counts_the_copies_a_prefill_needs(tiny_models, prompt):
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    _, res = generate_one(model, prompt, None, max_new_tokens=2, min_new_tokens=2)
+    assert res.ttft_bound_ratio == 1.0 and res.ttft_bound_source == "resident"
+    link = EmulatedLink(5.0, 2e-6)
+    eng = build_engine(
+        model, mode="offload", link=link, capacity=spec.total_experts, eviction="lru", prefetch="none", prefill="serial"
+    )
+    assert eng is not None
+    with eng:
+        _, cold = generate_one(model, prompt, eng, max_new_tokens=2, min_new_tokens=2)
+        prefill_accesses = cold.counters.accesses - cold.decode_counters.accesses  # cold and every expert fits: all copied
+        _, warm = generate_one(model, prompt, eng, max_new_tokens=2, min_new_tokens=2)
+    per = link.transfer_s(eng.store.expert_bytes)
+    assert cold.prefill_needed == prefill_accesses > 0
+    assert cold.prefill_xfer_s_sum == pytest.approx(cold.prefill_needed * per)
+    assert warm.prefill_needed == 0 and warm.prefill_xfer_s_sum == 0  # everything was resident when it began
+    assert cold.ttft_bound_source == "compute"  # no resident TTFT given: the engine's own prefill compute
+    assert cold.ttft_bound_s == pytest.approx(max(cold.prefill_compute_s_sum, cold.prefill_xfer_s_sum))
+    r = res.ttft_s or 0.0
+    cold.set_ttft_bound(r)
+    assert cold.ttft_bound_source == "resident"
+    assert cold.ttft_bound_s == pytest.approx(max(r, cold.prefill_needed * per))
+    assert cold.ttft_bound_ratio == pytest.approx((cold.ttft_s or 0.0) / max(r, cold.prefill_needed * per))
+
+
+def test_ttft_bound_merges_over_batches():
+    a = RunMetrics(prompts=2, ttft_s_sum=0.4, prefill_xfer_s_sum=0.3, prefill_compute_s_sum=0.1)
+    b = RunMetrics(prompts=1, ttft_s_sum=0.5, prefill_xfer_s_sum=0.05, prefill_compute_s_sum=0.2)
+    a.set_ttft_bound(0.1)  # bound per prompt max(0.1, 0.15)
+    b.set_ttft_bound(None)  # max(0.2, 0.05)
+    t = RunMetrics.total([a, b])
+    assert t.ttft_bound_s_sum == pytest.approx(0.15 * 2 + 0.2)
+    assert t.ttft_bound_ratio == pytest.approx(0.9 / (0.15 * 2 + 0.2))
+    assert t.ttft_bound_source == "mixed" and a.ttft_bound_source == "resident" and b.ttft_bound_source == "compute"
+    d = t.to_dict()
+    assert d["ttft_bound_ratio"] == t.ttft_bound_ratio and "prefill_xfer_s" in d
+
+
+def test_prefill_path_refused(tiny_models):
+    with pytest.raises(ConfigError, match="--prefill"):
+        OffloadEngine(tiny_models("olmoe"), capacity=8, link=DirectLink(), eviction=None, prefill="eager")
+
+
+def test_emulated_link_batch_copies_on_the_same_schedule():
+    now = [0.0]
+    link = EmulatedLink(1.0, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    src = [torch.full((250,), float(i)) for i in range(3)]  # 1000 bytes each: 1 us on 1 GB/s
+    dst = [torch.zeros(250) for _ in range(3)]
+    with link.batch():
+        ts = [link.submit(s, d) for s, d in zip(src, dst)]
+    assert [t.due for t in ts] == pytest.approx([1e-6, 2e-6, 3e-6])
+    link.wait(ts[-1])
+    assert all(torch.equal(d, s) for d, s in zip(dst, src))
+    with link.batch():  # a wait inside a batch hands the held copies over first (no deadlock)
+        t = link.submit(src[0], dst[1])
+        link.wait(t)
+    assert torch.equal(dst[1], src[0])
+    link.close()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from moeflow.lmtrain.tokenizer import train_tokenizer
+    from moeflow.models import tiny_model
+
+    d = tmp_path_factory.mktemp("ckpt")
+    text = ["the king said to the queen that the night was long", "to be or not to be, that is the question"] * 20
+    tok = train_tokenizer(text, vocab_size=200)
+    tiny_model("olmoe", num_experts=8, top_k=2).save_pretrained(d)
+    tok.save_pretrained(d)
+    (d.parent / "p.txt").write_text("the king said to the queen that the night was long\nto be or not\n")
+    return d
+
+
+def test_run_json_reports_ttft_bound_ratio(ckpt, capsys):
+    from moeflow.cli.app import main
+
+    args = ["run", "-m", str(ckpt), "--prompts", str(ckpt.parent / "p.txt"), "--max-new-tokens", "3"]
+    args += ["--sweep", "--mode", "offload,resident", "-c", "2,100%", "-f", "none", "--link", "emulated:1,5"]
+    args += ["--threads", "1", "--json", "--no-warmup"]
+    try:
+        main(args)
+    except SystemExit as e:
+        assert e.code in (0, None)
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    runs = res["runs"]
+    assert [r["mode"] for r in runs] == ["offload", "offload", "resident"]
+    for r in runs:
+        assert r["ttft_bound_ratio"] is not None and r["ttft_bound_ratio"] > 0
+        assert r["metrics"]["ttft_bound_ratio"] == r["ttft_bound_ratio"]
+        assert r["metrics"]["ttft_bound_source"] == "resident"  # the resident run ran last: bounds fixed up after it
+    assert runs[-1]["ttft_bound_ratio"] == pytest.approx(1.0)
+    assert all(r["metrics"]["prefill_needed_experts"] > 0 for r in runs[:2])
+
+
+def test_run_config_refuses_an_unknown_prefill_path():
+    from moeflow.stages.run_config import RunConfig
+
+    assert RunConfig(model="m", prompt=("p",), prefill="serial").prefill == "serial"
+    with pytest.raises(ConfigError, match="--prefill 'eager' unknown"):
+        RunConfig(model="m", prompt=("p",), prefill="eager")

@@ -1,0 +1,242 @@
+"""`moeflow tune` (moeflow.tune, stages/tune.py, cli/tune.py) and `moeflow run --config`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moeflow.errors import ArtifactError, MoeflowError
+from moeflow.tune.search import Candidate, search
+from tests.test_sim import traced  # noqa: F401  (the module fixture: a tiny checkpoint and its --record-hidden trace)
+
+
+def _app():
+    from moeflow.cli.app import _register, app
+
+    _register()
+    return app
+
+
+def _calibration(path: Path, trace: Path, **over) -> Path:
+    """A calibration record for the traced model: a slow emulated link (copies stall), 1 ms per MoE layer."""
+    from moeflow.trace import Trace
+
+    tr = Trace(trace)
+    rec = {
+        "kind": "calibration",
+        "schema": 1,
+        "model_fingerprint": tr.fingerprint,
+        "model": str(tr.meta.get("model")),
+        "device": "cpu-emulated-0.002gbps",
+        "link": "emulated",
+        "link_gbps": 0.002,
+        "bandwidth_bytes_per_s": 2e6,
+        "latency_s": 1e-5,
+        "compute_per_token_s": 0.004,
+        "layer_time_s": 0.001,
+        "expert_bytes": tr.spec.expert_bytes,
+        "experts_per_layer": tr.spec.top_k,
+        "initial_s": 2,
+    }
+    rec.update(over)
+    path.write_text(json.dumps(rec))
+    return path
+
+
+def _tune(args, catch=True):
+    return CliRunner().invoke(_app(), ["tune", *args], catch_exceptions=catch)
+
+
+class _Stub:
+    """An evaluator whose candidates' figures are given: predicted TPOT = tpot[label] on every prefix."""
+
+    def __init__(self, tpot: dict[str, float], prompts: int = 16):
+        self.tpot, self.prompts, self.calls = tpot, prompts, []
+
+    def run(self, c, prompts=None):
+        self.calls.append((c.label, prompts))
+        return {
+            "label": c.label,
+            "predicted_tpot_s": self.tpot[c.label],
+            "bytes_per_token": 1.0,
+            "hit_rate": 1 - self.tpot[c.label],
+        }
+
+
+def test_search_ranks_by_predicted_tpot_and_keeps_the_best_through_the_rounds():
+    cands = [Candidate("lru", "pregate", s) for s in (1, 2, 3, 4, 5, 6, 7, 8)] + [Candidate("lfu", "none")]
+    tpot = {c.label: t for c, t in zip(cands, (0.9, 0.3, 0.5, 0.1, 0.8, 0.7, 0.2, 0.6, 0.4))}
+    ev = _Stub(tpot)
+    ranked, pruned, plan = search(ev, cands, eta=2)  # type: ignore[arg-type]
+    assert len(plan) > 1 and plan[-1][0] == ev.prompts  # rounds end on the whole trace
+    got = [r["predicted_tpot_s"] for r in ranked]
+    assert got == sorted(got) and ranked[0]["label"] == "lru+pregate S=4"  # by TPOT, not by candidate order
+    assert {r["label"] for r in ranked} | {r["label"] for r in pruned} == set(tpot)
+    assert max(got) <= min(r["predicted_tpot_s"] for r in pruned)  # pruning kept the best
+    full = search(_Stub(tpot), cands, exhaustive=True)[0]  # type: ignore[arg-type]
+    assert [r["label"] for r in full] == sorted(tpot, key=tpot.get)
+
+
+def test_run_config_round_trip_and_bad_files(tmp_path):
+    from moeflow.tune.config import read_run_config, run_config, write_run_config
+
+    opts = {
+        "capacity": "6",
+        "eviction": "lfu",
+        "prefetch": "pregate",
+        "lookahead": 2,
+        "adaptive_s": False,
+        "miss": "fetch",
+        "link": "emulated:0.5",
+        "calibration": None,
+    }
+    rec = run_config("/m", "abc", opts, {"predicted_tpot_s": 0.1})
+    p = write_run_config(tmp_path / "c.json", rec)
+    assert read_run_config(p) == json.loads(json.dumps(rec))
+    (tmp_path / "x.json").write_text(json.dumps({"kind": "calibration"}))
+    (tmp_path / "y.json").write_text("{nope")
+    for bad in ("x.json", "y.json", "missing.json"):
+        with pytest.raises(ArtifactError) as e:
+            read_run_config(tmp_path / bad)
+        assert "\n" not in str(e.value)
+
+
+def test_tune_ranks_writes_a_config_and_run_applies_it_with_flags_winning(traced, tmp_path, monkeypatch):  # noqa: F811
+    ck, tr = traced
+    cal = _calibration(tmp_path / "cal.json", tr)
+    out = tmp_path / "tuned.json"
+    r = _tune(
+        [
+            "-t",
+            str(tr),
+            "--calibration",
+            str(cal),
+            "--model",
+            str(ck),
+            "-e",
+            "lru,lfu",
+            "-f",
+            "none,pregate",
+            "--budget",
+            "6",
+            "--out",
+            str(out),
+            "--exhaustive",
+            "--json",
+        ]
+    )
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    ranked = res["ranked"]
+    tpots = [x["predicted_tpot_s"] for x in ranked]
+    assert tpots == sorted(tpots) and len(ranked) == res["candidates"] and not res["pruned"]
+    # S = 1, 2 (the calibration's; the defaults below the 3 MoE layers) and adaptive for pregate, none once; two evictions
+    assert len(ranked) == 2 * (1 + 3)
+    assert {x["label"] for x in ranked} >= {"lru+pregate S=adaptive", "lfu+pregate S=2", "lru+none"}
+    assert all(x["predicted_tpot_s"] >= res["bound_tpot_s"] * (1 - 1e-9) for x in ranked)
+    ad = next(x for x in ranked if x["adaptive_s"])  # the controller ran: S within 1 .. MoE layers - 1
+    assert ad["lookahead"] is None and 1 <= ad["s_adaptive"]["min"] <= ad["s_adaptive"]["max"] <= 2
+    assert Path(res["plot"]).is_file() and Path(res["plot"]).stat().st_size > 0
+    rec = json.loads(out.read_text())
+    best = ranked[0]
+    assert rec["kind"] == "run-config" and rec["options"]["capacity"] == "6"
+    assert {k: rec["options"][k] for k in ("eviction", "prefetch", "lookahead", "adaptive_s", "miss")} == {
+        k: best[k] for k in ("eviction", "prefetch", "lookahead", "adaptive_s", "miss")
+    }
+    assert rec["options"]["link"] == "emulated:0.002" and rec["tuned"]["predicted_tpot_s"] == best["predicted_tpot_s"]
+
+    # run --config applies the file; flags given on the command line win
+    import moeflow.stages.run as run_stage
+
+    seen = []
+    monkeypatch.setattr(run_stage, "main", lambda cfg: seen.append(cfg))
+    a = CliRunner().invoke(_app(), ["run", "--config", str(out), "--prompt", "hi"])
+    assert a.exit_code == 0, a.output
+    cfg = seen[-1]
+    assert cfg.model == str(Path(ck).resolve()) and cfg.capacities == ("6",) and cfg.link == "emulated:0.002"
+    assert (cfg.evictions, cfg.prefetches, cfg.lookahead, cfg.adaptive_s) == (
+        (best["eviction"],),
+        (best["prefetch"],),
+        best["lookahead"],
+        best["adaptive_s"],
+    )
+    assert cfg.calibration == str(cal.resolve()) and cfg.config_fingerprint == rec["model_fingerprint"]
+    other = "lfu" if best["eviction"] == "lru" else "lru"
+    b = CliRunner().invoke(_app(), ["run", "--config", str(out), "--prompt", "hi", "-e", other, "-c", "10", "--link", "direct"])
+    assert b.exit_code == 0, b.output
+    cfg = seen[-1]
+    assert (cfg.evictions, cfg.capacities, cfg.link) == ((other,), ("10",), "direct")
+    assert cfg.prefetches == (best["prefetch"],)  # not given: the file's
+
+
+def test_run_config_of_another_model_is_refused(tiny_models, tmp_path):
+    from moeflow.moe import model_fingerprint
+    from moeflow.stages.run_config import RunConfig, apply_config_file, check_config_model
+    from moeflow.tune.config import OPTIONS, run_config, write_run_config
+
+    m = tiny_models("olmoe")
+    path = str(write_run_config(tmp_path / "c.json", run_config("/models/other", "0123", dict.fromkeys(OPTIONS), {})))
+    check_config_model(RunConfig(model="m", prompt=("x",), config_fingerprint=model_fingerprint(m)), m)
+    cfg = RunConfig(**apply_config_file(path, {"model": "m", "prompt": ("x",)}, {"model", "prompt"}))
+    assert cfg.model == "m" and cfg.config_fingerprint == "0123"
+    with pytest.raises(MoeflowError) as e:
+        check_config_model(cfg, m)
+    assert "another model, /models/other" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_inputs_give_one_line_and_write_nothing(traced, tmp_path, tiny_models):  # noqa: F811
+    from moeflow.trace import Trace
+
+    ck, tr = traced
+    spec = Trace(tr).spec
+    good = _calibration(tmp_path / "cal.json", tr)
+    other_ck = tmp_path / "other"
+    tiny_models("mixtral").save_pretrained(other_ck)
+    cases = {
+        "below top-k": (["--budget", str(spec.top_k - 1), "--calibration", str(good)], f"at least {spec.top_k}"),
+        "other model's trace": (["--model", str(other_ck), "--calibration", str(good)], "another model"),
+        "other model's calibration": (
+            ["--calibration", str(_calibration(tmp_path / "c1.json", tr, model_fingerprint="0123"))],
+            "another model",
+        ),
+        "other device's calibration": (
+            ["--calibration", str(_calibration(tmp_path / "c2.json", tr, device="cuda-NVIDIA_H100"))],
+            "of device 'cuda-NVIDIA_H100'",
+        ),
+        "calibration of another link": (["--calibration", str(good), "--link", "emulated:8"], "not 'cpu-emulated-8gbps'"),
+        "unreplayable prefetch": (["--calibration", str(good), "-f", "pregate:percentile=80"], "its own history"),
+    }
+    for name, (args, words) in cases.items():
+        out = tmp_path / f"{name.replace(' ', '_')}.json"
+        r = _tune(["-t", str(tr), "--model", str(ck), "--out", str(out), *args])
+        assert r.exit_code != 0 and isinstance(r.exception, MoeflowError), (name, r.output)
+        msg = str(r.exception)
+        assert words in msg and "\n" not in msg, (name, msg)
+        assert not out.exists() and not out.with_suffix(".png").exists(), name
+
+
+def test_table_replay_is_pregates_replay(traced):  # noqa: F811
+    """`TablePrefetch` proposes what `pregate` proposes: the same counters on the modelled link at each S."""
+    from moeflow.models import load_model
+    from moeflow.moe import get_adapter
+    from moeflow.policies import PREFETCH
+    from moeflow.sim.access import from_trace
+    from moeflow.sim.simulator import simulate
+    from moeflow.stages.simulate import _router_predictor
+    from moeflow.trace import Trace
+    from moeflow.tune.replay import PregateTable, TablePrefetch
+
+    ck, tr = traced
+    acc = from_trace(Trace(tr), with_router_input=True)
+    model, _ = load_model(ck)
+    pred = _router_predictor(get_adapter(model))
+    table = PregateTable.build(acc, PREFETCH.create("pregate"), 2, pred)
+    kw = dict(link="emulated:0.002", layer_time_s=1e-3, count_phase=1)
+    for s in (1, 2):
+        want = simulate(acc, 6, "lru", "pregate", lookahead=s, predict_logits=pred, **kw)
+        got = simulate(acc, 6, "lru", TablePrefetch(table, PREFETCH.create("pregate").gate, lambda s=s: s), lookahead=s, **kw)
+        assert want.prefetch_loads > 0
+        assert (got.hits, got.prefetch_loads, got.late, got.stall_s) == (want.hits, want.prefetch_loads, want.late, want.stall_s)
