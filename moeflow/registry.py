@@ -12,6 +12,8 @@ from .errors import ConfigError
 
 P = TypeVar("P")
 
+DEFAULT_EVICTION = "next-use"  # `moeflow run`'s and `moeflow simulate`'s eviction: fewest transfers on held-out prompts
+
 
 class Registry(dict[str, type[Any]]):
     """Name -> class for one kind. `create(name, **options)` builds one, or explains the choices.

@@ -101,7 +101,7 @@ def test_simulate_has_run_defaults(capsys, monkeypatch):
     code, _, err = cli(["simulate", "-t", "T", "--json"], capsys)
     assert code == 0, err
     cfg = seen["cfg"]
-    assert cfg.capacities == ("25%",) and cfg.evictions == ("lru",) and cfg.model == default_model_path()
+    assert cfg.capacities == ("25%",) and cfg.evictions == ("next-use",) and cfg.model == default_model_path()
     assert cfg.prefetches is None and cfg.lookahead is None  # pregate where the trace allows it; the calibration's S
     text = help_text(capsys, "simulate")
     assert "Default 25%, as `moeflow run`" in text and "Default pregate, as `moeflow run`" in text

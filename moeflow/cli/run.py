@@ -6,6 +6,7 @@ from typing import Any
 
 import typer
 
+from ..registry import DEFAULT_EVICTION
 from .app import app
 from .common import (
     alias,
@@ -70,7 +71,7 @@ def run(
     per_layer_cache: bool = typer.Option(
         False, "--per-layer-cache", help="Split the slots evenly between MoE layers (a layer evicts only its own)."
     ),
-    eviction: list[str] | None = eviction_option("next-use"),
+    eviction: list[str] | None = eviction_option(DEFAULT_EVICTION),
     eviction_opt: list[str] | None = policy_opt_option("eviction"),
     prefetch: list[str] | None = prefetch_option("pregate"),
     prefetch_opt: list[str] | None = policy_opt_option("prefetch"),
@@ -186,7 +187,7 @@ def run(
         modes=split_list(mode) or ("offload",),
         capacities=split_list(alias(capacity, cache_capacity, "--capacity", "--cache-capacity")) or ("25%",),
         per_layer_cache=per_layer_cache,
-        evictions=split_list(eviction) or ("next-use",),
+        evictions=split_list(eviction) or (DEFAULT_EVICTION,),
         prefetches=split_list(prefetch) or ("pregate",),
         eviction_opts=parse_opts(eviction_opt or ()),
         prefetch_opts=parse_opts(prefetch_opt or ()),

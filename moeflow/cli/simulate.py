@@ -6,6 +6,7 @@ from typing import Any
 
 import typer
 
+from ..registry import DEFAULT_EVICTION
 from .app import app
 from .common import (
     alias,
@@ -71,7 +72,7 @@ def simulate_cmd(
         ..., "--trace", "-t", help="Trace folder written by `moeflow trace` (with --record-hidden for --prefetch pregate)."
     ),
     capacity: list[str] | None = capacity_option("25%, as `moeflow run`"),
-    eviction: list[str] | None = eviction_option(),
+    eviction: list[str] | None = eviction_option(DEFAULT_EVICTION),
     eviction_opt: list[str] | None = policy_opt_option("eviction"),
     prefetch: list[str] | None = prefetch_option(
         "pregate, as `moeflow run` (none for a trace without --record-hidden: pregate replays the traced router inputs)",
@@ -123,7 +124,7 @@ def simulate_cmd(
     cfg = SimulateConfig(
         trace=trace,
         capacities=split_list(capacity) or ("25%",),
-        evictions=split_list(eviction) or ("lru",),
+        evictions=split_list(eviction) or (DEFAULT_EVICTION,),
         prefetches=split_list(alias(prefetch, prefetch_p, "--prefetch/-f", "-p")) or None,
         eviction_opts=parse_opts(eviction_opt or ()),
         prefetch_opts=parse_opts(prefetch_opt or ()),

@@ -3,6 +3,7 @@
 Importing this package registers every built-in policy (`EVICTION.create("lru")`, ...).
 """
 
+from ..registry import DEFAULT_EVICTION
 from . import belady_approx, eviction, least_stale, miss, next_use, prefetch, routing  # noqa: F401  (registration side effects)
 from .base import (
     EVICTION,
@@ -22,6 +23,7 @@ from .base import (
 from .parse import parse_policy
 
 __all__ = [
+    "DEFAULT_EVICTION",
     "EVICTION",
     "MISS",
     "PREFETCH",

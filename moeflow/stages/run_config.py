@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+from ..policies import DEFAULT_EVICTION
 from ..policies.parse import build_policy, check_capacity_syntax, opts_dict, parse_capacity, parse_opts, policy_args, split_list  # noqa: F401  (their one home)
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ class RunConfig:
     modes: tuple[str, ...] = ("offload",)  # offload | resident | on-demand (several with --sweep)
     capacities: tuple[str, ...] = ("25%",)  # N experts, P% of all routed experts, or bytes (64MB)
     per_layer_cache: bool = False
-    evictions: tuple[str, ...] = ("next-use",)  # the measured default: fewest transfers on held-out prompts
+    evictions: tuple[str, ...] = (DEFAULT_EVICTION,)  # the measured default: fewest transfers on held-out prompts
     prefetches: tuple[str, ...] = ("pregate",)
     eviction_opts: tuple[tuple[str, str], ...] = ()
     prefetch_opts: tuple[tuple[str, str], ...] = ()

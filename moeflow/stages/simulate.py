@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from ..policies import EVICTION, PREFETCH, parse_policy
+from ..policies import DEFAULT_EVICTION, EVICTION, PREFETCH, parse_policy
 from ..policies.lossy import Lossy, lossy
 from ..policies.parse import build_policy, parse_capacity, policy_args
 
@@ -34,12 +34,12 @@ def _refuse_unreplayable(name: str) -> None:
 
 @dataclass(frozen=True)
 class SimulateConfig:
-    """The defaults are `moeflow run`'s: 25% of the routed experts, lru, pregate (none for a trace without router
+    """The defaults are `moeflow run`'s: 25% of the routed experts, next-use, pregate (none for a trace without router
     inputs, which pregate replays), the calibration's S (else 1); the link `instant` is run's CPU default `direct`."""
 
     trace: str  # folder written by `moeflow trace`
     capacities: tuple[str, ...] = ("25%",)  # experts ("13") or percent of all routed experts ("25%")
-    evictions: tuple[str, ...] = ("lru",)  # name[:k=v,...]
+    evictions: tuple[str, ...] = (DEFAULT_EVICTION,)  # name[:k=v,...]
     prefetches: tuple[str, ...] | None = None  # None: pregate if the trace has router inputs, else none
     lookahead: int | None = None  # step size S handed to prefetchers; None: the calibration's, else 1
     phase: str = "decode"  # decode | prefill | all: whose counters the rows' headline metrics count (all passes replay)
