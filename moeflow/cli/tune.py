@@ -94,7 +94,7 @@ def tune_cmd(
         None,
         "--eviction",
         "-e",
-        help="Eviction policies to search (repeat or comma list). Default lru, lfu, least-stale.",
+        help="Eviction policies to search (repeat or comma list). Default next-use, lru, lfu, least-stale.",
     ),
     prefetch: list[str] | None = typer.Option(
         None,

@@ -38,7 +38,7 @@ from ..sim.simulator import belady, simulate
 from .replay import AdaptiveS, PregateTable, TablePrefetch
 
 # the default space (each dimension can be given instead: `moeflow tune -e/-f/-S`)
-EVICTIONS = ("lru", "lfu", "least-stale")  # lru2, fld, score, belady-approx on request
+EVICTIONS = ("next-use", "lru", "lfu", "least-stale")  # lru2, fld, score, belady-approx on request
 PREFETCHES = ("none", "pregate")  # pregate:overfetch=X | mass=P and all-next-layer on request
 MISSES = ("fetch",)  # the exact miss policies the simulator replays
 S_VALUES = (1, 2, 4, 8)  # fixed S tried (those below the MoE layers), plus the calibration's
