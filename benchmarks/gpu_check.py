@@ -9,7 +9,7 @@ With one, in order, each step a subprocess with its own time limit and its outpu
    OLMoE-1B-7B-shaped model built in memory, bf16): engine with every expert cached / resident TPOT;
 4. offload: `benchmarks/offload.py --model MODEL --device cuda --link cuda` (every run token-identical?);
 5. host compute: `benchmarks/cpu_vs_fetch.py --model MODEL --device cuda`, when that script takes `--device`;
-6. prefill: `benchmarks/prefill.py --model MODEL --device cuda`, when that script exists and takes `--device`.
+6. prefill: `benchmarks/prefill.py --model MODEL --device cuda` (staged vs serial prefill, TTFT / bound, exactness).
 
 A step that cannot run is a `skip` row with its reason. Exit status 1 when a step failed, timed out or
 printed no JSON line, else 0. The summary JSON is also written to `--log-dir`/gpu-check.json.
@@ -131,8 +131,17 @@ def host_figure(r: dict[str, Any]) -> tuple[str, str, str]:
 
 
 def prefill_figure(r: dict[str, Any]) -> tuple[str, str, str]:
-    keys = [k for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)][:3]
-    return OK, ", ".join(f"{k} {r[k]:.4g}" for k in keys), ""
+    """`benchmarks/prefill.py`'s line: TTFT / bound per path at its largest capacity, and exactness."""
+    ratios = r.get("ttft_bound_ratio") or {}
+    parts = []
+    for path, by_cap in ratios.items():
+        if by_cap:
+            cap = max(by_cap, key=lambda c: float(c))
+            parts.append(f"{path} {by_cap[cap]:.2f}x bound")
+    fig = "TTFT " + ", ".join(parts) if parts else "no TTFT / bound figure"
+    if not r.get("exact", False):
+        return FAIL, fig, "prefill output differs from the resident model"
+    return OK, fig, ""
 
 
 def tests_figure(n: dict[str, Any]) -> tuple[str, str, str]:

@@ -17,6 +17,10 @@
 Prints a table, then one JSON line (`ttft_bound_ratio`: {path: {capacity: ratio}}).
 
     .venv/bin/python benchmarks/prefill.py --model models/olmoe-mini --threads 1
+    .venv/bin/python benchmarks/prefill.py --model models/olmoe-mini --device cuda   # `make gpu-check`
+
+`--device cuda` (with `--link cuda`, its default there) copies on the CUDA side streams (`CudaLink`); the bound then
+uses the link's measured seconds per byte.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from moeflow.models import load_model
 from moeflow.moe import get_adapter
 from moeflow.policies.parse import parse_capacity
 from moeflow.runtime.generate import build_engine, generate_one
-from moeflow.runtime.link import EmulatedLink
+from moeflow.runtime.link import CudaLink, EmulatedLink, Link
 
 PATHS = ("serial", "staged")
 
@@ -67,14 +71,19 @@ def main() -> None:
     ap.add_argument("--latency-us", type=float, default=0.0, help="emulated link latency per copy, microseconds (default 0)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per prompt and configuration, fastest kept (default 5)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="torch device of the model: cpu or cuda[:N] (default cpu)")
+    ap.add_argument("--link", choices=("emulated", "cuda"), default=None, help="emulated (default on cpu) or cuda (on cuda)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     console = Console(stderr=True)
 
-    model, tok = load_model(args.model)
-    model.set_experts_implementation("grouped_mm")
+    device = torch.device(args.device)
+    link_kind = args.link or ("cuda" if device.type == "cuda" else "emulated")
+    if link_kind == "cuda" and device.type != "cuda":
+        raise SystemExit("--link cuda needs --device cuda")
+    model, tok = load_model(args.model, device=args.device, experts_implementation="grouped_mm")
     spec = get_adapter(model).spec
-    prompts = make_prompts(tok, args.data_dir, args.prompts, args.tokens)
+    prompts = [p.to(device) for p in make_prompts(tok, args.data_dir, args.prompts, args.tokens)]
     caps = [parse_capacity(c, total_experts=spec.total_experts, expert_bytes=None) for c in args.capacity.split(",")]
 
     # resident reference: tokens and the fastest TTFT per prompt
@@ -88,8 +97,8 @@ def main() -> None:
         ref.append(out)
         res_ttft.append(best)
 
-    def run(path: str, cap: int, ids: torch.Tensor, gbps: float):
-        link = EmulatedLink(gbps, args.latency_us * 1e-6)
+    def run(path: str, cap: int, ids: torch.Tensor, gbps: float | None):
+        link: Link = CudaLink(device) if link_kind == "cuda" else EmulatedLink(gbps, args.latency_us * 1e-6)
         eng = build_engine(
             model, mode="offload", link=link, capacity=cap, eviction=args.eviction, prefetch=args.prefetch, prefill=path
         )
@@ -99,12 +108,16 @@ def main() -> None:
         return out, m, link
 
     gbps = args.gbps
-    if gbps is None:  # copies of the first prompt's routed experts take copy_share x its resident TTFT
+
+    def link_label() -> str:
+        return f"emulated {gbps:.3g} GB/s" if link_kind == "emulated" and gbps else f"{link_kind} link on {device}"
+
+    if gbps is None and link_kind == "emulated":  # the first prompt's routed experts copy in copy_share x its TTFT
         _, m, _ = run("serial", spec.total_experts, prompts[0], 1e6)
         gbps = m.prefill_needed * m.expert_bytes / (args.copy_share * res_ttft[0]) / 1e9
     console.print(
         f"[dim]{spec.arch}: {spec.num_moe_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}; "
-        f"{len(prompts)} prompts of {args.tokens} tokens; emulated {gbps:.3g} GB/s; capacities {caps}; "
+        f"{len(prompts)} prompts of {args.tokens} tokens; {link_label()}; capacities {caps}; "
         f"{args.eviction}+{args.prefetch}; {args.repeats} repeats, {args.threads} thread(s)[/]"
     )
 
@@ -123,10 +136,10 @@ def main() -> None:
                 best[c][i] = min(best[c][i], m.ttft_s or float("inf"))
                 info[c]["exact"] &= bool(torch.equal(out, ref[i]))
                 info[c]["needed"][i] = m.prefill_needed
-                info[c]["xfer"][i] = m.prefill_needed * link.transfer_s(m.expert_bytes)
+                info[c]["xfer"][i] = m.prefill_needed * (link.transfer_estimate_s(m.expert_bytes) or 0.0)
     wall = time.perf_counter() - t_start
 
-    table = Table(title=f"prefill TTFT vs bound — {Path(args.model).name}, emulated {gbps:.3g} GB/s, {args.tokens}-token prompts")
+    table = Table(title=f"prefill TTFT vs bound — {Path(args.model).name}, {link_label()}, {args.tokens}-token prompts")
     for col in ("capacity", "path", "TTFT ms", "bound ms", "TTFT/bound", "copies", "copy ms", "exact"):
         table.add_column(col)
     ratios: dict[str, dict[str, float]] = {p: {} for p in PATHS}
@@ -157,6 +170,8 @@ def main() -> None:
                 "model": args.model,
                 "tokens": args.tokens,
                 "prompts": len(prompts),
+                "device": str(device),
+                "link": link_kind,
                 "gbps": gbps,
                 "capacities": caps,
                 "resident_ttft_s": res_ttft,

@@ -71,6 +71,9 @@ def test_steps_become_one_table_and_one_json_line(gc, monkeypatch, capsys, tmp_p
             return 0, json.dumps({"resident_tpot_s": 0.03, "runs": runs}) + "\n", 4.0
         if script == "cpu_vs_fetch.py":
             return None, "", 9.0  # over its time limit
+        if script == "prefill.py":
+            line = {"exact": True, "ttft_bound_ratio": {"serial": {"8": 2.5, "64": 1.9}, "staged": {"8": 2.0, "64": 1.25}}}
+            return 0, json.dumps(line) + "\n", 5.0
         raise AssertionError(cmd)
 
     rc = gc.main(["--model", str(ckpt), "--log-dir", str(tmp_path / "logs")], runner=runner)
@@ -86,7 +89,9 @@ def test_steps_become_one_table_and_one_json_line(gc, monkeypatch, capsys, tmp_p
     assert by["engine overhead"]["status"] == "ok" and "1.50x" in by["engine overhead"]["figure"]
     assert by["offload cuda link"]["status"] == "fail" and "lru+pregate" in by["offload cuda link"]["reason"]
     assert by["host compute"]["status"] == "timeout"
-    assert by["prefill"]["status"] == "skip" and by["prefill"]["reason"] == "prefill benchmark: not implemented"
+    assert by["prefill"]["status"] == "ok" and by["prefill"]["figure"] == "TTFT serial 1.90x bound, staged 1.25x bound"
+    prefill_cmd = next(c for c in calls if c[1].endswith("prefill.py"))
+    assert prefill_cmd[-2:] == ["--device", "cuda"]
     engine_cmd = next(c for c in calls if c[1].endswith("engine_overhead.py"))
     assert engine_cmd[2:4] == ["--shape", "olmoe-1b-7b-shape"] and "cuda" in engine_cmd
     offload_cmd = next(c for c in calls if c[1].endswith("offload.py"))

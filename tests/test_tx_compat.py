@@ -251,11 +251,11 @@ def test_recall_at_k_by_hand_for_arrays_and_tensors():
     assert topk_hits(torch.tensor(pred), torch.tensor(truth)).tolist() == [2, 1, 0]
     assert np.isnan(recall_at_k(np.zeros((0, 2)), np.zeros((0, 2))))
     # the evaluation's sums use the same count: scores put experts 2, 1 / 4, 0 / 0, 3 on top
-    from moeflow.predict.evaluate import set_metrics
+    from moeflow.predict.evaluate import row_metrics
 
     scores = torch.tensor([[0, 0.3, 0.6, 0, 0.1], [0.2, 0, 0, 0, 0.8], [0.5, 0, 0, 0.4, 0.1]])
-    m = set_metrics(scores, torch.tensor([[2, 1], [4, 3], [1, 2]]), mass=1.0)
-    assert m["hits_k"] == 3.0 and m["n"] == 3.0
+    m = row_metrics(scores, torch.tensor([[2, 1], [4, 3], [1, 2]]), mass=1.0)  # [T,3]: hits@k, in mass set, set size
+    assert m[:, 0].tolist() == [2.0, 1.0, 0.0] and m.shape == (3, 3)
 
 
 def test_one_option_and_capacity_parser_for_every_command():
