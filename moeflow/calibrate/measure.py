@@ -113,6 +113,8 @@ class _Timer:
 def decode_timing(model: Any, adapter: Any, steps: int, device: str, prompt_len: int = 16) -> dict[str, Any]:
     """Median per-call seconds at decode (one token per call, all experts resident):
     whole forward, each decoder layer, each MoE block; attention+norms = layer - MoE block."""
+    from ..runtime.generate import generate_exactly
+
     vocab = int(model.config.vocab_size)
     ids = torch.randint(3, max(4, min(vocab, 1000)), (1, prompt_len), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
@@ -126,15 +128,7 @@ def decode_timing(model: Any, adapter: Any, steps: int, device: str, prompt_len:
             for _ in range(2):  # warm-up run, then the timed run (first call of each run is the prefill)
                 for t in timers.values():
                     t.times.clear()
-                model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=steps + 1,
-                    min_new_tokens=steps + 1,
-                    do_sample=False,
-                    eos_token_id=None,
-                    pad_token_id=getattr(model.config, "pad_token_id", None) or 0,
-                )
+                generate_exactly(model, ids, steps + 1)
     finally:
         for t in timers.values():
             t.remove()
@@ -335,6 +329,7 @@ def engine_timing(
     layer with all its experts resident and no prefetching takes); `predict_s[policy]` per layer for each."""
     from ..policies import EVICTION, PREFETCH
     from ..runtime.engine import OffloadEngine
+    from ..runtime.generate import generate_exactly
     from ..runtime.link import make_link
 
     spec = adapter.spec
@@ -357,15 +352,7 @@ def engine_timing(
             try:
                 for _ in range(2):  # warm-up run, then the timed run (its first pass is the prefill)
                     clock.passes.clear()
-                    model.generate(
-                        ids,
-                        attention_mask=torch.ones_like(ids),
-                        max_new_tokens=steps + 1,
-                        min_new_tokens=steps + 1,
-                        do_sample=False,
-                        eos_token_id=None,
-                        pad_token_id=getattr(model.config, "pad_token_id", None) or 0,
-                    )
+                    generate_exactly(model, ids, steps + 1)
             finally:
                 clock.remove()
         split = split_passes(clock.passes, spec.moe_layers)  # pairs: the prefill ends the first period

@@ -114,6 +114,22 @@ def _generate(model: Any, input_ids: torch.Tensor, **kw: Any) -> torch.Tensor:
     return model.generate(input_ids, **kw)
 
 
+def generate_exactly(model: Any, ids: torch.Tensor, new_tokens: int, **kw: Any) -> torch.Tensor:
+    """`new_tokens` tokens after `ids [1,P]` whatever the model emits (no EOS stop; greedy unless `kw` samples):
+    a fixed-length generation for measurements and recordings."""
+    kw.setdefault("do_sample", False)
+    return _generate(
+        model,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        eos_token_id=None,
+        pad_token_id=getattr(model.config, "pad_token_id", None) or 0,
+        **kw,
+    )
+
+
 def pad_left(prompts: list[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad prompts `[1,P_i]` into `ids [B,P]` and `attention_mask [B,P]` (0 on the padding)."""
     P = max(int(p.shape[-1]) for p in prompts)

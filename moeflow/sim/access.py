@@ -96,6 +96,7 @@ def record_generate(
     temporal reuse look higher than it is (see shared/notes/pilot-training-run.md).
     """
     from ..moe import RouterTap, get_adapter
+    from ..runtime.generate import generate_exactly
 
     ad = get_adapter(model)
     spec = ad.spec
@@ -105,16 +106,7 @@ def record_generate(
         ids = ids.reshape(1, -1).to(next(model.parameters()).device)
         tap = RouterTap(ad, keep_x=keep_router_input)
         with tap.attach(), torch.no_grad():
-            model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                do_sample=do_sample,
-                eos_token_id=None,
-                pad_token_id=getattr(model.config, "pad_token_id", None) or 0,
-                **generate_kwargs,
-            )
+            generate_exactly(model, ids, max_new_tokens, do_sample=do_sample, **generate_kwargs)
         n = len(tap.events[spec.moe_layers[0]])
         for i in range(n):
             p = Pass(phase=0 if i == 0 else 1, prompt_id=pid)
