@@ -8,16 +8,23 @@ emulated link supplies the copy cost):
    time of one expert row on each emulated link (latency + bytes / bandwidth). The analytic crossover
    bandwidth for T tokens is bytes / (host(T) - latency): below it `cpu` is cheaper than a copy;
 2. TPOT of `--miss fetch`, `--miss cpu` and `--miss auto` side by side at each bandwidth of `--gbps`
-   (same prompts, greedy, equal lengths, each configuration after an untimed warm-up on an engine of its
-   own; `--rounds` rounds over every configuration, the fastest TPOT of each kept, to damp the noise of a
-   shared machine). Decode passes route 1 token per call, so the relevant host time is host(1).
+   (same prompts, greedy, equal lengths), all in one process with the model loaded once: one untimed
+   warm-up per policy, then `--rounds` rounds; in each round every bandwidth runs the three policies back to
+   back, each on a fresh engine, in an order rotated per round and bandwidth (fetch-cpu-auto, cpu-auto-fetch,
+   ...) so the drift of a shared machine falls on all three alike. Every decode step replays the same tokens
+   in every round, so a configuration's TPOT is the mean over its decode steps of each step's median round
+   (`floor`: its fastest round; `runs`: the median of the runs' own TPOTs); `spread` is the slowest run's TPOT
+   over the fastest's. Decode passes route 1 token per call, so the relevant host time is host(1).
    The measured crossover is where TPOT(cpu) / TPOT(fetch) crosses 1 (log-interpolated between the two
    bandwidths that bracket it). `auto / best` is auto's TPOT over the faster of fetch and cpu; its largest
    value over the bandwidths is `auto_vs_best_max` (target <= 1.05). Host experts run on the engine's host
-   worker beside the device's work: `cpu hid` / `auto hid` are the shares of host time hidden behind it
-   (1 - host wait / host time, `RunMetrics.host_hidden_share`). `cpu` never copies, so its TPOT does not
-   depend on the bandwidth: the spread of its TPOTs over the bandwidths (`cpu_tpot_spread`, max / min) is the
-   run's noise floor, against which to read `auto / best`.
+   worker beside the device's work; the overlap per bandwidth: host busy seconds per token and the part of
+   them hidden behind the device (busy - the experts calls' wait for the host), and its share
+   (`RunMetrics.host_hidden_share`). Per miss, the measured waits (fetch: the compute's wait per demand
+   load; cpu: the wait per host expert) beside `auto`'s cost model at the end of its run (cost_cpu of a
+   1-token miss with its later hits, cost_fetch, reuse). `cpu` never copies, so its TPOT does not depend on
+   the bandwidth: the spread of its TPOTs over the bandwidths (`cpu_tpot_spread`, max / min) is the run's
+   noise floor, against which to read `auto / best`; the 1-min load average after each round is printed.
 
 Default: capacity 25%, eviction lru, no prefetch (every miss is a demand miss, the case the miss policy
 decides; `--prefetch pregate` for the prefetching engine). With `cpu` a missing expert never enters the
@@ -25,10 +32,10 @@ cache (it is computed where it lives), so at a given capacity cpu also gives up 
 have earned later: the measured crossover includes that effect, the analytic one does not.
 Every run is checked token-identical to `fetch` (cpu and auto are exact on a CPU device).
 
-Prints two tables, then one JSON line.
+Prints three tables, then one JSON line.
 
     .venv/bin/python benchmarks/cpu_vs_fetch.py --threads 1
-    .venv/bin/python benchmarks/cpu_vs_fetch.py --gbps 0.1,1,4 --rounds 1 --limit 2   # quicker
+    .venv/bin/python benchmarks/cpu_vs_fetch.py --gbps 0.1,1,4 --rounds 3 --limit 2   # quicker
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from typing import Any
 
@@ -47,7 +55,7 @@ from moeflow.data.prompts import load_prompts
 from moeflow.models import default_model_path, load_model
 from moeflow.moe import get_adapter
 from moeflow.policies.parse import parse_capacity
-from moeflow.runtime.generate import build_engine, generate_one
+from moeflow.runtime.generate import PassClock, build_engine, generate_one
 from moeflow.runtime.link import EmulatedLink
 from moeflow.runtime.metrics import RunMetrics
 
@@ -65,19 +73,62 @@ def crossover(points: list[tuple[float, float]]) -> float | None:
     return None
 
 
-def run_one(model, prompts, engine, new_tokens: int, label: str) -> tuple[RunMetrics, list[torch.Tensor]]:
-    ms, outs = [], []
+def run_one(model, prompts, engine, new_tokens: int, label: str) -> tuple[RunMetrics, list[torch.Tensor], list[float]]:
+    """Every prompt on `engine`: (metrics, each prompt's new tokens, the seconds of each decode step, prompt by prompt)."""
+    ms, outs, steps = [], [], []
     for ids in prompts:
-        new, m = generate_one(model, ids, engine, max_new_tokens=new_tokens, min_new_tokens=new_tokens, label=label)
+        clock = PassClock(model)  # the end of every forward pass
+        try:
+            new, m = generate_one(model, ids, engine, max_new_tokens=new_tokens, min_new_tokens=new_tokens, label=label)
+        finally:
+            clock.remove()
         ms.append(m)
         outs.append(new)
-    return RunMetrics.total(ms, label), outs
+        steps += [b - a for a, b in zip(clock.ends, clock.ends[1:])]  # decode steps (the first pass is the prefill)
+    return RunMetrics.total(ms, label), outs, steps
+
+
+def rotation(rnd: int, i: int) -> tuple[str, ...]:
+    """The policies' order for round `rnd` at the `i`-th bandwidth: POLICIES rotated by rnd + i, so each policy
+    runs first, second and last equally often and the machine's drift falls on all three alike."""
+    k = (rnd + i) % len(POLICIES)
+    return POLICIES[k:] + POLICIES[:k]
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def measure(eng, m: RunMetrics, pol: str) -> dict[str, Any]:
+    """One run's per-token figures: misses, the overlap (host busy / waited / hidden seconds) and the measured
+    per-miss costs (link wait per demand load; host wait per host expert); for auto its model's estimates."""
+    dec = dict(getattr(eng.miss, "decisions", {}) or {})
+    host_n = eng.miss_counts.get("cpu", 0)
+    c = m.counters
+    out = {
+        "tpot_s": m.tpot_s or math.nan,
+        "host_experts": host_n,
+        "demand_loads": c.demand_loads,
+        "host_busy_s": m.host_s,
+        "host_wait_s": m.host_wait_s,
+        "host_hidden_s": max(0.0, m.host_s - m.host_wait_s),
+        "host_hidden_share": m.host_hidden_share,
+        "fetch_wait_per_miss_s": c.stall_s / c.demand_loads if c.demand_loads else None,
+        "host_wait_per_miss_s": m.host_wait_s / host_n if host_n else None,
+        "auto_cpu_share": (dec.get("cpu", 0) / max(1, sum(dec.values()))) if pol == "auto" else None,
+    }
+    if pol == "auto":
+        cost_cpu, cost_fetch = eng.miss.costs(1)
+        out.update(model_cpu_s=cost_cpu, model_fetch_s=cost_fetch, model_reuse=eng.miss.reuse)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=default_model_path())
-    ap.add_argument("--gbps", default="0.1,0.3,1,4,32", help="emulated link bandwidths (GB/s)")
+    ap.add_argument("--gbps", default="0.1,0.3,0.6,1,4,32", help="emulated link bandwidths (GB/s)")
     ap.add_argument("--latency-us", type=float, default=10.0)
     ap.add_argument("--capacity", default="25%")
     ap.add_argument("--eviction", default="lru")
@@ -86,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--limit", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--max-prompt-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2, help="rounds over every configuration; fastest TPOT kept")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds (default 5); per decode step the median round")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data-dir", default=None)
     args = ap.parse_args(argv)
@@ -102,6 +153,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tok(p.text, return_tensors="pt").input_ids[:, : args.max_prompt_tokens]
         for p in load_prompts(args.prompts, data_dir=args.data_dir, limit=args.limit)
     ]
+
+    def engine(b: float, pol: str):
+        eng = build_engine(
+            model, mode="offload", link=EmulatedLink(b, lat), capacity=capacity, eviction=args.eviction,
+            prefetch=args.prefetch, miss=pol,
+        )  # fmt: skip
+        assert eng is not None
+        return eng
 
     # 1. host compute of one expert for T tokens vs one copy
     probe = build_engine(model, mode="offload", link=EmulatedLink(gbps[0], lat), capacity=capacity, eviction=args.eviction)
@@ -125,82 +184,129 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         t1.add_row(str(t), f"{h * 1e3:.3f}", *cells, "-" if a is None else f"{a:.2f}")
     Console(width=200).print(t1)
 
-    # 2. TPOT side by side, `rounds` rounds over every (bandwidth, policy)
-    best: dict[tuple[float, str], RunMetrics] = {}
-    info: dict[tuple[float, str], dict[str, Any]] = {}
+    # 2. TPOT side by side: one untimed warm-up per policy, then `rounds` rounds; in each round every bandwidth
+    # runs the three policies back to back in a rotated order, each on a fresh engine (same prompts, greedy)
+    for pol in POLICIES:
+        with engine(gbps[0], pol) as warm:
+            generate_one(model, prompts[0], warm, max_new_tokens=4, min_new_tokens=4)
+    runs: dict[tuple[float, str], list[dict[str, Any]]] = {(b, p): [] for b in gbps for p in POLICIES}
     ref_out: dict[float, list[torch.Tensor]] = {}
-    exact = True
+    other_out: dict[tuple[float, str], list[torch.Tensor]] = {}
+    loads: list[float] = []
     for rnd in range(args.rounds):
-        for b in gbps:
-            for pol in POLICIES:
+        for i, b in enumerate(gbps):
+            for pol in rotation(rnd, i):
                 label = f"{pol} @ {b:g} GB/s"
-                warm = build_engine(
-                    model, mode="offload", link=EmulatedLink(b, lat), capacity=capacity, eviction=args.eviction,
-                    prefetch=args.prefetch, miss=pol,
-                )  # fmt: skip
-                assert warm is not None
-                with warm:
-                    generate_one(model, prompts[0], warm, max_new_tokens=4, min_new_tokens=4)
-                eng = build_engine(
-                    model, mode="offload", link=EmulatedLink(b, lat), capacity=capacity, eviction=args.eviction,
-                    prefetch=args.prefetch, miss=pol,
-                )  # fmt: skip
-                assert eng is not None
-                with eng:
-                    m, outs = run_one(model, prompts, eng, args.new_tokens, label)
-                    dec = dict(getattr(eng.miss, "decisions", {}) or {})
-                    info_now = {
-                        "host_calls": eng.miss_counts.get("cpu", 0),
-                        "host_s": eng.host_s,
-                        "host_hidden_share": m.host_hidden_share,
-                        "auto_cpu_share": (dec.get("cpu", 0) / max(1, sum(dec.values()))) if pol == "auto" else None,
-                    }
+                with engine(b, pol) as eng:
+                    m, outs, steps = run_one(model, prompts, eng, args.new_tokens, label)
+                    runs[(b, pol)].append({**measure(eng, m, pol), "steps": steps})
                 if pol == "fetch":
                     ref_out.setdefault(b, outs)
-                elif b in ref_out:
-                    exact = exact and all(torch.equal(x, y) for x, y in zip(outs, ref_out[b]))
-                key = (b, pol)
-                if key not in best or (m.tpot_s or math.inf) < (best[key].tpot_s or math.inf):
-                    best[key], info[key] = m, info_now
+                else:
+                    other_out.setdefault((b, pol), outs)
                 con.print(f"[dim]round {rnd + 1}/{args.rounds} {label}: TPOT {1e3 * (m.tpot_s or 0):.2f} ms[/]")
+        loads.append(os.getloadavg()[0])
+    exact = all(all(torch.equal(x, y) for x, y in zip(outs, ref_out[b])) for (b, _p), outs in other_out.items())
+
+    def step_tpot(b: float, pol: str, stat) -> float:
+        """Mean over decode steps of `stat` (median / min) of each step's seconds across the rounds: each step
+        replays the same tokens every round, so a step slowed by another process in one round is outvoted."""
+        per_round = [r["steps"] for r in runs[(b, pol)]]
+        n = min(len(x) for x in per_round)
+        return sum(stat([x[j] for x in per_round]) for j in range(n)) / max(1, n)
+
+    def med(b: float, pol: str, key: str) -> float | None:
+        xs = [r[key] for r in runs[(b, pol)] if r.get(key) is not None]
+        return median(xs) if xs else None
 
     t2 = Table(
-        title=f"TPOT, {spec.arch} C={capacity} ({args.capacity}), {args.eviction}+{args.prefetch}, fastest of {args.rounds}"
+        title=f"TPOT, {spec.arch} C={capacity} ({args.capacity}), {args.eviction}+{args.prefetch}, {args.rounds} rounds: each "
+        "decode step's median round (floor: its fastest round; runs: the median run's TPOT; spread: slowest / fastest run)"
     )
-    cols = ("GB/s", "fetch ms", "cpu ms", "auto ms", "cpu/fetch", "auto/best", "auto→cpu", "cpu hid", "auto hid", "fetch MB/tok")
+    cols = ("GB/s", "fetch ms", "cpu ms", "auto ms", "run spread f/c/a", "cpu/fetch", "auto/best", "floor", "runs", "auto→cpu")
     for c in cols:
         t2.add_column(c, justify="right")
+    t3 = Table(
+        title="per miss, ms: measured wait (fetch: link wait per demand load; cpu: host wait per host expert) vs "
+        "auto's model at 1 token (cost_cpu with later hits, cost_fetch); overlap, ms per token: host busy / hidden"
+    )
+    for c in (
+        "GB/s",
+        "fetch wait",
+        "cpu wait",
+        "auto model cpu",
+        "auto model fetch",
+        "reuse",
+        "cpu busy/hid",
+        "auto busy/hid",
+        "cpu hid",
+        "auto hid",
+    ):
+        t3.add_column(c, justify="right")
     rows, ratio_pts = [], []
+    ntok = max(1, args.limit * max(0, args.new_tokens - 1))  # decode tokens per run
     for b in gbps:
-        f, c, a = (best[(b, p)].tpot_s or math.nan for p in POLICIES)
+        f, c, a = (step_tpot(b, p, median) for p in POLICIES)  # TPOT: the median round of every decode step
+        floor = {p: step_tpot(b, p, min) for p in POLICIES}  # ... its fastest round
+        run_med = {p: med(b, p, "tpot_s") or math.nan for p in POLICIES}  # the median of the runs' TPOTs
+        spreads = [max(x["tpot_s"] for x in runs[(b, p)]) / min(x["tpot_s"] for x in runs[(b, p)]) for p in POLICIES]
         r, ab = c / f, a / min(f, c)
+        ab_floor = floor["auto"] / min(floor["fetch"], floor["cpu"])
+        ab_runs = run_med["auto"] / min(run_med["fetch"], run_med["cpu"])
         ratio_pts.append((b, r))
-        share = info[(b, "auto")]["auto_cpu_share"]
-        hid_c, hid_a = info[(b, "cpu")]["host_hidden_share"], info[(b, "auto")]["host_hidden_share"]
-        fbytes = best[(b, "fetch")].bytes_per_token or 0.0
+        share = med(b, "auto", "auto_cpu_share")
+        row = {
+            "gbps": b,
+            "tpot_fetch_s": f,
+            "tpot_cpu_s": c,
+            "tpot_auto_s": a,
+            "tpot_floor_s": floor,
+            "tpot_run_median_s": run_med,
+            "tpot_spread": dict(zip(POLICIES, spreads)),
+            "tpot_rounds": {p: [x["tpot_s"] for x in runs[(b, p)]] for p in POLICIES},
+            "cpu_over_fetch": r,
+            "auto_over_best": ab,
+            "auto_over_best_floor": ab_floor,
+            "auto_over_best_run_median": ab_runs,
+            "auto_cpu_share": share,
+            "cpu_host_hidden_share": med(b, "cpu", "host_hidden_share"),
+            "auto_host_hidden_share": med(b, "auto", "host_hidden_share"),
+            "fetch_wait_per_miss_s": med(b, "fetch", "fetch_wait_per_miss_s"),
+            "cpu_wait_per_miss_s": med(b, "cpu", "host_wait_per_miss_s"),
+            "auto_model_cpu_s": med(b, "auto", "model_cpu_s"),
+            "auto_model_fetch_s": med(b, "auto", "model_fetch_s"),
+            "auto_model_reuse": med(b, "auto", "model_reuse"),
+        }
+        for p in ("cpu", "auto"):  # overlap, seconds per decode token of a run (prefill included in the sum)
+            row[f"{p}_host_busy_s_per_token"] = (med(b, p, "host_busy_s") or 0.0) / ntok
+            row[f"{p}_host_hidden_s_per_token"] = (med(b, p, "host_hidden_s") or 0.0) / ntok
+        rows.append(row)
         t2.add_row(
-            f"{b:g}", f"{f * 1e3:.2f}", f"{c * 1e3:.2f}", f"{a * 1e3:.2f}", f"{r:.2f}", f"{ab:.2f}",
-            "-" if share is None else f"{share:.0%}", "-" if hid_c is None else f"{hid_c:.0%}",
-            "-" if hid_a is None else f"{hid_a:.0%}", f"{fbytes / 1e6:.2f}",
+            f"{b:g}", f"{f * 1e3:.2f}", f"{c * 1e3:.2f}", f"{a * 1e3:.2f}", "/".join(f"{s:.2f}" for s in spreads),
+            f"{r:.2f}", f"{ab:.2f}", f"{ab_floor:.2f}", f"{ab_runs:.2f}", "-" if share is None else f"{share:.0%}",
         )  # fmt: skip
-        rows.append(
-            {
-                "gbps": b,
-                "tpot_fetch_s": f,
-                "tpot_cpu_s": c,
-                "tpot_auto_s": a,
-                "cpu_over_fetch": r,
-                "auto_over_best": ab,
-                "auto_cpu_share": share,
-                "cpu_host_hidden_share": hid_c,
-                "auto_host_hidden_share": hid_a,
-                "fetch_bytes_per_token": fbytes,
-            }
-        )
+
+        def ms(x: float | None) -> str:
+            return "-" if x is None else f"{x * 1e3:.3f}"
+
+        def pct(x: float | None) -> str:
+            return "-" if x is None else f"{x:.0%}"
+
+        t3.add_row(
+            f"{b:g}", ms(row["fetch_wait_per_miss_s"]), ms(row["cpu_wait_per_miss_s"]), ms(row["auto_model_cpu_s"]),
+            ms(row["auto_model_fetch_s"]), "-" if row["auto_model_reuse"] is None else f"{row['auto_model_reuse']:.2f}",
+            f"{ms(row['cpu_host_busy_s_per_token'])}/{ms(row['cpu_host_hidden_s_per_token'])}",
+            f"{ms(row['auto_host_busy_s_per_token'])}/{ms(row['auto_host_hidden_s_per_token'])}",
+            pct(row["cpu_host_hidden_share"]), pct(row["auto_host_hidden_share"]),
+        )  # fmt: skip
     Console(width=200).print(t2)
+    Console(width=200).print(t3)
     cpu_tpots = [r["tpot_cpu_s"] for r in rows]
     spread = max(cpu_tpots) / min(cpu_tpots)
-    con.print(f"cpu TPOT spread over the bandwidths (noise floor; cpu never copies): {spread:.2f}x")
+    con.print(
+        f"cpu TPOT spread over the bandwidths (noise floor; cpu never copies): {spread:.2f}x; "
+        f"1-min load average after each round: {', '.join(f'{x:.1f}' for x in loads)}"
+    )
     measured = crossover(ratio_pts)
     final = {
         "benchmark": "cpu_vs_fetch",
@@ -209,14 +315,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "eviction": args.eviction,
         "prefetch": args.prefetch,
         "latency_us": args.latency_us,
+        "rounds": args.rounds,
         "expert_bytes": nbytes,
         "host_s": {str(t): h for t, h in host.items()},
         "analytic_crossover_gbps": {str(t): a for t, a in analytic.items()},
         "measured_crossover_gbps": measured,
         "cpu_wins_below_gbps": measured,
         "auto_over_best_max": max(r["auto_over_best"] for r in rows),
+        "auto_over_best_floor_max": max(r["auto_over_best_floor"] for r in rows),
+        "auto_over_best_run_median_max": max(r["auto_over_best_run_median"] for r in rows),
         "token_identical": exact,
         "cpu_tpot_spread": spread,
+        "load_average": loads,
         "rows": rows,
         "auto_vs_best_max": max(r["auto_over_best"] for r in rows),  # the figure scripts read: last
     }

@@ -13,7 +13,9 @@ against `on-demand` loading, the resident model and the physical bound, measured
    expert bytes / bandwidth)), Belady's MIN replayed by the simulator (`moeflow.sim.belady`) on the run's own
    routing (recorded greedily from the resident model: the offloaded runs are token-identical, so their
    accesses are the same). The final JSON line carries `bound_ratio` (best TPOT / bound_min),
-   `transfers_vs_belady` (the best run's decode transfers per token / Belady's), `predictor_share`
+   `transfers_vs_belady` (the best run's decode transfers per token / Belady's), `transfers_vs_oracle` (the
+   same over the pass oracle's, `moeflow.sim.oracle`: next-use knowing the rest of the current pass exactly,
+   replayed like Belady; `oracle_next_transfers_per_token`: knowing the next pass too), `predictor_share`
    (the best prefetching run's `propose` time per decode token / its TPOT) and, with `--adaptive-s`,
    lru+pregate at fixed S = 1..3 and adaptive S (`adaptive_vs_best_fixed`).
 
@@ -239,6 +241,10 @@ def main() -> None:
     acc.expert_bytes = eb
     bel = belady(acc, capacity, count_phase=1)
     belady_tpt = bel.loads_per_token
+    from moeflow.sim.oracle import pass_oracle
+
+    oracle_tpt = pass_oracle(acc, capacity, count_phase=1).loads_per_token
+    oracle_next_tpt = pass_oracle(acc, capacity, lookahead_passes=1, count_phase=1).loads_per_token
     bound_min = max(resident.tpot_s, belady_tpt * (lat + eb / bw))
 
     # 3. runs: (mode, eviction, prefetch, prefetch options, lookahead, adaptive)
@@ -318,6 +324,8 @@ def main() -> None:
         "prec",
         "recall",
         "xfer/tok",
+        "/ MIN",
+        "/ oracle",
         "collis.",
         "syncs/layer",
         "launches/layer" if cuda else "aten ops/layer",
@@ -329,7 +337,7 @@ def main() -> None:
         resident.label,
         f"{resident.tpot_s * 1e3:.2f}",
         "1.00",
-        *("-", "-", "-", "0.0", "-", "-", "-", "0", "-"),
+        *("-", "-", "-", "0.0", "-", "-", "-", "0", "-", "-", "-"),
         f"{resident_counts.get('host_syncs', 0.0):.2f}" if cuda else "0",
         f"{resident_counts[ops_key]:.1f}",
         "ref" if impl == "grouped_mm" else "-",
@@ -351,6 +359,8 @@ def main() -> None:
         "other_s": other_s,
         "bound_on_demand_traffic_s": od_bound,
         "belady_transfers_per_token": belady_tpt,
+        "oracle_transfers_per_token": oracle_tpt,
+        "oracle_next_transfers_per_token": oracle_next_tpt,
         "bound_min_s": bound_min,
         "runs": [],
     }
@@ -371,6 +381,8 @@ def main() -> None:
             f(m.decode_prefetch_precision),
             f(m.decode_prefetch_recall),
             f(m.transfers_per_token, ".2f"),
+            f((m.transfers_per_token or 0.0) / belady_tpt if belady_tpt else None, ".2f"),
+            f((m.transfers_per_token or 0.0) / oracle_tpt if oracle_tpt else None, ".2f"),
             str(m.decode_counters.collision_misses),
             f(counts["engine_host_syncs"], ".2f"),
             f(counts.get(ops_key), ".1f"),
@@ -396,6 +408,7 @@ def main() -> None:
                 "prefetch_cancelled_decode": c.prefetch_cancelled,
                 "tpot_over_bound_min": m.tpot_s / bound_min,
                 "transfers_vs_belady": (m.transfers_per_token or 0.0) / belady_tpt if belady_tpt else None,
+                "transfers_vs_oracle": (m.transfers_per_token or 0.0) / oracle_tpt if oracle_tpt else None,
                 "predictor_share": counts["predictor_s_per_token"] / m.tpot_s,
                 "exact": exact,
                 "per_moe_layer_per_decode_step": counts,
@@ -421,6 +434,9 @@ def main() -> None:
         best_run=best["run"],
         bound_ratio=best["tpot_s"] / bound_min,
         transfers_vs_belady=best["transfers_vs_belady"],
+        transfers_vs_oracle=best["transfers_vs_oracle"],
+        oracle_vs_belady=oracle_tpt / belady_tpt if belady_tpt else None,
+        oracle_next_vs_belady=oracle_next_tpt / belady_tpt if belady_tpt else None,
         transfers_vs_belady_min_over_runs=min(
             (r["transfers_vs_belady"] for r in runs if r["run"] != "on-demand" and r["transfers_vs_belady"]), default=None
         ),
@@ -432,7 +448,10 @@ def main() -> None:
     con.print(
         f"bound_min = max(resident {resident.tpot_s * 1e3:.2f} ms, Belady {belady_tpt:.2f} transfers/token x "
         f"{(lat + eb / bw) * 1e3:.3f} ms) = {bound_min * 1e3:.2f} ms; best {best['run']}: bound_ratio "
-        f"{result['bound_ratio']:.2f}, transfers_vs_belady {best['transfers_vs_belady']:.2f}"
+        f"{result['bound_ratio']:.2f}, transfers_vs_belady {best['transfers_vs_belady']:.2f}, transfers_vs_oracle "
+        f"{best['transfers_vs_oracle']:.2f}; the pass oracle moves {oracle_tpt:.2f} transfers/token "
+        f"({f(result['oracle_vs_belady'], '.2f')}x Belady), knowing the next pass too {oracle_next_tpt:.2f} "
+        f"({f(result['oracle_next_vs_belady'], '.2f')}x)"
     )
     sys.stdout.write(json.dumps(result) + "\n")
 

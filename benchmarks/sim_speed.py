@@ -3,13 +3,14 @@ policy x prefetch policy, on a recorded trace (one core).
 
     .venv/bin/moeflow trace --prompts gsm8k --limit 30 --record-hidden --threads 1 --out /tmp/h8/trace
     .venv/bin/python benchmarks/sim_speed.py --model models/olmoe-deep --trace /tmp/h8/trace [--capacity 25%] \\
-        [--repeat N | --accesses 8e6] [--python-repeat 1] [--prefetch none --prefetch pregate]
+        [--repeat N | --accesses 8e6] [--python-repeat 1] [--python-passes N] [--prefetch none --prefetch pregate]
 
 The compiled replay (`simulate(..., compiled=True)`: one kernel call over the whole stream) runs on the trace
 replicated `--repeat` times (its passes concatenated; default: enough copies for `--accesses`), so that each
 timing lasts about a second; the Python
-mechanism (`compiled=False`, the cache call by call: the reference) on `--python-repeat` copies, in the same
-run; both on the same trace give the same counters (checked here on one copy). Pre-gate proposals are
+mechanism (`compiled=False`, the cache call by call: the reference) on `--python-repeat` copies of the trace's
+first `--python-passes` passes (default all), in the same run; both on the same passes give the same counters
+(checked here: the compiled replay of those passes against the Python one). Pre-gate proposals are
 computed once per trace (batched router calls) and are not part of a replay's time (`prepare` column).
 Speeds are replayed accesses (every pass) per second of the replay, wall clock (`accesses_per_s` of
 `moeflow simulate --json`) and CPU time of this process (steadier on a shared machine). The numba kernels
@@ -41,7 +42,7 @@ from moeflow.sim import AccessTrace, from_trace, simulate  # noqa: E402
 from moeflow.sim.simulator import Belady  # noqa: E402
 from moeflow.trace import Trace  # noqa: E402
 
-EVICTIONS = ("lru", "lfu", "least-stale", "belady-approx", "belady")
+EVICTIONS = ("lru", "lfu", "least-stale", "belady-approx", "belady", "next-use")
 COMPARED = ("hits", "misses", "collisions", "loads", "prefetch_loads", "evictions", "proposed_accesses", "max_resident")
 
 
@@ -76,6 +77,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=0, help="trace copies the compiled replay runs (default: --accesses)")
     ap.add_argument("--accesses", type=float, default=8e6, help="accesses the copies reach at least (default %(default)g)")
     ap.add_argument("--python-repeat", type=int, default=1, help="trace copies the Python replay runs (default %(default)s)")
+    ap.add_argument("--python-passes", type=int, default=0, help="passes of the trace the Python replay runs (default: all)")
     ap.add_argument("--best-of", type=int, default=3, help="timings per compiled row, the fastest kept (default %(default)s)")
     args = ap.parse_args()
     torch.set_num_threads(1)  # one core
@@ -91,21 +93,19 @@ def main() -> None:
     capacity = parse_capacity(args.capacity, total_experts=len(acc.moe_layers) * acc.num_experts, expert_bytes=None)
     one = sum(len(s.needed()) for p in acc.passes for s in p.steps)
     args.repeat = args.repeat or max(1, -(-int(args.accesses) // max(1, one)))
-    fast_acc, py_acc = replicate(acc, args.repeat), replicate(acc, args.python_repeat)
+    head = AccessTrace(acc.moe_layers, acc.num_experts, acc.top_k, acc.passes[: args.python_passes or None], acc.expert_bytes)
+    fast_acc, py_acc = replicate(acc, args.repeat), replicate(head, args.python_repeat)
     t0 = time.perf_counter()
     simulate(replicate(acc, 1), capacity, "lru", compiled=True)  # compile the kernels, or load them from numba's cache
     first_call_s = time.perf_counter() - t0
     rows = []
     for pf in prefetches:
         for ev in (e.strip() for e in args.evictions.split(",") if e.strip()):
-            same = all(
-                getattr(a, f) == getattr(b, f)
-                for a, b in [(run(acc, capacity, ev, pf, predict, True), run(acc, capacity, ev, pf, predict, False))]
-                for f in COMPARED
-            )
             runs = [run(fast_acc, capacity, ev, pf, predict, True) for _ in range(args.best_of)]
             fast = min(runs, key=lambda s: s.cpu_s)
             py = run(py_acc, capacity, ev, pf, predict, False)
+            check = run(py_acc, capacity, ev, pf, predict, True)
+            same = all(getattr(check, f) == getattr(py, f) for f in COMPARED)
             rows.append(
                 {
                     "eviction": ev,

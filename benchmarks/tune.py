@@ -1,7 +1,7 @@
 """Does `moeflow tune` pick a configuration that measures as fast as the best of a measured sweep?
 
     .venv/bin/python benchmarks/tune.py --calibration /tmp/qs/art/cal.json --gbps 0.03 --limit 3 \\
-        --max-new-tokens 16 --work /tmp/tune-bench [--trace DIR] [--budget 25%]
+        --max-new-tokens 16 --work /tmp/tune-bench [--trace DIR] [--budget 25%] [--rounds 3]
 
 1. a greedy `moeflow trace --record-hidden` of the prompts the runs decode (or `--trace`);
 2. `moeflow tune` on it (`--exhaustive`) over the sweep's space, writing a run configuration;
@@ -9,17 +9,25 @@
    S fixed and adaptive, miss fetch), the same prompts and token counts (`--min-new-tokens` = `--max-new-tokens`:
    every run decodes as many tokens), each run after an untimed warm-up, one thread;
 4. tune's pick measured again with `moeflow run --config FILE`.
-tuned_vs_best = the pick's measured TPOT / the best measured TPOT of the sweep (the pick is one of the sweep's
-configurations, so the ratio is also compared with the pick's TPOT within the sweep: `tuned_in_sweep_vs_best`).
-The space is a subset of tune's default (`--evictions`, `--prefetches`, `--s-values`), stated in the output.
+Noise: the sweep's runs (one `moeflow run --sweep` per prefetch and S, and the `--config` run) are interleaved
+round-robin over `--rounds` rounds (each round starts one run later), and every configuration keeps the median
+of its rounds' TPOTs (`min` too); `spread` = (max - min) / median of a configuration's rounds.
+tuned_vs_best = the pick's median TPOT via --config / the best median TPOT of the sweep (the pick is one of the
+sweep's configurations, so also its median within the sweep: `tuned_in_sweep_vs_best`; `tuned_vs_best_min`
+compares the minima). The space is a subset of tune's default (`--evictions`, `--prefetches`, `--s-values`),
+stated in the output. Each round costs one `moeflow run` per prefetch and S (each decoding every prompt with
+every eviction policy) plus one for the pick: 6 runs with the defaults, about 8 minutes per round on the shared
+2-core development machine (`--rounds 2`, `--limit 2` or fewer `--max-new-tokens` for a quicker look).
 
-Prints a table and, last, one JSON line. Not a test: no assertions.
+Prints a table and, last, one JSON line ending with `tuned_vs_best`. Not a test: no assertions. A run's
+output is kept under `--work` and reused by a later invocation with the same command (and round).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -60,12 +68,13 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--budget", default="25%")
-    ap.add_argument("--evictions", default="lru,lfu,least-stale")
+    ap.add_argument("--evictions", default="lru,lfu")
     ap.add_argument("--prefetches", default="none,pregate")
-    ap.add_argument("--s-values", default="1,2,4,8")
+    ap.add_argument("--s-values", default="1,2")
     ap.add_argument("--trace", default=None, help="a trace of these prompts (default: traced here)")
     ap.add_argument("--work", default="/tmp/tune-bench")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3, help="measurements of every configuration, interleaved")
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -88,77 +97,79 @@ def main() -> None:
 
     run = ["run", *common, "--min-new-tokens", str(a.max_new_tokens), "--link", link, "--calibration", a.calibration]
     run += ["--threads", str(a.threads), "-c", cap, "--json"]
-    rows: list[dict[str, Any]] = []
-
-    def measure(extra: list[str], s: int | None, adaptive: bool) -> None:
-        res = last_json(sh([*run, "--sweep", "-e", a.evictions, *extra], keep=work / f"sweep-{len(rows)}.out"))
-        for r in res["runs"]:
-            rows.append(
-                {
-                    "eviction": r["eviction"],
-                    "prefetch": r["prefetch"],
-                    "lookahead": s,
-                    "adaptive_s": adaptive,
-                    "tpot_s": r["metrics"]["tpot_s"],
-                    "hit_rate": r["metrics"].get("hit_rate"),
-                }
-            )
-
+    # one measurement job per prefetch set and S (a `run --sweep` over the evictions), and tune's pick via --config
+    jobs: list[tuple[str, list[str], int | None, bool]] = []
     prefetches = a.prefetches.split(",")
     if "none" in prefetches:
-        measure(["-f", "none"], None, False)
+        jobs.append(("none", [*run, "--sweep", "-e", a.evictions, "-f", "none"], None, False))
     pf = [p for p in prefetches if p != "none"]
     if pf:
         for s in sorted({r["lookahead"] for r in tuned["ranked"] if r["lookahead"] is not None}):  # with the calibration's S
-            measure(["-f", ",".join(pf), "-S", str(s)], s, False)
-        measure(["-f", ",".join(pf), "--adaptive-s"], None, True)
-    # tune's pick, measured through its run configuration
-    conf = last_json(
-        sh(
-            [
-                "run",
-                *common,
-                "--min-new-tokens",
-                str(a.max_new_tokens),
-                "--threads",
-                str(a.threads),
-                "--config",
-                str(cfg_file),
-                "--json",
-            ]
-        )
-    )
-    pick_tpot = conf["runs"][0]["metrics"]["tpot_s"]
+            jobs.append((f"S{s}", [*run, "--sweep", "-e", a.evictions, "-f", ",".join(pf), "-S", str(s)], s, False))
+        jobs.append(("adaptive", [*run, "--sweep", "-e", a.evictions, "-f", ",".join(pf), "--adaptive-s"], None, True))
+    conf = ["run", *common, "--min-new-tokens", str(a.max_new_tokens), "--threads", str(a.threads)]
+    jobs.append(("config", [*conf, "--config", str(cfg_file), "--json"], None, False))
 
     def key(r: dict[str, Any]) -> tuple[Any, ...]:
         return (r["eviction"], r["prefetch"], r["lookahead"] if r["prefetch"] != "none" else None, bool(r["adaptive_s"]))
 
+    tpots: dict[tuple[Any, ...], list[float]] = {}
+    pick_tpots: list[float] = []
+    for rnd in range(a.rounds):
+        for i in range(len(jobs)):
+            name, args, s, adaptive = jobs[(i + rnd) % len(jobs)]  # round-robin, each round one job later
+            res = last_json(sh(args, keep=work / f"{name}-r{rnd}.out"))
+            if name == "config":
+                pick_tpots.append(res["runs"][0]["metrics"]["tpot_s"])
+                continue
+            for r in res["runs"]:
+                row = {"eviction": r["eviction"], "prefetch": r["prefetch"], "lookahead": s, "adaptive_s": adaptive}
+                tpots.setdefault(key(row), []).append(r["metrics"]["tpot_s"])
+
+    def summary(ts: list[float]) -> dict[str, float]:
+        med = statistics.median(ts)
+        return {"median": med, "min": min(ts), "max": max(ts), "spread": (max(ts) - min(ts)) / med}
+
+    rows = {k: summary(ts) for k, ts in tpots.items()}
+    pick_key = key(pick)
     pred = {key(r): r["predicted_tpot_s"] for r in tuned["ranked"]}
-    best = min(rows, key=lambda r: r["tpot_s"])
-    in_sweep = next((r for r in rows if key(r) == key(pick)), None)
-    print(f"{'configuration':40} {'measured ms':>12} {'predicted ms':>13}")
-    for r in sorted(rows, key=lambda r: r["tpot_s"]):
-        p = pred.get(key(r))
-        mark = " <- tune's pick" if key(r) == key(pick) else ""
-        label = f"{r['eviction']}+{r['prefetch']}" + (
-            " S=adaptive" if r["adaptive_s"] else f" S={r['lookahead']}" if r["lookahead"] else ""
+    best = min(rows, key=lambda k: rows[k]["median"])
+    best_min = min(rows, key=lambda k: rows[k]["min"])
+    pick_row = summary(pick_tpots)
+    print(f"{'configuration':34} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'spread':>7} {'predicted ms':>13}")
+    for k in sorted(rows, key=lambda k: rows[k]["median"]):
+        r, p = rows[k], pred.get(k)
+        ev, pf_, s, ad = k
+        label = f"{ev}+{pf_}" + (" S=adaptive" if ad else f" S={s}" if s else "")
+        mark = " <- tune's pick" if k == pick_key else ""
+        print(
+            f"{label:34} {r['median'] * 1e3:10.2f} {r['min'] * 1e3:8.2f} {r['max'] * 1e3:8.2f} {r['spread']:7.1%} "
+            f"{p * 1e3 if p else float('nan'):13.2f}{mark}"
         )
-        print(f"{label:40} {r['tpot_s'] * 1e3:12.2f} {p * 1e3 if p else float('nan'):13.2f}{mark}")
-    print(f"tune's pick {pick['label']} via --config: {pick_tpot * 1e3:.2f} ms; best of the sweep {best['tpot_s'] * 1e3:.2f} ms")
+    print(
+        f"tune's pick {pick['label']} via --config: median {pick_row['median'] * 1e3:.2f} ms (spread {pick_row['spread']:.1%}); "
+        f"best median of the sweep {rows[best]['median'] * 1e3:.2f} ms; {a.rounds} rounds"
+    )
+    spreads = [r["spread"] for r in rows.values()]
     out = {
-        "tuned_vs_best": pick_tpot / best["tpot_s"],
-        "tuned_in_sweep_vs_best": in_sweep["tpot_s"] / best["tpot_s"] if in_sweep else None,
         "pick": pick["label"],
-        "pick_tpot_s": pick_tpot,
-        "best_tpot_s": best["tpot_s"],
-        "best": key(best),
-        "sweep_runs": len(rows),
+        "pick_tpot_s": pick_row["median"],
+        "pick_spread": pick_row["spread"],
+        "best": best,
+        "best_tpot_s": rows[best]["median"],
+        "rounds": a.rounds,
+        "spread_median": statistics.median(spreads),
+        "spread_max": max(spreads),
+        "sweep_configs": len(rows),
         "tune_s": tune_s,
         "space": {"evictions": a.evictions, "prefetches": a.prefetches, "s_values": s_values, "adaptive": True, "miss": "fetch"},
         "link": link,
         "capacity": tuned["capacity"],
         "prompts": a.limit,
         "max_new_tokens": a.max_new_tokens,
+        "tuned_in_sweep_vs_best": rows[pick_key]["median"] / rows[best]["median"] if pick_key in rows else None,
+        "tuned_vs_best_min": pick_row["min"] / rows[best_min]["min"],
+        "tuned_vs_best": pick_row["median"] / rows[best]["median"],
     }
     print(json.dumps(out))
 

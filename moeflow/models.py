@@ -46,6 +46,26 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def skip_transformers_hqq() -> None:
+    """Import transformers' cache_utils telling it hqq is absent. It imports hqq (when installed) only for its
+    HQQ-quantized KV cache, which moeflow never uses, and hqq's module body calls `torch.compile`, importing
+    TorchInductor: about 2 CPU seconds on every model load. `moeflow.quant` imports hqq itself when it quantizes.
+    Only that cache sees the change (it would report hqq missing); `transformers.utils.is_hqq_available` is restored
+    after the import."""
+    import sys
+
+    if "transformers.cache_utils" in sys.modules:
+        return
+    import transformers.utils as tx_utils
+
+    found = tx_utils.is_hqq_available
+    tx_utils.is_hqq_available = lambda *a, **k: False
+    try:
+        import transformers.cache_utils  # noqa: F401
+    finally:
+        tx_utils.is_hqq_available = found
+
+
 @contextlib.contextmanager
 def quiet_loading() -> Iterator[None]:
     """For the block, no transformers progress bars (its per-checkpoint "Loading weights" bar); the previous
@@ -95,6 +115,7 @@ def load_model(path: str | os.PathLike, *, dtype: str = "auto", device: str = "c
 
     Raises MoeflowError with a one-line fix when the folder is missing or not an MoE model.
     """
+    skip_transformers_hqq()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .moe import get_adapter

@@ -43,3 +43,31 @@ def tiny_models():
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A saved tiny OLMoE checkpoint (8 experts, top-2) with a trained tokenizer, built once per session: read only."""
+    from moeflow.lmtrain.tokenizer import train_tokenizer
+    from moeflow.models import tiny_model
+
+    d = tmp_path_factory.mktemp("tiny_ckpt")
+    text = ["the king said to the queen that the night was long", "to be or not to be, that is the question"] * 20
+    train_tokenizer(text, vocab_size=200).save_pretrained(d)
+    tiny_model("olmoe", num_experts=8, top_k=2).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def ckpt_with(tmp_path_factory, tiny_checkpoint):
+    """`ckpt_with(name=text, ...)` -> a folder's `model` (a link to `tiny_checkpoint`) with those files beside it."""
+
+    def make(**files: str) -> Path:
+        d = tmp_path_factory.mktemp("ckpt")
+        model = d / "model"
+        model.symlink_to(tiny_checkpoint, target_is_directory=True)
+        for name, text in files.items():
+            (d / name.replace("_", ".")).write_text(text)
+        return model
+
+    return make

@@ -4,8 +4,9 @@
   serial host path, on the tiny models at several capacities, decode and prefill (several waves);
 - the overlap counters: 0 <= host wait <= host time, hidden share in [0, 1], host time > 0 when cpu
   misses happen, the same figures in `RunMetrics`;
-- `auto` on hand-made costs: fetch for an expert with high expected reuse, cpu for one with none; the
-  reuse it learns from hits on the experts it fetched;
+- `auto` on hand-made costs: fetch for an expert with high expected reuse, cpu for one with none; cpu on
+  a very slow link, fetch on a very fast one; the reuse it learns from hits on the experts it fetched; the
+  host path's slowdown and hidden share and the copy's wait it measures, and that the engine feeds them;
 - CUDA (`gpu`): the side-stream path gives the same logits as the serial host path.
 """
 
@@ -16,14 +17,14 @@ import torch
 
 from moeflow.moe import get_adapter
 from moeflow.policies import MISS
-from moeflow.policies.base import CPU, FETCH, MissInfo
+from moeflow.policies.base import CPU, FETCH, BindContext, MissInfo
 from moeflow.runtime.generate import build_engine, generate_one
 from moeflow.runtime.host_worker import hidden_share
 from moeflow.runtime.link import DirectLink
 
 NEW = 6
 # host compute cheap against a copy for 1 token, dear for 2 or more: auto mixes cpu and fetch
-MIXED = {"host_s": 1e-4, "per_token_s": 1e-4, "copy_s": 2.5e-4, "prior": 0.5}
+MIXED = {"host_s": 1e-4, "per_token_s": 1e-4, "copy_s": 2.5e-4, "prior": 0.5, "calibrate": False}
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +118,130 @@ def test_auto_cost_model_counts_reuse():
     assert none.on_miss((0, 1), None, _info()) == CPU
     assert high.on_miss((0, 1), None, _info()) == FETCH
     assert none.decisions == {FETCH: 0, CPU: 1} and high.decisions == {FETCH: 1, CPU: 0}
-    # the host time the device hides is not a cost: half hidden -> high's cpu costs 2.5e-4 < 3e-4
-    high._hidden = lambda: 0.5
-    assert high.costs(1) == pytest.approx((2.5e-4, 3e-4)) and high.on_miss((0, 2), None, _info()) == CPU
+
+
+class _Link:
+    """A link whose copy of one expert takes `copy_s` (its bandwidth model)."""
+
+    def __init__(self, copy_s: float):
+        self.copy_s = copy_s
+
+    def transfer_estimate_s(self, nbytes: int) -> float:
+        return self.copy_s
+
+
+def _bound_auto(copy_s: float, **opts):
+    """`auto` bound to a fake engine: host(n) = 1e-4 + 1e-5 (n - 1) s, one copy `copy_s`."""
+    pol = MISS.create("auto", **opts)
+    pol.bind(
+        BindContext(
+            model=None,
+            adapter=None,
+            link=_Link(copy_s),
+            expert_bytes=1000,
+            time_host_expert=lambda n: 1e-4 + 1e-5 * (n - 1),
+            time_row_copy=lambda: 1.0,
+        )
+    )
+    return pol
+
+
+def test_auto_slow_link_cpu_fast_link_fetch():
+    """Timings from `bind`: host(1) = 1e-4 s (+1e-5 per token); reuse 1 (the prior) -> cpu costs 2e-4 per
+    1-token miss. A 10 ms copy (slow link) -> cpu, also for a 64-token prefill miss (7.3e-4 + 1e-4);
+    a 10 us copy (fast link) -> fetch."""
+    slow, fast = _bound_auto(1e-2), _bound_auto(1e-5)
+    assert slow.estimate(8) == pytest.approx((1.7e-4, 1e-2)) and slow.costs(1) == pytest.approx((2e-4, 1e-2))
+    assert slow.on_miss((0, 1), None, _info(tokens=1)) == CPU
+    assert slow.on_miss((0, 2), None, _info(tokens=64)) == CPU
+    assert fast.on_miss((0, 1), None, _info(tokens=1)) == FETCH
+    assert fast.decisions == {FETCH: 1, CPU: 0}
+
+
+def _send(pol, layer: int, path_s: float, wait_s: float, stall_s: float = 0.0, waited: int = 0) -> object:
+    """One layer: ask `pol` about a 1-token miss, then report the engine's totals grown by the host path /
+    wait / stall / loads given (what the router hook of the next layer passes to `measured`)."""
+    act = pol.on_miss((layer, 7), None, _info(tokens=1))
+    h, w, st, n = pol._last
+    pol.measured(h + path_s, w + wait_s, st + stall_s, n + waited)
+    return act
+
+
+def test_auto_calibrates_host_path():
+    """host(1) = 1e-4, copy 3e-4, reuse 1: cost_cpu = 2e-4 x slowdown x (1 - hidden), cpu at first.
+    A host path measured 3x the kernel and waited for in full (3e-4 per expert): after one such layer
+    slowdown = (1e-4 + 3e-4) / (1e-4 + 1e-4) = 2 -> cpu costs 4e-4 > 3e-4: fetch. The same 3x path but
+    80% hidden (wait 0.6e-4): ratio (1e-4 + 0.6e-4) / 2e-4 = 0.8 -> 1.6e-4: still cpu.
+    With `calibrate=False` the kernel model stays."""
+    opts = {"host_s": 1e-4, "per_token_s": 0.0, "copy_s": 3e-4, "reuse": 1.0, "decay": 1.0}
+    waited = MISS.create("auto", **opts)
+    waited.measured(0.0, 0.0, 0.0, 0)
+    assert _send(waited, 0, 3e-4, 3e-4) == CPU
+    assert waited.slowdown == pytest.approx(2.0) and waited.hidden == 0.0
+    assert waited.costs(1) == pytest.approx((4e-4, 3e-4))
+    assert waited.on_miss((1, 7), None, _info()) == FETCH
+    hidden = MISS.create("auto", **opts)
+    hidden.measured(0.0, 0.0, 0.0, 0)
+    assert _send(hidden, 0, 3e-4, 0.6e-4) == CPU
+    assert hidden.hidden == pytest.approx(1 - 1.6e-4 / 4e-4) and hidden.costs(1)[0] == pytest.approx(1.6e-4)
+    assert hidden.on_miss((1, 7), None, _info()) == CPU
+    fixed = MISS.create("auto", **opts, calibrate=False)
+    fixed.measured(0.0, 0.0, 0.0, 0)
+    _send(fixed, 0, 3e-4, 3e-4)
+    assert fixed.costs(1) == pytest.approx((2e-4, 3e-4)) and fixed.on_miss((1, 7), None, _info()) == CPU
+
+
+def test_auto_calibrates_copy_wait():
+    """host(1) = 2e-4, reuse 0, the link's estimate of a copy 1e-4: fetch. The compute measured waiting 5e-4
+    per load (queued behind copies in flight): the copy's cost (1e-4 + 5e-4) / 2 loads = 3e-4 > 2e-4: cpu."""
+    pol = MISS.create("auto", host_s=2e-4, per_token_s=0.0, copy_s=1e-4, reuse=0.0, decay=1.0)
+    pol.measured(0.0, 0.0, 0.0, 0)
+    assert _send(pol, 0, 0.0, 0.0, stall_s=5e-4, waited=1) == FETCH
+    assert pol.costs(1) == pytest.approx((2e-4, 3e-4))
+    assert pol.on_miss((1, 7), None, _info()) == CPU
+
+
+def test_auto_forgets_toward_its_prior():
+    """decay 0.5: one load measured waiting 5e-4 (link estimate 1e-4) makes a copy cost
+    (0.5 x 1e-4 + 0.5 x 1e-4 + 5e-4) / (0.5 + 0.5 + 1) = 3e-4 > host 2e-4: cpu. With no copy waited for
+    since (auto chose cpu), each update moves the copy's cost about halfway back to the link's 1e-4: after 10
+    updates it is within 1e-6 of it, below the host's 2e-4, so fetch is tried again."""
+    pol = MISS.create("auto", host_s=2e-4, per_token_s=0.0, copy_s=1e-4, reuse=0.0, decay=0.5)
+    pol.measured(0.0, 0.0, 0.0, 0)
+    assert _send(pol, 0, 0.0, 0.0, stall_s=5e-4, waited=1) == FETCH
+    assert pol.costs(1)[1] == pytest.approx(3e-4)
+    assert pol.on_miss((1, 7), None, _info()) == CPU
+    for _ in range(10):
+        pol.measured(*pol._last)  # the totals unchanged: no copy waited for
+    assert pol.costs(1)[1] == pytest.approx(1e-4, abs=1e-6)
+    assert pol.on_miss((0, 7), None, _info()) == FETCH
+
+
+def test_engine_feeds_auto_its_timings(tiny_models, prompt):
+    """The router hook hands `auto` the engine's running totals (host path, host wait, stall, loads waited
+    for): non-decreasing, never past the engine's own; auto's measured ratios move off their priors; the
+    tokens stay the model's (those of `fetch`)."""
+    model = tiny_models("olmoe")
+    ref, _ = generate_one(model, prompt, None, max_new_tokens=NEW, min_new_tokens=NEW)  # = fetch's (exact)
+    eng = _engine(model, 2, "auto", True, {"host_s": 1e-4, "per_token_s": 1e-4, "copy_s": 1.0})  # cpu at first
+    calls = []
+    with eng:
+        pol = eng.miss
+        real = pol.measured
+
+        def spy(*totals):
+            calls.append(totals)
+            real(*totals)
+
+        pol.measured = spy
+        out, _m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
+        assert eng.miss_counts["cpu"] > 0 and len(calls) > 1
+        for i in range(4):
+            col = [c[i] for c in calls]
+            assert col == sorted(col)
+        assert 0 < calls[-1][0] <= eng.host_s and 0 <= calls[-1][1] <= eng.host_wait_s
+        assert pol.slowdown != 1.0 and 0.0 <= pol.hidden <= 1.0
+    assert torch.equal(out, ref)
 
 
 def test_auto_learns_reuse_from_hits():

@@ -20,7 +20,7 @@ from moeflow.policies.miss import nearest_resident, similarity
 from moeflow.policies.routing import dual_select
 from moeflow.runtime.generate import build_engine, generate_one
 from moeflow.runtime.link import DirectLink, EmulatedLink
-from moeflow.runtime.step import apply_miss
+from moeflow.runtime.step import apply_miss, miss_infos
 
 NEW = 8
 
@@ -108,6 +108,30 @@ def test_drop_renorm_hand_computed():
         assert counts["drop"] == 1
     with pytest.raises(ConfigError):
         MISS.create("drop", min_rank=1)
+
+
+def test_miss_infos_hand_computed():
+    """The routing of `test_drop_renorm_hand_computed` (token 0: 0,5,1,6 at .4,.3,.2,.1; token 1: 2,6,7,1 at
+    .5,.2,.2,.1): 6 is rank 4 for token 0 and rank 2 for token 1 (ahead of 7 on the tie) -> best rank 2,
+    largest weight .2, 2 tokens; 7 rank 3 (.2, 1 token); 1 rank 3 and 4 -> 3 (.2, 2 tokens). What the policy
+    is asked with (`MissInfo`) for each missing expert, in ascending expert order."""
+    ids = [0, 5, 1, 6, 2, 6, 7, 1]
+    w = [0.4, 0.3, 0.2, 0.1, 0.5, 0.2, 0.2, 0.1]
+    got = miss_infos(ids, w, 4, {1, 6, 7})
+    assert got == {6: (2, 0.2, 2), 7: (3, 0.2, 1), 1: (3, 0.2, 2)}
+    asked = []
+
+    class Spy:
+        name, renorm = "spy", False
+
+        def on_miss(self, key, pos, info):
+            asked.append((key, info.rank, info.score, info.tokens))
+            return "fetch"
+
+    counts = {"drop": 0, "substitute": 0, "cpu": 0}
+    wt = torch.tensor(w)
+    apply_miss(Spy(), _fake_cache({0, 1, 2}), 3, torch.tensor(ids), wt, torch.Size([2, 4]), counts)  # type: ignore[arg-type]
+    assert asked == [((3, 5), 2, pytest.approx(0.3), 1), ((3, 6), 2, pytest.approx(0.2), 2), ((3, 7), 3, pytest.approx(0.2), 1)]
 
 
 def test_drop_score_threshold():

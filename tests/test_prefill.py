@@ -133,6 +133,69 @@ def test_staged_prefill_overlaps_copies_with_compute(tiny_models, prompt):
     assert seen["staged", "pregate"][1] > 0 and seen["serial", "pregate"][1] == 0  # the next layer staged
 
 
+def test_staged_prefill_stages_its_first_layers_at_pass_start(tiny_models, prompt):
+    """With a prefetch policy, when the first router runs the staged prefill already copies the first MoE layer's
+    experts predicted from the embeddings, and the later layers' into empty slots only (nothing evicted); the
+    serial path and `none` copy nothing before it. The bound still counts every routed expert (the staged copies
+    were not resident when the prefill began)."""
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    first = spec.moe_layers[0]
+    for cap in (spec.num_experts, spec.total_experts):  # one layer's worth, every expert
+        seen = {}
+        for path, pf in (("staged", "pregate"), ("staged", "none"), ("serial", "pregate")):
+            eng = build_engine(
+                model, mode="offload", link=EmulatedLink(50.0), capacity=cap, eviction="lru", prefetch=pf, prefill=path
+            )
+            assert eng is not None
+            with eng:
+                cache, step = eng.cache, eng.step
+                at_router: list[tuple[set, int]] = []
+                route = step.route
+
+                def spy(ev, _route=route, _cache=cache, _seen=at_router):
+                    if not _seen:
+                        _seen.append((set(_cache.slot_of), _cache.counters.evictions))
+                    return _route(ev)
+
+                step.route = spy  # type: ignore[method-assign]
+                with torch.no_grad():
+                    model(prompt)
+                needed = eng._prefill.needed if eng._prefill is not None else -1
+            seen[path, pf] = (at_router[0], needed)
+        (keys, evicted), needed = seen["staged", "pregate"]
+        layers = {l for l, _ in keys}
+        assert first in layers and evicted == 0 and len(keys) <= cap, f"C={cap}: {sorted(keys)}"
+        if cap == spec.total_experts:  # room for more than the first layer: the later ones staged too
+            assert len(layers) > 1
+        assert seen["staged", "none"][0][0] == set() and seen["serial", "pregate"][0][0] == set()
+        assert needed == seen["serial", "pregate"][1] == seen["staged", "none"][1] > 0  # the bound's copies
+
+
+def test_staged_waves_are_runs_of_consecutive_experts(tiny_models):
+    """A layer's waves cut its routed experts (sorted by id) into runs of consecutive ones (each wave one slice of
+    the sorted rows), at most ceil(still to copy / PIPELINE) still to copy per wave, whatever is ready."""
+    from moeflow.runtime.prefill import PIPELINE
+
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    now = [0.0]
+    link = EmulatedLink(1.0, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    eng = build_engine(model, mode="offload", link=link, capacity=spec.total_experts, eviction="lru", prefetch="none")
+    assert eng is not None
+    with eng:
+        pf, cache, layer, E = eng._prefill, eng.cache, spec.moe_layers[0], spec.num_experts
+        assert pf is not None
+        cache.stage([(layer, 1), (layer, 5)], layer)
+        link.drain()  # virtual time: these two are ready
+        cache.stage([(layer, 0), (layer, 2), (layer, 3)], layer)  # in flight
+        experts = list(range(E))
+        waves = pf.plan(layer, experts)
+        g = -(-(E - 2) // PIPELINE)
+        assert [e for w in waves for e in w] == experts  # runs of consecutive experts, in order
+        assert len(waves) > 1 and all(sum(e not in (1, 5) for e in w) <= g for w in waves)
+
+
 def test_ttft_bound_counts_the_copies_a_prefill_needs(tiny_models, prompt):
     model = tiny_models("olmoe")
     spec = get_adapter(model).spec
@@ -193,6 +256,26 @@ def test_emulated_link_batch_copies_on_the_same_schedule():
         link.wait(t)
     assert torch.equal(dst[1], src[0])
     link.close()
+
+
+def test_emulated_link_hands_a_batch_over_as_one():
+    """A batch's copies share one `copied` event (set once by the copying thread); a prefetch withdrawn before
+    the batch is handed over is not copied."""
+    now = [0.0]
+    link = EmulatedLink(1.0, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    src = [torch.full((250,), float(i + 1)) for i in range(3)]  # 1000 bytes each: 1 us on 1 GB/s
+    dst = [torch.zeros(250) for _ in range(3)]
+    with link.batch():
+        ts = [link.submit(s, d, demand=False) for s, d in zip(src, dst)]
+        assert link.cancel(ts[2])  # not started: withdrawn
+    assert len({id(t.copied) for t in ts}) == 1
+    link.wait(ts[1])
+    assert ts[2].copied.wait(5)
+    assert torch.equal(dst[0], src[0]) and torch.equal(dst[1], src[1]) and torch.equal(dst[2], torch.zeros(250))
+    one = link.submit(src[0], dst[2])  # outside a batch: its own event
+    assert one.copied is not ts[0].copied
+    link.close()
+    assert link.bytes == link.submitted_bytes == 3000
 
 
 @pytest.fixture(scope="module")

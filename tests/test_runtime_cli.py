@@ -8,17 +8,8 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from moeflow.lmtrain.tokenizer import train_tokenizer
-    from moeflow.models import tiny_model
-
-    d = tmp_path_factory.mktemp("ckpt")
-    text = ["the king said to the queen that the night was long", "to be or not to be, that is the question"] * 20
-    tok = train_tokenizer(text, vocab_size=200)
-    tiny_model("olmoe", num_experts=8, top_k=2).save_pretrained(d)
-    tok.save_pretrained(d)
-    (d.parent / "p.txt").write_text("the king said\nto be or not\n")
-    return d
+def ckpt(ckpt_with):
+    return ckpt_with(p_txt="the king said\nto be or not\n")
 
 
 def _run(args):

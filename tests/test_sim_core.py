@@ -24,7 +24,7 @@ from moeflow.sim.link import InstantLink, ModelledLink
 from moeflow.sim.simulator import Belady, _Spec
 from moeflow.sim.stream import proposals, stream
 
-COMPILED = ("lru", "lfu", "least-stale", "belady-approx", "belady")
+COMPILED = ("lru", "lfu", "least-stale", "belady-approx", "belady", "next-use")
 PYTHON_ONLY = ("fld", "lhu", "score", "lru2")
 
 
@@ -44,7 +44,10 @@ def _trace(seed: int, *, L: int = 4, E: int = 8, k: int = 2, passes: int = 40) -
     return acc
 
 
-def _policy(name: str, acc: AccessTrace):
+def _policy(name, acc: AccessTrace):
+    """A policy by name, or by (name, options)."""
+    if isinstance(name, tuple):
+        return EVICTION.create(name[0], **name[1])
     return Belady(acc) if name == "belady" else EVICTION.create(name)
 
 
@@ -138,6 +141,40 @@ def test_kernel_equals_python_call_by_call(name, per_layer):
             assert last["lowbit_loads"] > 0 and last["upgrades"] > 0
 
 
+@pytest.mark.parametrize(
+    "opts", [{"decay": 1.0, "recency": False}, {"proposals": False, "shrink": 0.0}, {"decay": 0.5, "shrink": 20.0}]
+)
+def test_next_use_kernel_equals_python_with_its_options(opts):
+    """next-use's options reach its twin: same victims with the frequency alone, without proposals, etc."""
+    acc = _trace(2, E=12)
+    for capacity in (4, 9):
+        py = _drive(("next-use", opts), acc, capacity, per_layer=False, seed=2, compiled=False)
+        core = _drive(("next-use", opts), acc, capacity, per_layer=False, seed=2, compiled=True)
+        for i, (a, b) in enumerate(zip(py, core)):
+            assert a == b, (opts, capacity, i, a[0])
+        assert py[-1][1]["evictions"] > 0
+
+
+def test_next_use_row_sum_is_numpys():
+    """The twin's mean share sums a layer's uses in numpy's pairwise order (blocks of 8 accumulators, halves
+    above 128), so its floats are the Python policy's: equal to `ndarray.sum` to the last bit."""
+    from numba import njit
+
+    from moeflow.runtime.cachecore_nu import _row_sum
+
+    row_sum = njit(lambda F, o, n: _row_sum(F, o, n))
+    rng = np.random.default_rng(0)
+    sequential_differs = 0
+    for n in [*range(1, 40), 63, 64, 127, 128, 129, 200, 255, 256, 257, 300, 511, 700]:
+        a = rng.random(n + 3) * rng.choice([1.0, 1e-3, 1e5], n + 3)
+        assert row_sum(a, 3, n) == a[3:].sum(), n
+        seq = 0.0
+        for x in a[3:].tolist():
+            seq += x
+        sequential_differs += seq != a[3:].sum()
+    assert sequential_differs > 0  # the order matters: a plain loop would not be the same floats
+
+
 def test_compiled_core_only_where_it_is_the_same_mechanism():
     acc = _trace(0)
     spec = _Spec(acc.moe_layers, acc.num_experts, acc.top_k, 1000)
@@ -151,6 +188,7 @@ def test_compiled_core_only_where_it_is_the_same_mechanism():
         assert not core(_policy(name, acc), compiled=False)
     for name in PYTHON_ONLY:
         assert not core(EVICTION.create(name)), name
+    assert {n for n in EVICTION if EVICTION.create(n).kernel} == set(COMPILED) - {"belady"}  # every kernel is checked here
     assert not core(EVICTION.create("least-stale", right="farthest"))  # the study variant has no kernel
 
     class Forwarding:  # forwards every attribute, is not an EvictionPolicy subclass: its own events count

@@ -297,3 +297,20 @@ def test_evaluate_gives_decode_recall_in_the_same_pass(fitted_default):
     for name, by_s in want.items():
         assert rep["decode_by_s"][name] == pytest.approx(by_s, abs=1e-12), name
     assert evaluate(preds, held, max_s=cfg.max_s, rows=np.flatnonzero(held.phase == 0))["decode_by_s"] is None
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("hqq") is None, reason="hqq is not installed")
+def test_model_load_leaves_hqq_unimported():
+    """transformers' cache_utils imports hqq (whose module body calls torch.compile, importing TorchInductor) only
+    for a KV cache moeflow never uses: loading a model does not import it, and transformers still reports hqq as
+    installed afterwards. In a fresh interpreter: this one may have imported hqq already (`moeflow.quant`)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys; from moeflow.models import load_model; import transformers.utils as u; "
+        f"load_model({str(REPO / 'models' / 'olmoe-mini')!r}, dtype='float32'); "
+        "print(json.dumps(['hqq' in sys.modules, u.is_hqq_available()]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, True]

@@ -240,3 +240,104 @@ def test_table_replay_is_pregates_replay(traced):  # noqa: F811
         got = simulate(acc, 6, "lru", TablePrefetch(table, PREFETCH.create("pregate").gate, lambda s=s: s), lookahead=s, **kw)
         assert want.prefetch_loads > 0
         assert (got.hits, got.prefetch_loads, got.late, got.stall_s) == (want.hits, want.prefetch_loads, want.late, want.stall_s)
+
+
+def test_tune_predicts_the_tpot_simulate_predicts(traced, tmp_path):  # noqa: F811
+    """One time model: with a calibration's engine_time and link_timing, tune's predicted TPOT of a configuration is
+    `moeflow simulate --calibrated-time`'s on the same modelled link (fixed S; pregate replayed from tune's table)."""
+    from moeflow.trace import Trace
+
+    ck, tr = traced
+    L = Trace(tr).spec.num_moe_layers
+    et = {
+        "attention_s": [1e-4 * (1 + r) for r in range(L)],
+        "route_s": [3e-5] * L,
+        "experts_s": [6e-4 + 1e-4 * r for r in range(L)],
+        "token_s": 2e-4,
+        "predict_s": {"pregate": [4e-5] * L},
+    }
+    cal = _calibration(tmp_path / "cal.json", tr, engine_time=et, link_timing={"submit_s": 2e-5, "wake_s": 3e-5})
+    args = ["-t", str(tr), "--calibration", str(cal), "--model", str(ck), "-e", "lru", "-f", "none,pregate"]
+    r = _tune([*args, "-S", "1", "-S", "2", "--no-adaptive", "--budget", "6", "--exhaustive", "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["time_model"] == "calibration engine_time"
+    rows = {x["label"]: x for x in res["ranked"]}
+    for label, pf, s in (("lru+none", "none", 1), ("lru+pregate S=1", "pregate", 1), ("lru+pregate S=2", "pregate", 2)):
+        sim_args = ["-t", str(tr), "-c", "6", "-e", "lru", "-f", pf, "--lookahead", str(s), "--link", res["link"]]
+        sim_args += ["--calibration", str(cal), "--calibrated-time", "--model", str(ck), "--no-belady", "--json"]
+        sim = CliRunner().invoke(_app(), ["simulate", *sim_args])
+        assert sim.exit_code == 0, sim.output
+        (row,) = json.loads(sim.stdout.strip().splitlines()[-1])["rows"]
+        assert rows[label]["predicted_tpot_s"] == pytest.approx(row["predicted_tpot_s"], rel=1e-12), label
+        assert rows[label]["predicted_tpot_s"] >= res["bound_tpot_s"]
+
+
+def test_candidates_view_leaves_out_excluded_slots():
+    """The cache's eviction candidates on a modelled link (tune's replays): every unpinned slot but the excluded
+    ones (copies in flight, slots a prefetch call filled), as membership, iteration in slot order and truth; each
+    policy's victim through the view is its victim over the same keys listed."""
+    from moeflow.policies import EVICTION, Position
+    from moeflow.policies.base import Candidates
+
+    class _Slot:
+        def __init__(self, key, pinned=False):
+            self.key, self.pinned = key, pinned
+
+    keys = [(1, e) for e in range(6)]
+    slots = [_Slot(k, pinned=i == 1) for i, k in enumerate(keys)]
+    slot_of = {k: i for i, k in enumerate(keys)}
+    view = Candidates(slot_of, slots, exclude={0, 4})
+    want = [keys[2], keys[3], keys[5]]
+    assert list(view) == want and len(view) == 3 and bool(view)
+    assert [k in view for k in keys] == [k in want for k in keys]
+    assert not Candidates(slot_of, slots, exclude=set(range(6)))
+    pos = Position(3, 1, 0, 40)
+    for name in ("lru", "lfu", "least-stale"):
+        pol = EVICTION.create(name)
+        for t, k in enumerate(keys[::-1] + keys[2:4]):  # insert, then touch two
+            pol.on_insert(k, Position(0, 1, 0, t), prefetched=False)
+            pol.on_access(k, Position(0, 1, 0, t), score=1.0)
+        fresh = Candidates(slot_of, slots, exclude={0, 4})
+        assert pol.victim(fresh, pos) == pol.victim(list(want), pos), name
+
+
+def test_cost_model_time_model_with_and_without_engine_time():
+    """A calibration without engine_time: layer_time_s per MoE layer and the rest of compute_per_token_s once per
+    pass, so a pass without stalls takes the compute per token; with it: the simulator's `from_calibration`."""
+    from moeflow.sim.simulator import TimeModel
+    from moeflow.tune.search import CostModel
+
+    cal = {"compute_per_token_s": 0.03, "layer_time_s": 0.002}
+    cost = CostModel(gbps=0.03, latency_s=3e-4, expert_bytes=196608, layer_time_s=0.002, num_moe_layers=12, calibration=cal)
+    tm = cost.time_model("pregate")
+    assert not cost.engine_time and tm.pass_s(12, True) == pytest.approx(0.03) and tm.experts_s == (0.002,)
+    assert TimeModel.from_compute(0.01, 0.002, 12).token_s == 0.0  # never negative
+    et = {"attention_s": [1e-4], "route_s": [2e-5], "experts_s": [5e-4], "token_s": 1e-3, "predict_s": {"pregate": [3e-5]}}
+    full = {**cal, "engine_time": et, "link_timing": {"submit_s": 1e-5, "wake_s": 2e-5}}
+    cost = CostModel(gbps=0.03, latency_s=3e-4, expert_bytes=196608, layer_time_s=0.002, num_moe_layers=12, calibration=full)
+    assert cost.engine_time and cost.time_model("pregate:overfetch=2") == TimeModel.from_calibration(full, "pregate")
+    link = cost.link(cost.time_model("none"))
+    assert (link.submit_s, link.wake_s) == (1e-5, 2e-5)
+
+
+def test_tune_finds_the_one_emulated_calibration(traced, tmp_path, monkeypatch):  # noqa: F811
+    """Without --link and --calibration, tune reads calibration/cpu.json, else the one file `moeflow calibrate
+    --link-gbps X` wrote (the README's order); two of them are refused in one line."""
+    from moeflow.stages.tune import TuneConfig, read_calibration
+    from moeflow.trace import Trace
+
+    _, trp = traced
+    tr = Trace(trp)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "calibration").mkdir()
+    cfg = TuneConfig(trace=str(trp))
+    with pytest.raises(MoeflowError, match="found none at calibration/cpu.json"):
+        read_calibration(cfg, tr)
+    one = _calibration(tmp_path / "calibration" / "cpu-emulated-0.002gbps.json", trp)
+    cal, path, link, _ = read_calibration(cfg, tr)
+    assert Path(path).resolve() == one.resolve() and link.startswith("emulated:0.002")
+    _calibration(tmp_path / "calibration" / "cpu-emulated-8gbps.json", trp, device="cpu-emulated-8gbps")
+    with pytest.raises(MoeflowError, match="several calibrations of cpu") as e:
+        read_calibration(cfg, tr)
+    assert "\n" not in str(e.value)

@@ -66,8 +66,10 @@ def tune_cmd(
     calibration: str | None = typer.Option(
         None,
         "--calibration",
-        help="Calibration JSON of this device (compute per layer, link bandwidth and latency; default: the file "
-        "`moeflow run` reads for --device and --link, as `moeflow calibrate` names it).",
+        help="Calibration JSON of this device: the time model (its engine_time, as `simulate --calibrated-time`; "
+        "else its compute per token), link bandwidth and latency (default: the file `moeflow run` reads for --device "
+        "and --link, as `moeflow calibrate` names it; without --link, calibration/<device>.json, else the one "
+        "calibration/<device>-emulated-<X>gbps.json there).",
     ),
     link: str | None = typer.Option(
         None,

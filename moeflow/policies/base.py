@@ -46,27 +46,35 @@ class Candidates(Sequence[ExpertKey]):
     Every key in it is resident, so a policy that tracks every inserted and not yet evicted key (from the
     cache's events) may walk its own order and return the first key `in` the view instead of scanning all
     candidates; a plain sequence (tests, other callers) may hold any keys and gets the policy's full scan.
-    Without `keys` (the common case: every slot of the single part is ready, nothing is protected) the
-    candidates are the unpinned slots of `slots`; with `keys` exactly those keys.
+    Without `keys` (the common case: every slot of the single part holds a key) the candidates are the
+    unpinned slots of `slots` not in `exclude` (slot indices: copies in flight, slots a prefetch call just
+    filled); with `keys` exactly those keys.
     """
 
-    __slots__ = ("_keys", "_set", "_slot_of", "_slots")
+    __slots__ = ("_exclude", "_keys", "_set", "_slot_of", "_slots")
 
-    def __init__(self, slot_of: dict[ExpertKey, int], slots: Sequence[Any], keys: list[ExpertKey] | None = None):
-        self._slot_of, self._slots, self._keys = slot_of, slots, keys
+    def __init__(
+        self,
+        slot_of: dict[ExpertKey, int],
+        slots: Sequence[Any],
+        keys: list[ExpertKey] | None = None,
+        exclude: Any = (),
+    ):
+        self._slot_of, self._slots, self._keys, self._exclude = slot_of, slots, keys, exclude
         self._set: set[ExpertKey] | None = None
 
     def __contains__(self, key: object) -> bool:
         if self._keys is None:
             s = self._slot_of.get(key)  # type: ignore[call-overload]
-            return s is not None and not self._slots[s].pinned
+            return s is not None and not self._slots[s].pinned and s not in self._exclude
         if self._set is None:
             self._set = set(self._keys)
         return key in self._set
 
     def _list(self) -> list[ExpertKey]:
         if self._keys is None:
-            self._keys = [sl.key for sl in self._slots if not sl.pinned]
+            ex = self._exclude
+            self._keys = [sl.key for s, sl in enumerate(self._slots) if not sl.pinned and s not in ex]
         return self._keys
 
     def __iter__(self) -> Iterator[ExpertKey]:
@@ -77,8 +85,9 @@ class Candidates(Sequence[ExpertKey]):
 
     def __bool__(self) -> bool:
         if self._keys is None:
-            for sl in self._slots:
-                if not sl.pinned:
+            ex = self._exclude
+            for s, sl in enumerate(self._slots):
+                if not sl.pinned and s not in ex:
                     return True
             return False
         return bool(self._keys)
@@ -198,6 +207,8 @@ class PrefetchPolicy(Protocol):
     gate: Any = None  # the admission of its proposals (`moeflow.policies.prefetch.PrefetchGate`); None: admit all
     pred: Any = None  # the predictor a `needs_model` policy bound (`speculates`: the one that routes)
     lookahead: int | None = None  # its own step size S (option `lookahead=`), used instead of the engine's
+    reads_position_only: ClassVar[bool] = False  # True: `propose_at(pos, resident)` does what `propose` does, so a
+    #   replay loop need not build a `LayerContext` per step (tune's table of pre-gate proposals)
 
     def __init__(self) -> None:  # a policy without options (`Registry.create` reads the signature)
         return None
@@ -214,6 +225,10 @@ class PrefetchPolicy(Protocol):
     def propose(self, ctx: LayerContext) -> list[PrefetchRequest]:
         """Experts of later layers to load now (resident ones are skipped by the cache)."""
         ...
+
+    def propose_at(self, pos: Position, resident: Any) -> list[PrefetchRequest]:
+        """`propose` from the position and the cache's residency test alone (only where `reads_position_only`)."""
+        raise NotImplementedError(f"{self.name} reads the whole LayerContext: call propose")
 
 
 def _nothing() -> None:
@@ -281,6 +296,12 @@ class MissPolicy(Protocol):
 
     def observe(self, layer: int, scores: dict[int, float]) -> None:
         """With `precisions`: every needed expert of a layer call with its summed gate weight (hits included)."""
+        return None
+
+    def measured(self, host_path_s: float, host_wait_s: float, stall_s: float, waited: int) -> None:
+        """With `needs_routing`, before each layer's misses are decided: the engine's running totals (seconds of
+        the host path of host experts, seconds experts calls waited for them, seconds the compute waited for
+        copies, loads it waited for). `auto` calibrates its costs on them."""
         return None
 
     def on_miss(self, key: ExpertKey, pos: Position, info: MissInfo | None = None) -> MissAction:

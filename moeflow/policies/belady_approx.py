@@ -157,3 +157,12 @@ class BeladyApprox(_Base):
             far[k] = d + (1.0 - p1) * L * I
         top = max(far.values())
         return min((k for k in candidates if far[k] >= top - 1e-9), key=self._age)
+
+    def reuse_steps(self, key: ExpertKey, pos: Position, p: float | None = None) -> float | None:
+        """`expected_next_use`, with p1 = `p` when given (a proposal's confidence for its layer's next run)."""
+        if p is None:
+            return self.expected_next_use(key, pos)
+        d = self._ahead(key[0], pos)
+        age = pos.pass_id - self._ref.get(key, pos.pass_id)
+        I = max(self.interval.get(key, self.mean_interval), float(age), 1.0)
+        return d + (1.0 - min(1.0, max(0.0, p))) * len(self._layers) * I

@@ -27,9 +27,9 @@ sequence of candidates gets the full scan (`min` by the rank); both give the sam
 | next-use | longest expected time to next use, calibrated online (use share, recency, proposals) | Belady's MIN, approx. |
 
 `least-stale` lives in `least_stale.py`, `belady-approx` in `belady_approx.py`, `next-use` in `next_use.py` (all
-built on `_Base`; `next-use` has no compiled twin).
+built on `_Base`).
 
-Compiled twins: lru, lfu, least-stale (its `fifo` order) and belady-approx declare a `kernel`; with an instant
+Compiled twins: lru, lfu, least-stale (its `fifo` order), belady-approx and next-use declare a `kernel`; with an instant
 link (the simulator's, the runtime's `direct`) the cache keeps their bookkeeping in numba kernels
 (`moeflow.runtime.cachecore`: the same victims and counters, tests/test_sim_core.py) and never calls the events
 below, in the runtime and the simulator alike. These classes are the reference, and the mechanism on every
@@ -106,6 +106,12 @@ class _Base(EvictionPolicy):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+    def reuse_steps(self, key: ExpertKey, pos: Position, p: float | None = None) -> float | None:
+        """Expected MoE layer steps from `pos` until `key` is used next, for the victim-aware prefetch gate (which
+        compares a proposal's with its victim's); `p`: the probability that `key` is used when its layer next runs
+        (a proposal's confidence), else the policy's own estimate. None: the policy does not predict it."""
+        return None
 
 
 class _HeapRanked(_Base):

@@ -11,7 +11,7 @@ simulator implements `fetch` only.
 | drop | skip misses of rank >= `min_rank` (3) and weight < `score` (0: any); `renorm` | no |
 | substitute | most similar resident expert (router-row cosine), 1 - cos <= `tol` | no |
 | cpu | run the missing expert on the host from the store's row; activations move | on CPU |
-| auto | per miss: cpu if host compute now and at the expected later hits beats one copy, else fetch | on CPU |
+| auto | per miss: cpu if measured host time now and at the expected later hits beats one copy's wait | on CPU |
 | fetch-lowest-bit | ("fetch", `bits`): the store's lowest-precision copy (default int2; HQQ) | no |
 | fetch-priority | misses scoring below the layer's `percentile` (60): ("fetch", b), b from `bits` (8/4/2) by tier | no |
 | cascade | ("fetch", `bits`) now (int4), then the full row queued over the slot (prefetch priority) | no |
@@ -137,20 +137,31 @@ class Cpu(MissPolicy):
 
 @MISS.register
 class Auto(MissPolicy):
-    """Per miss, `cpu` or `fetch`, whichever costs less over the expert's expected later accesses.
+    """Per miss, `cpu` or `fetch`, whichever costs the layer less over the expert's expected later accesses.
 
     cpu: the host computes the expert now for the call's tokens, and again at each later access (a cpu
     expert never enters the cache), each time only the part the device's own work does not hide:
-    `cost_cpu = (host(tokens) + reuse x host(1)) x (1 - hidden)`, host(n) = `host_s` + `per_token_s` x (n - 1).
-    fetch: one copy now, after which those later accesses are hits: `cost_fetch = copy_s`.
-    `cpu` when cost_cpu < cost_fetch. `reuse` = the expected later hits of a fetched expert: a fixed value
-    when given, else learned, recent-weighted (`decay` per fetch): hits that experts `auto` fetched earned
-    while resident / experts `auto` fetched, starting from `prior` (one pseudo-fetch with that many hits).
-    `hidden` = the share of host time the engine measured hidden behind the device so far (0 until a host
-    expert ran; `OffloadEngine.host_hidden_share`). Missing timings come from the calibration (`moeflow run`
-    passes `host_s`) or are measured at `bind` (host: a host-store expert on 1 and 8 rows; copy: the link's
-    estimate, else one timed row copy). Hits are heard through `observe` (every experts call's experts with a
-    slot); a fetched expert stops being followed once it is no longer resident."""
+    `cost_cpu = (host(tokens) + reuse x host(1)) x slowdown x (1 - hidden)`, host(n) = `host_s` +
+    `per_token_s` x (n - 1) (the kernel alone, calibrated or measured at `bind`). fetch: one copy now, after
+    which those later accesses are hits: `cost_fetch` = the wait for one demand load. `cpu` when
+    cost_cpu < cost_fetch (a cpu miss now and a fetch at a later access never beats a fetch now).
+
+    The three factors are measured as the engine runs (`measured`: the engine's running totals, fed before
+    each layer's misses are decided), each a recent-weighted ratio of sums that start as one observation of
+    its prior; each update scales the sums by `decay` and adds (1 - `decay`) of a prior observation, so the
+    prior keeps the weight of one observation and an option `auto` has not chosen for a while drifts back to
+    its prior (optimistic) and is tried again:
+    - `slowdown` = host-path seconds (hand-off to the host worker, compute, result back) / host(tokens) of
+      the experts `auto` sent there (prior 1: the kernel alone);
+    - `hidden` = 1 - the experts call's wait for those results / their host-path seconds (prior 0);
+    - `cost_fetch` = seconds the compute waited per demand load or late prefetch (prior: the link's
+      estimate of one copy, else one timed row copy), so queueing behind copies in flight and the link's
+      real speed are counted.
+    `reuse` = the expected later hits of a fetched expert: a fixed value when given, else learned,
+    recent-weighted (`decay` per fetch): hits that experts `auto` fetched earned while resident / experts
+    `auto` fetched, starting from `prior` (one pseudo-fetch with that many hits). Hits are heard through
+    `observe` (every experts call's experts with a slot); a fetched expert stops being followed once it is
+    no longer resident. `calibrate=False` keeps the priors (hand-made costs)."""
 
     name: ClassVar[str] = "auto"
     changes_output = False  # fetch and cpu are both exact on a CPU device; `needs_host`: lossy elsewhere
@@ -166,16 +177,23 @@ class Auto(MissPolicy):
         reuse: float | None = None,
         prior: float = 1.0,
         decay: float = 0.98,
+        calibrate: bool = True,
     ):
         if not 0.0 < float(decay) <= 1.0:
             raise ValueError("decay must be in (0, 1]")
         self.host_s, self.per_token_s, self.copy_s = host_s, per_token_s, copy_s
         self.fixed_reuse = None if reuse is None else float(reuse)
         self.decay = float(decay)
+        self.calibrate = bool(calibrate)
         self.fetches, self.hits = 1.0, float(prior)  # decayed counts: auto's fetches, the hits they earned
+        # decayed sums, each pair starting at one pseudo-observation of its prior (set at `bind` / first use):
+        self._est = self._path = self._wait = 0.0  # host(tokens) of auto's host experts, their host path, its wait
+        self._stall, self._waited = 0.0, 0.0  # compute's wait for copies, the loads waited for
+        self._primed = False
+        self._last: tuple[float, float, float, float] | None = None  # the engine's totals at the last `measured`
+        self._sent = 0.0  # host(tokens) of the host experts decided since the last `measured`
         self._link: Any = None
         self._nbytes = 0
-        self._hidden: Any = None  # () -> measured hidden share of host time, or None
         self._resident: Any = None  # the cache's `resident(key)` (from `MissInfo`)
         self._followed: dict[int, set[int]] = {}  # layer -> experts auto fetched, still followed for hits
         self._fresh: set[ExpertKey] = set()  # fetched in the layer call now running (not a hit of itself)
@@ -183,7 +201,6 @@ class Auto(MissPolicy):
 
     def bind(self, ctx: BindContext) -> None:
         self._link, self._nbytes = ctx.link, ctx.expert_bytes
-        self._hidden = ctx.host_hidden
         if self.host_s is None or self.per_token_s is None:
             t1, t8 = ctx.time_host_expert(1), ctx.time_host_expert(8)
             self.host_s = t1 if self.host_s is None else self.host_s
@@ -191,6 +208,16 @@ class Auto(MissPolicy):
         if self.copy_s is None:
             est = self._link.transfer_estimate_s(self._nbytes)
             self.copy_s = est if est is not None else ctx.time_row_copy()
+        self._primed = False  # the priors from the timings just taken
+        self._prime()
+
+    def _prime(self) -> None:
+        """Each measured ratio starts at its prior, weighted as one observation (slowdown 1, hidden 0, one copy)."""
+        if not self._primed:
+            host1, copy = self.estimate(1)
+            self._est = self._path = self._wait = host1
+            self._stall, self._waited = copy, 1.0
+            self._primed = True
 
     @property
     def reuse(self) -> float:
@@ -198,21 +225,53 @@ class Auto(MissPolicy):
         return self.fixed_reuse if self.fixed_reuse is not None else self.hits / self.fetches
 
     @property
+    def slowdown(self) -> float:
+        """Host-path seconds per second of the kernel model host(tokens), as measured (1 before any)."""
+        self._prime()
+        return self._path / self._est if self._est > 0 else 1.0
+
+    @property
     def hidden(self) -> float:
-        """Share of host time hidden behind the device's work, as measured so far (0 before any)."""
-        h = self._hidden() if self._hidden is not None else None
-        return 0.0 if h is None else min(1.0, max(0.0, float(h)))
+        """Share of the host path hidden behind the device's work, as measured (0 before any)."""
+        self._prime()
+        return min(1.0, max(0.0, 1.0 - self._wait / self._path)) if self._path > 0 else 0.0
 
     def estimate(self, tokens: int) -> tuple[float, float]:
-        """(host seconds for `tokens` rows, copy seconds) of one expert, no overlap or reuse counted."""
+        """(kernel seconds host(tokens) of one expert, prior seconds of one copy): no overlap, reuse or
+        measurement counted."""
         host = float(self.host_s or 0.0) + float(self.per_token_s or 0.0) * max(0, tokens - 1)
         return host, float(self.copy_s or 0.0)
 
     def costs(self, tokens: int) -> tuple[float, float]:
         """(cost_cpu, cost_fetch) of one miss with `tokens` rows, in seconds (see the class docstring)."""
-        host, copy = self.estimate(tokens)
+        self._prime()
+        host, _ = self.estimate(tokens)
         host1, _ = self.estimate(1)
-        return (host + self.reuse * host1) * (1.0 - self.hidden), copy
+        cost_fetch = self._stall / self._waited if self._waited > 0 else float(self.copy_s or 0.0)
+        ratio = self._wait / self._est if self._est > 0 else 1.0  # slowdown x (1 - hidden)
+        return (host + self.reuse * host1) * ratio, cost_fetch
+
+    def measured(self, host_path_s: float, host_wait_s: float, stall_s: float, waited: int) -> None:
+        """The engine's running totals, before a layer's misses are decided: host-path seconds of host experts,
+        the seconds experts calls waited for them, seconds the compute waited for copies, and the loads it
+        waited for (demand loads + late prefetches). Their growth since the last call updates the measured
+        ratios; host time is matched with the host experts `auto` sent since then (all joined by now)."""
+        now = (float(host_path_s), float(host_wait_s), float(stall_s), float(waited))
+        last, self._last = self._last, now
+        if last is None or not self.calibrate:
+            self._sent = 0.0
+            return
+        self._prime()
+        d_path, d_wait, d_stall, d_waited = (a - b for a, b in zip(now, last))
+        g, host1, copy = self.decay, *self.estimate(1)
+        p = (1.0 - g) * host1  # each update forgets toward the prior: an option not chosen for a while looks
+        #   as it did a priori (slowdown 1, hidden 0, the link's copy time) and is tried again
+        sent = self._sent if d_path > 0 else 0.0
+        self._est, self._path = g * self._est + p + sent, g * self._path + p + (d_path if sent else 0.0)
+        self._wait = g * self._wait + p + (d_wait if sent else 0.0)
+        self._stall = g * self._stall + (1.0 - g) * copy + d_stall
+        self._waited = g * self._waited + (1.0 - g) + d_waited
+        self._sent = 0.0
 
     def on_miss(self, key: ExpertKey, pos: Position, info: MissInfo | None = None) -> MissAction:
         tokens = info.tokens if info is not None else 1
@@ -226,6 +285,8 @@ class Auto(MissPolicy):
             self.hits *= self.decay
             self._followed.setdefault(key[0], set()).add(key[1])
             self._fresh.add(key)
+        else:
+            self._sent += self.estimate(tokens)[0]
         return act
 
     def observe(self, layer: int, scores: dict[int, float]) -> None:

@@ -17,7 +17,9 @@ is calibrated online on what the run itself routed:
   run), so a recently used expert is kept for as long as recency actually predicts reuse in this run.
 
 Ties by least-recent use, then key. With prefetch `none` it ranks by calibrated frequency, recency and layer
-distance. Python only (no compiled twin): one victim scores every tracked expert at once with numpy.
+distance. This class is the reference (and the mechanism on a link with copies in flight): one victim scores
+every tracked expert at once with numpy. Its compiled twin (`kernel`, `moeflow.runtime.cachecore_nu`) makes the
+same decisions with the same floats in the compiled cache core, which runs it with an instant link.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class NextUse(_Base):
     """Evict the resident expert with the largest expected time to next use (calibrated online); see the module."""
 
     name = "next-use"
+    kernel: str | None = (
+        "next-use"  # its compiled twin: `moeflow.runtime.cachecore_nu` (the same victims; this class is the reference)
+    )
 
     def __init__(self, decay: float = 0.9, shrink: float = 4.0, recency: bool = True, proposals: bool = True) -> None:
         super().__init__()
@@ -228,3 +233,15 @@ class NextUse(_Base):
                 if k in candidates:
                     return k
         return max(candidates, key=lambda k: (far[k], -self.tick[k], -k[0], -k[1]))
+
+    def reuse_steps(self, key: ExpertKey, pos: Position, p: float | None = None) -> float | None:
+        """`expected_next_use` of `key`; with `p`, p1 = `p` (a proposal's confidence for its layer's next run)."""
+        self._see(key[0])
+        self._grow(*key)
+        if p is None:
+            return float(self.expected_next_use(pos)[key])
+        self._see(pos.layer)
+        L = len(self._layers)
+        d = (int(self.rank[key[0]]) - int(self.rank[pos.layer]) - 1) % L + 1
+        f = max(float(self._share(key[0])[key[1]]), 1e-3)
+        return d + (1.0 - min(1.0, max(0.0, p))) * L / f

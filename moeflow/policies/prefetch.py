@@ -17,7 +17,8 @@ decision, the policy's `gate`, which the cache (`ExpertCache.prefetch`, runtime 
 for each proposal that is not resident, in priority order. Options of every prefetch policy
 (`--prefetch-opt`): `gate=on|off` (default on for pregate and the learned policies, off for
 all-next-layer), `cancel=on|off` (default on: drop queued stale prefetches when their layer routes),
-`budget=auto|BYTES` (default none: bytes per source layer), `weight=1.0` (cost multiplier).
+`budget=auto|BYTES` (default none: bytes per source layer), `weight=1.0` (cost multiplier), `victim=on|off`
+(default off: also refuse a copy whose victim the eviction policy expects to be used sooner than the proposal).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from ..errors import ConfigError
 from ..moe.sets import mass_mask, topk_mask
-from .base import PREFETCH, LayerContext, PrefetchPolicy, PrefetchRequest
+from .base import PREFETCH, ExpertKey, LayerContext, Position, PrefetchPolicy, PrefetchRequest
 
 
 def topk_confidence(prob: float, k: int) -> float:
@@ -70,11 +71,21 @@ class PrefetchGate:
     (t_x and T_layer above, i.e. the calibration's bandwidth x per-layer time). `cancel`: the cache drops
     prefetches of a layer that are still queued when that layer routes to other experts.
     `enabled=False` (`gate=off`) admits every proposal (the budget, if set, still applies).
+
+    Victim-aware (`victim=on`): once a copy is admitted and the cache must evict for it, the cache asks
+    `keep_victim` with the victim the eviction policy chose; the copy is refused (and the victim stays) when
+    the policy expects the victim to be used no later than the proposal: reuse_steps(victim) <=
+    reuse_steps(proposal, p), both the policy's expected MoE layer steps to the next use
+    (`EvictionPolicy.reuse_steps`; the proposal's with p1 = its confidence p). A policy that predicts no
+    next use (None: lru, lfu, ...) keeps today's decision. Link-independent, so it also applies with `gate=off`.
     """
 
-    def __init__(self, enabled: Any = True, *, budget: Any = None, cancel: Any = True, weight: float = 1.0) -> None:
+    def __init__(
+        self, enabled: Any = True, *, budget: Any = None, cancel: Any = True, weight: float = 1.0, victim: Any = False
+    ) -> None:
         self.enabled = _on(enabled, "gate")
         self.cancel_stale = _on(cancel, "cancel")
+        self.victim = _on(victim, "victim")
         if weight < 0:
             raise ConfigError(f"prefetch gate weight must be >= 0, got {weight}")
         self.weight = float(weight)
@@ -92,6 +103,7 @@ class PrefetchGate:
         self._tx: float | None = None
         self._left: int | None = None  # copies still allowed in this call (budget)
         self.admitted = self.refused = 0
+        self.victim_refused = 0  # copies refused by `keep_victim` (also counted in `refused`)
 
     def begin(self, link: Any, expert_bytes: int, pass_id: int, rank: int) -> None:
         """A prefetch call after MoE layer `rank` of pass `pass_id` routed: read the link's state."""
@@ -129,10 +141,28 @@ class PrefetchGate:
             self.refused += 1
         return ok
 
+    def keep_victim(self, eviction: Any, req: PrefetchRequest, victim: ExpertKey, pos: Position) -> bool:
+        """`victim=on`, after `admit(req)`: refuse the copy (True: keep `victim`, evict nothing) when `eviction`
+        expects `victim` to be used no later than `req.key`; a refusal undoes the admission's counts."""
+        reuse = getattr(eviction, "reuse_steps", None)
+        if reuse is None:
+            return False
+        tv = reuse(victim, pos)
+        tk = reuse(req.key, pos, p=min(1.0, max(0.0, float(req.confidence)))) if tv is not None else None
+        if tv is None or tk is None or tk < tv:
+            return False
+        self.admitted -= 1
+        self.refused += 1
+        self.victim_refused += 1
+        if self._left is not None:
+            self._left += 1
+        return True
+
     def quota(self) -> int | None:
-        """After `begin`, when no admission of this call depends on the link (gate off, or no transfer estimate):
-        how many proposals it admits, in priority order (-1: every one); None: ask `admit` for each."""
-        if self.enabled and self._tx is not None and self._tx > 0:
+        """After `begin`, when no admission of this call depends on the link (gate off, or no transfer estimate)
+        nor on the victims (`victim` off): how many proposals it admits, in priority order (-1: every one); None:
+        ask `admit` for each."""
+        if self.victim or (self.enabled and self._tx is not None and self._tx > 0):
             return None
         return -1 if self._left is None else max(0, self._left)
 
@@ -144,8 +174,8 @@ class PrefetchGate:
             self._left -= admitted
 
 
-def make_gate(gate: Any = True, budget: Any = None, cancel: Any = True, weight: float = 1.0) -> PrefetchGate:
-    return PrefetchGate(gate, budget=budget, cancel=cancel, weight=weight)
+def make_gate(gate: Any = True, budget: Any = None, cancel: Any = True, weight: float = 1.0, victim: Any = False) -> PrefetchGate:
+    return PrefetchGate(gate, budget=budget, cancel=cancel, weight=weight, victim=victim)
 
 
 def _steps(ctx: LayerContext, lookahead: int | None) -> list[int]:
@@ -193,8 +223,9 @@ class PreGatePrefetch(PrefetchPolicy):
         budget: Any = None,
         cancel: Any = True,
         weight: float = 1.0,
+        victim: Any = False,
     ) -> None:
-        self.gate = make_gate(gate, budget, cancel, weight)
+        self.gate = make_gate(gate, budget, cancel, weight, victim)
         if overfetch <= 0:
             raise ConfigError(f"pregate overfetch must be > 0, got {overfetch}")
         if percentile is not None and not 0 <= percentile < 100:
@@ -248,12 +279,18 @@ class AllNextLayer(PrefetchPolicy):
     name: ClassVar[str] = "all-next-layer"
 
     def __init__(
-        self, lookahead: int = 1, gate: Any = False, budget: Any = None, cancel: Any = True, weight: float = 1.0
+        self,
+        lookahead: int = 1,
+        gate: Any = False,
+        budget: Any = None,
+        cancel: Any = True,
+        weight: float = 1.0,
+        victim: Any = False,
     ) -> None:
         if lookahead < 1:
             raise ConfigError(f"all-next-layer lookahead must be >= 1, got {lookahead}")
         self.lookahead = lookahead
-        self.gate = make_gate(gate, budget, cancel, weight)
+        self.gate = make_gate(gate, budget, cancel, weight, victim)
 
     def propose(self, ctx: LayerContext) -> list[PrefetchRequest]:
         targets = ctx.next_layers(self.lookahead)

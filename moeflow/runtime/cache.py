@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Literal, cast, overload
 
 import torch
@@ -63,6 +64,7 @@ from .store import HostExpertStore
 
 FREE, LOADING, READY = "free", "loading", "ready"
 _new = object.__new__
+_priority = attrgetter("priority")
 
 
 def _position(pass_id: int, layer: int, layer_rank: int, time: int) -> Position:
@@ -156,6 +158,8 @@ class ExpertCache:
         why = None
         if kind is None:
             why = f"eviction policy {type(self.eviction).__name__} has no compiled kernel"
+        elif getattr(self.gate, "victim", False):
+            why = "the prefetch gate asks the eviction policy about each victim (victim=on)"
         elif not self.link.instant or self.link.transfer_estimate_s(self.expert_bytes) is not None:
             why = f"link {self.link.name!r} is not instant"
         elif list(self.spec.moe_layers) != sorted(self.spec.moe_layers):
@@ -436,19 +440,27 @@ class ExpertCache:
             gate.begin(self.link, self.expert_bytes, pos.pass_id, pos.layer_rank)
         if self.core is not None:
             return self._core_prefetch(requests, pos, gate)
-        for req in sorted(requests, key=lambda r: -r.priority):
+        rank, E, slot_of = self.rank, self.spec.num_experts, self.slot_of
+        predicted = self.eviction.on_predicted if self.eviction is not None else None
+        for req in sorted(requests, key=_priority, reverse=True):  # stable: ties keep the proposal order
             key = (int(req.key[0]), int(req.key[1]))
-            if key[0] not in self.rank or not 0 <= key[1] < self.spec.num_experts:
+            if key[0] not in rank or not 0 <= key[1] < E:
                 continue
-            if key in self.slot_of:  # already resident or in flight: tell the policy only
-                if self.eviction is not None:
-                    self.eviction.on_predicted(key, pos)
+            if key in slot_of:  # already resident or in flight: tell the policy only
+                if predicted is not None:
+                    predicted(key, pos)
                 continue
             if gate is not None and not gate.admit(req, self.rank[key[0]] - pos.layer_rank):
                 self.counters.prefetch_refused += 1
                 continue
-            s = self._acquire(key, pos, demand=False, protected=issued)
+            keep = None  # a victim-aware gate may keep the victim (refusing the copy)
+            if gate is not None and getattr(gate, "victim", False):
+                keep = lambda v, req=req: gate.keep_victim(self.eviction, req, v, pos)  # noqa: E731
+                kept = gate.victim_refused
+            s = self._acquire(key, pos, demand=False, protected=issued, keep=keep)
             if s is None:
+                if keep is not None and gate.victim_refused != kept:
+                    self.counters.prefetch_refused += 1
                 continue
             self._load(s, key, prefetched=True, pos=pos)
             self.slots[s].issued = self._prefetch_seq
@@ -474,6 +486,11 @@ class ExpertCache:
         return sum(
             not (sl := slots[s]).pinned and (sl.key is None or sl.key[0] != layer) for s in self._part_slots[self._part(layer)]
         )
+
+    def free_room(self, layer: int) -> int:
+        """Empty slots of `layer`'s part (a batch staged into them evicts nothing)."""
+        slots = self.slots
+        return sum(slots[s].key is None for s in self._part_slots[self._part(layer)])
 
     # ---- compiled core -------------------------------------------------------------------------------
     def _core_demand(self, layer: int, experts: Sequence[int], bits: dict[int, int] | None) -> list[int]:
@@ -556,9 +573,10 @@ class ExpertCache:
     @overload
     def _acquire(self, key: ExpertKey, pos: Position, *, demand: Literal[True], protected) -> int: ...
     @overload
-    def _acquire(self, key: ExpertKey, pos: Position, *, demand: bool, protected) -> int | None: ...
-    def _acquire(self, key: ExpertKey, pos: Position, *, demand: bool, protected) -> int | None:
-        """A free slot of `key`'s part, evicting a victim if needed; None only when not `demand` and nothing is evictable."""
+    def _acquire(self, key: ExpertKey, pos: Position, *, demand: bool, protected, keep=None) -> int | None: ...
+    def _acquire(self, key: ExpertKey, pos: Position, *, demand: bool, protected, keep=None) -> int | None:
+        """A free slot of `key`'s part, evicting a victim if needed; None only when not `demand` and nothing is evictable,
+        or `keep(victim)` (a prefetch's victim-aware gate) says to keep the victim."""
         part = self._part(key[0])
         free = self._free[part]
         if free:
@@ -566,8 +584,14 @@ class ExpertCache:
         while True:
             slots, loading = self.slots, self._loading  # a slot of a full part not in `_loading` is ready
             # the candidates as a view (`key in cands` is O(1), so policies need not scan them)
-            if not loading and not protected and not self.per_layer:  # common case: every slot is ready
-                cands = Candidates(self.slot_of, slots)  # the unpinned slots' keys, listed only if iterated
+            if not self.per_layer:  # one part, every slot holds a key: the unpinned slots' keys, listed only if iterated
+                exclude: Any = protected
+                if loading:  # a landed copy's slot is ready (a candidate), one still in flight is not
+                    exclude = set(protected)
+                    for s in list(loading):
+                        if not slots[s].pinned and s not in protected and self._refresh(s) != READY:
+                            exclude.add(s)
+                cands = Candidates(self.slot_of, slots, exclude=exclude)
             else:
                 cands = Candidates(
                     self.slot_of,
@@ -595,6 +619,8 @@ class ExpertCache:
         victim = cast(ExpertKey, tuple(self.eviction.victim(cands, pos)))
         if victim not in cands:
             raise RuntimeError(f"eviction policy {self.eviction.name!r} chose {victim}, not one of the candidates")
+        if keep is not None and keep(victim):
+            return None
         s = self.slot_of[victim]
         self._evict(s)
         return self._free[part].pop()

@@ -1,7 +1,7 @@
-"""The compiled cache core: `ExpertCache`'s bookkeeping and five eviction policies as numba kernels over arrays.
+"""The compiled cache core: `ExpertCache`'s bookkeeping and six eviction policies as numba kernels over arrays.
 
 One mechanism for the runtime and the simulator. With an eviction policy that declares a `kernel` (lru, lfu,
-least-stale, belady-approx, and the simulator's Belady MIN) and a link whose copies complete at submit
+least-stale, belady-approx, next-use, and the simulator's Belady MIN) and a link whose copies complete at submit
 (`Link.instant`: the simulator's instant link, the runtime's direct link), `ExpertCache` keeps every decision
 and counter here (`moeflow.runtime.corecache.CacheCore`) and makes one kernel call per cache call (`k_call`:
 demand, prefetch, release, begin_pass; begin_layer rides on the next call); the simulator's `k_replay`
@@ -12,7 +12,7 @@ replays a whole access stream through the same internal functions (`_demand`, `_
 The kernels follow `ExpertCache`'s Python mechanism with an instant link step for step (hits pinned first,
 misses in id order, each evicting the policy's victim; prefetches in priority order, resident proposals told
 to the policy (`on_predicted`), a slot issued in the same call never a victim) and the Python policies' events
-(`moeflow.policies.eviction`, `least_stale`, `belady_approx`, `moeflow.sim.simulator.Belady`): the same
+(`moeflow.policies.eviction`, `least_stale`, `belady_approx`, `next_use`, `moeflow.sim.simulator.Belady`): the same
 victims, the same counters (tests/test_sim_core.py checks both against the Python path on random streams).
 
 State: ONE int64 array `I` (a header of sizes and section offsets, then every integer section), one float64
@@ -23,9 +23,9 @@ Python numpy views of the sections). Keys are `rank * E + expert` (rank: the MoE
 
 Modules, one job each: `cachecore_layout` (the constants naming every section, `layout`, `views` and the
 replay's arrays), `cachecore_struct` (record log, key lists, the candidate heap), `cachecore_policy` (the
-policies' events), `cachecore_ba` (belady-approx), `cachecore_mech` (the mechanism), `cachecore_replay` (the
-simulator's loop); this module: the runtime's entry point `k_call`, `warm`, and the names the rest of moeflow
-uses.
+policies' events), `cachecore_ba` (belady-approx), `cachecore_nu` (next-use), `cachecore_mech` (the mechanism),
+`cachecore_replay` (the simulator's loop); this module: the runtime's entry point `k_call`, `warm`, and the
+names the rest of moeflow uses.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from .cachecore_layout import (
     KIND_LRU,
     KIND_LS,
     KIND_MIN,
+    KIND_NU,
     KINDS,
     LOG_EVICT,
     LOG_LOAD,
@@ -89,6 +90,7 @@ __all__ = [
     "KIND_LRU",
     "KIND_LS",
     "KIND_MIN",
+    "KIND_NU",
     "LOG_EVICT",
     "LOG_LOAD",
     "LOG_UPGRADE",

@@ -87,8 +87,15 @@ except ImportError:  # pragma: no cover - numba is a dependency; without it the 
 
 
 # ---- policy kinds ---------------------------------------------------------------------------------------
-KIND_LRU, KIND_LFU, KIND_LS, KIND_BA, KIND_MIN = 1, 2, 3, 4, 5
-KINDS = {"lru": KIND_LRU, "lfu": KIND_LFU, "least-stale": KIND_LS, "belady-approx": KIND_BA, "belady": KIND_MIN}
+KIND_LRU, KIND_LFU, KIND_LS, KIND_BA, KIND_MIN, KIND_NU = 1, 2, 3, 4, 5, 6
+KINDS = {
+    "lru": KIND_LRU,
+    "lfu": KIND_LFU,
+    "least-stale": KIND_LS,
+    "belady-approx": KIND_BA,
+    "belady": KIND_MIN,
+    "next-use": KIND_NU,
+}
 
 # ---- counters: `CacheCounters`' integer fields, in this order (moeflow.runtime.counters) ------------------
 COUNTERS = (
@@ -178,7 +185,7 @@ NCNT = len(COUNTERS)
     O_SPP,
     O_SPA,
     O_HPOS,  # lfu, belady: each key's position in the heap (-1: none)
-    O_LSL,  # belady-approx: per layer its resident slots [L, C], their number [L], each slot's index there [C]
+    O_LSL,  # belady-approx, next-use: per layer its resident slots [L, C], their number [L], each slot's index there [C]
     O_LSN,
     O_SPOS,
     O_BREF,  # belady-approx, per layer: <= the least and <= the second least PK_REF of its resident keys [2, L]
@@ -186,6 +193,7 @@ NCNT = len(COUNTERS)
     O_BSCAN,  # belady-approx: the layers a victim search scanned [L]
     O_BPROP,  # belady-approx, per layer: >= the latest pass a resident key was proposed in [L]
     O_KR,  # each key's layer rank (`key // E`: a lookup, not a division) [K]
+    O_NU,  # next-use's integers: NU_* scalars, then per key, per expert, per layer (`cachecore_nu`)
     OF_PKF,
     OF_PGF,
     OF_PAH,
@@ -193,8 +201,9 @@ NCNT = len(COUNTERS)
     OF_SIV,  # belady-approx, per slot: its key's interval EMA (-1: none)
     OF_BIV,  # belady-approx, per layer: >= the largest and >= the second largest interval EMA of its keys [2, L]
     OF_UB,  # belady-approx, per layer: the bound of a victim search [L]
+    OF_NU,  # next-use's floats: NUF_* scalars and tables, then per key, per layer (`cachecore_nu`)
     NHDR,
-) = range(57)
+) = range(59)
 
 # mechanism scalars (sc)
 SC_TIME, SC_PASS, SC_PSEQ, SC_PHSEQ, SC_GENSEQ, SC_NLOG, SC_NRES, SC_PENDL, NSC = range(9)  # PENDL: `k_call`
@@ -225,6 +234,34 @@ SC_TIME, SC_PASS, SC_PSEQ, SC_PHSEQ, SC_GENSEQ, SC_NLOG, SC_NRES, SC_PENDL, NSC 
 PG_TICK, PG_HSIZE, PG_LSPASS, PG_STEP, PG_NSEEN, PG_NINTS, PG_NPRED, NPG = range(8)
 # policy float scalars (pgf)
 PGF_MEAN, PGF_EMA, PGF_PRIOR, NPGF = range(4)
+# next-use (`moeflow.policies.next_use.NextUse`), integers at I[O_NU]: scalars, then used_pass [K], prop_pass [K]
+# (-1: none), the running layer's per-expert bucket, recent, proposed, resident [4, E], per layer: its row sum is
+# stale, the pass of its last run, covered by proposals, its victim-search terms are stale [4, L]
+(
+    NU_RUN,  # the layer (rank) whose run is in progress (-1: none)
+    NU_RUNPASS,  # its pass
+    NU_RUNCOV,  # the prefetch policy predicted it in that pass
+    NU_RUNNEXP,  # the experts seen when it started
+    NU_CPASS,  # pass of the latest proposal (-1)
+    NU_CSRC,  # rank (among the layers seen) of its source layer
+    NU_CSTEPS,  # the largest distance proposals were seen at
+    NU_NEXP,  # experts seen so far (the Python arrays' width: row sums run over it)
+    NU_RECENCY,
+    NU_PROPOSALS,
+    NU_TVALID,  # every layer's victim-search terms hold for (NU_R0, NU_TPASS) (0: recompute them all)
+    NU_R0,
+    NU_TPASS,
+    NNU,
+) = range(14)
+# floats at F[I[OF_NU]]: scalars, the calibration counts, their ratios, then uses [K], and per layer: passes,
+# the row sum of uses, and a victim search's terms: shrink * mean, passes + shrink, steps until the layer runs,
+# <= the least uses of its resident keys, its bound and a working copy [8, L]
+NUF_DECAY, NUF_SHRINK, NUF_REC_USED, NUF_REC_SEEN, NUF_PROP_USED, NUF_PROP_SEEN = 0, 1, 2, 18, 34, 36
+NUF_RATIO, NUF_PP, NUF_SUFMIN = 38, 54, 56  # rec_used / rec_seen [16], prop_used / prop_seen [2], the least
+NNUF = 64  #   recency ratio of a bucket or any above [8]
+NU_BUCKETS = 8
+NU_NO_USES = 1e300  # the least uses of a layer with no resident key
+
 # log records: (op, slot, key, arg)
 LOG_EVICT, LOG_LOAD, LOG_UPGRADE = 1, 2, 3
 NEVER_PASS = -(1 << 62)  # `_evicted_in_pass` of a key never evicted
@@ -240,9 +277,22 @@ Views = namedtuple(
 
 
 def layout(
-    *, C: int, L: int, E: int, per_layer: bool, kind: int, log: bool, ema: float = 0.3, prior: float = 0.5
+    *,
+    C: int,
+    L: int,
+    E: int,
+    per_layer: bool,
+    kind: int,
+    log: bool,
+    ema: float = 0.3,
+    prior: float = 0.5,
+    decay: float = 0.9,
+    shrink: float = 4.0,
+    recency: bool = True,
+    proposals: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Fresh state arrays (I, F) for a cache of C slots over L MoE layers x E experts (`kind`: KIND_*)."""
+    """Fresh state arrays (I, F) for a cache of C slots over L MoE layers x E experts (`kind`: KIND_*;
+    belady-approx's `ema`, `prior`; next-use's `decay`, `shrink`, `recency`, `proposals`)."""
     K = L * E
     parts = L if per_layer else 1
     per = C // L if per_layer else C
@@ -287,13 +337,23 @@ def layout(
         (O_BSCAN, L),
         (O_BPROP, L),
         (O_KR, K),
+        (O_NU, NNU + 2 * K + 4 * E + 4 * L),
     ]
     hdr = np.zeros(NHDR, np.int64)
     off = NHDR
     for o, n in sizes:
         hdr[o] = off
         off += n
-    fsizes = [(OF_PKF, K), (OF_PGF, NPGF), (OF_PAH, L + 2), (OF_FAR, C), (OF_SIV, C), (OF_BIV, 2 * L), (OF_UB, L)]
+    fsizes = [
+        (OF_PKF, K),
+        (OF_PGF, NPGF),
+        (OF_PAH, L + 2),
+        (OF_FAR, C),
+        (OF_SIV, C),
+        (OF_BIV, 2 * L),
+        (OF_UB, L),
+        (OF_NU, NNUF + K + 8 * L),
+    ]
     foff = 0
     for o, n in fsizes:
         hdr[o] = foff
@@ -326,6 +386,17 @@ def layout(
     F[I[OF_BIV] : I[OF_BIV] + 2 * L] = -1.0
     I[I[O_BPROP] : I[O_BPROP] + L] = NEVER_PASS
     I[I[O_KR] : I[O_KR] + K] = np.arange(K) // E
+    nu, fu = int(I[O_NU]), int(I[OF_NU])
+    I[nu + NU_RUN], I[nu + NU_CPASS], I[nu + NU_CSRC] = -1, -1, -1
+    I[nu + NU_RECENCY], I[nu + NU_PROPOSALS] = int(recency), int(proposals)
+    I[nu + NNU : nu + NNU + 2 * K] = -1  # used_pass, prop_pass
+    I[nu + NNU + 2 * K + 4 * E : nu + NNU + 2 * K + 4 * E + L] = 1  # every row sum stale
+    F[fu + NUF_DECAY], F[fu + NUF_SHRINK] = decay, shrink
+    F[fu + NUF_REC_USED : fu + NUF_REC_SEEN] = 1.0  # Laplace-smoothed counts (`NextUse.rec_used`, ...)
+    F[fu + NUF_REC_SEEN : fu + NUF_PROP_USED] = 2.0
+    F[fu + NUF_PROP_USED : fu + NUF_PROP_SEEN] = 1.0
+    F[fu + NUF_PROP_SEEN], F[fu + NUF_PROP_SEEN + 1] = 8.0, 2.0
+    F[fu + NNUF + K + 5 * L : fu + NNUF + K + 6 * L] = NU_NO_USES
     return I, F
 
 

@@ -1,7 +1,7 @@
 """The eviction policies' events in the compiled cache core (lru, lfu, least-stale, Belady's MIN here;
-belady-approx in `cachecore_ba`): `pol_*` dispatch on the policy kind in the header, as the cache calls the
-Python policy's `on_insert`, `on_access`, `on_evict`, `on_predicted`, `on_pass_start`, `on_layer_start` and
-`victim` (`moeflow.policies.eviction`, `least_stale`, `belady_approx`, `moeflow.sim.simulator.Belady`).
+belady-approx in `cachecore_ba`, next-use in `cachecore_nu`): `pol_*` dispatch on the policy kind in the header,
+as the cache calls the Python policy's `on_insert`, `on_access`, `on_evict`, `on_predicted`, `on_pass_start`, `on_layer_start` and
+`victim` (`moeflow.policies.eviction`, `least_stale`, `belady_approx`, `next_use`, `moeflow.sim.simulator.Belady`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from .cachecore_layout import (
     KIND_LRU,
     KIND_LS,
     KIND_MIN,
+    KIND_NU,
     NPK,
     O_KR,
     O_LST,
@@ -39,6 +40,7 @@ from .cachecore_layout import (
     SC_PASS,
     _fn,
 )
+from .cachecore_nu import nu_access, nu_evict, nu_insert, nu_layer_start, nu_pass_start, nu_predicted, nu_victim
 from .cachecore_struct import _hx_first, _hx_remove, _hx_set, _list_first, _ll_append, _ll_unlink
 
 
@@ -152,6 +154,8 @@ def pol_insert(I, F, X, k, pr, prefetched):
             _ll_append(I, li, k)
     elif kind == KIND_BA:
         ba_insert(I, F, k, pr, prefetched)
+    elif kind == KIND_NU:
+        nu_insert(I, F, k, pr, prefetched)
 
 
 @_fn
@@ -183,6 +187,8 @@ def pol_access(I, F, X, k):
         _ls_make_current(I, k)
     elif kind == KIND_BA:
         ba_access(I, F, k)
+    elif kind == KIND_NU:
+        nu_access(I, F, k)
 
 
 @_fn
@@ -201,6 +207,8 @@ def pol_evict(I, F, k, s):
         _hx_remove(I, k)
     elif kind == KIND_BA:
         ba_evict(I, F, k, s)
+    elif kind == KIND_NU:
+        nu_evict(I, F, k, s)
     I[I[O_PK] + k * NPK + PK_TR] = 0
 
 
@@ -213,6 +221,8 @@ def pol_predicted(I, F, k, pr):
             _ls_make_current(I, k)
     elif kind == KIND_BA:
         ba_predicted(I, F, k, pr)
+    elif kind == KIND_NU:
+        nu_predicted(I, F, k, pr)
 
 
 @_fn
@@ -222,6 +232,8 @@ def pol_pass_start(I, F, p):
         _ls_pass_start(I, p)
     elif kind == KIND_BA:
         ba_expire(I, F, p, -1)
+    elif kind == KIND_NU:
+        nu_pass_start(I, F, p)
 
 
 @_fn
@@ -232,6 +244,8 @@ def pol_layer_start(I, F, r):
     elif kind == KIND_BA:
         _see(I, r)
         ba_expire(I, F, I[I[O_SC] + SC_PASS], I[I[O_SRANK] + r])
+    elif kind == KIND_NU:
+        nu_layer_start(I, F, r)
 
 
 @_fn
@@ -252,4 +266,6 @@ def pol_victim(I, F, part, pr):
                 if k >= 0:
                     return k
         return -1
+    if kind == KIND_NU:
+        return nu_victim(I, F, part, pr)
     return ba_victim(I, F, part, pr)

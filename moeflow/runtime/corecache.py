@@ -75,9 +75,11 @@ class CacheCore:
         bytes_of_bits: Sequence[int],
         log: bool,
     ):
-        opts: dict[str, float] = {}
+        opts: dict[str, Any] = {}
         if kind == cc.KIND_BA:
             opts = {"ema": float(policy.ema), "prior": float(policy.prior)}
+        elif kind == cc.KIND_NU:
+            opts = {"decay": policy.decay, "shrink": policy.shrink, "recency": policy.recency, "proposals": policy.proposals}
         self.kind, self.E, self.L = kind, num_experts, num_layers
         self.I, self.F = cc.layout(C=capacity, L=num_layers, E=num_experts, per_layer=per_layer, kind=kind, log=log, **opts)
         self.X = np.ascontiguousarray(policy.kernel_tables(), dtype=np.int64) if kind == cc.KIND_MIN else np.zeros(0, np.int64)

@@ -7,7 +7,8 @@ stacked parameters on the device, makes the C-slot device cache, binds the polic
 engines), and installs its hooks. Each hook hands over to the module that does that job:
 - model forward pre-hook -> `_on_pass_start`: `pass_id += 1`, `PassAccount.begin`, `RouteStep.begin_pass`,
   `StagedPrefill.begin` (a prefill pass: `runtime/prefill.py`, with `prefill="staged"` its layers' experts move
-  as staged batches, double-buffered), `cache.begin_pass` (`on_pass_start`), then `pass_start_hooks` (plans);
+  as staged batches, double-buffered), `cache.begin_pass` (`on_pass_start`), then `pass_start_hooks` (plans),
+  then a staged prefill's first staged batches (`StagedPrefill.start`: predicted from the embeddings);
 - router forward hook (`moeflow.moe.router_hooks`) -> `_on_route` -> `RouteStep.route` (`runtime/step.py`:
   deferral, reroute, ONE host read, miss rewriting, `cache.route`, prefetch context and copies);
 - post-attention residual hook (`needs_residual` prefetchers) -> `RouteStep.residual`;
@@ -279,6 +280,14 @@ class OffloadEngine:
         self.cache.begin_pass(self.pass_id)
         for hook in list(self.pass_start_hooks):
             hook()
+        pf = self._prefill
+        if pf is not None and pf.active and pf.stage_next:  # a staged prefill stages its first layers now
+            embeds = kwargs.get("inputs_embeds")
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if embeds is None and ids is not None:
+                with torch.no_grad():
+                    embeds = self.model.get_input_embeddings()(ids)  # [B,P,H]
+            pf.start(embeds)
 
     def _on_pass_end(self, module, args, output) -> None:
         self.step.end_pass()

@@ -46,16 +46,32 @@ import torch
 from ..errors import ConfigError
 
 
+class Flag:
+    """`Ticket.done`: a completion mark set and read on the thread that accounts transfers (`threading.Event`'s
+    `set` / `is_set` without its lock: one is made per copy)."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 @dataclass
 class Ticket:
     nbytes: int
-    done: threading.Event = field(default_factory=threading.Event)
+    done: Flag = field(default_factory=Flag)
     event: Any = None  # CUDA event (CudaLink)
     start_event: Any = None
     busy_s: float = 0.0  # link time this transfer took, once known
     error: BaseException | None = None
     due: float = 0.0  # EmulatedLink: perf_counter time at which the transfer completes
-    copied: Any = None  # EmulatedLink: set when the worker's real copy is done
+    copied: Any = None  # EmulatedLink: set when the worker's real copy is done (one event per handed-over batch)
     start: float = 0.0  # scheduled links: when the transfer starts on the link
     demand: bool = True  # a demand load (False: a prefetch, which demand loads overtake while queued)
     cancelled: bool = False  # withdrawn before it started (`Link.cancel`)
@@ -276,6 +292,8 @@ class EmulatedLink(Link):
         self._sched = PrioritySchedule()  # transfers not yet accounted, in schedule order
         self._q: queue.Queue = queue.Queue()
         self._batch: list[tuple[Any, Any, Ticket]] | None = None  # copies held back by `batch()`
+        self._batch_copied = threading.Event()  # the held-back copies' `copied` (one event for the batch)
+        self._closed = False
         self._worker = threading.Thread(target=self._copy_loop, name="moeflow-emulated-link", daemon=True)
         self._worker.start()
 
@@ -296,13 +314,20 @@ class EmulatedLink(Link):
             item = self._q.get()
             if item is None:
                 return
-            for src, dst, t in item if isinstance(item, list) else [item]:
-                if not t.cancelled:  # a withdrawn prefetch is not copied (its slot may be reused by a later copy)
+            items = item if isinstance(item, list) else [item]
+            # a withdrawn prefetch is not copied (its slot may be reused by a later copy)
+            live = [(src, dst, t) for src, dst, t in items if not t.cancelled]
+            try:  # a batch in one call (the GIL released once)
+                torch._foreach_copy_([d for _, d, _ in live], [s for s, _, _ in live])
+            except BaseException:  # one by one, each error surfaced to the thread that waits for its ticket
+                for src, dst, t in live:
                     try:
                         dst.copy_(src)
-                    except BaseException as e:  # surfaced to the waiting thread
+                    except BaseException as e:
                         t.error = e
-                t.copied.set()
+            for _, _, t in items:  # one event per batch: set once
+                if not t.copied.is_set():
+                    t.copied.set()
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -319,17 +344,19 @@ class EmulatedLink(Link):
         held, self._batch = self._batch, None
         if held:
             self._q.put(held)
+            self._batch_copied = threading.Event()
 
     def submit(self, src, dst, *, after=None, demand=True) -> Ticket:
-        if not self._worker.is_alive():
+        if self._closed:
             raise RuntimeError("emulated link is closed; create a new one")
         t = self._submitted(Ticket(src.numel() * src.element_size()))
-        t.copied = threading.Event()
         t.busy_s = self.transfer_s(t.nbytes)
         self._sched.add(t, self._clock(), demand=demand)
         if self._batch is not None:
+            t.copied = self._batch_copied
             self._batch.append((src, dst, t))
         else:
+            t.copied = threading.Event()
             self._q.put((src, dst, t))  # the worker copies in submission order; the schedule decides `due`
         return t
 
@@ -397,6 +424,7 @@ class EmulatedLink(Link):
             self.drain()
             self._q.put(None)
             self._worker.join(timeout=5)
+        self._closed = True
 
     def describe(self) -> str:
         return f"emulated {self.gbps:g} GB/s, {self.latency_s * 1e6:g} us latency"

@@ -5,20 +5,24 @@ prefetch policy serves it. A prefill pass routes every prompt token at once, so 
 its experts, often more than the cache holds, and copying them one wave after another with nothing computing in
 between is what makes the first token slow. `StagedPrefill` takes over the prefill passes of an engine:
 
+0. with a prefetch policy, at the pass start (`start`, after the bound's snapshot): the first MoE layer's
+   experts predicted by its router from the embeddings are staged (the slots `stage_room` gives), then the
+   later layers' into empty slots only, so the link copies from the first moment, not from the first router;
 1. at a MoE layer's router hook its routed experts R_l (unique, sorted) are known (ONE host read, which also
    carries the pre-gate counts of step 3): queued copies of l's experts outside R_l are withdrawn
-   (`cache.cancel_stale`); R_l is cut into waves (`plan`): the ready ones in waves of at most w, then the ones
-   still to copy (in flight first, then misses) in at least `PIPELINE` waves of at most w, so compute starts
-   once the first of them has landed; the first wave is demanded at once, as one batch (pinned, its copies
-   handed to the link together: `Link.batch`);
+   (`cache.cancel_stale`); R_l is cut into waves of consecutive experts (`plan`; each wave's rows are one
+   slice of the sorted rows): a wave closes at w experts or at ceil(still to copy / `PIPELINE`) of them still
+   to copy, so compute starts once the first few have landed; the first wave is demanded at once, as one batch
+   (pinned, its copies handed to the link together: `Link.batch`; demand copies overtake the queued staged ones,
+   so the link copies the layer in wave order);
 2. in the experts call, before wave i waits and computes, the waves after it are demanded as far as the slots
    allow (wave i+1 always: two waves never pin more than the part holds), so copies run during compute;
 3. with a prefetch policy (staging is speculative: none without one), once every wave of l is demanded and
    slots are free: the policy's step (its proposals, through its gate, as in every pass), then the next MoE
    layer's experts predicted from l's router input through the next layer's router (the pre-gate: every
-   token's top-k, most-routed first) into the slots of its part that no wave pins and no expert of that layer
-   holds (`cache.stage`, prefetch priority: demand copies overtake them while queued). They land during l's
-   compute and the next layer's attention; when it routes they are resident and form its first waves.
+   token's top-k; the most-routed ones, in id order) into the slots of its part that no wave pins and no expert
+   of that layer holds (`cache.stage`, prefetch priority: demand copies overtake them while queued). They land
+   during l's compute and the next layer's attention; when it routes they are resident and form its first waves.
 
 Chunking. w = max(1, min(wave capacity, part capacity // 2)): a prompt that routes more experts than the cache
 holds is computed in chunks of its layer's experts. Each chunk computes ALL the rows its experts get (the stock
@@ -115,21 +119,29 @@ class StagedPrefill:
                 self.stage_ahead(routed)
 
     def plan(self, layer: int, experts: list[int]) -> list[list[int]]:
-        """`experts` in waves, each sorted by id: the ready ones in waves of at most w, then the ones still to copy
-        (in flight first, then misses) in at least `PIPELINE` waves of at most w, so compute starts once the
-        first of them has landed while the others are still copying."""
+        """`experts` (sorted by id) cut into waves of consecutive ones, so each wave's rows are one slice of the
+        sorted rows: a wave closes at w experts or at g of them still to copy, g = ceil(still to copy /
+        `PIPELINE`): compute starts once the first few copies have landed while the others are still copying
+        (the link copies a layer's experts in wave order: its demand copies overtake its queued staged ones in
+        that order). All ready and at most w: one wave; an instant link (copies complete at submit): waves of w."""
         if not experts:
             return []
         cache, w = self.cache, self.wave
         slot_of = cache.slot_of
-        ready = [e for e in experts if (layer, e) in slot_of and cache.is_ready((layer, e))]
-        if len(ready) == len(experts) and len(experts) <= w:
+        todo = [not ((layer, e) in slot_of and cache.is_ready((layer, e))) for e in experts]
+        n = sum(todo)
+        if n == 0 and len(experts) <= w:
             return [list(experts)]
-        rs = set(ready)
-        rest = sorted((e for e in experts if e not in rs), key=lambda e: ((layer, e) not in slot_of, e))
-        g = max(1, min(w, -(-len(rest) // PIPELINE)))
-        waves = [ready[i : i + w] for i in range(0, len(ready), w)]
-        return waves + [sorted(rest[i : i + g]) for i in range(0, len(rest), g)]
+        g = w if cache.link.instant else max(1, min(w, -(-n // PIPELINE)))
+        waves: list[list[int]] = [[]]
+        left = 0  # experts of the open wave still to copy
+        for e, copy in zip(experts, todo):
+            if len(waves[-1]) == w or (copy and left == g):
+                waves.append([])
+                left = 0
+            waves[-1].append(e)
+            left += copy
+        return waves
 
     def demand(self, layer: int, experts: list[int], scores: dict[int, float]) -> list[int]:
         """One wave demanded as a batch (pinned, copies issued, not waited for); loads booked to the layer."""
@@ -146,10 +158,41 @@ class StagedPrefill:
         nxt = self.next_layer.get(layer)
         if nxt is None or not self.stage_next:
             return None
+        return self._pregate(nxt, x)
+
+    def _pregate(self, target: int, x: torch.Tensor) -> torch.Tensor:
+        """Tokens layer `target`'s router sends to each expert `[E]` (on the device) for inputs `x [...,H]`."""
         with torch.no_grad():
-            logits = self.predict_logits(nxt, x.reshape(-1, x.shape[-1]))  # [T,E]
+            logits = self.predict_logits(target, x.reshape(-1, x.shape[-1]))  # [T,E]
             top = logits.topk(min(self.spec.top_k, logits.shape[-1]), dim=-1).indices.reshape(-1)  # [T*k]
             return torch.bincount(top, minlength=logits.shape[-1])  # [E]
+
+    def start(self, x: torch.Tensor | None) -> None:
+        """The staged prefill's pass begins (after `begin`), `x [...,H]` its embeddings: with `stage_next`, the
+        first MoE layer's router applied to them predicts its experts, staged at once (the most-routed ones, in
+        id order, into the slots `stage_room` gives), then the later layers' likewise, each into EMPTY slots only
+        (nothing evicted), as far as they reach: the link copies from the pass start instead of idling until the
+        first router (its demand copies overtake these while queued; `cancel_stale` withdraws the wrong ones)."""
+        if not (self.active and self.stage_next) or x is None:
+            return
+        cache, E = self.cache, self.spec.num_experts
+        layers = list(self.spec.moe_layers)
+        if not cache.per_layer:  # one part: the layers the empty slots may reach (each takes at most E)
+            layers = layers[: 1 + max(0, -(-(cache.free_room(layers[0]) - E) // E))]
+        # every prediction first, then every copy in ONE batch: one hand-over to the copying thread
+        counts = torch.stack([self._pregate(layer, x) for layer in layers]).tolist()  # [L',E] host
+        with cache.link.batch():
+            for i, (layer, c) in enumerate(zip(layers, counts)):
+                room = cache.stage_room(layer) if i == 0 else cache.free_room(layer)
+                if room <= 0:
+                    continue
+                order = sorted((e for e in range(len(c)) if c[e] > 0), key=lambda e: (-c[e], e))
+                # the most-routed ones, copied in id order (the order of the layer's waves)
+                keys = sorted([(layer, e) for e in order if (layer, e) not in cache.slot_of][:room])
+                if keys:
+                    n0 = cache.counters.loads
+                    self.staged += cache.stage(keys, layer)
+                    self.account.count_loads(layer, cache.counters.loads - n0)
 
     def stage_ahead(self, routed: Routed, final: bool = False) -> None:
         """Every wave of the layer is demanded: once slots are free (or at its last wave, `final`), the prefetch
@@ -173,7 +216,7 @@ class StagedPrefill:
             routed.ahead = None
         if room <= 0:
             return
-        keys = [(layer, e) for e in experts if (layer, e) not in cache.slot_of][:room]
+        keys = sorted([(layer, e) for e in experts if (layer, e) not in cache.slot_of][:room])  # in id order (as `start`)
         if keys:
             loads0 = self.cache.counters.loads
             with self.cache.link.batch():
@@ -200,8 +243,9 @@ class StagedPrefill:
         ahead = 1  # the first wave not demanded yet
         room = cache.part_capacity
         scores = routed.scores or {}
-        S = eg.numel()
-        out_g: torch.Tensor | None = None
+        projs: list[torch.Tensor] = []
+        # rows [ends[e-1], ends[e]) of the sorted routing go to expert e: each wave is one slice
+        ends = torch.bincount(eg, minlength=self.spec.num_experts).cumsum(0).tolist() if len(waves) > 1 else []
         for i, experts in enumerate(waves):
             t0 = time.perf_counter()
             held = sum(len(p) for p in pinned.values())
@@ -216,16 +260,16 @@ class StagedPrefill:
             cache.wait(slots)
             account.book(time.perf_counter() - t0)
             if len(waves) == 1:  # the whole call in one grouped call
-                out_g = call._grouped(module, x_g, eg, table[eg], len(experts))  # [S,H]
+                projs.append(call._grouped(module, x_g, eg, table[eg], len(experts)))  # [S,H]
             else:
-                rows, eg_w = call._rows(experts, eg)  # [S_w] rows of this wave, their experts sorted
-                proj = call._grouped(module, x_g[rows], eg_w, table[eg_w], len(experts))  # [S_w,H]
-                out_g = _put(out_g, rows, proj, S)
+                a, b = ends[experts[0] - 1] if experts[0] > 0 else 0, ends[experts[-1]]  # this wave's rows
+                eg_w = eg[a:b]  # [S_w]
+                projs.append(call._grouped(module, x_g[a:b], eg_w, table[eg_w], len(experts)))  # [S_w,H]
             cache.release(slots)
             self.waves_run += 1
-        if out_g is None:  # unreachable: a routed call has at least one expert
+        if not projs:  # unreachable: a routed call has at least one expert
             raise RuntimeError(f"layer {layer}: no expert computed")
-        return out_g
+        return projs[0] if len(projs) == 1 else torch.cat(projs)  # [S,H]: the waves' slices in order
 
     def release(self, routed: Routed) -> None:
         """A routing that will not be computed as planned: unpin its first wave."""
@@ -234,11 +278,3 @@ class StagedPrefill:
         routed.first = None
         routed.waves = None
         routed.then = routed.ahead = None
-
-
-def _put(out_g: torch.Tensor | None, rows: torch.Tensor, proj: torch.Tensor, n: int) -> torch.Tensor:
-    """`proj [S_w,H]` into rows `rows` of the `[n,H]` output (allocated on first use)."""
-    if out_g is None:
-        out_g = torch.empty(n, proj.shape[-1], dtype=proj.dtype, device=proj.device)
-    out_g[rows] = proj
-    return out_g

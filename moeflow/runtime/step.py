@@ -9,7 +9,8 @@
    through `adapter.select`) when it `reroutes`;
 3. the routed ids and gate weights to the host in ONE packed transfer (`to_host`, `host_syncs`);
 4. a `needs_routing` miss policy (`apply_miss`): drop / substitute rewrite the ids and weights the model
-   gets back, cpu experts leave the needed list (the experts call computes them on the host);
+   gets back, cpu experts leave the needed list (the experts call computes them on the host); the policy
+   first gets the engine's running host and stall totals (`measured`: `auto` calibrates on them);
 5. the unique needed experts and their summed gate weights (`needed_experts`) -> `cache.route` (stale
    prefetches cancelled, the other miss policies, demand loads: hits pinned first);
 6. with a proposing prefetch policy: `LayerContext` -> `propose` -> `cache.prefetch` (its gate admits each
@@ -132,6 +133,8 @@ class RouteStep:
         ids_h, w_h = hosted[0]
         cpu: list[int] = []
         if self.miss_hook and self.miss is not None:
+            c = cache.counters  # the engine's own timings so far (`auto` calibrates on them)
+            self.miss.measured(self.counts.host_s, self.counts.host_wait_s, c.stall_s, c.misses + c.late)
             changed, ids_h, w_h, cpu = apply_miss(self.miss, cache, l, ids_h, w_h, indices.shape, self.counts.miss_counts)
             if changed:
                 indices = ids_h.view(indices.shape).to(indices.device)
@@ -263,6 +266,28 @@ class RouteStep:
         return routed
 
 
+def miss_infos(ids: list[int], weights: list[float], k: int, experts: set[int]) -> dict[int, tuple[int, float, int]]:
+    """Per expert of `experts`: (its best 1-based rank among a token's k choices by gate weight, descending,
+    ties in routing order; its largest gate weight; the tokens routed to it) over a routing of `len(ids) / k`
+    tokens given flat, token by token."""
+    out: dict[int, tuple[int, float, int]] = {}
+    last: dict[int, int] = {}  # expert -> the last token counted
+    for t in range(len(ids) // k):
+        row_w = weights[t * k : (t + 1) * k]
+        for r, j in enumerate(sorted(range(k), key=lambda j: -row_w[j]), start=1):  # stable: ties keep order
+            e = ids[t * k + j]
+            if e not in experts:
+                continue
+            x = row_w[j]
+            if e not in out:
+                out[e] = (r, x, 1)
+            else:
+                r0, x0, n0 = out[e]
+                out[e] = (min(r0, r), max(x0, x), n0 + (last[e] != t))
+            last[e] = t
+    return out
+
+
 def apply_miss(
     miss: MissPolicy,
     cache: ExpertCache,
@@ -283,17 +308,16 @@ def apply_miss(
     k = int(shape[-1])
     T = ids.numel() // k
     idx, wt = ids.view(T, k), w.view(T, k)
-    missing = [e for e in idx.unique().tolist() if not cache.resident((layer, int(e)))]
+    flat = ids.tolist()  # [S] python ints: a few list passes cost less than tensor ops per missing expert
+    missing = [e for e in sorted(set(flat)) if not cache.resident((layer, e))]
     if not missing:
         return False, ids, w, []
-    order = torch.argsort(wt, dim=1, descending=True, stable=True)  # [T,k] columns by weight
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(1, k + 1).expand(T, k))  # [T,k] 1-based
+    info = miss_infos(flat, w.tolist(), k, set(missing))  # expert -> (best rank, largest weight, tokens)
     pos = cache.position(layer)
     dropped, subs, cpu = [], {}, []
     for e in missing:
-        m = idx == e
-        info = MissInfo(int(rank[m].min()), float(wt[m].max()), int(m.any(1).sum()), cache.resident)
-        kind, arg = miss_action(miss.on_miss((layer, e), pos, info))
+        r, x, n = info[e]
+        kind, arg = miss_action(miss.on_miss((layer, e), pos, MissInfo(r, x, n, cache.resident)))
         if kind == DROP:
             dropped.append(e)
         elif kind == SUBSTITUTE and arg is not None:

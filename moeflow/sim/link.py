@@ -21,6 +21,8 @@ from typing import Any
 from ..errors import ConfigError
 from ..runtime.link import Link, PrioritySchedule, Ticket, parse_link
 
+SETTLE_AT = 32  # ModelledLink: account the completed transfers once this many are scheduled
+
 
 class InstantLink(Link):
     """Copies complete at submission: no clock, no stall (the cache marks the slot ready at once)."""
@@ -89,6 +91,9 @@ class ModelledLink(Link):
     def submit_nbytes(self, nbytes: int, *, after: Any = None, demand: bool = True) -> Ticket:
         t = self._submitted(Ticket(nbytes))
         t.busy_s = self.transfer_s(nbytes)
+        q = self._sched.q
+        if len(q) >= SETTLE_AT and q[0].due <= self.now:
+            self._settle()  # keep the schedule short (the counters read settle anyway: nothing else changes)
         self._sched.add(t, self.now, demand=demand)
         self.now += self.submit_s
         return t

@@ -34,12 +34,14 @@ the `SimStats` headline fields count the passes of `count_phase` (None: all).
 the future), through the same cache: the best hit count any eviction policy can reach without prefetching.
 
 Compiled replay: when the cache runs its compiled core (an eviction policy with a `kernel`: lru, lfu,
-least-stale, belady-approx, belady; the instant link), the miss policy is `fetch` and the prefetch policy's
+least-stale, belady-approx, next-use, belady; the instant link), the miss policy is `fetch` and the prefetch policy's
 proposals depend on the trace alone (`none`, `pregate`, `all-next-layer`: `moeflow.sim.stream`, computed once
 per trace), the whole trace is replayed in ONE kernel call (`ExpertCache.replay`) through the same kernels the
 cache runs per call, in the order above. Otherwise (`compiled=False`, a modelled link, another policy) this
-loop drives the cache call by call. `SimStats.seconds` is the replay's wall time, `prepare_s` the one-time
-preparation (stream, proposals; cached on the trace), `engine` which replay ran.
+loop drives the cache call by call; a prefetch policy with `propose_at(pos, resident)` (tune's `TablePrefetch`,
+which reads nothing else of the context) is asked through it, without a `LayerContext` per step.
+`SimStats.seconds` is the replay's wall time, `prepare_s` the one-time preparation (stream, proposals: cached on
+the trace; the kernels: loaded once per process), `engine` which replay ran.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from ..policies import EVICTION, MISS, PREFETCH, EvictionPolicy, ExpertKey, Posi
 from ..policies.base import Candidates
 from ..policies.miss import Fetch
 from ..runtime.cache import CacheCounters, ExpertCache, needed_experts, wave_capacity
-from ..runtime.cachecore import belady_tables
+from ..runtime.cachecore import belady_tables, warm
 from ..runtime.corecache import ReplayResult, counters_of
 from .access import AccessTrace
 from .link import make_sim_link
@@ -175,6 +177,13 @@ class TimeModel:
     def layer_time(cls, layer_time_s: float) -> TimeModel:
         """`layer_time_s` of compute per MoE layer after its slots are ready (nothing else)."""
         return cls(experts_s=(float(layer_time_s),))
+
+    @classmethod
+    def from_compute(cls, compute_per_token_s: float, layer_time_s: float, num_moe_layers: int) -> TimeModel:
+        """A calibration without `engine_time`: `layer_time_s` per MoE layer after its slots are ready, the rest of
+        `compute_per_token_s` once per pass (`token_s`), so a pass that waits for nothing takes the compute per token."""
+        rest = float(compute_per_token_s) - num_moe_layers * float(layer_time_s)
+        return cls(experts_s=(float(layer_time_s),), token_s=max(0.0, rest))
 
     @classmethod
     def from_calibration(cls, cal: dict[str, Any], prefetch: str = "none") -> TimeModel:
@@ -445,6 +454,7 @@ def simulate(
         if gate is not None:  # the gate's quota per call (an instant link: no admission reads the link)
             gate.begin(lk, cache.expert_bytes, 0, 0)
             left = cast(int, gate.quota())
+        warm()  # the kernels loaded (numba's cache) or compiled: preparation, not replay time
         t1, c1 = time.perf_counter(), time.process_time()
         res = cache.replay(strm, props, wave_cap=wcap, count_phase=count_phase, left=left)
         st.seconds, st.cpu_s = time.perf_counter() - t1, time.process_time() - c1
@@ -478,6 +488,7 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wc
     seg_phase, seg0 = None, c.copy()
     route, prefetch_, wait, release, advance = cache.route, cache.prefetch, cache.wait, cache.release, cast(Any, lk).advance
     begin_layer = cache.begin_layer
+    propose_at = pf.propose_at if pf.reads_position_only else None  # reads only the position and residency: no LayerContext
     proposed: set[ExpertKey] = set()
     t0, c0 = time.perf_counter(), time.process_time()
     for pass_id, (phase, tokens, steps) in enumerate(comp.passes):
@@ -511,8 +522,11 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wc
                 if proposed and slots is not None:  # in waves: counted per wave below
                     st.proposed_accesses += sum(1 for e in experts if (layer, e) in proposed)
             if prefetching:
-                ctx = layer_context(acc, step, cache.position(layer), moe, lookahead, predict_logits, cache.resident)
-                reqs = pf.propose(ctx)
+                if propose_at is not None:
+                    reqs = propose_at(cache.position(layer), cache.resident)
+                else:
+                    ctx = layer_context(acc, step, cache.position(layer), moe, lookahead, predict_logits, cache.resident)
+                    reqs = pf.propose(ctx)
                 advance(pred_s[rank])  # the proposal, before its copies are submitted
                 if reqs:
                     if counted:

@@ -60,13 +60,13 @@ class TrainConfig:
     est_patience: int = 1  # stop after this many epochs without a better validation recall
     est_residual: bool = True  # the network adds to the target router's logits of q (Router-PF's); False: plain
     est_max_tokens: int = 30_000  # training rows (tokens), each used for every (layer, S) pair
-    est_max_samples: int = 240_000  # rows x pairs cap (memory: the chained q of every pair is kept)
+    est_max_samples: int = 133_000  # rows x pairs cap per epoch, i.e. the fit's time (and memory: q of every pair is kept)
     est_min_steps: int = 300  # at least this many optimiser steps (small traces)
     hybrid_val: float = 0.25  # part of the training prompts used to pick Hybrid-PF's threshold
     forest_trees: int = 24
     forest_depth: int = 0  # 0: no limit (forest_min_leaf bounds the trees)
     forest_min_leaf: int = 8
-    forest_max_features: float = 0.1
+    forest_max_features: float = 0.064  # part of the features tried per split (at least forest.MIN_SPLIT_FEATURES)
     forest_max_samples: int = 120_000  # the pool: rows x (layer, S) pairs, subsampled per pair
     forest_tree_samples: int = 12_000  # each tree's bootstrap draw from the pool (the whole pool when smaller)
     forest_window: int = 4

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..policies.parse import parse_capacity
+from ..policies.parse import parse_capacity, policy_args
 
 DEFAULT_BUDGET = "25%"
 
@@ -88,6 +88,14 @@ def read_calibration(cfg: TuneConfig, tr: Any) -> tuple[dict[str, Any], str, str
     gbps = parse_link(cfg.link)[1] if cfg.link else None
     want = device_name(cfg.device, gbps)
     path = Path(cfg.calibration) if cfg.calibration else calibration_path(want)
+    if not cfg.calibration and not cfg.link and not path.is_file():
+        # no --link: the one emulated-link calibration of this device (`moeflow calibrate --link-gbps X`), if unique
+        emulated = sorted(path.parent.glob(f"{want}-emulated-*gbps.json"))
+        if len(emulated) == 1:
+            path = emulated[0]
+        elif len(emulated) > 1:
+            names = ", ".join(e.name for e in emulated)
+            raise ConfigError(f"several calibrations of {want} ({names}); pick one with --calibration or --link emulated:GBPS")
     if not path.is_file():
         if cfg.calibration:
             raise ConfigError(f"calibration file {path} does not exist; run `moeflow calibrate` or drop --calibration")
@@ -136,12 +144,14 @@ def main(cfg: TuneConfig) -> dict[str, Any]:
     from ..tune.search import EVICTIONS, PREFETCHES, S_VALUES, CostModel, Evaluator, search, space, uses_s
 
     cost = CostModel(
-        compute_per_token_s=float(cal["compute_per_token_s"]),
-        layer_time_s=float(cal["layer_time_s"]),
         gbps=float(gbps),
         latency_s=float(latency_s),
         expert_bytes=int(spec.expert_bytes),
+        layer_time_s=float(cal["layer_time_s"]),
+        num_moe_layers=spec.num_moe_layers,
+        calibration=cal,
     )
+    cost.time_model().per_layer(spec.num_moe_layers)  # a per-layer time model of another layer count: refused here
     prefetches = cfg.prefetches or PREFETCHES
     routered = [p for p in prefetches if _routered(p)]
     notes: list[str] = []
@@ -152,6 +162,16 @@ def main(cfg: TuneConfig) -> dict[str, Any]:
             )
         prefetches = tuple(p for p in prefetches if p not in routered)
         notes.append(f"{cfg.trace} has no router inputs (trace --record-hidden): pregate not searched")
+    if not cost.engine_time:
+        notes.append(
+            f"calibration {cal_path} has no engine_time: TPOT is predicted from its compute per token; "
+            "re-run `moeflow calibrate` for the per-layer time model `moeflow simulate --calibrated-time` uses"
+        )
+    else:
+        measured = (cal["engine_time"].get("predict_s") or {}).keys()
+        unmeasured = sorted({n for p in prefetches if (n := policy_args(p)[0]) != "none" and n not in measured})
+        if unmeasured:
+            notes.append(f"calibration {cal_path} has no predictor time for {', '.join(unmeasured)}: counted as 0")
     hi = max(1, spec.num_moe_layers - 1)
     cal_s = cal.get("initial_s")
     cands = space(
@@ -205,6 +225,7 @@ def main(cfg: TuneConfig) -> dict[str, Any]:
         "run_link": run_link,  # the `moeflow run --link` of the configuration
         "calibration": cal_path,
         "cost_model": cost.describe(),
+        "time_model": "calibration engine_time" if cost.engine_time else "calibration compute_per_token_s",
         "candidates": len(cands),
         "prompts": ev.prompts,
         "rounds": [{"prompts": p, "candidates": n} for p, n in plan],

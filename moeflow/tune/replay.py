@@ -2,11 +2,12 @@
 
 - `PregateTable`: `pregate`'s proposals for every layer step and every offset up to the largest S the search
   tries, from ONE batched router call per (source layer, target layer) (the policy's own selection rule,
-  `PreGatePrefetch._select`, on the recorded router inputs), kept as (offset, expert, best probability).
+  `PreGatePrefetch._select`, on the recorded router inputs), kept as (offset, key, best probability, confidence).
 - `TablePrefetch`: a prefetch policy that proposes, at each step, the table's requests within the current S,
   with `pregate`'s priorities (nearer layers first, then probability) and confidences (`topk_confidence`), and
   the gate of a freshly built `pregate` of the same options. Replayed by the simulator's call-by-call loop on
-  a modelled link, it proposes what `pregate` proposes there, without a router call per step.
+  a modelled link, it proposes what `pregate` proposes there, without a router call per step; it reads only the
+  position and the cache's residency (`propose_at`), so the loop builds no `LayerContext` for it.
 - `AdaptiveS`: the runtime's `StepSizeController` (ExpertFlow's adaptive S) fed per replayed pass with the
   `PassStats` fields it reads (the pass's cache counters, the modelled link's clock, bytes and busy time, the
   layers run and the experts proposed), so an adaptive-S candidate is replayed with the controller `moeflow run
@@ -21,8 +22,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..policies import LayerContext, PrefetchRequest
-from ..policies.prefetch import PreGatePrefetch, topk_confidence
+from ..policies import ExpertKey, LayerContext, Position, PrefetchPolicy, PrefetchRequest
+from ..policies.prefetch import PreGatePrefetch
 from ..runtime.adaptive_s import StepSizeController
 from ..runtime.cache import CacheCounters
 from ..runtime.passstats import PassStats
@@ -33,13 +34,15 @@ ROWS = 1 << 16  # router inputs per batched router call (bounds the [rows, E] pr
 
 @dataclass
 class PregateTable:
-    """Per layer step j (passes in order, layers in order): rows[j] = [(offset s, expert, best prob)], sorted in
-    `pregate`'s issue order (priority n - s + prob, highest first; ties by offset then expert)."""
+    """Per layer step j (passes in order, layers in order): rows[j] = [(offset s, key, best prob, confidence)],
+    sorted in `pregate`'s issue order (priority n - s + prob, highest first; ties by offset then expert); the
+    key is (the MoE layer s + 1 after the step's, expert), the confidence `topk_confidence(prob, top_k)`."""
 
-    rows: list[list[tuple[int, int, float]]]
+    rows: list[list[tuple[int, ExpertKey, float, float]]]
     step_of: dict[tuple[int, int], int]  # (pass index, MoE layer rank) -> step
     max_s: int
     top_k: int
+    moe: tuple[int, ...] = ()  # the MoE layers
 
     @classmethod
     def build(cls, acc: AccessTrace, policy: PreGatePrefetch, max_s: int, predict_logits: Any) -> PregateTable:
@@ -49,7 +52,7 @@ class PregateTable:
         steps = [s for p in acc.passes for s in p.steps]
         rank_of = {l: r for r, l in enumerate(moe)}
         ranks = np.fromiter((rank_of[s.layer] for s in steps), dtype=np.int64, count=len(steps))
-        rows: list[list[tuple[int, int, float]]] = [[] for _ in steps]
+        rows: list[list[tuple[int, ExpertKey, float, float]]] = [[] for _ in steps]
         for r in range(L - 1):
             js = np.flatnonzero(ranks == r)  # [n] the steps of source layer r
             if not len(js):
@@ -67,30 +70,38 @@ class PregateTable:
                     idx = row_step[a : a + ROWS].unsqueeze(1).expand(-1, E)  # [rows, E]
                     best.scatter_reduce_(0, idx, probs.masked_fill(~mask, -1.0), "amax")
                 bj, be = (best >= 0).nonzero(as_tuple=True)  # by step, then expert
-                for j, e, b in zip(js[bj.numpy()].tolist(), be.tolist(), best[bj, be].tolist()):
-                    rows[j].append((s, e, b))
+                b = best[bj, be].double()  # [m] as Python floats: `topk_confidence`'s arithmetic below
+                conf = (b * k).clamp(0.0, 1.0)  # [m] topk_confidence(b, k)
+                for j, e, p, q in zip(js[bj.numpy()].tolist(), be.tolist(), b.tolist(), conf.tolist()):
+                    rows[j].append((s, (t, e), p, q))
         for row in rows:
-            row.sort(key=lambda x: (x[0] - x[2], x[0], x[1]))  # priority n - s + b, highest first, stable order
+            row.sort(key=lambda x: (x[0] - x[2], x[0], x[1][1]))  # priority n - s + b, highest first, stable order
         step_of = {}
         j = 0
         for pi, p in enumerate(acc.passes):
             for st in p.steps:
                 step_of[(pi, rank_of[st.layer])] = j
                 j += 1
-        return cls(rows, step_of, max_s, k)
+        return cls(rows, step_of, max_s, k, moe)
 
-    def requests(self, j: int, rank: int, s_now: int, moe: tuple[int, ...]) -> list[PrefetchRequest]:
+    def requests(self, j: int, rank: int, s_now: int) -> list[PrefetchRequest]:
         """Step j's requests within S = s_now (at most the table's S), as `pregate` makes them."""
-        n = len(moe[rank + 1 : rank + 1 + s_now])
-        k = self.top_k
-        return [
-            PrefetchRequest((moe[rank + 1 + s], e), priority=float(n - s) + b, confidence=topk_confidence(b, k))
-            for s, e, b in self.rows[j]
-            if s < s_now
-        ]
+        n = len(self.moe[rank + 1 : rank + 1 + s_now])
+        return [_request(key, float(n - s) + b, conf) for s, key, b, conf in self.rows[j] if s < s_now]
 
 
-class TablePrefetch:
+_new = object.__new__
+
+
+def _request(key: ExpertKey, priority: float, confidence: float) -> PrefetchRequest:
+    """`PrefetchRequest(key, priority, confidence)` without the frozen dataclass's per-field `object.__setattr__`."""
+    r = _new(PrefetchRequest)
+    d = r.__dict__
+    d["key"], d["priority"], d["confidence"] = key, priority, confidence
+    return r
+
+
+class TablePrefetch(PrefetchPolicy):
     """`pregate` replayed from a `PregateTable` at S = `s()` (a fixed S or an `AdaptiveS`)."""
 
     name: ClassVar[str] = "pregate"
@@ -102,6 +113,7 @@ class TablePrefetch:
     speculates: ClassVar[bool] = False
     lookahead: int | None = None
     horizon: int | None = None
+    reads_position_only: ClassVar[bool] = True
 
     def __init__(self, table: PregateTable, gate: Any, s: Any, adaptive: AdaptiveS | None = None) -> None:
         self.table, self.gate, self.s, self.adaptive = table, gate, s, adaptive
@@ -110,13 +122,17 @@ class TablePrefetch:
         return lambda: None
 
     def propose(self, ctx: LayerContext) -> list[PrefetchRequest]:
-        pos = ctx.pos
+        return self.propose_at(ctx.pos, ctx.resident)
+
+    def propose_at(self, pos: Position, resident: Any) -> list[PrefetchRequest]:
+        """`propose` from what it reads of the context (the simulator's loop then builds none): the position and
+        the cache's residency test."""
         if self.adaptive is not None:
-            self.adaptive.step(ctx)
+            self.adaptive.step(pos, resident)
         s_now = min(int(self.s()), self.table.max_s)
-        reqs = self.table.requests(self.table.step_of[(pos.pass_id, pos.layer_rank)], pos.layer_rank, s_now, ctx.moe_layers)
+        reqs = self.table.requests(self.table.step_of[(pos.pass_id, pos.layer_rank)], pos.layer_rank, s_now)
         if self.adaptive is not None:
-            self.adaptive.proposed(ctx, reqs)
+            self.adaptive.proposed(resident, reqs)
         return reqs
 
 
@@ -140,24 +156,25 @@ class AdaptiveS:
     def __call__(self) -> int:
         return self.ctrl.s
 
-    def step(self, ctx: LayerContext) -> None:
-        if ctx.pos.pass_id != self.pass_id:
+    def step(self, pos: Position, resident: Any) -> None:
+        if pos.pass_id != self.pass_id:
             if self.pass_id >= 0:
                 self._close()
-            self._open(ctx)
+            self._open(pos, resident)
         self._layers += 1
 
-    def proposed(self, ctx: LayerContext, reqs: list[PrefetchRequest]) -> None:
+    def proposed(self, resident: Any, reqs: list[PrefetchRequest]) -> None:
+        seen = self._seen
         for r in reqs:
-            if r.key not in self._seen:
-                self._seen.add(r.key)
-                if not ctx.resident(r.key):
+            if r.key not in seen:
+                seen.add(r.key)
+                if not resident(r.key):
                     self._new += 1
 
-    def _open(self, ctx: LayerContext) -> None:
+    def _open(self, pos: Position, resident: Any) -> None:
         # the simulator hands prefetch policies the cache's own residency test: its cache, and so its counters
-        self._cache = getattr(ctx.resident, "__self__", None)
-        self.pass_id = ctx.pos.pass_id
+        self._cache = getattr(resident, "__self__", None)
+        self.pass_id = pos.pass_id
         self._c0 = self._counters().copy()
         self._t0, self._b0, self._busy0 = self.link.clock_s(), self.link.bytes, self.link.busy_s
         self._layers, self._new = 0, 0

@@ -8,12 +8,16 @@ miss policies, `cpu` and `auto`, act in the engine's router hook, which the simu
 
 Predicted TPOT of a candidate (`CostModel`): every pass of the trace is replayed through the runtime's cache on
 the modelled link (`moeflow.sim.link.ModelledLink`: the calibration's bandwidth and latency, or `--link`), whose
-clock advances by the calibrated compute of each MoE layer; decode TPOT = the calibrated compute per token +
-the decode passes' stall per token (seconds the layers waited for copies).
+clock advances by the simulator's time model (`moeflow.sim.simulator.TimeModel`): the calibration's `engine_time`
+and `link_timing` (`TimeModel.from_calibration`, what `moeflow simulate --calibrated-time` uses, so both predict
+the same TPOT for the same configuration), or, for a calibration without them, the calibrated compute per MoE
+layer (`layer_time_s`) with the rest of the compute per token once per pass (`TimeModel.from_compute`). The
+predicted TPOT is the simulator's `pass_s` over the decode passes (the link's clock per decode pass: compute,
+stalls, copy submissions).
 
 Bound: no configuration at this capacity moves fewer bytes than Belady's MIN with demand paging (prefetching
-can move bytes earlier, never fewer), and none computes faster than the calibrated compute, so TPOT >= max(compute
-per token, MIN's copies per token x one copy's link time).
+can move bytes earlier, never fewer), and none runs a pass faster than the time model's pass that waits for
+nothing, so TPOT >= max(that pass, MIN's copies per token x one copy's link time).
 
 Search (`search`): successive halving over prompt prefixes of the trace: every candidate is replayed on the first
 few prompts, the best 1/`eta` go on to a `eta` times longer prefix, and so on until the last round replays the
@@ -34,7 +38,7 @@ from ..policies.lossy import lossy
 from ..policies.parse import build_policy, policy_args
 from ..sim.access import AccessTrace
 from ..sim.link import ModelledLink
-from ..sim.simulator import belady, simulate
+from ..sim.simulator import TimeModel, belady, simulate
 from .replay import AdaptiveS, PregateTable, TablePrefetch
 
 # the default space (each dimension can be given instead: `moeflow tune -e/-f/-S`)
@@ -130,24 +134,43 @@ def space(
 
 @dataclass(frozen=True)
 class CostModel:
-    """Compute and link of the predicted TPOT (from a calibration, the link possibly from `--link`)."""
+    """Time and link of the predicted TPOT (from a calibration, the link possibly from `--link`)."""
 
-    compute_per_token_s: float  # one decode pass's compute, every layer (calibration `compute_per_token_s`)
-    layer_time_s: float  # one MoE layer's compute: the modelled clock's advance per layer (`layer_time_s`)
     gbps: float  # link bandwidth, GB/s (1e9 bytes/s)
     latency_s: float  # per copy
     expert_bytes: int
+    layer_time_s: float  # one MoE layer's compute (calibration `layer_time_s`: the adaptive-S controller's)
+    num_moe_layers: int
+    calibration: dict[str, Any] = field(default_factory=dict)  # engine_time, link_timing (else the compute fields)
+
+    @property
+    def engine_time(self) -> bool:
+        """Whether the calibration has the per-layer host times (`engine_time`)."""
+        return isinstance(self.calibration.get("engine_time"), dict)
+
+    def time_model(self, prefetch: str = "none") -> TimeModel:
+        """The simulator's time model for prefetch policy `prefetch` (name or `name:options`): the calibration's
+        `engine_time` and `link_timing` as `moeflow simulate --calibrated-time` reads them, else its compute."""
+        name = policy_args(prefetch)[0]
+        if self.engine_time:
+            return TimeModel.from_calibration(self.calibration, name)
+        return TimeModel.from_compute(float(self.calibration["compute_per_token_s"]), self.layer_time_s, self.num_moe_layers)
 
     @property
     def copy_s(self) -> float:
         """Link seconds of one expert's copy."""
         return self.latency_s + self.expert_bytes / (self.gbps * 1e9)
 
-    def link(self) -> ModelledLink:
-        return ModelledLink(self.gbps, self.latency_s)
+    def link(self, timing: TimeModel | None = None) -> ModelledLink:
+        """The modelled link (with the time model's host seconds per copy submitted and per stalled wait)."""
+        tm = timing or self.time_model()
+        return ModelledLink(self.gbps, self.latency_s, submit_s=tm.submit_s, wake_s=tm.wake_s)
 
     def describe(self) -> str:
-        return f"modelled {self.gbps:g} GB/s, {self.latency_s * 1e6:g} us; compute {self.compute_per_token_s * 1e3:.2f} ms/token"
+        link = f"modelled {self.gbps:g} GB/s, {self.latency_s * 1e6:g} us"
+        if self.engine_time:
+            return f"{link}; time model: calibration engine_time"
+        return f"{link}; compute {float(self.calibration['compute_per_token_s']) * 1e3:.2f} ms/token (no engine_time)"
 
 
 @dataclass
@@ -164,6 +187,7 @@ class Evaluator:
     max_s: int = 1  # the largest S of the model (MoE layers - 1)
     table_s: int = 0  # pregate tables are built up to this S (0: max_s); the largest S searched
     prompt_ends: list[int] = field(default_factory=list)  # passes[:prompt_ends[i]] = the first i + 1 prompts
+    prefixes: dict[int, AccessTrace] = field(default_factory=dict)  # prompts -> that prefix of the trace
 
     def __post_init__(self) -> None:
         ends: list[int] = []
@@ -178,11 +202,15 @@ class Evaluator:
         return len(self.prompt_ends)
 
     def prefix(self, prompts: int) -> AccessTrace:
+        """The first `prompts` prompts (one object per length: the simulator's per-trace preparation is kept on it)."""
         if prompts >= self.prompts:
             return self.acc
-        end = self.prompt_ends[prompts - 1]
-        a = self.acc
-        return AccessTrace(a.moe_layers, a.num_experts, a.top_k, a.passes[:end], a.expert_bytes)
+        got = self.prefixes.get(prompts)
+        if got is None:
+            end = self.prompt_ends[prompts - 1]
+            a = self.acc
+            got = self.prefixes[prompts] = AccessTrace(a.moe_layers, a.num_experts, a.top_k, a.passes[:end], a.expert_bytes)
+        return got
 
     def table(self, prefetch: str, s_max: int) -> PregateTable:
         t = self.tables.get(prefetch)
@@ -205,7 +233,8 @@ class Evaluator:
     def run(self, c: Candidate, prompts: int | None = None) -> dict[str, Any]:
         """Replay candidate `c` on the first `prompts` prompts (None: all); its predicted decode metrics."""
         acc = self.prefix(prompts or self.prompts)
-        link = self.cost.link()
+        timing = self.cost.time_model(c.prefetch)
+        link = self.cost.link(timing)
         name, opts = policy_args(c.prefetch)
         adaptive = None
         pf: Any = (name, opts)
@@ -230,14 +259,14 @@ class Evaluator:
             lookahead=int(c.s or 1),
             predict_logits=self.predict_logits,  # a pregate with its own lookahead replays by its routers
             link=link,
-            layer_time_s=self.cost.layer_time_s,
+            timing=timing,
             count_phase=1,
         )
         n = max(1, st.tokens)  # decode tokens
         row: dict[str, Any] = {
             **c.run_options(),
             "label": c.label,
-            "predicted_tpot_s": self.cost.compute_per_token_s + st.stall_s / n,
+            "predicted_tpot_s": st.pass_s or 0.0,  # the link's clock per decode pass (`simulate`'s predicted_tpot_s)
             "stall_per_token_s": st.stall_s / n,
             "hit_rate": st.hit_rate,
             "bytes_per_token": st.loads * self.cost.expert_bytes / n,
@@ -256,13 +285,14 @@ class Evaluator:
 
     def bound(self) -> dict[str, Any]:
         """Belady's MIN (demand paging) on the whole trace: the fewest copies per decode token at this capacity,
-        and the TPOT bound max(compute per token, those copies' link time)."""
+        and the TPOT bound max(a pass that waits for nothing, those copies' link time)."""
         st = belady(self.acc, self.capacity, count_phase=1)
         loads = st.loads / max(1, st.tokens)
+        compute = self.cost.time_model().pass_s(len(self.acc.moe_layers), False)
         return {
             "belady_hit_rate": st.hit_rate,
             "belady_loads_per_token": loads,
-            "bound_tpot_s": max(self.cost.compute_per_token_s, loads * self.cost.copy_s),
+            "bound_tpot_s": max(compute, loads * self.cost.copy_s),
         }
 
 
