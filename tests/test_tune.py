@@ -336,6 +336,7 @@ def test_tune_finds_the_one_emulated_calibration(traced, tmp_path, monkeypatch):
         read_calibration(cfg, tr)
     one = _calibration(tmp_path / "calibration" / "cpu-emulated-0.002gbps.json", trp)
     cal, path, link, _ = read_calibration(cfg, tr)
+    assert cal["device"] == "cpu-emulated-0.002gbps"
     assert Path(path).resolve() == one.resolve() and link.startswith("emulated:0.002")
     _calibration(tmp_path / "calibration" / "cpu-emulated-8gbps.json", trp, device="cpu-emulated-8gbps")
     with pytest.raises(MoeflowError, match="several calibrations of cpu") as e:
