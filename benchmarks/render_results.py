@@ -325,7 +325,9 @@ def cpu_vs_fetch(doc: dict[str, Any]) -> str:
         "Where running a missing expert on the host (`--miss cpu`) beats copying it (`--miss fetch`), and how "
         "`--miss auto`'s per-miss choice does, over emulated links of increasing bandwidth. Every miss is a demand "
         f"miss (capacity {res['capacity']} experts, eviction `{res['eviction']}`, prefetch `{res['prefetch']}`); each "
-        "TPOT is the fastest of the rounds, each configuration after an untimed warm-up. The device is the CPU, so "
+        "configuration runs once untimed, then the three policies run back to back per bandwidth, in an order rotated "
+        f"every round ({res.get('rounds', '?')} rounds); a TPOT is the mean over decode steps of each step's median "
+        "round. The device is the CPU, so "
         "`cpu` and `auto` are exact here and their speed says nothing about a GPU, where host compute is slower and "
         "activations cross PCIe.",
     )
@@ -365,9 +367,35 @@ def cpu_vs_fetch(doc: dict[str, Any]) -> str:
         "",
         f"Measured crossover (cpu / fetch crossing 1, log-interpolated): {_f(res['measured_crossover_gbps'], '.2f')} GB/s; "
         f"`auto` at worst {_f(res['auto_over_best_max'], '.2f')}x the faster of the two. A `cpu` miss never enters the "
-        "cache while a fetched expert earns later hits, which the per-miss analytic rule ignores. TPOT on a shared "
-        "machine is noisy: compare rows of one run, not runs.",
+        "cache while a fetched expert earns later hits, which `auto` counts (its learned reuse).",
     ]
+    if all("cpu_host_hidden_share" in r for r in res["rows"]):
+        out += [
+            "",
+            "## Overlap and what `auto` modelled",
+            "",
+            "Hidden: the share of the host worker's busy time that ran while the main thread computed (not waited for). "
+            "Wait per miss: measured (fetch: per demand load; cpu: per expert computed on the host); `auto`'s model of "
+            "each, and the later hits it expects of a fetched expert.",
+            "",
+            _table(
+                ["GB/s", "cpu hidden", "auto hidden", "fetch wait ms", "cpu wait ms", "auto: cpu ms", "auto: fetch ms", "reuse"],
+                [
+                    [
+                        f"{r['gbps']:g}",
+                        _f(r["cpu_host_hidden_share"], ".2f"),
+                        _f(r["auto_host_hidden_share"], ".2f"),
+                        _f(None if r["fetch_wait_per_miss_s"] is None else 1e3 * r["fetch_wait_per_miss_s"], ".3f"),
+                        _f(None if r["cpu_wait_per_miss_s"] is None else 1e3 * r["cpu_wait_per_miss_s"], ".3f"),
+                        _f(None if r["auto_model_cpu_s"] is None else 1e3 * r["auto_model_cpu_s"], ".3f"),
+                        _f(None if r["auto_model_fetch_s"] is None else 1e3 * r["auto_model_fetch_s"], ".3f"),
+                        _f(r["auto_model_reuse"], ".2f"),
+                    ]
+                    for r in res["rows"]
+                ],
+            ),
+        ]
+    out += ["", "TPOT on a shared machine is noisy: compare rows of one run, not runs."]
     return "\n".join(out)
 
 

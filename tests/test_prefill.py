@@ -196,6 +196,130 @@ def test_staged_waves_are_runs_of_consecutive_experts(tiny_models):
         assert len(waves) > 1 and all(sum(e not in (1, 5) for e in w) <= g for w in waves)
 
 
+@pytest.mark.parametrize("arch", ["olmoe", "gpt_oss"])
+def test_in_place_grouped_call_is_bit_identical(tiny_models, arch):
+    """Experts whose slots ascend are read in place (`grouped_experts_in_place`: one group per slot of the span,
+    the unused slots empty groups) with the same result as gathering each expert's weights from its slot;
+    `slot_span` gives a span only for ascending slots that fill at least half of it."""
+    from moeflow.moe.compute import grouped_experts, grouped_experts_in_place
+    from moeflow.runtime.prefill import slot_span
+
+    assert slot_span([3, 4, 6, 7]) == (3, 8)
+    assert slot_span([4, 3]) is None and slot_span([1, 9]) is None and slot_span([]) is None
+    module = next(m for m in tiny_models(arch).modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj"))
+    names = ["gate_up_proj" if module.has_gate else "up_proj", "down_proj"]
+    names += [n + "_bias" for n in names] if module.has_bias else []
+    shapes = {n: getattr(module, n).shape[1:] for n in names}
+    sizes = [int(torch.Size(s).numel()) for s in shapes.values()]
+    g = torch.Generator().manual_seed(5)
+    C = 12
+    buf = torch.randn(C, sum(sizes), generator=g, dtype=module.down_proj.dtype)  # [C,R] like the slot buffer
+    views, o = {}, 0
+    for n, size in zip(names, sizes):
+        views[n] = buf[:, o : o + size].unflatten(1, shapes[n])  # [C, ...] strided, as `ExpertLayout.views`
+        o += size
+    slots = [2, 3, 5, 6, 7, 9]  # ascending with the experts, with unused slots between
+    counts = torch.tensor([3, 0, 5, 1, 4, 2])  # rows per expert (one expert without rows)
+    rows = torch.repeat_interleave(torch.tensor(slots), counts)  # [N] slot of each row
+    eg = torch.repeat_interleave(torch.tensor([1, 4, 6, 7, 10, 11]), counts)  # [N] expert ids, sorted
+    x = torch.randn(int(counts.sum()), module.down_proj.shape[1 if not module.is_transposed else 2], generator=g)
+    x = x.to(module.down_proj.dtype)  # [N,H]
+    with torch.no_grad():
+        ref = grouped_experts(module, x, eg, views, rows, len(slots))
+        got = grouped_experts_in_place(module, x, views, rows, (slots[0], slots[-1] + 1))
+    assert torch.equal(got, ref)
+
+
+def test_staged_prefill_reads_ascending_slots_in_place(tiny_models, prompt, monkeypatch):
+    """A cold staged prefill fills the slots in id order, so its waves' grouped calls read the weights in place,
+    and the prefill stays bit-identical to the resident model."""
+    from moeflow.runtime import experts_call
+
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    with torch.no_grad():
+        ref_logits = model(prompt).logits
+    calls = []
+    inner = experts_call.grouped_experts_in_place
+
+    def spy(*a, **k):
+        calls.append(a[4])
+        return inner(*a, **k)
+
+    monkeypatch.setattr(experts_call, "grouped_experts_in_place", spy)
+    eng = build_engine(model, mode="offload", link=DirectLink(), capacity=spec.total_experts, eviction="lru", prefetch="none")
+    assert eng is not None
+    with eng, torch.no_grad():
+        logits = model(prompt).logits
+    assert calls and torch.equal(logits, ref_logits)
+
+
+def test_staged_prefill_skips_a_policy_step_that_can_add_nothing(tiny_models, prompt):
+    """With every expert of the later layers in a slot of a cache that holds them all, the prefill's prefetch policy
+    step is not run (it could propose only resident experts, and nothing is ever evicted); below full capacity it runs."""
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    ref, _ = generate_one(model, prompt, None, max_new_tokens=2, min_new_tokens=2)
+    steps = {}
+    for cap in (spec.total_experts, spec.total_experts - 1):
+        eng = build_engine(model, mode="offload", link=EmulatedLink(50.0), capacity=cap, eviction="lru", prefetch="pregate")
+        assert eng is not None
+        with eng:
+            eng.warm()  # every slot filled
+            pf = eng._prefill
+            assert pf is not None
+            assert pf.step_useless(spec.moe_layers[0]) == (cap == spec.total_experts)
+            seen: list[int] = []
+            prefetch = eng.step.prefetch
+
+            def spy(layer, *a, _seen=seen, _fn=prefetch, _pf=pf):
+                if _pf.prefill:  # the prefill pass's steps (decode passes run theirs as before)
+                    _seen.append(layer)
+                return _fn(layer, *a)
+
+            eng.step.prefetch = spy  # type: ignore[method-assign]
+            out, _ = generate_one(model, prompt, eng, max_new_tokens=2, min_new_tokens=2)
+        assert torch.equal(out, ref)
+        steps[cap] = seen
+    assert not steps[spec.total_experts] and steps[spec.total_experts - 1]
+
+
+def test_staged_prefill_start_copies_the_first_layer_before_predicting_the_rest(tiny_models, prompt):
+    """At the pass start the first MoE layer's predicted experts are handed to the link before the later layers'
+    predictions are computed (the link starts on them sooner); the device table matches the keys after each batch."""
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    eng = build_engine(
+        model, mode="offload", link=EmulatedLink(50.0), capacity=spec.total_experts, eviction="lru", prefetch="pregate"
+    )
+    assert eng is not None
+    events: list[tuple[str, int]] = []
+    with eng:
+        pf, cache = eng._prefill, eng.cache
+        assert pf is not None
+        pregate, stage = pf._pregate, cache.stage
+
+        def spy_pregate(layer, x):
+            events.append(("predict", layer))
+            return pregate(layer, x)
+
+        def spy_stage(keys, layer):
+            n = stage(keys, layer)
+            events.append(("stage", layer))
+            assert cache.table is not None
+            for (l, e), s in cache.slot_of.items():  # one write per batch, the same table
+                assert int(cache.table[cache.rank[l], e]) == s
+            assert int((cache.table >= 0).sum()) == len(cache.slot_of)
+            return n
+
+        pf._pregate, cache.stage = spy_pregate, spy_stage  # type: ignore[method-assign]
+        pf.begin(decode=False)
+        with torch.no_grad():
+            x = model.get_input_embeddings()(prompt)  # [1,P,H]
+        pf.start(x)
+    first, second = spec.moe_layers[0], spec.moe_layers[1]
+    assert events[:3] == [("predict", first), ("stage", first), ("predict", second)], events
+
 def test_ttft_bound_counts_the_copies_a_prefill_needs(tiny_models, prompt):
     model = tiny_models("olmoe")
     spec = get_adapter(model).spec

@@ -387,6 +387,7 @@ class _Scripted:
     needs_router_input = needs_residual = needs_model = False
     gate = None
     lookahead = None
+    reads_position_only = False
 
     def __init__(self, script):
         self.script, self.calls = script, 0

@@ -10,6 +10,9 @@ can put the routed rows wherever its experts' weights live (device slots, the ho
    expert of `expert_ids` (the routed experts only: never all E, never all slots); each group's weights are
    gathered (`index_select`) from `weights` (per-parameter stacks `[R, ...]`) at the group's `rows` entry.
    The kernel is transformers' grouped linear, through the version-checked shim `moeflow.moe.tx_compat`.
+   `grouped_experts_in_place(module, x, weights, rows, span=(lo, hi))`: the same when the caller knows each
+   expert's entry lies above the previous one's within lo..hi-1 (a staged prefill wave whose slots ascend): the
+   weights are read in place, `weights[name][lo:hi]`, one group per entry (unused entries are empty groups).
 3. `combine(out [n,H], positions [n], weights [S], tokens, k, dtype)` -> [tokens,H]: each row times its gate
    weight, put back in (token, slot) order and summed over the k slots of each token, as `grouped_mm` does.
 
@@ -66,25 +69,73 @@ def grouped_experts(
     N = expert_ids.numel()
     if N == 0 or groups == 0:
         return x.new_zeros(N, x.shape[-1])
-    dev = expert_ids.device
+    up = "gate_up_proj" if module.has_gate else "up_proj"
+    w_up, w_down, offsets = _gathered(weights, up, expert_ids, rows, groups, arange)
+    return _experts_mm(module, x, weights, up, w_up, w_down, offsets, rows)
+
+
+def grouped_experts_in_place(
+    module: Any,
+    x: torch.Tensor,
+    weights: Mapping[str, torch.Tensor],
+    rows: torch.Tensor,
+    span: tuple[int, int],
+    arange: Callable[[int, torch.device], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """`grouped_experts` when the caller knows that the entries `rows [N]` ascend with the rows (each expert's entry
+    above the previous expert's) within `span = (lo, hi)`: the weights are read in place, `weights[name][lo:hi]`
+    with one group per entry (an entry no row uses is an empty group, as the stock call's unrouted experts), not
+    gathered per group. Each group holds the same rows in the same order, so the result is bit-identical. -> [N,H]."""
+    N = rows.numel()
+    if N == 0:
+        return x.new_zeros(N, x.shape[-1])
+    lo, hi = span
+    dev = rows.device
+    steps = arange(hi, dev)[lo:] if arange is not None else torch.arange(lo, hi, device=dev)  # [hi-lo] entries
+    offsets = torch.searchsorted(rows, steps, right=True, out_int32=True)  # [hi-lo] end row of each entry
+    up = "gate_up_proj" if module.has_gate else "up_proj"
+    return _experts_mm(module, x, weights, up, weights[up][lo:hi], weights["down_proj"][lo:hi], offsets, rows)
+
+
+def _experts_mm(
+    module: Any,
+    x: torch.Tensor,
+    weights: Mapping[str, torch.Tensor],
+    up: str,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    offsets: torch.Tensor,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """The grouped kernels over `x [N,H]` with the groups' weights `w_up`, `w_down` `[G, ...]` and end rows
+    `offsets [G]`; biases per row from `weights` at `rows [N]`. -> [N,H]."""
+    bias = weights[up + "_bias"][rows] if module.has_bias else None  # [N, 2I] or [N, I]
+    proj = tx_compat.grouped_linear(x, w_up, offsets, bias=bias, is_transposed=module.is_transposed)  # [N, 2I] or [N, I]
+    proj = module._apply_gate(proj) if module.has_gate else module.act_fn(proj)  # [N, I]
+    bias = weights["down_proj_bias"][rows] if module.has_bias else None  # [N, H]
+    proj = tx_compat.grouped_linear(proj, w_down, offsets, bias=bias, is_transposed=module.is_transposed)  # [N, H]
+    if module.has_post_expert_norm:
+        proj = module.post_expert_norm(proj)
+    return proj
+
+
+def _gathered(
+    weights: Mapping[str, torch.Tensor],
+    up: str,
+    expert_ids: torch.Tensor,
+    rows: torch.Tensor,
+    groups: int,
+    arange: Callable[[int, torch.device], torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(up weights [G, ...], down weights [G, ...], offsets [G]): one group per distinct expert of `expert_ids [N]`
+    (sorted), its weights gathered from the group's `rows` entry; extra groups are empty."""
+    N, dev = expert_ids.numel(), expert_ids.device
     gid = torch.zeros(N, dtype=torch.long, device=dev)  # [N] group of each row
     torch.cumsum(expert_ids[1:] != expert_ids[:-1], 0, out=gid[1:])
     steps = arange(groups, dev) if arange is not None else torch.arange(groups, device=dev)  # [G]
     offsets = torch.searchsorted(gid, steps, right=True, out_int32=True)  # [G] end row of each group
     entry_g = torch.zeros(groups, dtype=torch.long, device=dev).scatter_(0, gid, rows)  # [G] weights entry per group
-    up = "gate_up_proj" if module.has_gate else "up_proj"
-    bias = weights[up + "_bias"][rows] if module.has_bias else None  # [N, 2I] or [N, I]
-    proj = tx_compat.grouped_linear(
-        x, weights[up].index_select(0, entry_g), offsets, bias=bias, is_transposed=module.is_transposed
-    )  # [N, 2I] or [N, I]
-    proj = module._apply_gate(proj) if module.has_gate else module.act_fn(proj)  # [N, I]
-    bias = weights["down_proj_bias"][rows] if module.has_bias else None  # [N, H]
-    proj = tx_compat.grouped_linear(
-        proj, weights["down_proj"].index_select(0, entry_g), offsets, bias=bias, is_transposed=module.is_transposed
-    )  # [N, H]
-    if module.has_post_expert_norm:
-        proj = module.post_expert_norm(proj)
-    return proj
+    return weights[up].index_select(0, entry_g), weights["down_proj"].index_select(0, entry_g), offsets
 
 
 def combine(

@@ -127,6 +127,7 @@ class ExpertCache:
         self.buffer: torch.Tensor | None = None  # [C,R] (None without a store)
         self.views: dict[str, torch.Tensor] = {}  # name -> [C, *shape]
         self.table: torch.Tensor | None = None  # [L,E] slot or -1, on the device
+        self._table_writes: tuple[list[int], list[int], list[int]] | None = None  # (ranks, experts, slots) of a `stage`
         if store is not None:
             self.buffer = torch.empty(C, store.layout.row_numel, dtype=store.layout.dtype, device=device)
             self.views = store.layout.views(self.buffer)
@@ -249,6 +250,10 @@ class ExpertCache:
         if self.store is not None:
             return self.store.expert_bytes_at(bits)
         return compact_bytes_estimate(self.expert_bytes, bits)
+
+    def layer_full(self, layer: int) -> bool:
+        """Every expert of `layer` has a slot (ready or in flight)."""
+        return self._resident_in[self.rank[layer]] >= self.spec.num_experts
 
     def layer_all_ready(self, layer: int) -> bool:
         """True when every expert of `layer` is in a ready slot: no access of this layer can miss or wait."""
@@ -473,11 +478,17 @@ class ExpertCache:
         """A staged batch (`runtime/prefill.py`): copies for `keys` in the given order at prefetch priority,
         without the prefetch policy's gate (counted as prefetches); never waits. Returns copies issued."""
         gate, self.gate = self.gate, None
+        self._table_writes = ([], [], [])  # the batch's device-table entries, written at once below
         try:
             n = len(keys)
             return self.prefetch([PrefetchRequest(k, priority=float(n - i)) for i, k in enumerate(keys)], layer)
         finally:
             self.gate = gate
+            rows, experts, slots = self._table_writes
+            self._table_writes = None
+            if rows and self.table is not None:  # one write for the batch (its slots are distinct, its keys new)
+                dev = self.table.device
+                self.table[torch.tensor(rows, device=dev), torch.tensor(experts, device=dev)] = torch.tensor(slots, device=dev)
 
     def stage_room(self, layer: int) -> int:
         """Slots of `layer`'s part that no running layer pins and that hold no expert of `layer` (room for a staged
@@ -667,7 +678,11 @@ class ExpertCache:
             self.store.dequantize(bits, self.buffer[s])
         self.slot_of[key] = s
         r = self.rank[key[0]]
-        if self.table is not None:
+        if self._table_writes is not None:  # a staged batch: written at its end (`stage`)
+            self._table_writes[0].append(r)
+            self._table_writes[1].append(key[1])
+            self._table_writes[2].append(s)
+        elif self.table is not None:
             self.table[r, key[1]] = s  # device table follows the key
         self._resident_in[r] += 1
         if not self._instant:

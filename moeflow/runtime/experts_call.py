@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..moe.compute import Aranges, grouped_experts, routed_experts_forward
+from ..moe.compute import Aranges, grouped_experts, grouped_experts_in_place, routed_experts_forward
 from ..policies.base import MissPolicy
 from .cache import ExpertCache
 from .host_worker import HostJob, HostWorker
@@ -221,9 +221,14 @@ class ExpertsCall:
         rows: torch.Tensor,
         groups: int,
         views: dict[str, torch.Tensor] | None = None,
+        span: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """`grouped_experts` over the device slots (`rows` = each row's slot) or, with `views`, the host store."""
-        return grouped_experts(module, x, eg, self.cache.views if views is None else views, rows, groups, self._aranges)
+        """`grouped_experts` over the device slots (`rows` = each row's slot) or, with `views`, the host store;
+        `span`: the slots ascend with the experts within it (weights read in place, `grouped_experts`)."""
+        w = self.cache.views if views is None else views
+        if span is not None:
+            return grouped_experts_in_place(module, x, w, rows, span, self._aranges)
+        return grouped_experts(module, x, eg, w, rows, groups, self._aranges)
 
 
 def _put(out_g: torch.Tensor | None, rows: torch.Tensor, proj: torch.Tensor, n: int) -> torch.Tensor:

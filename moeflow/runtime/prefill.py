@@ -101,6 +101,15 @@ class StagedPrefill:
         nxt = self.next_layer.get(layer)
         return nxt is None or not self.stage_next or self.cache.layer_all_ready(nxt)
 
+    def step_useless(self, layer: int) -> bool:
+        """The prefetch policy's step after `layer` can change nothing: the cache holds every expert (it never
+        evicts, so a proposal of a resident expert moves no eviction order) and every later MoE layer has all its
+        experts in slots (nothing it proposes is missing)."""
+        cache = self.cache
+        if cache.capacity < self.spec.total_experts:
+            return False
+        return all(cache.layer_full(l) for l in self.spec.moe_layers if l > layer)
+
     def route(self, layer: int, routed: Routed, counts: torch.Tensor | None) -> None:
         """Plan `routed`'s waves, demand the first one now; `counts [E]` (host): tokens the next layer's router
         sends to each expert (`predict`); a one-wave layer stages them at once (nothing of it is left to demand)."""
@@ -179,20 +188,24 @@ class StagedPrefill:
         layers = list(self.spec.moe_layers)
         if not cache.per_layer:  # one part: the layers the empty slots may reach (each takes at most E)
             layers = layers[: 1 + max(0, -(-(cache.free_room(layers[0]) - E) // E))]
-        # every prediction first, then every copy in ONE batch: one hand-over to the copying thread
-        counts = torch.stack([self._pregate(layer, x) for layer in layers]).tolist()  # [L',E] host
-        with cache.link.batch():
-            for i, (layer, c) in enumerate(zip(layers, counts)):
-                room = cache.stage_room(layer) if i == 0 else cache.free_room(layer)
-                if room <= 0:
-                    continue
-                order = sorted((e for e in range(len(c)) if c[e] > 0), key=lambda e: (-c[e], e))
-                # the most-routed ones, copied in id order (the order of the layer's waves)
-                keys = sorted([(layer, e) for e in order if (layer, e) not in cache.slot_of][:room])
-                if keys:
-                    n0 = cache.counters.loads
-                    self.staged += cache.stage(keys, layer)
-                    self.account.count_loads(layer, cache.counters.loads - n0)
+        # the first layer's prediction and copies first (the link starts on them), then the later layers' predictions
+        # together (one host read) and their copies: two hand-overs to the copying thread
+        for i, part in enumerate((layers[:1], layers[1:])):
+            if not part:
+                continue
+            counts = torch.stack([self._pregate(layer, x) for layer in part]).tolist()  # [L',E] host
+            with cache.link.batch():
+                for layer, c in zip(part, counts):
+                    room = cache.stage_room(layer) if i == 0 else cache.free_room(layer)
+                    if room <= 0:
+                        continue
+                    order = sorted((e for e in range(len(c)) if c[e] > 0), key=lambda e: (-c[e], e))
+                    # the most-routed ones, copied in id order (the order of the layer's waves)
+                    keys = sorted([(layer, e) for e in order if (layer, e) not in cache.slot_of][:room])
+                    if keys:
+                        n0 = cache.counters.loads
+                        self.staged += cache.stage(keys, layer)
+                        self.account.count_loads(layer, cache.counters.loads - n0)
 
     def stage_ahead(self, routed: Routed, final: bool = False) -> None:
         """Every wave of the layer is demanded: once slots are free (or at its last wave, `final`), the prefetch
@@ -259,12 +272,13 @@ class StagedPrefill:
             slots = pinned.pop(i)
             cache.wait(slots)
             account.book(time.perf_counter() - t0)
+            span = slot_span(slots)
             if len(waves) == 1:  # the whole call in one grouped call
-                projs.append(call._grouped(module, x_g, eg, table[eg], len(experts)))  # [S,H]
+                projs.append(call._grouped(module, x_g, eg, table[eg], len(experts), span=span))  # [S,H]
             else:
                 a, b = ends[experts[0] - 1] if experts[0] > 0 else 0, ends[experts[-1]]  # this wave's rows
                 eg_w = eg[a:b]  # [S_w]
-                projs.append(call._grouped(module, x_g[a:b], eg_w, table[eg_w], len(experts)))  # [S_w,H]
+                projs.append(call._grouped(module, x_g[a:b], eg_w, table[eg_w], len(experts), span=span))  # [S_w,H]
             cache.release(slots)
             self.waves_run += 1
         if not projs:  # unreachable: a routed call has at least one expert
@@ -278,3 +292,13 @@ class StagedPrefill:
         routed.first = None
         routed.waves = None
         routed.then = routed.ahead = None
+
+
+def slot_span(slots: list[int]) -> tuple[int, int] | None:
+    """`(lo, hi)` when a wave's `slots` (in its experts' order) ascend and fill at least half of `lo..hi-1`: the
+    grouped call then reads the weights in place (`grouped_experts`' `span`; the unused slots between them are
+    empty groups); else None (each expert's weights gathered from its slot)."""
+    if not slots or any(b <= a for a, b in zip(slots, slots[1:])):
+        return None
+    lo, hi = slots[0], slots[-1] + 1
+    return (lo, hi) if hi - lo <= 2 * len(slots) else None
