@@ -109,3 +109,27 @@ def test_options():
             EVICTION.create("next-use", **bad)
     with pytest.raises(RuntimeError):
         EVICTION.create("next-use").victim([], _pos(0, 0))
+
+
+@pytest.mark.parametrize("opts", [{}, {"recency": False}, {"proposals": False, "shrink": 0.0}, {"decay": 1.0}])
+def test_compiled_scores_are_the_reference_floats(opts):
+    """A victim among the cache's candidates scores the resident keys in one compiled call: bit for bit the numpy
+    `expected_next_use`, and the same victim as the reference scan over a plain list (copies in flight, so some
+    residents are not candidates)."""
+    from .test_sim_core import _trace
+
+    acc = _trace(3, E=12)
+    pol = EVICTION.create("next-use", **opts)
+    victim, seen = pol.victim, []
+
+    def checked(cands, pos):
+        keys, far = pol._victim_order(pos)  # [n], [n]
+        assert far.tolist() == pol.expected_next_use(pos).ravel()[keys].tolist()
+        v = victim(cands, pos)
+        assert v == victim(list(cands), pos)
+        seen.append(len(cands) < len(keys))
+        return v
+
+    pol.victim = checked  # type: ignore[method-assign]
+    simulate(acc, 6, pol, "all-next-layer", link="emulated:0.05,100")
+    assert len(seen) > 50 and any(seen)  # victims, some while a resident key was not a candidate

@@ -320,6 +320,7 @@ def test_staged_prefill_start_copies_the_first_layer_before_predicting_the_rest(
     first, second = spec.moe_layers[0], spec.moe_layers[1]
     assert events[:3] == [("predict", first), ("stage", first), ("predict", second)], events
 
+
 def test_ttft_bound_counts_the_copies_a_prefill_needs(tiny_models, prompt):
     model = tiny_models("olmoe")
     spec = get_adapter(model).spec

@@ -160,7 +160,7 @@ def test_next_use_row_sum_is_numpys():
     above 128), so its floats are the Python policy's: equal to `ndarray.sum` to the last bit."""
     from numba import njit
 
-    from moeflow.runtime.cachecore_nu import _row_sum
+    from moeflow.policies.next_use_sums import row_sum as _row_sum
 
     row_sum = njit(lambda F, o, n: _row_sum(F, o, n))
     rng = np.random.default_rng(0)
@@ -313,7 +313,8 @@ def test_stream_of_repeated_passes_is_the_copies(model_acc):
 
 def test_every_core_source_stamps_every_kernel(tmp_path, monkeypatch):
     """numba stamps a cached kernel with its own file; the core's kernels inline functions of every
-    `cachecore*` module, so their stamp digests all of them: an edit to any one recompiles every kernel."""
+    `cachecore*` module and of next-use's shared float routines, so their stamp digests all of them: an edit to
+    any one recompiles every kernel."""
     import shutil
 
     from moeflow.runtime import cachecore_layout as lay
@@ -324,12 +325,13 @@ def test_every_core_source_stamps_every_kernel(tmp_path, monkeypatch):
             pytest.skip("numba has no cache location here")
         locator = kernel._cache._impl.locator
         assert locator.get_source_stamp() == lay._core_stamp(), kernel
-    for p in sorted(lay._HERE.glob("cachecore*.py")):
+    for p in [*sorted(lay._HERE.glob("cachecore*.py")), *lay._SHARED]:
         shutil.copy(p, tmp_path / p.name)
     monkeypatch.setattr(lay, "_HERE", tmp_path)
+    monkeypatch.setattr(lay, "_SHARED", tuple(tmp_path / p.name for p in lay._SHARED))
     monkeypatch.setattr(lay, "_STAMP", [])
     before = lay._core_stamp()
-    for name in ("cachecore_ba.py", "cachecore_struct.py"):
+    for name in ("cachecore_ba.py", "cachecore_struct.py", "next_use_sums.py"):
         (tmp_path / name).write_text((tmp_path / name).read_text() + "\n# edited\n")
         monkeypatch.setattr(lay, "_STAMP", [])
         after = lay._core_stamp()

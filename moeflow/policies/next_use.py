@@ -17,9 +17,11 @@ is calibrated online on what the run itself routed:
   run), so a recently used expert is kept for as long as recency actually predicts reuse in this run.
 
 Ties by least-recent use, then key. With prefetch `none` it ranks by calibrated frequency, recency and layer
-distance. This class is the reference (and the mechanism on a link with copies in flight): one victim scores
-every tracked expert at once with numpy. Its compiled twin (`kernel`, `moeflow.runtime.cachecore_nu`) makes the
-same decisions with the same floats in the compiled cache core, which runs it with an instant link.
+distance. This class is the reference (and the mechanism on a link with copies in flight): `expected_next_use`
+scores every tracked expert at once with numpy; a victim among the cache's candidates orders the resident
+experts in one compiled call (`_victim_order`: the same operations in the same order, so the same floats). Its
+compiled twin (`kernel`, `moeflow.runtime.cachecore_nu`) makes the same decisions with the same floats in the
+compiled cache core, which runs it with an instant link.
 """
 
 from __future__ import annotations
@@ -31,8 +33,72 @@ import numpy as np
 from ..errors import ConfigError
 from .base import EVICTION, Candidates, ExpertKey, Position
 from .eviction import _Base
+from .next_use_sums import BUCKETS as _BUCKETS
+from .next_use_sums import bucket as _bucket1
+from .next_use_sums import row_sum as _row_sum
 
-_BUCKETS = 8  # f buckets of the recency table: f in [0, 1] in equal bins on a sqrt scale
+try:  # compiled once per process, on the first victim (no on-disk cache: it calls the cache core's functions)
+    from numba import njit
+
+    _compiled = njit(nogil=True, error_model="numpy", _nrt=False)  # type: ignore[call-overload]
+except ImportError:  # pragma: no cover - numba is a dependency; without it the function runs as Python (slow)
+
+    def _compiled(fn):
+        return fn
+
+
+@_compiled
+def _victim_order(
+    uses, passes, used_pass, prop_pass, rank, resident, tick, ne, r0, L, pass_id, shrink, rec, recency, cov, pp, keys, out
+):
+    """The tracked keys (`resident`) into `keys` [n] by the largest E[T], then least recent (`tick`), then key, and
+    their E[T] into `out` [n]; returns n. E[T] as the numpy `expected_next_use`: the same operations on the same
+    values (a layer's mean share summed in numpy's pairwise order), so the same floats. Arrays flat, keys l * NE + e:
+    uses, used_pass, prop_pass, resident, tick [NL*NE]; rec: (rec_used, rec_seen) [2, 2 * buckets]; cov: (covered
+    this pass, source rank, steps) of the proposals, cov[0] == 0: none; pp: (prop_used, prop_seen) [2, 2]."""
+    width = float(ne if ne > 1 else 1)
+    Lf = float(L)
+    n_keys = 0
+    q_at = -1
+    d, sm, den, last, covered, seen = 0.0, 0.0, 1.0, 0, False, False
+    for i in range(resident.shape[0]):
+        if not resident[i]:
+            continue
+        q = i // ne
+        if q != q_at:  # the layer's terms, once per layer
+            q_at = q
+            rq = rank[q]
+            seen = rq >= 0
+            d = float((rq - r0 - 1) % L + 1) if seen else Lf
+            if seen:
+                n = passes[q] if passes[q] > 1e-9 else 1e-9
+                mean = _row_sum(uses, q * ne, ne) / n / width
+                sm, den = shrink * mean, n + shrink
+            ahead = rq > r0
+            last = pass_id - 1 if ahead else pass_id
+            steps = rq - cov[1]
+            covered = cov[0] != 0 and steps > 0 and steps <= cov[2] and ahead
+        f = (uses[i] + sm) / den if seen else 0.0
+        f = f if f > 1e-3 else 1e-3
+        if covered:
+            j = 1 if prop_pass[i] == pass_id else 0
+            p1 = pp[0, j] / pp[1, j]
+        elif recency:
+            j = 2 * _bucket1(f) + (1 if used_pass[i] == last else 0)
+            p1 = rec[0, j] / rec[1, j]
+        else:
+            p1 = f
+        x = d + (1.0 - p1) * Lf / f
+        # insertion: after every key with a larger E[T], or an equal one and an older tick (keys ascend)
+        m = n_keys
+        while m > 0 and (out[m - 1] < x or (out[m - 1] == x and tick[keys[m - 1]] > tick[i])):
+            out[m] = out[m - 1]
+            keys[m] = keys[m - 1]
+            m -= 1
+        out[m] = x
+        keys[m] = i
+        n_keys += 1
+    return n_keys
 
 
 @EVICTION.register
@@ -76,17 +142,7 @@ class NextUse(_Base):
         self.rec_seen = np.full((_BUCKETS, 2), 2.0)
         self.prop_used = np.array([1.0, 1.0])  # [not proposed, proposed]
         self.prop_seen = np.array([8.0, 2.0])
-        # E[T] kept between victims: valid for the layer rank `_far_r0` until an event changes its terms (the
-        # pass, the running layer, the calibration, the layers or experts seen, the proposals' coverage: None);
-        # `_far_dirty`: layers whose uses, recency or proposals changed since (their rows are recomputed)
-        self._far: np.ndarray | None = None  # [NL,NE]
-        self._far_r0 = -1
-        self._far_dirty: set[int] = set()
-        # f (floored at 1e-3) and its bucket kept likewise: None after a decay or a new layer or expert; `_f_dirty`:
-        # layers whose uses or passes changed since
-        self._fc: np.ndarray | None = None  # [NL,NE]
-        self._bc = np.zeros((0, 0), dtype=np.int64)  # [NL,NE]
-        self._f_dirty: set[int] = set()
+        self._order_buf = (np.zeros(0, dtype=np.int64), np.zeros(0))  # `_victim_order`'s keys and E[T] [NL*NE]
 
     # -- arrays --
     def _grow(self, layer: int, expert: int) -> None:
@@ -103,7 +159,6 @@ class NextUse(_Base):
         self.resident, self.tick, self.prop_pass = pad(self.resident, False), pad(self.tick, 0), pad(self.prop_pass, -1)
         self.passes, self.rank = pad(self.passes, 0.0), pad(self.rank, -1)
         self._n_layers, self._n_exp = nl, ne
-        self._far = self._fc = None  # a wider row sums (and averages) differently
 
     def _see(self, layer: int) -> None:
         if layer >= self._n_layers or self.rank[layer] < 0:
@@ -113,7 +168,6 @@ class NextUse(_Base):
             bisect.insort(self._layers, layer)
             self.rank[:] = -1
             self.rank[self._layers] = np.arange(len(self._layers))
-            self._far = self._fc = None  # every layer's distance changes; a seen layer's f is its share
 
     def _share(self, rows: int | np.ndarray) -> np.ndarray:
         """f per key of `rows`: decayed use share, shrunk towards its layer's mean share."""
@@ -149,10 +203,7 @@ class NextUse(_Base):
         self._see(key[0])
         self._see(pos.layer)
         self.prop_pass[key] = pos.pass_id
-        self._far_dirty.add(key[0])
         src, dist = int(self.rank[pos.layer]), int(self.rank[key[0]] - self.rank[pos.layer])
-        if pos.pass_id != self._cover_pass or src != self._cover_src or dist > self._cover_steps:
-            self._far = None  # the layers the proposals cover change
         self._cover_pass, self._cover_src = pos.pass_id, src
         self._cover_steps = max(self._cover_steps, dist)
 
@@ -163,8 +214,6 @@ class NextUse(_Base):
         if self.used_pass[key] != pos.pass_id:
             self.used_pass[key] = pos.pass_id
             self.uses[key] += 1.0
-            self._far_dirty.add(key[0])
-            self._f_dirty.add(key[0])
 
     def on_evict(self, key: ExpertKey) -> None:
         super().on_evict(key)
@@ -173,21 +222,17 @@ class NextUse(_Base):
 
     def on_pass_start(self, pos: Position) -> None:
         self._end_run()
-        self._far = None
         if self.decay < 1.0:
             self.uses *= self.decay
             self.passes *= self.decay
-            self._fc = None
         self.pass_id = pos.pass_id
 
     def on_layer_start(self, pos: Position) -> None:
         self._end_run()
-        self._far = None  # the calibration, the layer's passes and the layer ahead change
         self.pass_id = pos.pass_id
         l = pos.layer
         self._see(l)
         self.passes[l] += 1.0
-        self._f_dirty.add(l)
         self._running = l
         self._run_bucket = self._bucket(self._share(l))
         self._run_recent = self.used_pass[l] == pos.pass_id - 1  # used at the layer's previous run
@@ -203,9 +248,9 @@ class NextUse(_Base):
         self._running = None
         b, r = self._run_bucket, self._run_recent.astype(np.int64)
         used = self.used_pass[l, : len(b)] == self.pass_id  # [NE] (experts first seen during the run left out)
-        j = 2 * b + r  # [NE] cell of the table [bucket, recent]: counts of 1.0 (integers: exact in any order)
-        self.rec_seen += np.bincount(j, minlength=2 * _BUCKETS).reshape(_BUCKETS, 2)
-        self.rec_used += np.bincount(j, weights=used.astype(float), minlength=2 * _BUCKETS).reshape(_BUCKETS, 2)
+        cell = 2 * b + r  # [NE] of the table [bucket, recent]: counts of 1.0 (integers: exact in any order)
+        self.rec_seen += np.bincount(cell, minlength=2 * _BUCKETS).reshape(_BUCKETS, 2)
+        self.rec_used += np.bincount(cell, weights=used.astype(float), minlength=2 * _BUCKETS).reshape(_BUCKETS, 2)
         if self._run_covered and self._run_prop is not None and self._run_res is not None:
             res, prop = self._run_res, self._run_prop
             for j, m in ((0, res & ~prop), (1, res & prop)):
@@ -221,90 +266,84 @@ class NextUse(_Base):
     # -- the prediction --
     def expected_next_use(self, pos: Position) -> np.ndarray:
         """E[T] in MoE layer steps from `pos` for every (layer, expert) [NL,NE] (larger = evicted first)."""
-        return self._far_now(pos).copy()
-
-    def _far_now(self, pos: Position) -> np.ndarray:
-        """`expected_next_use`, kept between victims (not to be modified): every row recomputed after an event that
-        changes every layer's terms, else only the rows of layers whose uses, recency or proposals changed (the
-        same operations on the same values: the same floats as a full computation)."""
         self._see(pos.layer)
-        r0 = int(self.rank[pos.layer])
-        if self._fc is None:
-            self._fc, self._bc = self._f_rows(slice(None))
-        elif self._f_dirty:
-            rows = np.fromiter(self._f_dirty, dtype=np.int64)  # [R]
-            self._fc[rows], self._bc[rows] = self._f_rows(rows)
-        self._f_dirty.clear()
-        far = self._far
-        if far is None or self._far_r0 != r0:
-            far = self._far = self._far_rows(slice(None), r0)
-            self._far_r0 = r0
-        elif self._far_dirty:
-            rows = np.fromiter(self._far_dirty, dtype=np.int64)  # [R]
-            far[rows] = self._far_rows(rows, r0)
-        self._far_dirty.clear()
-        return far
-
-    def _f_rows(self, rows: slice | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """f (floored at 1e-3; unseen layers 1e-3) and its bucket for the keys of layers `rows`: [R,NE] each."""
-        idx = np.arange(self._n_layers)[rows]  # [R]
-        seen = self.rank[idx] >= 0
-        f = np.zeros((len(idx), self._n_exp))
-        f[seen] = self._share(idx[seen])
-        f = np.maximum(f, 1e-3)
-        return f, self._bucket(f)
-
-    def _far_rows(self, rows: slice | np.ndarray, r0: int) -> np.ndarray:
-        """E[T] of the keys of layers `rows` seen from the layer of rank `r0`: [R,NE] (f and buckets up to date)."""
         L = len(self._layers)
-        assert self._fc is not None
-        f = self._fc[rows]  # [R,NE]
-        rank = self.rank[rows]  # [R]
-        d = np.where(rank >= 0, (rank - r0 - 1) % L + 1, L)[:, None]  # [R,1] steps until the layer runs next
-        ahead = (rank > r0)[:, None]  # [R,1] the layer runs later in this pass (else it ran: next pass)
+        r0 = int(self.rank[pos.layer])
+        seen = self.rank >= 0
+        d = np.where(seen, (self.rank - r0 - 1) % L + 1, L)[:, None]  # [NL,1] steps until the layer runs next
+        f = np.zeros((self._n_layers, self._n_exp))
+        f[seen] = self._share(seen)
+        f = np.maximum(f, 1e-3)
+        ahead = (self.rank > r0)[:, None]  # [NL,1] the layer runs later in this pass (else it ran: next pass)
         last = np.where(ahead, self.pass_id - 1, self.pass_id)  # pass of the layer's last run
-        if self.recency:
-            recent = self.used_pass[rows] == last  # [R,NE]
-            p1 = (self.rec_used / self.rec_seen)[self._bc[rows], recent.astype(np.int64)]
-        else:
-            p1 = f
+        recent = self.used_pass == last
+        rec = self.rec_used / self.rec_seen
+        p1 = rec[self._bucket(f), recent.astype(np.int64)] if self.recency else f
         if self.proposals and self._cover_pass == self.pass_id:
-            steps = rank - self._cover_src
-            cov = ((steps > 0) & (steps <= self._cover_steps) & (rank > r0))[:, None]
+            steps = self.rank - self._cover_src
+            cov = ((steps > 0) & (steps <= self._cover_steps) & (self.rank > r0))[:, None]
             pp = self.prop_used / self.prop_seen
-            prop = self.prop_pass[rows] == self.pass_id
+            prop = self.prop_pass == self.pass_id
             p1 = np.where(cov, np.where(prop, pp[1], pp[0]), p1)
         return d + (1.0 - p1) * L / f
-
-    def _scores(self, pos: Position) -> np.ndarray:
-        """E[T] for `victim` and `reuse_steps`: the kept one unless a subclass redefines `expected_next_use`."""
-        if type(self).expected_next_use is NextUse.expected_next_use:
-            return self._far_now(pos)
-        return self.expected_next_use(pos)
 
     def victim(self, candidates: Sequence[ExpertKey], pos: Position) -> ExpertKey:
         if not candidates:
             raise RuntimeError("next-use: asked for a victim among no candidates")
-        for k in candidates if type(candidates) is not Candidates else ():
-            self._grow(*k)
-        far = self._scores(pos)  # [NL,NE]
         if type(candidates) is Candidates:
-            # resident keys by the largest E[T], then least recent, then key: the first that is a candidate
+            if type(self).expected_next_use is NextUse.expected_next_use:
+                keys = self._victim_order(pos)[0]  # [n] in the victim order
+            else:  # a subclass's own E[T]
+                keys = np.flatnonzero(self.resident)  # [n]
+                far_keys = self.expected_next_use(pos).ravel()[keys]
+                keys = keys[np.lexsort((keys, self.tick.ravel()[keys], -far_keys))]  # farthest, least recent, key
             ne = self._n_exp
-            ri = np.flatnonzero(self.resident)  # [n] resident keys l * NE + e (ascending: the keys' order)
-            order = np.lexsort((ri, self.tick.ravel()[ri], -far.ravel()[ri]))  # [n]
-            for i in ri[order].tolist():
+            for i in keys.tolist():
                 k = divmod(i, ne)
                 if k in candidates:
                     return k
+        for k in candidates:
+            self._grow(*k)
+        far = self.expected_next_use(pos)  # [NL,NE]
         return max(candidates, key=lambda k: (far[k], -self.tick[k], -k[0], -k[1]))
+
+    def _victim_order(self, pos: Position) -> tuple[np.ndarray, np.ndarray]:
+        """The tracked keys (flat l * NE + e) [n] by the largest `expected_next_use`, then least recent, then key,
+        and their E[T] [n]: one compiled call (`_victim_order`)."""
+        self._see(pos.layer)
+        size = self.resident.size
+        if self._order_buf[0].size != size:
+            self._order_buf = (np.empty(size, dtype=np.int64), np.empty(size))
+        keys, out = self._order_buf  # [NL*NE] each
+        cov = (int(self.proposals and self._cover_pass == self.pass_id), self._cover_src, self._cover_steps)
+        n = _victim_order(
+            self.uses.ravel(),
+            self.passes,
+            self.used_pass.ravel(),
+            self.prop_pass.ravel(),
+            self.rank,
+            self.resident.ravel(),
+            self.tick.ravel(),
+            self._n_exp,
+            int(self.rank[pos.layer]),
+            len(self._layers),
+            self.pass_id,
+            self.shrink,
+            np.stack((self.rec_used.ravel(), self.rec_seen.ravel())),
+            self.recency,
+            cov,
+            np.stack((self.prop_used, self.prop_seen)),
+            keys,
+            out,
+        )
+        return keys[:n], out[:n]
 
     def reuse_steps(self, key: ExpertKey, pos: Position, p: float | None = None) -> float | None:
         """`expected_next_use` of `key`; with `p`, p1 = `p` (a proposal's confidence for its layer's next run)."""
         self._see(key[0])
         self._grow(*key)
         if p is None:
-            return float(self._scores(pos)[key])
+            return float(self.expected_next_use(pos)[key])
         self._see(pos.layer)
         L = len(self._layers)
         d = (int(self.rank[key[0]]) - int(self.rank[pos.layer]) - 1) % L + 1

@@ -18,14 +18,15 @@ from pathlib import Path
 import numpy as np
 
 _HERE = Path(__file__).resolve().parent
+_SHARED = (_HERE.parent / "policies" / "next_use_sums.py",)  # outside this folder, inlined by the kernels
 _STAMP: list[str] = []
 
 
 def _core_stamp() -> str:
-    """A digest of every `cachecore*.py` source (computed once per process)."""
+    """A digest of every `cachecore*.py` source and of next-use's shared float routines (computed once per process)."""
     if not _STAMP:
         h = hashlib.sha256()
-        for p in sorted(_HERE.glob("cachecore*.py")):
+        for p in [*sorted(_HERE.glob("cachecore*.py")), *_SHARED]:
             h.update(p.name.encode() + b"\0" + p.read_bytes())
         _STAMP.append(h.hexdigest())
     return _STAMP[0]

@@ -224,7 +224,7 @@ class ExpertsCall:
         span: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """`grouped_experts` over the device slots (`rows` = each row's slot) or, with `views`, the host store;
-        `span`: the slots ascend with the experts within it (weights read in place, `grouped_experts`)."""
+        `span`: the slots ascend with the experts within it (weights read in place, `grouped_experts_in_place`)."""
         w = self.cache.views if views is None else views
         if span is not None:
             return grouped_experts_in_place(module, x, w, rows, span, self._aranges)

@@ -7,7 +7,8 @@ between is what makes the first token slow. `StagedPrefill` takes over the prefi
 
 0. with a prefetch policy, at the pass start (`start`, after the bound's snapshot): the first MoE layer's
    experts predicted by its router from the embeddings are staged (the slots `stage_room` gives), then the
-   later layers' into empty slots only, so the link copies from the first moment, not from the first router;
+   later layers' into empty slots only (predicted once the first layer's copies are handed over), so the link
+   copies from the first moment, not from the first router;
 1. at a MoE layer's router hook its routed experts R_l (unique, sorted) are known (ONE host read, which also
    carries the pre-gate counts of step 3): queued copies of l's experts outside R_l are withdrawn
    (`cache.cancel_stale`); R_l is cut into waves of consecutive experts (`plan`; each wave's rows are one
@@ -23,6 +24,10 @@ between is what makes the first token slow. `StagedPrefill` takes over the prefi
    token's top-k; the most-routed ones, in id order) into the slots of its part that no wave pins and no expert
    of that layer holds (`cache.stage`, prefetch priority: demand copies overtake them while queued). They land
    during l's compute and the next layer's attention; when it routes they are resident and form its first waves.
+   The policy's step is skipped when it can change nothing (`step_useless`: a cache of every expert, every later
+   layer's experts in slots).
+4. a wave whose slots ascend with its experts (`slot_span`; a cold prefill fills slots in id order) reads their
+   weights in place (`grouped_experts_in_place`) instead of gathering them.
 
 Chunking. w = max(1, min(wave capacity, part capacity // 2)): a prompt that routes more experts than the cache
 holds is computed in chunks of its layer's experts. Each chunk computes ALL the rows its experts get (the stock
