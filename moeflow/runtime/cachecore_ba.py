@@ -190,6 +190,12 @@ def ba_evict(I, F, k, s):
         F[bi] = F[bi + L]
     if ref == I[br]:
         I[br] = I[br + L]
+    _slot_list_remove(I, q, C, s)
+
+
+@_fn
+def _slot_list_remove(I, q, C, s):
+    """Slot s leaves layer rank q's slot list (the list's last takes its place); next-use's core shares it."""
     lsl, i = I[O_LSL] + q * C, I[I[O_SPOS] + s]
     n = I[I[O_LSN] + q] - 1
     last = I[lsl + n]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from ..policies.next_use_sums import bucket as _bucket
 from ..policies.next_use_sums import row_sum as _row_sum
-from .cachecore_ba import _see
+from .cachecore_ba import _see, _slot_list_remove
 from .cachecore_layout import (
     H_C,
     H_E,
@@ -166,13 +166,7 @@ def nu_insert(I, F, k, pr, prefetched):
 @_fn
 def nu_evict(I, F, k, s):
     """`on_evict`: slot s leaves its layer's list (the list's last takes its place)."""
-    q, C = I[I[O_KR] + k], I[H_C]
-    lsl, i = I[O_LSL] + q * C, I[I[O_SPOS] + s]
-    n = I[I[O_LSN] + q] - 1
-    last = I[lsl + n]
-    I[lsl + i] = last
-    I[I[O_SPOS] + last] = i
-    I[I[O_LSN] + q] = n
+    _slot_list_remove(I, I[I[O_KR] + k], I[H_C], s)
 
 
 @_fn
