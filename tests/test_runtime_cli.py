@@ -77,3 +77,29 @@ def test_run_refuses_bad_input(ckpt, capsys):
     assert _run(["run", "-m", str(ckpt), "--prompts", p, "--link", "emulated:x"]) == 2
     assert _run(["run", "-m", str(ckpt), "--prompts", p, "-e", "lru,lfu"]) == 2
     assert "--sweep" in capsys.readouterr().err
+
+
+def test_warm_up_runs_on_a_fast_link_but_the_timed_run_on_the_requested_one(ckpt, monkeypatch, capsys):
+    """The untimed warm-up of an emulated-link run copies at `WARM_UP_GBPS` (the same code paths, no seconds of
+    slow copies); the timed run keeps the link the user asked for."""
+    import moeflow.stages.run as run_stage
+    import moeflow.stages.session as session
+    from moeflow.runtime.link import make_link
+
+    seen: dict[str, list[str]] = {"warm": [], "timed": []}
+
+    def spy(where):
+        def make(spec, device):
+            seen[where].append(spec)
+            return make_link(spec, device)
+
+        return make
+
+    monkeypatch.setattr(session, "make_link", spy("warm"))
+    monkeypatch.setattr(run_stage, "make_link", spy("timed"))
+    args = ["run", "-m", str(ckpt), "--prompts", str(ckpt.parent / "p.txt"), "--limit", "1", "--max-new-tokens", "2"]
+    code = _run([*args, "--mode", "offload", "-c", "50%", "--link", "emulated:0.5", "--threads", "1", "--json"])
+    assert code == 0, capsys.readouterr().err
+    assert seen["warm"] == [f"emulated:{session.WARM_UP_GBPS:g}"]
+    assert seen["timed"] == ["emulated:0.5"]
+    assert session.warm_up_link("direct") == "direct"

@@ -77,8 +77,9 @@ def warm_up(
 ) -> None:
     """One untimed generation of `inputs` (input ids [1,P] each) on an engine and link of its own
     (`make_engine(link)`), so nothing of it reaches the timed run's counters or outputs; `step_size`: set the
-    S the timed run uses on it first (`use_step_size`)."""
-    wlink = make_link(s.link_spec, s.device)
+    S the timed run uses on it first (`use_step_size`). An emulated link warms up at a fast rate: the warm-up runs
+    the same code paths, and on a slow emulated link its copies would take seconds that measure nothing."""
+    wlink = make_link(warm_up_link(s.link_spec), s.device)
     weng = make_engine(wlink)
     try:
         with weng if weng is not None else contextlib.nullcontext(), run_hooks(cfg, s.model, s.spec, weng, s.cal, s.lookahead):
@@ -88,6 +89,16 @@ def warm_up(
     finally:
         if weng is None:
             wlink.close()
+
+
+WARM_UP_GBPS = 1000.0  # an emulated link's rate during the untimed warm-up (GB/s)
+
+
+def warm_up_link(link_spec: str) -> str:
+    """The link the untimed warm-up uses: `link_spec` itself, except that an emulated link runs at
+    `WARM_UP_GBPS` with no latency (a CUDA or direct link is the real one)."""
+    kind, _, _ = parse_link(link_spec)
+    return f"emulated:{WARM_UP_GBPS:g}" if kind == "emulated" else link_spec
 
 
 def resolve_link(cfg: RunConfig, device: torch.device) -> str:
