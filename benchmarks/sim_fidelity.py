@@ -1,20 +1,27 @@
 """Simulator fidelity: does the modelled link predict `moeflow run`'s TPOT?
 
 Traces the prompts once (`moeflow trace --record-hidden --hidden-dtype float32`: the routing `moeflow run` will
-take, greedy), calibrates once (`moeflow calibrate --link-gbps/--link-latency-us` of `--link`, so the
-calibration holds the engine's host times, `engine_time`, and the emulated link's, `link_timing`), then for
+take, greedy), calibrates (`moeflow calibrate --link-gbps/--link-latency-us` of `--link`, so the
+calibration holds the engine's host times, `engine_time`, and the emulated link's, `link_timing`: see
+`--repeats`), then for
 every configuration eviction (`--eviction`) x capacity (`--capacity`) x prefetch (`none`, and `pregate` at each
 S of `--lookahead`) measures TPOT with `moeflow run --link emulated:...` (moeflow.stages.run.main, the same
 calibration) and predicts it with `moeflow simulate --link emulated:...` on the trace, twice:
 - `baseline`: `--layer-time-us` = the calibration's `layer_time_s` (T_l, the stock decoder layer) and nothing else;
 - `calibrated`: `--calibrated-time` (`moeflow.sim.simulator.TimeModel.from_calibration`: per MoE layer
-  attention, router hook, prefetch proposal and experts call, the rest of the pass, the link's submit and wake).
-`--repeats N` runs the whole `moeflow run` sweep N times (one model load) and keeps each configuration's median
-TPOT. Each row also says whether the run's decode hits equal the simulator's (`same_hits`: the same accesses).
+  attention, router hook, prefetch proposal, the experts call before and after its wait, the rest of the pass; the
+  engine's host time per demand and per prefetch copy; the link's wake lateness).
+`--repeats N` calibrates and runs the whole `moeflow run` sweep N times, each sweep right after its own
+calibration (on a shared machine both then see the load of the same minutes), predicts each sweep with its own
+calibration, and keeps each configuration's median TPOT, measured and predicted.
+Each row also says whether the run's decode hits equal the simulator's (`same_hits`: the same accesses).
 
 Prints the table, writes `--out-dir`/sim_fidelity.json, and ends with one JSON line: `tpot_mean_abs_error` (mean
 of |predicted - measured| / measured, a fraction) and `spearman` (rank correlation over the configurations,
-scipy.stats.spearmanr) of the calibrated model, and `baseline` with the same two figures for T_l alone.
+scipy.stats.spearmanr) of the calibrated model, and `baseline` with the same two figures for T_l alone;
+`steady` the same figures over the configurations whose measured TPOT moved little between repeats (spread =
+(max - min) / median <= `--steady`: on a loaded machine a TPOT moves by +-20-40%), and `load_average` (the
+machine's 1/5/15-minute load at the start and the end).
 
     .venv/bin/python benchmarks/sim_fidelity.py --threads 1
     .venv/bin/python benchmarks/sim_fidelity.py --model models/olmoe-deep --limit 2 --repeats 3 --threads 1
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -58,6 +66,7 @@ def trace(args: argparse.Namespace, out: Path) -> None:
         limit=args.limit,
         record_hidden=True,
         hidden_dtype="float32",  # exact router inputs: pregate replays the run's proposals
+        batch_size=1,  # each prompt alone: the routing `moeflow run` sees (batched rounding can differ)
         data_dir=args.data_dir,
         threads=args.threads,
         progress=False,
@@ -83,40 +92,37 @@ def calibrate(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return calibrate_main(cfg)
 
 
-def measure(args: argparse.Namespace, cal: Path, lookaheads: list[int]) -> dict[tuple[int, str, str, int], dict[str, Any]]:
-    """(capacity experts, eviction, prefetch, S) -> {"tpot_s": median over repeats, "tpots", "hits", "accesses"}."""
+def measure(
+    args: argparse.Namespace, cal: Path, lookaheads: list[int], got: dict[tuple[int, str, str, int], dict[str, Any]]
+) -> None:
+    """One `moeflow run` sweep with calibration `cal`, added to `got`: (capacity experts, eviction, prefetch, S) ->
+    {"tpots", "stalls": one per sweep, "hits", "accesses"}."""
     from moeflow.stages.run import main as run_main
     from moeflow.stages.run_config import RunConfig
 
-    got: dict[tuple[int, str, str, int], dict[str, Any]] = {}
-    for _ in range(args.repeats):
-        for s in lookaheads:
-            cfg = RunConfig(
-                model=args.model,
-                prompts=args.prompts,
-                data_dir=args.data_dir,
-                limit=args.limit,
-                max_new_tokens=args.max_new_tokens,
-                capacities=tuple(args.capacity),
-                evictions=tuple(args.eviction),
-                prefetches=("none", "pregate") if s == lookaheads[0] else ("pregate",),
-                link=args.link,
-                lookahead=s,
-                calibration=str(cal),
-                threads=args.threads,
-                sweep=True,
-            )
-            for r in run_main(cfg, console=Console(file=io.StringIO())):
-                key = (int(r["capacity_experts"]), r["eviction"], r["prefetch"], s if r["prefetch"] != "none" else 0)
-                m = r["metrics"]
-                row = got.setdefault(key, {"tpots": []})
-                row["tpots"].append(m["tpot_s"])
-                row["hits"], row["accesses"] = m["decode_counters"]["hits"], m["decode_counters"]["accesses"]
-                row.setdefault("stalls", []).append(m["decode_counters"]["stall_s"] / max(1, m["decode_passes"]))
-    for row in got.values():
-        row["tpot_s"] = statistics.median(row["tpots"])
-        row["stall_s"] = statistics.median(row["stalls"])
-    return got
+    for s in lookaheads:
+        cfg = RunConfig(
+            model=args.model,
+            prompts=args.prompts,
+            data_dir=args.data_dir,
+            limit=args.limit,
+            max_new_tokens=args.max_new_tokens,
+            capacities=tuple(args.capacity),
+            evictions=tuple(args.eviction),
+            prefetches=("none", "pregate") if s == lookaheads[0] else ("pregate",),
+            link=args.link,
+            lookahead=s,
+            calibration=str(cal),
+            threads=args.threads,
+            sweep=True,
+        )
+        for r in run_main(cfg, console=Console(file=io.StringIO())):
+            key = (int(r["capacity_experts"]), r["eviction"], r["prefetch"], s if r["prefetch"] != "none" else 0)
+            m = r["metrics"]
+            row = got.setdefault(key, {"tpots": []})
+            row["tpots"].append(m["tpot_s"])
+            row["hits"], row["accesses"] = m["decode_counters"]["hits"], m["decode_counters"]["accesses"]
+            row.setdefault("stalls", []).append(m["decode_counters"]["stall_s"] / max(1, m["decode_passes"]))
 
 
 def predict(
@@ -160,6 +166,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--eviction", default="lru,least-stale")
     ap.add_argument("--lookahead", default="1,2", help="step sizes S for pregate (none runs once)")
     ap.add_argument("--repeats", type=int, default=2, help="moeflow run sweeps (default 2); each configuration's median TPOT")
+    ap.add_argument(
+        "--steady",
+        type=float,
+        default=0.2,
+        help="`steady` figures: configurations whose TPOT spread is at most this (default 0.2)",
+    )
     ap.add_argument("--decode-steps", type=int, default=64, help="decode steps moeflow calibrate times (default 64)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--data-dir", default=None)
@@ -171,21 +183,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.link.startswith("emulated:") or args.repeats < 1 or not lookaheads or min(lookaheads) < 1:
         ap.error("--link must be emulated:GBPS[,LATENCY_US]; --repeats and every --lookahead >= 1")
     say = Console(stderr=True).print
+    load = {"start": list(os.getloadavg())}
     with tempfile.TemporaryDirectory(prefix="sim_fidelity-") as tmp:
         work = Path(tmp)
         say("[dim]tracing ...[/]")
         trace(args, work / "trace")
-        say("[dim]calibrating ...[/]")
-        cal_rec = calibrate(args, work / "calibration.json")
-        say("[dim]moeflow run ...[/]")
-        meas = measure(args, work / "calibration.json", lookaheads)
-        say("[dim]moeflow simulate ...[/]")
-        base = predict(args, work / "trace", work / "calibration.json", cal_rec, lookaheads, calibrated=False)
-        full = predict(args, work / "trace", work / "calibration.json", cal_rec, lookaheads, calibrated=True)
+        meas: dict[tuple[int, str, str, int], dict[str, Any]] = {}
+        preds: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        cal_recs = []
+        for i in range(args.repeats):  # each sweep after its own calibration: both see the load of the same minutes
+            cal = work / f"calibration-{i}.json"
+            say(f"[dim]repeat {i + 1}/{args.repeats}: calibrating ...[/]")
+            cal_recs.append(calibrate(args, cal))
+            say(f"[dim]repeat {i + 1}/{args.repeats}: moeflow run ...[/]")
+            measure(args, cal, lookaheads, meas)
+            say(f"[dim]repeat {i + 1}/{args.repeats}: moeflow simulate ...[/]")
+            preds.append(
+                (
+                    predict(args, work / "trace", cal, cal_recs[-1], lookaheads, calibrated=False),
+                    predict(args, work / "trace", cal, cal_recs[-1], lookaheads, calibrated=True),
+                )
+            )
+    load["end"] = list(os.getloadavg())
     rows = []
     for key in sorted(meas, key=lambda k: (k[0], k[1], k[2], k[3])):
         c, ev, pf, s = key
-        m, b, f = meas[key], base[key], full[key]
+        m, f = meas[key], preds[0][1][key]
+        m["tpot_s"], m["stall_s"] = statistics.median(m["tpots"]), statistics.median(m["stalls"])
+        pred_tpots = [p[1][key]["predicted_tpot_s"] for p in preds]
+        pred_stalls = [
+            p[1][key]["stall_s"] * p[1][key]["predicted_tpot_s"] / p[1][key]["time_s"] if p[1][key]["time_s"] else 0.0
+            for p in preds
+        ]
         rows.append(
             {
                 "capacity": c,
@@ -194,31 +223,55 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "lookahead": s or None,
                 "measured_tpot_s": m["tpot_s"],
                 "measured_tpots": m["tpots"],
-                "baseline_tpot_s": b["predicted_tpot_s"],
-                "predicted_tpot_s": f["predicted_tpot_s"],
+                "spread": (max(m["tpots"]) - min(m["tpots"])) / m["tpot_s"],
+                "baseline_tpot_s": statistics.median(p[0][key]["predicted_tpot_s"] for p in preds),
+                "predicted_tpot_s": statistics.median(pred_tpots),
+                "predicted_tpots": pred_tpots,
                 "measured_hit_rate": m["hits"] / m["accesses"] if m["accesses"] else None,
                 "simulated_hit_rate": f["hit_rate"],
                 "same_hits": m["hits"] == f["decode_counters"]["hits"] and m["accesses"] == f["decode_counters"]["accesses"],
                 "measured_stall_per_token_s": m["stall_s"],
-                "predicted_stall_per_token_s": f["stall_s"] * f["predicted_tpot_s"] / f["time_s"] if f["time_s"] else 0.0,
+                "predicted_stall_per_token_s": statistics.median(pred_stalls),
             }
         )
-    measured = [r["measured_tpot_s"] for r in rows]
-    figures = {
-        name: {"tpot_mean_abs_error": mean_abs_error(pred, measured), "spearman": spearman(pred, measured)}
-        for name, pred in (
-            ("calibrated", [r["predicted_tpot_s"] for r in rows]),
-            ("baseline", [r["baseline_tpot_s"] for r in rows]),
-        )
-    }
+    steady_rows = [r for r in rows if r["spread"] <= args.steady]
+
+    def figures_of(rs: list[dict[str, Any]]) -> dict[str, Any]:
+        measured = [r["measured_tpot_s"] for r in rs]
+        return {
+            name: {"tpot_mean_abs_error": mean_abs_error(pred, measured), "spearman": spearman(pred, measured)}
+            if len(rs) > 1
+            else None
+            for name, pred in (
+                ("calibrated", [r["predicted_tpot_s"] for r in rs]),
+                ("baseline", [r["baseline_tpot_s"] for r in rs]),
+            )
+        }
+
+    figures = figures_of(rows)
+    steady = {"max_spread": args.steady, "configurations": len(steady_rows), **figures_of(steady_rows)}
     t = Table(
         title=f"sim fidelity — {Path(args.model).name}, {args.link}, {args.limit} prompts x {args.max_new_tokens} tokens",
-        caption="TPOT ms: measured by moeflow run (median of --repeats), predicted by moeflow simulate with T_l only "
+        caption="TPOT ms: measured by moeflow run (median of --repeats; spread: (max - min) / median), predicted by "
+        "moeflow simulate with T_l only "
         "(baseline) and with --calibrated-time; hit, sim hit: decode hit rate of the run and the simulator (a victim is "
         "never a slot still loading, so timing moves them apart); stall, pred stall: ms per decode token waiting for "
         "copies, measured and predicted (calibrated)",
     )
-    for col in ("C", "policies", "S", "hit", "sim hit", "measured", "baseline", "calibrated", "err %", "stall", "pred stall"):
+    for col in (
+        "C",
+        "policies",
+        "S",
+        "hit",
+        "sim hit",
+        "measured",
+        "spread %",
+        "baseline",
+        "calibrated",
+        "err %",
+        "stall",
+        "pred stall",
+    ):
         t.add_column(col, justify="left" if col == "policies" else "right")
     for r in rows:
         t.add_row(
@@ -228,6 +281,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{r['measured_hit_rate']:.3f}" if r["measured_hit_rate"] is not None else "-",
             f"{r['simulated_hit_rate']:.3f}",
             f"{r['measured_tpot_s'] * 1e3:.2f}",
+            f"{100 * r['spread']:.0f}",
             f"{r['baseline_tpot_s'] * 1e3:.2f}",
             f"{r['predicted_tpot_s'] * 1e3:.2f}",
             f"{100 * (r['predicted_tpot_s'] / r['measured_tpot_s'] - 1):+.1f}",
@@ -237,9 +291,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     Console(width=120).print(t)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cal_keep = {k: cal_rec.get(k) for k in ("layer_time_s", "engine_time", "link_timing", "initial_s", "best_threads")}
+    cal_keep = [
+        {k: c.get(k) for k in ("layer_time_s", "engine_time", "link_timing", "initial_s", "best_threads", "load_average")}
+        for c in cal_recs
+    ]
     (out / "sim_fidelity.json").write_text(
-        json.dumps({"args": vars(args), "calibration": cal_keep, "figures": figures, "rows": rows}, indent=1, default=str)
+        json.dumps(
+            {"args": vars(args), "calibration": cal_keep, "figures": figures, "steady": steady, "load": load, "rows": rows},
+            indent=1,
+            default=str,
+        )
     )
     final = {
         "benchmark": "sim_fidelity",
@@ -249,6 +310,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "same_hits": sum(r["same_hits"] for r in rows),
         **figures["calibrated"],
         "baseline": figures["baseline"],
+        "steady": steady,
+        "load_average": load,
         "table": str(out / "sim_fidelity.json"),
     }
     sys.stdout.write(json.dumps(final) + "\n")

@@ -81,7 +81,7 @@ def main() -> None:
     common = ["--model", a.model, "--prompts", a.prompts, "--limit", str(a.limit), "--max-new-tokens", str(a.max_new_tokens)]
     trace = a.trace or str(work / "trace")
     if not a.trace:
-        sh(["trace", *common, "--record-hidden", "--threads", str(a.threads), "--out", trace, "--json"])
+        sh(["trace", *common, "--record-hidden", "--batch-size", "1", "--threads", str(a.threads), "--out", trace, "--json"])
 
     link = f"emulated:{a.gbps:g}"
     s_values = [int(s) for s in a.s_values.split(",")]

@@ -110,8 +110,16 @@ def missing_model(path: str | os.PathLike) -> str:
     )
 
 
-def load_model(path: str | os.PathLike, *, dtype: str = "auto", device: str = "cpu", experts_implementation: str | None = None):
-    """(model, tokenizer) from a local Hugging Face checkpoint folder, in eval mode.
+def load_model(
+    path: str | os.PathLike,
+    *,
+    dtype: str = "auto",
+    device: str = "cpu",
+    experts_implementation: str | None = None,
+    tokenizer: bool = True,
+):
+    """(model, tokenizer) from a local Hugging Face checkpoint folder, in eval mode (tokenizer None with
+    `tokenizer=False`: `moeflow train` needs none).
 
     Raises MoeflowError with a one-line fix when the folder is missing or not an MoE model.
     """
@@ -147,7 +155,7 @@ def load_model(path: str | os.PathLike, *, dtype: str = "auto", device: str = "c
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise ArtifactError(f"cannot load the weights in {p}: {_first_line(e)}; re-save or re-download the checkpoint") from e
     model = model.to(device).eval()
-    tok = AutoTokenizer.from_pretrained(p) if _has_tokenizer(p) else None
+    tok = AutoTokenizer.from_pretrained(p) if tokenizer and _has_tokenizer(p) else None
     get_adapter(model)  # fail early on a checkpoint without MoE layers
     return model, tok
 

@@ -233,23 +233,53 @@ def test_cli_on_cuda(tmp_path, tiny_models):
 
 
 def test_split_passes_adds_up_to_the_period():
-    """Each decode pass's period (end to end) = per MoE layer attention + router hook + proposal + experts call,
-    plus the rest (`token_s`); a pass that did not route every MoE layer once, in order, is skipped."""
+    """Each decode pass's period (end to end) = per MoE layer attention + router hook + proposal + the experts call
+    before its wait (dispatch) and after it, plus the rest (`token_s`); a pass that did not route every MoE layer
+    once, in order, is skipped; the copies issued per pass are averaged."""
     from moeflow.calibrate.measure import split_passes
 
-    def mark(t0):  # pass start t0; layer l: router hook at +1, +1.5 (0.25 of it the proposal), experts end +2
+    def mark(t0):  # pass start t0; layer l: router hook at +1, +1.5 (0.25 of it the proposal), wait +1.625, end +2
         route = [(l, t0 + 1 + 2 * i, t0 + 1.5 + 2 * i, 0.25) for i, l in enumerate((0, 2))]
-        experts = [(l, t0 + 2 + 2 * i) for i, l in enumerate((0, 2))]
-        return {"start": t0, "end": t0 + 5, "route": route, "experts": experts}
+        experts = [(l, t0 + 2 + 2 * i, t0 + 1.625 + 2 * i) for i, l in enumerate((0, 2))]
+        return {"start": t0, "end": t0 + 5, "route": route, "experts": experts, "loads0": (0, 0), "loads1": (3, 1)}
 
     passes = [mark(0.0), mark(6.0), mark(13.0), {**mark(20.0), "route": mark(20.0)["route"][:1]}]
+    passes[2]["loads1"] = (5, 0)
     out = split_passes(passes, (0, 2))
     assert out["attention_s"] == [1.0, 1.0] and out["route_s"] == [0.25, 0.25] and out["predict_s"] == [0.25, 0.25]
-    assert out["experts_s"] == [0.5, 0.5] and out["passes"] == 2  # the 4th pass routed one layer: skipped
+    assert out["dispatch_s"] == [0.125, 0.125] and out["experts_s"] == [0.375, 0.375]
+    assert out["passes"] == 2  # the 4th pass routed one layer: skipped
+    assert (out["demand_loads"], out["prefetch_loads"]) == (4.0, 0.5)
+    # an experts call that waited for nothing (no wait mark): all of it after the router hook is experts_s
+    for p in passes:
+        p["experts"] = [(l, t, None) for l, t, _ in p["experts"]]
+    out = split_passes(passes, (0, 2))
+    assert out["dispatch_s"] == [0.0, 0.0] and out["experts_s"] == [0.5, 0.5]
     # periods 6 and 7 (end to end) less the 4 s the layers took
     assert out["token_s"] == pytest.approx(2.5)
     with pytest.raises(RuntimeError, match="no decode pass"):
         split_passes(passes[:1], (0, 2))
+
+
+def test_copy_costs_per_copy_over_the_resident_engine():
+    """The router hook's extra seconds per demand copy and the proposal's per prefetch copy: a small cache's split
+    against the resident one's; none issued (or no extra time) -> 0."""
+    from moeflow.calibrate.measure import copy_costs
+
+    resident = {"route_s": [1.0, 1.0], "predict_s": {"pregate": [0.5, 0.0]}}
+    loaded = {"route_s": [2.0, 1.5], "predict_s": {"pregate": [1.0, 0.25]}, "demand_loads": 3.0, "prefetch_loads": 0.5}
+    assert copy_costs(resident, loaded, "pregate") == pytest.approx({"demand_copy_s": 0.5, "prefetch_copy_s": 1.5})
+    loaded.update(route_s=[0.5, 0.5], prefetch_loads=0.0)
+    assert copy_costs(resident, loaded, "pregate") == {"demand_copy_s": 0.0, "prefetch_copy_s": 0.0}
+
+
+def test_wait_lateness_spreads_every_extra_stall_over_the_waits_that_slept():
+    """(entry, due, return): a wait that slept 1 s and returned 0.5 s late, one entered after its copy was due that
+    still stalled 0.25 s (the copy not made yet), one that returned at once: 0.75 s over the one wait that slept."""
+    from moeflow.calibrate.measure import wait_lateness
+
+    assert wait_lateness([(0.0, 1.0, 1.5), (2.0, 1.75, 2.25), (3.0, 2.0, 3.0)]) == (0.75, 1)
+    assert wait_lateness([(3.0, 2.0, 3.0)]) == (0.0, 0)
 
 
 def test_calibration_records_engine_and_link_time(tmp_path, tiny_models):
@@ -261,16 +291,19 @@ def test_calibration_records_engine_and_link_time(tmp_path, tiny_models):
     model = tiny_models("olmoe")
     ck = tmp_path / "tiny"
     model.save_pretrained(ck)
-    cfg = CalibrateConfig(model=str(ck), link_gbps=1.0, sizes_kib=(16,), repeats=1, decode_steps=3, write=False, threads=1)
+    cfg = CalibrateConfig(model=str(ck), link_gbps=0.002, sizes_kib=(16,), repeats=1, decode_steps=3, write=False, threads=1)
     rec = main(cfg)
     et, lt = rec["engine_time"], rec["link_timing"]
     from moeflow.moe import get_adapter
 
     n = get_adapter(model).spec.num_moe_layers
-    for k in ("attention_s", "route_s", "experts_s"):
+    for k in ("attention_s", "route_s", "dispatch_s", "experts_s"):
         assert len(et[k]) == n and min(et[k]) >= 0 and max(et[k]) > 0, k
     assert len(et["predict_s"]["pregate"]) == n and et["token_s"] >= 0 and et["passes"] == 3
     assert lt["submit_s"] > 0 and lt["wake_s"] >= 0 and lt["bytes"] == rec["expert_bytes"]
+    # the small cache's run copied: per-copy engine seconds measured from it
+    assert lt["demand_loads"] > 0 and lt["demand_copy_s"] >= 0 and lt["prefetch_copy_s"] >= 0
+    assert lt["slept_waits"] > 0 and lt["engine_wake_s"] >= 0
     tm = TimeModel.from_calibration(rec, "pregate")
     assert tm.pass_s(n, True) > tm.pass_s(n, False) > 0
     assert main(CalibrateConfig(model=str(ck), sizes_kib=(16,), repeats=1, decode_steps=3, write=False))["link_timing"] is None

@@ -41,6 +41,8 @@ def test_flags_map_to_config(monkeypatch):
             "O",
             "--max-new-tokens",
             "7",
+            "--batch-size",
+            "4",
             "--limit",
             "5",
             "--record-hidden",
@@ -75,6 +77,7 @@ def test_flags_map_to_config(monkeypatch):
         prompts="gsm8k",
         out="O",
         max_new_tokens=7,
+        batch_size=4,
         limit=5,
         record_hidden=True,
         temperature=0.7,
@@ -94,6 +97,7 @@ def test_flags_map_to_config(monkeypatch):
     res = CliRunner().invoke(app, ["trace", "--model", "M", "--prompts", "p.txt", "--out", "O"])
     assert seen["cfg"] == TraceConfig(model="M", prompts="p.txt", out="O")
     assert (seen["cfg"].max_new_tokens, seen["cfg"].max_prompt_tokens, seen["cfg"].temperature) == (32, 256, 0.0)
+    assert seen["cfg"].batch_size == 16  # the CLI's default is TraceConfig's
 
 
 def test_help_gives_units_and_defaults():
@@ -105,6 +109,8 @@ def test_help_gives_units_and_defaults():
         "default: 256",
         "--record-hidden",
         "--shard-size",
+        "--batch-size",
+        "default: 16",
         "greedy",
         "sharegpt",
     ):
@@ -124,6 +130,8 @@ def test_bad_input_gives_one_line(capsys, tmp_path, checkpoint):
     assert err.strip().count("\n") == 0
     code, err = _run(["trace", "--model", str(checkpoint), "--prompts", "x.txt"], capsys)
     assert code == 2 and "--out" in err
+    code, err = _run(["trace", "--model", str(checkpoint), "--prompts", "x.txt", "--out", str(tmp_path / "o"), "-b", "0"], capsys)
+    assert code == 2 and "--batch-size must be >= 1 prompt (got 0)" in err and err.strip().count("\n") == 0
     code, err = _run(["inspect", str(tmp_path / "missing")], capsys)
     assert code == 2 and "does not exist" in err
     assert not (tmp_path / "o").exists()

@@ -227,7 +227,7 @@ def test_second_ctrl_c_while_flushing_keeps_the_finished_prompts(tiny_models, to
     out = tmp_path / "tr"
     ps = prompts("alpha", "beta", "gamma", "delta")
     with pytest.raises(KeyboardInterrupt):
-        run_trace(tiny_models("olmoe"), tok, ps, cfg(out))
+        run_trace(tiny_models("olmoe"), tok, ps, cfg(out, batch_size=1))  # one prompt per generate
     assert Trace(out).prompt_ids == [ps[0].id, ps[1].id]
     monkeypatch.setattr(run_mod, "trace_one", real_one)
     monkeypatch.setattr(wmod, "write_shard", real_shard)
@@ -281,6 +281,8 @@ def test_sigterm_during_trace_keeps_finished_prompts(checkpoint, tiny_models, to
         "4",
         "--threads",
         "1",
+        "--batch-size",
+        "1",  # prompts added one at a time, as they finish
         "--no-progress",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))

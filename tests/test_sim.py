@@ -207,6 +207,8 @@ def traced(tmp_path_factory, tiny_models):
             "--max-new-tokens",
             "6",
             "--record-hidden",
+            "--batch-size",
+            "1",  # the routing batch-1 generation (record_generate) sees
             "--json",
         ],
     )
@@ -434,6 +436,33 @@ def test_modelled_link_submit_and_wake_seconds():
     assert plain.stall_s == pytest.approx(1.0 * MS) and plain.time_s == pytest.approx(1.3 * MS)
 
 
+def test_dispatch_overlaps_the_demand_copies():
+    """The experts call's work before its wait (`dispatch_s`, 0.4 ms) runs while layer 1's demand copy (1 ms) is in
+    flight: the wait stalls 1.0 - 0.4 ms and the pass takes 1.0 + 0.2 (experts) x 2 + 0.4 x 1 (layer 0's dispatch,
+    nothing in flight) + 0.3 ms. Placed after the wait (inside `experts_s`) it would add 0.4 ms of stall."""
+    from moeflow.sim.simulator import TimeModel
+
+    tm = TimeModel(dispatch_s=(0.4 * MS,), experts_s=(0.2 * MS,), token_s=0.3 * MS)
+    st = simulate(_two_layer_trace(), 4, "lru", "none", link="emulated:1", timing=tm, count_phase=1)
+    assert st.misses == 1 and st.stall_s == pytest.approx(0.6 * MS)
+    assert st.time_s == pytest.approx((0.4 + 0.2 + 0.4 + 0.6 + 0.2 + 0.3) * MS)
+    assert tm.pass_s(2, False) == pytest.approx((2 * 0.6 + 0.3) * MS)  # no stall: dispatch counts once per layer
+
+
+def test_modelled_link_prefetch_submit_seconds():
+    """A prefetch copy advances the clock by `prefetch_submit_s`, a demand copy by `submit_s`: layer 0 proposes
+    (1, 1) (0.25 ms of host time per prefetch copy), so layer 1's copy, due 1 ms after its submission, stalls
+    1.0 - 0.25 ms; with the same host time per demand copy only (`prefetch_submit_s` 0) it stalls 1.0 ms."""
+    from moeflow.sim.simulator import TimeModel
+
+    for pf_submit, stall in ((0.25 * MS, 0.75 * MS), (0.0, 1.0 * MS)):
+        tm = TimeModel(submit_s=0.25 * MS, prefetch_submit_s=pf_submit)
+        st = simulate(_two_layer_trace(), 4, "lru", _Scripted({2: [(1, 1)]}), link="emulated:1", timing=tm, count_phase=1)
+        assert st.prefetch_loads == 1 and st.demand_loads == 0 and st.stall_s == pytest.approx(stall)
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        TimeModel(prefetch_submit_s=-1.0)
+
+
 def test_a_new_generation_drains_the_link_untimed():
     """Prefetches still in flight when a generation ends are complete when the next one's prefill starts (as
     `moeflow run` drains the link between prompts): the second prompt's decode pass finds (0, 3) ready. Without
@@ -486,10 +515,16 @@ def test_time_model_from_calibration():
         },
         "link_timing": {"submit_s": 0.01, "wake_s": 0.02},
     }
-    tm = TimeModel.from_calibration(cal, "pregate")
-    assert tm.per_layer(2) == ([1.5, 2.5], [0.25, 0.0], [3.0, 3.0]) and (tm.submit_s, tm.wake_s) == (0.01, 0.02)
+    tm = TimeModel.from_calibration(cal, "pregate")  # an older calibration: no dispatch, no per-copy engine time
+    assert tm.per_layer(2) == ([1.5, 2.5], [0.25, 0.0], [0.0, 0.0], [3.0, 3.0]) and (tm.submit_s, tm.wake_s) == (0.01, 0.02)
+    assert tm.prefetch_copy_s == 0.01
     assert tm.pass_s(2, True) == pytest.approx(4.0 + 4.0 + 0.25 + 6.0)
     assert TimeModel.from_calibration(cal, "none").predict_s == (0.0,)
+    cal["engine_time"]["dispatch_s"] = [0.5, 1.0]
+    cal["link_timing"].update(demand_copy_s=0.04, prefetch_copy_s=0.03, engine_wake_s=0.05)
+    tm = TimeModel.from_calibration(cal, "pregate")
+    assert tm.per_layer(2)[2] == [0.5, 1.0] and (tm.submit_s, tm.prefetch_copy_s, tm.wake_s) == (0.04, 0.03, 0.05)
+    assert tm.pass_s(2, True) == pytest.approx(4.0 + 4.0 + 0.25 + 1.5 + 6.0)
     with pytest.raises(ConfigError, match="re-run `moeflow calibrate`"):
         TimeModel.from_calibration({"layer_time_s": 1.0})
 
@@ -516,13 +551,13 @@ def test_simulate_cli_calibrated_time_predicts_tpot(traced, tmp_path):
         CalibrateConfig(model=str(ck), link_gbps=1.0, sizes_kib=(16,), repeats=1, decode_steps=3, out=str(cal), threads=1)
     )
     _register()
-    base = ["simulate", "--trace", str(tr), "-c", "3", "-e", "lru", "-p", "none", "--link", "emulated:0.01"]
+    base = ["simulate", "--trace", str(tr), "-c", "3", "-e", "lru", "-p", "none", "--link", "emulated:0.001"]
     base += ["--model", str(ck), "--no-belady", "--json", "--calibration", str(cal)]
     r = CliRunner().invoke(app, [*base, "--calibrated-time"])
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout.strip().splitlines()[-1])
     want = simulate(
-        from_trace(Trace(tr)), 3, "lru", "none", link="emulated:0.01", timing=TimeModel.from_calibration(rec), count_phase=1
+        from_trace(Trace(tr)), 3, "lru", "none", link="emulated:0.001", timing=TimeModel.from_calibration(rec), count_phase=1
     )
     (row,) = res["rows"]
     assert res["time_model"] == "calibration" and want.stall_s > 0
@@ -530,7 +565,7 @@ def test_simulate_cli_calibrated_time_predicts_tpot(traced, tmp_path):
     assert row["predicted_tpot_s"] > TimeModel.from_calibration(rec).pass_s(len(want.accesses_per_layer), False)
     r = CliRunner().invoke(app, [*base, "--layer-time-us", "100"])  # without it: the layer time alone
     plain = json.loads(r.stdout.strip().splitlines()[-1])["rows"][0]
-    ref = simulate(from_trace(Trace(tr)), 3, "lru", "none", link="emulated:0.01", layer_time_s=1e-4, count_phase=1)
+    ref = simulate(from_trace(Trace(tr)), 3, "lru", "none", link="emulated:0.001", layer_time_s=1e-4, count_phase=1)
     assert plain["predicted_tpot_s"] == pytest.approx(ref.pass_s) != pytest.approx(want.pass_s)
     bad = CliRunner().invoke(app, [*base, "--calibrated-time", "--layer-time-us", "5"])
     assert bad.exit_code != 0 and isinstance(bad.exception, MoeflowError) and "drop --layer-time-us" in str(bad.exception)

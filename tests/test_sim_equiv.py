@@ -58,6 +58,8 @@ def both(tmp_path_factory, tiny_models):
             "--record-hidden",
             "--hidden-dtype",
             "float32",
+            "--batch-size",
+            "1",  # the routing `moeflow run` sees
             "--json",
         ]
     )

@@ -143,20 +143,138 @@ def test_tracing_leaves_generation_unchanged(tiny_models, arch):
     assert len(plain) > ids.shape[1]
 
 
+# ---- batched tracing -----------------------------------------------------------------------------
+
+BATCHABLE = [a for a in ARCHS if a != "deepseek_v3"]  # transformers' deepseek_v3 attention refuses a padding mask
+
+
+@pytest.mark.parametrize("arch,temperature", [*((a, 0.0) for a in BATCHABLE), ("olmoe", 1.5), ("qwen3_moe", 1.5)])
+def test_batched_records_equal_batch_one(tiny_models, arch, temperature, monkeypatch):
+    """A left-padded batch records, per prompt, exactly the rows batch 1 records (no pad rows, nothing after a
+    prompt's end-of-sequence token): same sequences, positions, phases, token ids, experts; weights, probabilities
+    and hidden states equal up to rounding. Sampled, each prompt draws what it draws alone (its own seed)."""
+    from moeflow.trace.writer import trace_batch
+
+    model = tiny_models(arch)
+    gen = {**GEN, "max_new_tokens": 6, "temperature": temperature, "top_p": 0.9}
+    kw = generation_kwargs(gen, 0)
+    ps = [torch.tensor([[9, 31, 200, 77, 5]]), torch.tensor([[44]]), torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]])]
+    seeds = [7, 8, 9] if temperature else None
+    rec = RoutingRecorder(get_adapter(model), record_hidden=True)
+    # prompt 0 ends at its 2nd new token: that token becomes the end-of-sequence token
+    first = trace_one(model, rec, ps[0], kw, seeds[0] if seeds else None)[1]
+    monkeypatch.setattr(model.generation_config, "eos_token_id", int(first[ps[0].shape[1] + 1]))
+    one = [trace_one(model, rec, p, kw, seeds[i] if seeds else None) for i, p in enumerate(ps)]
+    assert len(one[0][1]) == ps[0].shape[1] + 2 and max(len(q) - p.shape[1] for (_, q), p in zip(one, ps)) == 6
+    batched = trace_batch(model, rec, ps, kw, seeds)
+    for (r1, s1), (rb, sb) in zip(one, batched, strict=True):
+        assert sb.tolist() == s1.tolist()
+        assert set(rb) == set(r1)
+        for k in r1:
+            assert rb[k].shape == r1[k].shape and rb[k].dtype == r1[k].dtype, k
+            if k.startswith(("topk_ids", "position", "phase", "token_id")):
+                np.testing.assert_array_equal(rb[k], r1[k], err_msg=k)
+            else:
+                np.testing.assert_allclose(rb[k].astype(np.float32), r1[k].astype(np.float32), atol=5e-3, err_msg=k)
+
+
+def test_deepseek_v3_batch_falls_back_to_batch_one(tiny_models, tok, tmp_path, monkeypatch):
+    """A model whose batched generate fails is traced one prompt at a time; the trace equals a batch-1 trace."""
+    import moeflow.stages.trace as run_mod
+
+    model = tiny_models("deepseek_v3")
+    ps = prompts("the cat sat", "on the mat", "a dog")
+    calls = []
+    real = run_mod.trace_batch
+
+    def failing(*a, **k):
+        calls.append(1)
+        raise RuntimeError("cannot batch")
+
+    monkeypatch.setattr(run_mod, "trace_batch", failing)
+    r = run_trace(model, tok, ps, cfg(tmp_path / "a", batch_size=3))
+    assert calls == [1] and r["batch_size"] == 1 and r["prompts_added"] == 3
+    monkeypatch.setattr(run_mod, "trace_batch", real)
+    r = run_trace(model, tok, ps, cfg(tmp_path / "b", batch_size=3))  # batched, or fallen back by itself
+    run_trace(model, tok, ps, cfg(tmp_path / "c", batch_size=1))
+    a, b, c = (Trace(tmp_path / x) for x in "abc")
+    assert a.prompt_ids == b.prompt_ids == c.prompt_ids == [p.id for p in ps]
+    assert a.meta["runs"][0]["batch_size"] == 1  # the size it generated with
+    for t in (a, b):
+        for name in ("prompt_id", "position", "phase", "token_id"):
+            np.testing.assert_array_equal(t.tokens()[name], c.tokens()[name])
+        for l in c.spec.moe_layers:
+            np.testing.assert_array_equal(t.layer(l)["topk_ids"], c.layer(l)["topk_ids"])
+
+
+def test_batches_group_lengths_keep_order_and_resume(tiny_models, tok, tmp_path, monkeypatch):
+    """Batches hold prompts of similar lengths, the trace keeps the prompt order, and an interrupt keeps only whole
+    windows of batches (never part of one): the next run adds the rest."""
+    import moeflow.stages.trace as run_mod
+
+    model = tiny_models("olmoe")
+    texts = [("x" * n) + f" {i}" for i, n in enumerate([9, 1, 5, 12, 3, 7, 2, 11, 4, 6])]
+    ps = prompts(*texts)
+    c = cfg(tmp_path / "tr", batch_size=2, shard_size=1)
+    assert run_mod.sort_window(c, get_adapter(model).spec.to_dict()) == 8  # 4 batches of 2
+    real, seen = run_mod.trace_batch, []
+
+    def spy(model, rec, ids, *a, **k):
+        seen.append([x.shape[1] for x in ids])
+        if len(seen) == 5:  # the first batch of the second window
+            raise KeyboardInterrupt
+        return real(model, rec, ids, *a, **k)
+
+    monkeypatch.setattr(run_mod, "trace_batch", spy)
+    with pytest.raises(KeyboardInterrupt):
+        run_trace(model, tok, ps, c)
+    lens = [len(tok(t)["input_ids"]) for t in texts[:8]]
+    assert [n for b in seen[:4] for n in b] == sorted(lens)  # the first window, shortest first
+    t = Trace(tmp_path / "tr", verify=True)
+    assert t.prompt_ids == [p.id for p in ps[:8]]  # in prompt order; nothing of the interrupted window
+    monkeypatch.setattr(run_mod, "trace_batch", real)
+    r = run_trace(model, tok, ps, c)
+    assert r["prompts_skipped"] == 8 and r["prompts_added"] == 2
+    t = Trace(tmp_path / "tr", verify=True)
+    assert t.prompt_ids == [p.id for p in ps]
+    whole = tmp_path / "one"
+    run_trace(model, tok, ps, cfg(whole, batch_size=1))
+    for name in ("prompt_id", "position", "phase", "token_id"):
+        np.testing.assert_array_equal(t.tokens()[name], Trace(whole).tokens()[name])
+
+
+def test_shards_are_written_without_pa_array(tiny_models, tok, tmp_path, monkeypatch):
+    """Shards are built from the numpy buffers, not `pa.array` (which imports pandas: seconds per run)."""
+    import pyarrow as pa
+
+    def no(*a, **k):
+        raise AssertionError("pa.array called")
+
+    monkeypatch.setattr(pa, "array", no)
+    run_trace(tiny_models("olmoe"), tok, prompts("hello there", "hi"), cfg(tmp_path / "tr", record_hidden=True))
+    monkeypatch.undo()
+    t = Trace(tmp_path / "tr", verify=True)
+    assert len(t) == len(t.tokens()["position"]) > 0 and t.layer(0)["hidden_in"].dtype == np.float16
+
+
 # ---- the trace folder ----------------------------------------------------------------------------
 
 
-def test_trace_append_skip_and_reader(tiny_models, tok, tmp_path):
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_trace_append_skip_and_reader(tiny_models, tok, tmp_path, batch_size):
+    """Appends skip traced prompts; each prompt's rows are consecutive positions whose prefill rows are its tokens
+    (batch 2: a padded batch, then a batch of one)."""
     model = tiny_models("olmoe")
     out = tmp_path / "tr"
     a = prompts("the cat sat", "on the mat", "a dog")
-    r1 = run_trace(model, tok, a, cfg(out))
+    r1 = run_trace(model, tok, a, cfg(out, batch_size=batch_size))
     assert r1["prompts_added"] == 3 and r1["prompts_skipped"] == 0
-    r2 = run_trace(model, tok, a[1:] + prompts("new prompt", "another one"), cfg(out))
+    r2 = run_trace(model, tok, a[1:] + prompts("new prompt", "another one"), cfg(out, batch_size=batch_size))
     assert r2["prompts_added"] == 2 and r2["prompts_skipped"] == 2
     t = Trace(out, verify=True)
     assert t.prompt_ids == [p.id for p in a] + [prompt_id("new prompt"), prompt_id("another one")]
     assert len(t.meta["shards"]) == 2 and len(t.meta["runs"]) == 2
+    assert [r["batch_size"] for r in t.meta["runs"]] == [batch_size] * 2
     assert len(t) == t.num_tokens == r1["tokens_added"] + r2["tokens_added"] == t.meta["num_tokens"]
     tk = t.tokens()
     assert sorted(set(tk["prompt_id"].tolist())) == [0, 1, 2, 3, 4]
@@ -203,11 +321,11 @@ def test_small_shards_and_crash_resume(tiny_models, tok, tmp_path, monkeypatch):
 
     monkeypatch.setattr(run_mod, "trace_one", flaky)
     with pytest.raises(KeyboardInterrupt):
-        run_trace(model, tok, ps, cfg(out, shard_size=1))
+        run_trace(model, tok, ps, cfg(out, shard_size=1, batch_size=1))
     t = Trace(out)
     assert t.prompt_ids == [ps[0].id, ps[1].id] and len(t.meta["shards"]) == 2
     monkeypatch.setattr(run_mod, "trace_one", real)
-    r = run_trace(model, tok, ps, cfg(out, shard_size=1))
+    r = run_trace(model, tok, ps, cfg(out, shard_size=1, batch_size=1))
     assert r["prompts_added"] == 2 and r["prompts_skipped"] == 2
     t = Trace(out, verify=True)
     assert t.prompt_ids == [p.id for p in ps] and len(t.meta["shards"]) == 4
@@ -374,4 +492,6 @@ def test_sampling_is_seeded_per_prompt(tiny_models, tok, tmp_path):
     c = token_ids(tmp_path / "c", ps, seed=1)
     assert a == b
     assert a != c
+    kw["batch_size"] = 1  # each prompt alone draws what it draws in a batch (its own generator)
+    assert token_ids(tmp_path / "d", ps) == a
     assert Trace(tmp_path / "a").meta["generation"]["do_sample"] is True

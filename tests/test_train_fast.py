@@ -249,25 +249,38 @@ def test_forest_tries_at_least_the_minimum_features_per_split(tiny_setup, monkey
         dataclasses.replace(cfg, forest_tree_samples=0)
 
 
-def test_evaluate_scores_each_pair_once_and_hybrid_reuses_its_parts(fitted_default, monkeypatch):
-    """One predict call per (predictor, layer, S) over all held-out rows: Hybrid's pairs take the scores of the
-    estimator or router-pf it delegates to, with the same figures as its own `predict` gives."""
-    from moeflow.predict.evaluate import evaluate
-
-    _, _, held, cfg, preds = fitted_default
-    hyb = preds["hybrid"]
-    assert hyb.router_pf is preds["router-pf"]  # fit_all hands hybrid the fitted router-pf
+def _count_calls(monkeypatch, objs: dict[str, object], method: str) -> dict[str, int]:
     calls: dict[str, int] = {}
-    for name in ("estimator", "router-pf"):
-        p = preds[name]
-        orig = p.predict
+    for name, obj in objs.items():
+        orig = getattr(obj, method)
 
         def counted(*a, _orig=orig, _name=name):
             calls[_name] = calls.get(_name, 0) + 1
             return _orig(*a)
 
-        monkeypatch.setattr(p, "predict", counted)
-    rep = evaluate(preds, held, max_s=cfg.max_s, chunk=held.n)
+        monkeypatch.setattr(obj, method, counted)
+    return calls
+
+
+def _approx_results(got: dict, want: dict) -> None:
+    """The same metrics of every pair, up to float32 rounding of the scores (a tie may break the other way)."""
+    assert got.keys() == want.keys()
+    for key, m in want.items():
+        assert got[key].keys() == m.keys()
+        for k, v in m.items():
+            assert got[key][k] == pytest.approx(v, abs=2e-3), (key, k)
+
+
+def test_evaluate_scores_each_pair_once_and_hybrid_reuses_its_parts(fitted_default, monkeypatch):
+    """Without `batched`: one predict call per (predictor, layer, S) over all held-out rows: Hybrid's pairs take
+    the scores of the estimator or router-pf it delegates to, with the same figures as its own `predict` gives."""
+    from moeflow.predict.evaluate import evaluate
+
+    _, _, held, cfg, preds = fitted_default
+    hyb = preds["hybrid"]
+    assert hyb.router_pf is preds["router-pf"]  # fit_all hands hybrid the fitted router-pf
+    calls = _count_calls(monkeypatch, {n: preds[n] for n in ("estimator", "router-pf")}, "predict")
+    rep = evaluate(preds, held, max_s=cfg.max_s, chunk=held.n, batched=False)
     pairs = held.rank_pairs(cfg.max_s)
     assert calls == {"estimator": len(pairs), "router-pf": len(pairs)}  # none more for hybrid
 
@@ -282,6 +295,29 @@ def test_evaluate_scores_each_pair_once_and_hybrid_reuses_its_parts(fitted_defau
     for (src, s), key in zip(pairs, rep["results"]["hybrid"]):
         part = "estimator" if (src, s) in hyb.use_estimator else "router-pf"
         assert rep["results"]["hybrid"][key] == rep["results"][part][key]
+
+
+def test_evaluate_batched_scores_every_s_of_a_source_layer_in_one_runner_call(fitted_default, monkeypatch):
+    """The default (`batched`): router-pf, estimator and forest score through their run-time runners, ONE
+    `scores` call per (source layer, chunk of rows) for all its S, no `predict` call; hybrid takes its parts'
+    scores; the figures are those of the per-pair `predict` path up to float32 rounding."""
+    from moeflow.predict.evaluate import evaluate
+
+    _, _, held, cfg, preds = fitted_default
+    want = evaluate(preds, held, max_s=cfg.max_s, batched=False)
+    runners = {n: preds[n].runner() for n in ("router-pf", "estimator", "forest")}
+    for n, r in runners.items():
+        monkeypatch.setattr(preds[n], "runner", lambda r=r: r)
+    scores = _count_calls(monkeypatch, runners, "scores")
+    predicts = _count_calls(monkeypatch, {n: preds[n] for n in (*runners, "hybrid")}, "predict")
+    chunk = -(-held.n // 2)  # two chunks of rows
+    got = evaluate(preds, held, max_s=cfg.max_s, chunk=chunk)
+    sources = {src for src, _ in held.rank_pairs(cfg.max_s)}
+    assert predicts == {} and scores == {n: 2 * len(sources) for n in runners}
+    for name, res in want["results"].items():
+        _approx_results(got["results"][name], res)
+    for name in ("frequency", "token-id", "pregate"):  # no runner: the same predict calls
+        assert got["results"][name] == want["results"][name]
 
 
 def test_evaluate_gives_decode_recall_in_the_same_pass(fitted_default):
@@ -314,3 +350,87 @@ def test_model_load_leaves_hqq_unimported():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, True]
+
+
+def test_trace_columns_read_zero_copy_as_to_numpy_does():
+    """`reader._numpy`: a number chunk (sliced, too) as its data buffer, the values and dtype `to_numpy` gives;
+    a chunk with nulls or of another type through `to_numpy`."""
+    import pyarrow as pa
+
+    from moeflow.trace.reader import _numpy
+
+    for dt in ("int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64"):
+        a = pa.array(np.arange(10).astype(dt)).slice(3, 5)
+        got = _numpy(a)
+        assert got.dtype == np.dtype(dt) and got.tolist() == a.to_numpy().tolist(), dt
+    assert np.isnan(_numpy(pa.array([1.0, None]))[1])
+    assert _numpy(pa.array([True, False])).tolist() == [True, False]
+
+
+def test_train_reads_the_trace_without_pandas_and_plots_without_pyplot(tiny_setup, tmp_path):  # noqa: F811
+    """Reading a trace does not import pandas (pyarrow's `to_numpy` would: about half a second), and the recall
+    plot does not import matplotlib.pyplot. In a fresh interpreter: this one may have imported both already."""
+    import subprocess
+    import sys
+
+    from tests.test_predict import REPO
+
+    _, trace, _ = tiny_setup
+    report = {"results": {"p": {"1->2": {"S": 1, "target": 2, "recall_at_k": 0.5}}}, "by_s": {"p": {1: 0.5}}, "fit": {}}
+    code = (
+        "import json, sys; from pathlib import Path; from moeflow.predict.data import from_trace; "
+        f"d = from_trace({str(trace)!r}); pandas = 'pandas' in sys.modules; "
+        "from moeflow.predict.evaluate import plot; "
+        f"plot({report!r}, Path({str(tmp_path / 'r.png')!r})); "
+        "print(json.dumps([d.n, pandas, 'matplotlib.pyplot' in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [tiny_setup[2].n, False, False]
+    assert (tmp_path / "r.png").stat().st_size > 0
+
+
+def test_train_loads_the_model_without_its_tokenizer(monkeypatch):
+    """`moeflow train` needs no tokenizer (the CasMoE planner loads its own): the model folder's is not read."""
+    import transformers
+
+    from moeflow.stages.train import load_cpu_model
+    from tests.test_predict import REPO
+
+    def refuse(*a, **k):
+        raise AssertionError("tokenizer loaded")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    model = load_cpu_model(str(REPO / "models" / "olmoe-mini"))
+    assert next(model.parameters()).dtype == torch.float32
+
+
+def test_train_runs_numpy_blas_with_its_threads(tiny_setup, tmp_path, monkeypatch):  # noqa: F811
+    """`--threads 1`: numpy's BLAS (the runners' products in the evaluation) runs on 1 thread too, not on every
+    core, and gets its count back after."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    import moeflow.predict.evaluate as ev
+    from moeflow.stages.train import TrainConfig, main
+
+    _, trace, _ = tiny_setup
+
+    def blas() -> set[int]:
+        return {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+
+    seen: list[set[int]] = []
+    real = ev.evaluate
+
+    def spy(*a, **k):
+        seen.append(blas())
+        return real(*a, **k)
+
+    monkeypatch.setattr(ev, "evaluate", spy)
+    cfg = TrainConfig(
+        trace=str(trace), out=str(tmp_path / "p"), model=str(trace.parent / "model"), only=("forest",), max_s=1, threads=1
+    )
+    cfg = dataclasses.replace(cfg, forest_trees=2, forest_max_samples=500, forest_tree_samples=200)
+    with threadpool_limits(limits=2, user_api="blas"):
+        assert blas() == {2}
+        main(cfg)
+        assert blas() == {2}
+    assert seen == [{1}]

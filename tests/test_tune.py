@@ -255,8 +255,10 @@ def test_tune_predicts_the_tpot_simulate_predicts(traced, tmp_path):  # noqa: F8
         "experts_s": [6e-4 + 1e-4 * r for r in range(L)],
         "token_s": 2e-4,
         "predict_s": {"pregate": [4e-5] * L},
+        "dispatch_s": [2e-4] * L,
     }
-    cal = _calibration(tmp_path / "cal.json", tr, engine_time=et, link_timing={"submit_s": 2e-5, "wake_s": 3e-5})
+    lt = {"submit_s": 2e-5, "wake_s": 3e-5, "demand_copy_s": 5e-5, "prefetch_copy_s": 7e-5}
+    cal = _calibration(tmp_path / "cal.json", tr, engine_time=et, link_timing=lt)
     args = ["-t", str(tr), "--calibration", str(cal), "--model", str(ck), "-e", "lru", "-f", "none,pregate"]
     r = _tune([*args, "-S", "1", "-S", "2", "--no-adaptive", "--budget", "6", "--exhaustive", "--json"])
     assert r.exit_code == 0, r.output
@@ -318,7 +320,10 @@ def test_cost_model_time_model_with_and_without_engine_time():
     cost = CostModel(gbps=0.03, latency_s=3e-4, expert_bytes=196608, layer_time_s=0.002, num_moe_layers=12, calibration=full)
     assert cost.engine_time and cost.time_model("pregate:overfetch=2") == TimeModel.from_calibration(full, "pregate")
     link = cost.link(cost.time_model("none"))
-    assert (link.submit_s, link.wake_s) == (1e-5, 2e-5)
+    assert (link.submit_s, link.wake_s, link.prefetch_submit_s) == (1e-5, 2e-5, 1e-5)
+    full["link_timing"].update(demand_copy_s=4e-5, prefetch_copy_s=6e-5)  # the engine's host time per copy
+    link = cost.link(cost.time_model("pregate"))
+    assert (link.submit_s, link.prefetch_submit_s) == (4e-5, 6e-5)
 
 
 def test_tune_finds_the_one_emulated_calibration(traced, tmp_path, monkeypatch):  # noqa: F811

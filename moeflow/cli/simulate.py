@@ -109,8 +109,9 @@ def simulate_cmd(
         False,
         "--calibrated-time",
         help="Advance the link's clock by the calibration's measured host times (per MoE layer: attention, router "
-        "hook, prefetch proposal, experts call; per pass: the rest; per copy: the emulated link's submit and wake "
-        "lateness) and predict TPOT (`predicted_tpot_s`). Needs a calibration from `moeflow calibrate` of this "
+        "hook, prefetch proposal, experts call before and after its wait; per pass: the rest; on an emulated link: "
+        "the engine's time per demand and per prefetch copy, a stalled wait's lateness) and predict TPOT "
+        "(`predicted_tpot_s`). Needs a calibration from `moeflow calibrate` of this "
         "moeflow version (--calibration, else the default file for --link).",
     ),
     as_json: bool = json_option(),

@@ -59,6 +59,13 @@ def trace_cmd(
         None, "--out", "-o", help="Trace folder to create, or to append to (prompts already traced there are skipped)."
     ),
     max_new_tokens: int = max_new_tokens_option("Decode steps per prompt (tokens)."),
+    batch_size: int = typer.Option(
+        16,  # TraceConfig's default (tests/test_cli_trace.py checks they agree)
+        "--batch-size",
+        "-b",
+        help="Prompts generated at once (left-padded, grouped by length; the trace keeps the prompt order). "
+        "Routing can differ from batch 1 by float rounding; 1 = each prompt alone, the routing `moeflow run` sees.",
+    ),
     limit: int | None = typer.Option(
         None, "--limit", "-n", help="Trace at most N prompts (after removing duplicates). Default: all."
     ),
@@ -102,8 +109,8 @@ def trace_cmd(
     wait: bool = wait_option(),
     as_json: bool = json_option(),
 ) -> None:
-    """Record expert routing: generate from each prompt (batch 1) with router hooks and write, per token
-    and MoE layer, the top-k experts, their weights and the router probabilities to Arrow shards."""
+    """Record expert routing: generate from the prompts (--batch-size at a time) with router hooks and write, per
+    token and MoE layer, the top-k experts, their weights and the router probabilities to Arrow shards."""
     if summary:
         alias(None, summary, "`moeflow inspect DIR`", "`moeflow trace --summary DIR`")
         _summarize(summary, phase, as_json)
@@ -115,6 +122,7 @@ def trace_cmd(
         prompts=prompts or "",
         out=out or "",
         max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
         limit=limit,
         record_hidden=record_hidden,
         hidden_dtype=hidden_dtype,

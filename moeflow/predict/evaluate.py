@@ -93,18 +93,23 @@ def evaluate(
     chunk: int = 2048,
     progress: Callable[[], None] | None = None,
     rows: np.ndarray | None = None,
+    batched: bool = True,
 ) -> dict[str, Any]:
     """{'pairs': [...], 'results': {name: {'src->tgt': metrics}}, 'by_s': {name: {S: mean recall}}, 'fit': {...},
     'decode_by_s': the same means on decode tokens only (None without any)}.
 
     `rows` restricts scoring to those records (e.g. decode tokens); token contexts use all of `data`.
     Each predictor scores each (layer, S) once for all rows; a predictor with `delegate(layer, S)` (Hybrid)
-    reuses the scores of the predictor it delegates to when that one is among `predictors`."""
+    reuses the scores of the predictor it delegates to when that one is among `predictors`. With `batched`, a
+    predictor with a `runner()` (`moeflow.predict.fast`, the run-time path) scores every S of a source layer in
+    one call per chunk of rows, as `moeflow run` does (its scores equal `predict`'s up to float32 rounding);
+    without, every (layer, S) calls `predict`."""
     ctx = data.context(window)
     sel = np.arange(data.n) if rows is None else np.asarray(rows)
     dec = torch.from_numpy(data.phase[sel] == 1)  # [n] decode rows among sel
     pairs = data.rank_pairs(max_s)
     done: dict[tuple[int, int, int], torch.Tensor] = {}  # (id(predictor), layer, S) -> row_metrics [n,3]
+    runners: dict[int, Any] = {}  # id(predictor) -> its runner
     results: dict[str, dict[str, dict[str, float]]] = {}
     decode: dict[str, dict[str, dict[str, float]]] = {}
     for name, pred in predictors.items():
@@ -117,6 +122,14 @@ def evaluate(
             k = data.layers[tgt].topk_ids.shape[1]
             who = pred.delegate(src, s) if hasattr(pred, "delegate") else pred
             m = done.get((id(who), src, s))
+            if m is None and batched and hasattr(who, "runner"):
+                lim = getattr(who, "max_lookahead", max_s)
+                steps = max(s_ for l_, s_ in pairs if l_ == src and s_ <= lim)
+                if id(who) not in runners:
+                    runners[id(who)] = who.runner()
+                for j, m_j in enumerate(_runner_metrics(runners[id(who)], data, src, steps, sel, ctx, chunk, mass), 1):
+                    done[(id(who), src, j)] = m_j
+                m = done[(id(who), src, s)]
             if m is None:
                 parts = []
                 for sl in iter_chunks(len(sel), chunk):
@@ -150,6 +163,24 @@ def evaluate(
         "fit_status": status,
         "decode_by_s": _mean_by_s(decode) if bool(dec.any()) else None,
     }
+
+
+def _runner_metrics(
+    runner: Any, data: RoutingData, src: int, steps: int, sel: np.ndarray, ctx: np.ndarray, chunk: int, mass: float
+) -> list[torch.Tensor]:
+    """`row_metrics` [n,3] of S = 1..steps from source layer `src` on rows `sel`: one `runner.scores` call
+    ([steps,T,E]) and one `row_metrics` call per chunk of rows."""
+    truth = [data.layers[target_of(data.spec, src, s)].topk_ids for s in range(1, steps + 1)]  # each [N,k]
+    parts: list[list[torch.Tensor]] = [[] for _ in range(steps)]
+    for sl in iter_chunks(len(sel), chunk):
+        r = sel[sl]
+        b = batch_from_rows(data, src, r, ctx=ctx)
+        scores = torch.from_numpy(np.ascontiguousarray(runner.scores(b, steps), dtype=np.float32))  # [steps,T,E]
+        tr = torch.from_numpy(np.concatenate([t[r] for t in truth]))  # [steps*T,k]
+        m = row_metrics(scores.reshape(steps * len(r), -1), tr, mass).reshape(steps, len(r), 3)  # [steps,T,3]
+        for j in range(steps):
+            parts[j].append(m[j])
+    return [torch.cat(p) for p in parts]
 
 
 def fit_decay(points: list[tuple[float, float]]) -> DecayFit | None:
@@ -353,12 +384,12 @@ def tables(report: dict[str, Any]) -> list:
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
-    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))  # no pyplot: no global figure state, and its import is skipped
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(1, 2)
     for name, r in report["results"].items():
         ms = sorted((m for m in r.values() if m["S"] == 1), key=lambda m: m["target"])
         ax1.plot([m["target"] for m in ms], [m["recall_at_k"] for m in ms], marker="o", label=name)
@@ -371,11 +402,10 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     ax1.xaxis.get_major_locator().set_params(integer=True)
     ax2.xaxis.get_major_locator().set_params(integer=True)
     ax1.set(xlabel="target MoE layer (S = 1)", ylabel="recall@k (hit rate)", title="per-layer recall, held out")
-    ax2.set(xlabel="step S", ylabel="mean recall@k", title=r"recall vs S (dotted: fit $a\,e^{-bS} + c$)")
+    ax2.set(xlabel="step S", ylabel="mean recall@k", title="recall vs S (dotted: fit a·exp(-b·S) + c)")  # no mathtext parser
     ax1.legend(fontsize=7)
     ax1.grid(alpha=0.3)
     ax2.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path

@@ -9,9 +9,10 @@ The simulated `ExpertCache` (no store) asks `submit_nbytes(nbytes)` for each tra
   prefetches not yet started (`cancel`, `promote` as on the emulated link); it is ready when `now >= due`;
   `wait` advances the clock to `due` and returns the stall.
   The simulator advances `now` by the host's time (`advance`: `moeflow.sim.simulator.TimeModel`), as compute
-  advances wall time; `submit_s` is the host's time per copy submitted (the clock advances after the copy is
-  scheduled), `wake_s` the lateness of a wait that stalls (the emulated link's sleeping thread runs again
-  that long after the copy is due; both measured by `moeflow calibrate --link-gbps`, `link_timing`).
+  advances wall time; `submit_s` is the host's time per demand copy submitted and `prefetch_submit_s` per
+  prefetch copy (the clock advances after the copy is scheduled), `wake_s` the lateness of a wait that stalls
+  (the emulated link's sleeping thread runs again that long after the copy is due; all measured by
+  `moeflow calibrate --link-gbps`, `link_timing`).
 """
 
 from __future__ import annotations
@@ -65,14 +66,23 @@ class ModelledLink(Link):
 
     name = "modelled"
 
-    def __init__(self, gbps: float, latency_s: float = 0.0, *, submit_s: float = 0.0, wake_s: float = 0.0):
+    def __init__(
+        self,
+        gbps: float,
+        latency_s: float = 0.0,
+        *,
+        submit_s: float = 0.0,
+        wake_s: float = 0.0,
+        prefetch_submit_s: float | None = None,
+    ):
         super().__init__()
         if gbps <= 0 or latency_s < 0:
             raise ConfigError(f"modelled link needs bandwidth > 0 GB/s and latency >= 0 (got {gbps}, {latency_s})")
-        if submit_s < 0 or wake_s < 0:
-            raise ConfigError(f"modelled link needs submit and wake seconds >= 0 (got {submit_s}, {wake_s})")
+        pf_submit = submit_s if prefetch_submit_s is None else prefetch_submit_s
+        if min(submit_s, wake_s, pf_submit) < 0:
+            raise ConfigError(f"modelled link needs submit and wake seconds >= 0 (got {submit_s}, {pf_submit}, {wake_s})")
         self.gbps, self.latency_s = gbps, latency_s
-        self.submit_s, self.wake_s = submit_s, wake_s
+        self.submit_s, self.wake_s, self.prefetch_submit_s = submit_s, wake_s, pf_submit
         self.now = 0.0
         self._sched = PrioritySchedule()  # transfers not yet accounted, in schedule order
 
@@ -95,7 +105,7 @@ class ModelledLink(Link):
         if len(q) >= SETTLE_AT and q[0].due <= self.now:
             self._settle()  # keep the schedule short (the counters read settle anyway: nothing else changes)
         self._sched.add(t, self.now, demand=demand)
-        self.now += self.submit_s
+        self.now += self.submit_s if demand else self.prefetch_submit_s
         return t
 
     def submit(self, src, dst, *, after=None, demand=True) -> Ticket:
@@ -146,9 +156,11 @@ class ModelledLink(Link):
         return f"modelled {self.gbps:g} GB/s, {self.latency_s * 1e6:g} us latency, misses first (virtual clock)"
 
 
-def make_sim_link(spec: str | Link | None, *, submit_s: float = 0.0, wake_s: float = 0.0) -> Link:
+def make_sim_link(
+    spec: str | Link | None, *, submit_s: float = 0.0, wake_s: float = 0.0, prefetch_submit_s: float | None = None
+) -> Link:
     """`instant` (default) | `emulated:GBPS[,LATENCY_US]` (the `--link` syntax of `moeflow run`; `submit_s`,
-    `wake_s`: `ModelledLink`'s host terms) | a Link object (as it is)."""
+    `wake_s`, `prefetch_submit_s`: `ModelledLink`'s host terms) | a Link object (as it is)."""
     if spec is None:
         return InstantLink()
     if isinstance(spec, Link):
@@ -159,4 +171,4 @@ def make_sim_link(spec: str | Link | None, *, submit_s: float = 0.0, wake_s: flo
     kind, gbps, lat = parse_link(s)
     if kind != "emulated":
         raise ConfigError(f"simulator --link {spec!r}: use instant or emulated:GBPS[,LATENCY_US]")
-    return ModelledLink(gbps, lat, submit_s=submit_s, wake_s=wake_s)
+    return ModelledLink(gbps, lat, submit_s=submit_s, wake_s=wake_s, prefetch_submit_s=prefetch_submit_s)

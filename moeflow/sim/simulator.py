@@ -19,8 +19,11 @@ Links (`moeflow.sim.link`): `InstantLink` (copies complete at once: `DirectLink`
 Time (`TimeModel`): the link's clock advances as the engine's host thread would, per MoE layer: `attention_s`
 (attention, norms, router) and `route_s` (the router hook: host read, cache calls) before the layer's demand
 copies are submitted, `predict_s` (a proposing prefetch policy's proposal) before its copies are submitted,
-`experts_s` (the experts call) after the layer's slots are waited for; `token_s` per pass (final norm, head,
-generate's loop). `ModelledLink` adds `submit_s` per copy submitted and `wake_s` per wait that stalls.
+`dispatch_s` (the experts call up to its wait: the MoE block after the router, the rows sorted) while the copies
+are in flight, `experts_s` (the rest of the experts call) after the layer's slots are waited for; `token_s` per
+pass (final norm, head, generate's loop). `ModelledLink` adds `submit_s` per demand copy submitted (the router
+hook's host time per miss: the victim, the slot table, the link's submit), `prefetch_submit_s` per prefetch copy
+and `wake_s` per wait that stalls.
 `TimeModel.from_calibration` reads what `moeflow calibrate` measured (`engine_time`); `layer_time_s` alone is
 `experts_s` of every layer. `SimStats.time_s` sums, over the counted passes, the clock from the end of the
 previous pass to the end of the pass (as `moeflow run` times decode passes), so `pass_s` is the predicted TPOT
@@ -160,18 +163,25 @@ class TimeModel:
     attention_s: tuple[float, ...] = (0.0,)  # before the router hook: attention, norms, router (layer 0: + embedding)
     route_s: tuple[float, ...] = (0.0,)  # the router hook without the prefetch proposal: host read, cache calls
     predict_s: tuple[float, ...] = (0.0,)  # the prefetch policy's proposal and gate (proposing policies only)
-    experts_s: tuple[float, ...] = (0.0,)  # the experts call (all slots ready): sort, grouped GEMMs, combine
+    experts_s: tuple[float, ...] = (0.0,)  # the experts call after its slots are ready: grouped GEMMs, combine
     token_s: float = 0.0  # per pass, outside the MoE layers: final norm, head, generate's loop between passes
-    submit_s: float = 0.0  # host seconds per copy submitted (ModelledLink)
+    submit_s: float = 0.0  # host seconds per demand copy the router hook issues (ModelledLink)
     wake_s: float = 0.0  # seconds a wait that stalls returns after its copy is due (ModelledLink)
+    dispatch_s: tuple[float, ...] = (0.0,)  # the experts call before it waits for its slots: the rows sorted
+    prefetch_submit_s: float | None = None  # host seconds per prefetch copy (ModelledLink; None: submit_s)
 
     def __post_init__(self) -> None:
-        for name in ("attention_s", "route_s", "predict_s", "experts_s"):
+        for name in ("attention_s", "route_s", "predict_s", "dispatch_s", "experts_s"):
             v = getattr(self, name)
             if not v or min(v) < 0:
                 raise ConfigError(f"time model {name} needs one value >= 0 or one per MoE layer, got {v!r}")
-        if min(self.token_s, self.submit_s, self.wake_s) < 0:
-            raise ConfigError("time model token_s, submit_s and wake_s must be >= 0")
+        if min(self.token_s, self.submit_s, self.wake_s, self.prefetch_copy_s) < 0:
+            raise ConfigError("time model token_s, submit_s, prefetch_submit_s and wake_s must be >= 0")
+
+    @property
+    def prefetch_copy_s(self) -> float:
+        """Host seconds per prefetch copy (`prefetch_submit_s`, else `submit_s`)."""
+        return self.submit_s if self.prefetch_submit_s is None else self.prefetch_submit_s
 
     @classmethod
     def layer_time(cls, layer_time_s: float) -> TimeModel:
@@ -194,18 +204,22 @@ class TimeModel:
             raise ConfigError("the calibration has no engine_time; re-run `moeflow calibrate` to measure it")
         lt = cal.get("link_timing") or {}
         pred = (et.get("predict_s") or {}).get(prefetch)
+        submit = float(lt.get("demand_copy_s", lt.get("submit_s", 0.0)))  # the engine's, else the link's alone
         return cls(
             attention_s=tuple(et["attention_s"]),
             route_s=tuple(et["route_s"]),
             predict_s=tuple(pred) if pred else (0.0,),
+            dispatch_s=tuple(et.get("dispatch_s") or (0.0,)),  # an older calibration: inside experts_s
             experts_s=tuple(et["experts_s"]),
             token_s=float(et["token_s"]),
-            submit_s=float(lt.get("submit_s", 0.0)),
-            wake_s=float(lt.get("wake_s", 0.0)),
+            submit_s=submit,
+            prefetch_submit_s=float(lt.get("prefetch_copy_s", submit)),
+            wake_s=float(lt.get("engine_wake_s", lt.get("wake_s", 0.0))),  # measured in the engine, else the link alone
         )
 
-    def per_layer(self, n: int) -> tuple[list[float], list[float], list[float]]:
-        """(before the demand copies, before the prefetch copies, after the wait) per MoE layer rank, `n` layers."""
+    def per_layer(self, n: int) -> tuple[list[float], list[float], list[float], list[float]]:
+        """(before the demand copies, before the prefetch copies, before the wait, after the wait) per MoE layer
+        rank, `n` layers."""
 
         def at(v: tuple[float, ...], name: str) -> list[float]:
             if len(v) == 1:
@@ -215,12 +229,12 @@ class TimeModel:
             return list(v)
 
         pre = [a + r for a, r in zip(at(self.attention_s, "attention_s"), at(self.route_s, "route_s"))]
-        return pre, at(self.predict_s, "predict_s"), at(self.experts_s, "experts_s")
+        return pre, at(self.predict_s, "predict_s"), at(self.dispatch_s, "dispatch_s"), at(self.experts_s, "experts_s")
 
     def pass_s(self, n: int, prefetching: bool) -> float:
         """Seconds of one pass through `n` MoE layers that waits for nothing."""
-        pre, pred, post = self.per_layer(n)
-        return self.token_s + sum(pre) + sum(post) + (sum(pred) if prefetching else 0.0)
+        pre, pred, disp, post = self.per_layer(n)
+        return self.token_s + sum(pre) + sum(disp) + sum(post) + (sum(pred) if prefetching else 0.0)
 
 
 # ---- the access trace in the engine's order, computed once per trace ----------------------------------
@@ -433,7 +447,7 @@ def simulate(
         ms = None  # the built-in exact policy: stateless, always 'fetch' (what the cache does without one)
     prefetching = pf.proposes
     spec = _Spec(tuple(acc.moe_layers), acc.num_experts, acc.top_k, int(acc.expert_bytes or 1))
-    lk = make_sim_link(link, submit_s=tm.submit_s, wake_s=tm.wake_s)
+    lk = make_sim_link(link, submit_s=tm.submit_s, wake_s=tm.wake_s, prefetch_submit_s=tm.prefetch_copy_s)
     gate = pf.gate if prefetching else None  # the prefetch policy's admission (PrefetchGate)
     cache = ExpertCache(
         None, capacity, link=lk, eviction=ev, per_layer=per_layer, spec=spec, gate=gate, compiled=None if compiled else compiled
@@ -476,7 +490,7 @@ def simulate(
 def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wcap, count_phase) -> None:
     """The cache call by call, in the engine's order, the link's clock advanced by the time model `tm`."""
     prefetching = pf.proposes
-    pre_s, pred_s, post_s = tm.per_layer(len(acc.moe_layers))
+    pre_s, pred_s, disp_s, post_s = tm.per_layer(len(acc.moe_layers))
     clock = lk.clock_s
     last_end = clock()  # the end of the previous pass on the link's clock
     comp = _compile(acc)
@@ -533,6 +547,7 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wc
                         st.proposals += len(reqs)
                     proposed.update(r.key for r in reqs)
                     prefetch_(reqs, layer)
+            advance(disp_s[rank])  # the experts call up to its wait: overlaps the copies in flight
             if slots is not None:
                 wait(slots)
                 advance(post_s[rank])

@@ -14,6 +14,7 @@ from ..artifacts import new_meta
 from ..calibrate.io import KIND, SCHEMA, calibration_path, device_name, write_calibration
 from ..calibrate.measure import (
     bandwidth_sweep,
+    copy_timing,
     engine_timing,
     expert_timing,
     fit_latency,
@@ -156,6 +157,8 @@ def _main(cfg: CalibrateConfig) -> dict[str, Any]:
             prog.advance(task)
             prog.update(task, description="engine time")
             engine_time = engine_timing(model, ad, cfg.decode_steps, cfg.device)
+            if link is not None and link_host is not None:  # the engine's host seconds per copy on this link
+                link_host.update(copy_timing(model, ad, cfg.decode_steps, cfg.device, link, engine_time))
             prog.advance(task)
     finally:
         if link is not None:
@@ -198,7 +201,7 @@ def _main(cfg: CalibrateConfig) -> dict[str, Any]:
             "bytes_per_token_on_demand": bytes_per_token,
             "per_layer": {"layer_s": comp["layer_s"], "moe_block_s": comp["moe_block_s"], "attention_s": comp["attention_s"]},
             "engine_time": engine_time,  # the offload engine's decode pass split per MoE layer (simulate --calibrated-time)
-            "link_timing": link_host,  # the emulated link's submit seconds and wake lateness (None: no --link-gbps)
+            "link_timing": link_host,  # emulated link: submit, wake lateness, engine seconds per copy (None: no --link-gbps)
             "s_formula": raw,
             "initial_s": s,
             "regimes": regimes,

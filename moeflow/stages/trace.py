@@ -26,7 +26,18 @@ from ..models import check_lengths
 from ..moe import get_adapter, model_fingerprint
 from ..outputs import check_out, check_writable
 from ..trace.format import KIND
-from ..trace.writer import RoutingRecorder, TraceWriter, generation_kwargs, trace_one
+from ..trace.writer import (
+    SHARD_BYTES,
+    RoutingRecorder,
+    TraceWriter,
+    generation_kwargs,
+    record_bytes,
+    signals_deferred,
+    trace_batch,
+    trace_one,
+)
+
+DEFAULT_BATCH = 16  # prompts per generate in `moeflow trace` (docs/trace.md: CPU seconds by batch size)
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,7 @@ class TraceConfig:
     prompts: str  # file path, short set name or HF dataset name
     out: str  # trace folder (created, or appended to)
     max_new_tokens: int = 32  # decode steps per prompt
+    batch_size: int = DEFAULT_BATCH  # prompts generated at once (left-padded); 1 = each prompt alone, as `moeflow run` routes
     limit: int | None = None  # at most this many prompts (after deduplication)
     record_hidden: bool = False  # also store router input and post-attention residual
     hidden_dtype: str = "float16"  # storage of the hidden states: float16, or float32 (exact for fp32/bf16 models)
@@ -62,6 +74,8 @@ class TraceConfig:
             raise ConfigError(f"--hidden-dtype must be float16 or float32 (got {self.hidden_dtype!r})")
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size must be >= 1 prompt (got {self.batch_size})")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"--limit must be >= 1 (got {self.limit})")
         if self.temperature < 0:
@@ -159,6 +173,18 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt], cfg: TraceConfig, 
     return out
 
 
+def sort_window(cfg: TraceConfig, spec: dict[str, Any]) -> int:
+    """Prompts generated before any is added to the trace, sorted by length into batches of `cfg.batch_size`:
+    4 batches, fewer when their records would pass about one shard's bytes (at least one batch)."""
+    if cfg.batch_size == 1:
+        return 1
+    per_token = record_bytes(spec, cfg.record_hidden)
+    if cfg.record_hidden and cfg.hidden_dtype == "float32":
+        per_token += 4 * spec["hidden_size"] * len(spec["moe_layers"])  # 2 states x 2 more bytes
+    per_prompt = per_token * (cfg.max_prompt_tokens + cfg.max_new_tokens)
+    return cfg.batch_size * max(1, min(4, SHARD_BYTES // (per_prompt * cfg.batch_size)))
+
+
 def run_trace(
     model: torch.nn.Module, tokenizer: Any, prompts: Sequence[Prompt], cfg: TraceConfig, console: Any = None
 ) -> dict[str, Any]:
@@ -184,6 +210,7 @@ def run_trace(
         column=cfg.column,
         hidden_dtype=cfg.hidden_dtype,
         model=cfg.model,
+        batch_size=cfg.batch_size,
     )
     tokens, gen_tokens, t0 = 0, 0, time.perf_counter()
     with sigterm_interrupts(), writer, _progress(console, cfg.progress and console is not None) as bar:
@@ -196,16 +223,43 @@ def run_trace(
         skipped = len(prompts) - len(todo)
         encoded = encode_prompts(tokenizer, todo, cfg, model)
         task = bar.add_task("trace", total=len(todo), unit="prompts", tokens=0, tps=0.0)
-        for p, ids in zip(todo, encoded, strict=True):
-            if ids.shape[1] == 0:
-                bar.advance(task)
-                continue
-            ids = ids.to(device)  # [1,S]
-            rows, seq = trace_one(model, recorder, ids, gen_kw, prompt_seed(cfg.seed, p.id) if gen["do_sample"] else None)
-            writer.add(p.id, rows)
-            tokens += len(rows["position"])
-            gen_tokens += seq.shape[0] - ids.shape[1]
-            bar.update(task, advance=1, tokens=tokens, tps=tokens / max(time.perf_counter() - t0, 1e-9))
+        bar.advance(task, sum(ids.shape[1] == 0 for ids in encoded))  # an empty prompt routes nothing
+        work = [(p, ids) for p, ids in zip(todo, encoded, strict=True) if ids.shape[1] > 0]
+        batch_size = cfg.batch_size
+        window = sort_window(cfg, adapter.spec.to_dict())
+        for w in range(0, len(work), window):
+            chunk = work[w : w + window]
+            # batches of similar lengths (less padding); the trace keeps the prompt order
+            order = sorted(range(len(chunk)), key=lambda j: chunk[j][1].shape[1]) if batch_size > 1 else list(range(len(chunk)))
+            done: list[Any] = [None] * len(chunk)
+            j = 0
+            while j < len(order):
+                picked = order[j : j + batch_size]
+                ids = [chunk[k][1].to(device) for k in picked]  # [1,S_b] each
+                seeds = [prompt_seed(cfg.seed, chunk[k][0].id) for k in picked] if gen["do_sample"] else None
+                if len(picked) == 1:
+                    res = [trace_one(model, recorder, ids[0], gen_kw, seeds[0] if seeds else None)]
+                else:
+                    try:
+                        res = trace_batch(model, recorder, ids, gen_kw, seeds)
+                    except RuntimeError as e:  # a model that cannot take a padded batch, or out of memory
+                        batch_size = 1
+                        writer.set_batch_size(1)
+                        if console is not None:
+                            console.print(
+                                f"[yellow]note:[/] batched generate failed ({str(e).splitlines()[0][:120]}); "
+                                "tracing one prompt at a time"
+                            )
+                        continue
+                for k, (rows, seq) in zip(picked, res, strict=True):
+                    done[k] = (rows, seq)
+                    tokens += len(rows["position"])
+                    gen_tokens += seq.shape[0] - chunk[k][1].shape[1]
+                j += len(picked)
+                bar.update(task, advance=len(picked), tokens=tokens, tps=tokens / max(time.perf_counter() - t0, 1e-9))
+            with signals_deferred():  # a window is added whole, in prompt order, or (interrupted before this) not at all
+                for (p, _), (rows, _) in zip(chunk, done, strict=True):
+                    writer.add(p.id, rows)
     dt = time.perf_counter() - t0
     return {
         "out": str(cfg.out),
@@ -217,6 +271,7 @@ def run_trace(
         "shards_added": writer.new_shards,
         "trace_prompts": len(writer.meta["prompt_ids"]),
         "trace_tokens": int(writer.meta["num_tokens"]),
+        "batch_size": batch_size,
         "seconds": round(dt, 3),
         "tokens_per_s": round(tokens / dt, 1) if dt > 0 else None,
     }

@@ -10,6 +10,7 @@ predictors (`moeflow.gps.predictors`) when asked, and writes the predictor folde
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -140,7 +141,7 @@ def load_cpu_model(path: str) -> torch.nn.Module:
         from ..models import missing_model
 
         raise ArtifactError(missing_model(path))
-    model, _ = load_model(path, dtype="float32", device="cpu")
+    model, _ = load_model(path, dtype="float32", device="cpu", tokenizer=False)
     return model
 
 
@@ -152,8 +153,20 @@ def main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
     from ..models import torch_threads
 
     _check(cfg)
-    with out_lock(cfg.out, wait=cfg.wait, command="moeflow train", check=lambda: _check(cfg)), torch_threads(cfg.threads):
-        return _main(cfg, console)
+    with (
+        out_lock(cfg.out, wait=cfg.wait, command="moeflow train", check=lambda: _check(cfg)),
+        torch_threads(cfg.threads),
+        contextlib.ExitStack() as restore,
+    ):
+        return _main(cfg, console, restore)
+
+
+def blas_threads(n: int) -> Any:
+    """A context that runs numpy's BLAS (the run-time runners' products in the evaluation) with `n` threads and
+    restores its count after: it takes every core otherwise, whatever `--threads` says."""
+    from threadpoolctl import threadpool_limits  # scikit-learn's dependency
+
+    return threadpool_limits(limits=n, user_api="blas")
 
 
 def _check(cfg: TrainConfig) -> None:
@@ -167,7 +180,7 @@ def _check(cfg: TrainConfig) -> None:
     check_out(cfg.out, kind=KIND, inputs=(cfg.trace, cfg.model), force=cfg.force)
 
 
-def _main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
+def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack | None = None) -> dict[str, Any]:
     from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
     from ..predict.evaluate import evaluate, plot, trace_prompt_ids
@@ -180,6 +193,8 @@ def _main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
     model = load_cpu_model(cfg.model)
     threads = apply_threads(cfg.threads, model, "cpu")
     cfg = dataclasses.replace(cfg, threads=threads.n)  # the forest's jobs too
+    if restore is not None:
+        restore.enter_context(blas_threads(threads.n))
     if console is not None:
         console.print(f"[dim]threads: {threads.describe()}[/]")
     need_hidden = any(PREDICTORS[n].needs_hidden for n in cfg.only if n not in PLANNERS and n not in GPS)

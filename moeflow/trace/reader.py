@@ -56,6 +56,26 @@ SHARD_REQUIRED: dict[str, tuple[type, ...]] = {
 _JSON_TYPE = {str: "a string", dict: "an object", list: "a list", int: "an integer", bool: "true/false"}
 
 
+# Arrow's fixed-width number types and their numpy dtypes (`_numpy`)
+_NUMPY: dict[str, np.dtype] = {
+    t: np.dtype(t) for t in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+} | {
+    "halffloat": np.dtype("float16"),
+    "float": np.dtype("float32"),
+    "double": np.dtype("float64"),
+}
+
+
+def _numpy(chunk: pa.Array) -> np.ndarray:
+    """A chunk as numpy [n], zero-copy from its data buffer for a number type without nulls (`Array.to_numpy`
+    imports pandas, about half a second, which nothing else here needs); a copy through `to_numpy` otherwise."""
+    dt = _NUMPY.get(str(chunk.type))
+    if dt is None or chunk.null_count:
+        return chunk.to_numpy(zero_copy_only=False)
+    data: Any = chunk.buffers()[1]  # a pyarrow Buffer (the buffer protocol)
+    return np.frombuffer(data, dtype=dt, count=len(chunk), offset=chunk.offset * dt.itemsize)
+
+
 def _type_ok(value: Any, types: tuple[type, ...]) -> bool:
     if isinstance(value, bool) and bool not in types:  # JSON true is not an integer here
         return False
@@ -169,7 +189,8 @@ class Trace:
                 raise ArtifactError(f"trace shard {f} holds other prompts than meta.json's prompt_ids [{base}:{base + n}]; {fix}")
         if "prompt_id" not in table.column_names:
             raise ArtifactError(f"trace shard {f} has no prompt_id column; {fix}")
-        pid = table.column("prompt_id").to_numpy()  # [N]
+        chunks = table.column("prompt_id").chunks
+        pid = np.concatenate([_numpy(c) for c in chunks]) if chunks else np.zeros(0, np.int64)  # [N]
         if pid.size and (pid.min() < base or pid.max() >= base + n or (np.diff(pid) < 0).any() or np.unique(pid).size != n):
             raise ArtifactError(
                 f"trace shard {f}'s prompt_id column does not match its {n} prompts "
@@ -229,9 +250,9 @@ class Trace:
             for chunk in t.column(name).chunks:
                 if pa.types.is_fixed_size_list(chunk.type):
                     w = chunk.type.list_size
-                    parts.append(chunk.flatten().to_numpy(zero_copy_only=False).reshape(-1, w))
+                    parts.append(_numpy(chunk.flatten()).reshape(-1, w))
                 else:
-                    parts.append(chunk.to_numpy(zero_copy_only=False))
+                    parts.append(_numpy(chunk))
         if not parts:
             raise KeyError(name)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -76,37 +77,46 @@ class RoutingRecorder:
         self._x.clear()
         self._resid.clear()
 
-    def take(self) -> dict[str, np.ndarray]:
-        """Per-layer arrays of everything routed since the last call: `topk_ids_<l>` [T,k], ..."""
+    def take(self, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Per-layer arrays of everything routed since the last call: `topk_ids_<l>` [T,k], ...; with `rows`
+        (indices into the T routed rows, in the order the passes ran) only those rows, in that order."""
         out: dict[str, np.ndarray] = {}
         for l in self.adapter.moe_layers:
             parts = self._route.get(l, [])
             if not parts:
                 raise RuntimeError(f"layer {l} routed no tokens during generate")
-            logits = _cat([p[0] for p in parts], np.float32)  # [T,E]
+            logits = _cat([p[0] for p in parts], np.float32, rows)  # [T,E]
             logits = logits - logits.max(-1, keepdims=True)
             probs = np.exp(logits)
             probs /= probs.sum(-1, keepdims=True)
-            out[column("topk_ids", l)] = _cat([p[2] for p in parts], self._ids_dtype)  # [T,k]
-            out[column("topk_weights", l)] = _cat([p[1] for p in parts], np.float32)  # [T,k]
+            out[column("topk_ids", l)] = _cat([p[2] for p in parts], self._ids_dtype, rows)  # [T,k]
+            out[column("topk_weights", l)] = _cat([p[1] for p in parts], np.float32, rows)  # [T,k]
             out[column("probs", l)] = probs.astype(np.float16)  # [T,E]
             if self.record_hidden:
-                out[column("hidden_in", l)] = _cat(self._x[l], self._hidden_dtype)  # [T,H]
-                out[column("resid", l)] = _cat(self._resid[l], self._hidden_dtype)  # [T,H]
+                out[column("hidden_in", l)] = _cat(self._x[l], self._hidden_dtype, rows)  # [T,H]
+                out[column("resid", l)] = _cat(self._resid[l], self._hidden_dtype, rows)  # [T,H]
         self.clear()
         return out
 
+    def routed_rows(self) -> list[int]:
+        """Rows of each forward pass since the last `take()` (of the first MoE layer): B x tokens per pass."""
+        return [p[0].reshape(-1, p[0].shape[-1]).shape[0] for p in self._route.get(self.adapter.moe_layers[0], [])]
 
-def _cat(parts: list[torch.Tensor], dtype: Any) -> np.ndarray:
-    """Concatenate [.., w] tensors to one [T,w] numpy array of `dtype`.
+
+def _cat(parts: list[torch.Tensor], dtype: Any, rows: np.ndarray | None = None) -> np.ndarray:
+    """Concatenate [.., w] tensors to one [T,w] numpy array of `dtype` (with `rows`: only those rows, [len(rows),w]).
 
     On CPU this stays in numpy (single-threaded: a handful of tiny torch ops per prompt would each
     wake the intra-op thread pool, which costs more than the work on a busy machine)."""
     parts = [p.reshape(-1, p.shape[-1]) for p in parts]
     if parts[0].device.type != "cpu":
-        return torch.cat(parts).cpu().numpy().astype(dtype, copy=False)
+        whole = torch.cat(parts)  # [T,w]
+        if rows is not None:
+            whole = whole[torch.from_numpy(rows).to(whole.device)]
+        return whole.cpu().numpy().astype(dtype, copy=False)
     arrs = [(p.float() if p.dtype == torch.bfloat16 else p).numpy() for p in parts]
-    return np.concatenate(arrs).astype(dtype, copy=False)
+    cat = np.concatenate(arrs)  # [T,w]
+    return (cat if rows is None else cat[rows]).astype(dtype, copy=False)
 
 
 def generation_kwargs(gen: dict[str, Any], pad_token_id: int | None) -> dict[str, Any]:
@@ -152,7 +162,110 @@ def trace_one(
     return rows, seq
 
 
+class RowSampler:
+    """A logits processor that samples every row with its own generator, seeded per prompt: generate runs
+    greedy and picks the sampled token (the scores it returns are -inf except at the sample).
+
+    Row b draws exactly what `torch.manual_seed(seeds[b])` + a batch-1 `generate(do_sample=True)` draws
+    from the same scores (one `torch.multinomial` per step on that generator), so a prompt's sample does
+    not depend on the prompts it is batched with."""
+
+    def __init__(self, gen: dict[str, Any], seeds: Sequence[int], device: torch.device):
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+        self.warpers = LogitsProcessorList()  # the warpers generate(do_sample=True) adds, in its order
+        if gen["temperature"] != 1.0:
+            self.warpers.append(TemperatureLogitsWarper(gen["temperature"]))
+        if gen["top_p"] < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p=gen["top_p"]))
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """input_ids [B,L] (left-padded), scores [B,V] -> [B,V]: 0 at each row's sample, -inf elsewhere."""
+        probs = torch.softmax(self.warpers(cast(Any, input_ids), scores), dim=-1)  # [B,V]
+        picks = torch.cat([torch.multinomial(probs[b : b + 1], 1, generator=g) for b, g in enumerate(self.generators)])  # [B,1]
+        return torch.full_like(scores, -math.inf).scatter_(1, picks, 0.0)  # [B,V]
+
+
+def eos_ids(model: torch.nn.Module, gen_kwargs: dict[str, Any]) -> set[int]:
+    """The token ids that end a sequence in `generate` (the generation config's eos_token_id)."""
+    eos = gen_kwargs.get("eos_token_id", getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def trace_batch(
+    model: torch.nn.Module,
+    recorder: RoutingRecorder,
+    prompts: Sequence[torch.Tensor],
+    gen_kwargs: dict[str, Any],
+    seeds: Sequence[int] | None = None,
+) -> list[tuple[dict[str, np.ndarray], torch.Tensor]]:
+    """Generate from several prompts (each [1,S_b], no padding) in one left-padded batch and return, per prompt,
+    its records and its sequence [S_b+G_b], exactly as `trace_one` lays them out: the rows of its real tokens
+    (pads, and the steps after its end-of-sequence token, excluded). With `seeds` (one per prompt) it samples
+    each prompt with its own generator (`RowSampler`); without, `gen_kwargs` decide (greedy)."""
+    B = len(prompts)
+    lens = [int(p.shape[1]) for p in prompts]
+    S = max(lens)
+    device = prompts[0].device
+    pad = gen_kwargs.get("pad_token_id")
+    input_ids = torch.full((B, S), 0 if pad is None else int(pad), dtype=prompts[0].dtype, device=device)  # [B,S]
+    mask = torch.zeros((B, S), dtype=torch.long, device=device)  # [B,S]
+    for b, p in enumerate(prompts):
+        input_ids[b, S - lens[b] :] = p[0]
+        mask[b, S - lens[b] :] = 1
+    kw = dict(gen_kwargs)
+    if seeds is not None:
+        from transformers import LogitsProcessorList
+
+        gen = {"temperature": kw.pop("temperature", 1.0), "top_p": kw.pop("top_p", 1.0)}
+        kw.pop("top_k", None)
+        kw.update(do_sample=False, logits_processor=LogitsProcessorList([RowSampler(gen, seeds, device)]))
+    recorder.clear()
+    with torch.no_grad(), recorder.attach():
+        seq = cast(Any, model).generate(input_ids, attention_mask=mask, **kw).cpu()  # [B,S+G]
+    G = seq.shape[1] - S
+    passes = recorder.routed_rows()
+    if passes != [B * S] + [B] * (G - 1):
+        recorder.clear()
+        raise RuntimeError(
+            f"routed {passes[:3]}... rows per forward pass but generate returned {G} new tokens for {B} prompts of "
+            f"{S} (padded); expected {B * S}, then {B} per decode step"
+        )
+    eos = eos_ids(model, gen_kwargs)
+    gens, index = [], []
+    for b in range(B):
+        new = seq[b, S:].tolist()
+        g = next((i + 1 for i, t in enumerate(new) if t in eos), G)  # tokens generated, its end-of-sequence included
+        gens.append(g)
+        prefill = np.arange(b * S + S - lens[b], (b + 1) * S)  # its real prompt rows of the padded prefill
+        decode = B * S + np.arange(g - 1) * B + b  # its row of decode passes 1 .. g-1 (the last new token is not routed)
+        index.append(np.concatenate([prefill, decode]))
+    rows = recorder.take(np.concatenate(index))
+    out, start = [], 0
+    for b in range(B):
+        n = len(index[b])
+        mine = {k: v[start : start + n] for k, v in rows.items()}
+        start += n
+        full = torch.cat([seq[b, S - lens[b] : S], seq[b, S : S + gens[b]]])  # [S_b+G_b]
+        pos = np.arange(n, dtype=np.int32)
+        mine["position"] = pos
+        mine["phase"] = (pos >= lens[b]).astype(np.int8)
+        mine["token_id"] = full[:n].numpy().astype(np.int32)
+        out.append((mine, full))
+    return out
+
+
 # ---- the trace folder ----------------------------------------------------------------------------
+
+
+def _flat_array(a: np.ndarray) -> pa.Array:
+    """A 1-d numpy array as an Arrow array without nulls, sharing its memory (`pa.array` would first import
+    pandas, about 2 CPU seconds, to check whether `a` is a pandas object)."""
+    a = np.ascontiguousarray(a)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), len(a), [None, pa.py_buffer(a)])
 
 
 def _to_table(cols: dict[str, np.ndarray], prompt_ids: list[str]) -> pa.Table:
@@ -160,9 +273,9 @@ def _to_table(cols: dict[str, np.ndarray], prompt_ids: list[str]) -> pa.Table:
     for name, a in cols.items():
         names.append(name)
         if a.ndim == 1:
-            arrays.append(pa.array(a))
+            arrays.append(_flat_array(a))
         else:  # [N,w] -> fixed_size_list[w]
-            arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(a).reshape(-1)), a.shape[1]))
+            arrays.append(pa.FixedSizeListArray.from_arrays(_flat_array(a.reshape(-1)), a.shape[1]))
     return pa.Table.from_arrays(arrays, names=names, metadata={PROMPTS_KEY: json.dumps(prompt_ids).encode()})
 
 
@@ -280,7 +393,7 @@ class TraceWriter:
     `shard_size` records are buffered, and on exit (also on Ctrl-C, SIGTERM turned into an
     exception, or any error) whatever is buffered, so every prompt finished so far stays in a
     valid, appendable trace. meta.json records every run (`runs`: source, split, limit, column,
-    generation, shards, prompts added) and `sources`: each (source, split, column) with the number
+    generation, batch size, shards, prompts added) and `sources`: each (source, split, column) with the number
     of prompts of the trace that came from it.
     """
 
@@ -299,6 +412,7 @@ class TraceWriter:
         column: str | None = None,
         hidden_dtype: str = "float16",
         model: str | None = None,
+        batch_size: int | None = None,
     ):
         self.out = Path(out)
         self.hidden_dtype = hidden_dtype
@@ -322,6 +436,7 @@ class TraceWriter:
             "generation": generation,
             "shards": [],
             "prompts_added": 0,
+            **({"batch_size": batch_size} if batch_size is not None else {}),
         }
         self._lock: contextlib.ExitStack | None = None
         self._created = False
@@ -402,6 +517,10 @@ class TraceWriter:
             with contextlib.suppress(OSError):
                 (self.out / ".lock").unlink()
                 self.out.rmdir()
+
+    def set_batch_size(self, n: int) -> None:
+        """The prompts generated at once from now on (this run's `batch_size` in meta.json, once a shard is written)."""
+        self._run["batch_size"] = n
 
     def has(self, prompt_id: str) -> bool:
         return prompt_id in self.known

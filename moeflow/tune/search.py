@@ -164,7 +164,9 @@ class CostModel:
     def link(self, timing: TimeModel | None = None) -> ModelledLink:
         """The modelled link (with the time model's host seconds per copy submitted and per stalled wait)."""
         tm = timing or self.time_model()
-        return ModelledLink(self.gbps, self.latency_s, submit_s=tm.submit_s, wake_s=tm.wake_s)
+        return ModelledLink(
+            self.gbps, self.latency_s, submit_s=tm.submit_s, wake_s=tm.wake_s, prefetch_submit_s=tm.prefetch_copy_s
+        )
 
     def describe(self) -> str:
         link = f"modelled {self.gbps:g} GB/s, {self.latency_s * 1e6:g} us"
