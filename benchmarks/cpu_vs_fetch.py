@@ -7,19 +7,23 @@ emulated link supplies the copy cost):
    host store's row for T tokens (T = 1, 4, 16, 64; `OffloadEngine.time_host_expert`), beside the copy
    time of one expert row on each emulated link (latency + bytes / bandwidth). The analytic crossover
    bandwidth for T tokens is bytes / (host(T) - latency): below it `cpu` is cheaper than a copy;
-2. TPOT of `--miss fetch`, `--miss cpu` and `--miss auto` side by side at each bandwidth of `--gbps`
-   (same prompts, greedy, equal lengths), all in one process with the model loaded once: one untimed
-   warm-up per policy, then `--rounds` rounds; in each round every bandwidth runs the three policies back to
-   back, each on a fresh engine, in an order rotated per round and bandwidth (fetch-cpu-auto, cpu-auto-fetch,
-   ...) so the drift of a shared machine falls on all three alike. Every decode step replays the same tokens
-   in every round, so a configuration's TPOT is the mean over its decode steps of each step's median round
-   (`floor`: its fastest round; `runs`: the median of the runs' own TPOTs); `spread` is the slowest run's TPOT
-   over the fastest's. Decode passes route 1 token per call, so the relevant host time is host(1).
-   The measured crossover is where TPOT(cpu) / TPOT(fetch) crosses 1 (log-interpolated between the two
-   bandwidths that bracket it). `auto / best` is auto's TPOT over the faster of fetch and cpu; its largest
-   value over the bandwidths is `auto_vs_best_max` (target <= 1.05). Host experts run on the engine's host
-   worker beside the device's work; the overlap per bandwidth: host busy seconds per token and the part of
-   them hidden behind the device (busy - the experts calls' wait for the host), and its share
+2. TPOT of `--miss fetch`, `--miss cpu` and `--miss auto` side by side at each bandwidth of `--gbps` (same
+   prompts, greedy, equal lengths), all in one process with the model loaded once: one untimed warm-up per
+   policy, then `--rounds` rounds; in each round every bandwidth runs the policies back to back, each on a
+   fresh engine, in an order rotated per round and bandwidth (fetch-cpu-auto, cpu-auto-fetch, ...) so the
+   drift of a shared machine falls on all of them alike. `--pinned` adds `auto` pinned to fetch and to cpu
+   (priors that force one side, calibrating as usual: the same choices as that policy), and their TPOT over
+   that policy's: auto's own overhead, apart from its choices (`pinned_over_policy`). Every decode step
+   replays the same tokens in every round, so a configuration's TPOT is the mean over its decode steps of
+   each step's median round (`floor`: its fastest round; `runs`: the median of the runs' own TPOTs);
+   `spread` is the slowest run's TPOT over the fastest's. Decode passes route 1 token per call, so the
+   relevant host time is host(1). The measured crossover is where TPOT(cpu) / TPOT(fetch) crosses 1
+   (log-interpolated between the two bandwidths that bracket it). `auto / best` is auto's TPOT over the
+   faster of fetch and cpu; its largest value over the bandwidths is `auto_vs_best_max` (target <= 1.05).
+   Host experts run on the engine's host worker beside the device's work (a call with no expert in a slot
+   runs them on its own thread: with `cpu` at this capacity nothing ever enters the cache, so that is every
+   call and nothing is hidden); the overlap per bandwidth: host busy seconds per token and the part of them
+   hidden behind the device (busy - the experts calls' wait for the host), and its share
    (`RunMetrics.host_hidden_share`). Per miss, the measured waits (fetch: the compute's wait per demand
    load; cpu: the wait per host expert) beside `auto`'s cost model at the end of its run (cost_cpu of a
    1-token miss with its later hits, cost_fetch, reuse). `cpu` never copies, so its TPOT does not depend on
@@ -32,10 +36,11 @@ cache (it is computed where it lives), so at a given capacity cpu also gives up 
 have earned later: the measured crossover includes that effect, the analytic one does not.
 Every run is checked token-identical to `fetch` (cpu and auto are exact on a CPU device).
 
-Prints three tables, then one JSON line.
+Prints three tables (four with `--pinned`), then one JSON line.
 
     .venv/bin/python benchmarks/cpu_vs_fetch.py --threads 1
     .venv/bin/python benchmarks/cpu_vs_fetch.py --gbps 0.1,1,4 --rounds 3 --limit 2   # quicker
+    .venv/bin/python benchmarks/cpu_vs_fetch.py --gbps 0.1,32 --pinned   # auto's overhead at the two ends
 """
 
 from __future__ import annotations
@@ -60,6 +65,13 @@ from moeflow.runtime.link import EmulatedLink
 from moeflow.runtime.metrics import RunMetrics
 
 POLICIES = ("fetch", "cpu", "auto")
+# `--pinned`: auto with priors that force one side (host time 1 s and the device's free: always fetch; host time 0
+# and a 1 s copy: always cpu), calibrating as usual, so it makes the same choices as the policy it is pinned to and
+# only its overhead differs
+PINNED = {
+    "auto=fetch": ("auto", {"host_s": 1.0, "per_token_s": 0.0, "device_s": 0.0}),
+    "auto=cpu": ("auto", {"host_s": 0.0, "per_token_s": 0.0, "copy_s": 1.0}),
+}
 HOST_TOKENS = (1, 4, 16, 64)
 
 
@@ -88,11 +100,11 @@ def run_one(model, prompts, engine, new_tokens: int, label: str) -> tuple[RunMet
     return RunMetrics.total(ms, label), outs, steps
 
 
-def rotation(rnd: int, i: int) -> tuple[str, ...]:
-    """The policies' order for round `rnd` at the `i`-th bandwidth: POLICIES rotated by rnd + i, so each policy
-    runs first, second and last equally often and the machine's drift falls on all three alike."""
-    k = (rnd + i) % len(POLICIES)
-    return POLICIES[k:] + POLICIES[:k]
+def rotation(rnd: int, i: int, pols: tuple[str, ...] = POLICIES) -> tuple[str, ...]:
+    """The policies' order for turn `rnd` at the `i`-th bandwidth: `pols` rotated by rnd + i, so each policy
+    runs first, second and last equally often and the machine's drift falls on all of them alike."""
+    k = (rnd + i) % len(pols)
+    return pols[k:] + pols[:k]
 
 
 def median(xs: list[float]) -> float:
@@ -137,7 +149,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--limit", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--max-prompt-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=5, help="rounds (default 5); per decode step the median round")
+    ap.add_argument("--rounds", type=int, default=7, help="rounds (default 7); per decode step the median round")
+    ap.add_argument(
+        "--pinned", action="store_true",
+        help="also run auto pinned to fetch and to cpu (same choices as the policy; only auto's overhead differs)",
+    )  # fmt: skip
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--data-dir", default=None)
     args = ap.parse_args(argv)
@@ -155,9 +171,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]
 
     def engine(b: float, pol: str):
+        miss, opts = PINNED.get(pol, (pol, None))
         eng = build_engine(
             model, mode="offload", link=EmulatedLink(b, lat), capacity=capacity, eviction=args.eviction,
-            prefetch=args.prefetch, miss=pol,
+            prefetch=args.prefetch, miss=miss, miss_opts=opts,
         )  # fmt: skip
         assert eng is not None
         return eng
@@ -185,17 +202,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     Console(width=200).print(t1)
 
     # 2. TPOT side by side: one untimed warm-up per policy, then `rounds` rounds; in each round every bandwidth
-    # runs the three policies back to back in a rotated order, each on a fresh engine (same prompts, greedy)
-    for pol in POLICIES:
+    # runs the policies back to back in a rotated order, each on a fresh engine (same prompts, greedy)
+    pols = POLICIES + (tuple(PINNED) if args.pinned else ())
+    for pol in pols:
         with engine(gbps[0], pol) as warm:
             generate_one(model, prompts[0], warm, max_new_tokens=4, min_new_tokens=4)
-    runs: dict[tuple[float, str], list[dict[str, Any]]] = {(b, p): [] for b in gbps for p in POLICIES}
+    runs: dict[tuple[float, str], list[dict[str, Any]]] = {(b, p): [] for b in gbps for p in pols}
     ref_out: dict[float, list[torch.Tensor]] = {}
     other_out: dict[tuple[float, str], list[torch.Tensor]] = {}
     loads: list[float] = []
     for rnd in range(args.rounds):
         for i, b in enumerate(gbps):
-            for pol in rotation(rnd, i):
+            for pol in rotation(rnd, i, pols):
                 label = f"{pol} @ {b:g} GB/s"
                 with engine(b, pol) as eng:
                     m, outs, steps = run_one(model, prompts, eng, args.new_tokens, label)
@@ -280,6 +298,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for p in ("cpu", "auto"):  # overlap, seconds per decode token of a run (prefill included in the sum)
             row[f"{p}_host_busy_s_per_token"] = (med(b, p, "host_busy_s") or 0.0) / ntok
             row[f"{p}_host_hidden_s_per_token"] = (med(b, p, "host_hidden_s") or 0.0) / ntok
+        if args.pinned:  # auto's own overhead: the same choices as the policy it is pinned to
+            row["pinned_over_policy"] = {
+                q: {st: step_tpot(b, q, fn) / step_tpot(b, base, fn) for st, fn in (("median", median), ("floor", min))}
+                for q, base in (("auto=fetch", "fetch"), ("auto=cpu", "cpu"))
+            }
         rows.append(row)
         t2.add_row(
             f"{b:g}", f"{f * 1e3:.2f}", f"{c * 1e3:.2f}", f"{a * 1e3:.2f}", "/".join(f"{s:.2f}" for s in spreads),
@@ -301,6 +324,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )  # fmt: skip
     Console(width=200).print(t2)
     Console(width=200).print(t3)
+    if args.pinned:
+        t4 = Table(title="auto pinned to one side / that policy, TPOT (the same choices; the difference is auto's overhead)")
+        for c in ("GB/s", "auto=fetch / fetch", "floor", "auto=cpu / cpu", "floor"):
+            t4.add_column(c, justify="right")
+        for row in rows:
+            pin = row["pinned_over_policy"]
+            cells = [f"{pin[q][st]:.3f}" for q in ("auto=fetch", "auto=cpu") for st in ("median", "floor")]
+            t4.add_row(f"{row['gbps']:g}", *cells)
+        Console(width=200).print(t4)
     cpu_tpots = [r["tpot_cpu_s"] for r in rows]
     spread = max(cpu_tpots) / min(cpu_tpots)
     con.print(
@@ -324,6 +356,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "auto_over_best_max": max(r["auto_over_best"] for r in rows),
         "auto_over_best_floor_max": max(r["auto_over_best_floor"] for r in rows),
         "auto_over_best_run_median_max": max(r["auto_over_best_run_median"] for r in rows),
+        "pinned_over_policy_max": (
+            {q: max(r["pinned_over_policy"][q]["median"] for r in rows) for q in PINNED} if args.pinned else None
+        ),
         "token_identical": exact,
         "cpu_tpot_spread": spread,
         "load_average": loads,

@@ -5,8 +5,10 @@
 - the overlap counters: 0 <= host wait <= host time, hidden share in [0, 1], host time > 0 when cpu
   misses happen, the same figures in `RunMetrics`;
 - `auto` on hand-made costs: fetch for an expert with high expected reuse, cpu for one with none; cpu on
-  a very slow link, fetch on a very fast one; the reuse it learns from hits on the experts it fetched; the
-  host path's slowdown and hidden share and the copy's wait it measures, and that the engine feeds them;
+  a very slow link, fetch on a very fast one when the device is much faster than the host; on a CPU device
+  (device compute = host compute at the measured slowdown) cpu at any link speed and reuse; the reuse it
+  learns from hits on the experts it fetched; the host path's slowdown and hidden share and the copy's wait
+  it measures, and that the engine feeds them;
 - CUDA (`gpu`): the side-stream path gives the same logits as the serial host path.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moeflow.errors import ConfigError
 from moeflow.moe import get_adapter
 from moeflow.policies import MISS
 from moeflow.policies.base import CPU, FETCH, BindContext, MissInfo
@@ -23,8 +26,9 @@ from moeflow.runtime.host_worker import hidden_share
 from moeflow.runtime.link import DirectLink
 
 NEW = 6
-# host compute cheap against a copy for 1 token, dear for 2 or more: auto mixes cpu and fetch
-MIXED = {"host_s": 1e-4, "per_token_s": 1e-4, "copy_s": 2.5e-4, "prior": 0.5, "calibrate": False}
+# host compute cheap against a copy for 1 token, dear for 2 or more, the device's compute free (GPU-like):
+# auto mixes cpu and fetch
+MIXED = {"host_s": 1e-4, "per_token_s": 1e-4, "copy_s": 2.5e-4, "device_s": 0.0, "prior": 0.5, "calibrate": False}
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +84,40 @@ def test_threaded_host_path_identical(tiny_models, prompt, arch):
             assert torch.equal(got[True], got[False])
 
 
+def _count_submits(eng) -> list[int]:
+    """Spy on the attached engine's host worker: the number of rows of each job handed to it."""
+    host = eng._call.host
+    real, rows = host.submit, []
+
+    def spy(x, eg, compute):
+        rows.append(x.shape[0])
+        return real(x, eg, compute)
+
+    host.submit = spy
+    return rows
+
+
+def test_all_host_call_runs_on_its_own_thread(tiny_models, prompt):
+    """On a CPU device a call whose every expert is a host expert (cpu at a small capacity: nothing ever gets
+    a slot) computes them on the calling thread, nothing handed to the worker, nothing hidden; a call with
+    experts in slots too (auto, mixing cpu and fetch) hands its host experts to the worker. Tokens exact."""
+    model = tiny_models("olmoe")
+    ref, _ = generate_one(model, prompt, None, max_new_tokens=NEW, min_new_tokens=NEW)
+    eng = _engine(model, 2, "cpu", True)
+    with eng:
+        jobs = _count_submits(eng)
+        out, _m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
+        assert eng.cache.num_resident() == 0 and eng.miss_counts["cpu"] > 0
+        assert jobs == [] and eng.host_s > 0 and eng.host_wait_s == eng.host_s
+    assert torch.equal(out, ref)
+    mixed = _engine(model, 8, "auto", True, MIXED)
+    with mixed:
+        jobs = _count_submits(mixed)
+        out, _m = generate_one(model, prompt, mixed, max_new_tokens=NEW, min_new_tokens=NEW)
+        assert mixed.miss.decisions[FETCH] > 0 and len(jobs) > 0 and 0 < sum(jobs)
+    assert torch.equal(out, ref)
+
+
 def test_overlap_counters(tiny_models, prompt):
     model = tiny_models("olmoe")
     eng = _engine(model, 2, "cpu", True)
@@ -130,12 +168,13 @@ class _Link:
         return self.copy_s
 
 
-def _bound_auto(copy_s: float, **opts):
-    """`auto` bound to a fake engine: host(n) = 1e-4 + 1e-5 (n - 1) s, one copy `copy_s`."""
+def _bound_auto(copy_s: float, model=None, **opts):
+    """`auto` bound to a fake engine: host(n) = 1e-4 + 1e-5 (n - 1) s, one copy `copy_s`; `model` None: a
+    device of unknown kind (its compute taken as free unless `device_s` is given)."""
     pol = MISS.create("auto", **opts)
     pol.bind(
         BindContext(
-            model=None,
+            model=model,
             adapter=None,
             link=_Link(copy_s),
             expert_bytes=1000,
@@ -156,6 +195,67 @@ def test_auto_slow_link_cpu_fast_link_fetch():
     assert slow.on_miss((0, 2), None, _info(tokens=64)) == CPU
     assert fast.on_miss((0, 1), None, _info(tokens=1)) == FETCH
     assert fast.decisions == {FETCH: 1, CPU: 0}
+
+
+def test_auto_cpu_device_counts_its_compute():
+    """A CPU device (the model's parameters on the host): device(n) = host(n), the same kernel, so a fetch
+    costs the copy's wait on top of the compute cpu costs: cpu on a slow and on a very fast link (1 us copy),
+    for 1 and 64 tokens, at any expected reuse. `device_s` = host_s gives the same model."""
+    cpu_model = torch.nn.Linear(2, 2)
+    for copy_s in (1e-2, 1e-6):
+        for reuse in (0.0, 1.0, 100.0):
+            for opts in ({}, {"device_s": 1e-4}):
+                pol = _bound_auto(copy_s, cpu_model, reuse=reuse, **opts)
+                assert pol.device(1) == pytest.approx(1e-4) and pol.device(64) == pytest.approx(pol.estimate(64)[0])
+                work = pol.estimate(64)[0] + reuse * 1e-4  # host(64) + reuse x host(1)
+                assert pol.costs(64) == pytest.approx((work, copy_s + work))
+                assert pol.on_miss((0, 1), None, _info(tokens=1)) == CPU
+                assert pol.on_miss((0, 2), None, _info(tokens=64)) == CPU
+    assert _bound_auto(1e-6, None).device(1) == 0.0  # a device of unknown kind: free, as before
+
+
+def test_auto_cpu_device_slowdown_counts_on_both_sides():
+    """CPU device, copy 1.5e-4: the host path measured at 2x the kernel (slowdown 2, waited for in full) is
+    the same kernel the device would run under the same load, so device(1) = 2e-4 too: a fetch still only adds
+    the copy -> cpu at reuse 0 and 4 (the device's compute free, both would be fetched: 2e-4 x (1 + reuse) >
+    1.5e-4). `device_s` given: the device's own time, not scaled."""
+    for reuse in (0.0, 4.0):
+        pol = _bound_auto(1.5e-4, torch.nn.Linear(2, 2), reuse=reuse, decay=1.0)
+        pol.measured(0.0, 0.0, 0.0, 0)
+        assert _send(pol, 0, 3e-4, 3e-4) == CPU  # the prior: slowdown 1
+        assert pol.slowdown == pytest.approx(2.0) and pol.device(1) == pytest.approx(2e-4)
+        assert pol.costs(1) == pytest.approx((2e-4 * (1 + reuse), 1.5e-4 + 2e-4 * (1 + reuse)))
+        assert pol.on_miss((1, 7), None, _info()) == CPU
+    given = _bound_auto(1.5e-4, torch.nn.Linear(2, 2), reuse=4.0, decay=1.0, device_s=1e-4)
+    given.measured(0.0, 0.0, 0.0, 0)
+    _send(given, 0, 3e-4, 3e-4)
+    assert given.device(1) == pytest.approx(1e-4) and given.on_miss((1, 7), None, _info()) == FETCH
+
+
+def test_auto_gpu_like_device_keeps_link_decisions():
+    """A device 100x faster than the host (device_s = 1e-6, host 1e-4; even with the model on the CPU: a
+    given `device_s` wins): fetch on a fast link (10 us copy: 1e-5 + 2e-6 < 2e-4), cpu on a slow one (10 ms)."""
+    for model in (None, torch.nn.Linear(2, 2)):
+        fast, slow = _bound_auto(1e-5, model, device_s=1e-6), _bound_auto(1e-2, model, device_s=1e-6)
+        assert fast.device(1) == pytest.approx(1e-6) and fast.costs(1) == pytest.approx((2e-4, 1e-5 + 2e-6))
+        assert fast.on_miss((0, 1), None, _info(tokens=1)) == FETCH
+        assert fast.on_miss((0, 2), None, _info(tokens=64)) == FETCH
+        assert slow.on_miss((0, 1), None, _info(tokens=1)) == CPU
+        assert slow.on_miss((0, 2), None, _info(tokens=64)) == CPU
+    with pytest.raises(ConfigError, match="device_s must be >= 0"):
+        MISS.create("auto", device_s=-1.0)
+
+
+def test_auto_on_cpu_engine_sends_every_miss_to_the_host(tiny_models, prompt):
+    """On the tiny CPU model a 1 us copy against a 1 ms host kernel (fetch before the device's compute was
+    counted): every miss goes to the host, since fetching only adds the copy; tokens exact."""
+    model = tiny_models("olmoe")
+    ref, _ = generate_one(model, prompt, None, max_new_tokens=NEW, min_new_tokens=NEW)
+    eng = _engine(model, 4, "auto", True, {"host_s": 1e-3, "per_token_s": 0.0, "copy_s": 1e-6, "calibrate": False})
+    with eng:
+        out, _m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
+        assert eng.miss.decisions[CPU] > 0 and eng.miss.decisions[FETCH] == 0
+    assert torch.equal(out, ref)
 
 
 def _send(pol, layer: int, path_s: float, wait_s: float, stall_s: float = 0.0, waited: int = 0) -> object:
@@ -286,3 +386,36 @@ def test_cuda_side_stream_matches_serial(prompt):
             assert eng.miss_counts["cpu"] > 0 and eng.host_s > 0
             assert 0 <= eng.host_wait_s <= eng.host_s
     assert torch.equal(got[True], got[False])
+
+
+def test_benchmark_pinned_auto_makes_the_pinned_choices(tiny_models, prompt):
+    """`benchmarks/cpu_vs_fetch.py --pinned`: auto with the priors of `auto=fetch` fetches every miss and with
+    those of `auto=cpu` sends every miss to the host, calibrating as usual on a slow and on a fast emulated link,
+    so its TPOT differs from the policy's by its overhead only; tokens exact. `rotation` puts every policy at
+    every position once over as many turns as there are policies."""
+    import importlib.util
+    from pathlib import Path
+
+    from moeflow.runtime.link import EmulatedLink
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_vs_fetch.py"
+    spec = importlib.util.spec_from_file_location("cpu_vs_fetch", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = tiny_models("olmoe")
+    ref, _ = generate_one(model, prompt, None, max_new_tokens=NEW, min_new_tokens=NEW)
+    for gbps in (0.01, 100.0):
+        for name, side in (("auto=fetch", FETCH), ("auto=cpu", CPU)):
+            miss, opts = bench.PINNED[name]
+            eng = build_engine(
+                model, mode="offload", link=EmulatedLink(gbps, 1e-5), capacity=4, eviction="lru", miss=miss, miss_opts=opts
+            )
+            with eng:
+                out, _m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
+                dec = eng.miss.decisions
+            assert dec[side] > 0 and sum(dec.values()) == dec[side], f"{name} @ {gbps} GB/s: {dec}"
+            assert torch.equal(out, ref)
+    pols = ("fetch", "cpu", "auto", *bench.PINNED)
+    turns = [bench.rotation(t, 1, pols) for t in range(len(pols))]
+    assert all(sorted(col) == sorted(pols) for col in zip(*turns))

@@ -9,6 +9,7 @@ resident when the prefill began, and `moeflow run --json` reports `ttft_bound_ra
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -299,17 +300,20 @@ def test_staged_prefill_start_copies_the_first_layer_before_predicting_the_rest(
         assert pf is not None
         pregate, stage = pf._pregate, cache.stage
 
+        def table_matches():  # between batches (each writes the device table once, at its end)
+            assert cache.table is not None
+            for (l, e), s in cache.slot_of.items():
+                assert int(cache.table[cache.rank[l], e]) == s
+            assert int((cache.table >= 0).sum()) == len(cache.slot_of)
+
         def spy_pregate(layer, x):
+            table_matches()
             events.append(("predict", layer))
             return pregate(layer, x)
 
         def spy_stage(keys, layer):
             n = stage(keys, layer)
             events.append(("stage", layer))
-            assert cache.table is not None
-            for (l, e), s in cache.slot_of.items():  # one write per batch, the same table
-                assert int(cache.table[cache.rank[l], e]) == s
-            assert int((cache.table >= 0).sum()) == len(cache.slot_of)
             return n
 
         pf._pregate, cache.stage = spy_pregate, spy_stage  # type: ignore[method-assign]
@@ -317,6 +321,8 @@ def test_staged_prefill_start_copies_the_first_layer_before_predicting_the_rest(
         with torch.no_grad():
             x = model.get_input_embeddings()(prompt)  # [1,P,H]
         pf.start(x)
+        table_matches()
+        assert len(cache.slot_of) > spec.num_experts  # the later layers staged too
     first, second = spec.moe_layers[0], spec.moe_layers[1]
     assert events[:3] == [("predict", first), ("stage", first), ("predict", second)], events
 
@@ -444,3 +450,114 @@ def test_run_config_refuses_an_unknown_prefill_path():
     assert RunConfig(model="m", prompt=("p",), prefill="serial").prefill == "serial"
     with pytest.raises(ConfigError, match="--prefill 'eager' unknown"):
         RunConfig(model="m", prompt=("p",), prefill="eager")
+
+
+def _tickets_by_key(cache) -> dict[tuple[int, int], tuple[float, float, bool]]:
+    return {k: (t.start, t.due, t.demand) for k, s in cache.slot_of.items() if (t := cache.slots[s].ticket) is not None}
+
+
+def test_schedule_add_many_is_add_one_by_one():
+    """A block of demand (or prefetch) transfers added at once lands where adding them one by one at the same time
+    puts them: after the started and the queued demand transfers, ahead of the queued prefetches (or at the end)."""
+    from moeflow.runtime.link import PrioritySchedule, Ticket
+
+    def queue() -> PrioritySchedule:
+        q = PrioritySchedule()
+        for i, demand in enumerate((True, False, True, False, False)):  # the first one started at t=0
+            t = Ticket(100 + i)
+            t.busy_s = 1.0 + i
+            q.add(t, 0.0 if i == 0 else 0.5, demand=demand)
+        return q
+
+    for demand in (True, False):
+        one, many = queue(), queue()
+        new = [Ticket(7), Ticket(8), Ticket(9)]
+        for t in new:
+            t.busy_s = 0.25
+        for t in new:
+            one.add(Ticket(t.nbytes, busy_s=t.busy_s), 0.75, demand=demand)
+        many.add_many(new, 0.75, demand=demand)
+        assert [(t.nbytes, t.start, t.due, t.demand) for t in one.q] == [(t.nbytes, t.start, t.due, t.demand) for t in many.q]
+    assert [t.nbytes for t in many.q][-3:] == [7, 8, 9] and [t.nbytes for t in one.q][:2] == [100, 102]
+
+
+def test_cache_batch_schedules_as_one_by_one_and_hands_over_once(tiny_models):
+    """`cache.batch()`: the same decisions, counters, slots, device table and link schedule as loading one by one
+    (a staged prefetch the demand promotes included), with the copies handed to the link in one call per run."""
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    first, second = spec.moe_layers[0], spec.moe_layers[1]
+    E = spec.num_experts
+    seen = []
+    for batched in (False, True):
+        link = EmulatedLink(1.0, clock=lambda: 0.0, sleep=lambda s: None)  # a still clock: nothing completes
+        calls = {"submit": 0, "submit_many": 0}
+        submit, submit_many = link.submit, link.submit_many
+
+        def spy_submit(*a, _f=submit, _calls=calls, **k):
+            _calls["submit"] += 1
+            return _f(*a, **k)
+
+        def spy_many(items, _f=submit_many, _calls=calls, **k):
+            _calls["submit_many"] += 1
+            return _f(items, **k)
+
+        link.submit, link.submit_many = spy_submit, spy_many  # type: ignore[method-assign]
+        eng = build_engine(model, mode="offload", link=link, capacity=spec.total_experts, eviction="lru", prefetch="pregate")
+        assert eng is not None
+        with eng:
+            cache = eng.cache
+            cache.begin_pass(1)
+            n = cache.stage([(second, e) for e in range(E // 2)], second)  # queued prefetches
+            calls0 = dict(calls)
+            cache.begin_layer(second)
+            with cache.batch() if batched else contextlib.nullcontext():
+                slots = cache.demand(second, list(range(E // 4, E)), {e: 0.5 for e in range(E)})  # hits promoted, misses
+                slots += cache.demand(first, list(range(E)), {e: 0.5 for e in range(E)})
+            assert cache.table is not None
+            for (l, e), s in cache.slot_of.items():
+                assert int(cache.table[cache.rank[l], e]) == s
+            assert int((cache.table >= 0).sum()) == len(cache.slot_of)
+            seen.append((n, slots, dict(cache.slot_of), cache.counters.copy(), _tickets_by_key(cache)))
+            calls = {k: calls[k] - calls0[k] for k in calls}
+            cache.release(slots)
+            link._sched.q.clear()  # a still clock: nothing to drain
+        if batched:  # the promotions hand over nothing (no miss before them); every miss after them: one run
+            assert calls == {"submit": 0, "submit_many": 1}, calls
+    assert seen[0] == seen[1]
+
+
+def test_staged_prefill_applies_each_router_once_per_input(tiny_models, prompt):
+    """The pre-gate and the prefetch policy's step both need the next layer's router on a layer's router input:
+    it is applied once (the policy's step reuses the logits), and the prefill stays exact."""
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    ref, _ = generate_one(model, prompt, None, max_new_tokens=2, min_new_tokens=2)
+    eng = build_engine(
+        model, mode="offload", link=EmulatedLink(50.0), capacity=spec.total_experts // 2, eviction="lru", prefetch="pregate"
+    )
+    assert eng is not None
+    calls: list[tuple[int, int, tuple[int, ...]]] = []
+    kept: list[torch.Tensor] = []  # every input stays alive: no address is reused for another one
+    with eng:
+        adapter = eng.adapter
+        router_logits = adapter.router_logits
+
+        def spy(layer, x):
+            kept.append(x)
+            calls.append((layer, x.data_ptr(), tuple(x.shape)))
+            return router_logits(layer, x)
+
+        adapter.router_logits = spy  # type: ignore[method-assign]
+        eng.step.prefetch, prefetch = None, eng.step.prefetch  # type: ignore[assignment]
+        steps = [0]
+
+        def counted(*a, _f=prefetch, **k):
+            steps[0] += 1
+            return _f(*a, **k)
+
+        eng.step.prefetch = counted  # type: ignore[method-assign]
+        out, _ = generate_one(model, prompt, eng, max_new_tokens=2, min_new_tokens=2)
+    assert torch.equal(out, ref)
+    assert steps[0] > 0 and calls  # the policy's step ran
+    assert len(calls) == len(set(calls)), calls

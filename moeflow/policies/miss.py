@@ -11,7 +11,7 @@ simulator implements `fetch` only.
 | drop | skip misses of rank >= `min_rank` (3) and weight < `score` (0: any); `renorm` | no |
 | substitute | most similar resident expert (router-row cosine), 1 - cos <= `tol` | no |
 | cpu | run the missing expert on the host from the store's row; activations move | on CPU |
-| auto | per miss: cpu if measured host time now and at the expected later hits beats one copy's wait | on CPU |
+| auto | per miss: cpu if host time now and at the expected later hits beats a copy's wait + device time | on CPU |
 | fetch-lowest-bit | ("fetch", `bits`): the store's lowest-precision copy (default int2; HQQ) | no |
 | fetch-priority | misses scoring below the layer's `percentile` (60): ("fetch", b), b from `bits` (8/4/2) by tier | no |
 | cascade | ("fetch", `bits`) now (int4), then the full row queued over the slot (prefetch priority) | no |
@@ -143,8 +143,14 @@ class Auto(MissPolicy):
     expert never enters the cache), each time only the part the device's own work does not hide:
     `cost_cpu = (host(tokens) + reuse x host(1)) x slowdown x (1 - hidden)`, host(n) = `host_s` +
     `per_token_s` x (n - 1) (the kernel alone, calibrated or measured at `bind`). fetch: one copy now, after
-    which those later accesses are hits: `cost_fetch` = the wait for one demand load. `cpu` when
-    cost_cpu < cost_fetch (a cpu miss now and a fetch at a later access never beats a fetch now).
+    which the device computes the expert now and at those later accesses (hits):
+    `cost_fetch = wait + device(tokens) + reuse x device(1)`, `wait` = the wait for one demand load.
+    device(n) = host(n) x `device_s` / `host_s`: the same kernel at the device's speed, `device_s` = seconds
+    of one expert on one token on the device (`moeflow run`: the calibration's `expert_time_s` on a non-CPU
+    device). Unset, on a CPU device device(n) = host(n) x slowdown: the same kernels on the same cores under
+    the same load, so a fetch there only adds its copy and cpu is chosen at every link speed; elsewhere 0 (a
+    GPU's expert compute taken as free against the host's).
+    `cpu` when cost_cpu < cost_fetch (a cpu miss now and a fetch at a later access never beats a fetch now).
 
     The three factors are measured as the engine runs (`measured`: the engine's running totals, fed before
     each layer's misses are decided), each a recent-weighted ratio of sums that start as one observation of
@@ -154,7 +160,7 @@ class Auto(MissPolicy):
     - `slowdown` = host-path seconds (hand-off to the host worker, compute, result back) / host(tokens) of
       the experts `auto` sent there (prior 1: the kernel alone);
     - `hidden` = 1 - the experts call's wait for those results / their host-path seconds (prior 0);
-    - `cost_fetch` = seconds the compute waited per demand load or late prefetch (prior: the link's
+    - `wait` = seconds the compute waited per demand load or late prefetch (prior: the link's
       estimate of one copy, else one timed row copy), so queueing behind copies in flight and the link's
       real speed are counted.
     `reuse` = the expected later hits of a fetched expert: a fixed value when given, else learned,
@@ -167,13 +173,14 @@ class Auto(MissPolicy):
     changes_output = False  # fetch and cpu are both exact on a CPU device; `needs_host`: lossy elsewhere
     needs_routing: ClassVar[bool] = True
     needs_host: ClassVar[bool] = True
-    needs_model: ClassVar[bool] = True  # host and copy timings
+    needs_model: ClassVar[bool] = True  # host and copy timings, the model's device
 
     def __init__(
         self,
         host_s: float | None = None,
         per_token_s: float | None = None,
         copy_s: float | None = None,
+        device_s: float | None = None,
         reuse: float | None = None,
         prior: float = 1.0,
         decay: float = 0.98,
@@ -182,6 +189,12 @@ class Auto(MissPolicy):
         if not 0.0 < float(decay) <= 1.0:
             raise ValueError("decay must be in (0, 1]")
         self.host_s, self.per_token_s, self.copy_s = host_s, per_token_s, copy_s
+        self.device_s = None if device_s is None else float(device_s)
+        if self.device_s is not None and self.device_s < 0:
+            raise ValueError("device_s must be >= 0 (seconds of one expert on one token on the device)")
+        self.device_is_host = False  # the model on a CPU device (set at `bind`): unset device_s -> host(n) x slowdown
+        self._dev_scale = self._dev_flat = 0.0  # device(n) = _dev_scale x host(n) + _dev_flat (set by `_prime`)
+        self._dev_host = False  # device(n) = host(n) x slowdown instead (set by `_prime`)
         self.fixed_reuse = None if reuse is None else float(reuse)
         self.decay = float(decay)
         self.calibrate = bool(calibrate)
@@ -201,6 +214,8 @@ class Auto(MissPolicy):
 
     def bind(self, ctx: BindContext) -> None:
         self._link, self._nbytes = ctx.link, ctx.expert_bytes
+        param = next(ctx.model.parameters(), None) if ctx.model is not None else None
+        self.device_is_host = param is not None and param.device.type == "cpu"
         if self.host_s is None or self.per_token_s is None:
             t1, t8 = ctx.time_host_expert(1), ctx.time_host_expert(8)
             self.host_s = t1 if self.host_s is None else self.host_s
@@ -217,6 +232,12 @@ class Auto(MissPolicy):
             host1, copy = self.estimate(1)
             self._est = self._path = self._wait = host1
             self._stall, self._waited = copy, 1.0
+            self._dev_scale, self._dev_flat = 0.0, 0.0
+            self._dev_host = self.device_s is None and self.device_is_host  # device(n) = host(n) x slowdown
+            if self.device_s is not None and host1 > 0:
+                self._dev_scale = self.device_s / host1
+            elif self.device_s is not None:  # no host time to scale: the device's one-token time at every row count
+                self._dev_flat = self.device_s
             self._primed = True
 
     @property
@@ -242,14 +263,29 @@ class Auto(MissPolicy):
         host = float(self.host_s or 0.0) + float(self.per_token_s or 0.0) * max(0, tokens - 1)
         return host, float(self.copy_s or 0.0)
 
-    def costs(self, tokens: int) -> tuple[float, float]:
-        """(cost_cpu, cost_fetch) of one miss with `tokens` rows, in seconds (see the class docstring)."""
+    def device(self, tokens: int) -> float:
+        """device(tokens): modelled seconds of one expert on `tokens` rows on the device (see the class docstring)."""
         self._prime()
-        host, _ = self.estimate(tokens)
-        host1, _ = self.estimate(1)
+        scale = self.slowdown if self._dev_host else self._dev_scale
+        return scale * self.estimate(tokens)[0] + self._dev_flat
+
+    def costs(self, tokens: int) -> tuple[float, float]:
+        """(cost_cpu, cost_fetch) of one miss with `tokens` rows, in seconds (see the class docstring): the
+        copy's measured wait is `cost_fetch` less the device's compute."""
+        if not self._primed:
+            self._prime()
+        host1 = float(self.host_s or 0.0)
+        host = host1 + float(self.per_token_s or 0.0) * (tokens - 1) if tokens > 1 else host1  # host(tokens)
+        reuse = self.fixed_reuse if self.fixed_reuse is not None else self.hits / self.fetches
         cost_fetch = self._stall / self._waited if self._waited > 0 else float(self.copy_s or 0.0)
         ratio = self._wait / self._est if self._est > 0 else 1.0  # slowdown x (1 - hidden)
-        return (host + self.reuse * host1) * ratio, cost_fetch
+        work = host + reuse * host1  # host(tokens) + reuse x host(1): the kernel now and at the later accesses
+        if self._dev_host:  # a CPU device: the same kernel at the measured slowdown
+            scale = self._path / self._est if self._est > 0 else 1.0
+        else:
+            scale = self._dev_scale
+        # device(tokens) + reuse x device(1) = scale x work + (1 + reuse) x _dev_flat
+        return work * ratio, cost_fetch + scale * work + (1.0 + reuse) * self._dev_flat
 
     def measured(self, host_path_s: float, host_wait_s: float, stall_s: float, waited: int) -> None:
         """The engine's running totals, before a layer's misses are decided: host-path seconds of host experts,
@@ -258,36 +294,44 @@ class Auto(MissPolicy):
         ratios; host time is matched with the host experts `auto` sent since then (all joined by now)."""
         now = (float(host_path_s), float(host_wait_s), float(stall_s), float(waited))
         last, self._last = self._last, now
+        sent, self._sent = self._sent, 0.0
         if last is None or not self.calibrate:
-            self._sent = 0.0
             return
-        self._prime()
-        d_path, d_wait, d_stall, d_waited = (a - b for a, b in zip(now, last))
-        g, host1, copy = self.decay, *self.estimate(1)
-        p = (1.0 - g) * host1  # each update forgets toward the prior: an option not chosen for a while looks
-        #   as it did a priori (slowdown 1, hidden 0, the link's copy time) and is tried again
-        sent = self._sent if d_path > 0 else 0.0
-        self._est, self._path = g * self._est + p + sent, g * self._path + p + (d_path if sent else 0.0)
-        self._wait = g * self._wait + p + (d_wait if sent else 0.0)
-        self._stall = g * self._stall + (1.0 - g) * copy + d_stall
-        self._waited = g * self._waited + (1.0 - g) + d_waited
-        self._sent = 0.0
+        if not self._primed:
+            self._prime()
+        g = self.decay
+        q = 1.0 - g
+        p = q * float(self.host_s or 0.0)  # each update forgets toward the prior: an option not chosen for a
+        #   while looks as it did a priori (slowdown 1, hidden 0, the link's copy time) and is tried again
+        d_path = now[0] - last[0]
+        if sent and d_path > 0:  # the host experts sent since the last call, all joined by now
+            self._est = g * self._est + p + sent
+            self._path = g * self._path + p + d_path
+            self._wait = g * self._wait + p + (now[1] - last[1])
+        else:
+            self._est, self._path, self._wait = g * self._est + p, g * self._path + p, g * self._wait + p
+        self._stall = g * self._stall + q * float(self.copy_s or 0.0) + (now[2] - last[2])
+        self._waited = g * self._waited + q + (now[3] - last[3])
 
     def on_miss(self, key: ExpertKey, pos: Position, info: MissInfo | None = None) -> MissAction:
-        tokens = info.tokens if info is not None else 1
+        tokens = 1
         if info is not None:
-            self._resident = info.resident
+            tokens, self._resident = info.tokens, info.resident
         cost_cpu, cost_fetch = self.costs(tokens)
-        act = CPU if cost_cpu < cost_fetch else FETCH
-        self.decisions[act] += 1
-        if act == FETCH:
-            self.fetches = self.fetches * self.decay + 1.0
-            self.hits *= self.decay
-            self._followed.setdefault(key[0], set()).add(key[1])
-            self._fresh.add(key)
-        else:
-            self._sent += self.estimate(tokens)[0]
-        return act
+        if cost_cpu < cost_fetch:
+            self.decisions[CPU] += 1
+            host1 = float(self.host_s or 0.0)
+            self._sent += host1 + float(self.per_token_s or 0.0) * (tokens - 1) if tokens > 1 else host1  # host(tokens)
+            return CPU
+        self.decisions[FETCH] += 1
+        self.fetches = self.fetches * self.decay + 1.0
+        self.hits *= self.decay
+        followed = self._followed.get(key[0])
+        if followed is None:
+            followed = self._followed[key[0]] = set()
+        followed.add(key[1])
+        self._fresh.add(key)
+        return FETCH
 
     def observe(self, layer: int, scores: dict[int, float]) -> None:
         """A layer call's experts with a slot (after the call): each followed one not fetched by this very

@@ -46,7 +46,8 @@ that reads the link) runs the Python mechanism below, in the runtime and the sim
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Literal, cast, overload
@@ -127,7 +128,8 @@ class ExpertCache:
         self.buffer: torch.Tensor | None = None  # [C,R] (None without a store)
         self.views: dict[str, torch.Tensor] = {}  # name -> [C, *shape]
         self.table: torch.Tensor | None = None  # [L,E] slot or -1, on the device
-        self._table_writes: tuple[list[int], list[int], list[int]] | None = None  # (ranks, experts, slots) of a `stage`
+        self._table_writes: tuple[list[int], list[int], list[int]] | None = None  # (ranks, experts, slots) of a `batch`
+        self._held: list[tuple[int, ExpertKey, int, bool]] | None = None  # (slot, key, bits, demand): a `batch`'s copies
         if store is not None:
             self.buffer = torch.empty(C, store.layout.row_numel, dtype=store.layout.dtype, device=device)
             self.views = store.layout.views(self.buffer)
@@ -297,6 +299,7 @@ class ExpertCache:
                     c.late += 1
                     ticket = slots[s].ticket
                     if ticket is not None and not ticket.demand:  # a queued prefetch now needed: misses first
+                        self._hand_over()  # a batch's earlier copies scheduled first, as one by one
                         self.link.promote(ticket)
             else:
                 c.misses += 1
@@ -362,6 +365,8 @@ class ExpertCache:
         """Block until every slot in `slots` may be read by compute; return the seconds waited."""
         if not self._loading:  # every LOADING slot is in `_loading`: nothing can be in flight
             return 0.0
+        if self._held:  # a `batch`'s copies go to the link before anything waits on it
+            self._hand_over()
         stall = 0.0
         for s in slots:
             slot = self.slots[s]
@@ -441,6 +446,13 @@ class ExpertCache:
         issued: set[int] = set()
         pos = self.position(layer)
         gate = self.gate
+        if gate is not None and self._held is not None:  # the gate reads the link's backlog copy by copy
+            self._hand_over()
+            held, self._held = self._held, None
+            try:
+                return self.prefetch(requests, layer)
+            finally:
+                self._held = held
         if gate is not None:
             gate.begin(self.link, self.expert_bytes, pos.pass_id, pos.layer_rank)
         if self.core is not None:
@@ -478,25 +490,75 @@ class ExpertCache:
         """A staged batch (`runtime/prefill.py`): copies for `keys` in the given order at prefetch priority,
         without the prefetch policy's gate (counted as prefetches); never waits. Returns copies issued."""
         gate, self.gate = self.gate, None
-        self._table_writes = ([], [], [])  # the batch's device-table entries, written at once below
         try:
-            n = len(keys)
-            return self.prefetch([PrefetchRequest(k, priority=float(n - i)) for i, k in enumerate(keys)], layer)
+            with self.batch():
+                n = len(keys)
+                return self.prefetch([PrefetchRequest(k, priority=float(n - i)) for i, k in enumerate(keys)], layer)
         finally:
             self.gate = gate
-            rows, experts, slots = self._table_writes
-            self._table_writes = None
-            if rows and self.table is not None:  # one write for the batch (its slots are distinct, its keys new)
-                dev = self.table.device
-                self.table[torch.tensor(rows, device=dev), torch.tensor(experts, device=dev)] = torch.tensor(slots, device=dev)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """The loads inside (`demand`, `stage`) as ONE batch: every decision and event as one by one, but the copies
+        handed to the link at the end in runs of equal priority (`Link.submit_many`: the same schedule, one
+        reflow; a promotion or a wait inside hands over what is held first) and the device table written once.
+        Nested: the outer one hands over. Instant links and tensor-free caches load one by one."""
+        if self._table_writes is not None:
+            yield
+            return
+        with self.link.batch():  # the link hands what it got to its copying thread at the end, together
+            self._table_writes = ([], [], [])
+            if not self._instant and self.store is not None:
+                self._held = []
+            try:
+                yield
+            finally:
+                try:
+                    self._hand_over()
+                finally:
+                    self._held = None
+                    rows, experts, _ = self._table_writes
+                    self._table_writes = None
+                    if rows and self.table is not None:  # one write: each loaded key's slot now (-1: evicted since)
+                        layers, slot_of = self.spec.moe_layers, self.slot_of
+                        now = {(r, e): slot_of.get((layers[r], e), -1) for r, e in zip(rows, experts)}
+                        dev = self.table.device
+                        r_, e_ = zip(*now)
+                        self.table[torch.tensor(r_, device=dev), torch.tensor(e_, device=dev)] = torch.tensor(
+                            list(now.values()), device=dev
+                        )
+
+    def _hand_over(self) -> None:
+        """The copies a `batch` holds, submitted now (in order, consecutive ones of equal priority together)."""
+        held = self._held
+        if not held:
+            return
+        self._held = []
+        store, buffer, slots = self.store, self.buffer, self.slots
+        assert store is not None and buffer is not None  # held only with a store (`batch`)
+        i, n = 0, len(held)
+        while i < n:
+            demand = held[i][3]
+            j = i + 1
+            while j < n and held[j][3] == demand:
+                j += 1
+            run = held[i:j]
+            items = [
+                (store.compact_row(*key, bits), store.landing(buffer[s], bits), slots[s].last_use) for s, key, bits, _ in run
+            ]
+            for (s, _, _, _), t in zip(run, self.link.submit_many(items, demand=demand)):
+                slots[s].ticket = t
+            i = j
 
     def stage_room(self, layer: int) -> int:
         """Slots of `layer`'s part that no running layer pins and that hold no expert of `layer` (room for a staged
         batch of `layer` that evicts none of its own)."""
-        slots = self.slots
-        return sum(
-            not (sl := slots[s]).pinned and (sl.key is None or sl.key[0] != layer) for s in self._part_slots[self._part(layer)]
-        )
+        slots, n = self.slots, 0
+        for s in self._part_slots[self._part(layer)]:
+            sl = slots[s]
+            if not sl.pinned and ((key := sl.key) is None or key[0] != layer):
+                n += 1
+        return n
 
     def free_room(self, layer: int) -> int:
         """Empty slots of `layer`'s part (a batch staged into them evicts nothing)."""
@@ -667,7 +729,11 @@ class ExpertCache:
 
     def _load(self, s: int, key: ExpertKey, *, prefetched: bool, pos: Position, bits: int = FULL) -> None:
         slot = self.slots[s]
-        slot.ticket = self._submit(s, key, bits, demand=not prefetched)
+        if self._held is not None:  # a `batch`: submitted at its end (a slot in flight without a ticket meanwhile)
+            slot.ticket = None
+            self._held.append((s, key, bits, not prefetched))
+        else:
+            slot.ticket = self._submit(s, key, bits, demand=not prefetched)
         slot.bits, slot.dequant = bits, bits
         slot.state = READY if self._instant else LOADING
         slot.key = key
@@ -678,7 +744,7 @@ class ExpertCache:
             self.store.dequantize(bits, self.buffer[s])
         self.slot_of[key] = s
         r = self.rank[key[0]]
-        if self._table_writes is not None:  # a staged batch: written at its end (`stage`)
+        if self._table_writes is not None:  # a `batch`: written at its end
             self._table_writes[0].append(r)
             self._table_writes[1].append(key[1])
             self._table_writes[2].append(s)

@@ -12,7 +12,8 @@ transformers' experts interface calls under the `moeflow` implementation (throug
 Host experts (`cpu` misses) run the same grouped kernels over the host store's rows (activations move,
 weights never do): with a host worker (`runtime/host_worker.py`) their rows are submitted FIRST and computed
 on the worker thread while this thread computes the experts with a slot (waits included), then joined just
-before the combine; without one (`_host_rows`) serially, after the first part of the wave. Order inside one
+before the combine; without one (`_host_rows`) serially, after the first part of the wave, and so on a CPU
+device when every expert of the call is a host expert (nothing to hide them behind: no hand-off). Order inside one
 pinned wave: with `hit-first` the ready experts' rows first, then the wait for the slots still loading.
 Every path writes its rows into one `[S,H]` buffer before the single combine, so the result is bit-identical
 to `grouped_mm` (rows are independent; each group holds the stock call's rows in the stock order).
@@ -109,7 +110,7 @@ class ExpertsCall:
         cache = self.cache
         S = eg.numel()
         out_g: torch.Tensor | None = None
-        job = self._submit_host(module, layer, cpu, x_g, eg) if cpu and self.host is not None else None
+        job = self._submit_host(module, layer, cpu, x_g, eg) if cpu and self._threaded(waves) else None
         split = None
         if len(waves) == 1 and waves[0][0] is not None and (cpu or self.hit_first):
             split = self._split_wave(layer, waves[0][0], waves[0][1], cpu)
@@ -147,6 +148,14 @@ class ExpertsCall:
         if out_g is None:  # unreachable: every routed row belongs to a wave or a host expert
             raise RuntimeError(f"layer {layer}: no expert computed")
         return out_g
+
+    def _threaded(self, waves: list[Wave]) -> bool:
+        """Host experts go to the host worker, unless this thread has nothing to compute meanwhile on a CPU
+        device (every expert of the call is a host expert): then they run here, since the hand-off to the
+        worker and back (two thread switches) would hide nothing."""
+        if self.host is None:
+            return False
+        return self.host.device.type != "cpu" or any(experts is None or experts for experts, _ in waves)
 
     def _split_wave(
         self, layer: int, experts: list[int], slots: list[int], cpu: list[int] | None

@@ -2,7 +2,9 @@
 
 One long-lived thread per attached engine (`HostWorker`, started at attach, stopped at close). The experts
 call hands it the rows routed to the host experts (`submit`) BEFORE it computes the experts with a slot, and
-joins the result (`HostJob.join`) just before the single combine, so the host compute runs beside the device's:
+joins the result (`HostJob.join`) just before the single combine, so the host compute runs beside the device's
+(on a CPU device a call whose every expert is a host expert computes them on its own thread instead: with no
+device work to hide them behind, the hand-off to the worker and back would only add two thread switches):
 - CPU device: the job runs the same `grouped_experts` kernel over the host store's rows on the worker
   thread (torch releases the GIL inside its kernels; each thread runs its kernels with the process's
   intra-op threads, so with `--threads 1` the two threads each run single-threaded kernels). The rows, their

@@ -101,9 +101,10 @@ class PrioritySchedule:
     def _reflow(self, i: int, now: float) -> None:
         q = self.q
         prev = q[i - 1].due if i > 0 else now
-        for t in q[i:]:
-            t.start = max(now, prev)
-            t.due = prev = t.start + t.busy_s
+        for j in range(i, len(q)):
+            t = q[j]
+            t.start = start = prev if prev > now else now  # max(now, prev)
+            t.due = prev = start + t.busy_s
 
     def add(self, t: Ticket, now: float, *, demand: bool) -> None:
         q = self.q
@@ -113,6 +114,19 @@ class PrioritySchedule:
             while i > 0 and not q[i - 1].demand and q[i - 1].start > now:
                 i -= 1
         q.insert(i, t)
+        self._reflow(i, now)
+
+    def add_many(self, ts: list[Ticket], now: float, *, demand: bool) -> None:
+        """`add` of each of `ts`, in order, at `now`: the same schedule with one reflow (a demand block goes
+        where its first one would, the next ones right behind it; prefetches at the end, in order)."""
+        q = self.q
+        i = len(q)
+        if demand:  # ahead of every queued (not started) prefetch
+            while i > 0 and not q[i - 1].demand and q[i - 1].start > now:
+                i -= 1
+        for t in ts:
+            t.demand = demand
+        q[i:i] = ts
         self._reflow(i, now)
 
     def _index(self, t: Ticket) -> int:
@@ -224,6 +238,10 @@ class Link:
     def record_use(self) -> Any:
         """A marker placed after a computation that read slots; `submit(after=...)` orders a copy behind it."""
         return None
+
+    def submit_many(self, items: list[tuple[torch.Tensor, torch.Tensor, Any]], *, demand: bool = True) -> list[Ticket]:
+        """`submit(src, dst, after=after, demand=demand)` for each `(src, dst, after)` of `items`, in order."""
+        return [self.submit(src, dst, after=after, demand=demand) for src, dst, after in items]
 
     def batch(self) -> contextlib.AbstractContextManager[Any]:
         """Copies submitted inside `with link.batch():` are handed to the copying thread together at its end (one
@@ -359,6 +377,28 @@ class EmulatedLink(Link):
             t.copied = threading.Event()
             self._q.put((src, dst, t))  # the worker copies in submission order; the schedule decides `due`
         return t
+
+    def submit_many(self, items, *, demand=True) -> list[Ticket]:
+        """The copies of `items` scheduled at one clock reading with one reflow (`PrioritySchedule.add_many`: the
+        schedule of `submit` one by one at that time) and handed to the copying thread together."""
+        if self._closed:
+            raise RuntimeError("emulated link is closed; create a new one")
+        ts = []
+        for src, _, _ in items:
+            t = self._submitted(Ticket(src.numel() * src.element_size()))
+            t.busy_s = self.transfer_s(t.nbytes)
+            ts.append(t)
+        self._sched.add_many(ts, self._clock(), demand=demand)
+        held = self._batch
+        copied = self._batch_copied if held is not None else threading.Event()
+        batch = [(src, dst, t) for (src, dst, _), t in zip(items, ts)]
+        for t in ts:
+            t.copied = copied
+        if held is not None:
+            held.extend(batch)
+        elif batch:
+            self._q.put(batch)  # one hand-over, one `copied` event for them
+        return ts
 
     def cancel(self, t: Ticket) -> bool:
         if t.done.is_set() or not self._sched.cancel(t, self._clock()):

@@ -22,10 +22,12 @@ between is what makes the first token slow. `StagedPrefill` takes over the prefi
    slots are free: the policy's step (its proposals, through its gate, as in every pass), then the next MoE
    layer's experts predicted from l's router input through the next layer's router (the pre-gate: every
    token's top-k; the most-routed ones, in id order) into the slots of its part that no wave pins and no expert
-   of that layer holds (`cache.stage`, prefetch priority: demand copies overtake them while queued). They land
-   during l's compute and the next layer's attention; when it routes they are resident and form its first waves.
-   The policy's step is skipped when it can change nothing (`step_useless`: a cache of every expert, every later
-   layer's experts in slots).
+   of that layer holds (`cache.stage`, prefetch priority: demand copies overtake them while queued), again as
+   waves release their slots. They land during l's compute and the next layer's attention; when it routes they
+   are resident and form its first waves. The copies of one step (demanded and staged) go to the link as one
+   batch (`cache.batch`: one schedule insertion per run of equal priority, one device-table write). The policy's
+   step is skipped when it can change nothing (`step_useless`: a cache of every expert, every later layer's
+   experts in slots); when it runs, it reuses the next layer's router logits the pre-gate computed (`logits`).
 4. a wave whose slots ascend with its experts (`slot_span`; a cold prefill fills slots in id order) reads their
    weights in place (`grouped_experts_in_place`) instead of gathering them.
 
@@ -76,6 +78,7 @@ class StagedPrefill:
     ):
         self.cache, self.spec, self.account = cache, spec, account
         self.predict_logits = predict_logits
+        self._memo: tuple[int, torch.Tensor, int, torch.Tensor] | None = None  # (target, x, x's version, logits)
         self.enabled = enabled
         self.stage_next = stage_next  # predict and stage the next layer's experts (speculative: a prefetch policy is on)
         self.wave = max(1, min(wave_cap, cache.part_capacity // 2))  # w: experts per staged wave
@@ -94,6 +97,7 @@ class StagedPrefill:
         self.active = self.enabled and self.prefill
         self.needed = self.staged = self.waves_run = 0
         self.resident0 = set(self.cache.slot_of) if self.prefill else set()
+        self._memo = None
 
     def count(self, layer: int, experts: list[int]) -> None:
         """Layer `layer` of the prefill routed to `experts` (each once): count the ones it must copy."""
@@ -127,7 +131,7 @@ class StagedPrefill:
         if nxt is not None and counts is not None:
             c = counts.tolist()
             routed.ahead = (nxt, sorted((e for e in range(len(c)) if c[e] > 0), key=lambda e: (-c[e], e)))
-        with cache.link.batch():
+        with cache.batch():
             routed.first = self.demand(layer, waves[0], routed.scores or {}) if waves else []
             if len(waves) <= 1 and routed.ahead is not None:
                 self.stage_ahead(routed)
@@ -161,7 +165,7 @@ class StagedPrefill:
         """One wave demanded as a batch (pinned, copies issued, not waited for); loads booked to the layer."""
         cache = self.cache
         loads0 = cache.counters.loads
-        with cache.link.batch():  # the wave's copies handed to the link together
+        with cache.batch():  # the wave's copies handed to the link together
             slots = cache.demand(layer, experts, {e: scores.get(e, 0.0) for e in experts})
         self.account.count_loads(layer, cache.counters.loads - loads0)
         return slots
@@ -177,9 +181,19 @@ class StagedPrefill:
     def _pregate(self, target: int, x: torch.Tensor) -> torch.Tensor:
         """Tokens layer `target`'s router sends to each expert `[E]` (on the device) for inputs `x [...,H]`."""
         with torch.no_grad():
-            logits = self.predict_logits(target, x.reshape(-1, x.shape[-1]))  # [T,E]
+            logits = self.logits(target, x)  # [T,E]
             top = logits.topk(min(self.spec.top_k, logits.shape[-1]), dim=-1).indices.reshape(-1)  # [T*k]
             return torch.bincount(top, minlength=logits.shape[-1])  # [E]
+
+    def logits(self, target: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer `target`'s router logits `[T,E]` for inputs `x [...,H]`; the last ones are reused for the same `x`
+        (the pre-gate and a prefetch policy's step both apply the next layer's router to a layer's router input)."""
+        m, v = self._memo, -1 if x.is_inference() else x._version  # an inference tensor has no version counter
+        if m is not None and m[0] == target and m[1] is x and m[2] == v:
+            return m[3]
+        logits = self.predict_logits(target, x.reshape(-1, x.shape[-1]))  # [T,E]
+        self._memo = (target, x, v, logits)
+        return logits
 
     def start(self, x: torch.Tensor | None) -> None:
         """The staged prefill's pass begins (after `begin`), `x [...,H]` its embeddings: with `stage_next`, the
@@ -199,7 +213,7 @@ class StagedPrefill:
             if not part:
                 continue
             counts = torch.stack([self._pregate(layer, x) for layer in part]).tolist()  # [L',E] host
-            with cache.link.batch():
+            with cache.batch():
                 for layer, c in zip(part, counts):
                     room = cache.stage_room(layer) if i == 0 else cache.free_room(layer)
                     if room <= 0:
@@ -221,24 +235,23 @@ class StagedPrefill:
             return
         cache = self.cache
         nxt = routed.ahead[0] if routed.ahead is not None else None
-        room = cache.stage_room(nxt) if nxt is not None else 0
-        if routed.then is not None and (room > 0 or final):
+        if routed.then is not None and (final or (nxt is not None and cache.stage_room(nxt) > 0)):
             then, routed.then = routed.then, None
             with cache.link.batch():
                 then()
-            room = cache.stage_room(nxt) if nxt is not None else 0
         if routed.ahead is None:
             return
         layer, experts = routed.ahead
         if final:
             routed.ahead = None
+        todo = [(layer, e) for e in experts if (layer, e) not in cache.slot_of]  # most-routed first
+        room = cache.stage_room(layer) if todo else 0
         if room <= 0:
             return
-        keys = sorted([(layer, e) for e in experts if (layer, e) not in cache.slot_of][:room])  # in id order (as `start`)
+        keys = sorted(todo[:room])  # in id order (as `start`)
         if keys:
             loads0 = self.cache.counters.loads
-            with self.cache.link.batch():
-                self.staged += self.cache.stage(keys, layer)
+            self.staged += self.cache.stage(keys, layer)  # one batch
             self.account.count_loads(layer, self.cache.counters.loads - loads0)
 
     # ---- the experts call ----------------------------------------------------------------------------
@@ -267,7 +280,7 @@ class StagedPrefill:
         for i, experts in enumerate(waves):
             t0 = time.perf_counter()
             held = sum(len(p) for p in pinned.values())
-            with cache.link.batch():  # this step's copies handed to the link together
+            with cache.batch():  # this step's copies handed to the link together
                 while ahead < len(waves) and (ahead == i + 1 or held + len(waves[ahead]) <= room):
                     pinned[ahead] = self.demand(layer, waves[ahead], scores)
                     held += len(waves[ahead])

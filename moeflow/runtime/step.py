@@ -32,7 +32,18 @@ import torch
 
 from ..errors import ConfigError
 from ..moe import RouterEvent
-from ..policies.base import CPU, DROP, SUBSTITUTE, LayerContext, MissInfo, MissPolicy, PrefetchPolicy, RoutingPolicy, miss_action
+from ..policies.base import (
+    CPU,
+    DROP,
+    FETCH,
+    SUBSTITUTE,
+    LayerContext,
+    MissInfo,
+    MissPolicy,
+    PrefetchPolicy,
+    RoutingPolicy,
+    miss_action,
+)
 from ..policies.routing import dual_select
 from .cache import ExpertCache
 from .counters import needed_experts
@@ -224,7 +235,7 @@ class RouteStep:
             logits=logits.reshape(-1, logits.shape[-1]),
             indices=indices.reshape(-1, indices.shape[-1]),
             weights=weights.reshape(-1, weights.shape[-1]),
-            predict_logits=self.predict_logits,
+            predict_logits=pf.logits if (pf := self.prefill) is not None and pf.active else self.predict_logits,  # memo
             token_ids=self.account.token_ids,
             residual=self.residual.get(layer),
             lookahead=self.lookahead(),
@@ -306,30 +317,36 @@ def apply_miss(
     `counts[action]` (drop / substitute / cpu) counts the missing experts handled without a copy.
     """
     k = int(shape[-1])
-    T = ids.numel() // k
-    idx, wt = ids.view(T, k), w.view(T, k)
     flat = ids.tolist()  # [S] python ints: a few list passes cost less than tensor ops per missing expert
-    missing = [e for e in sorted(set(flat)) if not cache.resident((layer, e))]
+    resident = cache.resident
+    missing = [e for e in sorted(set(flat)) if not resident((layer, e))]
     if not missing:
         return False, ids, w, []
     info = miss_infos(flat, w.tolist(), k, set(missing))  # expert -> (best rank, largest weight, tokens)
     pos = cache.position(layer)
     dropped, subs, cpu = [], {}, []
+    on_miss = miss.on_miss
     for e in missing:
-        r, x, n = info[e]
-        kind, arg = miss_action(miss.on_miss((layer, e), pos, MissInfo(r, x, n, cache.resident)))
+        action = on_miss((layer, e), pos, MissInfo(*info[e], resident))
+        if action == CPU or action == FETCH:  # the common actions, without parsing
+            if action == CPU:
+                cpu.append(e)
+            continue
+        kind, arg = miss_action(action)
         if kind == DROP:
             dropped.append(e)
         elif kind == SUBSTITUTE and arg is not None:
-            if not cache.resident((layer, arg)):
+            if not resident((layer, arg)):
                 raise ConfigError(f"miss policy {miss.name!r} substituted ({layer}, {arg}), which is not resident")
             subs[e] = arg
-        elif kind == CPU:
-            cpu.append(e)
-    for key, n in ((DROP, len(dropped)), (SUBSTITUTE, len(subs)), (CPU, len(cpu))):
-        counts[key] += n
+    if cpu:
+        counts[CPU] += len(cpu)
     if not dropped and not subs:
         return False, ids, w, cpu
+    counts[DROP] += len(dropped)
+    counts[SUBSTITUTE] += len(subs)
+    T = ids.numel() // k
+    idx, wt = ids.view(T, k), w.view(T, k)
     new_idx, new_w = idx.clone(), wt.clone()
     for e, r in subs.items():
         new_idx[idx == e] = r

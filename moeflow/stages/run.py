@@ -154,10 +154,10 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
         routing_name, routing_opts = policy_args(cfg.routing, cfg.routing_opts)
         if planner is not None and planner.spec.lossy and run["mode"] == "offload":
             routing_name, routing_opts = "plan-restricted", {"renorm": planner.spec.renorm}
-        if miss_name == "auto" and cal and device.type == "cpu":  # host expert time and copy time, calibrated
-            if cal.get("expert_time_s") is not None:
-                miss_opts.setdefault("host_s", float(cal["expert_time_s"]))
-            if cal.get("bandwidth_bytes_per_s"):
+        if miss_name == "auto" and cal:  # the calibration timed one expert on one token on the run's device
+            if cal.get("expert_time_s") is not None:  # on a CPU device that is the host's time (device(n) = host(n))
+                miss_opts.setdefault("host_s" if device.type == "cpu" else "device_s", float(cal["expert_time_s"]))
+            if device.type == "cpu" and cal.get("bandwidth_bytes_per_s"):
                 miss_opts.setdefault("copy_s", expert_bytes_of(model) / float(cal["bandwidth_bytes_per_s"]))
         return engine_for(cfg, model, run, capacity, link, lookahead, miss_name, miss_opts, routing_name, routing_opts)
 
