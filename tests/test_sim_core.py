@@ -74,9 +74,10 @@ def _evictions(cache: ExpertCache) -> list:
     return out
 
 
-def _drive(name: str, acc: AccessTrace, capacity: int, *, per_layer: bool, seed: int, compiled: bool):
+def _drive(name, acc: AccessTrace, capacity: int, *, per_layer: bool, seed: int, compiled: bool, check=None):
     """The simulator's call order over `acc` with random prefetches, gate budgets, low-precision misses and
-    cascade upgrades; returns one snapshot (counters, slot map, evictions so far) per call."""
+    cascade upgrades; returns one snapshot (counters, slot map, evictions so far) per call (`check(cache)`
+    runs after each call)."""
     rng = np.random.default_rng(seed)
     spec = _Spec(acc.moe_layers, acc.num_experts, acc.top_k, 1000)
     gate = PrefetchGate(False, budget=2000)  # at most two copies per prefetch call: refusals too
@@ -96,6 +97,8 @@ def _drive(name: str, acc: AccessTrace, capacity: int, *, per_layer: bool, seed:
 
     def snap(what: str) -> None:
         snaps.append((what, cache.counters.to_dict(), dict(cache.slot_of), list(evicted), cache.time))
+        if check is not None:
+            check(cache)
 
     wcap = cache.part_capacity
     for pass_id, p in enumerate(acc.passes):
@@ -139,6 +142,55 @@ def test_kernel_equals_python_call_by_call(name, per_layer):
             last = py[-1][1]
             assert last["evictions"] > 0 and last["prefetch_issued"] > 0 and last["prefetch_refused"] > 0
             assert last["lowbit_loads"] > 0 and last["upgrades"] > 0
+
+
+def _state(cache: ExpertCache):
+    """The compiled core's state: (header helpers, per-key columns [K, NPK], slot of each key, pinned or just
+    issued per slot)."""
+    from moeflow.runtime import cachecore_layout as lay
+
+    core = cache.core
+    assert core is not None
+    I, st = core.I, core.st
+    busy = (st.pin != 0) | (st.prot != 0)  # [C]
+    return lay, I, st.pk, st.sof, busy
+
+
+def _lfu_buckets_hold(cache: ExpertCache) -> None:
+    """lfu's count buckets: per part by ascending count, linked both ways from its first to its last bucket,
+    each of keys of that count by ascending tick, counting its keys that are neither pinned nor just issued;
+    every resident key in one, the free buckets the rest."""
+    lay, I, pk, sof, busy = _state(cache)
+    bk = I[I[lay.O_BK] : I[lay.O_BK] + 6 * (I[lay.H_C] + 2)].reshape(-1, 6)  # [C + 2, 6]
+    placed, nb, parts = [], 0, int(I[lay.H_PARTS])
+    for part in range(parts):
+        b, last, prev = int(I[I[lay.O_BKH] + part]), -1, -1
+        while b >= 0:
+            count, k, ncand, nb = int(bk[b, 0]), int(bk[b, 1]), 0, nb + 1
+            assert count > last and k >= 0 and bk[b, 3] == prev
+            prev = b
+            ticks = []
+            while k >= 0:
+                assert pk[k, lay.PK_CNT] == count and pk[k, lay.PK_BKT] == b and sof[k] >= 0
+                ncand += not busy[sof[k]]
+                ticks.append(int(pk[k, lay.PK_LAST]))
+                placed.append(k)
+                k = int(pk[k, lay.PK_NEXT])
+            assert ticks == sorted(ticks) and bk[b, 5] == ncand
+            last, b = count, int(bk[b, 4])
+        assert I[I[lay.O_BKH] + parts + part] == prev  # the part's last bucket
+    assert sorted(placed) == sorted(np.flatnonzero(sof >= 0).tolist())
+    assert nb + I[I[lay.O_PG] + lay.PG_NBFREE] == I[lay.H_C] + 2
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_lfu_count_buckets_stay_ordered(per_layer):
+    """lfu's victim structure, checked after every call: count buckets in ascending order, keys by tick
+    within each, pinned and just issued keys kept in place but not counted as candidates."""
+    acc = _trace(3)
+    for capacity in (8, 12) if per_layer else (3, 6, 13):
+        snaps = _drive("lfu", acc, capacity, per_layer=per_layer, seed=3, compiled=True, check=_lfu_buckets_hold)
+        assert snaps[-1][1]["evictions"] > 0
 
 
 @pytest.mark.parametrize(

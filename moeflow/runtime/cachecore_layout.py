@@ -185,7 +185,7 @@ NCNT = len(COUNTERS)
     O_SREF,  # belady-approx, per slot: its key's PK_REF, PK_PPASS (NEVER_PASS: no proposal) and PK_PAHEAD
     O_SPP,
     O_SPA,
-    O_HPOS,  # lfu, belady: each key's position in the heap (-1: none)
+    O_HPOS,  # belady: each key's position in the heap (-1: none)
     O_LSL,  # belady-approx, next-use: per layer its resident slots [L, C], their number [L], each slot's index there [C]
     O_LSN,
     O_SPOS,
@@ -194,6 +194,9 @@ NCNT = len(COUNTERS)
     O_BSCAN,  # belady-approx: the layers a victim search scanned [L]
     O_BPROP,  # belady-approx, per layer: >= the latest pass a resident key was proposed in [L]
     O_KR,  # each key's layer rank (`key // E`: a lookup, not a division) [K]
+    O_BK,  # lfu: count buckets, each (count, first key, last key, previous bucket, next bucket, candidates) [C + 2, 6]
+    O_BKF,  # lfu: the free buckets (a stack of PG_NBFREE) [C + 2]
+    O_BKH,  # lfu: each part's bucket of the least count, then of the largest (-1: none) [2, parts]
     O_NU,  # next-use's integers: NU_* scalars, then per key, per expert, per layer (`cachecore_nu`)
     OF_PKF,
     OF_PGF,
@@ -204,7 +207,7 @@ NCNT = len(COUNTERS)
     OF_UB,  # belady-approx, per layer: the bound of a victim search [L]
     OF_NU,  # next-use's floats: NUF_* scalars and tables, then per key, per layer (`cachecore_nu`)
     NHDR,
-) = range(59)
+) = range(62)
 
 # mechanism scalars (sc)
 SC_TIME, SC_PASS, SC_PSEQ, SC_PHSEQ, SC_GENSEQ, SC_NLOG, SC_NRES, SC_PENDL, NSC = range(9)  # PENDL: `k_call`
@@ -227,12 +230,14 @@ SC_TIME, SC_PASS, SC_PSEQ, SC_PHSEQ, SC_GENSEQ, SC_NLOG, SC_NRES, SC_PENDL, NSC 
     PK_PIDX,  # its index in the pending list
     PK_HASINT,  # belady-approx: an interval EMA exists
     PK_NU,  # belady: the step of the next use after the key's last access (-1: not accessed yet)
-    PK_HA,  # lfu, belady: the key's heap entry (a, b), kept while it is out of the heap (pinned, just issued)
+    PK_HA,  # belady: the key's heap entry (a, b), kept while it is out of the heap (pinned, just issued)
     PK_HB,
+    PK_BKT,  # lfu: the key's count bucket (-1: none; resident keys, pinned ones too, from their first access)
+    PK_BKC,  # lfu: counted among its bucket's candidates
     NPK,
-) = range(20)
+) = range(22)
 # policy scalars (pg)
-PG_TICK, PG_HSIZE, PG_LSPASS, PG_STEP, PG_NSEEN, PG_NINTS, PG_NPRED, NPG = range(8)
+PG_TICK, PG_HSIZE, PG_LSPASS, PG_STEP, PG_NSEEN, PG_NINTS, PG_NPRED, PG_NBFREE, NPG = range(9)
 # policy float scalars (pgf)
 PGF_MEAN, PGF_EMA, PGF_PRIOR, NPGF = range(4)
 # next-use (`moeflow.policies.next_use.NextUse`), integers at I[O_NU]: scalars, then used_pass [K], prop_pass [K]
@@ -338,6 +343,9 @@ def layout(
         (O_BSCAN, L),
         (O_BPROP, L),
         (O_KR, K),
+        (O_BK, 6 * (C + 2)),
+        (O_BKF, C + 2),
+        (O_BKH, 2 * parts),
         (O_NU, NNU + 2 * K + 4 * E + 4 * L),
     ]
     hdr = np.zeros(NHDR, np.int64)
@@ -377,6 +385,7 @@ def layout(
     v.pk[:, PK_PREV] = -1
     v.pk[:, PK_NEXT] = -1
     v.pk[:, PK_NU] = -1
+    v.pk[:, PK_BKT] = -1
     v.hpos[:] = -1
     v.lst[:] = -1
     v.pg[PG_LSPASS] = -1
@@ -387,6 +396,9 @@ def layout(
     F[I[OF_BIV] : I[OF_BIV] + 2 * L] = -1.0
     I[I[O_BPROP] : I[O_BPROP] + L] = NEVER_PASS
     I[I[O_KR] : I[O_KR] + K] = np.arange(K) // E
+    I[I[O_BKF] : I[O_BKF] + C + 2] = np.arange(C + 2)
+    I[I[O_BKH] : I[O_BKH] + 2 * parts] = -1
+    v.pg[PG_NBFREE] = C + 2
     nu, fu = int(I[O_NU]), int(I[OF_NU])
     I[nu + NU_RUN], I[nu + NU_CPASS], I[nu + NU_CSRC] = -1, -1, -1
     I[nu + NU_RECENCY], I[nu + NU_PROPOSALS] = int(recency), int(proposals)

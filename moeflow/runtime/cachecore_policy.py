@@ -41,14 +41,24 @@ from .cachecore_layout import (
     _fn,
 )
 from .cachecore_nu import nu_access, nu_evict, nu_insert, nu_layer_start, nu_pass_start, nu_predicted, nu_victim
-from .cachecore_struct import _hx_first, _hx_remove, _hx_set, _list_first, _ll_append, _ll_unlink
+from .cachecore_struct import (
+    _bk_first,
+    _bk_touch,
+    _bk_unlink,
+    _hx_first,
+    _hx_remove,
+    _hx_set,
+    _list_first,
+    _ll_append,
+    _ll_unlink,
+)
 
 
 @_fn
 def _touch(I, k, order):
-    """`_Base._touch`: a new tick; lru: to the end of its part's list; with `order`, lfu: its heap entry
-    (count, tick) (a demand load's insert skips it: the access that follows at once sets it, and nothing asks
-    for a victim between the two)."""
+    """`_Base._touch`: a new tick; lru: to the end of its part's list; with `order`, lfu: to the end of its
+    count's bucket (a demand load's insert skips it: the access that follows at once places it, and nothing
+    asks for a victim between the two)."""
     kind, pg = I[H_KIND], I[O_PG]
     I[pg + PG_TICK] += 1
     t = I[pg + PG_TICK]
@@ -60,7 +70,7 @@ def _touch(I, k, order):
     I[I[O_PK] + k * NPK + PK_TR] = 1
     I[I[O_PK] + k * NPK + PK_LAST] = t
     if kind == KIND_LFU and order:
-        _hx_set(I, k, I[I[O_PK] + k * NPK + PK_CNT], t)
+        _bk_touch(I, k)
 
 
 @_fn
@@ -131,6 +141,8 @@ def pol_insert(I, F, X, k, pr, prefetched):
                 ko = 2 + (S + 1) + 2 * A  # per key, the offsets of its access steps
                 ks = ko + I[H_K] + 1
                 lo, hi = X[ko + k], X[ko + k + 1]
+                if lo < hi and X[ks + lo] >= step:  # never accessed: its first use is at or after now
+                    hi = lo
                 while lo < hi:
                     mid = (lo + hi) // 2
                     if X[ks + mid] < step:
@@ -203,7 +215,9 @@ def pol_evict(I, F, k, s):
             _ll_unlink(I, I[H_L] + r if I[I[O_PK] + k * NPK + PK_CUR] else r, k)
             I[I[O_PK] + k * NPK + PK_ENT] = 0
         I[I[O_PK] + k * NPK + PK_CUR] = 0
-    elif kind == KIND_LFU or kind == KIND_MIN:
+    elif kind == KIND_LFU:
+        _bk_unlink(I, k)
+    elif kind == KIND_MIN:
         _hx_remove(I, k)
     elif kind == KIND_BA:
         ba_evict(I, F, k, s)
@@ -254,7 +268,9 @@ def pol_victim(I, F, part, pr):
     kind = I[H_KIND]
     if kind == KIND_LRU:
         return _list_first(I, part, part)
-    if kind == KIND_LFU or kind == KIND_MIN:
+    if kind == KIND_LFU:
+        return _bk_first(I, part)
+    if kind == KIND_MIN:
         return _hx_first(I, part)
     if kind == KIND_LS:
         _ls_sync(I)

@@ -1,16 +1,20 @@
 """The compiled cache core's small structures over the flat state array `I` (`I[section offset + i]`): the
-call's record log, doubly linked key lists (lru order, least-stale's queues) and the indexed heap of victim
-candidates (lfu, belady)."""
+call's record log, doubly linked key lists (lru order, least-stale's queues), lfu's count buckets and the
+indexed heap of victim candidates (belady)."""
 
 from __future__ import annotations
 
 from .cachecore_layout import (
     H_KIND,
     H_LOGON,
+    H_PARTS,
     H_PERLAYER,
     KIND_LFU,
     KIND_MIN,
     NPK,
+    O_BK,
+    O_BKF,
+    O_BKH,
     O_HEAP,
     O_HPOS,
     O_HSKIP,
@@ -24,6 +28,10 @@ from .cachecore_layout import (
     O_SC,
     O_SOF,
     PG_HSIZE,
+    PG_NBFREE,
+    PK_BKC,
+    PK_BKT,
+    PK_CNT,
     PK_HA,
     PK_HB,
     PK_NEXT,
@@ -73,12 +81,175 @@ def _ll_append(I, li, k):
     I[lst + 1] = k
 
 
-# The heap (lfu, belady): an indexed min-heap of the victim candidates, one entry (a, b, key) each at I[O_HEAP],
-# ordered by (a, b), unique among keys (lfu: (count, tick), ticks are unique; belady: (-score, 0), a score
-# names its key); O_HPOS holds each key's position, so an update sifts it in place. Every tracked key keeps
-# its entry in PK_HA, PK_HB; only keys that are resident, unpinned and not issued by the running prefetch
-# call are in the heap (`_hx_hold` takes a key out, `_hx_insert` puts it back), so the top is the victim
-# (with per-layer partitions, the first entry of the part: `_hx_first`).
+# lfu's count buckets: per part (the whole cache, or a layer with per-layer partitions) a list of buckets by
+# ascending count (O_BKH: the first, then the last), each a doubly linked list of keys (PK_PREV, PK_NEXT) by ascending tick.
+# A touch makes a key's tick the newest, so it joins the END of its count's bucket: the order is lfu's
+# (count, tick) without a comparison. Every resident key is in its bucket from its first access or its
+# prefetch on, pinned ones too; a bucket counts its candidates (PK_BKC: the key is counted), so the victim
+# search passes over buckets of pinned or just issued keys (a step's fresh loads: the least counts) at once.
+# A key is touched only while pinned (an access) or just issued (a prefetch's insert): it joins its bucket
+# uncounted, and is counted when `_hx_insert` makes it a candidate again (unpinned, its prefetch call over).
+
+
+@_fn
+def _bk_part(I, k):
+    return I[I[O_KR] + k] if I[H_PERLAYER] else 0
+
+
+@_fn
+def _bk_new(I, c, prev, nxt, part):
+    """A new empty bucket of count c between buckets prev and nxt (-1: none) of part's list."""
+    pg, bk = I[O_PG], I[O_BK]
+    n = I[pg + PG_NBFREE] - 1
+    I[pg + PG_NBFREE] = n
+    b = I[I[O_BKF] + n]
+    x = bk + 6 * b
+    I[x], I[x + 1], I[x + 2], I[x + 3], I[x + 4], I[x + 5] = c, -1, -1, prev, nxt, 0
+    if prev >= 0:
+        I[bk + 6 * prev + 4] = b
+    else:
+        I[I[O_BKH] + part] = b
+    if nxt >= 0:
+        I[bk + 6 * nxt + 3] = b
+    else:
+        I[I[O_BKH] + I[H_PARTS] + part] = b
+    return b
+
+
+@_fn
+def _bk_append(I, k, b):
+    """Key k (in no bucket; pinned or just issued: not counted) joins the end of bucket b."""
+    x, pk = I[O_BK] + 6 * b, I[O_PK] + k * NPK
+    tail = I[x + 2]
+    I[pk + PK_PREV] = tail
+    I[pk + PK_NEXT] = -1
+    I[pk + PK_BKT] = b
+    if tail >= 0:
+        I[I[O_PK] + tail * NPK + PK_NEXT] = k
+    else:
+        I[x + 1] = k
+    I[x + 2] = k
+
+
+@_fn
+def _bk_unlink(I, k):
+    """Key k leaves its bucket; an emptied bucket leaves its part's list."""
+    pk = I[O_PK] + k * NPK
+    b = I[pk + PK_BKT]
+    if b < 0:
+        return
+    bk = I[O_BK]
+    x = bk + 6 * b
+    I[x + 5] -= I[pk + PK_BKC]
+    I[pk + PK_BKC] = 0
+    prev, nxt = I[pk + PK_PREV], I[pk + PK_NEXT]
+    if prev >= 0:
+        I[I[O_PK] + prev * NPK + PK_NEXT] = nxt
+    else:
+        I[x + 1] = nxt
+    if nxt >= 0:
+        I[I[O_PK] + nxt * NPK + PK_PREV] = prev
+    else:
+        I[x + 2] = prev
+    I[pk + PK_PREV] = -1
+    I[pk + PK_NEXT] = -1
+    I[pk + PK_BKT] = -1
+    if I[x + 1] < 0:
+        bp, bn = I[x + 3], I[x + 4]
+        if bp >= 0:
+            I[bk + 6 * bp + 4] = bn
+        else:
+            I[I[O_BKH] + _bk_part(I, k)] = bn
+        if bn >= 0:
+            I[bk + 6 * bn + 3] = bp
+        else:
+            I[I[O_BKH] + I[H_PARTS] + _bk_part(I, k)] = bp
+        pg = I[O_PG]
+        I[I[O_BKF] + I[pg + PG_NBFREE]] = b
+        I[pg + PG_NBFREE] += 1
+
+
+@_fn
+def _bk_touch(I, k):
+    """Key k was just touched (its tick the newest): to the end of its count's bucket. A key in a bucket
+    moves up from the bucket of count - 1 (an access: its count + 1), a new one is placed by its count."""
+    pk = I[O_PK] + k * NPK
+    c, b, bk = I[pk + PK_CNT], I[pk + PK_BKT], I[O_BK]
+    part = _bk_part(I, k)
+    if b >= 0:
+        x = bk + 6 * b
+        nb = I[x + 4]
+        if nb >= 0 and I[bk + 6 * nb] == c:
+            _bk_unlink(I, k)
+            _bk_append(I, k, nb)
+        elif I[x + 1] == k and I[x + 2] == k:  # alone in its bucket: the bucket takes the new count
+            I[x] = c
+        else:
+            _bk_unlink(I, k)  # b keeps other keys
+            _bk_append(I, k, _bk_new(I, c, b, nb, part))
+        return
+    # its place from both ends at once (a reloaded key's count is often far from the least): from the first
+    # bucket, the first of count >= c; from the last, the last of count <= c; whichever comes first
+    f, g = I[I[O_BKH] + part], I[I[O_BKH] + I[H_PARTS] + part]
+    prev, nxt = -1, -1
+    while f >= 0:  # g >= 0 too: both ends exist or neither; the walks meet before either runs off its end
+        if I[bk + 6 * f] >= c:
+            prev, nxt = I[bk + 6 * f + 3], f
+            break
+        if I[bk + 6 * g] <= c:
+            prev, nxt = g, I[bk + 6 * g + 4]
+            break
+        f, g = I[bk + 6 * f + 4], I[bk + 6 * g + 3]
+    if prev >= 0 and I[bk + 6 * prev] == c:
+        b = prev
+    elif nxt >= 0 and I[bk + 6 * nxt] == c:
+        b = nxt
+    else:
+        b = _bk_new(I, c, prev, nxt, part)
+    _bk_append(I, k, b)
+
+
+@_fn
+def _bk_first(I, part):
+    """lfu's victim: the first candidate of part's buckets, by count then tick (-1: none)."""
+    bk = I[O_BK]
+    b = I[I[O_BKH] + part]
+    while b >= 0:
+        if I[bk + 6 * b + 5] > 0:  # a candidate in this bucket
+            k = I[bk + 6 * b + 1]
+            while k >= 0:
+                if _is_cand(I, k, part):
+                    return k
+                k = I[I[O_PK] + k * NPK + PK_NEXT]
+        b = I[bk + 6 * b + 4]
+    return -1
+
+
+@_fn
+def _bk_hold(I, k):
+    """Key k is pinned: no longer counted among its bucket's candidates."""
+    pk = I[O_PK] + k * NPK
+    if I[pk + PK_BKC]:
+        I[pk + PK_BKC] = 0
+        I[I[O_BK] + 6 * I[pk + PK_BKT] + 5] -= 1
+
+
+@_fn
+def _bk_free(I, k):
+    """lfu: key k (resident) is a candidate again: unpinned, or its prefetch call over."""
+    pk = I[O_PK] + k * NPK
+    b = I[pk + PK_BKT]
+    if b >= 0 and not I[pk + PK_BKC]:
+        I[pk + PK_BKC] = 1
+        I[I[O_BK] + 6 * b + 5] += 1
+
+
+# The heap (belady): an indexed min-heap of the victim candidates, one entry (a, b, key) each at I[O_HEAP],
+# ordered by (a, b), unique among keys ((-score, 0), a score names its key); O_HPOS holds each key's
+# position, so an update sifts it in place. Every tracked key keeps its entry in PK_HA, PK_HB; only keys that
+# are resident, unpinned and not issued by the running prefetch call are in the heap (`_hx_hold` takes a key
+# out, `_hx_insert` puts it back), so the top is the victim (with per-layer partitions, the first entry of
+# the part: `_hx_first`).
 
 
 @_fn
@@ -169,18 +340,22 @@ def _hx_remove(I, k):
 
 @_fn
 def _hx_hold(I, k):
-    """Key k is pinned or issued: out of the heap until `_hx_insert`."""
+    """Key k is pinned: out of belady's heap (lfu: not counted in its bucket) until `_hx_insert`."""
     kind = I[H_KIND]
-    if kind == KIND_LFU or kind == KIND_MIN:
+    if kind == KIND_MIN:
         _hx_remove(I, k)
+    elif kind == KIND_LFU:
+        _bk_hold(I, k)
 
 
 @_fn
 def _hx_insert(I, k):
-    """Resident key k is a candidate again: back into the heap with its entry (a tracked key only: a demand
-    load's entry is set by the access that follows)."""
+    """Resident key k is a candidate again: back into belady's heap with its entry (a tracked key only: a
+    demand load's entry is set by the access that follows); lfu: counted in its bucket."""
     kind = I[H_KIND]
-    if (kind == KIND_LFU or kind == KIND_MIN) and I[I[O_HPOS] + k] < 0 and I[I[O_PK] + k * NPK + PK_TR]:
+    if kind == KIND_LFU:
+        _bk_free(I, k)
+    elif kind == KIND_MIN and I[I[O_HPOS] + k] < 0 and I[I[O_PK] + k * NPK + PK_TR]:
         pk = I[O_PK] + k * NPK
         _hx_put(I, k, I[pk + PK_HA], I[pk + PK_HB])
 
