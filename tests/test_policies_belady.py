@@ -133,3 +133,32 @@ def test_compiled_scores_are_the_reference_floats(opts):
     pol.victim = checked  # type: ignore[method-assign]
     simulate(acc, 6, pol, "all-next-layer", link="emulated:0.05,100")
     assert len(seen) > 50 and any(seen)  # victims, some while a resident key was not a candidate
+
+
+def test_next_use_victim_order_is_cached_with_a_stamp_of_both_its_sources(tmp_path, monkeypatch):
+    """next-use's compiled victim order is cached on disk (not compiled in every `moeflow run`), stamped with its
+    own file and the shared float routines it inlines: an edit to either recompiles it."""
+    import shutil
+
+    from moeflow.policies import next_use as nu
+
+    from moeflow.runtime.cachecore import k_call
+
+    if not hasattr(k_call._cache, "_impl"):  # the cache core compiles per process too: no cache location here
+        pytest.skip("numba has no cache location here")
+    kernel = nu._victim_order
+    assert hasattr(kernel._cache, "_impl"), "next-use's victim order is compiled in every process"
+    assert kernel._cache._impl.locator.get_source_stamp() == nu._stamp()
+    copies = []
+    for p in nu._SOURCES:
+        shutil.copy(p, tmp_path / p.name)
+        copies.append(tmp_path / p.name)
+    monkeypatch.setattr(nu, "_SOURCES", tuple(copies))
+    monkeypatch.setattr(nu, "_STAMP", [])
+    before = nu._stamp()
+    for c in copies:
+        c.write_text(c.read_text() + "\n# edited\n")
+        monkeypatch.setattr(nu, "_STAMP", [])
+        after = nu._stamp()
+        assert after != before, c.name
+        before = after

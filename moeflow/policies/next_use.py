@@ -27,20 +27,42 @@ compiled cache core, which runs it with an instant link.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 from ..errors import ConfigError
+from ..numba_cache import file_digest, stamped_locators
 from .base import EVICTION, Candidates, ExpertKey, Position
 from .eviction import _Base
 from .next_use_sums import BUCKETS as _BUCKETS
 from .next_use_sums import bucket as _bucket1
 from .next_use_sums import row_sum as _row_sum
 
-try:  # compiled once per process, on the first victim (no on-disk cache: it calls the cache core's functions)
+_THIS = Path(__file__).resolve()
+_SOURCES = (_THIS, _THIS.with_name("next_use_sums.py"))  # what `_victim_order` compiles: its own and the shared sums
+_STAMP: list[str] = []
+
+
+def _stamp() -> str:
+    """A digest of this file and of the shared float routines it inlines (computed once per process)."""
+    if not _STAMP:
+        _STAMP.append(file_digest(_SOURCES))
+    return _STAMP[0]
+
+
+try:  # compiled once per machine (numba's on-disk cache, stamped with both sources), else once per process
     from numba import njit
 
-    _compiled = njit(nogil=True, error_model="numpy", _nrt=False)  # type: ignore[call-overload]
+    _OPTS = dict(nogil=True, error_model="numpy", _nrt=False)
+    _CACHE = bool(stamped_locators(lambda p: p == _THIS, _stamp))  # unstamped, a stale function could survive an edit
+
+    def _compiled(fn):
+        try:
+            return njit(cache=_CACHE, **_OPTS)(fn)
+        except RuntimeError:  # no writable cache location: compile in every process instead
+            return njit(**_OPTS)(fn)
+
 except ImportError:  # pragma: no cover - numba is a dependency; without it the function runs as Python (slow)
 
     def _compiled(fn):

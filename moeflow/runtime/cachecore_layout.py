@@ -11,11 +11,12 @@ all of their sources, so an edit to any of them recompiles every kernel.
 
 from __future__ import annotations
 
-import hashlib
 from collections import namedtuple
 from pathlib import Path
 
 import numpy as np
+
+from ..numba_cache import file_digest, stamped_locators
 
 _HERE = Path(__file__).resolve().parent
 _SHARED = (_HERE.parent / "policies" / "next_use_sums.py",)  # outside this folder, inlined by the kernels
@@ -25,40 +26,14 @@ _STAMP: list[str] = []
 def _core_stamp() -> str:
     """A digest of every `cachecore*.py` source and of next-use's shared float routines (computed once per process)."""
     if not _STAMP:
-        h = hashlib.sha256()
-        for p in [*sorted(_HERE.glob("cachecore*.py")), *_SHARED]:
-            h.update(p.name.encode() + b"\0" + p.read_bytes())
-        _STAMP.append(h.hexdigest())
+        _STAMP.append(file_digest([*sorted(_HERE.glob("cachecore*.py")), *_SHARED]))
     return _STAMP[0]
 
 
 def _stamped_locators() -> list[type]:
-    """numba's cache locators (user-provided dir, in-tree, user-wide), stamped with every core source, for
-    the core's functions only; [] when numba's caching internals differ from the ones this was written for."""
-    try:
-        from numba.core import caching as nc
-
-        bases = [nc.UserProvidedCacheLocator, nc.InTreeCacheLocator, nc.UserWideCacheLocator]
-        impl = getattr(nc, "CacheImpl", None) or getattr(nc, "_CacheImpl")  # noqa: B009  (older numba: _CacheImpl)
-        assert isinstance(impl._locator_classes, list)
-    except (ImportError, AttributeError, AssertionError):  # pragma: no cover - another numba
-        return []
-    out: list[type] = []
-    for base in bases:
-
-        class _CoreStamp(base):  # type: ignore[valid-type, misc]
-            def get_source_stamp(self):
-                return _core_stamp()
-
-            @classmethod
-            def from_function(cls, py_func, py_file):
-                if Path(py_file).resolve().parent != _HERE or not Path(py_file).name.startswith("cachecore"):
-                    return None
-                return super().from_function(py_func, py_file)
-
-        out.append(_CoreStamp)
-    impl._locator_classes[:0] = out
-    return out
+    """numba's cache locators stamped with every core source (`_core_stamp`), for the core's functions only; []
+    when numba's caching internals differ from the ones this was written for."""
+    return stamped_locators(lambda p: p.parent == _HERE and p.name.startswith("cachecore"), _core_stamp)
 
 
 try:  # numba caches compiled kernels next to this file, or in its user-wide cache when that is read-only
