@@ -311,9 +311,17 @@ def cpu_vs_fetch_headline(doc: dict[str, Any]) -> str:
     wins = [r["gbps"] for r in rows if r["cpu_over_fetch"] is not None and r["cpu_over_fetch"] < 1]
     return (
         f"cpu faster than fetch at {len(wins)} of {len(rows)} link speeds ({rows[0]['gbps']:g}-{rows[-1]['gbps']:g} GB/s); "
-        f"measured crossover {_f(res['measured_crossover_gbps'], '.2f')} GB/s; all token-identical: "
+        f"{_crossover(res)}; auto / faster {_f(res['auto_over_best_max'], '.2f')} at worst; all token-identical: "
         f"{'yes' if res['token_identical'] else 'NO'}"
     )
+
+
+def _crossover(res: dict[str, Any]) -> str:
+    """The measured cpu/fetch crossover, or that the measured range has none."""
+    x = res["measured_crossover_gbps"]
+    if x is None:
+        return "no crossover in the measured range"
+    return f"measured crossover {_f(x, '.2f')} GB/s"
 
 
 @study("cpu-vs-fetch")
@@ -365,7 +373,7 @@ def cpu_vs_fetch(doc: dict[str, Any]) -> str:
             ],
         ),
         "",
-        f"Measured crossover (cpu / fetch crossing 1, log-interpolated): {_f(res['measured_crossover_gbps'], '.2f')} GB/s; "
+        f"Measured crossover (cpu / fetch crossing 1, log-interpolated): {_crossover(res).removeprefix('measured crossover ')}; "
         f"`auto` at worst {_f(res['auto_over_best_max'], '.2f')}x the faster of the two. A `cpu` miss never enters the "
         "cache while a fetched expert earns later hits, which `auto` counts (its learned reuse).",
     ]
