@@ -141,7 +141,6 @@ def test_next_use_victim_order_is_cached_with_a_stamp_of_both_its_sources(tmp_pa
     import shutil
 
     from moeflow.policies import next_use as nu
-
     from moeflow.runtime.cachecore import k_call
 
     if not hasattr(k_call._cache, "_impl"):  # the cache core compiles per process too: no cache location here
