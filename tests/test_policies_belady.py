@@ -161,3 +161,15 @@ def test_next_use_victim_order_is_cached_with_a_stamp_of_both_its_sources(tmp_pa
         after = nu._stamp()
         assert after != before, c.name
         before = after
+
+
+def test_next_use_counts_are_views_of_what_the_victim_order_reads():
+    """The calibration counts are updated in place, through views of the two arrays `_victim_order` reads (no
+    per-victim stacking): rebinding one of them would hand the compiled order stale counts."""
+    from moeflow.policies.next_use import NextUse
+
+    nu = NextUse()
+    for name, base in (("rec_used", nu._rec), ("rec_seen", nu._rec), ("prop_used", nu._pp), ("prop_seen", nu._pp)):
+        assert np.shares_memory(getattr(nu, name), base), name
+    nu.rec_seen += 1.0
+    assert np.array_equal(nu._rec.reshape(2, -1)[1], nu.rec_seen.ravel())

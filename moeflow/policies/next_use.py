@@ -160,10 +160,11 @@ class NextUse(_Base):
         self._cover_src = -1  # rank of its source layer
         self._cover_steps = 0  # the largest distance proposals were seen at
         # calibration counts (Laplace-smoothed): the recency table [bucket, recent] and proposals [proposed]
-        self.rec_used = np.ones((_BUCKETS, 2))
-        self.rec_seen = np.full((_BUCKETS, 2), 2.0)
-        self.prop_used = np.array([1.0, 1.0])  # [not proposed, proposed]
-        self.prop_seen = np.array([8.0, 2.0])
+        # used and seen share one array each, as `_victim_order` reads them (views, updated in place only)
+        self._rec = np.stack((np.ones((_BUCKETS, 2)), np.full((_BUCKETS, 2), 2.0)))  # [2, buckets, 2]
+        self.rec_used, self.rec_seen = self._rec[0], self._rec[1]
+        self._pp = np.array([[1.0, 1.0], [8.0, 2.0]])  # [used, seen] x [not proposed, proposed]
+        self.prop_used, self.prop_seen = self._pp[0], self._pp[1]
         self._order_buf = (np.zeros(0, dtype=np.int64), np.zeros(0))  # `_victim_order`'s keys and E[T] [NL*NE]
 
     # -- arrays --
@@ -351,10 +352,10 @@ class NextUse(_Base):
             len(self._layers),
             self.pass_id,
             self.shrink,
-            np.stack((self.rec_used.ravel(), self.rec_seen.ravel())),
+            self._rec.reshape(2, -1),  # (rec_used, rec_seen) [2, 2 * buckets], no copy
             self.recency,
             cov,
-            np.stack((self.prop_used, self.prop_seen)),
+            self._pp,  # (prop_used, prop_seen) [2, 2]
             keys,
             out,
         )
