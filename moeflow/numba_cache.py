@@ -4,7 +4,7 @@ numba stamps a cached function with its own file only (its modification time and
 that calls a function of another module would survive an edit of that module and run stale code.
 `stamped_locators(owns, stamp)` adds numba cache locators (user-provided dir, in-tree, user-wide) whose source
 stamp is `stamp()`, a digest of every file the owned functions depend on, for the functions whose file satisfies
-`owns`; `file_digest` computes such a digest.
+`owns`; `file_digest` computes such a digest; `njit_cached` compiles a function with or without that cache.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 
 def file_digest(paths: Iterable[Path]) -> str:
@@ -50,3 +51,18 @@ def stamped_locators(owns: Callable[[Path], bool], stamp: Callable[[], str]) -> 
         out.append(_Stamped)
     impl._locator_classes[:0] = out
     return out
+
+
+def njit_cached(fn: Callable, cache: bool, **opts: Any) -> Callable:
+    """`numba.njit(**opts)(fn)`, cached on disk when `cache` and a cache location is writable (else compiled once
+    per process); `fn` itself, run as Python, without numba."""
+    try:
+        from numba import njit
+    except ImportError:  # pragma: no cover - numba is a dependency; without it the function runs as Python (slow)
+        return fn
+    if cache:
+        try:
+            return njit(cache=True, **opts)(fn)
+        except RuntimeError:  # no writable cache location: compile in every process instead
+            pass
+    return njit(**opts)(fn)

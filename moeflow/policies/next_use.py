@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
-from ..numba_cache import file_digest, stamped_locators
+from ..numba_cache import file_digest, njit_cached, stamped_locators
 from .base import EVICTION, Candidates, ExpertKey, Position
 from .eviction import _Base
 from .next_use_sums import BUCKETS as _BUCKETS
@@ -51,22 +51,11 @@ def _stamp() -> str:
     return _STAMP[0]
 
 
-try:  # compiled once per machine (numba's on-disk cache, stamped with both sources), else once per process
-    from numba import njit
+_CACHE = bool(stamped_locators(lambda p: p == _THIS, _stamp))  # unstamped, a stale function could survive an edit
 
-    _OPTS = dict(nogil=True, error_model="numpy", _nrt=False)
-    _CACHE = bool(stamped_locators(lambda p: p == _THIS, _stamp))  # unstamped, a stale function could survive an edit
 
-    def _compiled(fn):
-        try:
-            return njit(cache=_CACHE, **_OPTS)(fn)
-        except RuntimeError:  # no writable cache location: compile in every process instead
-            return njit(**_OPTS)(fn)
-
-except ImportError:  # pragma: no cover - numba is a dependency; without it the function runs as Python (slow)
-
-    def _compiled(fn):
-        return fn
+def _compiled(fn):  # compiled once per machine (numba's on-disk cache, stamped with both sources), else per process
+    return njit_cached(fn, _CACHE, nogil=True, error_model="numpy", _nrt=False)
 
 
 @_compiled

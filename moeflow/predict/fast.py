@@ -28,23 +28,14 @@ import numpy as np
 import torch
 
 from ..moe import residual_norm
+from ..numba_cache import njit_cached
 
 if TYPE_CHECKING:
     from .data import SourceBatch
 
-try:  # numba caches the compiled kernel next to this file, or in its user-wide cache when that is read-only
-    from numba import njit as _njit
 
-    def _jit(fn):
-        try:
-            return _njit(cache=True, nogil=True, error_model="numpy")(fn)
-        except RuntimeError:  # no writable cache location: compile in every process instead
-            return _njit(nogil=True, error_model="numpy")(fn)
-
-except ImportError:  # pragma: no cover - numba is a dependency; without it the kernel runs as Python (slow)
-
-    def _jit(fn):
-        return fn
+def _jit(fn):  # numba caches the compiled kernel next to this file, or in its user-wide cache when that is read-only
+    return njit_cached(fn, True, nogil=True, error_model="numpy")
 
 
 @_jit

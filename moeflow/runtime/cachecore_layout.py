@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from collections import namedtuple
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from ..numba_cache import file_digest, stamped_locators
+from ..numba_cache import file_digest, njit_cached, stamped_locators
 
 _HERE = Path(__file__).resolve().parent
 _SHARED = (_HERE.parent / "policies" / "next_use_sums.py",)  # outside this folder, inlined by the kernels
@@ -36,30 +37,17 @@ def _stamped_locators() -> list[type]:
     return stamped_locators(lambda p: p.parent == _HERE and p.name.startswith("cachecore"), _core_stamp)
 
 
-try:  # numba caches compiled kernels next to this file, or in its user-wide cache when that is read-only
-    from numba import njit as _njit
+# numba caches compiled kernels next to this file, or in its user-wide cache when that is read-only
+_OPTS: dict[str, Any] = dict(nogil=True, error_model="numpy", _nrt=False)  # no exception paths, no reference counting
+_CACHE = bool(_stamped_locators())  # without the stamp, a stale kernel could survive an edit: no cache
 
-    _OPTS = dict(nogil=True, error_model="numpy", _nrt=False)  # no exception paths, no reference counting
-    _CACHE = bool(_stamped_locators())  # without the stamp, a stale kernel could survive an edit: no cache
 
-    def _jit(fn):  # a kernel called from Python
-        return _cached(fn, **_OPTS)
+def _jit(fn):  # a kernel called from Python
+    return njit_cached(fn, _CACHE, **_OPTS)
 
-    def _fn(fn):  # a function only kernels call: no Python entry to compile
-        return _cached(fn, no_cpython_wrapper=True, no_cfunc_wrapper=True, **_OPTS)
 
-    def _cached(fn, **opts):
-        try:
-            return _njit(cache=_CACHE, **opts)(fn)
-        except RuntimeError:  # no writable cache location: compile in every process instead
-            return _njit(**opts)(fn)
-
-except ImportError:  # pragma: no cover - numba is a dependency; without it the kernels run as Python (slow)
-
-    def _jit(fn):
-        return fn
-
-    _fn = _jit
+def _fn(fn):  # a function only kernels call: no Python entry to compile
+    return njit_cached(fn, _CACHE, no_cpython_wrapper=True, no_cfunc_wrapper=True, **_OPTS)
 
 
 # ---- policy kinds ---------------------------------------------------------------------------------------
