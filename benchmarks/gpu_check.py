@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None, *, runner: Runner = run_logged) -> int:
     plan.append(
         (
             "prefill",
-            [py, str(pre), "--model", model, "--device", "cuda"]
+            [py, str(pre), "--model", model, "--device", "cuda"] + (["--prompts", "2", "--repeats", "2"] if q else [])
             if pre.is_file() and accepts_flag(pre, "--device")
             else "prefill benchmark: not implemented",
             prefill_figure,
