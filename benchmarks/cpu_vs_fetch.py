@@ -34,13 +34,17 @@ Default: capacity 25%, eviction lru, no prefetch (every miss is a demand miss, t
 decides; `--prefetch pregate` for the prefetching engine). With `cpu` a missing expert never enters the
 cache (it is computed where it lives), so at a given capacity cpu also gives up the hits a fetch would
 have earned later: the measured crossover includes that effect, the analytic one does not.
-Every run is checked token-identical to `fetch` (cpu and auto are exact on a CPU device).
+Every run is checked token-identical to `fetch` (cpu and auto are exact on a CPU device; on CUDA a host expert
+computes on the CPU, whose rounding differs from the GPU's, so there `token_identical` can be false and cpu/auto are
+lossy). `--device cuda`: the model on the GPU and the real CUDA link (pinned host rows, side streams), whose
+bandwidth, measured on one expert row, is the single bandwidth of the sweep.
 
 Prints three tables (four with `--pinned`), then one JSON line.
 
     .venv/bin/python benchmarks/cpu_vs_fetch.py --threads 1
     .venv/bin/python benchmarks/cpu_vs_fetch.py --gbps 0.1,1,4 --rounds 3 --limit 2   # quicker
     .venv/bin/python benchmarks/cpu_vs_fetch.py --gbps 0.1,32 --pinned   # auto's overhead at the two ends
+    .venv/bin/python benchmarks/cpu_vs_fetch.py --device cuda --rounds 3   # on a GPU, over its real link
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ from moeflow.models import default_model_path, load_model
 from moeflow.moe import get_adapter
 from moeflow.policies.parse import parse_capacity
 from moeflow.runtime.generate import PassClock, build_engine, generate_one
-from moeflow.runtime.link import EmulatedLink
+from moeflow.runtime.link import CudaLink, EmulatedLink, Link
 from moeflow.runtime.metrics import RunMetrics
 
 POLICIES = ("fetch", "cpu", "auto")
@@ -155,6 +159,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="also run auto pinned to fetch and to cpu (same choices as the policy; only auto's overhead differs)",
     )  # fmt: skip
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--device", default="cpu",
+        help="cpu (default): emulated links at --gbps; cuda: the model on the GPU and the real CUDA link, whose "
+        "measured GB/s (one expert row, pinned host -> device) is the one bandwidth (--gbps ignored)",
+    )  # fmt: skip
     ap.add_argument("--data-dir", default=None)
     args = ap.parse_args(argv)
 
@@ -162,7 +171,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     con = Console(width=150, stderr=True)
     gbps = sorted(float(x) for x in args.gbps.split(",") if x.strip())
     lat = args.latency_us * 1e-6
-    model, tok = load_model(args.model, device="cpu", experts_implementation="grouped_mm")
+    cuda = args.device.startswith("cuda")
+    model, tok = load_model(args.model, device=args.device, experts_implementation="grouped_mm")
     spec = get_adapter(model).spec
     capacity = parse_capacity(args.capacity, total_experts=spec.total_experts, expert_bytes=spec.expert_bytes)
     prompts = [
@@ -170,23 +180,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for p in load_prompts(args.prompts, data_dir=args.data_dir, limit=args.limit)
     ]
 
+    def link(b: float) -> Link:
+        return CudaLink(torch.device(args.device)) if cuda else EmulatedLink(b, lat)
+
     def engine(b: float, pol: str):
         miss, opts = PINNED.get(pol, (pol, None))
         eng = build_engine(
-            model, mode="offload", link=EmulatedLink(b, lat), capacity=capacity, eviction=args.eviction,
+            model, mode="offload", link=link(b), capacity=capacity, eviction=args.eviction,
             prefetch=args.prefetch, miss=miss, miss_opts=opts,
         )  # fmt: skip
         assert eng is not None
         return eng
 
     # 1. host compute of one expert for T tokens vs one copy
-    probe = build_engine(model, mode="offload", link=EmulatedLink(gbps[0], lat), capacity=capacity, eviction=args.eviction)
+    probe = build_engine(model, mode="offload", link=link(gbps[0]), capacity=capacity, eviction=args.eviction)
     assert probe is not None
     with probe:
         nbytes = probe.store.expert_bytes
         host = {t: min(probe.time_host_expert(t) for _ in range(3)) for t in HOST_TOKENS}
+        if cuda:  # the real link's bandwidth for one expert row; latency taken as 0 (it is inside the measured copy)
+            gbps, lat = [nbytes / min(probe.time_row_copy() for _ in range(5)) / 1e9], 0.0
     analytic = {t: (nbytes / (h - lat) / 1e9 if h > lat else None) for t, h in host.items()}  # GB/s
-    t1 = Table(title=f"host compute of one expert ({nbytes / 1e6:.3f} MB row) vs one copy over the emulated link")
+    t1 = Table(
+        title=f"host compute of one expert ({nbytes / 1e6:.3f} MB row) vs one copy over the {'CUDA' if cuda else 'emulated'} link"
+    )
     t1.add_column("tokens / call", justify="right")
     t1.add_column("host ms", justify="right")
     for b in gbps:
@@ -343,6 +360,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     final = {
         "benchmark": "cpu_vs_fetch",
         "model": args.model,
+        "device": args.device,
+        "link": "cuda" if cuda else "emulated",
         "capacity": capacity,
         "eviction": args.eviction,
         "prefetch": args.prefetch,

@@ -43,11 +43,11 @@ def _link(slow: bool = False) -> Link:
     from moeflow.runtime.link import CudaLink
 
     class SlowCudaLink(CudaLink):
-        def submit(self, src, dst, *, after=None, demand=True):
+        def _issue(self, t, src, dst, after, demand):
             stream = self.demand_stream if demand else self.stream
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(SPIN_CYCLES)
-            return super().submit(src, dst, after=after, demand=demand)
+            super()._issue(t, src, dst, after, demand)
 
     return SlowCudaLink(_device()) if slow else CudaLink(_device())
 
@@ -117,8 +117,9 @@ def test_cuda_link_counts_every_byte(prompt, dtype, prefetch):
 
 @pytest.mark.gpu
 def test_cuda_link_demand_overtakes_queued_prefetches():
-    """Prefetch copies queued on the prefetch stream; a demand copy submitted after them completes while the
-    last of them is still pending. The same copy as a prefetch (the control) waits behind all of them."""
+    """16 prefetches of 64 MB queued; a demand copy submitted after them completes while the last of them is still
+    pending (prefetches are issued a window ahead, so the copy engine holds at most that window before it). The same
+    copy as a prefetch (the control) completes only after all of them."""
     link = _link()
     dev = _device()
     n, numel = 16, 16 << 20  # 16 prefetches of 64 MB fp32 (~20 ms at 50 GB/s)
@@ -128,18 +129,39 @@ def test_cuda_link_demand_overtakes_queued_prefetches():
     torch.cuda.synchronize(dev)
     pf = [link.submit(src, d, demand=False) for d in dst]
     demand = link.submit(small_src, small_dst, demand=True)
-    demand.event.synchronize()
-    overtaken = not pf[-1].event.query()
+    link.wait(demand)
+    overtaken = not link.ready(pf[-1])
     link.drain()
     assert overtaken, "the demand copy completed only after every queued prefetch"
     assert torch.equal(small_dst.cpu(), small_src)
     pf = [link.submit(src, d, demand=False) for d in dst]
     control = link.submit(small_src, small_dst, demand=False)
-    control.event.synchronize()
-    assert all(t.event.query() for t in pf)  # one stream: in order
+    while not link.ready(control):  # polling issues held prefetches in order
+        pass
+    assert all(link.ready(t) for t in pf)  # one stream: in order
     link.drain()
-    assert link.bytes == 2 * (n * numel * 4 + 1024 * 4) and link.transfers == 2 * (n + 1)
-    link.close()
+
+
+@pytest.mark.gpu
+def test_cuda_link_cancel_and_promote_held_prefetches():
+    """A prefetch still held on the host is withdrawn by `cancel` (its destination is never written, its bytes
+    never counted) and goes out ahead of the other held ones when promoted."""
+    link = _link()
+    dev = _device()
+    n, numel = 8, 16 << 20
+    src = torch.ones(numel).pin_memory()
+    dst = [torch.zeros(numel, device=dev) for _ in range(n)]
+    torch.cuda.synchronize(dev)
+    pf = [link.submit(src, d, demand=False) for d in dst]
+    assert link.cancel(pf[-1]), "the last of 8 queued 64 MB prefetches was already issued"
+    link.promote(pf[-2])
+    link.wait(pf[-2])
+    promoted_first = not link.ready(pf[-3])
+    link.drain()
+    assert promoted_first
+    assert float(dst[-1].abs().sum()) == 0.0  # cancelled: never copied
+    assert all(float(d[:8].sum()) == 8.0 for d in dst[:-1])
+    assert link.bytes == (n - 1) * numel * 4 and link.submitted_bytes == (n - 1) * numel * 4
 
 
 @pytest.mark.gpu
