@@ -125,9 +125,18 @@ def offload_figure(r: dict[str, Any]) -> tuple[str, str, str]:
 
 def host_figure(r: dict[str, Any]) -> tuple[str, str, str]:
     """(status, figure, reason) of cpu_vs_fetch.py's JSON line."""
+    rows = r.get("rows") or []
+    if not rows:
+        return ERROR, "", "no rows in the JSON line"
+    fig = "; ".join(
+        f"{row['gbps']:.3g} GB/s: fetch {_ms(row['tpot_fetch_s'] * 1e3)}, cpu {_ms(row['tpot_cpu_s'] * 1e3)}, "
+        f"auto {_ms(row['tpot_auto_s'] * 1e3)} (auto/best {row['auto_over_best']:.2f})"
+        for row in rows
+    )
     x = r.get("measured_crossover_gbps")
-    fig = f"cpu beats fetch below {x:.3g} GB/s" if isinstance(x, (int, float)) else "cpu never beats fetch"
-    return OK, fig, ""
+    if isinstance(x, (int, float)):
+        fig += f"; cpu beats fetch below {x:.3g} GB/s"
+    return OK, fig + ("" if r.get("token_identical") else "; cpu/auto not token-identical (lossy on this device)"), ""
 
 
 def prefill_figure(r: dict[str, Any]) -> tuple[str, str, str]:

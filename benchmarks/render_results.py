@@ -117,6 +117,13 @@ def _table(header: list[str], rows: list[list[str]], align: str | None = None) -
     return "\n".join(lines)
 
 
+def _on_gpu(doc: dict[str, Any]) -> bool:
+    res = doc.get("result") or {}
+    return bool((doc.get("environment") or {}).get("gpu")) and (
+        res.get("cuda") is True or str(res.get("device", "")).startswith("cuda")
+    )
+
+
 def _measured_on(doc: dict[str, Any]) -> str:
     env = doc.get("environment") or {}
     commit = (env.get("git_commit") or "?")[:7] + (" + local changes" if env.get("git_dirty") else "")
@@ -124,7 +131,8 @@ def _measured_on(doc: dict[str, Any]) -> str:
     return (
         f"Measured {str(env.get('time', '?'))[:10]} at commit {commit} on {env.get('cpu', '?')} "
         f"({env.get('cpu_affinity') or env.get('cpu_cores')} cores, load {_f(load, '.1f')} when it started; "
-        f"device {env.get('device', 'cpu')}), torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}; "
+        f"device {env.get('gpu') if _on_gpu(doc) else env.get('device', 'cpu')}), torch {env.get('torch', '?')}, "
+        f"transformers {env.get('transformers', '?')}; "
         f"the command took {doc.get('seconds', 0) / 60:.1f} min."
     )
 
@@ -510,6 +518,40 @@ def fidelity(doc: dict[str, Any]) -> str:
             "than the best exact configuration at its capacity (on a CPU device that is often `cpu` or `auto`, which move "
             "no weights)."
         )
+    return "\n".join(out)
+
+
+@headline("gpu-check", "`make gpu-check` on a GPU: gpu tests and GPU benchmarks")
+def gpu_check_headline(doc: dict[str, Any]) -> str:
+    res = doc["result"]
+    by = {c["check"]: c for c in res.get("checks", [])}
+    tests = by.get("pytest -m gpu", {})
+    parts = [f"{res.get('device', '?')}: gpu tests {tests.get('figure') or tests.get('status', '?')}"]
+    parts += [by[k]["figure"] for k in ("engine overhead", "prefill") if by.get(k, {}).get("figure")]
+    return "; ".join(parts) + ("" if res.get("ok") else "; FAILED")
+
+
+@study("gpu-check")
+def gpu_check(doc: dict[str, Any]) -> str:
+    res = doc["result"]
+    out = _header(
+        doc,
+        "`make gpu-check` on a GPU",
+        f"Every test marked `gpu` and the GPU benchmarks (`benchmarks/gpu_check.py`{' --quick' if res.get('quick') else ''}) "
+        f"on {res.get('device', '?')} ({res.get('gpus', '?')} GPU), torch {res.get('torch', '?')}, transformers "
+        f"{res.get('transformers', '?')}: {'all passed' if res.get('ok') else 'FAILED'}. Each benchmark's figures are "
+        "ratios from one run on that machine.",
+    )
+    rows = [
+        [
+            c["check"],
+            c["status"],
+            f"{c.get('seconds', 0):.0f}",
+            (c.get("figure") or "-") + (f" ({c['reason']})" if c.get("reason") else ""),
+        ]
+        for c in res.get("checks", [])
+    ]
+    out += [_table(["check", "status", "s", "key figure"], rows, "llrl"), ""]
     return "\n".join(out)
 
 

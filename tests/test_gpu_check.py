@@ -147,3 +147,13 @@ def test_steps_that_cannot_run_are_skip_rows(gc, monkeypatch, capsys, tmp_path):
     rc = gc.main(["--log-dir", str(tmp_path), "--no-bench"], runner=lambda cmd, t, log: (5, "", 0.1))
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 1 and res["checks"][1]["status"] == "error"
+
+
+def test_host_figure_names_each_bandwidth_and_lossiness(gc):
+    """One bandwidth (a real CUDA link) has no crossover: the figure gives each policy's TPOT, not "never beats"."""
+    row = {"gbps": 5.6, "tpot_fetch_s": 0.04, "tpot_cpu_s": 0.013, "tpot_auto_s": 0.012, "auto_over_best": 0.94}
+    status, fig, _ = gc.host_figure({"rows": [row], "measured_crossover_gbps": None, "token_identical": False})
+    assert status == gc.OK
+    assert "fetch 40.00 ms" in fig and "cpu 13.00 ms" in fig and "auto/best 0.94" in fig and "lossy" in fig
+    assert "never" not in fig
+    assert gc.host_figure({"rows": []})[0] == gc.ERROR
