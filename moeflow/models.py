@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from .errors import ArtifactError, ConfigError, MoeflowError, UnsupportedModelError
-
-DEFAULT_MODEL = "models/olmoe-deep"
+from .model_paths import DEFAULT_MODEL as DEFAULT_MODEL  # re-exported: the CLI reads them from the torch-free module
+from .model_paths import default_model_path as default_model_path
+from .model_paths import shipped_models as shipped_models
 
 DTYPES = {
     "float32": torch.float32,
@@ -81,23 +82,6 @@ def quiet_loading() -> Iterator[None]:
         if was:
             tx_logging.enable_progress_bar()
         (hub_utils.disable_progress_bars if hub_off else hub_utils.enable_progress_bars)()
-
-
-def default_model_path() -> str:
-    """`models/olmoe-deep` of the source checkout (or MOEFLOW_MODEL), whatever the working directory."""
-    env = os.environ.get("MOEFLOW_MODEL")
-    if env:
-        return env
-    here = Path(__file__).resolve().parent.parent / DEFAULT_MODEL
-    return str(here) if here.exists() else DEFAULT_MODEL
-
-
-def shipped_models() -> list[str]:
-    """The checkpoints that come with the repository (`models/<name>` with a config.json), as --model paths."""
-    root = Path(__file__).resolve().parent.parent / "models"
-    if not root.is_dir():
-        return []
-    return [f"models/{d.name}" for d in sorted(root.iterdir()) if (d / "config.json").is_file()]
 
 
 def missing_model(path: str | os.PathLike) -> str:

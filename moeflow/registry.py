@@ -14,6 +14,56 @@ P = TypeVar("P")
 
 DEFAULT_EVICTION = "next-use"  # `moeflow run`'s and `moeflow simulate`'s eviction: fewest transfers on held-out prompts
 
+_P = "moeflow.policies."
+
+# The built-in policies: kind -> name -> "module:Class", in the order --help lists them. The CLI's help reads the
+# names from here, importing no policy (they import torch and numba); `moeflow.policies` registers the classes,
+# `Registry.register` refuses a moeflow class not listed here, and tests/test_cli_startup.py checks that the
+# registries hold exactly these classes.
+BUILTIN: dict[str, dict[str, str]] = {
+    "eviction": {
+        "lru": _P + "eviction:LRU",
+        "lfu": _P + "eviction:LFU",
+        "lhu": _P + "eviction:LHU",
+        "fld": _P + "eviction:FLD",
+        "score": _P + "eviction:ScoreBased",
+        "lru2": _P + "eviction:TwoLevelLRU",
+        "belady-approx": _P + "belady_approx:BeladyApprox",
+        "least-stale": _P + "least_stale:LeastStale",
+        "next-use": _P + "next_use:NextUse",
+    },
+    "prefetch": {
+        "none": _P + "prefetch:NoPrefetch",
+        "pregate": _P + "prefetch:PreGatePrefetch",
+        "all-next-layer": _P + "prefetch:AllNextLayer",
+        "router-pf": _P + "learned:RouterPFPrefetch",
+        "estimator": _P + "learned:EstimatorPrefetch",
+        "hybrid": _P + "learned:HybridPrefetch",
+        "token-id": _P + "learned:TokenIdPrefetch",
+        "forest": _P + "learned:ForestPrefetch",
+    },
+    "miss": {
+        "fetch": _P + "miss:Fetch",
+        "drop": _P + "miss:Drop",
+        "substitute": _P + "miss:Substitute",
+        "cpu": _P + "miss:Cpu",
+        "auto": _P + "miss:Auto",
+        "fetch-lowest-bit": _P + "miss:FetchLowestBit",
+        "fetch-priority": _P + "miss:FetchPriority",
+        "cascade": _P + "miss:Cascade",
+    },
+    "routing": {
+        "standard": _P + "routing:Standard",
+        "cache-aware": _P + "routing:CacheAware",
+        "hit-first": _P + "routing:HitFirst",
+        "plan-restricted": _P + "routing:PlanRestricted",
+    },
+}
+
+# The built-in prefetchers that need a `moeflow train` predictor folder (--prefetch-opt predictors=DIR): the ones
+# that declare `needs_model`, `needs_residual` or a `predictor`.
+LEARNED_PREFETCH = frozenset({"router-pf", "estimator", "hybrid", "token-id", "forest"})
+
 
 class Registry(dict[str, type[Any]]):
     """Name -> class for one kind. `create(name, **options)` builds one, or explains the choices.
@@ -29,6 +79,9 @@ class Registry(dict[str, type[Any]]):
         name: str = cls.name  # type: ignore[attr-defined]
         if name in self:
             raise ValueError(f"{self.what} {name!r} registered twice")
+        where = f"{cls.__module__}:{cls.__qualname__}"
+        if self.kind in BUILTIN and cls.__module__.startswith("moeflow.") and BUILTIN[self.kind].get(name) != where:
+            raise ValueError(f"built-in {self.what} {name!r} ({where}) is not in moeflow.registry.BUILTIN[{self.kind!r}]")
         self[name] = cls
         return cls
 

@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 
 import typer
 
-from ..models import default_model_path
+from ..model_paths import default_model_path
+from ..registry import BUILTIN, LEARNED_PREFETCH
 
 T = TypeVar("T")
 
@@ -113,21 +114,12 @@ def capacity_option(default: str) -> Any:
     )
 
 
-def policy_names(kind: str, which: Any = None) -> str:
-    """The built-in `kind` policy names (eviction, prefetch, miss, routing), comma-separated, for --help: the
-    registries are the one list, so the help cannot miss a policy (one a test or a plugin registers later is
-    not listed: the help is made when the command module is imported). `which(name)` keeps only some."""
-    from .. import policies
-
-    reg = {"eviction": policies.EVICTION, "prefetch": policies.PREFETCH, "miss": policies.MISS, "routing": policies.ROUTING}
-    return ", ".join(n for n, cls in reg[kind].items() if cls.__module__.startswith("moeflow.") and (which is None or which(n)))
-
-
-def _learned(name: str) -> bool:
-    from ..policies import PREFETCH
-
-    cls = PREFETCH[name]
-    return bool(getattr(cls, "needs_model", False) or getattr(cls, "needs_residual", False) or getattr(cls, "predictor", ""))
+def policy_names(kind: str, learned: bool | None = None) -> str:
+    """The built-in `kind` policy names (eviction, prefetch, miss, routing), comma-separated, for --help, from the
+    torch-free list `moeflow.registry.BUILTIN` (the registries are checked against it, so the help cannot miss a
+    policy; one a test or a plugin registers is not listed). `learned` keeps only the prefetchers that need (True)
+    or need no (False) predictor folder."""
+    return ", ".join(n for n in BUILTIN[kind] if learned is None or (n in LEARNED_PREFETCH) == learned)
 
 
 def eviction_option(default: str = "lru") -> Any:
@@ -145,13 +137,13 @@ def prefetch_option(default: str, learned: bool = True) -> Any:
     rule = "pregate takes overfetch=1.5 | percentile=80 | mass=0.9"
     if learned:
         names = (
-            f"{policy_names('prefetch', lambda n: not _learned(n))} ({rule}); learned, with "
-            f"--prefetch-opt predictors=DIR from `moeflow train`: {policy_names('prefetch', _learned)}"
+            f"{policy_names('prefetch', learned=False)} ({rule}); learned, with "
+            f"--prefetch-opt predictors=DIR from `moeflow train`: {policy_names('prefetch', learned=True)}"
         )
     else:
         names = (
-            f"{policy_names('prefetch', lambda n: not _learned(n))} ({rule}). The learned prefetchers "
-            f"({policy_names('prefetch', _learned)}) need the running model: measure them with `moeflow run`"
+            f"{policy_names('prefetch', learned=False)} ({rule}). The learned prefetchers "
+            f"({policy_names('prefetch', learned=True)}) need the running model: measure them with `moeflow run`"
         )
     return typer.Option(
         None,

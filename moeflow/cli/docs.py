@@ -65,7 +65,7 @@ def _type(p: Any, ctx: Any) -> str:
 
 
 def _default(p: Any) -> str:
-    from ..models import DEFAULT_MODEL, default_model_path
+    from ..model_paths import DEFAULT_MODEL, default_model_path
 
     d = p.default
     if callable(d):
@@ -163,7 +163,7 @@ def models_table() -> str:
     """The embedded models (models/*/card.json): shape, size, training and held-out perplexity."""
     import json
 
-    from ..models import DEFAULT_MODEL
+    from ..model_paths import DEFAULT_MODEL
 
     lines = [
         "| model | architecture | MoE layers | experts, top-k | hidden / expert inter. | params total / active "
