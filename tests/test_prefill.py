@@ -561,3 +561,58 @@ def test_staged_prefill_applies_each_router_once_per_input(tiny_models, prompt):
     assert torch.equal(out, ref)
     assert steps[0] > 0 and calls  # the policy's step ran
     assert len(calls) == len(set(calls)), calls
+
+
+def test_staged_experts_call_reads_nothing_back_from_the_device(tiny_models, prompt, monkeypatch):
+    """A layer computed in several waves finds each wave's rows from the counts the router hook read with the
+    routing (`Routed.ends`): the experts call makes no host read of its own (one device sync fewer per layer on
+    CUDA), and the prefill stays exact."""
+    from moeflow.runtime.prefill import StagedPrefill
+
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    with torch.no_grad():
+        ref = model(prompt).logits
+    eng = build_engine(model, mode="offload", link=EmulatedLink(50.0), capacity=spec.top_k, eviction="lru", prefetch="none")
+    assert eng is not None
+    reads = [0]
+    compute = StagedPrefill.compute
+    tolist = torch.Tensor.tolist
+
+    def counted(self, *a, **k):
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.__setitem__(0, reads[0] + 1) or tolist(t))
+        try:
+            return compute(self, *a, **k)
+        finally:
+            monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+
+    monkeypatch.setattr(StagedPrefill, "compute", counted)
+    with eng:
+        with torch.no_grad():
+            logits = model(prompt).logits
+        assert eng._prefill is not None and eng._prefill.waves_run > spec.num_moe_layers  # computed in chunks
+    assert torch.equal(logits, ref)
+    assert reads[0] == 0
+
+
+def test_cache_batch_writes_the_device_table_with_one_tensor(tiny_models, monkeypatch):
+    """The device table's writes of a `cache.batch()` go to the device as ONE tensor (one copy, not waited for)."""
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    layer = spec.moe_layers[0]
+    eng = build_engine(model, mode="offload", link=EmulatedLink(50.0), capacity=spec.total_experts, eviction="lru")
+    assert eng is not None
+    made = [0]
+    tensor = torch.tensor
+    with eng:
+        cache = eng.cache
+        cache.begin_pass(1)
+        cache.begin_layer(layer)
+        with cache.batch():
+            slots = cache.demand(layer, list(range(spec.num_experts)), {})
+            monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.__setitem__(0, made[0] + 1) or tensor(*a, **k))
+        monkeypatch.setattr(torch, "tensor", tensor)
+        assert cache.table is not None
+        assert cache.table[cache.rank[layer]].tolist() == [cache.slot_of[(layer, e)] for e in range(spec.num_experts)]
+        cache.release(slots)
+    assert made[0] == 1

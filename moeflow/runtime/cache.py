@@ -522,11 +522,10 @@ class ExpertCache:
                     if rows and self.table is not None:  # one write: each loaded key's slot now (-1: evicted since)
                         layers, slot_of = self.spec.moe_layers, self.slot_of
                         now = {(r, e): slot_of.get((layers[r], e), -1) for r, e in zip(rows, experts)}
-                        dev = self.table.device
                         r_, e_ = zip(*now)
-                        self.table[torch.tensor(r_, device=dev), torch.tensor(e_, device=dev)] = torch.tensor(
-                            list(now.values()), device=dev
-                        )
+                        # ONE host -> device copy, not waited for (a blocking copy would synchronize the device)
+                        w = torch.tensor([r_, e_, list(now.values())]).to(self.table.device, non_blocking=True)  # [3,n]
+                        self.table[w[0], w[1]] = w[2]
 
     def _hand_over(self) -> None:
         """The copies a `batch` holds, submitted now (in order, consecutive ones of equal priority together)."""

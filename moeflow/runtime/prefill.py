@@ -56,7 +56,7 @@ from .cache import ExpertCache
 if TYPE_CHECKING:
     from .passstats import PassAccount
 
-Routed = Any  # `runtime/step.Routed` (step imports this module): experts, scores, waves, first, ahead, then
+Routed = Any  # `runtime/step.Routed` (step imports this module): experts, scores, waves, ends, first, ahead, then
 
 PREFILL_PATHS = ("staged", "serial")  # staged: this module; serial: the per-layer step alone (waves one by one)
 PIPELINE = 4  # a layer's experts still to copy are computed in at least this many waves (compute starts sooner)
@@ -119,14 +119,18 @@ class StagedPrefill:
             return False
         return all(cache.layer_full(l) for l in self.spec.moe_layers if l > layer)
 
-    def route(self, layer: int, routed: Routed, counts: torch.Tensor | None) -> None:
+    def route(self, layer: int, routed: Routed, counts: torch.Tensor | None, ids: torch.Tensor | None = None) -> None:
         """Plan `routed`'s waves, demand the first one now; `counts [E]` (host): tokens the next layer's router
-        sends to each expert (`predict`); a one-wave layer stages them at once (nothing of it is left to demand)."""
+        sends to each expert (`predict`); a one-wave layer stages them at once (nothing of it is left to demand).
+        `ids [S]` (host): the routed expert ids the router hook read, whose per-expert counts give each wave's
+        rows of the sorted routing (`Routed.ends`), so the experts call reads nothing back from the device."""
         cache = self.cache
         experts = routed.experts or []
         cache.cancel_stale(layer, experts)  # queued copies of this layer that it does not route: withdrawn
         waves = self.plan(layer, experts)
         routed.waves = waves
+        if len(waves) > 1 and ids is not None:  # rows [ends[e-1], ends[e]) of the sorted routing go to expert e
+            routed.ends = torch.bincount(ids, minlength=self.spec.num_experts).cumsum(0).tolist()  # [E] host
         nxt = self.next_layer.get(layer)
         if nxt is not None and counts is not None:
             c = counts.tolist()
@@ -275,8 +279,11 @@ class StagedPrefill:
         room = cache.part_capacity
         scores = routed.scores or {}
         projs: list[torch.Tensor] = []
-        # rows [ends[e-1], ends[e]) of the sorted routing go to expert e: each wave is one slice
-        ends = torch.bincount(eg, minlength=self.spec.num_experts).cumsum(0).tolist() if len(waves) > 1 else []
+        # rows [ends[e-1], ends[e]) of the sorted routing go to expert e: each wave is one slice (the counts the
+        # router hook read with the routing; from `eg` only for a routing planned without them: a device read)
+        ends = routed.ends or []
+        if len(waves) > 1 and not ends:
+            ends = torch.bincount(eg, minlength=self.spec.num_experts).cumsum(0).tolist()
         for i, experts in enumerate(waves):
             t0 = time.perf_counter()
             held = sum(len(p) for p in pinned.values())
@@ -308,7 +315,7 @@ class StagedPrefill:
         if routed.first:
             self.cache.release(routed.first)
         routed.first = None
-        routed.waves = None
+        routed.waves = routed.ends = None
         routed.then = routed.ahead = None
 
 

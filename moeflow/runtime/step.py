@@ -61,6 +61,7 @@ class Routed:
     scores: dict[int, float] | None = None  # summed gate weight per expert (for waves demanded later)
     cpu: list[int] | None = None  # experts the miss policy runs on the host (no slot)
     waves: list[list[int]] | None = None  # a staged prefill's waves (`runtime/prefill.py`; None: not staged)
+    ends: list[int] | None = None  # ... the sorted routing's end row per expert [E] (host; None: one wave)
     first: list[int] | None = None  # ... the first wave's pinned slots
     ahead: tuple[int, list[int]] | None = None  # ... the next MoE layer and its predicted experts, to stage
     then: Callable[[], None] | None = None  # ... the prefetch policy's step, run when every wave is demanded
@@ -163,7 +164,7 @@ class RouteStep:
                     x = ev.x
                     routed.then = lambda: self.prefetch(l, x, logits, indices, weights)
                 self.pending[l] = routed
-                pf.route(l, routed, hosted[1][0] if pred is not None else None)
+                pf.route(l, routed, hosted[1][0] if pred is not None else None, ids_h)
                 return replaced
         loads0 = cache.counters.loads  # the access order of `moeflow.runtime.cache` (shared with the simulator)
         routed.slots = cache.route(l, experts, scores, self.wave_cap, None if self.miss_hook else self.miss)
