@@ -262,12 +262,12 @@ class PreGatePrefetch(PrefetchPolicy):
             with torch.no_grad():
                 probs = ctx.predict_logits(t, ctx.router_input).float().softmax(-1)  # [T,E]
             mask = self._select(t, probs, ctx.top_k)  # [T,E]
-            best = probs.masked_fill(~mask, -1.0).amax(0)  # [E]
+            best = probs.masked_fill(~mask, -1.0).amax(0)  # [E] best selected prob, -1 where no token selected e
             near = float(len(targets) - s)
             k = ctx.top_k
-            for e in mask.any(0).nonzero().flatten().tolist():
-                b = float(best[e])
-                out.append(PrefetchRequest((t, e), priority=near + b, confidence=topk_confidence(b, k)))
+            for e, b in enumerate(best.tolist()):  # one device read per target layer
+                if b >= 0.0:
+                    out.append(PrefetchRequest((t, e), priority=near + b, confidence=topk_confidence(b, k)))
         out.sort(key=lambda r: -r.priority)
         return out
 
