@@ -529,6 +529,30 @@ def test_time_model_from_calibration():
         TimeModel.from_calibration({"layer_time_s": 1.0})
 
 
+def test_pregate_proposal_time_grows_with_the_layers_it_predicts():
+    """pregate applies the router of each of the S next layers: calibrated at S = 1 (ranks 0, 1 predict ranks 1, 2;
+    the last predicts nothing: 0.05 ms), its time splits into 0.05 ms per proposal and 0.25 / 0.3 ms per predicted
+    rank 1 / 2, which gives back the measurement at S = 1 and at S = 2 adds rank 2's router to rank 0's proposal.
+    The simulator's clock follows the S the proposals use: the engine's, else the policy's own `lookahead=`.
+    A policy not known to predict per layer keeps its measured time at every S."""
+    from moeflow.sim.simulator import TimeModel
+
+    et = {"attention_s": [0.0] * 3, "route_s": [0.0] * 3, "experts_s": [0.0] * 3, "token_s": 0.0}
+    cal = {"engine_time": {**et, "predict_s": {"pregate": [0.3 * MS, 0.35 * MS, 0.05 * MS], "other": [0.3 * MS] * 3}}}
+    tm = TimeModel.from_calibration(cal, "pregate")
+    assert tm.per_layer(3, 1)[1] == pytest.approx([0.3 * MS, 0.35 * MS, 0.05 * MS])
+    assert tm.per_layer(3, 2)[1] == pytest.approx([0.6 * MS, 0.35 * MS, 0.05 * MS])
+    assert tm.pass_s(3, True, 2) - tm.pass_s(3, True, 1) == pytest.approx(0.3 * MS)
+    assert TimeModel.from_calibration(cal, "other").per_layer(3, 2)[1] == pytest.approx([0.3 * MS] * 3)
+
+    acc = synthetic(10, num_experts=8, top_k=2, seed=1)  # 4 MoE layers: at S = 2, ranks 0..3 predict 2, 2, 1, 0
+    tm = TimeModel(predict_s=(0.25,), predict_layer_s=(0.5,))
+    for s, want in ((1, 4 * 0.25 + 3 * 0.5), (2, 4 * 0.25 + 5 * 0.5)):
+        assert simulate(acc, 8, "lru", _Scripted({}), timing=tm, lookahead=s).pass_s == pytest.approx(want)
+    own = simulate(acc, 8, "lru", ("all-next-layer", {"lookahead": 2}), timing=tm, lookahead=1)  # compiled replay
+    assert own.engine == "compiled" and own.pass_s == pytest.approx(4 * 0.25 + 5 * 0.5)
+
+
 def test_simulate_cli_calibrated_time_predicts_tpot(traced, tmp_path):
     """`moeflow simulate --calibrated-time` advances the modelled link's clock by the calibration's measured times:
     each row's `predicted_tpot_s` is `simulate(..., timing=TimeModel.from_calibration(...))`'s per decode pass;

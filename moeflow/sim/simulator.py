@@ -18,7 +18,9 @@ Links (`moeflow.sim.link`): `InstantLink` (copies complete at once: `DirectLink`
 
 Time (`TimeModel`): the link's clock advances as the engine's host thread would, per MoE layer: `attention_s`
 (attention, norms, router) and `route_s` (the router hook: host read, cache calls) before the layer's demand
-copies are submitted, `predict_s` (a proposing prefetch policy's proposal) before its copies are submitted,
+copies are submitted, `predict_s` (a proposing prefetch policy's proposal) plus `predict_layer_s` of each MoE layer
+it predicts (pregate applies the router of each of the S next layers: S of them, fewer near the last layer) before
+its copies are submitted,
 `dispatch_s` (the experts call up to its wait: the MoE block after the router, the rows sorted) while the copies
 are in flight, `experts_s` (the rest of the experts call) after the layer's slots are waited for; `token_s` per
 pass (final norm, head, generate's loop). `ModelledLink` adds `submit_s` per demand copy submitted (the router
@@ -169,9 +171,10 @@ class TimeModel:
     wake_s: float = 0.0  # seconds a wait that stalls returns after its copy is due (ModelledLink)
     dispatch_s: tuple[float, ...] = (0.0,)  # the experts call before it waits for its slots: the rows sorted
     prefetch_submit_s: float | None = None  # host seconds per prefetch copy (ModelledLink; None: submit_s)
+    predict_layer_s: tuple[float, ...] = (0.0,)  # the proposal's seconds per MoE layer it predicts, by that layer's rank
 
     def __post_init__(self) -> None:
-        for name in ("attention_s", "route_s", "predict_s", "dispatch_s", "experts_s"):
+        for name in ("attention_s", "route_s", "predict_s", "dispatch_s", "experts_s", "predict_layer_s"):
             v = getattr(self, name)
             if not v or min(v) < 0:
                 raise ConfigError(f"time model {name} needs one value >= 0 or one per MoE layer, got {v!r}")
@@ -198,17 +201,23 @@ class TimeModel:
     @classmethod
     def from_calibration(cls, cal: dict[str, Any], prefetch: str = "none") -> TimeModel:
         """The terms `moeflow calibrate` measured (`engine_time`, `link_timing`); `predict_s` of `prefetch` (a
-        policy name; zero when it was not measured or proposes nothing)."""
+        policy name; zero when it was not measured or proposes nothing), split by `predict_split` for a policy
+        that predicts the S next layers (`PER_LAYER_PREDICT`)."""
         et = cal.get("engine_time")
         if not isinstance(et, dict):
             raise ConfigError("the calibration has no engine_time; re-run `moeflow calibrate` to measure it")
         lt = cal.get("link_timing") or {}
         pred = (et.get("predict_s") or {}).get(prefetch)
+        base: tuple[float, ...] = tuple(pred) if pred else (0.0,)
+        per_layer: tuple[float, ...] = (0.0,)
+        if pred and prefetch in PER_LAYER_PREDICT and len(pred) > 1:
+            base, per_layer = predict_split(pred)
         submit = float(lt.get("demand_copy_s", lt.get("submit_s", 0.0)))  # the engine's, else the link's alone
         return cls(
             attention_s=tuple(et["attention_s"]),
             route_s=tuple(et["route_s"]),
-            predict_s=tuple(pred) if pred else (0.0,),
+            predict_s=base,
+            predict_layer_s=per_layer,
             dispatch_s=tuple(et.get("dispatch_s") or (0.0,)),  # an older calibration: inside experts_s
             experts_s=tuple(et["experts_s"]),
             token_s=float(et["token_s"]),
@@ -217,9 +226,9 @@ class TimeModel:
             wake_s=float(lt.get("engine_wake_s", lt.get("wake_s", 0.0))),  # measured in the engine, else the link alone
         )
 
-    def per_layer(self, n: int) -> tuple[list[float], list[float], list[float], list[float]]:
+    def per_layer(self, n: int, lookahead: int = 1) -> tuple[list[float], list[float], list[float], list[float]]:
         """(before the demand copies, before the prefetch copies, before the wait, after the wait) per MoE layer
-        rank, `n` layers."""
+        rank, `n` layers; the proposal at rank r predicts ranks r+1 .. min(r+`lookahead`, n-1)."""
 
         def at(v: tuple[float, ...], name: str) -> list[float]:
             if len(v) == 1:
@@ -229,12 +238,26 @@ class TimeModel:
             return list(v)
 
         pre = [a + r for a, r in zip(at(self.attention_s, "attention_s"), at(self.route_s, "route_s"))]
-        return pre, at(self.predict_s, "predict_s"), at(self.dispatch_s, "dispatch_s"), at(self.experts_s, "experts_s")
+        ahead = at(self.predict_layer_s, "predict_layer_s")
+        pred = [p + sum(ahead[r + 1 : r + 1 + max(0, lookahead)]) for r, p in enumerate(at(self.predict_s, "predict_s"))]
+        return pre, pred, at(self.dispatch_s, "dispatch_s"), at(self.experts_s, "experts_s")
 
-    def pass_s(self, n: int, prefetching: bool) -> float:
-        """Seconds of one pass through `n` MoE layers that waits for nothing."""
-        pre, pred, disp, post = self.per_layer(n)
+    def pass_s(self, n: int, prefetching: bool, lookahead: int = 1) -> float:
+        """Seconds of one pass through `n` MoE layers that waits for nothing (proposals `lookahead` layers ahead)."""
+        pre, pred, disp, post = self.per_layer(n, lookahead)
         return self.token_s + sum(pre) + sum(disp) + sum(post) + (sum(pred) if prefetching else 0.0)
+
+
+PER_LAYER_PREDICT = frozenset({"pregate"})  # proposals that apply one router per predicted layer (S of them)
+
+
+def predict_split(pred: Sequence[float]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(`predict_s`, `predict_layer_s`) from a proposal's seconds per MoE layer rank measured at S = 1 (`pred`,
+    n >= 2 values): the last layer predicts no layer, so its time is what every proposal costs whatever it predicts
+    (the context, the gate's call); rank r < n-1 predicted rank r+1, so `pred[r]` less that is rank r+1's
+    (its router, the selection, the requests; >= 0). Rank 0 is never predicted."""
+    base = float(pred[-1])
+    return (base,), (0.0, *(max(0.0, float(p) - base) for p in pred[:-1]))
 
 
 # ---- the access trace in the engine's order, computed once per trace ----------------------------------
@@ -477,7 +500,7 @@ def simulate(
             gate.count(int(res.out[5]), int(res.out[6]))
         _fill_compiled(st, res, cache, count_phase)
         # an instant link never stalls: every pass takes the time model's seconds (every MoE layer runs once)
-        each = tm.pass_s(len(acc.moe_layers), prefetching)
+        each = tm.pass_s(len(acc.moe_layers), prefetching, _ahead(pf, lookahead))
         cast(Any, lk).advance(each * len(acc.passes))  # the simulator's links (sim/link.py) advance
         st.time_s = each * st.passes
     else:
@@ -490,7 +513,7 @@ def simulate(
 def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wcap, count_phase) -> None:
     """The cache call by call, in the engine's order, the link's clock advanced by the time model `tm`."""
     prefetching = pf.proposes
-    pre_s, pred_s, disp_s, post_s = tm.per_layer(len(acc.moe_layers))
+    pre_s, pred_s, disp_s, post_s = tm.per_layer(len(acc.moe_layers), _ahead(pf, lookahead))
     clock = lk.clock_s
     last_end = clock()  # the end of the previous pass on the link's clock
     comp = _compile(acc)
@@ -582,6 +605,12 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wc
     st.hits_per_layer = {l: hits_l[r] for r, l in enumerate(moe) if acc_l[r]}
     st.accesses_per_layer = {l: acc_l[r] for r, l in enumerate(moe) if acc_l[r]}
     st.collisions_per_layer = {l: col_l[r] for r, l in enumerate(moe) if col_l[r]}
+
+
+def _ahead(pf: Any, lookahead: int) -> int:
+    """The MoE layers a proposal predicts: the policy's own `lookahead=` option, else the engine's S."""
+    own = getattr(pf, "lookahead", None)
+    return int(own) if isinstance(own, int) and own >= 1 else int(lookahead)
 
 
 def _fill_compiled(st: SimStats, res: ReplayResult, cache: ExpertCache, count_phase: int | None) -> None:
