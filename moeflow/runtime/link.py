@@ -599,8 +599,7 @@ class CudaLink(Link):
             t.event.synchronize()
             stall = time.perf_counter() - t0
         torch.cuda.current_stream(self.device).wait_event(t.event)
-        self._complete(t)
-        self._pending = [p for p in self._pending if not p.done.is_set()]
+        self._complete(t)  # stays in `_pending` (done) until `_settle` or `submit` prunes it: no list rebuilt per wait
         self._pump()
         return stall
 
