@@ -19,6 +19,14 @@ against `on-demand` loading, the resident model and the physical bound, measured
    (the best prefetching run's `propose` time per decode token / its TPOT) and, with `--adaptive-s`,
    lru+pregate at fixed S = 1..3 and adaptive S (`adaptive_vs_best_fixed`).
 
+`--miss` runs every eviction x prefetch with each exact miss policy listed (default `fetch,auto`; rows of a
+miss other than fetch are labelled `ev+pf miss=NAME`): `auto` computes a missed expert on the host when that
+costs less than copying it (exact on a CPU device, lossy on CUDA, so `--device cuda` drops cpu and auto unless
+`--miss` names them). The best run (`best_run`, `bound_ratio`, `transfers_vs_belady`, ...) is the fastest exact
+one; `best_fetch_run` / `bound_ratio_fetch` the fastest exact one with `fetch`, and `best_by_miss` the fastest
+exact run per miss policy. A host-computed miss moves nothing, so with `cpu` / `auto` transfers can fall below
+Belady's MIN (which counts every miss as a copy) and TPOT below Belady x copy time.
+
 `--policies` and `--prefetch` choose the evictions and the prefetch policies run with each (default: every
 registered eviction with `pregate`); options follow a colon, separated by `;` (`next-use:decay=0.8`).
 
@@ -162,6 +170,11 @@ def main() -> None:
         default="pregate",
         help="comma list of prefetch policies (name or name:key=value;...) run with every eviction (default pregate)",
     )
+    ap.add_argument(
+        "--miss",
+        default=None,
+        help="comma list of exact miss policies run with every eviction x prefetch (default fetch,auto; on cuda fetch)",
+    )
     ap.add_argument("--adaptive-s", action="store_true", help="add lru+pregate at fixed S=1..3 and adaptive S")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled generations (faster)")
     args = ap.parse_args()
@@ -247,19 +260,20 @@ def main() -> None:
     oracle_next_tpt = pass_oracle(acc, capacity, lookahead_passes=1, count_phase=1).loads_per_token
     bound_min = max(resident.tpot_s, belady_tpt * (lat + eb / bw))
 
-    # 3. runs: (mode, eviction, prefetch, prefetch options, lookahead, adaptive)
+    # 3. runs: (mode, eviction, prefetch, prefetch options, lookahead, adaptive, miss)
+    misses = [m.strip() for m in (args.miss or ("fetch" if cuda else "fetch,auto")).split(",") if m.strip()]
     evictions = [e.strip().replace(";", ",") for e in args.policies.split(",")] if args.policies else sorted(EVICTION)
     off = {"gate": "off", "cancel": "off"}
     prefetches = [p.strip().replace(";", ",") for p in args.prefetch.split(",") if p.strip()]
-    plan = [("on-demand", None, None, None, 1, False)]
-    plan += [("offload", ev, pf, None, 1, False) for pf in prefetches for ev in evictions]
-    plan += [("offload", "lru", "pregate", off, 1, False), ("offload", "lru", "none", None, 1, False)]
+    plan = [("on-demand", None, None, None, 1, False, "fetch")]
+    plan += [("offload", ev, pf, None, 1, False, ms) for ms in misses for pf in prefetches for ev in evictions]
+    plan += [("offload", "lru", "pregate", off, 1, False, "fetch"), ("offload", "lru", "none", None, 1, False, "fetch")]
     if args.adaptive_s:
-        plan += [("offload", "lru", "pregate", None, s, False) for s in (2, 3) if s < spec.num_moe_layers]
-        plan += [("offload", "lru", "pregate", None, 1, True)]
+        plan += [("offload", "lru", "pregate", None, s, False, "fetch") for s in (2, 3) if s < spec.num_moe_layers]
+        plan += [("offload", "lru", "pregate", None, 1, True, "fetch")]
     rows = []
 
-    def make_engine(mode, ev, pf, opts, s):
+    def make_engine(mode, ev, pf, opts, s, miss):
         link = CudaLink(device) if args.link == "cuda" else EmulatedLink(bw / 1e9, lat)
         ev_name, ev_opts = parse_policy(ev or "lru")  # `name:key=value,...`
         pf_name, pf_opts = parse_policy(pf or "none")
@@ -273,6 +287,7 @@ def main() -> None:
             prefetch=pf_name,
             prefetch_opts={**pf_opts, **(opts or {})},
             lookahead=s,
+            miss=miss,
         )
 
     def attach_adaptive(eng):
@@ -280,24 +295,27 @@ def main() -> None:
 
         return StepSizeController(initial_s=1, max_s=spec.num_moe_layers - 1, num_layers=spec.num_layers).attach(eng)
 
-    for mode, ev, pf, opts, s, adaptive in plan:
+    for mode, ev, pf, opts, s, adaptive, miss in plan:
         label = mode if mode == "on-demand" else f"{ev}+{pf}"
+        if miss != "fetch":
+            label += f" miss={miss}"
         if opts:
             label += " (gate=off)"
         if args.adaptive_s and pf == "pregate" and ev == "lru" and not opts:
             label += " adaptive S" if adaptive else f" S={s}"
         with con.status(label):
-            with make_engine(mode, ev, pf, opts, s) as weng:  # untimed warm-up on an engine of its own
+            with make_engine(mode, ev, pf, opts, s, miss) as weng:  # untimed warm-up on an engine of its own
                 detach = attach_adaptive(weng) if adaptive else None
                 run_prompts(model, prompts[:1], weng, args, "warm-up", new_tokens=4)
                 if detach:
                     detach()
-            with make_engine(mode, ev, pf, opts, s) as eng:
+            with make_engine(mode, ev, pf, opts, s, miss) as eng:
                 detach = attach_adaptive(eng) if adaptive else None
                 pred = timed_propose(eng.prefetcher)
                 timed = functools.partial(run_prompts, model, prompts, eng, args, label)
                 (m, outs, loads), syncs = engine_syncs_per_decode_layer(eng, timed)
                 pred_per_token = pred["s"] / max(1, len(prompts) * args.new_tokens)
+                host_per_token = eng.miss_counts.get("cpu", 0) / max(1, len(prompts) * args.new_tokens)  # prefill incl.
                 if detach:
                     detach()
                 counts = (
@@ -308,7 +326,8 @@ def main() -> None:
         counts["engine_host_syncs"] = syncs  # of the timed run
         counts["predictor_s_per_token"] = pred_per_token
         exact = all(torch.equal(a, b) for a, b in zip(outs, ref_out))
-        rows.append((m, bound(loads), exact, counts))
+        counts["host_misses_per_token"] = host_per_token
+        rows.append((m, bound(loads), exact, counts, miss))
 
     od_tpot = rows[0][0].tpot_s
     t = Table(title=f"offloaded decode, bandwidth-bound ({bw / 1e9:.4g} GB/s), C={capacity}")
@@ -368,7 +387,7 @@ def main() -> None:
     def f(v, s=".3f"):
         return "-" if v is None else format(v, s)
 
-    for m, b, exact, counts in rows:
+    for m, b, exact, counts, miss in rows:
         t.add_row(
             m.label,
             f"{m.tpot_s * 1e3:.2f}",
@@ -392,7 +411,9 @@ def main() -> None:
         result["runs"].append(
             {
                 "run": m.label,
+                "miss": miss,
                 "tpot_s": m.tpot_s,
+                "ttft_s": m.ttft_s,
                 "bound_s": b,
                 "tpot_over_bound": m.tpot_s / b,
                 "on_demand_speedup": od_tpot / m.tpot_s,
@@ -411,6 +432,7 @@ def main() -> None:
                 "transfers_vs_oracle": (m.transfers_per_token or 0.0) / oracle_tpt if oracle_tpt else None,
                 "predictor_share": counts["predictor_s_per_token"] / m.tpot_s,
                 "exact": exact,
+                "host_misses_per_token": counts["host_misses_per_token"],
                 "per_moe_layer_per_decode_step": counts,
             }
         )
@@ -420,8 +442,14 @@ def main() -> None:
         f"layers {layers_s * 1e3:.2f} ms + other {other_s * 1e3:.2f} ms"
     )
     runs = result["runs"]
-    best = min(runs, key=lambda r: r["tpot_s"])
-    prefetching = [r for r in runs if "none" not in r["run"] and r["run"] != "on-demand"]
+    exact_runs = [r for r in runs if r["exact"]] or runs
+    best = min(exact_runs, key=lambda r: r["tpot_s"])
+    best_fetch = min((r for r in exact_runs if r["miss"] == "fetch"), key=lambda r: r["tpot_s"], default=None)
+    best_by_miss = {
+        ms: min((r for r in exact_runs if r["miss"] == ms), key=lambda r: r["tpot_s"])["run"]
+        for ms in dict.fromkeys(r["miss"] for r in exact_runs)
+    }
+    prefetching = [r for r in runs if "+none" not in r["run"] and r["run"] != "on-demand"]
     best_pf = min(prefetching, key=lambda r: r["tpot_s"]) if prefetching else None
     by = {r["run"]: r for r in runs}
 
@@ -433,6 +461,10 @@ def main() -> None:
     result.update(
         best_run=best["run"],
         bound_ratio=best["tpot_s"] / bound_min,
+        best_fetch_run=best_fetch["run"] if best_fetch else None,
+        bound_ratio_fetch=best_fetch["tpot_s"] / bound_min if best_fetch else None,
+        transfers_vs_belady_fetch=best_fetch["transfers_vs_belady"] if best_fetch else None,
+        best_by_miss=best_by_miss,
         transfers_vs_belady=best["transfers_vs_belady"],
         transfers_vs_oracle=best["transfers_vs_oracle"],
         oracle_vs_belady=oracle_tpt / belady_tpt if belady_tpt else None,

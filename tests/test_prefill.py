@@ -428,7 +428,7 @@ def test_run_json_reports_ttft_bound_ratio(ckpt, capsys):
 
     args = ["run", "-m", str(ckpt), "--prompts", str(ckpt.parent / "p.txt"), "--max-new-tokens", "3"]
     args += ["--sweep", "--mode", "offload,resident", "-c", "2,100%", "-f", "none", "--link", "emulated:1,5"]
-    args += ["--threads", "1", "--json", "--no-warmup"]
+    args += ["--threads", "1", "--json", "--no-warmup", "--miss", "fetch"]  # every miss copied (auto: none on CPU)
     try:
         main(args)
     except SystemExit as e:

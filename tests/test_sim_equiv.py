@@ -67,7 +67,8 @@ def both(tmp_path_factory, tiny_models):
     sweep += [a for e in sorted(EVICTION) for a in ("-e", e)]
     sweep += [a for p in PREFETCHES for a in ("-f", p)]
     common = ["--model", str(ck), "--lookahead", "1", "--json"]
-    run_args = ["run", "--prompts", str(prompts), "--max-new-tokens", NEW_TOKENS, "--link", "direct", "--sweep", *sweep, *common]
+    run_args = ["run", "--prompts", str(prompts), "--max-new-tokens", NEW_TOKENS, "--link", "direct", "--miss", "fetch"]
+    run_args += ["--sweep", *sweep, *common]  # fetch: the miss policy the simulator replays (run's CPU default is auto)
     # the prefill path the simulator replays (the default staged prefill copies in its own order, so the cache it
     # leaves for decode, and hence the decode counters, may differ slightly)
     run = _cli([*run_args, "--prefill", "serial"])
