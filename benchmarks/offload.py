@@ -19,10 +19,10 @@ against `on-demand` loading, the resident model and the physical bound, measured
    (the best prefetching run's `propose` time per decode token / its TPOT) and, with `--adaptive-s`,
    lru+pregate at fixed S = 1..3 and adaptive S (`adaptive_vs_best_fixed`).
 
-`--miss` runs every eviction x prefetch with each exact miss policy listed (default `fetch,auto`; rows of a
-miss other than fetch are labelled `ev+pf miss=NAME`): `auto` computes a missed expert on the host when that
-costs less than copying it (exact on a CPU device, lossy on CUDA, so `--device cuda` drops cpu and auto unless
-`--miss` names them). The best run (`best_run`, `bound_ratio`, `transfers_vs_belady`, ...) is the fastest exact
+`--miss` runs every eviction x prefetch with each exact miss policy listed (default `fetch`, `moeflow run`'s
+default; `--miss fetch,auto` adds host compute; rows of a miss other than fetch are labelled `ev+pf miss=NAME`):
+`auto` computes a missed expert on the host when that costs less than copying it (exact on a CPU device, lossy on
+CUDA). The best run (`best_run`, `bound_ratio`, `transfers_vs_belady`, ...) is the fastest exact
 one; `best_fetch_run` / `bound_ratio_fetch` the fastest exact one with `fetch`, and `best_by_miss` the fastest
 exact run per miss policy. A host-computed miss moves nothing, so with `cpu` / `auto` transfers can fall below
 Belady's MIN (which counts every miss as a copy) and TPOT below Belady x copy time.
@@ -173,7 +173,7 @@ def main() -> None:
     ap.add_argument(
         "--miss",
         default=None,
-        help="comma list of exact miss policies run with every eviction x prefetch (default fetch,auto; on cuda fetch)",
+        help="comma list of exact miss policies run with every eviction x prefetch (default fetch; e.g. fetch,auto)",
     )
     ap.add_argument("--adaptive-s", action="store_true", help="add lru+pregate at fixed S=1..3 and adaptive S")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled generations (faster)")
@@ -261,7 +261,7 @@ def main() -> None:
     bound_min = max(resident.tpot_s, belady_tpt * (lat + eb / bw))
 
     # 3. runs: (mode, eviction, prefetch, prefetch options, lookahead, adaptive, miss)
-    misses = [m.strip() for m in (args.miss or ("fetch" if cuda else "fetch,auto")).split(",") if m.strip()]
+    misses = [m.strip() for m in (args.miss or "fetch").split(",") if m.strip()]
     evictions = [e.strip().replace(";", ",") for e in args.policies.split(",")] if args.policies else sorted(EVICTION)
     off = {"gate": "off", "cancel": "off"}
     prefetches = [p.strip().replace(";", ",") for p in args.prefetch.split(",") if p.strip()]

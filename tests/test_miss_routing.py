@@ -221,18 +221,3 @@ def test_cli_lossy_run_json(tmp_path):
     run = json.loads(line)["runs"][0]
     assert run["metrics"]["lossy"] is True
     assert run["lossy_reasons"] == ["miss policy drop changes the output", "routing policy cache-aware changes the output"]
-
-
-def test_run_miss_default_is_auto_on_cpu_and_fetch_elsewhere():
-    """`moeflow run` without --miss: auto on a CPU device (exact there), fetch on CUDA (host compute is lossy
-    there); a miss the user names is kept on either, and the CUDA default stays exact."""
-    from moeflow.policies.lossy import EXACT
-    from moeflow.stages.run_config import RunConfig, default_miss
-
-    cpu = RunConfig(model="m", prompt=("p",), device="cpu")
-    cuda = RunConfig(model="m", prompt=("p",), device="cuda:0")
-    assert (cpu.miss, cuda.miss) == ("auto", "fetch")
-    assert (default_miss("cpu"), default_miss("cuda")) == ("auto", "fetch")
-    assert cpu.lossy("cpu") == EXACT and cuda.lossy("cuda") == EXACT
-    assert RunConfig(model="m", prompt=("p",), device="cpu", miss="fetch").miss == "fetch"
-    assert RunConfig(model="m", prompt=("p",), device="cuda", miss="cpu").miss == "cpu"

@@ -153,17 +153,16 @@ def prefetch_option(default: str, learned: bool = True) -> Any:
     )
 
 
-def miss_option(many: bool = False, device_default: bool = False) -> Any:
-    """`--miss`: what a needed expert that is not resident costs (`moeflow.policies.miss`); `device_default`: unset
-    means the device's default (`moeflow.stages.run_config.default_miss`)."""
+def miss_option(many: bool = False) -> Any:
+    """`--miss`: what a needed expert that is not resident costs (`moeflow.policies.miss`)."""
     return typer.Option(
-        None if many or device_default else "fetch",
+        None if many else "fetch",
         "--miss",
         help=f"Miss policy name[:key=value,...]: {policy_names('miss')}. fetch (blocking load) is exact; "
         "cpu / auto compute on the host (exact on CPU); drop, substitute and the low-bit ones (fetch-lowest-bit, "
         "fetch-priority, cascade: a low-precision copy) are LOSSY. Options: name:k=v or --miss-opt."
         + (" Several (comma list) with --sweep." if many else "")
-        + (" Default auto on a CPU device (exact there), fetch elsewhere." if device_default else " Default fetch."),
+        + " Default fetch.",
         show_default=False,
     )
 

@@ -24,13 +24,6 @@ EXPERTS_IMPLS = ("auto", "batched_mm", "grouped_mm")  # resident's stock experts
 PREFILL_PATHS = ("staged", "serial")  # moeflow.runtime.prefill.PREFILL_PATHS (no runtime import for the flags)
 
 
-def default_miss(device: str) -> str:
-    """`moeflow run`'s miss policy when none is given: `auto` on a CPU device, where computing a missed expert on
-    the host is exact and was faster than copying it on every emulated link measured (benchmarks/offload.py,
-    benchmarks/cpu_vs_fetch.py); `fetch` elsewhere, where host compute rounds differently (lossy)."""
-    return "auto" if device.split(":")[0] == "cpu" else "fetch"
-
-
 @dataclass(frozen=True)
 class RunConfig:
     model: str
@@ -51,7 +44,7 @@ class RunConfig:
     prefetches: tuple[str, ...] = ("pregate",)
     eviction_opts: tuple[tuple[str, str], ...] = ()
     prefetch_opts: tuple[tuple[str, str], ...] = ()
-    miss: str = ""  # "" = the device's default (`default_miss`): auto on a CPU device, fetch elsewhere
+    miss: str = "fetch"
     routing: str = "standard"
     miss_opts: tuple[tuple[str, str], ...] = ()  # --miss-opt key=value (drop: min_rank, score, renorm; ...)
     routing_opts: tuple[tuple[str, str], ...] = ()  # --routing-opt key=value (cache-aware: lambda)
@@ -79,8 +72,6 @@ class RunConfig:
     config_fingerprint: str | None = None  # the model that file was tuned for (checked once the model loads)
 
     def __post_init__(self) -> None:
-        if not self.miss:
-            object.__setattr__(self, "miss", default_miss(self.device))
         for m in self.modes:
             if m not in MODES:
                 raise ConfigError(f"--mode {m!r} unknown; use one of {', '.join(MODES)}")
