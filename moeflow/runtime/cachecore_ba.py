@@ -340,7 +340,13 @@ def _ba_layers(I, F, pr):
             age = float(p - ref)
             Ik = age if age > Ik else Ik
             Ik = 1.0 if 1.0 > Ik else Ik
-            p1 = F[pah + I[spa + s]] if pp == p and d < L else 1.0 / Ik
+            if pp == p and d < L:
+                p1 = F[pah + I[spa + s]]
+            elif d + L * (Ik - 1.0) + 1e-9 * (1.0 + d + L * Ik) < top - 1e-9:
+                F[far + s] = -1.0  # E = d + L * (I - 1) up to rounding: below the window, no division
+                continue
+            else:
+                p1 = 1.0 / Ik
             f = d + (1.0 - p1) * L * Ik
             F[far + s] = f
             if f > top:
