@@ -1,7 +1,8 @@
 """Offloaded decode speed in a bandwidth-bound regime: every eviction policy with `pregate` prefetch,
 against `on-demand` loading, the resident model and the physical bound, measured side by side in one run.
 
-1. resident run (stock model): TPOT and per-decoder-layer decode compute compute_l (forward hooks);
+1. resident runs (stock model; the fastest of `--resident-runs`, default 2): TPOT and per-decoder-layer decode
+   compute compute_l (forward hooks);
 2. the emulated link's bandwidth is set so that on-demand copies are `--copy-share` of on-demand TPOT
    (default 0.85, the Speculating Experts regime): a bandwidth-bound regime;
 3. on-demand, then offload with every registered eviction policy + pregate (and lru + none) at
@@ -53,6 +54,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import statistics
 import sys
 import time
@@ -156,6 +158,7 @@ def main() -> None:
     ap.add_argument("--gbps", type=float, default=None, help="link bandwidth (overrides --copy-share)")
     ap.add_argument("--latency-us", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--resident-runs", type=int, default=2, help="resident runs; the fastest TPOT is the reference (default 2)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument(
@@ -198,7 +201,10 @@ def main() -> None:
     # 1. resident: the faster stock experts implementation (measured), TPOT, per-layer decode compute
     impl, impl_s = fastest_experts_impl(model, prompts[0])
     run_prompts(model, prompts[:1], None, args, "warm-up", new_tokens=4)
-    resident, res_out, _ = run_prompts(model, prompts, None, args, f"resident [{impl}]")
+    # the fastest of `--resident-runs` runs: one slow phase of the machine (on a GPU a resident decode step was seen to
+    # take 5 ms and then 37 ms for a second in one process) must not set the bound every engine run is measured by
+    res_runs = [run_prompts(model, prompts, None, args, f"resident [{impl}]") for _ in range(max(1, args.resident_runs))]
+    resident, res_out, _ = min(res_runs, key=lambda r: r[0].tpot_s or math.inf)
     model.set_experts_implementation("grouped_mm")  # the engines' (bit-exact) reference
     ref_out = res_out if impl == "grouped_mm" else run_prompts(model, prompts, None, args, "reference")[1]
     passes, handles = layer_timer(ad, cuda)
@@ -373,6 +379,7 @@ def main() -> None:
         "resident_experts_impl": impl,
         "resident_impl_probe_s": impl_s,
         "resident_tpot_s": resident.tpot_s,
+        "resident_tpot_runs_s": [r[0].tpot_s for r in res_runs],
         "resident_per_moe_layer_per_decode_step": resident_counts,
         "compute_layers_s": layers_s,
         "other_s": other_s,
