@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None, *, runner: Runner = run_logged) -> int:
     plan.append(
         (
             "host compute",
-            [py, str(cvf), "--model", model, "--device", "cuda"] + (["--rounds", "1", "--limit", "2"] if q else [])
+            [py, str(cvf), "--model", model, "--device", "cuda"] + (["--rounds", "3", "--limit", "2"] if q else [])
             if accepts_flag(cvf, "--device")
             else "cpu_vs_fetch.py has no --device flag",
             host_figure,
