@@ -2,8 +2,8 @@
 
 - A model with more than 1024 routed experts (2 MoE layers x 640) at a capacity above 1024 slots runs
   token-identical to the resident `grouped_mm` model (grouping over every slot would exceed the 1024 groups
-  `torch._grouped_mm` accepts on CUDA), and no grouped call has more groups
-  than the pass routed (T*k) or than the layer has experts.
+  `torch._grouped_mm` accepts on CUDA): no gathered grouped call has more groups than the pass routed
+  (T*k) or than the layer has experts, and no call reading the weights in place spans more than 1024 slots.
 - One host read per MoE layer per pass; none per layer once every expert is resident (the accesses
   are replayed at pass end), with the same counters as the non-deferred path.
 """
@@ -38,17 +38,24 @@ def wide_model():
     )
 
 
-def _record_groups(monkeypatch) -> list[tuple[int, int]]:
-    """Wrap the experts call's grouped compute: (groups, rows) of every call."""
+def _record_groups(monkeypatch) -> tuple[list[tuple[int, int]], list[int]]:
+    """Wrap the experts call's grouped compute: (groups, rows) of every gathered call, the span of every
+    call that reads the weights in place."""
     seen: list[tuple[int, int]] = []
-    inner = experts_call.grouped_experts
+    spans: list[int] = []
+    inner, inner_in_place = experts_call.grouped_experts, experts_call.entry_sorted_forward
 
     def spy(module, x, eg, weights, rows, groups, arange=None):
         seen.append((groups, x.shape[0]))
         return inner(module, x, eg, weights, rows, groups, arange)
 
+    def spy_in_place(module, hidden, index, w, table, weights, span, spans_=None):
+        spans.append(span[1] - span[0])
+        return inner_in_place(module, hidden, index, w, table, weights, span, spans_)
+
     monkeypatch.setattr(experts_call, "grouped_experts", spy)
-    return seen
+    monkeypatch.setattr(experts_call, "entry_sorted_forward", spy_in_place)
+    return seen, spans
 
 
 @pytest.mark.parametrize("capacity", [1100, 1280])
@@ -64,14 +71,16 @@ def test_more_than_1024_experts_token_identical(wide_model, capacity, monkeypatc
     with eng:
         assert eng.warm() == capacity  # fill every slot, so slots above 1024 are read
         assert eng.cache.num_resident() == capacity
-        groups = _record_groups(monkeypatch)
+        groups, spans = _record_groups(monkeypatch)
         with torch.no_grad():
             logits = model(prompt).logits
         out, m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
     assert torch.equal(logits, ref_logits)
     assert torch.equal(out, ref), f"C={capacity}: {out.tolist()} != {ref.tolist()}"
-    assert groups and all(g <= min(rows, spec.num_experts) for g, rows in groups)
-    assert max(g for g, _ in groups) <= spec.top_k * prompt.shape[1]
+    assert groups or spans
+    assert all(g <= min(rows, spec.num_experts) for g, rows in groups)
+    assert max((g for g, _ in groups), default=0) <= spec.top_k * prompt.shape[1]
+    assert max(spans, default=0) <= 1024
     assert m.counters.accesses == m.counters.hits + m.counters.misses
 
 

@@ -13,10 +13,14 @@ can put the routed rows wherever its experts' weights live (device slots, the ho
    `grouped_experts_in_place(module, x, weights, rows, span=(lo, hi))`: the same when the caller knows each
    expert's entry lies above the previous one's within lo..hi-1 (a staged prefill wave whose slots ascend): the
    weights are read in place, `weights[name][lo:hi]`, one group per entry (unused entries are empty groups).
-3. `combine(out [n,H], positions [n], weights [S], tokens, k, dtype)` -> [tokens,H]: each row times its gate
-   weight, put back in (token, slot) order and summed over the k slots of each token, as `grouped_mm` does.
+   `SpanViews` makes those reads once per span (the entries `lo..hi-1` and the `[lo:hi]` views).
+3. `combine(out [n,H], positions [n], weights [S], tokens, k, dtype)` -> [tokens,H]: the rows put back in
+   (token, slot) order, each times its gate weight and summed over the k slots of each token, as `grouped_mm` does.
 
 `routed_experts_forward(hidden, top_k_index, top_k_weights, compute)` chains the three in one process.
+`entry_sorted_forward(module, hidden, top_k_index, top_k_weights, table, weights, span)` is the same call when
+every routed expert has an entry of `weights` (`table [E]`) within a span of at most `MAX_GROUPS` entries: the
+rows are sorted by entry instead of by expert id (`sort_by_entry`) and the weights read in place, never gathered.
 Each group holds exactly the rows, in exactly the order, it has in the stock call, so every caller is
 bit-identical to `grouped_mm`. No host synchronization and no tensor built from a Python list.
 """
@@ -29,6 +33,8 @@ from typing import Any
 import torch
 
 from . import tx_compat
+
+MAX_GROUPS = 1024  # the most groups `torch._grouped_mm` accepts on CUDA: a wider span is gathered instead
 
 
 class Aranges:
@@ -44,9 +50,42 @@ class Aranges:
         return a
 
 
+class SpanViews:
+    """The in-place reads of a span `(lo, hi)` of the stacked `weights`, made once per span: the entries
+    `lo..hi-1` as a tensor `[hi-lo]` and each weight's `[lo:hi]` view (views: no copy, no op per call).
+    Holds at most `keep` spans (then starts over)."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], keep: int = 256) -> None:
+        self.weights, self.keep = weights, keep
+        self._made: dict[tuple[int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+
+    def __call__(self, span: tuple[int, int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        made = self._made.get(span)
+        if made is None:
+            if len(self._made) >= self.keep:
+                self._made.clear()
+            lo, hi = span
+            views = {name: w[lo:hi] for name, w in self.weights.items()}  # [hi-lo, ...] each
+            dev = next(iter(self.weights.values())).device
+            made = self._made[span] = (torch.arange(lo, hi, device=dev), views)
+        return made
+
+
 def sort_routing(top_k_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(expert ids [S] ascending, perm [S]) of the routing [T,k] flattened to S = T*k rows, as `grouped_mm`."""
     return torch.sort(top_k_index.reshape(-1))
+
+
+def sort_by_entry(top_k_index: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(entries [S] ascending, perm [S]): the routing [T,k]'s S = T*k rows sorted by their expert's entry
+    `table [E]` (a slot), each expert's rows in the order `grouped_mm` gives them. One token (T = 1): one
+    sort of the entries (rows of one expert are copies of the same token, so their order cannot matter);
+    more: the stock sort, then a stable sort by entry (each expert's rows keep the stock order)."""
+    if top_k_index.shape[0] == 1:
+        return torch.sort(table[top_k_index.reshape(-1)])
+    expert_ids, perm = sort_routing(top_k_index)  # [S], [S] the stock order
+    entries, within = torch.sort(table[expert_ids], stable=True)  # [S], [S]
+    return entries, perm[within]
 
 
 def grouped_experts(
@@ -81,20 +120,27 @@ def grouped_experts_in_place(
     rows: torch.Tensor,
     span: tuple[int, int],
     arange: Callable[[int, torch.device], torch.Tensor] | None = None,
+    spans: SpanViews | None = None,
 ) -> torch.Tensor:
     """`grouped_experts` when the caller knows that the entries `rows [N]` ascend with the rows (each expert's entry
     above the previous expert's) within `span = (lo, hi)`: the weights are read in place, `weights[name][lo:hi]`
     with one group per entry (an entry no row uses is an empty group, as the stock call's unrouted experts), not
-    gathered per group. Each group holds the same rows in the same order, so the result is bit-identical. -> [N,H]."""
+    gathered per group. Each group holds the same rows in the same order, so the result is bit-identical.
+    `spans`: `SpanViews` over the same `weights` (the span's entries and views made once; ignored over others). -> [N,H]."""
     N = rows.numel()
     if N == 0:
         return x.new_zeros(N, x.shape[-1])
     lo, hi = span
-    dev = rows.device
-    steps = arange(hi, dev)[lo:] if arange is not None else torch.arange(lo, hi, device=dev)  # [hi-lo] entries
-    offsets = torch.searchsorted(rows, steps, right=True, out_int32=True)  # [hi-lo] end row of each entry
     up = "gate_up_proj" if module.has_gate else "up_proj"
-    return _experts_mm(module, x, weights, up, weights[up][lo:hi], weights["down_proj"][lo:hi], offsets, rows)
+    if spans is not None and spans.weights is weights:
+        steps, views = spans(span)  # [hi-lo] entries, weights [hi-lo, ...]
+        w_up, w_down = views[up], views["down_proj"]
+    else:
+        dev = rows.device
+        steps = arange(hi, dev)[lo:] if arange is not None else torch.arange(lo, hi, device=dev)  # [hi-lo] entries
+        w_up, w_down = weights[up][lo:hi], weights["down_proj"][lo:hi]
+    offsets = torch.searchsorted(rows, steps, right=True, out_int32=True)  # [hi-lo] end row of each entry
+    return _experts_mm(module, x, weights, up, w_up, w_down, offsets, rows)
 
 
 def _experts_mm(
@@ -149,11 +195,15 @@ def combine(
 ) -> torch.Tensor:
     """Weighted sum over each token's k experts, as `grouped_mm`: `out [n,H]` rows at flat (token*k + slot)
     `positions [n]`, gate `weights [S]` (the whole call's, flat); every slot of tokens
-    `first_token .. first_token + tokens - 1` must be among `positions`. -> [tokens,H] in `dtype`."""
-    weighted = out * weights[positions].unsqueeze(-1)  # [n,H] (promoted dtype, as stock)
-    flat = torch.empty(tokens * k, out.shape[-1], dtype=weighted.dtype, device=out.device)  # [tokens*k, H]
-    flat[positions - first_token * k] = weighted  # (token, slot) order
-    return flat.view(tokens, k, out.shape[-1]).sum(dim=1).to(dtype)  # [tokens,H]
+    `first_token .. first_token + tokens - 1` must be among `positions`. -> [tokens,H] in `dtype`.
+    The rows go back to (token, slot) order first, then each is weighted by its own gate weight: the same
+    products as the stock weighting in sorted order, without gathering the weights."""
+    n, H = tokens * k, out.shape[-1]
+    flat = out.new_empty(n, H)  # [tokens*k, H] (token, slot) order
+    flat[positions - first_token * k if first_token else positions] = out
+    w = weights if first_token == 0 and weights.numel() == n else weights[first_token * k : first_token * k + n]  # [n]
+    summed = (flat * w.unsqueeze(-1)).view(tokens, k, H).sum(dim=1)  # [tokens,H] (promoted dtype, as stock)
+    return summed if summed.dtype == dtype else summed.to(dtype)
 
 
 def routed_experts_forward(
@@ -168,4 +218,26 @@ def routed_experts_forward(
     k = top_k_index.size(-1)
     expert_ids, perm = sort_routing(top_k_index)  # [S], [S]
     out = compute(hidden[perm // k], expert_ids)  # [S,H] sorted order
+    return combine(out, perm, top_k_weights.reshape(-1), T, k, hidden.dtype)
+
+
+def entry_sorted_forward(
+    module: Any,
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    table: torch.Tensor,
+    weights: Mapping[str, torch.Tensor],
+    span: tuple[int, int],
+    spans: SpanViews | None = None,
+) -> torch.Tensor:
+    """One experts call with every routed expert's weights read in place: `table [E]` gives each expert's entry
+    of `weights` (a slot); every routed expert's entry lies in `span = (lo, hi)`, `hi - lo <= MAX_GROUPS`. The
+    rows sorted by entry (`sort_by_entry`), one group per entry of the span (`grouped_experts_in_place`), the
+    stock combine. Each group holds the stock call's rows in the stock order: bit-identical to `grouped_mm`.
+    hidden [T,H] -> [T,H]."""
+    T, k = hidden.shape[0], top_k_index.size(-1)
+    entries, perm = sort_by_entry(top_k_index, table)  # [S], [S]
+    x = hidden.repeat(k, 1) if T == 1 else hidden[perm // k]  # [S,H] (one token: every row is it)
+    out = grouped_experts_in_place(module, x, weights, entries, span, spans=spans)  # [S,H] entry order
     return combine(out, perm, top_k_weights.reshape(-1), T, k, hidden.dtype)

@@ -37,9 +37,14 @@ RouterCallback = Callable[[RouterEvent], "tuple[torch.Tensor, torch.Tensor, torc
 ResidualCallback = Callable[[int, torch.Tensor], None]
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """`t` without autograd history: itself when it has none (inference: no op per call)."""
+    return t.detach() if t.requires_grad else t
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return t.reshape(-1, t.shape[-1])  # [T,H]
+    t = _detached(t)
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])  # [T,H]
 
 
 @contextlib.contextmanager
@@ -54,7 +59,7 @@ def router_hooks(adapter: Adapter, callback: RouterCallback, *, prepend: bool = 
     def make(layer: int):
         def hook(module: nn.Module, args, output):
             logits, weights, indices = output
-            return callback(RouterEvent(layer, _rows(args[0]), logits.detach(), weights.detach(), indices.detach()))
+            return callback(RouterEvent(layer, _rows(args[0]), _detached(logits), _detached(weights), _detached(indices)))
 
         return hook
 

@@ -5,7 +5,12 @@ transformers' experts interface calls under the `moeflow` implementation (throug
 1. the routing the router hook left (`RouteStep.take`): the experts and their pinned slots (one wave), or
    the experts to demand in waves (a prefill needing more experts than a wave holds: `cache.plan_waves`,
    resident experts first), or nothing (deferred: every expert of the layer resident and ready);
-2. `moeflow.moe.compute.routed_experts_forward`: the stock sort; then per wave the wait for its own slots
+2. the all-hit fast path (`_in_place`): when every routed expert has a slot, one wave holds them (deferred or
+   pinned, no host expert, no hit-first split) and the slots' span is at most `MAX_GROUPS` slots (deferred: the
+   span of the layer's slots, found on the host once per slot layout), `entry_sorted_forward`: the rows sorted by
+   slot through the device table, ONE grouped call per projection over the span with the weights read in place
+   (never gathered), the stock combine;
+3. otherwise `moeflow.moe.compute.routed_experts_forward`: the stock sort; then per wave the wait for its own slots
    only (`cache.wait` / `demand_wave`, booked as non-compute time), `grouped_experts` over the rows of the
    wave with each expert's weights gathered from its slot through the cache's device table
    (`table[expert_ids]`: no tensor from a Python list), `release`; the stock weighted combine.
@@ -27,12 +32,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..moe.compute import Aranges, grouped_experts, grouped_experts_in_place, routed_experts_forward
+from ..moe.compute import (
+    MAX_GROUPS,
+    Aranges,
+    SpanViews,
+    entry_sorted_forward,
+    grouped_experts,
+    grouped_experts_in_place,
+    routed_experts_forward,
+)
 from ..policies.base import MissPolicy
 from .cache import ExpertCache
 from .host_worker import HostJob, HostWorker
 from .passstats import EngineCounts, PassAccount
-from .step import RouteStep
+from .step import Routed, RouteStep
 from .store import HostExpertStore
 
 Wave = tuple[list[int] | None, Any]  # (experts, their pinned slots | their scores to demand | None: deferred)
@@ -60,12 +73,20 @@ class ExpertsCall:
         self.account, self.counts = account, counts
         self._aranges = Aranges()
         self._host_aranges = Aranges()  # the worker thread's own (the cache is a dict)
+        self._spans = SpanViews(cache.views)  # the slot spans read in place (entries, weight views)
+        self._tables: dict[int, torch.Tensor] = {}  # layer -> its row of the device table (a view)
+        self._layer_spans: dict[int, tuple[int, tuple[int, int] | None]] = {}  # layer -> (loads then, slot span)
 
     def forward(
         self, module: nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """The layer's routed experts: hidden [T,H] -> [T,H], bit-identical to transformers' `grouped_mm`."""
         routed = self.step.take(layer, top_k_index, top_k_weights)
+        fast = self._in_place(module, layer, hidden, top_k_index, top_k_weights, routed)
+        if fast is not None:
+            if self.miss is not None and self.miss.needs_routing and routed.scores is not None:
+                self.miss.observe(layer, routed.scores)
+            return fast
         waves: list[Wave]
         if routed.experts is None:  # deferred: all resident, ready
             waves, groups = [(None, None)], min(top_k_index.numel(), self.spec.num_experts)
@@ -77,10 +98,7 @@ class ExpertsCall:
             scores = routed.scores
             plan = self.cache.plan_waves(layer, routed.experts, self.step.wave_cap)
             waves, groups = [(w, scores) for w in plan], len(routed.experts)
-        cache = self.cache
-        if cache.table is None:  # unreachable: an engine's cache has a store, hence a device table
-            raise RuntimeError("the expert cache has no device slot table")
-        table = cache.table[cache.rank[layer]]  # [E] slot of each expert, -1
+        table = self._table(layer)  # [E] slot of each expert, -1
 
         def sorted_rows(x_g: torch.Tensor, eg: torch.Tensor) -> torch.Tensor:
             if routed.waves is not None and self.step.prefill is not None:  # a staged prefill (`runtime/prefill.py`)
@@ -91,6 +109,69 @@ class ExpertsCall:
         if self.miss is not None and self.miss.needs_routing and routed.scores is not None:
             self.miss.observe(layer, routed.scores)  # the call's experts with a slot (hits and fetched)
         return out
+
+    def _in_place(
+        self,
+        module: nn.Module,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        routed: Routed,
+    ) -> torch.Tensor | None:
+        """The call with every routed expert's weights read in place from its slot (`entry_sorted_forward`):
+        deferred (every expert of the layer in a ready slot) or one pinned wave without host experts nor a
+        hit-first split, when the slots' span is at most `MAX_GROUPS` slots. None: not this case."""
+        if routed.cpu or routed.waves is not None:
+            return None
+        slots = routed.slots
+        if routed.experts is None:  # deferred
+            span = self._layer_span(layer)
+        elif (
+            slots
+            and len(slots) == len(routed.experts)
+            and (not self.hit_first or self._split_wave(layer, routed.experts, slots, None) is None)
+        ):
+            span = (min(slots), max(slots) + 1)
+        else:
+            return None
+        if span is None or span[1] - span[0] > MAX_GROUPS:
+            return None
+        if routed.experts is not None and slots is not None:
+            self._demand_wave(layer, routed.experts, slots)  # waits for the wave's slots
+        out = entry_sorted_forward(
+            module, hidden, top_k_index, top_k_weights, self._table(layer), self.cache.views, span, self._spans
+        )  # [T,H]
+        if routed.experts is not None and slots is not None:
+            self.cache.release(slots)
+        return out
+
+    def _table(self, layer: int) -> torch.Tensor:
+        """The layer's row `[E]` of the cache's device table (slot of each expert, -1), a view made once."""
+        t = self._tables.get(layer)
+        if t is None:
+            table = self.cache.table
+            if table is None:  # unreachable: an engine's cache has a store, hence a device table
+                raise RuntimeError("the expert cache has no device slot table")
+            t = self._tables[layer] = table[self.cache.rank[layer]]  # [E]
+        return t
+
+    def _layer_span(self, layer: int) -> tuple[int, int] | None:
+        """(lowest slot, highest slot + 1) of the layer's experts, every one resident; None if one is not.
+        Found on the host once per slot layout: a slot changes key only through a load (`counters.loads`)."""
+        cache = self.cache
+        loads = cache.counters.loads
+        known = self._layer_spans.get(layer)
+        if known is not None and known[0] == loads:
+            return known[1]
+        slot_of = cache.slot_of
+        slots = [slot_of.get((layer, e)) for e in range(self.spec.num_experts)]
+        span = None
+        if all(s is not None for s in slots):
+            held = [s for s in slots if s is not None]
+            span = (min(held), max(held) + 1)
+        self._layer_spans[layer] = (loads, span)
+        return span
 
     def _compute(
         self,

@@ -1,0 +1,136 @@
+"""The all-hit decode MoE layer: weights read in place from the slots, no more aten ops than the stock layer.
+
+With every expert in a ready slot (capacity = all routed experts, warmed) a decode step's MoE block
+- gathers no expert weights (no `index_select`: `entry_sorted_forward` reads the slots' span in place) and
+  runs as many grouped matmuls as the stock `grouped_mm` block, deferred (no prefetch) or pinned (pregate);
+- deferred, runs no more aten ops than the stock block (counted at the dispatcher: deterministic, unlike timings);
+- returns exactly the stock block's output, in float32 and bfloat16, decode steps and the prefill alike;
+- falls back to gathering the weights when the slots' span is wider than `MAX_GROUPS`, still exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moeflow.models import tiny_model
+from moeflow.moe import get_adapter
+from moeflow.runtime import experts_call
+from moeflow.runtime.generate import build_engine, generate_one
+from moeflow.runtime.link import DirectLink
+
+NEW = 5
+ARCHS = ("olmoe", "mixtral", "qwen2_moe", "gpt_oss")  # plain, another router, shared expert, biases + transposed
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops dispatched while active (names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _run(model, adapter, engine, prompt) -> tuple[torch.Tensor, list[list[str]], list[torch.Tensor]]:
+    """Greedy tokens; the aten ops of every decode-step MoE block call (one token); every MoE block's output."""
+    ops: list[list[str]] = []
+    outs: list[torch.Tensor] = []
+    active: list[_Ops] = []
+
+    def enter(module, args):
+        if args[0].numel() == args[0].shape[-1]:  # a decode step: one token
+            active.append(_Ops())
+            active[-1].__enter__()
+
+    def leave(module, args, output):
+        if active:
+            mode = active.pop()
+            mode.__exit__(None, None, None)
+            ops.append(mode.ops)
+        outs.append((output[0] if isinstance(output, tuple) else output).detach().clone())
+
+    handles = []
+    for l in adapter.moe_layers:
+        handles.append(adapter.moe_block(l).register_forward_pre_hook(enter))
+        handles.append(adapter.moe_block(l).register_forward_hook(leave))
+    try:
+        out, _ = generate_one(model, prompt, engine, max_new_tokens=NEW, min_new_tokens=NEW)
+    finally:
+        for h in handles:
+            h.remove()
+    return out, ops, outs
+
+
+def _prompt(n: int = 6) -> torch.Tensor:
+    return torch.randint(3, 250, (1, n), generator=torch.Generator().manual_seed(5))  # [1,P]
+
+
+def _all_resident(model, prefetch: str):
+    spec = get_adapter(model).spec
+    return build_engine(model, mode="offload", link=DirectLink(), capacity=spec.total_experts, eviction="lru", prefetch=prefetch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("prefetch", ["none", "pregate"])
+def test_all_hit_decode_reads_weights_in_place(tiny_models, arch, prefetch):
+    model = tiny_models(arch)
+    adapter = get_adapter(model)
+    prompt = _prompt()
+    ref, ref_ops, ref_outs = _run(model, adapter, None, prompt)
+    eng = _all_resident(model, prefetch)
+    with eng:
+        eng.warm()
+        out, ops, outs = _run(model, adapter, eng, prompt)
+        assert eng.cache.counters.misses == 0
+    assert torch.equal(out, ref)
+    assert len(outs) == len(ref_outs) and all(torch.equal(a, b) for a, b in zip(outs, ref_outs))
+    assert len(ops) == len(ref_ops) == (NEW - 1) * adapter.spec.num_moe_layers
+    for got, stock in zip(ops, ref_ops):
+        assert "index_select" not in got, f"{arch}+{prefetch}: expert weights gathered: {got}"
+        assert got.count("_grouped_mm") == stock.count("_grouped_mm")
+        if prefetch == "none":  # deferred: the mechanism alone (pregate adds its own prediction and host read)
+            assert len(got) <= len(stock), f"{arch}+{prefetch}: {len(got)} aten ops > stock {len(stock)}: {got}"
+
+
+@pytest.mark.parametrize("prefetch", ["none", "pregate"])
+def test_all_hit_bf16_exact(prefetch):
+    """bf16, a prompt long enough that a token's experts repeat across tokens (the prefill's rows of one expert
+    keep the stock order), and a top-k whose experts are spread over non-adjacent slots after evictions."""
+    model = tiny_model("olmoe", dtype=torch.bfloat16)
+    adapter = get_adapter(model)
+    prompt = _prompt(24)
+    ref, _, ref_outs = _run(model, adapter, None, prompt)
+    eng = _all_resident(model, prefetch)
+    with eng:
+        eng.warm()
+        out, _, outs = _run(model, adapter, eng, prompt)
+    assert torch.equal(out, ref)
+    assert len(outs) == len(ref_outs) and all(torch.equal(a, b) for a, b in zip(outs, ref_outs))
+    spec = adapter.spec
+    half = build_engine(
+        model, mode="offload", link=DirectLink(), capacity=spec.total_experts // 2, eviction="lru", prefetch=prefetch
+    )
+    with half:  # slots reused across layers: pinned waves over scattered slots
+        out, _, outs = _run(model, adapter, half, prompt)
+    assert torch.equal(out, ref)
+    assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs))
+
+
+def test_wide_span_gathers(tiny_models, monkeypatch):
+    """A span wider than `MAX_GROUPS` slots gathers the weights (as before), still exact."""
+    model = tiny_models("olmoe")
+    adapter = get_adapter(model)
+    prompt = _prompt()
+    ref, _, ref_outs = _run(model, adapter, None, prompt)
+    monkeypatch.setattr(experts_call, "MAX_GROUPS", 1)
+    eng = _all_resident(model, "none")
+    with eng:
+        eng.warm()
+        out, ops, outs = _run(model, adapter, eng, prompt)
+    assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(outs, ref_outs))
+    assert all(o.count("index_select") == 2 for o in ops)  # up and down weights gathered
