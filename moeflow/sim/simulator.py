@@ -63,7 +63,7 @@ import torch
 
 from ..errors import ConfigError
 from ..policies import EVICTION, MISS, PREFETCH, EvictionPolicy, ExpertKey, Position
-from ..policies.base import Candidates
+from ..policies.base import Candidates, PrefetchPolicy
 from ..policies.miss import Fetch
 from ..runtime.cache import CacheCounters, ExpertCache, needed_experts, wave_capacity
 from ..runtime.cachecore import belady_tables, warm
@@ -607,9 +607,10 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wc
     st.collisions_per_layer = {l: col_l[r] for r, l in enumerate(moe) if col_l[r]}
 
 
-def _ahead(pf: Any, lookahead: int) -> int:
-    """The MoE layers a proposal predicts: the policy's own `lookahead=` option, else the engine's S."""
-    own = getattr(pf, "lookahead", None)
+def _ahead(pf: PrefetchPolicy | None, lookahead: int) -> int:
+    """The MoE layers a proposal predicts: the policy's own `lookahead=` option (declared on every prefetch policy),
+    else the engine's S."""
+    own = pf.lookahead if pf is not None else None
     return int(own) if isinstance(own, int) and own >= 1 else int(lookahead)
 
 
