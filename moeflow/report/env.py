@@ -39,7 +39,8 @@ def environment(repo: str | os.PathLike = ".", device: str = "cpu") -> dict[str,
     status = _git(repo, "status", "--porcelain", "--untracked-files=no")
     env: dict[str, Any] = {
         "time": now_iso(),
-        "git_commit": _git(repo, "rev-parse", "HEAD") or os.environ.get("MOEFLOW_GIT_COMMIT"),  # a copy without .git
+        # MOEFLOW_GIT_COMMIT: the commit a copied tree was made from (its own .git, if any, may be stale or absent)
+        "git_commit": os.environ.get("MOEFLOW_GIT_COMMIT") or _git(repo, "rev-parse", "HEAD"),
         "git_dirty": bool(status) if status is not None else None,
         "moeflow": __version__,
         "python": platform.python_version(),
