@@ -81,3 +81,15 @@ def test_a_builtin_policy_missing_from_the_list_is_refused_at_registration():
         name = "plugin"
 
     assert Registry("eviction").register(Plugin) is Plugin
+
+
+@pytest.mark.parametrize("module", ["moeflow", "moeflow.cli.app"])
+def test_python_dash_m_finds_the_commands(module):
+    """`python -m moeflow` and `python -m moeflow.cli.app` both know `run` (the second runs the file as `__main__`,
+    a second copy of the module whose app has no commands unless it hands over to `moeflow.cli.app`)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    r = subprocess.run(
+        [sys.executable, "-m", module, "run", "--help"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "moeflow run" in r.stdout

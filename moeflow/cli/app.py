@@ -206,4 +206,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    main(sys.argv[1:])
+    # `python -m moeflow.cli.app`: this file runs as `__main__`, a second copy of the module, while the commands
+    # register on `moeflow.cli.app`'s app; run that one
+    from moeflow.cli.app import main as _main
+
+    _main(sys.argv[1:])
