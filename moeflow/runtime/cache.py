@@ -128,7 +128,7 @@ class ExpertCache:
         self.buffer: torch.Tensor | None = None  # [C,R] (None without a store)
         self.views: dict[str, torch.Tensor] = {}  # name -> [C, *shape]
         self.table: torch.Tensor | None = None  # [L,E] slot or -1, on the device
-        self._table_writes: tuple[list[int], list[int], list[int]] | None = None  # (ranks, experts, slots) of a `batch`
+        self._table_writes: tuple[list[int], list[int]] | None = None  # (ranks, experts) a `batch` loaded
         self._held: list[tuple[int, ExpertKey, int, bool]] | None = None  # (slot, key, bits, demand): a `batch`'s copies
         if store is not None:
             self.buffer = torch.empty(C, store.layout.row_numel, dtype=store.layout.dtype, device=device)
@@ -507,7 +507,7 @@ class ExpertCache:
             yield
             return
         with self.link.batch():  # the link hands what it got to its copying thread at the end, together
-            self._table_writes = ([], [], [])
+            self._table_writes = ([], [])
             if not self._instant and self.store is not None:
                 self._held = []
             try:
@@ -517,7 +517,7 @@ class ExpertCache:
                     self._hand_over()
                 finally:
                     self._held = None
-                    rows, experts, _ = self._table_writes
+                    rows, experts = self._table_writes
                     self._table_writes = None
                     if rows and self.table is not None:  # one write: each loaded key's slot now (-1: evicted since)
                         layers, slot_of = self.spec.moe_layers, self.slot_of
@@ -746,7 +746,6 @@ class ExpertCache:
         if self._table_writes is not None:  # a `batch`: written at its end
             self._table_writes[0].append(r)
             self._table_writes[1].append(key[1])
-            self._table_writes[2].append(s)
         elif self.table is not None:
             self.table[r, key[1]] = s  # device table follows the key
         self._resident_in[r] += 1

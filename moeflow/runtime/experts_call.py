@@ -82,11 +82,24 @@ class ExpertsCall:
     ) -> torch.Tensor:
         """The layer's routed experts: hidden [T,H] -> [T,H], bit-identical to transformers' `grouped_mm`."""
         routed = self.step.take(layer, top_k_index, top_k_weights)
-        fast = self._in_place(module, layer, hidden, top_k_index, top_k_weights, routed)
-        if fast is not None:
-            if self.miss is not None and self.miss.needs_routing and routed.scores is not None:
-                self.miss.observe(layer, routed.scores)
-            return fast
+        out = self._in_place(module, layer, hidden, top_k_index, top_k_weights, routed)
+        if out is None:
+            out = self._waves(module, layer, hidden, top_k_index, top_k_weights, routed)
+        if self.miss is not None and self.miss.needs_routing and routed.scores is not None:
+            self.miss.observe(layer, routed.scores)  # the call's experts with a slot (hits and fetched)
+        return out
+
+    def _waves(
+        self,
+        module: nn.Module,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        routed: Routed,
+    ) -> torch.Tensor:
+        """The call wave by wave (the general path): the stock sort, each wave's rows through its gathered weights
+        once its slots are ready, host experts, the stock combine. hidden [T,H] -> [T,H]."""
         waves: list[Wave]
         if routed.experts is None:  # deferred: all resident, ready
             waves, groups = [(None, None)], min(top_k_index.numel(), self.spec.num_experts)
@@ -105,10 +118,7 @@ class ExpertsCall:
                 return self.step.prefill.compute(self, module, layer, x_g, eg, table, routed)
             return self._compute(module, layer, x_g, eg, table, waves, groups, routed.cpu)
 
-        out = routed_experts_forward(hidden, top_k_index, top_k_weights, sorted_rows)
-        if self.miss is not None and self.miss.needs_routing and routed.scores is not None:
-            self.miss.observe(layer, routed.scores)  # the call's experts with a slot (hits and fetched)
-        return out
+        return routed_experts_forward(hidden, top_k_index, top_k_weights, sorted_rows)
 
     def _in_place(
         self,

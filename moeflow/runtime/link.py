@@ -517,7 +517,7 @@ class CudaLink(Link):
             dst.copy_(src, non_blocking=True)
             t.event.record(stream)
         if len(self._pending) > 1024:
-            self._pending = [p for p in self._pending if not self.ready(p)]
+            self._account_done()
         self._pending.append(t)
         if not demand:
             self._inflight.append(t)
@@ -581,14 +581,18 @@ class CudaLink(Link):
         t.busy_s = t.start_event.elapsed_time(t.event) / 1e3
         self._account(t)
 
-    def _settle(self) -> None:
-        """Account every pending copy whose event has fired, waited for or not, so `bytes` includes prefetches
-        that completed unobserved; then issue held prefetches the window has room for."""
+    def _account_done(self) -> None:
+        """Account every pending copy whose event has fired, waited for or not, and drop it from `_pending`."""
         if self._pending:
             for t in self._pending:
                 if t.event.query():
                     self._complete(t)
             self._pending = [p for p in self._pending if not p.done.is_set()]
+
+    def _settle(self) -> None:
+        """`_account_done` (so `bytes` includes prefetches that completed unobserved), then issue the held
+        prefetches the window has room for."""
+        self._account_done()
         self._pump()
 
     def wait(self, t: Ticket) -> float:
