@@ -42,7 +42,8 @@ def main() -> None:
     from moeflow.data import load_prompts
     from moeflow.models import default_model_path, load_model
     from moeflow.moe import get_adapter, model_fingerprint
-    from moeflow.trace.writer import RoutingRecorder, TraceWriter, generation_kwargs, trace_one
+    from moeflow.trace.record import RoutingRecorder, generation_kwargs, trace_one
+    from moeflow.trace.writer import TraceWriter
 
     if a.threads:
         torch.set_num_threads(a.threads)

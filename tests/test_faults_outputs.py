@@ -278,7 +278,8 @@ def test_check_out_files(tmp_path):
 
 def write_trace(model, out: Path, n: int = 8, length: int = 12, new_tokens: int = 3) -> Path:
     from moeflow.moe import get_adapter, model_fingerprint
-    from moeflow.trace.writer import RoutingRecorder, TraceWriter, generation_kwargs, trace_one
+    from moeflow.trace.record import RoutingRecorder, generation_kwargs, trace_one
+    from moeflow.trace.writer import TraceWriter
 
     ad = get_adapter(model)
     gen = {

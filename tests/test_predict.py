@@ -21,7 +21,8 @@ def write_trace(
 ) -> Path:
     """A real trace folder (moeflow.trace writer) of greedy generation from token-id prompts (ids `{ids}0`, ...)."""
     from moeflow.moe import get_adapter, model_fingerprint
-    from moeflow.trace.writer import RoutingRecorder, TraceWriter, generation_kwargs, trace_one
+    from moeflow.trace.record import RoutingRecorder, generation_kwargs, trace_one
+    from moeflow.trace.writer import TraceWriter
 
     ad = get_adapter(model)
     gen = {

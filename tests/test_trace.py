@@ -17,8 +17,8 @@ from moeflow.errors import ArtifactError
 from moeflow.moe import get_adapter
 from moeflow.stages.trace import TraceConfig, run_trace
 from moeflow.trace import Trace
+from moeflow.trace.record import RoutingRecorder, generation_kwargs, trace_one
 from moeflow.trace.summary import dead_experts, expert_counts, layer_stats, load_entropy, router_entropy, skewness, trace_summary
-from moeflow.trace.writer import RoutingRecorder, generation_kwargs, trace_one
 
 from .conftest import ARCHS
 
@@ -153,7 +153,7 @@ def test_batched_records_equal_batch_one(tiny_models, arch, temperature, monkeyp
     """A left-padded batch records, per prompt, exactly the rows batch 1 records (no pad rows, nothing after a
     prompt's end-of-sequence token): same sequences, positions, phases, token ids, experts; weights, probabilities
     and hidden states equal up to rounding. Sampled, each prompt draws what it draws alone (its own seed)."""
-    from moeflow.trace.writer import trace_batch
+    from moeflow.trace.record import trace_batch
 
     model = tiny_models(arch)
     gen = {**GEN, "max_new_tokens": 6, "temperature": temperature, "top_p": 0.9}

@@ -26,16 +26,8 @@ from ..models import check_lengths
 from ..moe import get_adapter, model_fingerprint
 from ..outputs import check_out, check_writable
 from ..trace.format import KIND
-from ..trace.writer import (
-    SHARD_BYTES,
-    RoutingRecorder,
-    TraceWriter,
-    generation_kwargs,
-    record_bytes,
-    signals_deferred,
-    trace_batch,
-    trace_one,
-)
+from ..trace.record import RoutingRecorder, generation_kwargs, trace_batch, trace_one
+from ..trace.writer import SHARD_BYTES, TraceWriter, record_bytes, signals_deferred
 
 DEFAULT_BATCH = 16  # prompts per generate in `moeflow trace` (docs/trace.md: CPU seconds by batch size)
 
