@@ -25,7 +25,8 @@ emulated link supplies the copy cost):
    with `cpu` at this capacity nothing ever enters the cache, so every call is all-host: on a CPU device such a
    call either splits its host experts between the worker and the calling thread or computes them all on the
    calling thread, whichever its `SplitChoice` measures faster (`split c/a`: the share of cpu's / auto's all-host
-   calls split); the overlap per bandwidth: host busy seconds per token and the part of them
+   calls split; `--host-split on|off` forces it, to measure what splitting gains on the machine at hand); the
+   overlap per bandwidth: host busy seconds per token and the part of them
    hidden behind the device (busy - the experts calls' wait for the host), and its share
    (`RunMetrics.host_hidden_share`). Per miss, the measured waits (fetch: the compute's wait per demand
    load; cpu: the wait per host expert) beside `auto`'s cost model at the end of its run (cost_cpu of a
@@ -165,6 +166,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--pinned", action="store_true",
         help="also run auto pinned to fetch and to cpu (same choices as the policy; only auto's overhead differs)",
     )  # fmt: skip
+    ap.add_argument(
+        "--host-split", choices=("measured", "on", "off"), default="measured",
+        help="a CPU device's all-host calls: split with the host worker when measured faster (default), always, never",
+    )  # fmt: skip
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
         "--device", default="cpu",
@@ -197,6 +202,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             prefetch=args.prefetch, miss=miss, miss_opts=opts,
         )  # fmt: skip
         assert eng is not None
+        return eng
+
+    forced = {"measured": None, "on": True, "off": False}[args.host_split]
+
+    def attached(eng):
+        host = getattr(getattr(eng, "_call", None), "host", None)
+        if host is not None:
+            host.split.forced = forced
         return eng
 
     # 1. host compute of one expert for T tokens vs one copy
@@ -240,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for pol in rotation(rnd, i, pols):
                 label = f"{pol} @ {b:g} GB/s"
                 with engine(b, pol) as eng:
-                    m, outs, steps = run_one(model, prompts, eng, args.new_tokens, label)
+                    m, outs, steps = run_one(model, prompts, attached(eng), args.new_tokens, label)
                     runs[(b, pol)].append({**measure(eng, m, pol), "steps": steps})
                 if pol == "fetch":
                     ref_out.setdefault(b, outs)
@@ -386,6 +399,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "prefetch": args.prefetch,
         "latency_us": args.latency_us,
         "rounds": args.rounds,
+        "host_split": args.host_split,
         "expert_bytes": nbytes,
         "host_s": {str(t): h for t, h in host.items()},
         "analytic_crossover_gbps": {str(t): a for t, a in analytic.items()},
