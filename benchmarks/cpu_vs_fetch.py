@@ -20,9 +20,13 @@ emulated link supplies the copy cost):
    relevant host time is host(1). The measured crossover is where TPOT(cpu) / TPOT(fetch) crosses 1
    (log-interpolated between the two bandwidths that bracket it). `auto / best` is auto's TPOT over the
    faster of fetch and cpu; its largest value over the bandwidths is `auto_vs_best_max` (target <= 1.05).
-   Host experts run on the engine's host worker beside the device's work (a call with no expert in a slot
-   runs them on its own thread: with `cpu` at this capacity nothing ever enters the cache, so that is every
-   call and nothing is hidden); the overlap per bandwidth: host busy seconds per token and the part of them
+   `paired`: per round, auto's TPOT over the faster of the fetch and cpu runs back to back with it, the median
+   round (`auto_over_best_paired_max`). Host experts run on the engine's host worker beside the device's work;
+   with `cpu` at this capacity nothing ever enters the cache, so every call is all-host: on a CPU device such a
+   call either splits its host experts between the worker and the calling thread or computes them all on the
+   calling thread, whichever its `SplitChoice` measures faster (`split c/a`: the share of cpu's / auto's all-host
+   calls split; `--host-split on|off` forces it, to measure what splitting gains on the machine at hand); the
+   overlap per bandwidth: host busy seconds per token and the part of them
    hidden behind the device (busy - the experts calls' wait for the host), and its share
    (`RunMetrics.host_hidden_share`). Per miss, the measured waits (fetch: the compute's wait per demand
    load; cpu: the wait per host expert) beside `auto`'s cost model at the end of its run (cost_cpu of a
@@ -135,6 +139,10 @@ def measure(eng, m: RunMetrics, pol: str) -> dict[str, Any]:
         "host_wait_per_miss_s": m.host_wait_s / host_n if host_n else None,
         "auto_cpu_share": (dec.get("cpu", 0) / max(1, sum(dec.values()))) if pol == "auto" else None,
     }
+    host = getattr(getattr(eng, "_call", None), "host", None)
+    if host is not None and eng.device.type == "cpu":  # all-host calls split with the worker / all of them
+        used = host.split.used
+        out["split_share"] = used[True] / (used[True] + used[False]) if used[True] + used[False] else None
     if pol == "auto":
         cost_cpu, cost_fetch = eng.miss.costs(1)
         out.update(model_cpu_s=cost_cpu, model_fetch_s=cost_fetch, model_reuse=eng.miss.reuse)
@@ -157,6 +165,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--pinned", action="store_true",
         help="also run auto pinned to fetch and to cpu (same choices as the policy; only auto's overhead differs)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--host-split", choices=("measured", "on", "off"), default="measured",
+        help="a CPU device's all-host calls: split with the host worker when measured faster (default), always, never",
     )  # fmt: skip
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
@@ -190,6 +202,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             prefetch=args.prefetch, miss=miss, miss_opts=opts,
         )  # fmt: skip
         assert eng is not None
+        return eng
+
+    forced = {"measured": None, "on": True, "off": False}[args.host_split]
+
+    def attached(eng):
+        host = getattr(getattr(eng, "_call", None), "host", None)
+        if host is not None:
+            host.split.forced = forced
         return eng
 
     # 1. host compute of one expert for T tokens vs one copy
@@ -233,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for pol in rotation(rnd, i, pols):
                 label = f"{pol} @ {b:g} GB/s"
                 with engine(b, pol) as eng:
-                    m, outs, steps = run_one(model, prompts, eng, args.new_tokens, label)
+                    m, outs, steps = run_one(model, prompts, attached(eng), args.new_tokens, label)
                     runs[(b, pol)].append({**measure(eng, m, pol), "steps": steps})
                 if pol == "fetch":
                     ref_out.setdefault(b, outs)
@@ -258,7 +278,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         title=f"TPOT, {spec.arch} C={capacity} ({args.capacity}), {args.eviction}+{args.prefetch}, {args.rounds} rounds: each "
         "decode step's median round (floor: its fastest round; runs: the median run's TPOT; spread: slowest / fastest run)"
     )
-    cols = ("GB/s", "fetch ms", "cpu ms", "auto ms", "run spread f/c/a", "cpu/fetch", "auto/best", "floor", "runs", "auto→cpu")
+    cols = (
+        "GB/s", "fetch ms", "cpu ms", "auto ms", "run spread f/c/a", "cpu/fetch", "auto/best", "floor", "runs", "paired",
+        "auto→cpu", "split c/a",
+    )  # fmt: skip
     for c in cols:
         t2.add_column(c, justify="right")
     t3 = Table(
@@ -288,6 +311,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         r, ab = c / f, a / min(f, c)
         ab_floor = floor["auto"] / min(floor["fetch"], floor["cpu"])
         ab_runs = run_med["auto"] / min(run_med["fetch"], run_med["cpu"])
+        # paired: per round, auto's TPOT over the faster of the two runs back to back with it; the median round
+        ab_paired = median(
+            [ra["tpot_s"] / min(rf["tpot_s"], rc["tpot_s"]) for rf, rc, ra in zip(*(runs[(b, p)] for p in POLICIES))]
+        )
         ratio_pts.append((b, r))
         share = med(b, "auto", "auto_cpu_share")
         row = {
@@ -303,7 +330,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "auto_over_best": ab,
             "auto_over_best_floor": ab_floor,
             "auto_over_best_run_median": ab_runs,
+            "auto_over_best_paired": ab_paired,
             "auto_cpu_share": share,
+            "cpu_split_share": med(b, "cpu", "split_share"),
+            "auto_split_share": med(b, "auto", "split_share"),
             "cpu_host_hidden_share": med(b, "cpu", "host_hidden_share"),
             "auto_host_hidden_share": med(b, "auto", "host_hidden_share"),
             "fetch_wait_per_miss_s": med(b, "fetch", "fetch_wait_per_miss_s"),
@@ -323,7 +353,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(row)
         t2.add_row(
             f"{b:g}", f"{f * 1e3:.2f}", f"{c * 1e3:.2f}", f"{a * 1e3:.2f}", "/".join(f"{s:.2f}" for s in spreads),
-            f"{r:.2f}", f"{ab:.2f}", f"{ab_floor:.2f}", f"{ab_runs:.2f}", "-" if share is None else f"{share:.0%}",
+            f"{r:.2f}", f"{ab:.2f}", f"{ab_floor:.2f}", f"{ab_runs:.2f}", f"{ab_paired:.2f}",
+            "-" if share is None else f"{share:.0%}",
+            "/".join("-" if row[f"{p}_split_share"] is None else f"{row[f'{p}_split_share']:.0%}" for p in ("cpu", "auto")),
         )  # fmt: skip
 
         def ms(x: float | None) -> str:
@@ -367,6 +399,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "prefetch": args.prefetch,
         "latency_us": args.latency_us,
         "rounds": args.rounds,
+        "host_split": args.host_split,
         "expert_bytes": nbytes,
         "host_s": {str(t): h for t, h in host.items()},
         "analytic_crossover_gbps": {str(t): a for t, a in analytic.items()},
@@ -375,6 +408,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "auto_over_best_max": max(r["auto_over_best"] for r in rows),
         "auto_over_best_floor_max": max(r["auto_over_best_floor"] for r in rows),
         "auto_over_best_run_median_max": max(r["auto_over_best_run_median"] for r in rows),
+        "auto_over_best_paired_max": max(r["auto_over_best_paired"] for r in rows),
         "pinned_over_policy_max": (
             {q: max(r["pinned_over_policy"][q]["median"] for r in rows) for q in PINNED} if args.pinned else None
         ),

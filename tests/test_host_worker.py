@@ -2,6 +2,8 @@
 
 - the threaded host path (`cpu`, `auto`) is token- and logit-identical to the resident model and to the
   serial host path, on the tiny models at several capacities, decode and prefill (several waves);
+- a CPU device's all-host calls: serial, split between the worker and the calling thread, or measured
+  (`SplitChoice`: the faster mode, the other explored), each token-identical;
 - the overlap counters: 0 <= host wait <= host time, hidden share in [0, 1], host time > 0 when cpu
   misses happen, the same figures in `RunMetrics`;
 - `auto` on hand-made costs: fetch for an expert with high expected reuse, cpu for one with none; cpu on
@@ -22,7 +24,7 @@ from moeflow.moe import get_adapter
 from moeflow.policies import MISS
 from moeflow.policies.base import CPU, FETCH, BindContext, MissInfo
 from moeflow.runtime.generate import build_engine, generate_one
-from moeflow.runtime.host_worker import hidden_share
+from moeflow.runtime.host_worker import SplitChoice, hidden_share
 from moeflow.runtime.link import DirectLink
 
 NEW = 6
@@ -97,25 +99,52 @@ def _count_submits(eng) -> list[int]:
     return rows
 
 
-def test_all_host_call_runs_on_its_own_thread(tiny_models, prompt):
-    """On a CPU device a call whose every expert is a host expert (cpu at a small capacity: nothing ever gets
-    a slot) computes them on the calling thread, nothing handed to the worker, nothing hidden; a call with
-    experts in slots too (auto, mixing cpu and fetch) hands its host experts to the worker. Tokens exact."""
+def test_all_host_call_split_or_serial(tiny_models, prompt):
+    """On a CPU device a call whose every expert is a host expert (cpu at a small capacity: nothing ever gets a
+    slot): serial (`SplitChoice` forced False) computes them on the calling thread, nothing handed to the
+    worker, nothing hidden; split (forced True) hands the worker part of them (at most all but one expert's
+    rows) while the calling thread computes the rest; measured (the default) uses both modes. Tokens exact;
+    a call with experts in slots too (auto, mixing cpu and fetch) hands all its host experts to the worker."""
     model = tiny_models("olmoe")
     ref, _ = generate_one(model, prompt, None, max_new_tokens=NEW, min_new_tokens=NEW)
-    eng = _engine(model, 2, "cpu", True)
-    with eng:
-        jobs = _count_submits(eng)
-        out, _m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
-        assert eng.cache.num_resident() == 0 and eng.miss_counts["cpu"] > 0
-        assert jobs == [] and eng.host_s > 0 and eng.host_wait_s == eng.host_s
-    assert torch.equal(out, ref)
+    for forced in (False, True, None):
+        eng = _engine(model, 2, "cpu", True)
+        with eng:
+            split = eng._call.host.split  # type: ignore[union-attr]
+            split.forced = forced
+            jobs = _count_submits(eng)
+            out, _m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
+            assert eng.cache.num_resident() == 0 and eng.miss_counts["cpu"] > 0 and eng.host_s > 0
+            if forced is False:
+                assert jobs == [] and eng.host_wait_s == eng.host_s and split.used[True] == 0
+            elif forced is True:
+                assert len(jobs) == split.used[True] > 0 and split.used[False] == 0 and eng.host_wait_s < eng.host_s
+            else:
+                assert split.used[True] > 0 and split.used[False] > 0 and len(jobs) == split.used[True]
+        assert torch.equal(out, ref), f"forced={forced}"
     mixed = _engine(model, 8, "auto", True, MIXED)
     with mixed:
         jobs = _count_submits(mixed)
         out, _m = generate_one(model, prompt, mixed, max_new_tokens=NEW, min_new_tokens=NEW)
         assert mixed.miss.decisions[FETCH] > 0 and len(jobs) > 0 and 0 < sum(jobs)
     assert torch.equal(out, ref)
+
+
+def test_split_choice_follows_the_faster_mode():
+    """`SplitChoice`: each mode tried once per size class, then the faster one, the other every `explore`-th
+    call; a class's means are its own; `forced` wins."""
+    c = SplitChoice(explore=4, decay=0.5)
+    assert c.pick(4) is True
+    c.record(4, True, 2.0)
+    assert c.pick(4) is False
+    c.record(4, False, 1.0)
+    assert [c.pick(4) for _ in range(6)] == [False, True, False, False, False, True]  # calls 3..8: 4th and 8th explore
+    c.record(4, True, 0.1)  # split became faster: 0.5 x 2.0 + 0.5 x 0.1 = 1.05 > 1.0, still serial
+    assert c.pick(4) is False
+    c.record(4, True, 0.1)  # 0.575 < 1.0
+    assert c.pick(4) is True
+    assert c.pick(64) is True  # another size class: untried
+    assert SplitChoice(forced=False).pick(4) is False and SplitChoice(forced=True).pick(4) is True
 
 
 def test_overlap_counters(tiny_models, prompt):
@@ -156,6 +185,34 @@ def test_auto_cost_model_counts_reuse():
     assert none.on_miss((0, 1), None, _info()) == CPU
     assert high.on_miss((0, 1), None, _info()) == FETCH
     assert none.decisions == {FETCH: 0, CPU: 1} and high.decisions == {FETCH: 1, CPU: 0}
+
+
+def test_auto_decides_a_calls_misses_at_once(tiny_models, prompt):
+    """`Auto.on_misses`: one cost evaluation per distinct token count of the call (not one per miss), the
+    same actions and bookkeeping as asking `on_miss` miss by miss when one decision does not move the next
+    (reuse fixed); the engine's router hook uses it (auto mixing cpu and fetch, tokens exact)."""
+    opts = {**MIXED, "reuse": 0.0}  # host(1) = 1e-4 < 2.5e-4 copy: cpu; host(3) = 3e-4 > 2.5e-4: fetch
+    one, batch = MISS.create("auto", **opts), MISS.create("auto", **opts)
+    experts, infos = [3, 5, 9, 12], [(1, 0.5, 1), (2, 0.4, 3), (1, 0.3, 1), (3, 0.2, 3)]
+    res = lambda k: True  # noqa: E731
+    each = [one.on_miss((2, e), None, MissInfo(*i, res)) for e, i in zip(experts, infos)]
+    evaluated = []
+    real = batch.costs
+    batch.costs = lambda t: evaluated.append(t) or real(t)  # type: ignore[method-assign]
+    assert batch.on_misses(2, experts, infos, None, res) == each == [CPU, FETCH, CPU, FETCH]
+    assert sorted(evaluated) == [1, 3]  # once per token count
+    assert batch.decisions == one.decisions and batch.fetches == one.fetches and batch.hits == one.hits
+    assert batch._sent == pytest.approx(one._sent) and batch._followed == one._followed and batch._fresh == one._fresh
+    model = tiny_models("olmoe")
+    ref, _ = generate_one(model, prompt, None, max_new_tokens=NEW, min_new_tokens=NEW)
+    eng = _engine(model, 8, "auto", True, MIXED)
+    with eng:
+        calls = []
+        real_many = eng.miss.on_misses
+        eng.miss.on_misses = lambda *a: calls.append(len(a[1])) or real_many(*a)
+        out, _m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
+        assert calls and sum(calls) == sum(eng.miss.decisions.values()) and eng.miss.decisions[CPU] > 0
+    assert torch.equal(out, ref)
 
 
 class _Link:

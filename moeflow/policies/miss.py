@@ -333,6 +333,38 @@ class Auto(MissPolicy):
         self._fresh.add(key)
         return FETCH
 
+    def on_misses(
+        self, layer: int, experts: list[int], infos: list[tuple[int, float, int]], pos: Position, resident: Any
+    ) -> list[MissAction]:
+        """`on_miss` for every missing expert of one layer call at once (`experts`, their (rank, score, tokens)
+        `infos`): the costs are evaluated once per distinct token count with the model as it stood when the
+        layer routed (a decode call: once), not once per miss; the same bookkeeping as `on_miss`."""
+        self._resident = resident
+        cheaper: dict[int, bool] = {}  # tokens -> cpu is cheaper
+        out: list[MissAction] = []
+        host1, per_token = float(self.host_s or 0.0), float(self.per_token_s or 0.0)
+        followed = None
+        for e, (_rank, _score, tokens) in zip(experts, infos):
+            c = cheaper.get(tokens)
+            if c is None:
+                cost_cpu, cost_fetch = self.costs(tokens)
+                c = cheaper[tokens] = cost_cpu < cost_fetch
+            if c:
+                self._sent += host1 + per_token * (tokens - 1) if tokens > 1 else host1  # host(tokens)
+                out.append(CPU)
+                continue
+            self.fetches = self.fetches * self.decay + 1.0
+            self.hits *= self.decay
+            if followed is None:
+                followed = self._followed.setdefault(layer, set())
+            followed.add(e)
+            self._fresh.add((layer, e))
+            out.append(FETCH)
+        n_cpu = sum(1 for a in out if a == CPU)
+        self.decisions[CPU] += n_cpu
+        self.decisions[FETCH] += len(out) - n_cpu
+        return out
+
     def observe(self, layer: int, scores: dict[int, float]) -> None:
         """A layer call's experts with a slot (after the call): each followed one not fetched by this very
         call earned a hit; followed experts no longer resident are dropped."""

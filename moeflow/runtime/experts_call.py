@@ -17,8 +17,9 @@ transformers' experts interface calls under the `moeflow` implementation (throug
 Host experts (`cpu` misses) run the same grouped kernels over the host store's rows (activations move,
 weights never do): with a host worker (`runtime/host_worker.py`) their rows are submitted FIRST and computed
 on the worker thread while this thread computes the experts with a slot (waits included), then joined just
-before the combine; without one (`_host_rows`) serially, after the first part of the wave, and so on a CPU
-device when every expert of the call is a host expert (nothing to hide them behind: no hand-off). Order inside one
+before the combine; without one (`_host_rows`) serially, after the first part of the wave. On a CPU device a
+call whose every expert is a host expert either splits them (the worker about half the rows, this thread the
+rest) or computes them all here, whichever the worker's `SplitChoice` measured faster. Order inside one
 pinned wave: with `hit-first` the ready experts' rows first, then the wait for the slots still loading.
 Every path writes its rows into one `[S,H]` buffer before the single combine, so the result is bit-identical
 to `grouped_mm` (rows are independent; each group holds the stock call's rows in the stock order).
@@ -201,7 +202,8 @@ class ExpertsCall:
         cache = self.cache
         S = eg.numel()
         out_g: torch.Tensor | None = None
-        job = self._submit_host(module, layer, cpu, x_g, eg) if cpu and self._threaded(waves) else None
+        t_host = time.perf_counter()
+        job, mine, halves = self._host_job(module, layer, cpu, x_g, eg, waves)  # mine: host experts computed here
         split = None
         if len(waves) == 1 and waves[0][0] is not None and (cpu or self.hit_first):
             split = self._split_wave(layer, waves[0][0], waves[0][1], cpu)
@@ -212,8 +214,8 @@ class ExpertsCall:
                     rows, eg_w = self._rows(part_experts, eg)
                     proj = self._grouped(module, x_g[rows], eg_w, table[eg_w], len(part_experts))  # [S_w,H]
                     out_g = _put(out_g, rows, proj, S)
-                if i == 0 and cpu and job is None:  # serial host experts while the misses' copies are in flight
-                    out_g = self._host_rows(module, layer, cpu, x_g, eg, out_g)
+                if i == 0 and mine:  # this thread's host experts while the misses' copies are in flight
+                    out_g = self._host_rows(module, layer, mine, x_g, eg, out_g)
             cache.release(waves[0][1])
         elif len(waves) == 1:
             experts, slots = waves[0]
@@ -231,22 +233,37 @@ class ExpertsCall:
                 proj = self._grouped(module, x_g[rows], eg_w, table[eg_w], len(experts))  # [S_w,H]
                 out_g = _put(out_g, rows, proj, S)
                 cache.release(slots)
-            if cpu and job is None:
-                out_g = self._host_rows(module, layer, cpu, x_g, eg, out_g)
+            if mine:
+                out_g = self._host_rows(module, layer, mine, x_g, eg, out_g)
         if job is not None:  # the host rows, computed beside the work above
             host_rows, host_job = job
             out_g = _put(out_g, host_rows, host_job.join(), S)
+        if halves is not None and self.host is not None:  # an all-host call on a CPU device: its mode's time
+            self.host.split.record(S, halves, time.perf_counter() - t_host)
         if out_g is None:  # unreachable: every routed row belongs to a wave or a host expert
             raise RuntimeError(f"layer {layer}: no expert computed")
         return out_g
 
-    def _threaded(self, waves: list[Wave]) -> bool:
-        """Host experts go to the host worker, unless this thread has nothing to compute meanwhile on a CPU
-        device (every expert of the call is a host expert): then they run here, since the hand-off to the
-        worker and back (two thread switches) would hide nothing."""
-        if self.host is None:
-            return False
-        return self.host.device.type != "cpu" or any(experts is None or experts for experts, _ in waves)
+    def _host_job(
+        self, module: nn.Module, layer: int, cpu: list[int] | None, x_g: torch.Tensor, eg: torch.Tensor, waves: list[Wave]
+    ) -> tuple[tuple[torch.Tensor, HostJob] | None, list[int] | None, bool | None]:
+        """(the host worker's job: its rows and the job, or None; the host experts this thread computes itself;
+        for an all-host call on a CPU device whether it splits them, else None).
+
+        Every host expert goes to the worker while this thread computes the experts with a slot. On a CPU
+        device a call whose every expert is a host expert has no device work to hide the worker behind: split
+        (`HostWorker.split` measures which is faster), the worker takes the first host experts (about half the
+        rows) and this thread computes the rest meanwhile; else (or one expert, or no worker) all of them here."""
+        if not cpu or self.host is None:
+            return None, cpu, None
+        if self.host.device.type != "cpu" or any(experts is None or experts for experts, _ in waves):
+            return self._submit_host(module, layer, cpu, x_g, eg), None, None
+        if len(cpu) < 2:
+            return None, cpu, None
+        if not self.host.split.pick(eg.numel()):
+            return None, cpu, False
+        k = _split_point(cpu, eg)
+        return self._submit_host(module, layer, cpu[:k], x_g, eg), cpu[k:], True
 
     def _split_wave(
         self, layer: int, experts: list[int], slots: list[int], cpu: list[int] | None
@@ -329,6 +346,18 @@ class ExpertsCall:
         if span is not None:
             return grouped_experts_in_place(module, x, w, rows, span, self._aranges)
         return grouped_experts(module, x, eg, w, rows, groups, self._aranges)
+
+
+def _split_point(cpu: list[int], eg: torch.Tensor) -> int:
+    """k in [1, len(cpu) - 1]: `cpu[:k]` holds about half the rows of `eg [S]` (host tensors; at least one
+    expert each side), the first part the larger on a tie (it goes to the worker, which starts first)."""
+    counts = torch.bincount(eg, minlength=max(cpu) + 1)[torch.tensor(cpu)].tolist()  # rows per host expert
+    half, run = 0.5 * sum(counts), 0
+    for k, n in enumerate(counts[:-1], start=1):
+        run += n
+        if run >= half:
+            return k
+    return len(cpu) - 1
 
 
 def _put(out_g: torch.Tensor | None, rows: torch.Tensor, proj: torch.Tensor, n: int) -> torch.Tensor:

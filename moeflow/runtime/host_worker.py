@@ -3,8 +3,10 @@
 One long-lived thread per attached engine (`HostWorker`, started at attach, stopped at close). The experts
 call hands it the rows routed to the host experts (`submit`) BEFORE it computes the experts with a slot, and
 joins the result (`HostJob.join`) just before the single combine, so the host compute runs beside the device's
-(on a CPU device a call whose every expert is a host expert computes them on its own thread instead: with no
-device work to hide them behind, the hand-off to the worker and back would only add two thread switches):
+(on a CPU device a call whose every expert is a host expert has no device work to hide them behind: it either
+hands about half of their rows to the worker and computes the rest itself meanwhile, or computes them all itself,
+whichever `SplitChoice` measured faster; the hand-off costs two thread switches and the GIL serializes the Python
+around small kernels, so splitting pays only with a free core and kernels large enough):
 - CPU device: the job runs the same `grouped_experts` kernel over the host store's rows on the worker
   thread (torch releases the GIL inside its kernels; each thread runs its kernels with the process's
   intra-op threads, so with `--threads 1` the two threads each run single-threaded kernels). The rows, their
@@ -62,6 +64,46 @@ class HostJob:
         return out
 
 
+class SplitChoice:
+    """On a CPU device, whether a call whose every expert is a host expert splits them between the host worker
+    and the calling thread (`True`) or computes them all on the calling thread (`False`), by measurement.
+
+    Two threads only help where a second core is free and the kernels, not the Python around them (which holds
+    the GIL), dominate: on a loaded machine or a model of tiny experts the hand-off costs more than it hides.
+    So each mode's seconds per call are kept as a recent-weighted mean (`decay`) per size class (the call's host
+    rows, by powers of two); the faster one is used, each untried mode is tried first, and every `explore`-th
+    call of a class tries the other one, so a change of load is noticed. `forced` (True / False) fixes the mode."""
+
+    def __init__(self, explore: int = 16, decay: float = 0.8, forced: bool | None = None):
+        self.explore, self.decay, self.forced = int(explore), float(decay), forced
+        self._mean: dict[int, dict[bool, float]] = {}  # size class -> mode -> mean seconds per call
+        self._calls: dict[int, int] = {}
+        self.used = {False: 0, True: 0}  # calls per mode
+
+    def pick(self, rows: int) -> bool:
+        """The mode for a call of `rows` host rows."""
+        if self.forced is not None:
+            split = self.forced
+        else:
+            c = rows.bit_length()
+            n = self._calls[c] = self._calls.get(c, 0) + 1
+            mean = self._mean.get(c, {})
+            if len(mean) < 2:
+                split = True not in mean  # the untried mode
+            else:
+                split = mean[True] < mean[False]
+                if n % self.explore == 0:
+                    split = not split
+        self.used[split] += 1
+        return split
+
+    def record(self, rows: int, split: bool, seconds: float) -> None:
+        """A call of `rows` host rows in mode `split` took `seconds` (from the hand-off to the joined result)."""
+        mean = self._mean.setdefault(rows.bit_length(), {})
+        old = mean.get(split)
+        mean[split] = seconds if old is None else self.decay * old + (1.0 - self.decay) * seconds
+
+
 class HostWorker:
     """A single worker thread that runs host expert computations (see the module docstring)."""
 
@@ -69,6 +111,7 @@ class HostWorker:
         self.device, self.counts = device, counts
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeflow-host")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.split = SplitChoice()  # a CPU device's all-host calls: split with this thread or not (measured)
 
     def submit(self, x: torch.Tensor, eg: torch.Tensor, compute: Compute) -> HostJob:
         """Start `compute` over rows `x [N,H]` (on the device) with expert ids `eg [N]` on the host thread.

@@ -326,9 +326,12 @@ def apply_miss(
     info = miss_infos(flat, w.tolist(), k, set(missing))  # expert -> (best rank, largest weight, tokens)
     pos = cache.position(layer)
     dropped, subs, cpu = [], {}, []
-    on_miss = miss.on_miss
-    for e in missing:
-        action = on_miss((layer, e), pos, MissInfo(*info[e], resident))
+    on_misses = getattr(miss, "on_misses", None)  # a policy that decides a call's misses at once (`auto`)
+    if on_misses is not None:
+        actions = on_misses(layer, missing, [info[e] for e in missing], pos, resident)
+    else:
+        actions = [miss.on_miss((layer, e), pos, MissInfo(*info[e], resident)) for e in missing]
+    for e, action in zip(missing, actions):
         if action == CPU or action == FETCH:  # the common actions, without parsing
             if action == CPU:
                 cpu.append(e)
