@@ -15,7 +15,7 @@ import torch
 from moeflow.errors import ConfigError
 from moeflow.moe import get_adapter
 from moeflow.policies import MISS, ROUTING
-from moeflow.policies.base import MissInfo, miss_action
+from moeflow.policies.base import MissInfo, MissPolicy, miss_action
 from moeflow.policies.miss import nearest_resident, similarity
 from moeflow.policies.routing import dual_select
 from moeflow.runtime.generate import build_engine, generate_one
@@ -121,7 +121,7 @@ def test_miss_infos_hand_computed():
     assert got == {6: (2, 0.2, 2), 7: (3, 0.2, 1), 1: (3, 0.2, 2)}
     asked = []
 
-    class Spy:
+    class Spy(MissPolicy):
         name, renorm = "spy", False
 
         def on_miss(self, key, pos, info):

@@ -308,6 +308,18 @@ class MissPolicy(Protocol):
         """'fetch' (blocking load, exact) or another `MissAction` (lossy ones: see above)."""
         ...
 
+    def on_misses(
+        self,
+        layer: int,
+        experts: list[int],
+        infos: list[tuple[int, float, int]],
+        pos: Position,
+        resident: Callable[[ExpertKey], bool],
+    ) -> list[MissAction]:
+        """With `needs_routing`: the actions for every missing expert of one layer call (`infos`: each one's
+        (rank, score, tokens)), in order. By default `on_miss` per expert; `auto` decides them at once."""
+        return [self.on_miss((layer, e), pos, MissInfo(*i, resident)) for e, i in zip(experts, infos)]
+
 
 @runtime_checkable
 class RoutingPolicy(Protocol):

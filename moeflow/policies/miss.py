@@ -314,24 +314,9 @@ class Auto(MissPolicy):
         self._waited = g * self._waited + q + (now[3] - last[3])
 
     def on_miss(self, key: ExpertKey, pos: Position, info: MissInfo | None = None) -> MissAction:
-        tokens = 1
-        if info is not None:
-            tokens, self._resident = info.tokens, info.resident
-        cost_cpu, cost_fetch = self.costs(tokens)
-        if cost_cpu < cost_fetch:
-            self.decisions[CPU] += 1
-            host1 = float(self.host_s or 0.0)
-            self._sent += host1 + float(self.per_token_s or 0.0) * (tokens - 1) if tokens > 1 else host1  # host(tokens)
-            return CPU
-        self.decisions[FETCH] += 1
-        self.fetches = self.fetches * self.decay + 1.0
-        self.hits *= self.decay
-        followed = self._followed.get(key[0])
-        if followed is None:
-            followed = self._followed[key[0]] = set()
-        followed.add(key[1])
-        self._fresh.add(key)
-        return FETCH
+        if info is None:
+            return self.on_misses(key[0], [key[1]], [(1, 0.0, 1)], pos, self._resident)[0]
+        return self.on_misses(key[0], [key[1]], [(info.rank, info.score, info.tokens)], pos, info.resident)[0]
 
     def on_misses(
         self, layer: int, experts: list[int], infos: list[tuple[int, float, int]], pos: Position, resident: Any

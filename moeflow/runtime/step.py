@@ -38,7 +38,6 @@ from ..policies.base import (
     FETCH,
     SUBSTITUTE,
     LayerContext,
-    MissInfo,
     MissPolicy,
     PrefetchPolicy,
     RoutingPolicy,
@@ -326,11 +325,7 @@ def apply_miss(
     info = miss_infos(flat, w.tolist(), k, set(missing))  # expert -> (best rank, largest weight, tokens)
     pos = cache.position(layer)
     dropped, subs, cpu = [], {}, []
-    on_misses = getattr(miss, "on_misses", None)  # a policy that decides a call's misses at once (`auto`)
-    if on_misses is not None:
-        actions = on_misses(layer, missing, [info[e] for e in missing], pos, resident)
-    else:
-        actions = [miss.on_miss((layer, e), pos, MissInfo(*info[e], resident)) for e in missing]
+    actions = miss.on_misses(layer, missing, [info[e] for e in missing], pos, resident)  # `auto`: all at once
     for e, action in zip(missing, actions):
         if action == CPU or action == FETCH:  # the common actions, without parsing
             if action == CPU:
