@@ -193,6 +193,31 @@ def test_lfu_count_buckets_stay_ordered(per_layer):
         assert snaps[-1][1]["evictions"] > 0
 
 
+def _belady_heap_holds(cache: ExpertCache) -> None:
+    """Belady's heap: every resident key, pinned and just issued ones too (an access re-scores a key in
+    place), each once with its own entry, in heap order, at the position O_HPOS names."""
+    lay, I, pk, sof, _ = _state(cache)
+    n, K = int(I[I[lay.O_PG] + lay.PG_HSIZE]), int(I[lay.H_K])
+    heap = I[I[lay.O_HEAP] : I[lay.O_HEAP] + 3 * n].reshape(-1, 3)  # [n, 3] (a, b, key)
+    hpos = I[I[lay.O_HPOS] : I[lay.O_HPOS] + K]  # [K]
+    assert sorted(heap[:, 2].tolist()) == sorted(np.flatnonzero(sof >= 0).tolist())
+    for i, (a, b, k) in enumerate(heap.tolist()):
+        assert hpos[k] == i and (a, b) == (pk[k, lay.PK_HA], pk[k, lay.PK_HB])
+        if i:
+            assert tuple(heap[(i - 1) // 2, :2].tolist()) < (a, b)
+    assert (hpos[sof < 0] == -1).all()
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_belady_heap_keeps_pinned_keys(per_layer):
+    """Belady's victim structure, checked after every call (the same victims as Python's:
+    test_kernel_equals_python_call_by_call)."""
+    acc = _trace(4)
+    for capacity in (8, 12) if per_layer else (3, 6, 13):
+        snaps = _drive("belady", acc, capacity, per_layer=per_layer, seed=4, compiled=True, check=_belady_heap_holds)
+        assert snaps[-1][1]["evictions"] > 0
+
+
 @pytest.mark.parametrize(
     "opts", [{"decay": 1.0, "recency": False}, {"proposals": False, "shrink": 0.0}, {"decay": 0.5, "shrink": 20.0}]
 )

@@ -284,9 +284,7 @@ def _ba_layers(I, F, pr):
     bprop, siv, sref, spp, spa, pah = I[O_BPROP], I[OF_SIV], I[O_SREF], I[O_SPP], I[O_SPA], I[OF_PAH]
     mean = F[I[OF_PGF] + PGF_MEAN]
     p = I[I[O_SC] + SC_PASS]
-    pmin = 1.0
-    for a in range(L + 2):
-        pmin = F[pah + a] if F[pah + a] < pmin else pmin
+    pmin = 2.0  # the least calibrated probability, computed when a layer first needs it (2.0: not yet)
     for q in range(L):
         if I[lsn + q] == 0:
             F[ub + q] = -1.0
@@ -300,8 +298,13 @@ def _ba_layers(I, F, pr):
         Im = age if age > Im else Im
         Im = 1.0 if 1.0 > Im else Im
         e = Im - 1.0
-        if I[bprop + q] >= p and d < L and (1.0 - pmin) * Im > e:
-            e = (1.0 - pmin) * Im
+        if I[bprop + q] >= p and d < L:
+            if pmin > 1.0:
+                pmin = 1.0
+                for a in range(L + 2):
+                    pmin = F[pah + a] if F[pah + a] < pmin else pmin
+            if (1.0 - pmin) * Im > e:
+                e = (1.0 - pmin) * Im
         F[ub + q] = d + L * e + 1e-9 * (1.0 + d + L * Im)
     top = -1.0  # every E[next use] is >= 1
     best, bt, recheck = -1, 0, False  # the least recent candidate within 1e-9 of the top so far
@@ -322,16 +325,14 @@ def _ba_layers(I, F, pr):
         for i in range(I[lsn + q]):
             s = I[lsl + q * C + i]
             iv, ref, pp = F[siv + s], I[sref + s], I[spp + s]
-            if iv < 0.0:
-                noint += 1
-            elif iv > iv1:
-                iv1, iv2 = iv, iv1
-            elif iv > iv2:
-                iv2 = iv
-            if ref < ref1:
-                ref1, ref2 = ref, ref1
-            elif ref < ref2:
-                ref2 = ref
+            # the top two intervals (-1: none) and the least two references, without branches
+            noint += iv < 0.0
+            lo = iv if iv < iv1 else iv1
+            iv1 = iv if iv > iv1 else iv1
+            iv2 = lo if lo > iv2 else iv2
+            hi = ref if ref > ref1 else ref1
+            ref1 = ref if ref < ref1 else ref1
+            ref2 = hi if hi < ref2 else ref2
             nprop = pp if pp > nprop else nprop
             if I[pin + s] or I[prot + s]:
                 F[far + s] = -1.0

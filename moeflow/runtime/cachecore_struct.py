@@ -244,12 +244,12 @@ def _bk_free(I, k):
         I[I[O_BK] + 6 * b + 5] += 1
 
 
-# The heap (belady): an indexed min-heap of the victim candidates, one entry (a, b, key) each at I[O_HEAP],
+# The heap (belady): an indexed min-heap of the resident keys, one entry (a, b, key) each at I[O_HEAP],
 # ordered by (a, b), unique among keys ((-score, 0), a score names its key); O_HPOS holds each key's
-# position, so an update sifts it in place. Every tracked key keeps its entry in PK_HA, PK_HB; only keys that
-# are resident, unpinned and not issued by the running prefetch call are in the heap (`_hx_hold` takes a key
-# out, `_hx_insert` puts it back), so the top is the victim (with per-layer partitions, the first entry of
-# the part: `_hx_first`).
+# position, so an update sifts it in place. Every tracked key keeps its entry in PK_HA, PK_HB. A resident key
+# stays in the heap while pinned or just issued (an access re-scores it with one sift in place, not a removal
+# and a re-insert), so the victim is the first entry whose key is a candidate (`_hx_first`: the pinned keys
+# of the running step and the keys the running prefetch call issued are passed over).
 
 
 @_fn
@@ -317,8 +317,7 @@ def _hx_set(I, k, a, b):
         I[x + 1] = b
         _hx_sift(I, i)
         return
-    s = I[I[O_SOF] + k]
-    if s >= 0 and I[I[O_PIN] + s] == 0 and I[I[O_PROT] + s] == 0:
+    if I[I[O_SOF] + k] >= 0:  # resident: in the heap, pinned or not
         _hx_put(I, k, a, b)
 
 
@@ -340,18 +339,16 @@ def _hx_remove(I, k):
 
 @_fn
 def _hx_hold(I, k):
-    """Key k is pinned: out of belady's heap (lfu: not counted in its bucket) until `_hx_insert`."""
-    kind = I[H_KIND]
-    if kind == KIND_MIN:
-        _hx_remove(I, k)
-    elif kind == KIND_LFU:
+    """Key k is pinned: lfu: not counted in its bucket until `_hx_insert` (belady: it stays in the heap,
+    `_hx_first` passes over it)."""
+    if I[H_KIND] == KIND_LFU:
         _bk_hold(I, k)
 
 
 @_fn
 def _hx_insert(I, k):
-    """Resident key k is a candidate again: back into belady's heap with its entry (a tracked key only: a
-    demand load's entry is set by the access that follows); lfu: counted in its bucket."""
+    """Resident key k is a candidate again: lfu: counted in its bucket; belady: into the heap with its entry
+    if it is not there (a tracked key only: a demand load's entry is set by the access that follows)."""
     kind = I[H_KIND]
     if kind == KIND_LFU:
         _bk_free(I, k)
