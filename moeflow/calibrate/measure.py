@@ -12,7 +12,9 @@ What the simulator's clock needs (`moeflow.sim.simulator.TimeModel`): `engine_ti
 engine's decode pass (every expert resident) into per-layer attention, router hook, prefetch proposal, the
 experts call before its wait (dispatch) and after it, and the rest of the pass (`token_s`); `link_timing`
 measures the emulated link's host time per submit and its waiting thread's lateness; `copy_timing` the engine's
-host time per demand and per prefetch copy it issues on that link (a small cache against the resident one).
+host time per demand and per prefetch copy it issues on that link, and the rest of a pass's per demand copy (a
+small cache against the resident one); `engine_rounds` times both in interleaved rounds (means over a round's
+passes, medians over rounds).
 """
 
 from __future__ import annotations
@@ -237,6 +239,9 @@ def link_timing(link: Any, nbytes: int, repeats: int, burst: int = 1) -> dict[st
     }
 
 
+WARMUP_STEPS = 4  # `_time_engine`'s warm-up run: decode steps before the timed run
+
+
 class _EngineClock:
     """Wall-clock marks of one offload engine's decode passes: pass start and end (model hooks registered after
     the engine's), each router hook's start and end with its prefetch proposal's seconds, each experts call's
@@ -415,7 +420,8 @@ def _time_engine(
     model: Any, adapter: Any, ids: torch.Tensor, steps: int, capacity: int, link: Any, prefetch: str
 ) -> dict[str, Any]:
     """`split_passes` of an offload engine (lru, `prefetch` at S = 1, `capacity` experts on `link`) decoding
-    `steps` tokens after `ids` [1,P]: a warm-up run, then the timed run. At full capacity every expert is
+    `steps` tokens after `ids` [1,P]: a warm-up run of at most `WARMUP_STEPS` tokens (first calls, the cache's
+    steady state), then the timed run. At full capacity every expert is
     loaded first (`warm`); else the runs start from the cache the engine has and copy as they go."""
     from ..policies import EVICTION, PREFETCH
     from ..runtime.engine import OffloadEngine
@@ -430,11 +436,11 @@ def _time_engine(
             engine.warm()
         clock = _EngineClock(engine)
         try:
-            for _ in range(2):  # warm-up run, then the timed run (its first pass is the prefill)
+            for n in (min(steps, WARMUP_STEPS), steps):  # a short warm-up run, then the timed run (its first pass: the prefill)
                 engine.link.drain()
                 clock.passes.clear()
                 clock.waits.clear()
-                generate_exactly(model, ids, steps + 1)
+                generate_exactly(model, ids, n + 1)
         finally:
             clock.remove()
             engine.link.drain()
