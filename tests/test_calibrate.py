@@ -336,3 +336,15 @@ def test_calibration_records_engine_and_link_time(tmp_path, tiny_models):
     tm = TimeModel.from_calibration(rec, "pregate")
     assert tm.pass_s(n, True) > tm.pass_s(n, False) > 0
     assert main(CalibrateConfig(model=str(ck), sizes_kib=(16,), repeats=1, decode_steps=3, write=False))["link_timing"] is None
+
+
+def test_prompt_tokens_and_engine_rounds_flags():
+    """`--prompt-tokens` and `--engine-rounds` reach the config; below 1 is refused in one line naming them."""
+    from moeflow.cli.calibrate import build_config
+    from moeflow.stages.calibrate import CalibrateConfig
+
+    cfg = build_config(model="m", prompt_tokens=40, engine_rounds=5)
+    assert (cfg.prompt_tokens, cfg.engine_rounds) == (40, 5)
+    for bad in ({"prompt_tokens": 0}, {"engine_rounds": 0}):
+        with pytest.raises(ConfigError, match="--prompt-tokens and --engine-rounds must be >= 1"):
+            CalibrateConfig(model="m", **bad)
