@@ -22,8 +22,9 @@ Prints the table, writes `--out-dir`/sim_fidelity.json, and ends with one JSON l
 of |predicted - measured| / measured, a fraction) and `spearman` (rank correlation over the configurations,
 scipy.stats.spearmanr) of the calibrated model, and `baseline` with the same two figures for T_l alone;
 `steady` the same figures over the configurations whose measured TPOT moved little between repeats (spread =
-(max - min) / median <= `--steady`: on a loaded machine a TPOT moves by +-20-40%), and `load_average` (the
-machine's 1/5/15-minute load at the start and the end).
+(max - min) / median <= `--steady`: on a loaded machine a TPOT moves by +-20-40%), `miss_host_s` (each
+calibration's host seconds per demand copy beyond the router hook), and `load_average` (the machine's
+1/5/15-minute load at the start and the end).
 
     .venv/bin/python benchmarks/sim_fidelity.py --threads 1
     .venv/bin/python benchmarks/sim_fidelity.py --model models/olmoe-deep --limit 2 --repeats 3 --threads 1
@@ -329,6 +330,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **figures["calibrated"],
         "baseline": figures["baseline"],
         "steady": steady,
+        "miss_host_s": [(c.get("link_timing") or {}).get("miss_host_s") for c in cal_recs],  # per calibration
         "load_average": load,
         "table": str(out / "sim_fidelity.json"),
     }
