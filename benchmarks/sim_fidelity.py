@@ -3,14 +3,16 @@
 Traces the prompts once (`moeflow trace --record-hidden --hidden-dtype float32`: the routing `moeflow run` will
 take, greedy), calibrates (`moeflow calibrate --link-gbps/--link-latency-us` of `--link`, so the
 calibration holds the engine's host times, `engine_time`, and the emulated link's, `link_timing`: see
-`--repeats`), then for
+`--repeats`; `--prompt-tokens` the traced prompts' mean length, `--decode-steps` `--max-new-tokens` per round,
+`--engine-rounds` interleaved rounds), then for
 every configuration eviction (`--eviction`) x capacity (`--capacity`) x prefetch (`none`, and `pregate` at each
 S of `--lookahead`) measures TPOT with `moeflow run --link emulated:...` (moeflow.stages.run.main, the same
 calibration) and predicts it with `moeflow simulate --link emulated:...` on the trace, twice:
 - `baseline`: `--layer-time-us` = the calibration's `layer_time_s` (T_l, the stock decoder layer) and nothing else;
 - `calibrated`: `--calibrated-time` (`moeflow.sim.simulator.TimeModel.from_calibration`: per MoE layer
   attention, router hook, prefetch proposal, the experts call before and after its wait, the rest of the pass; the
-  engine's host time per demand and per prefetch copy; the link's wake lateness).
+  engine's host time per demand and per prefetch copy, and the rest of a pass's per demand copy; the link's wake
+  lateness).
 `--repeats N` calibrates and runs the whole `moeflow run` sweep N times, each sweep right after its own
 calibration (on a shared machine both then see the load of the same minutes), predicts each sweep with its own
 calibration, and keeps each configuration's median TPOT, measured and predicted.
@@ -20,8 +22,9 @@ Prints the table, writes `--out-dir`/sim_fidelity.json, and ends with one JSON l
 of |predicted - measured| / measured, a fraction) and `spearman` (rank correlation over the configurations,
 scipy.stats.spearmanr) of the calibrated model, and `baseline` with the same two figures for T_l alone;
 `steady` the same figures over the configurations whose measured TPOT moved little between repeats (spread =
-(max - min) / median <= `--steady`: on a loaded machine a TPOT moves by +-20-40%), and `load_average` (the
-machine's 1/5/15-minute load at the start and the end).
+(max - min) / median <= `--steady`: on a loaded machine a TPOT moves by +-20-40%), `miss_host_s` (each
+calibration's host seconds per demand copy beyond the router hook), and `load_average` (the machine's
+1/5/15-minute load at the start and the end).
 
     .venv/bin/python benchmarks/sim_fidelity.py --threads 1
     .venv/bin/python benchmarks/sim_fidelity.py --model models/olmoe-deep --limit 2 --repeats 3 --threads 1
@@ -74,6 +77,15 @@ def trace(args: argparse.Namespace, out: Path) -> None:
     trace_main(cfg, console=Console(file=io.StringIO()))
 
 
+def prompt_tokens(trace_dir: Path) -> int:
+    """The traced prompts' mean length (their prefill passes' tokens): the KV length the runs decode from."""
+    from moeflow.sim.access import from_trace
+    from moeflow.trace import Trace
+
+    lens = [p.tokens for p in from_trace(Trace(str(trace_dir))).passes if p.phase == 0]
+    return max(1, round(statistics.fmean(lens))) if lens else 16
+
+
 def calibrate(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from moeflow.runtime.link import parse_link
     from moeflow.stages.calibrate import CalibrateConfig
@@ -85,6 +97,8 @@ def calibrate(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         link_gbps=gbps,
         link_latency_s=lat,
         decode_steps=args.decode_steps,
+        prompt_tokens=args.prompt_tokens,
+        engine_rounds=args.engine_rounds,
         out=str(out),
         progress=False,
         threads=args.threads,
@@ -172,11 +186,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=0.2,
         help="`steady` figures: configurations whose TPOT spread is at most this (default 0.2)",
     )
-    ap.add_argument("--decode-steps", type=int, default=64, help="decode steps moeflow calibrate times (default 64)")
+    ap.add_argument(
+        "--decode-steps", type=int, default=None, help="decode steps moeflow calibrate times per round (default --max-new-tokens)"
+    )
+    ap.add_argument("--engine-rounds", type=int, default=3, help="moeflow calibrate --engine-rounds (default 3)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out-dir", default="benchmarks/results/sim_fidelity")
     args = ap.parse_args(argv)
+    args.decode_steps = args.decode_steps or args.max_new_tokens
     args.capacity = [c.strip() for c in args.capacity.split(",") if c.strip()]
     args.eviction = [e.strip() for e in args.eviction.split(",") if e.strip()]
     lookaheads = sorted({int(s) for s in args.lookahead.split(",") if s.strip()})
@@ -188,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         work = Path(tmp)
         say("[dim]tracing ...[/]")
         trace(args, work / "trace")
+        args.prompt_tokens = prompt_tokens(work / "trace")  # calibrate decodes from the runs' KV length
         meas: dict[tuple[int, str, str, int], dict[str, Any]] = {}
         preds: list[tuple[dict[str, Any], dict[str, Any]]] = []
         cal_recs = []
@@ -311,6 +330,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **figures["calibrated"],
         "baseline": figures["baseline"],
         "steady": steady,
+        "miss_host_s": [(c.get("link_timing") or {}).get("miss_host_s") for c in cal_recs],  # per calibration
         "load_average": load,
         "table": str(out / "sim_fidelity.json"),
     }

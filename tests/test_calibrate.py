@@ -245,11 +245,13 @@ def test_split_passes_adds_up_to_the_period():
 
     passes = [mark(0.0), mark(6.0), mark(13.0), {**mark(20.0), "route": mark(20.0)["route"][:1]}]
     passes[2]["loads1"] = (5, 0)
+    passes[1]["waited"] = 0.25  # seconds in the link's waits (inside experts_s)
     out = split_passes(passes, (0, 2))
     assert out["attention_s"] == [1.0, 1.0] and out["route_s"] == [0.25, 0.25] and out["predict_s"] == [0.25, 0.25]
     assert out["dispatch_s"] == [0.125, 0.125] and out["experts_s"] == [0.375, 0.375]
     assert out["passes"] == 2  # the 4th pass routed one layer: skipped
     assert (out["demand_loads"], out["prefetch_loads"]) == (4.0, 0.5)
+    assert out["wait_s"] == 0.125  # 0.25 s and none, per pass
     # an experts call that waited for nothing (no wait mark): all of it after the router hook is experts_s
     for p in passes:
         p["experts"] = [(l, t, None) for l, t, _ in p["experts"]]
@@ -271,6 +273,32 @@ def test_copy_costs_per_copy_over_the_resident_engine():
     assert copy_costs(resident, loaded, "pregate") == pytest.approx({"demand_copy_s": 0.5, "prefetch_copy_s": 1.5})
     loaded.update(route_s=[0.5, 0.5], prefetch_loads=0.0)
     assert copy_costs(resident, loaded, "pregate") == {"demand_copy_s": 0.0, "prefetch_copy_s": 0.0}
+
+
+def test_copy_costs_rest_of_the_pass_per_demand_copy_waits_left_out():
+    """`miss_host_s`: attention, dispatch, experts (its 3 s of waits for copies left out) and token_s of the small
+    cache's pass (6 s) against the resident pass's (4 s), over its 2 demand copies; the router hook's extra is
+    `demand_copy_s`, not counted again; a pass that copies no slower -> 0."""
+    from moeflow.calibrate.measure import copy_costs
+
+    resident = {"route_s": [1.0, 1.0], "predict_s": {"none": [0.0, 0.0]}, "attention_s": [1.0, 1.0]}
+    resident.update(dispatch_s=[0.0, 0.0], experts_s=[0.5, 0.5], token_s=1.0)
+    loaded = {"route_s": [2.0, 1.0], "predict_s": {"none": [0.0, 0.0]}, "attention_s": [1.5, 1.0], "demand_loads": 2.0}
+    loaded.update(dispatch_s=[0.0, 0.0], experts_s=[3.0, 2.0], token_s=1.5, wait_s=3.0)
+    assert copy_costs(resident, loaded, "none") == pytest.approx(
+        {"demand_copy_s": 0.5, "prefetch_copy_s": 0.0, "miss_host_s": 1.0}
+    )
+    loaded.update(wait_s=5.0)
+    assert copy_costs(resident, loaded, "none")["miss_host_s"] == 0.0
+
+
+def test_median_of_rounds_drops_a_preempted_round():
+    """Element-wise medians over rounds (lists, nested dicts, numbers); a round 10x slower does not move them."""
+    from moeflow.calibrate.measure import median_of
+
+    rounds = [{"a": [1.0, 2.0], "p": {"x": [3.0]}, "t": 1.0, "n": "k"} for _ in range(2)]
+    rounds.append({"a": [10.0, 20.0], "p": {"x": [30.0]}, "t": 10.0, "n": "k"})
+    assert median_of(rounds) == {"a": [1.0, 2.0], "p": {"x": [3.0]}, "t": 1.0, "n": "k"}
 
 
 def test_wait_lateness_spreads_every_extra_stall_over_the_waits_that_slept():
@@ -303,7 +331,20 @@ def test_calibration_records_engine_and_link_time(tmp_path, tiny_models):
     assert lt["submit_s"] > 0 and lt["wake_s"] >= 0 and lt["bytes"] == rec["expert_bytes"]
     # the small cache's run copied: per-copy engine seconds measured from it
     assert lt["demand_loads"] > 0 and lt["demand_copy_s"] >= 0 and lt["prefetch_copy_s"] >= 0
-    assert lt["slept_waits"] > 0 and lt["engine_wake_s"] >= 0
+    assert lt["slept_waits"] > 0 and lt["engine_wake_s"] >= 0 and lt["miss_host_s"] >= 0
+    assert et["rounds"] == 3 and et["prompt_len"] == 16  # --engine-rounds, --prompt-tokens defaults
     tm = TimeModel.from_calibration(rec, "pregate")
     assert tm.pass_s(n, True) > tm.pass_s(n, False) > 0
     assert main(CalibrateConfig(model=str(ck), sizes_kib=(16,), repeats=1, decode_steps=3, write=False))["link_timing"] is None
+
+
+def test_prompt_tokens_and_engine_rounds_flags():
+    """`--prompt-tokens` and `--engine-rounds` reach the config; below 1 is refused in one line naming them."""
+    from moeflow.cli.calibrate import build_config
+    from moeflow.stages.calibrate import CalibrateConfig
+
+    cfg = build_config(model="m", prompt_tokens=40, engine_rounds=5)
+    assert (cfg.prompt_tokens, cfg.engine_rounds) == (40, 5)
+    for bad in ({"prompt_tokens": 0}, {"engine_rounds": 0}):
+        with pytest.raises(ConfigError, match="--prompt-tokens and --engine-rounds must be >= 1"):
+            CalibrateConfig(model="m", **bad)

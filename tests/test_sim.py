@@ -463,6 +463,22 @@ def test_modelled_link_prefetch_submit_seconds():
         TimeModel(prefetch_submit_s=-1.0)
 
 
+def test_miss_host_seconds_follow_each_demand_copy_after_the_wait():
+    """`miss_host_s` (0.5 ms) per demand copy runs after the layer's wait: layer 1's demand copy (1 ms) stalls all of
+    1 ms, then the pass takes 0.5 ms more and its rest (0.3 ms); the same copy prefetched at layer 0 is no demand
+    copy: no such seconds (layer 0's hit neither)."""
+    from moeflow.sim.simulator import TimeModel
+
+    tm = TimeModel(token_s=0.3 * MS, miss_host_s=0.5 * MS)
+    st = simulate(_two_layer_trace(), 4, "lru", "none", link="emulated:1", timing=tm, count_phase=1)
+    assert st.demand_loads == 1 and st.stall_s == pytest.approx(1.0 * MS)
+    assert st.time_s == pytest.approx((1.0 + 0.5 + 0.3) * MS)
+    st = simulate(_two_layer_trace(), 4, "lru", _Scripted({2: [(1, 1)]}), link="emulated:1", timing=tm, count_phase=1)
+    assert st.demand_loads == 0 and st.prefetch_loads == 1 and st.time_s == pytest.approx((1.0 + 0.3) * MS)
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        TimeModel(miss_host_s=-1.0)
+
+
 def test_a_new_generation_drains_the_link_untimed():
     """Prefetches still in flight when a generation ends are complete when the next one's prefill starts (as
     `moeflow run` drains the link between prompts): the second prompt's decode pass finds (0, 3) ready. Without
@@ -525,6 +541,9 @@ def test_time_model_from_calibration():
     tm = TimeModel.from_calibration(cal, "pregate")
     assert tm.per_layer(2)[2] == [0.5, 1.0] and (tm.submit_s, tm.prefetch_copy_s, tm.wake_s) == (0.04, 0.03, 0.05)
     assert tm.pass_s(2, True) == pytest.approx(4.0 + 4.0 + 0.25 + 1.5 + 6.0)
+    assert tm.miss_host_s == 0.0  # not measured: none
+    cal["link_timing"]["miss_host_s"] = 0.06
+    assert TimeModel.from_calibration(cal, "pregate").miss_host_s == 0.06
     with pytest.raises(ConfigError, match="re-run `moeflow calibrate`"):
         TimeModel.from_calibration({"layer_time_s": 1.0})
 

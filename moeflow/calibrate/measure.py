@@ -12,7 +12,9 @@ What the simulator's clock needs (`moeflow.sim.simulator.TimeModel`): `engine_ti
 engine's decode pass (every expert resident) into per-layer attention, router hook, prefetch proposal, the
 experts call before its wait (dispatch) and after it, and the rest of the pass (`token_s`); `link_timing`
 measures the emulated link's host time per submit and its waiting thread's lateness; `copy_timing` the engine's
-host time per demand and per prefetch copy it issues on that link (a small cache against the resident one).
+host time per demand and per prefetch copy it issues on that link, and the rest of a pass's per demand copy (a
+small cache against the resident one); `engine_rounds` times both in interleaved rounds (means over a round's
+passes, medians over rounds).
 """
 
 from __future__ import annotations
@@ -237,6 +239,9 @@ def link_timing(link: Any, nbytes: int, repeats: int, burst: int = 1) -> dict[st
     }
 
 
+WARMUP_STEPS = 4  # `_time_engine`'s warm-up run: decode steps before the timed run
+
+
 class _EngineClock:
     """Wall-clock marks of one offload engine's decode passes: pass start and end (model hooks registered after
     the engine's), each router hook's start and end with its prefetch proposal's seconds, each experts call's
@@ -288,8 +293,11 @@ class _EngineClock:
         def timed_link_wait(t: Any) -> Any:
             c0 = clock()
             out = link_wait(t)
+            c1 = clock()
             if getattr(t, "due", None) is not None:
-                self.waits.append((c0, float(t.due), clock()))
+                self.waits.append((c0, float(t.due), c1))
+            if self._cur is not None:
+                self._cur["waited"] = self._cur.get("waited", 0.0) + (c1 - c0)
             return out
 
         self.link.wait = timed_link_wait
@@ -332,11 +340,12 @@ def split_passes(passes: Sequence[dict[str, Any]], moe_layers: Sequence[int]) ->
     (from that wait, or the router hook's end, to the experts call's end); token: the period less all of them.
     With the passes' copy counts (`loads0` / `loads1`: demand and prefetch copies issued at the pass's start and
     end), `demand_loads` and `prefetch_loads` are their means per pass. A pass that did not route and call every
-    MoE layer once, in order, is skipped. Means, not medians: they add up to the mean period, which is what TPOT
+    MoE layer once, in order, is skipped. `wait_s`: the mean seconds per pass spent in the link's waits (a pass's
+    `waited`, `_EngineClock`; inside `experts_s`). Means, not medians: they add up to the mean period, which is what TPOT
     is (a pass the scheduler preempted counts in a run's TPOT too, and medians per part would drop it)."""
     parts_of = ("attention_s", "route_s", "predict_s", "dispatch_s", "experts_s")
     rows: dict[str, list[list[float]]] = {k: [[] for _ in moe_layers] for k in parts_of}
-    tokens, loads = [], []
+    tokens, loads, waited = [], [], []
     for prev, p in zip(passes, passes[1:]):
         if [r[0] for r in p["route"]] != list(moe_layers) or [e[0] for e in p["experts"]] != list(moe_layers):
             continue
@@ -356,12 +365,14 @@ def split_passes(passes: Sequence[dict[str, Any]], moe_layers: Sequence[int]) ->
             used += sum(parts.values())
             mark = e1
         tokens.append(p["end"] - prev["end"] - used)
+        waited.append(float(p.get("waited", 0.0)))
         if "loads0" in p and "loads1" in p:
             loads.append([b - a for a, b in zip(p["loads0"], p["loads1"])])
     if not tokens:
         raise RuntimeError("no decode pass routed every MoE layer once; cannot split the engine's time")
     out: dict[str, Any] = {k: [statistics.fmean(v) for v in per] for k, per in rows.items()}
     out["token_s"] = max(0.0, statistics.fmean(tokens))
+    out["wait_s"] = statistics.fmean(waited)
     out["passes"] = len(tokens)
     if loads:
         out["demand_loads"] = statistics.fmean(x[0] for x in loads)
@@ -383,25 +394,34 @@ def copy_costs(resident: dict[str, Any], loaded: dict[str, Any], prefetch: str) 
     """Host seconds the engine spends per copy it issues, from two `split_passes` of the same engine settings:
     `resident` (every expert resident: no copies) and `loaded` (a small cache on the link: copies every pass).
     `demand_copy_s`: the router hook's extra time per demand copy (the victim, the slot table, the link's submit);
-    `prefetch_copy_s`: the proposal's extra time per prefetch copy (`predict_s` of `prefetch`); 0 where the
-    loaded run issued no such copy or spent no more time."""
+    `prefetch_copy_s`: the proposal's extra time per prefetch copy (`predict_s` of `prefetch`);
+    `miss_host_s`: the rest of the pass's extra host time per demand copy, its waits for copies (`wait_s`) left out:
+    attention, the experts call before and after its wait, and `token_s` run slower in a pass that copies (the
+    experts call's miss path, copied weights not yet in this core's caches, the link's worker thread beside it).
+    Each is 0 where the loaded run issued no such copy or spent no more time."""
 
     def per_copy(extra: float, copies: float) -> float:
         return max(0.0, extra / copies) if copies > 0 else 0.0
 
+    def rest(split: dict[str, Any]) -> float:  # host seconds per pass outside the router hook, waits left out
+        parts = sum(sum(split.get(k) or (0.0,)) for k in ("attention_s", "dispatch_s", "experts_s"))
+        return parts + float(split.get("token_s", 0.0)) - float(split.get("wait_s", 0.0))
+
     route = sum(loaded["route_s"]) - sum(resident["route_s"])
     pred = sum(loaded["predict_s"][prefetch]) - sum(resident["predict_s"][prefetch])
-    return {
-        "demand_copy_s": per_copy(route, loaded.get("demand_loads", 0.0)),
-        "prefetch_copy_s": per_copy(pred, loaded.get("prefetch_loads", 0.0)),
-    }
+    demand = loaded.get("demand_loads", 0.0)
+    out = {"demand_copy_s": per_copy(route, demand), "prefetch_copy_s": per_copy(pred, loaded.get("prefetch_loads", 0.0))}
+    if "experts_s" in loaded and "experts_s" in resident:
+        out["miss_host_s"] = per_copy(rest(loaded) - rest(resident), demand)
+    return out
 
 
 def _time_engine(
     model: Any, adapter: Any, ids: torch.Tensor, steps: int, capacity: int, link: Any, prefetch: str
 ) -> dict[str, Any]:
     """`split_passes` of an offload engine (lru, `prefetch` at S = 1, `capacity` experts on `link`) decoding
-    `steps` tokens after `ids` [1,P]: a warm-up run, then the timed run. At full capacity every expert is
+    `steps` tokens after `ids` [1,P]: a warm-up run of at most `WARMUP_STEPS` tokens (first calls, the cache's
+    steady state), then the timed run. At full capacity every expert is
     loaded first (`warm`); else the runs start from the cache the engine has and copy as they go."""
     from ..policies import EVICTION, PREFETCH
     from ..runtime.engine import OffloadEngine
@@ -416,11 +436,11 @@ def _time_engine(
             engine.warm()
         clock = _EngineClock(engine)
         try:
-            for _ in range(2):  # warm-up run, then the timed run (its first pass is the prefill)
+            for n in (min(steps, WARMUP_STEPS), steps):  # a short warm-up run, then the timed run (its first pass: the prefill)
                 engine.link.drain()
                 clock.passes.clear()
                 clock.waits.clear()
-                generate_exactly(model, ids, steps + 1)
+                generate_exactly(model, ids, n + 1)
         finally:
             clock.remove()
             engine.link.drain()
@@ -476,3 +496,45 @@ def copy_timing(
     out.update({"demand_loads": loaded.get("demand_loads", 0.0), "prefetch_loads": loaded.get("prefetch_loads", 0.0)})
     out.update({"engine_wake_s": loaded["wake_s"], "slept_waits": loaded["slept_waits"]})
     return out
+
+
+def median_of(recs: Sequence[Any]) -> Any:
+    """Element-wise median of records of one shape (dicts, lists, numbers); other values: the first record's."""
+    first = recs[0]
+    if isinstance(first, dict):
+        return {k: median_of([r[k] for r in recs]) if all(k in r for r in recs) else first[k] for k in first}
+    if isinstance(first, list) and all(isinstance(r, list) and len(r) == len(first) for r in recs):
+        return [median_of([r[i] for r in recs]) for i in range(len(first))]
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return statistics.median(float(r) for r in recs)
+    return first
+
+
+def engine_rounds(
+    model: Any,
+    adapter: Any,
+    steps: int,
+    device: str,
+    new_link: Callable[[], Any] | None = None,
+    rounds: int = 3,
+    prompt_len: int = 16,
+    prefetches: Sequence[str] = ("pregate",),
+) -> tuple[dict[str, Any], dict[str, float] | None]:
+    """`engine_timing` and (with `new_link`, a fresh link per round: an engine closes its link) `copy_timing`
+    `rounds` times, interleaved (resident, then the small cache, then again), each round's copy costs against its
+    own resident split, so both see the same minutes of a shared machine: the element-wise median over the rounds
+    of each (`median_of`; a round the scheduler preempted does not move it). (engine_time with `rounds` and
+    `prompt_len`, the copy record or None)."""
+    times, copies = [], []
+    for _ in range(max(1, rounds)):
+        et = engine_timing(model, adapter, steps, device, prefetches, prompt_len)
+        times.append(et)
+        if new_link is not None:
+            link = new_link()
+            try:
+                copies.append(copy_timing(model, adapter, steps, device, link, et, prompt_len))
+            finally:
+                link.close()
+    out = median_of(times)
+    out.update(rounds=len(times), prompt_len=prompt_len)
+    return out, (median_of(copies) if copies else None)

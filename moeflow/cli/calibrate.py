@@ -29,6 +29,8 @@ def build_config(
     sizes: str = "64,256,1024,4096,16384",
     repeats: int = 5,
     decode_steps: int = 8,
+    prompt_tokens: int = 16,
+    engine_rounds: int = 3,
     regime: list[str] | None = None,
     out: str | None = None,
     write: bool = True,
@@ -49,6 +51,8 @@ def build_config(
         sizes_kib=CalibrateConfig.parse_sizes(sizes),
         repeats=repeats,
         decode_steps=decode_steps,
+        prompt_tokens=prompt_tokens,
+        engine_rounds=engine_rounds,
         regimes=tuple(regime or ()),
         out=out,
         write=write,
@@ -130,6 +134,18 @@ def calibrate_cmd(
     ),
     repeats: int = typer.Option(5, "--repeats", help="Timed repeats per size and per module (median)."),
     decode_steps: int = typer.Option(8, "--decode-steps", help="Decode steps (tokens) timed for per-layer compute."),
+    prompt_tokens: int = typer.Option(
+        16,
+        "--prompt-tokens",
+        help="Prompt length before the timed decode steps (the KV length decode starts from); "
+        "set it near the prompts you will run.",
+    ),
+    engine_rounds: int = typer.Option(
+        3,
+        "--engine-rounds",
+        help="Timed rounds of the offload engine (every expert resident, then a small cache on --link-gbps), "
+        "interleaved; each figure is the median over rounds.",
+    ),
     regime: list[str] | None = typer.Option(
         None,
         "--regime",
@@ -164,6 +180,8 @@ def calibrate_cmd(
         sizes=sizes,
         repeats=repeats,
         decode_steps=decode_steps,
+        prompt_tokens=prompt_tokens,
+        engine_rounds=engine_rounds,
         regime=regime,
         out=out,
         write=not no_write,

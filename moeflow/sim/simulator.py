@@ -25,7 +25,9 @@ its copies are submitted,
 are in flight, `experts_s` (the rest of the experts call) after the layer's slots are waited for; `token_s` per
 pass (final norm, head, generate's loop). `ModelledLink` adds `submit_s` per demand copy submitted (the router
 hook's host time per miss: the victim, the slot table, the link's submit), `prefetch_submit_s` per prefetch copy
-and `wake_s` per wait that stalls.
+and `wake_s` per wait that stalls; `miss_host_s` per demand copy after the layer's wait (the rest of a pass that
+copies runs slower than an all-hit one: the experts call's miss path, weights just copied; a calibrated figure,
+`copy_costs`).
 `TimeModel.from_calibration` reads what `moeflow calibrate` measured (`engine_time`); `layer_time_s` alone is
 `experts_s` of every layer. `SimStats.time_s` sums, over the counted passes, the clock from the end of the
 previous pass to the end of the pass (as `moeflow run` times decode passes), so `pass_s` is the predicted TPOT
@@ -172,14 +174,15 @@ class TimeModel:
     dispatch_s: tuple[float, ...] = (0.0,)  # the experts call before it waits for its slots: the rows sorted
     prefetch_submit_s: float | None = None  # host seconds per prefetch copy (ModelledLink; None: submit_s)
     predict_layer_s: tuple[float, ...] = (0.0,)  # the proposal's seconds per MoE layer it predicts, by that layer's rank
+    miss_host_s: float = 0.0  # host seconds per demand copy after the layer's wait (a pass that copies runs slower)
 
     def __post_init__(self) -> None:
         for name in ("attention_s", "route_s", "predict_s", "dispatch_s", "experts_s", "predict_layer_s"):
             v = getattr(self, name)
             if not v or min(v) < 0:
                 raise ConfigError(f"time model {name} needs one value >= 0 or one per MoE layer, got {v!r}")
-        if min(self.token_s, self.submit_s, self.wake_s, self.prefetch_copy_s) < 0:
-            raise ConfigError("time model token_s, submit_s, prefetch_submit_s and wake_s must be >= 0")
+        if min(self.token_s, self.submit_s, self.wake_s, self.prefetch_copy_s, self.miss_host_s) < 0:
+            raise ConfigError("time model token_s, submit_s, prefetch_submit_s, wake_s and miss_host_s must be >= 0")
 
     @property
     def prefetch_copy_s(self) -> float:
@@ -224,6 +227,7 @@ class TimeModel:
             submit_s=submit,
             prefetch_submit_s=float(lt.get("prefetch_copy_s", submit)),
             wake_s=float(lt.get("engine_wake_s", lt.get("wake_s", 0.0))),  # measured in the engine, else the link alone
+            miss_host_s=float(lt.get("miss_host_s", 0.0)),  # an older calibration: not measured
         )
 
     def per_layer(self, n: int, lookahead: int = 1) -> tuple[list[float], list[float], list[float], list[float]]:
@@ -514,6 +518,7 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wc
     """The cache call by call, in the engine's order, the link's clock advanced by the time model `tm`."""
     prefetching = pf.proposes
     pre_s, pred_s, disp_s, post_s = tm.per_layer(len(acc.moe_layers), _ahead(pf, lookahead))
+    miss_s = tm.miss_host_s
     clock = lk.clock_s
     last_end = clock()  # the end of the previous pass on the link's clock
     comp = _compile(acc)
@@ -550,6 +555,7 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wc
             if counted:
                 h0, a0, k0 = c.hits, c.accesses, c.collision_misses
             begin_layer(layer)
+            d0 = c.demand_loads
             advance(pre_s[rank])  # attention, router, the router hook up to the demand copies
             slots = route(layer, experts, scores, wcap, ms)
             if counted:
@@ -573,13 +579,14 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wc
             advance(disp_s[rank])  # the experts call up to its wait: overlaps the copies in flight
             if slots is not None:
                 wait(slots)
-                advance(post_s[rank])
+                advance(post_s[rank] + miss_s * (c.demand_loads - d0))  # the rest of the call, its copies' host cost
                 release(slots)
             else:  # more experts than one wave holds: waves, resident experts first
                 waves = cache.plan_waves(layer, experts, wcap)
                 for wave in waves:
                     if counted:
                         h0, a0, k0 = c.hits, c.accesses, c.collision_misses
+                    d1 = c.demand_loads
                     s = cache.demand_wave(layer, wave, scores, ms)
                     if counted:
                         hits_l[rank] += c.hits - h0
@@ -587,7 +594,7 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wc
                         col_l[rank] += c.collision_misses - k0
                         if proposed:
                             st.proposed_accesses += sum(1 for e in wave if (layer, e) in proposed)
-                    advance(post_s[rank] / len(waves))
+                    advance(post_s[rank] / len(waves) + miss_s * (c.demand_loads - d1))
                     release(s)
             if check and cache.num_resident() > cache.capacity:
                 raise RuntimeError("cache over capacity")

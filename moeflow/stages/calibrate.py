@@ -14,8 +14,7 @@ from ..artifacts import new_meta
 from ..calibrate.io import KIND, SCHEMA, calibration_path, device_name, write_calibration
 from ..calibrate.measure import (
     bandwidth_sweep,
-    copy_timing,
-    engine_timing,
+    engine_rounds,
     expert_timing,
     fit_latency,
     link_timing,
@@ -39,6 +38,8 @@ class CalibrateConfig:
     sizes_kib: tuple[int, ...] = DEFAULT_SIZES_KIB  # transfer sizes for the bandwidth sweep (the expert size is added)
     repeats: int = 5  # timed repeats per size / per module (median)
     decode_steps: int = 8  # decode steps timed for per-layer compute
+    prompt_tokens: int = 16  # prompt length before the engine's timed decode steps (KV length at the first step)
+    engine_rounds: int = 3  # interleaved timed rounds of the engine, resident and with a small cache (medians)
     regimes: tuple[str, ...] = ()  # e.g. ("copy-share=0.85", "specmd")
     out: str | None = None  # file; default calibration/<device>.json
     write: bool = True
@@ -56,8 +57,8 @@ class CalibrateConfig:
             raise ConfigError(f"--link-latency-us must be >= 0 (got {self.link_latency_s * 1e6})")
         if self.link_gbps is not None and not self.device.startswith("cpu"):
             raise ConfigError("--link-gbps emulates a link on CPU; drop it or use --device cpu")
-        if self.repeats < 1 or self.decode_steps < 1:
-            raise ConfigError("--repeats and --decode-steps must be >= 1")
+        if min(self.repeats, self.decode_steps, self.prompt_tokens, self.engine_rounds) < 1:
+            raise ConfigError("--repeats, --decode-steps, --prompt-tokens and --engine-rounds must be >= 1")
         if not self.sizes_kib or min(self.sizes_kib) < 1:
             raise ConfigError("--sizes must be positive KiB values")
         from ..calibrate.stepsize import parse_regime
@@ -156,9 +157,17 @@ def _main(cfg: CalibrateConfig) -> dict[str, Any]:
             expert_s = expert_timing(ad, cfg.repeats, cfg.device)
             prog.advance(task)
             prog.update(task, description="engine time")
-            engine_time = engine_timing(model, ad, cfg.decode_steps, cfg.device)
-            if link is not None and link_host is not None:  # the engine's host seconds per copy on this link
-                link_host.update(copy_timing(model, ad, cfg.decode_steps, cfg.device, link, engine_time))
+            engine_time, copies = engine_rounds(  # with a link: the engine's host seconds per copy on it too
+                model,
+                ad,
+                cfg.decode_steps,
+                cfg.device,
+                (lambda: _link(cfg)) if link else None,
+                cfg.engine_rounds,
+                cfg.prompt_tokens,
+            )
+            if link_host is not None and copies is not None:
+                link_host.update(copies)
             prog.advance(task)
     finally:
         if link is not None:
