@@ -220,20 +220,21 @@ def test_array_forest_predicts_deep_uneven_trees_like_scikit_learn():
 
 def test_forest_tries_at_least_the_minimum_features_per_split(tiny_setup, monkeypatch):  # noqa: F811
     """A small model's few features: the forest still tries MIN_SPLIT_FEATURES of them (or all) per split; each
-    tree draws `forest_tree_samples` of the pool, or the whole pool when that is smaller."""
-    import sklearn.ensemble
+    tree fits on a compact copy of its bootstrap draw of `forest_tree_samples` rows of the pool (the whole pool
+    when that is smaller), its repeats as weights, never on weights over the whole pool."""
+    import sklearn.tree
 
     from moeflow.predict.forest import MIN_SPLIT_FEATURES, Forest
     from moeflow.stages.train import TrainConfig
 
-    seen: list[object] = []
+    seen: list[tuple[object, int, float]] = []
 
-    class Spy(sklearn.ensemble.RandomForestRegressor):
-        def fit(self, X, y, sample_weight=None):
-            seen.append((self.max_features, self.max_samples, len(X)))
-            return super().fit(X, y, sample_weight)
+    class Spy(sklearn.tree.DecisionTreeRegressor):
+        def fit(self, X, y, sample_weight=None, check_input=True):
+            seen.append((self.max_features, len(X), float(np.sum(sample_weight))))
+            return super().fit(X, y, sample_weight=sample_weight, check_input=check_input)
 
-    monkeypatch.setattr(sklearn.ensemble, "RandomForestRegressor", Spy)
+    monkeypatch.setattr(sklearn.tree, "DecisionTreeRegressor", Spy)
     model, _, data = tiny_setup
     cfg = TrainConfig(
         trace="", out="", model="", max_s=2, threads=1, forest_trees=2, forest_max_samples=500, forest_tree_samples=120
@@ -241,12 +242,30 @@ def test_forest_tries_at_least_the_minimum_features_per_split(tiny_setup, monkey
     f = Forest.create(model, cfg)
     f.fit(data, model, cfg)
     assert round(cfg.forest_max_features * f.n_features) < MIN_SPLIT_FEATURES  # the floor applies to this model
-    pool = seen[0][2]
-    assert pool > 120 and seen == [(min(f.n_features, MIN_SPLIT_FEATURES), 120, pool)]
+    assert len(seen) == 2 and f.rf is not None and f.rf.n_estimators == 2
+    for feats, rows, weight in seen:  # each tree: its draw of 120 (repeats weighted), no more rows than that
+        assert feats == min(f.n_features, MIN_SPLIT_FEATURES) and rows <= 120 and weight == 120
+    pool = 2 * (500 // 2)  # max_s=2 on the tiny model: pairs x rows per pair, at most forest_max_samples
+    seen.clear()
     f.fit(data, model, dataclasses.replace(cfg, forest_tree_samples=10 * pool))
-    assert seen[1][1:] == (pool, pool)  # a standard bootstrap of the whole pool
+    assert all(rows <= weight for _, rows, weight in seen) and len({w for _, _, w in seen}) == 1
     with pytest.raises(ConfigError, match="forest_tree_samples"):
         dataclasses.replace(cfg, forest_tree_samples=0)
+
+
+def test_forest_fit_is_the_same_with_more_threads(tiny_setup):  # noqa: F811
+    """`--threads` fits that many trees at once; the forest is the same tree for tree (seeds drawn up front)."""
+    from moeflow.predict.forest import Forest
+    from moeflow.stages.train import TrainConfig
+
+    model, _, data = tiny_setup
+    cfg = TrainConfig(trace="", out="", model="", max_s=2, threads=1, forest_trees=3, forest_max_samples=500)
+    one, two = Forest.create(model, cfg), Forest.create(model, cfg)
+    one.fit(data, model, cfg)
+    two.fit(data, model, dataclasses.replace(cfg, threads=2))
+    assert one.rf is not None and two.rf is not None
+    for k in ("left", "feature", "threshold", "value", "roots"):
+        np.testing.assert_array_equal(one.rf.a[k], two.rf.a[k])
 
 
 def _count_calls(monkeypatch, objs: dict[str, object], method: str) -> dict[str, int]:

@@ -19,8 +19,8 @@ so F = d + 2 + L*M + M + 2(M+1). The label is the target layer's activation vect
 learns the deviation (Delta) of the truth from the pre-gate estimate: the regressor is trained on
 y - pregate_topk (multi-hot of the pre-gate's top-k) and predicts score = pregate_topk + Delta_hat
 (+ a 1e-3 * pre-gate probability tie-break). Without traced hidden states (no pre-gate) the base
-is 0 and the forest predicts y directly. scikit-learn `RandomForestRegressor` (MSE) fits it; it is
-then kept, saved and evaluated as plain arrays (`ArrayForest`, `forest.npz`): loading runs no code
+is 0 and the forest predicts y directly. scikit-learn regression trees (MSE) fit it as `RandomForestRegressor`
+would (`_fit_trees`); it is then kept, saved and evaluated as plain arrays (`ArrayForest`, `forest.npz`): loading runs no code
 from the file (no pickle), and a legacy `forest.joblib` is refused.
 
 `predict_group(pairs, batch)` serves every (target, S) of a source layer with ONE forest call (the rows
@@ -272,8 +272,6 @@ class Forest:
     def fit(self, data: RoutingData, model: torch.nn.Module, cfg: Any, progress: Any = None) -> None:
         import time
 
-        from sklearn.ensemble import RandomForestRegressor
-
         t0 = time.perf_counter()
         self.max_lookahead = cfg.max_s
         self.base_kind = cfg.forest_base if (data.has_hidden or cfg.forest_base != "pregate") else "none"
@@ -296,17 +294,7 @@ class Forest:
             base, probs = self.base(tgt, b if data.has_hidden else _no_router(b), minus)
             X[j * n : (j + 1) * n] = self.features(tgt, s, b, probs, minus)
             Y[j * n : (j + 1) * n] = multi_hot(data.layers[tgt].topk_ids[rows], self.spec.num_experts) - base
-        rf = RandomForestRegressor(
-            n_estimators=cfg.forest_trees,
-            max_depth=cfg.forest_depth or None,
-            min_samples_leaf=cfg.forest_min_leaf,
-            max_features=min(self.n_features, max(MIN_SPLIT_FEATURES, round(cfg.forest_max_features * self.n_features))),
-            max_samples=min(cfg.forest_tree_samples, len(X)),  # many small draws from a large pool: diverse trees
-            n_jobs=cfg.threads,
-            random_state=cfg.seed,
-        )
-        rf.fit(X, Y)  # X float32: what scikit-learn splits on
-        self.rf = ArrayForest.from_sklearn(rf)  # run-time prediction: numpy, one thread, off the model's cores
+        self.rf = ArrayForest.from_sklearn(_fit_trees(X, Y, cfg, self.n_features))  # run-time prediction: compiled walk
         self.fit_seconds = time.perf_counter() - t0
 
     def delta_hat(self, target: int, s: int, batch: SourceBatch, probs: np.ndarray | None = None) -> np.ndarray:
@@ -401,6 +389,51 @@ class Forest:
                     f"this model needs {self.n_features} -> {self.spec.num_experts}"
                 )
         return self
+
+
+class _Trees:
+    """What `ArrayForest.from_sklearn` reads of a fitted forest: its trees, feature count and depth limit."""
+
+    def __init__(self, trees: list[Any], n_features: int, max_depth: int | None):
+        self.estimators_, self.n_features_in_, self.max_depth = trees, n_features, max_depth
+
+
+def _fit_trees(X: np.ndarray, Y: np.ndarray, cfg: Any, n_features: int) -> _Trees:
+    """A random forest of `cfg.forest_trees` scikit-learn regression trees (MSE) on X [n,F] float32 -> Y [n,E], as
+    `RandomForestRegressor(max_samples=...)` fits it: each tree on a bootstrap draw of `cfg.forest_tree_samples`
+    rows of the pool (all n when fewer), the rows drawn more than once weighted by their count, a random subset of
+    the features tried per split. Each tree gets its draw as a compact copy X[rows] [<=draw,F] instead of weights
+    over the whole pool: the splitter then reads rows of a 24 MB copy instead of rows scattered over the pool
+    (n x F x 4 bytes, 240 MB by default): about a fifth less CPU time for the trees on the quickstart trace.
+    `cfg.threads` trees fit at once (the splitter releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sklearn.tree import DecisionTreeRegressor
+
+    n = len(X)
+    draw = min(cfg.forest_tree_samples, n)
+    rng = np.random.default_rng(cfg.seed)
+    seeds = rng.integers(0, 2**31 - 1, cfg.forest_trees)
+    max_features = min(n_features, max(MIN_SPLIT_FEATURES, round(cfg.forest_max_features * n_features)))
+
+    def one(t: int) -> Any:
+        r = np.random.default_rng(int(seeds[t]))
+        rows, counts = np.unique(r.integers(0, n, draw), return_counts=True)  # [u] the bootstrap draw, with repeats
+        tree = DecisionTreeRegressor(
+            max_depth=cfg.forest_depth or None,
+            min_samples_leaf=cfg.forest_min_leaf,
+            max_features=max_features,
+            random_state=int(seeds[t]),
+        )
+        return tree.fit(X[rows], Y[rows], sample_weight=counts.astype(np.float64))  # X[rows]: [u,F] contiguous
+
+    workers = max(1, int(cfg.threads or 1))
+    if workers == 1:
+        trees = [one(t) for t in range(cfg.forest_trees)]
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            trees = list(pool.map(one, range(cfg.forest_trees)))
+    return _Trees(trees, n_features, cfg.forest_depth or None)
 
 
 def _no_router(batch: SourceBatch) -> SourceBatch:
