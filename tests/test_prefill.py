@@ -136,9 +136,10 @@ def test_staged_prefill_overlaps_copies_with_compute(tiny_models, prompt):
 
 def test_staged_prefill_stages_its_first_layers_at_pass_start(tiny_models, prompt):
     """With a prefetch policy, when the first router runs the staged prefill already copies the first MoE layer's
-    experts predicted from the embeddings, and the later layers' into empty slots only (nothing evicted); the
-    serial path and `none` copy nothing before it. The bound still counts every routed expert (the staged copies
-    were not resident when the prefill began)."""
+    experts predicted from the embeddings (and nothing else: the later layers' wait for the first layer's experts
+    call, off the path to the first router); when the second router runs, the later layers' are staged too, into
+    empty slots only (nothing evicted); the serial path and `none` copy nothing before the first router. The bound
+    still counts every routed expert (the staged copies were not resident when the prefill began)."""
     model = tiny_models("olmoe")
     spec = get_adapter(model).spec
     first = spec.moe_layers[0]
@@ -155,7 +156,7 @@ def test_staged_prefill_stages_its_first_layers_at_pass_start(tiny_models, promp
                 route = step.route
 
                 def spy(ev, _route=route, _cache=cache, _seen=at_router):
-                    if not _seen:
+                    if len(_seen) < 2:
                         _seen.append((set(_cache.slot_of), _cache.counters.evictions))
                     return _route(ev)
 
@@ -163,12 +164,13 @@ def test_staged_prefill_stages_its_first_layers_at_pass_start(tiny_models, promp
                 with torch.no_grad():
                     model(prompt)
                 needed = eng._prefill.needed if eng._prefill is not None else -1
-            seen[path, pf] = (at_router[0], needed)
-        (keys, evicted), needed = seen["staged", "pregate"]
+            seen[path, pf] = (at_router[0], needed, at_router)
+        (keys, evicted), needed, routers = seen["staged", "pregate"]
         layers = {l for l, _ in keys}
-        assert first in layers and evicted == 0 and len(keys) <= cap, f"C={cap}: {sorted(keys)}"
-        if cap == spec.total_experts:  # room for more than the first layer: the later ones staged too
-            assert len(layers) > 1
+        assert layers == {first} and evicted == 0 and len(keys) <= cap, f"C={cap}: {sorted(keys)}"
+        if cap == spec.total_experts:  # room for more than the first layer: the later ones staged by the second router
+            keys2, evicted2 = routers[1]
+            assert spec.moe_layers[2] in {l for l, _ in keys2} and evicted2 == 0, sorted(keys2)
         assert seen["staged", "none"][0][0] == set() and seen["serial", "pregate"][0][0] == set()
         assert needed == seen["serial", "pregate"][1] == seen["staged", "none"][1] > 0  # the bound's copies
 
@@ -322,9 +324,11 @@ def test_staged_prefill_start_copies_the_first_layer_before_predicting_the_rest(
             x = model.get_input_embeddings()(prompt)  # [1,P,H]
         pf.start(x)
         table_matches()
-        assert len(cache.slot_of) > spec.num_experts  # the later layers staged too
-    first, second = spec.moe_layers[0], spec.moe_layers[1]
-    assert events[:3] == [("predict", first), ("stage", first), ("predict", second)], events
+        assert {l for l, _ in cache.slot_of} == {spec.moe_layers[0]}  # the later layers: `stage_later`
+        pf.stage_later()
+        table_matches()
+        assert {l for l, _ in cache.slot_of} == set(spec.moe_layers)  # staged one layer at a time
+    assert events == [e for l in spec.moe_layers for e in (("predict", l), ("stage", l))], events
 
 
 def test_ttft_bound_counts_the_copies_a_prefill_needs(tiny_models, prompt):
@@ -616,3 +620,59 @@ def test_cache_batch_writes_the_device_table_with_one_tensor(tiny_models, monkey
         assert cache.table[cache.rank[layer]].tolist() == [cache.slot_of[(layer, e)] for e in range(spec.num_experts)]
         cache.release(slots)
     assert made[0] == 1
+
+
+def test_free_room_counts_the_empty_slots_without_a_scan(tiny_models, monkeypatch):
+    """`free_room` (asked per MoE layer at every staged prefill's start): the part's empty slots, through stages,
+    evictions and withdrawn copies, read from the free list (no walk over the part's slots)."""
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    first, second = spec.moe_layers[0], spec.moe_layers[1]
+    E = spec.num_experts
+    link = EmulatedLink(1.0, clock=lambda: 0.0, sleep=lambda s: None)  # a still clock: nothing completes
+    eng = build_engine(model, mode="offload", link=link, capacity=E + E // 2, eviction="lru", prefetch="pregate")
+    assert eng is not None
+    with eng:
+        cache = eng.cache
+
+        def empty() -> int:
+            return sum(s.key is None for s in cache.slots)
+
+        part_slots = cache._part_slots
+        monkeypatch.setattr(cache, "_part_slots", None)  # a scan of the part's slots would fail here
+        cache.begin_pass(1)
+        assert cache.free_room(first) == E + E // 2 == empty()
+        assert cache.stage([(first, e) for e in range(E)], first) == E
+        assert cache.free_room(second) == E // 2 == empty()
+        assert cache.cancel_stale(first, list(range(E // 2))) == E // 2  # queued copies withdrawn: their slots empty
+        assert cache.free_room(second) == E == empty()
+        monkeypatch.setattr(cache, "_part_slots", part_slots)
+        link._sched.q.clear()  # a still clock: nothing to drain
+
+
+def test_staged_prefill_predicts_no_layer_already_in_slots(tiny_models, prompt):
+    """A cache holding every expert (warmed): a prefill predicts no layer's experts, neither at the pass start nor
+    in a router hook (the pre-gate could stage nothing); the output stays the resident one's."""
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    with torch.no_grad():
+        ref = model(prompt).logits
+    eng = build_engine(
+        model, mode="offload", link=EmulatedLink(50.0), capacity=spec.total_experts, eviction="lru", prefetch="pregate"
+    )
+    assert eng is not None
+    with eng:
+        pf = eng._prefill
+        assert pf is not None
+        assert eng.warm() == spec.total_experts
+        pregate, predicted = pf._pregate, []
+
+        def spy(layer, x):
+            predicted.append(layer)
+            return pregate(layer, x)
+
+        pf._pregate = spy  # type: ignore[method-assign]
+        with torch.no_grad():
+            out = model(prompt).logits
+    assert torch.equal(out, ref)
+    assert predicted == [], predicted

@@ -561,6 +561,8 @@ class ExpertCache:
 
     def free_room(self, layer: int) -> int:
         """Empty slots of `layer`'s part (a batch staged into them evicts nothing)."""
+        if self.core is None:  # `_free` lists exactly the part's empty slots (the compiled core keeps its own)
+            return len(self._free[self._part(layer)])
         slots = self.slots
         return sum(slots[s].key is None for s in self._part_slots[self._part(layer)])
 

@@ -6,9 +6,10 @@ its experts, often more than the cache holds, and copying them one wave after an
 between is what makes the first token slow. `StagedPrefill` takes over the prefill passes of an engine:
 
 0. with a prefetch policy, at the pass start (`start`, after the bound's snapshot): the first MoE layer's
-   experts predicted by its router from the embeddings are staged (the slots `stage_room` gives), then the
-   later layers' into empty slots only (predicted once the first layer's copies are handed over), so the link
-   copies from the first moment, not from the first router;
+   experts predicted by its router from the embeddings are staged (the slots `stage_room` gives), so the link
+   copies from the first moment, not from the first router; the later layers' likewise into empty slots only,
+   layer by layer while the first layer's experts call would wait for its copies (`stage_later`: host work
+   where the thread idles, not before the first attention), the rest when that call ends;
 1. at a MoE layer's router hook its routed experts R_l (unique, sorted) are known (ONE host read, which also
    carries the pre-gate counts of step 3): queued copies of l's experts outside R_l are withdrawn
    (`cache.cancel_stale`); R_l is cut into waves of consecutive experts (`plan`; each wave's rows are one
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -79,6 +81,7 @@ class StagedPrefill:
         self.cache, self.spec, self.account = cache, spec, account
         self.predict_logits = predict_logits
         self._memo: tuple[int, torch.Tensor, int, torch.Tensor] | None = None  # (target, x, x's version, logits)
+        self._later: tuple[list[int], torch.Tensor] | None = None  # later MoE layers to stage from the embeddings, them
         self.enabled = enabled
         self.stage_next = stage_next  # predict and stage the next layer's experts (speculative: a prefetch policy is on)
         self.wave = max(1, min(wave_cap, cache.part_capacity // 2))  # w: experts per staged wave
@@ -97,7 +100,7 @@ class StagedPrefill:
         self.active = self.enabled and self.prefill
         self.needed = self.staged = self.waves_run = 0
         self.resident0 = set(self.cache.slot_of) if self.prefill else set()
-        self._memo = None
+        self._memo = self._later = None
 
     def count(self, layer: int, experts: list[int]) -> None:
         """Layer `layer` of the prefill routed to `experts` (each once): count the ones it must copy."""
@@ -125,6 +128,8 @@ class StagedPrefill:
         `ids [S]` (host): the routed expert ids the router hook read, whose per-expert counts give each wave's
         rows of the sorted routing (`Routed.ends`), so the experts call reads nothing back from the device."""
         cache = self.cache
+        if self._later is not None and layer != self.spec.moe_layers[0]:  # the first layer's experts call did not run
+            self.stage_later()
         experts = routed.experts or []
         cache.cancel_stale(layer, experts)  # queued copies of this layer that it does not route: withdrawn
         waves = self.plan(layer, experts)
@@ -180,6 +185,9 @@ class StagedPrefill:
         nxt = self.next_layer.get(layer)
         if nxt is None or not self.stage_next:
             return None
+        cache = self.cache
+        if cache.capacity >= self.spec.total_experts and cache.layer_full(nxt):  # nothing to stage, ever evicted
+            return None
         return self._pregate(nxt, x)
 
     def _pregate(self, target: int, x: torch.Tensor) -> torch.Tensor:
@@ -202,33 +210,47 @@ class StagedPrefill:
     def start(self, x: torch.Tensor | None) -> None:
         """The staged prefill's pass begins (after `begin`), `x [...,H]` its embeddings: with `stage_next`, the
         first MoE layer's router applied to them predicts its experts, staged at once (the most-routed ones, in
-        id order, into the slots `stage_room` gives), then the later layers' likewise, each into EMPTY slots only
-        (nothing evicted), as far as they reach: the link copies from the pass start instead of idling until the
-        first router (its demand copies overtake these while queued; `cancel_stale` withdraws the wrong ones)."""
+        id order, into the slots `stage_room` gives): the link copies from the pass start instead of idling until
+        the first router (its demand copies overtake these while queued; `cancel_stale` withdraws the wrong ones).
+        The later layers' likewise, each into EMPTY slots only (nothing evicted), as far as they reach, are left to
+        `stage_later`: predicted and staged layer by layer while the first layer's experts call would wait for its
+        copies (host work where the thread idles anyway, not before the first layer's attention), the rest when
+        the first layer's experts call ends."""
         if not (self.active and self.stage_next) or x is None:
             return
         cache, E = self.cache, self.spec.num_experts
         layers = list(self.spec.moe_layers)
         if not cache.per_layer:  # one part: the layers the empty slots may reach (each takes at most E)
             layers = layers[: 1 + max(0, -(-(cache.free_room(layers[0]) - E) // E))]
-        # the first layer's prediction and copies first (the link starts on them), then the later layers' predictions
-        # together (one host read) and their copies: two hand-overs to the copying thread
-        for i, part in enumerate((layers[:1], layers[1:])):
-            if not part:
-                continue
-            counts = torch.stack([self._pregate(layer, x) for layer in part]).tolist()  # [L',E] host
-            with cache.batch():
-                for layer, c in zip(part, counts):
-                    room = cache.stage_room(layer) if i == 0 else cache.free_room(layer)
-                    if room <= 0:
-                        continue
-                    order = sorted((e for e in range(len(c)) if c[e] > 0), key=lambda e: (-c[e], e))
-                    # the most-routed ones, copied in id order (the order of the layer's waves)
-                    keys = sorted([(layer, e) for e in order if (layer, e) not in cache.slot_of][:room])
-                    if keys:
-                        n0 = cache.counters.loads
-                        self.staged += cache.stage(keys, layer)
-                        self.account.count_loads(layer, cache.counters.loads - n0)
+        self._stage_predicted(layers[0], x, cache.stage_room(layers[0]))
+        if len(layers) > 1:
+            self._later = (layers[1:], x)
+
+    def stage_later(self, until: Callable[[], bool] | None = None) -> None:
+        """The later MoE layers `start` left, predicted from the embeddings and staged one layer at a time into
+        the empty slots, until `until()` (checked before each layer) or all of them."""
+        while self._later is not None and (until is None or not until()):
+            layers, x = self._later
+            self._later = (layers[1:], x) if len(layers) > 1 else None
+            self._stage_predicted(layers[0], x, self.cache.free_room(layers[0]))
+
+    def _landed(self, keys: list[tuple[int, int]]) -> bool:
+        """Every one of `keys` is in a ready slot (its copy has landed)."""
+        return all(map(self.cache.is_ready, keys))
+
+    def _stage_predicted(self, layer: int, x: torch.Tensor, room: int) -> None:
+        """`layer`'s experts predicted from `x [...,H]` (every token's top-k of its router), the most-routed ones
+        (at most `room`) not in a slot staged as one batch, in id order (the order of the layer's waves)."""
+        cache = self.cache
+        if room <= 0 or cache.layer_full(layer):
+            return
+        c = self._pregate(layer, x).tolist()  # [E] host
+        order = sorted((e for e in range(len(c)) if c[e] > 0), key=lambda e: (-c[e], e))
+        keys = sorted([(layer, e) for e in order if (layer, e) not in cache.slot_of][:room])
+        if keys:
+            n0 = cache.counters.loads
+            self.staged += cache.stage(keys, layer)  # one batch
+            self.account.count_loads(layer, cache.counters.loads - n0)
 
     def stage_ahead(self, routed: Routed, final: bool = False) -> None:
         """Every wave of the layer is demanded: once slots are free (or at its last wave, `final`), the prefetch
@@ -295,6 +317,8 @@ class StagedPrefill:
                 if ahead == len(waves):
                     self.stage_ahead(routed, final=i == len(waves) - 1)
             slots = pinned.pop(i)
+            if self._later is not None:  # the thread would wait for this wave's copies: stage later layers meanwhile
+                self.stage_later(until=partial(self._landed, [(layer, e) for e in experts]))
             cache.wait(slots)
             account.book(time.perf_counter() - t0)
             span = slot_span(slots)
@@ -306,6 +330,7 @@ class StagedPrefill:
                 projs.append(call._grouped(module, x_g[a:b], eg_w, table[eg_w], len(experts), span=span))  # [S_w,H]
             cache.release(slots)
             self.waves_run += 1
+        self.stage_later()  # what is left of them, before the next layer's attention
         if not projs:  # unreachable: a routed call has at least one expert
             raise RuntimeError(f"layer {layer}: no expert computed")
         return projs[0] if len(projs) == 1 else torch.cat(projs)  # [S,H]: the waves' slices in order
