@@ -120,7 +120,8 @@ def test_requests_of_all_targets_at_once_equal_per_target(opts, t):
 
     pol = EstimatorPrefetch(predictors="x", **opts)
     rng = np.random.default_rng(3)
-    sc = rng.dirichlet(np.ones(16), size=(3, t)).astype(np.float32)  # [S,T,E]
+    sc = rng.dirichlet(np.ones(16), size=(3, t)) * rng.uniform(0.5, 2.0, size=(3, t, 1))  # [S,T,E] unnormalised
+    sc = sc.astype(np.float32)
     targets = [5, 6, 7]
     got = pol._requests(targets, sc, 2)
     want = _old_requests(sc, targets, 2, pol.overfetch, pol.mass)
