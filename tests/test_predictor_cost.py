@@ -113,13 +113,15 @@ def _old_requests(sc: np.ndarray, targets: list[int], k: int, overfetch: float, 
     return out
 
 
+@pytest.mark.parametrize("t", [4, 1])  # a prefill's tokens, a decode step's one token (its own path)
 @pytest.mark.parametrize("opts", [{}, {"overfetch": 1.5}, {"mass": 0.6}])
-def test_requests_of_all_targets_at_once_equal_per_target(opts):
+def test_requests_of_all_targets_at_once_equal_per_target(opts, t):
     from moeflow.policies.learned import EstimatorPrefetch
 
     pol = EstimatorPrefetch(predictors="x", **opts)
     rng = np.random.default_rng(3)
-    sc = rng.dirichlet(np.ones(16), size=(3, 4)).astype(np.float32)  # [S,T,E]
+    sc = rng.dirichlet(np.ones(16), size=(3, t)) * rng.uniform(0.5, 2.0, size=(3, t, 1))  # [S,T,E] unnormalised
+    sc = sc.astype(np.float32)
     targets = [5, 6, 7]
     got = pol._requests(targets, sc, 2)
     want = _old_requests(sc, targets, 2, pol.overfetch, pol.mass)
@@ -223,3 +225,27 @@ def test_forest_worker_mode_runs_the_trees_off_the_models_thread(fitted, tmp_pat
             assert pol.fast is None and pol.runner.calls > 0 and pol.runner.hits + pol.runner.fallbacks > 0 and threads
         else:
             assert pol.fast is not None and not hasattr(pol, "runner") and not threads
+
+
+@pytest.mark.parametrize("name", ["router-pf", "estimator", "hybrid"])
+def test_fused_chain_equals_the_norm_and_router_modules(fitted, name):
+    """The chain folds the norm's weight into the router (and the estimator's q-term) and never forms q; with
+    every norm and router run as its module (no fold) the scores are the same, and the folded products exist
+    only where the numpy norm and router do."""
+    from moeflow.predict.data import batch_from_rows
+
+    _model, data, preds = fitted
+    ml = data.spec.moe_layers
+    ctx = data.context(4)
+    rows = np.arange(0, data.n, 7)[:6]
+    run, ref = preds[name].runner(), preds[name].runner()
+    chain = getattr(ref, "chain", None) or getattr(getattr(ref, "est", None), "chain", None) or ref
+    chain.ops.nw = {l: None for l in ml}  # the modules' forward for every norm and router
+    chain.ops.rw = {l: None for l in ml}
+    for src in ml[:-1]:
+        steps = min(preds[name].max_lookahead, len(ml) - 1 - ml.index(src))
+        b = batch_from_rows(data, src, rows, ctx=ctx)
+        np.testing.assert_allclose(run.scores(b, steps), ref.scores(b, steps), rtol=1e-4, atol=2e-6, err_msg=f"{src}")
+    assert all(F is None for F in chain._fused.values()) and chain._fused
+    c2 = getattr(run, "chain", None) or getattr(getattr(run, "est", None), "chain", None) or run
+    assert all(F is not None for F in c2._fused.values()) and c2._fused

@@ -158,25 +158,45 @@ class LearnedPrefetch(PrefetchPolicy):
 
     def _requests(self, targets: list[int], sc: np.ndarray, k: int) -> list[PrefetchRequest]:
         """The prefetch requests of scores sc [S,T,E]: each target's selected experts (top round(k x overfetch)
-        or the `mass` set, per token), priority nearer target first then by probability, confidence k x p."""
+        or the `mass` set, per token), priority nearer target first then by probability, confidence k x p.
+        No loop per target or expert: a decode step (T = 1) takes each target's top m in numpy and builds its few
+        requests in one comprehension; more tokens are reduced over T in numpy."""
         S, T, E = sc.shape
         flat = np.asarray(sc, dtype=np.float32).reshape(S * T, E)  # [S*T,E]
-        p = flat / np.maximum(flat.sum(-1, keepdims=True), np.float32(1e-12))
+        tot = np.maximum(np.add.reduce(flat, -1, keepdims=True), np.float32(1e-12))  # [S*T,1]
+        m = min(E, max(1, round(k * self.overfetch)))
+        if self.mass is None and T == 1:  # a decode step: the top m of each target, expert ascending
+            top = np.argpartition(-flat, m - 1, axis=-1)[:, :m]  # [S,m]
+            top.sort(-1)
+            b32 = flat[np.arange(S)[:, None], top] / tot  # [S,m] float32 probabilities
+            reqs = [
+                ((S - i) + b, t, e, b)
+                for i, (t, es, bs) in enumerate(zip(targets, top.tolist(), b32.tolist()))
+                for e, b in zip(es, bs)
+                if b >= 0.0  # a negative score is never requested
+            ]
+            reqs.sort(key=lambda x: -x[0])  # stable: nearer target first, then by probability
+            return [PrefetchRequest((t, e), priority=pr, confidence=topk_confidence(b, k)) for pr, t, e, b in reqs]
+        p = flat / tot  # [S*T,E]
         if self.mass is not None:
-            mask = mass_mask(torch.from_numpy(p), self.mass).numpy()
+            mask = mass_mask(torch.from_numpy(p), self.mass).numpy()  # [S*T,E]
+            best = np.where(mask, p, np.float32(-1.0)).reshape(S, T, E).max(1)  # [S,E] best probability per target
         else:
-            m = min(E, max(1, round(k * self.overfetch)))
-            mask = np.zeros((S * T, E), bool)
-            np.put_along_axis(mask, np.argpartition(-flat, m - 1, axis=-1)[:, :m], True, axis=-1)  # top m per row
-        best = np.where(mask, p, np.float32(-1.0)).reshape(S, T, E).max(1)  # [S,E] best probability per target
-        out: list[PrefetchRequest] = []
-        for i, t in enumerate(targets):
-            near = float(S - i)
-            for e in np.flatnonzero(best[i] >= 0.0).tolist():
-                b = float(best[i, e])
-                out.append(PrefetchRequest((t, e), priority=near + b, confidence=topk_confidence(b, k)))
-        out.sort(key=lambda r: -r.priority)
-        return out
+            rows = np.arange(S * T)[:, None]  # [S*T,1]
+            top = np.argpartition(-flat, m - 1, axis=-1)[:, :m]  # [S*T,m] top m per row
+            pm = np.full((S * T, E), np.float32(-1.0))
+            pm[rows, top] = p[rows, top]
+            best = pm.reshape(S, T, E).max(1)  # [S,E]
+        ti, ei = np.nonzero(best >= 0.0)  # target rank (nearest first), expert ascending: the reference order
+        b = best[ti, ei].astype(np.float64)  # [R]
+        prio = (S - ti) + b  # [R] nearer target first, then by probability
+        conf = np.clip(k * b, 0.0, 1.0)  # `topk_confidence`, vectorised
+        order = np.argsort(-prio, kind="stable")
+        tg = np.asarray(targets)[ti[order]].tolist()
+        return [
+            PrefetchRequest((t, e), priority=pr, confidence=c)
+            for t, e, pr, c in zip(tg, ei[order].tolist(), prio[order].tolist(), conf[order].tolist())
+        ]
 
     def propose(self, ctx: LayerContext) -> list[PrefetchRequest]:
         import time

@@ -4,20 +4,28 @@ The prefetch policies (`moeflow.policies.learned`) call a predictor's runner (`p
 layer of a forward pass, for all its targets l+1..l+S at once, instead of `predict(target, S, batch)` per target
 (which rebuilds the quasi-hidden chain and the features for every S). `runner.scores(batch, steps)` returns
 [steps,T,E] float32 numpy, row s-1 the scores `predict(target_of(l, s), s, batch)` gives (equal up to float32
-rounding; the forest's are bitwise equal). What the runners precompute at bind time:
+rounding). What the runners precompute at bind time:
 
 - `LayerOps`: the model's post-attention norms and routers as float32 numpy arrays, checked against the modules
   on a random input when built; a layer whose modules compute something else (a bfloat16 model, another norm)
-  calls the module's `forward` instead. Neither path runs module hooks, so the engine's router and residual hooks
-  never see a prediction.
-- Router-PF (`ChainRunner`): the quasi-hidden chain q_1..q_S once; the router logits of q_s serve both Router-PF's
-  scores for target l+s and the chain's next step.
+  calls the module's `forward` instead. The selection rule (softmax top-k, renormalised or not) runs in numpy
+  when it reproduces the adapter's on random logits, else the adapter's `select` runs. Neither path runs module
+  hooks, so the engine's router and residual hooks never see a prediction.
+- Router-PF (`ChainRunner`): the quasi-hidden chain q_1..q_S once; the norm's weight is folded into the router
+  (and into the estimator's q-term), so one product of the un-normalised state, scaled by its inverse RMS, gives
+  the router logits of q_s (Router-PF's scores for target l+s and the chain's next step) and the estimator's
+  first-layer term of q_s; q itself is not formed.
 - Estimator (`EstimatorRunner`): the feature standardisation folded into the first layer, which is split by input
-  part: the token embeddings' term once per forward pass, the gate history's as a weighted sum of columns, q's for
-  every S in one product; the trunk runs once on [S,T,m]. Hybrid runs it for its estimator pairs only.
+  part: the token embeddings' term once per forward pass, the gate history's earlier layers kept per pass and
+  grown by one layer per call, q's from the chain's fused product; the trunk runs once on [S,T,m]. Hybrid runs
+  it for its estimator pairs only.
 - Forest (`ForestRunner`): the per-pass features (token embedding, the token priors of every target layer) once per
-  pass, the pre-gate probabilities of every target from the stacked routers, and the trees walked by a compiled
-  kernel (`forest_walk`, numba, releases the GIL) that sums leaves in scikit-learn's order.
+  pass, the pre-gate probabilities of every target from one product with the targets' routers side by side, and
+  the trees walked by a compiled kernel (`forest_walk`, numba, releases the GIL) that sums leaves in
+  scikit-learn's order.
+
+A call is a few dozen numpy operations on [S,T,*] arrays: at a decode step (T = 1) their dispatch, not their
+arithmetic, is the cost, so the runners keep the count of operations per call low rather than the FLOPs.
 """
 
 from __future__ import annotations
@@ -73,8 +81,8 @@ def np32(x: torch.Tensor) -> np.ndarray:
 
 def softmax(z: np.ndarray) -> np.ndarray:
     """Softmax over the last axis (float32)."""
-    e = np.exp(z - z.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
+    e = np.exp(z - np.maximum.reduce(z, -1, keepdims=True))
+    return e / np.add.reduce(e, -1, keepdims=True)
 
 
 class LayerOps:
@@ -89,6 +97,7 @@ class LayerOps:
         self.routers = {l: adapter.router(l) for l in layers}
         self.nw: dict[int, tuple[np.ndarray, float] | None] = {}
         self.rw: dict[int, np.ndarray | None] = {}  # layer -> router weight [H,E] (transposed)
+        self.sel: dict[int, bool | None] = {}  # layer -> numpy softmax-top-k (True: renormalised) or None: the adapter's
         g = torch.Generator().manual_seed(0)
         for l in layers:
             norm, router = self.norms[l], self.routers[l]
@@ -102,6 +111,22 @@ class LayerOps:
             self.rw[l] = np.ascontiguousarray(np32(rw).T) if isinstance(rw, torch.Tensor) and not has_bias else None
             if self.rw[l] is not None and not _close(self.logits(l, x.numpy()), self._logits_module(l, x.numpy())):
                 self.rw[l] = None
+            self.sel[l] = self._numpy_rule(l, g)
+
+    def _numpy_rule(self, l: int, g: torch.Generator) -> bool | None:
+        """Which numpy softmax-top-k (plain or renormalised) reproduces layer `l`'s selection rule on random
+        logits (same experts, weights within 1e-6), or None: `select` calls the adapter."""
+        E = self.adapter.spec.num_experts
+        z = (torch.randn(8, E, generator=g) * 3.0).numpy()  # [8,E]
+        w, ids = self._select_module(l, z)
+        for norm in (False, True):
+            self.sel[l] = norm
+            w2, ids2 = self.select(l, z)
+            o, o2 = np.argsort(ids, -1), np.argsort(ids2, -1)
+            same = np.array_equal(np.take_along_axis(ids, o, -1), np.take_along_axis(ids2, o2, -1))
+            if same and np.allclose(np.take_along_axis(w, o, -1), np.take_along_axis(w2, o2, -1), rtol=1e-6, atol=1e-7):
+                return norm
+        return None
 
     def _param(self, mod: torch.nn.Module) -> torch.Tensor:
         return next(mod.parameters())
@@ -122,7 +147,8 @@ class LayerOps:
         if nw is None:
             return self._norm_module(l, h)
         w, eps = nw
-        return (h / np.sqrt((h * h).mean(-1, keepdims=True) + np.float32(eps))) * w
+        ms = np.add.reduce(h * h, -1, keepdims=True) / np.float32(h.shape[-1])  # [T,1] mean square
+        return (h / np.sqrt(ms + np.float32(eps))) * w
 
     def logits(self, l: int, x: np.ndarray) -> np.ndarray:
         """Layer `l`'s router logits: [...,H] -> [...,E] float32."""
@@ -130,7 +156,18 @@ class LayerOps:
         return x @ rw if rw is not None else self._logits_module(l, x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
     def select(self, l: int, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(weights [T,k] float32, ids [T,k]) exactly as layer `l` routes (the adapter's selection rule)."""
+        """(weights [T,k] float32, ids [T,k]) as layer `l` routes (the adapter's selection rule; in numpy when the
+        check at bind time found a softmax-top-k that reproduces it)."""
+        norm = self.sel.get(l)
+        if norm is None:
+            return self._select_module(l, logits)
+        k = self.adapter.spec.top_k
+        pr = softmax(logits)  # [T,E]
+        ids = np.argpartition(-pr, k - 1, axis=-1)[:, :k]  # [T,k] (order within the k does not matter here)
+        w = np.take_along_axis(pr, ids, -1)  # [T,k]
+        return (w / np.add.reduce(w, -1, keepdims=True) if norm else w), ids
+
+    def _select_module(self, l: int, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         p = self.routers[l].weight
         w, ids = self.adapter.select(l, torch.from_numpy(logits).to(p.device, p.dtype))
         return np32(w), ids.cpu().numpy()
@@ -148,32 +185,62 @@ class ChainRunner:
         self.ml = list(self.spec.moe_layers)
         self.ops = ops or LayerOps(qh.adapter, self.ml)
         self.dvec = {l: np32(v) for l, v in qh.dvec.items()}  # layer -> [E,H]
+        self.rank = {l: i for i, l in enumerate(self.ml)}
+        self._fused: dict[tuple[int, int], np.ndarray | None] = {}
 
-    def run(self, batch: SourceBatch, steps: int) -> tuple[np.ndarray, np.ndarray]:
-        """(q [S,T,H], router logits of q_s for its target [S,T,E]) for S = 1..steps."""
+    def fused(self, l: int, proj: np.ndarray | None) -> np.ndarray | None:
+        """Layer `l`'s norm weight folded into its router and `proj` [H,m]: w[:,None] x [router | proj], [H,E(+m)],
+        so that one product of the un-normalised h gives both (scaled by h's inverse RMS); None when the norm or
+        the router runs as its module."""
+        key = (l, id(proj))
+        if key not in self._fused:
+            nw, rw = self.ops.nw[l], self.ops.rw[l]
+            if nw is None or rw is None:
+                self._fused[key] = None
+            else:
+                W = rw if proj is None else np.concatenate([rw, proj], 1)
+                self._fused[key] = np.ascontiguousarray(nw[0][:, None] * W)
+        return self._fused[key]
+
+    def run(
+        self, batch: SourceBatch, steps: int, proj: np.ndarray | None = None, need_q: bool = True
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(q_s @ proj [S,T,m] (q [S,T,H] without `proj`), router logits of q_s for its target [S,T,E]) for
+        S = 1..steps (need_q=False: [S,T,0], router logits only). The norm's weight is folded into the products
+        (`fused`): with `proj` or without need_q, q itself is never formed."""
         if batch.residual is None:
             from ..errors import ArtifactError
 
             raise ArtifactError("router-pf needs the post-attention residual; run with an engine that captures it")
-        ops, ml = self.ops, self.ml
-        r = ml.index(batch.layer)
-        ids, w = batch.topk_ids.cpu().numpy(), np32(batch.topk_weights)
-        h = np32(batch.residual) + (self.dvec[batch.layer][ids] * w[..., None]).sum(1)  # [T,H] r_l + sum_k w_k d_l,e_k
-        qs, zs = [], []
+        ops, ml, E = self.ops, self.ml, self.spec.num_experts
+        r = self.rank[batch.layer]
+        ids, w = batch.topk_ids.numpy(force=True), np32(batch.topk_weights)  # [T,k]
+        h = np32(batch.residual) + np.matmul(w[:, None, :], self.dvec[batch.layer][ids])[:, 0]  # [T,H] r_l + sum_k w_k d_l,e_k
+        T, H = h.shape
+        qs = np.empty((steps, T, (H if need_q else 0) if proj is None else proj.shape[1]), np.float32)
+        zs = np.empty((steps, T, E), np.float32)
         for s in range(1, steps + 1):
             nxt = ml[r + s]
-            q = ops.norm(nxt, h)  # [T,H]
-            z = ops.logits(nxt, q)  # [T,E]
-            qs.append(q)
-            zs.append(z)
+            F = self.fused(nxt, proj)
+            if F is not None:  # RMSNorm then router (and proj): (h @ (w x W)) / rms(h)
+                eps = np.float32(ops.nw[nxt][1])  # type: ignore[index]
+                y = (h @ F) / np.sqrt(np.add.reduce(h * h, -1, keepdims=True) / np.float32(H) + eps)  # [T,E(+m)]
+                zs[s - 1] = z = y[:, :E]
+                if proj is not None or need_q:
+                    qs[s - 1] = ops.norm(nxt, h) if proj is None else y[:, E:]
+            else:
+                q = ops.norm(nxt, h)  # [T,H]
+                zs[s - 1] = z = ops.logits(nxt, q)  # [T,E]
+                if proj is not None or need_q:
+                    qs[s - 1] = q if proj is None else q @ proj
             if s < steps:
-                w2, ids2 = ops.select(nxt, z)
-                h = h + (self.dvec[nxt][ids2] * w2[..., None]).sum(1)
-        return np.stack(qs), np.stack(zs)
+                w2, ids2 = ops.select(nxt, z)  # [T,k]
+                h = h + np.matmul(w2[:, None, :], self.dvec[nxt][ids2])[:, 0]
+        return qs, zs
 
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
         """Router-PF's probabilities [S,T,E]."""
-        return softmax(self.run(batch, steps)[1])
+        return softmax(self.run(batch, steps, need_q=False)[1])
 
 
 class EstimatorRunner:
@@ -198,6 +265,7 @@ class EstimatorRunner:
         self.AgT = np.ascontiguousarray(W[:, 2 * H + cH :].T)  # [L*E,m]
         self.pos = np32(net.pos.weight)  # [P,m]
         self.pair_row = {(int(l), int(s)): i for i, (l, s) in enumerate(est.pairs)}
+        self.rank = {l: i for i, l in enumerate(self.ml)}
         self.blocks = [
             (np32(B.weight).T.copy(), np32(B.bias), np32(C.weight).T.copy(), np32(C.bias)) for B, C in zip(net.B, net.C)
         ]
@@ -208,6 +276,7 @@ class EstimatorRunner:
         self.emb = np32(feat.emb)  # [V,H]
         self._tok_key: Any = None
         self._ztok = np.zeros((0, self.b0.shape[0]), np.float32)
+        self._gate: tuple[Any, int, np.ndarray] = (None, -1, self._ztok)  # (token context, source rank, earlier layers' term)
 
     def _token_term(self, batch: SourceBatch) -> np.ndarray:
         """[T,m] the token embeddings' first-layer term, once per token context (the policy passes one per pass)."""
@@ -227,39 +296,45 @@ class EstimatorRunner:
 
     def _gate_term(self, batch: SourceBatch) -> np.ndarray:
         """[T,m]: the gate history's first-layer term (earlier layers' chosen experts weigh 1, the source's its gate
-        weights; as `_Features.of_batch`)."""
-        ml, E = self.ml, self.E
-        r_src = ml.index(batch.layer)
-        cols, wts = [], []
-        for l, h in batch.history.items():
-            if l in ml and ml.index(l) < r_src:
-                cols.append(h.cpu().numpy() + ml.index(l) * E)
-        ids = batch.topk_ids.cpu().numpy()
-        T, k = ids.shape
-        wts = [np.ones((T, k * len(cols)), np.float32), np32(batch.topk_weights)]
-        cols.append(ids + r_src * E)
-        c, w = np.concatenate(cols, 1), np.concatenate(wts, 1)  # [T,n*k]
-        return np.matmul(w[:, None, :], self.AgT[c])[:, 0]  # [T,m]
+        weights; as `_Features.of_batch`). The earlier layers' part is kept per token context (one per forward
+        pass) and grows by one layer when the next source layer of that pass follows."""
+        rank, E, AgT = self.rank, self.E, self.AgT
+        r_src = rank[batch.layer]
+        ids = batch.topk_ids.numpy(force=True)  # [T,k]
+        ctx, T = batch.token_ctx, len(ids)
+        key, prev_r, acc = self._gate
+        hist = batch.history
+        if ctx is not None and ctx is key and prev_r == r_src - 1 and len(acc) == T and self.ml[prev_r] in hist:
+            acc = acc + np.add.reduce(AgT[hist[self.ml[prev_r]].numpy(force=True) + prev_r * E], 1)  # [T,m]
+        else:
+            acc = np.zeros((T, AgT.shape[1]), np.float32)  # [T,m]
+            for l, h in hist.items():
+                if rank.get(l, r_src) < r_src:
+                    acc = acc + np.add.reduce(AgT[h.numpy(force=True) + rank[l] * E], 1)
+        self._gate = (ctx, r_src, acc)
+        return acc + np.matmul(np32(batch.topk_weights)[:, None, :], AgT[ids + r_src * E])[:, 0]  # [T,m]
 
-    def logits(self, batch: SourceBatch, q: np.ndarray, rl: np.ndarray, ss: list[int]) -> np.ndarray:
-        """Estimator logits [len(ss),T,E] for steps `ss` from the chain's q [S,T,H] and router logits rl [S,T,E]."""
+    def logits(self, batch: SourceBatch, qa: np.ndarray, rl: np.ndarray, ss: list[int]) -> np.ndarray:
+        """Estimator logits [len(ss),T,E] for steps `ss` from the chain's q's first-layer term qa = q @ AqT [S,T,m]
+        (`ChainRunner.run(batch, S, self.AqT)`) and router logits rl [S,T,E]."""
         i = np.asarray(ss) - 1
-        S, T, H = len(ss), batch.t, self.H
+        S, T = len(ss), batch.t
         rows = [self.pair_row[(batch.layer, s)] for s in ss]
         z0 = self._token_term(batch) + np32(batch.router_input) @ self.AuT + self._gate_term(batch) + self.b0  # [T,m]
-        z = (q[i].reshape(S * T, H) @ self.AqT).reshape(S, T, -1) + z0[None] + self.pos[rows][:, None, :]  # [S',T,m]
+        z = (qa if S == len(qa) else qa[i]) + (z0[None] + self.pos[rows][:, None, :])  # [S',T,m]
         z = z.reshape(S * T, -1)  # [S'T,m]
         for BT, bb, CT, cb in self.blocks:
             a = z @ BT + bb  # [S'T,n]
             z = z + (a * (0.5 + 0.5 * np.tanh(0.5 * a))) @ CT + cb  # SiLU (a x sigmoid(a)) block, residual
-        z = z - z.mean(-1, keepdims=True)
-        z = z / np.sqrt((z * z).mean(-1, keepdims=True) + self.eps)  # LayerNorm (its affine is in the head)
+        inv_m = np.float32(1.0 / z.shape[-1])
+        z = z - np.add.reduce(z, -1, keepdims=True) * inv_m
+        z = z / np.sqrt(np.add.reduce(z * z, -1, keepdims=True) * inv_m + self.eps)  # LayerNorm (affine in the head)
         out = (z @ self.headT + self.hb).reshape(S, T, -1)  # [S',T,E]
-        return out + rl[i] if self.residual else out
+        return out + (rl if S == len(rl) else rl[i]) if self.residual else out
 
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
-        q, rl = self.chain.run(batch, steps)
-        return softmax(self.logits(batch, q, rl, list(range(1, steps + 1))))
+        qa, rl = self.chain.run(batch, steps, self.AqT)
+        return softmax(self.logits(batch, qa, rl, list(range(1, steps + 1))))
 
 
 class HybridRunner:
@@ -271,11 +346,11 @@ class HybridRunner:
         self.use = hybrid.use_estimator
 
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
-        q, rl = self.est.chain.run(batch, steps)
+        qa, rl = self.est.chain.run(batch, steps, self.est.AqT)
         out = rl.copy()
         ss = [s for s in range(1, steps + 1) if (batch.layer, s) in self.use]
         if ss:
-            out[np.asarray(ss) - 1] = self.est.logits(batch, q, rl, ss)
+            out[np.asarray(ss) - 1] = self.est.logits(batch, qa, rl, ss)
         return softmax(out)
 
 
@@ -290,6 +365,7 @@ class ForestRunner:
         forest.rf.predict(np.zeros((1, forest.rf.n_features), np.float32))  # compile or load the walk now, not in a pass
         self._tok_key: Any = None
         self._pass: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._stacked: dict[tuple[int, ...], Any] = {}  # target layers -> their routers [H,P*E] (False: not numpy)
 
     def per_pass(self, batch: SourceBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(embedding [T,d], prior of the current token [L,T,E+1], of the previous token [L,T,E+1]), once per
@@ -307,8 +383,16 @@ class ForestRunner:
         """Pre-gate probabilities [P,T,E] of each target layer from the source's router input (0 without one)."""
         if not batch.router_input.numel() or not targets:
             return np.zeros((len(targets), batch.t, self.E), np.float32)
-        u = np32(batch.router_input)
-        return softmax(np.stack([self.ops.logits(t, u) for t in targets]))
+        u = np32(batch.router_input)  # [T,H]
+        key = tuple(targets)
+        W = self._stacked.get(key)
+        if W is None:  # the targets' routers side by side [H,P*E], when every one runs as numpy
+            rws = [r for r in (self.ops.rw[t] for t in targets) if r is not None]
+            W = self._stacked[key] = np.ascontiguousarray(np.concatenate(rws, 1)) if len(rws) == len(targets) else False
+        if W is False:
+            return softmax(np.stack([self.ops.logits(t, u) for t in targets]))
+        P, T = len(targets), len(u)
+        return softmax((u @ W).reshape(T, P, self.E).transpose(1, 0, 2))  # [P,T,E]
 
     def features(self, pairs: list[tuple[int, int]], batch: SourceBatch, probs: np.ndarray) -> np.ndarray:
         """[P*T,F] the forest's rows for every pair (`Forest.features`, stacked)."""
