@@ -52,6 +52,35 @@ def test_one_call_gives_every_s_as_predict_does(fitted):
                     assert not np.allclose(got[0], got[-1]), name  # each s its own target
 
 
+def test_router_pf_decode_call_is_one_compiled_call_equal_to_predict(fitted, monkeypatch):
+    """A call of at most 4 tokens runs Router-PF's whole chain in the compiled kernel (`chain_probs`), never the
+    numpy chain, and gives predict's scores for every S; a longer call still runs the numpy chain."""
+    from moeflow.predict import fast
+    from moeflow.predict.data import batch_from_rows, target_of
+
+    _model, data, preds = fitted
+    ml, spec = data.spec.moe_layers, data.spec
+    ctx = data.context(4)
+    p = preds["router-pf"]
+    run = p.runner()
+    numpy_chain = run.run
+    monkeypatch.setattr(run, "run", lambda *a, **k: pytest.fail("the numpy chain ran for a decode call"))
+    for rows in (np.array([7]), np.arange(2, data.n, 13)[:4]):
+        for src in ml[:-1]:
+            steps = min(p.max_lookahead, len(ml) - 1 - ml.index(src))
+            b = batch_from_rows(data, src, rows, ctx=ctx)
+            got = run.scores(b, steps)
+            assert got.shape == (steps, len(rows), spec.num_experts) and got.dtype == np.float32
+            for s in range(1, steps + 1):
+                want = p.predict(target_of(spec, src, s), s, b).float().numpy()
+                np.testing.assert_allclose(got[s - 1], want, rtol=1e-4, atol=2e-6, err_msg=f"{src}+{s}")
+            np.testing.assert_allclose(got, fast.softmax(numpy_chain(b, steps, need_q=False)[1]), rtol=1e-5, atol=1e-7)
+    calls = []
+    monkeypatch.setattr(run, "run", lambda *a, **k: calls.append(1) or numpy_chain(*a, **k))
+    run.scores(batch_from_rows(data, ml[0], np.arange(5), ctx=ctx), 1)
+    assert calls == [1]
+
+
 def test_layer_ops_fall_back_to_the_module_when_numpy_differs(fitted):
     """A norm the numpy RMSNorm does not reproduce (here a LayerNorm) runs as its module's `forward`."""
     from moeflow.moe import get_adapter

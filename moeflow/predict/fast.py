@@ -74,6 +74,68 @@ def forest_walk(X, nodes, value, roots):  # pragma: no cover - compiled
     return out
 
 
+@_jit
+def chain_probs(r0, w0, ids0, Fs, eps, Ds, top_k, renorm):  # pragma: no cover - compiled
+    """Router-PF's chain in one compiled call: [T,H] residual r_l, [T,k] gate weights and ids of layer l ->
+    [S,T,E] float32 probabilities of the targets l+1..l+S. `Fs` [S,H,E] the targets' norm weights folded into
+    their routers (`ChainRunner.fused`), `eps` [S] their norms' epsilons, `Ds` [S,E,H] the default vectors
+    added after each step (Ds[0] layer l's, Ds[s] target s's), `renorm` [S] whether target s renormalises its
+    top-k weights. The same arithmetic as `ChainRunner.run` (float32 products; the reductions in float64)."""
+    T, H = r0.shape
+    S, _, E = Fs.shape
+    out = np.empty((S, T, E), np.float32)
+    h = np.empty(H, np.float32)
+    p = np.empty(E, np.float64)
+    chosen = np.empty(E, np.bool_)
+    for t in range(T):
+        for j in range(H):
+            h[j] = r0[t, j]
+        for i in range(ids0.shape[1]):
+            wi, d = w0[t, i], Ds[0, ids0[t, i]]
+            for j in range(H):
+                h[j] += wi * d[j]
+        for s in range(S):
+            ss = 0.0
+            for j in range(H):
+                ss += np.float64(h[j]) * np.float64(h[j])
+            inv = 1.0 / np.sqrt(np.float64(np.float32(ss / H) + eps[s]))
+            F = Fs[s]
+            zmax = -np.inf
+            for e in range(E):
+                acc = 0.0
+                for j in range(H):
+                    acc += np.float64(h[j]) * np.float64(F[j, e])
+                p[e] = np.float64(np.float32(acc * inv))
+                if p[e] > zmax:
+                    zmax = p[e]
+            tot = 0.0
+            for e in range(E):
+                p[e] = np.exp(p[e] - zmax)
+                tot += p[e]
+            for e in range(E):
+                p[e] /= tot
+                out[s, t, e] = np.float32(p[e])
+            if s + 1 < S:  # the top k of target s route the chain's next step
+                chosen[:] = False
+                wsum = 0.0
+                for _ in range(top_k):
+                    b = -1
+                    for e in range(E):
+                        if not chosen[e] and (b < 0 or p[e] > p[b]):
+                            b = e
+                    chosen[b] = True
+                    wsum += np.float32(p[b])
+                d2 = Ds[s + 1]
+                for e in range(E):
+                    if chosen[e]:
+                        wi = np.float32(p[e])
+                        if renorm[s]:
+                            wi = np.float32(wi / wsum)
+                        for j in range(H):
+                            h[j] += wi * d2[e, j]
+    return out
+
+
 def np32(x: torch.Tensor) -> np.ndarray:
     """A tensor as float32 numpy on the host (no copy for a float32 CPU tensor)."""
     return x.detach().to("cpu", torch.float32).numpy()
@@ -187,6 +249,11 @@ class ChainRunner:
         self.dvec = {l: np32(v) for l, v in qh.dvec.items()}  # layer -> [E,H]
         self.rank = {l: i for i, l in enumerate(self.ml)}
         self._fused: dict[tuple[int, int], np.ndarray | None] = {}
+        self._compiled: dict[tuple[int, int], tuple[np.ndarray, ...] | None] = {}
+        H, E, k = self.spec.hidden_size, self.spec.num_experts, self.spec.top_k
+        f32 = np.float32  # compiled (or loaded from numba's cache) here, at bind, not in the first decode call
+        chain_probs(np.zeros((1, H), f32), np.zeros((1, k), f32), np.zeros((1, k), np.int64), np.zeros((1, H, E), f32),
+                    np.ones(1, f32), np.zeros((1, E, H), f32), k, np.zeros(1, np.bool_))  # fmt: skip
 
     def fused(self, l: int, proj: np.ndarray | None) -> np.ndarray | None:
         """Layer `l`'s norm weight folded into its router and `proj` [H,m]: w[:,None] x [router | proj], [H,E(+m)],
@@ -238,9 +305,45 @@ class ChainRunner:
                 h = h + np.matmul(w2[:, None, :], self.dvec[nxt][ids2])[:, 0]
         return qs, zs
 
+    def compiled(self, l: int, steps: int) -> tuple[np.ndarray, ...] | None:
+        """`chain_probs`'s per-(source layer, S) arrays (Fs [S,H,E], eps [S], Ds [S,E,H], renorm [S]), or None when
+        a target's norm, router or selection rule runs as its module (then `run` does the chain in numpy)."""
+        key = (l, steps)
+        if key not in self._compiled:
+            r, ops = self.rank[l], self.ops
+            tg = self.ml[r + 1 : r + 1 + steps]
+            Fs = [F for t in tg if (F := self.fused(t, None)) is not None]
+            sel = [ops.sel.get(t) for t in tg]  # the last target's rule is not used (nothing follows it)
+            if len(Fs) < len(tg) or any(x is None for x in sel[:-1]):
+                self._compiled[key] = None
+            else:
+                self._compiled[key] = (
+                    np.ascontiguousarray(np.stack(Fs)),  # [S,H,E]
+                    np.array([ops.nw[t][1] for t in tg], np.float32),  # type: ignore[index]
+                    np.ascontiguousarray(np.stack([self.dvec[x] for x in [l, *tg[:-1]]])),  # [S,E,H]
+                    np.array([bool(x) for x in sel], np.bool_),  # [S]
+                )
+        return self._compiled[key]
+
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
-        """Router-PF's probabilities [S,T,E]."""
-        return softmax(self.run(batch, steps, need_q=False)[1])
+        """Router-PF's probabilities [S,T,E]: one compiled call (`chain_probs`) when every target's norm, router and
+        selection rule run in numpy and the call has at most 4 tokens (longer prompts go to numpy's products). A
+        decode step's call is then a few microseconds of arithmetic whatever ran on the core before it, where a few
+        dozen numpy operations each pay their dispatch from cold caches."""
+        c = self.compiled(batch.layer, steps) if batch.residual is not None and len(batch.residual) <= 4 else None
+        if c is None or batch.residual is None:
+            return softmax(self.run(batch, steps, need_q=False)[1])
+        Fs, eps, Ds, renorm = c
+        return chain_probs(  # C-contiguous inputs: the one signature compiled at bind
+            np.ascontiguousarray(np32(batch.residual)),
+            np.ascontiguousarray(np32(batch.topk_weights)),
+            np.ascontiguousarray(batch.topk_ids.numpy(force=True), np.int64),
+            Fs,
+            eps,
+            Ds,
+            self.spec.top_k,
+            renorm,
+        )
 
 
 class EstimatorRunner:
