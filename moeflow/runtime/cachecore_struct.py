@@ -253,11 +253,6 @@ def _bk_free(I, k):
 
 
 @_fn
-def _hx_less(I, x, y):
-    return I[x] < I[y] or (I[x] == I[y] and I[x + 1] < I[y + 1])
-
-
-@_fn
 def _hx_sift(I, i):
     """Restore the heap order around position i: its entry moves up, else down, parents or children moving
     into the hole it leaves."""
@@ -278,9 +273,10 @@ def _hx_sift(I, i):
             c = 2 * j + 1
             if c >= n:
                 break
-            if c + 1 < n and _hx_less(I, h + 3 * c + 3, h + 3 * c):
-                c += 1
             y = h + 3 * c
+            if c + 1 < n and (I[y + 3] < I[y] or (I[y + 3] == I[y] and I[y + 4] < I[y + 1])):  # the right child's entry is less
+                c += 1
+                y += 3
             if not (I[y] < a or (I[y] == a and I[y + 1] < b)):
                 break
             x = h + 3 * j
@@ -384,9 +380,14 @@ def _hx_first(I, part):
             c = 2 * j + 1
             if c >= m:
                 break
-            if c + 1 < m and _hx_less(I, h + 3 * I[f + c + 1], h + 3 * I[f + c]):
-                c += 1
-            if not _hx_less(I, h + 3 * I[f + c], h + 3 * I[f + j]):
+            y = h + 3 * I[f + c]
+            if c + 1 < m:
+                x = h + 3 * I[f + c + 1]
+                if I[x] < I[y] or (I[x] == I[y] and I[x + 1] < I[y + 1]):
+                    c += 1
+                    y = x
+            x = h + 3 * I[f + j]
+            if not (I[y] < I[x] or (I[y] == I[x] and I[y + 1] < I[x + 1])):
                 break
             I[f + j], I[f + c] = I[f + c], I[f + j]
             j = c
@@ -400,7 +401,8 @@ def _hx_first(I, part):
                 m += 1
                 while j > 0:
                     q = (j - 1) // 2
-                    if not _hx_less(I, h + 3 * I[f + j], h + 3 * I[f + q]):
+                    x, y = h + 3 * I[f + j], h + 3 * I[f + q]
+                    if not (I[x] < I[y] or (I[x] == I[y] and I[x + 1] < I[y + 1])):
                         break
                     I[f + j], I[f + q] = I[f + q], I[f + j]
                     j = q
