@@ -50,6 +50,10 @@ def _fn(fn):  # a function only kernels call: no Python entry to compile
     return njit_cached(fn, _CACHE, no_cpython_wrapper=True, no_cfunc_wrapper=True, **_OPTS)
 
 
+def _inline(fn):  # a tiny function only kernels call, on their hottest paths: inlined into them (a call costs more)
+    return njit_cached(fn, _CACHE, inline="always", no_cpython_wrapper=True, no_cfunc_wrapper=True, **_OPTS)
+
+
 # ---- policy kinds ---------------------------------------------------------------------------------------
 KIND_LRU, KIND_LFU, KIND_LS, KIND_BA, KIND_MIN, KIND_NU = 1, 2, 3, 4, 5, 6
 KINDS = {

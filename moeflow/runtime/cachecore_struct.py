@@ -39,6 +39,7 @@ from .cachecore_layout import (
     PK_TR,
     SC_NLOG,
     _fn,
+    _inline,
 )
 
 
@@ -252,6 +253,12 @@ def _bk_free(I, k):
 # of the running step and the keys the running prefetch call issued are passed over).
 
 
+@_inline
+def _hx_less(I, x, y):
+    """The heap entry at I[x] is less than the one at I[y] (by (a, b))."""
+    return I[x] < I[y] or (I[x] == I[y] and I[x + 1] < I[y + 1])
+
+
 @_fn
 def _hx_sift(I, i):
     """Restore the heap order around position i: its entry moves up, else down, parents or children moving
@@ -274,7 +281,7 @@ def _hx_sift(I, i):
             if c >= n:
                 break
             y = h + 3 * c
-            if c + 1 < n and (I[y + 3] < I[y] or (I[y + 3] == I[y] and I[y + 4] < I[y + 1])):  # the right child's entry is less
+            if c + 1 < n and _hx_less(I, y + 3, y):  # the right child's entry is less
                 c += 1
                 y += 3
             if not (I[y] < a or (I[y] == a and I[y + 1] < b)):
@@ -383,11 +390,11 @@ def _hx_first(I, part):
             y = h + 3 * I[f + c]
             if c + 1 < m:
                 x = h + 3 * I[f + c + 1]
-                if I[x] < I[y] or (I[x] == I[y] and I[x + 1] < I[y + 1]):
+                if _hx_less(I, x, y):
                     c += 1
                     y = x
             x = h + 3 * I[f + j]
-            if not (I[y] < I[x] or (I[y] == I[x] and I[y + 1] < I[x + 1])):
+            if not _hx_less(I, y, x):
                 break
             I[f + j], I[f + c] = I[f + c], I[f + j]
             j = c
@@ -401,8 +408,7 @@ def _hx_first(I, part):
                 m += 1
                 while j > 0:
                     q = (j - 1) // 2
-                    x, y = h + 3 * I[f + j], h + 3 * I[f + q]
-                    if not (I[x] < I[y] or (I[x] == I[y] and I[x + 1] < I[y + 1])):
+                    if not _hx_less(I, h + 3 * I[f + j], h + 3 * I[f + q]):
                         break
                     I[f + j], I[f + q] = I[f + q], I[f + j]
                     j = q
