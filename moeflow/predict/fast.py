@@ -250,10 +250,16 @@ class ChainRunner:
         self.rank = {l: i for i, l in enumerate(self.ml)}
         self._fused: dict[tuple[int, int], np.ndarray | None] = {}
         self._compiled: dict[tuple[int, int], tuple[np.ndarray, ...] | None] = {}
+
+    def warm(self) -> ChainRunner:
+        """Compile `chain_probs` (or load it from numba's cache: about 0.4 s) now, at bind, not in the first decode
+        call. Only for a runner whose `scores` serves decode steps (Router-PF's); the estimator and hybrid runners
+        only call `run`, so theirs skip it."""
         H, E, k = self.spec.hidden_size, self.spec.num_experts, self.spec.top_k
-        f32 = np.float32  # compiled (or loaded from numba's cache) here, at bind, not in the first decode call
+        f32 = np.float32
         chain_probs(np.zeros((1, H), f32), np.zeros((1, k), f32), np.zeros((1, k), np.int64), np.zeros((1, H, E), f32),
                     np.ones(1, f32), np.zeros((1, E, H), f32), k, np.zeros(1, np.bool_))  # fmt: skip
+        return self
 
     def fused(self, l: int, proj: np.ndarray | None) -> np.ndarray | None:
         """Layer `l`'s norm weight folded into its router and `proj` [H,m]: w[:,None] x [router | proj], [H,E(+m)],
