@@ -139,7 +139,7 @@ def measure(eng, m: RunMetrics, pol: str) -> dict[str, Any]:
         "host_wait_per_miss_s": m.host_wait_s / host_n if host_n else None,
         "auto_cpu_share": (dec.get("cpu", 0) / max(1, sum(dec.values()))) if pol == "auto" else None,
     }
-    host = getattr(getattr(eng, "_call", None), "host", None)
+    host = eng.host
     if host is not None and eng.device.type == "cpu":  # all-host calls split with the worker / all of them
         used = host.split.used
         out["split_share"] = used[True] / (used[True] + used[False]) if used[True] + used[False] else None
@@ -207,9 +207,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     forced = {"measured": None, "on": True, "off": False}[args.host_split]
 
     def attached(eng):
-        host = getattr(getattr(eng, "_call", None), "host", None)
-        if host is not None:
-            host.split.forced = forced
+        if eng.host is not None:
+            eng.host.split.forced = forced
         return eng
 
     # 1. host compute of one expert for T tokens vs one copy

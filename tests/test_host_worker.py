@@ -79,7 +79,7 @@ def test_threaded_host_path_identical(tiny_models, prompt, arch):
                     logits = _logits(model, prompt)
                     out, _m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
                     assert eng.miss_counts["cpu"] > 0, f"{arch} C={cap} {miss}: no host expert ran"
-                    assert (eng._call.host is not None) == threaded  # type: ignore[union-attr]
+                    assert (eng.host is not None) == threaded
                 assert torch.equal(out, ref_out), f"{arch} C={cap} {miss} threaded={threaded}"
                 assert torch.equal(logits, ref_logits), f"{arch} C={cap} {miss} threaded={threaded}"
                 got[threaded] = logits
@@ -88,7 +88,7 @@ def test_threaded_host_path_identical(tiny_models, prompt, arch):
 
 def _count_submits(eng) -> list[int]:
     """Spy on the attached engine's host worker: the number of rows of each job handed to it."""
-    host = eng._call.host
+    host = eng.host
     real, rows = host.submit, []
 
     def spy(x, eg, compute):
@@ -110,7 +110,7 @@ def test_all_host_call_split_or_serial(tiny_models, prompt):
     for forced in (False, True, None):
         eng = _engine(model, 2, "cpu", True)
         with eng:
-            split = eng._call.host.split  # type: ignore[union-attr]
+            split = eng.host.split
             split.forced = forced
             jobs = _count_submits(eng)
             out, _m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
@@ -166,7 +166,7 @@ def test_overlap_counters(tiny_models, prompt):
     fetch = _engine(model, 2, "fetch", True)
     with fetch:
         _o, mf = generate_one(model, prompt, fetch, max_new_tokens=NEW, min_new_tokens=NEW)
-        assert fetch._call.host is None and fetch.host_s == 0 and fetch.host_hidden_share is None  # type: ignore[union-attr]
+        assert fetch.host is None and fetch.host_s == 0 and fetch.host_hidden_share is None
     assert mf.to_dict()["host_hidden_share"] is None
     assert hidden_share(2.0, 0.5) == 0.75 and hidden_share(0.0, 0.0) is None and hidden_share(1.0, 2.0) == 0.0
 

@@ -137,6 +137,12 @@ class OffloadEngine:
         return hidden_share(self.counts.host_s, self.counts.host_wait_s)
 
     @property
+    def host(self) -> HostWorker | None:
+        """The host worker running `cpu` / `auto` misses beside the device (its `split` choice on a CPU device);
+        None before attach or without one."""
+        return self._call.host if self._call is not None else None
+
+    @property
     def miss_counts(self) -> dict[str, int]:
         """Missing experts (per layer call and expert) handled without a copy: drop / substitute / cpu."""
         return self.counts.miss_counts
