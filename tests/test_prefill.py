@@ -676,3 +676,81 @@ def test_staged_prefill_predicts_no_layer_already_in_slots(tiny_models, prompt):
             out = model(prompt).logits
     assert torch.equal(out, ref)
     assert predicted == [], predicted
+
+
+def test_eviction_asks_only_about_the_slots_its_policy_looks_at(tiny_models):
+    """A staged prefill keeps many copies in flight: each acquisition of an evicting cache asks the link about the
+    copies of the slots the eviction policy looks at (the LRU victim is a landed one), not about every copy in flight;
+    the victims are the same (the least recently used landed experts)."""
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    first, second = spec.moe_layers[0], spec.moe_layers[1]
+    E = spec.num_experts
+    now = [0.0]
+    link = EmulatedLink(1.0, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    eng = build_engine(model, mode="offload", link=link, capacity=E + E // 2, eviction="lru", prefetch="pregate")
+    assert eng is not None
+    with eng:
+        cache = eng.cache
+        cache.begin_pass(1)
+        cache.stage([(first, e) for e in range(E)], first)
+        cache.wait([cache.slot_of[(first, e)] for e in range(E)])  # landed (the virtual clock moved on)
+        cache.stage([(second, e) for e in range(E // 2)], second)  # in flight: the clock stands still now
+        flying = {id(cache.slots[cache.slot_of[(second, e)]].ticket) for e in range(E // 2)}
+        asked = [0]
+        ready = link.ready
+
+        def spy(t, _ready=ready):
+            asked[0] += id(t) in flying
+            return _ready(t)
+
+        link.ready = spy  # type: ignore[method-assign]
+        cache.begin_layer(second)
+        misses = list(range(E // 2, E))
+        slots = cache.demand(second, misses, {})  # each miss evicts a landed expert of `first`
+        assert sorted(k for k in cache.slot_of if k[0] == first) == [(first, e) for e in range(len(misses), E)]
+        assert asked[0] <= len(flying), asked[0]  # not every copy in flight at every acquisition (one by one: 16)
+        cache.release(slots)
+        link.drain()
+
+
+def test_evictions_in_a_batch_write_the_device_table_once(tiny_models):
+    """Evictions inside a `cache.batch()` go to the device table with its loads, in ONE write at the batch end (not
+    one device write per victim), and the table ends as the slot map (-1 for every evicted expert)."""
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    first, second = spec.moe_layers[0], spec.moe_layers[1]
+    E = spec.num_experts
+    eng = build_engine(model, mode="offload", link=EmulatedLink(50.0), capacity=E + E // 2, eviction="lru")
+    assert eng is not None
+
+    class Spy:  # the device table, counting its writes
+        def __init__(self, t: torch.Tensor):
+            self.t, self.device, self.writes = t, t.device, 0
+
+        def __getitem__(self, i):
+            return self.t[i]
+
+        def __setitem__(self, i, v):
+            self.writes += 1
+            self.t[i] = v
+
+    with eng:
+        cache = eng.cache
+        assert cache.table is not None
+        cache.begin_pass(1)
+        cache.begin_layer(first)
+        cache.release(cache.demand(first, list(range(E)), {}))
+        cache.wait(list(cache.slot_of.values()))
+        table = cache.table
+        spy = Spy(table)
+        cache.table = spy  # type: ignore[assignment]
+        cache.begin_layer(second)
+        with cache.batch():
+            slots = cache.demand(second, list(range(E)), {})  # E // 2 victims of `first`
+        cache.table = table
+        assert cache.counters.evictions == E // 2
+        assert spy.writes == 1
+        for r, l in enumerate(spec.moe_layers):
+            assert table[r].tolist() == [cache.slot_of.get((l, e), -1) for e in range(E)]
+        cache.release(slots)

@@ -90,6 +90,22 @@ class Slot:
     issued: int = 0  # a prefetched slot's sequence number (`ExpertCache._prefetch_seq` at its issue)
 
 
+class _InFlight:
+    """The slots an eviction may not take, asked slot by slot: `protected` ones and copies still in flight (a
+    slot's copy is checked, and a landed one marked ready, only when the policy asks about that slot)."""
+
+    __slots__ = ("_cache", "_protected")
+
+    def __init__(self, cache: ExpertCache, protected: Any):
+        self._cache, self._protected = cache, protected
+
+    def __contains__(self, s: object) -> bool:
+        if s in self._protected:
+            return True
+        cache = self._cache
+        return s in cache._loading and cache._refresh(s) != READY
+
+
 class ExpertCache:
     def __init__(
         self,
@@ -659,12 +675,9 @@ class ExpertCache:
             slots, loading = self.slots, self._loading  # a slot of a full part not in `_loading` is ready
             # the candidates as a view (`key in cands` is O(1), so policies need not scan them)
             if not self.per_layer:  # one part, every slot holds a key: the unpinned slots' keys, listed only if iterated
-                exclude: Any = protected
-                if loading:  # a landed copy's slot is ready (a candidate), one still in flight is not
-                    exclude = set(protected)
-                    for s in list(loading):
-                        if not slots[s].pinned and s not in protected and self._refresh(s) != READY:
-                            exclude.add(s)
+                # a landed copy's slot is ready (a candidate), one still in flight is not: asked of the slots the
+                # policy looks at only, not of every copy in flight at each acquisition
+                exclude: Any = _InFlight(self, protected) if loading else protected
                 cands = Candidates(self.slot_of, slots, exclude=exclude)
             else:
                 cands = Candidates(
@@ -709,7 +722,10 @@ class ExpertCache:
         self._evicted_in_pass[key] = self.pass_id
         del self.slot_of[key]
         r = self.rank[key[0]]
-        if self.table is not None:
+        if self._table_writes is not None:  # a `batch`: written at its end (-1: no slot then)
+            self._table_writes[0].append(r)
+            self._table_writes[1].append(key[1])
+        elif self.table is not None:
             self.table[r, key[1]] = -1  # device table follows the key
         self._resident_in[r] -= 1
         last_use = slot.last_use
