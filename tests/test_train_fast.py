@@ -69,6 +69,7 @@ def test_train_json_has_seconds_per_fitted_predictor(default_train):
     # the whole stage: every fit and every shared step happened inside it (each figure rounded to 1 ms)
     assert rep["seconds"] >= sum(per.values()) + sum(rep["seconds_steps"].values()) - 0.001 * (len(per) + len(STEPS))
     assert per["estimator"] > 0 and per["forest"] > 0
+    assert rep["fit_workers"] == 1  # --threads 1: one fit at a time
 
 
 def test_train_text_prints_the_seconds_table(default_train):
@@ -266,6 +267,42 @@ def test_forest_fit_is_the_same_with_more_threads(tiny_setup):  # noqa: F811
     assert one.rf is not None and two.rf is not None
     for k in ("left", "feature", "threshold", "value", "roots"):
         np.testing.assert_array_equal(one.rf.a[k], two.rf.a[k])
+
+
+def test_training_rule_fits_two_at_once_unless_told_one_thread():
+    """`--threads 1` keeps training on one core; otherwise a second usable CPU fits the forest beside the rest."""
+    from moeflow.predict.train import fit_workers
+
+    assert fit_workers(1, "--threads", cores=16) == 1
+    assert fit_workers(2, "--threads", cores=1) == 2 and fit_workers(8, "--threads", cores=16) == 2
+    for source in ("calibration", "default", "OMP_NUM_THREADS", "MOEFLOW_THREADS"):
+        assert fit_workers(1, source, cores=2) == 2  # decode's 1 thread for a small model is not training's
+        assert fit_workers(1, source, cores=1) == 1
+
+
+def test_forest_fitted_beside_the_others_is_the_same(fitted_default, monkeypatch):
+    """workers=2: the forest fits in its own thread while the rest fit in this one, and every predictor is the
+    same as fitted one after the other (the same report order too)."""
+    import threading
+
+    from moeflow.predict.forest import Forest
+    from moeflow.predict.train import fit_all
+
+    model, train, _, cfg, serial = fitted_default
+    where: list[str] = []
+    real = Forest.fit
+    monkeypatch.setattr(Forest, "fit", lambda self, *a, **k: where.append(threading.current_thread().name) or real(self, *a, **k))
+    both = fit_all(train, model, cfg, workers=2)
+    assert where and where[0] != threading.current_thread().name  # the forest fitted in another thread
+    assert list(both) == list(serial)
+    for k in ("left", "feature", "threshold", "value", "roots"):
+        np.testing.assert_array_equal(both["forest"].rf.a[k], serial["forest"].rf.a[k])
+    for name in ("estimator",):
+        got, want = both[name].net.state_dict(), serial[name].net.state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    for l, d in serial["router-pf"].dvec.items():
+        assert torch.equal(both["router-pf"].dvec[l], d)
+    assert both["hybrid"].use_estimator == serial["hybrid"].use_estimator
 
 
 def _count_calls(monkeypatch, objs: dict[str, object], method: str) -> dict[str, int]:

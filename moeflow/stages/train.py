@@ -31,6 +31,7 @@ from ..predict.train import (
     check_names,
     check_trace_model,
     fit_all,
+    fit_workers,
     sequences,
 )
 
@@ -203,8 +204,12 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
     train, held = data.split(cfg.holdout, cfg.seed)
     steps["load"] = time.perf_counter() - t_start
     columns = (TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn())
+    workers = fit_workers(threads.n, threads.source) if "forest" in cfg.only else 1
+    if console is not None and workers > 1:
+        console.print("[dim]fits: the forest in a thread of its own beside the others (2 at once)[/]")
     with progress("train", enabled=console is not None, console=console, columns=columns, transient=False) as prog:
-        preds = fit_all(train, model, cfg, prog, seconds=steps)
+        with _torch_threads_beside_forest(threads.n, workers):
+            preds = fit_all(train, model, cfg, prog, seconds=steps, workers=workers)
         t0 = time.perf_counter()
         pairs = len(data.rank_pairs(cfg.max_s))
         t = prog.add_task("evaluate (held out)", total=pairs * len(preds))
@@ -258,7 +263,23 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
     report["seconds"] = round(time.perf_counter() - t_start, 3)
     report["out"] = str(cfg.out)
     report.update(threads.to_dict())
+    report["fit_workers"] = workers
     return report
+
+
+@contextlib.contextmanager
+def _torch_threads_beside_forest(n: int, workers: int) -> Any:
+    """While the forest fits in its own thread with n // 2 tree jobs, torch gets the other n - n // 2 threads (at
+    least 1): the two never ask for more threads than `--threads` in all."""
+    if workers < 2 or n < 2:
+        yield
+        return
+    was = torch.get_num_threads()
+    torch.set_num_threads(max(1, n - n // 2))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was)
 
 
 def eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
