@@ -305,6 +305,26 @@ def test_forest_fitted_beside_the_others_is_the_same(fitted_default, monkeypatch
     assert both["hybrid"].use_estimator == serial["hybrid"].use_estimator
 
 
+def test_forest_scored_beside_the_others_gives_the_same_report(fitted_default, monkeypatch):
+    """With 2 workers the stage scores the forest in its own thread while the others are scored in this one; the
+    held-out report is the one `evaluate` gives for all of them in one call."""
+    import threading
+
+    from moeflow.predict import evaluate as ev
+    from moeflow.stages.train import _evaluate
+
+    _, _, held, cfg, preds = fitted_default
+    want = ev.evaluate(preds, held, max_s=cfg.max_s, window=cfg.forest_window, mass=cfg.mass)
+    threads: dict[str, str] = {}
+    real = ev.score
+    monkeypatch.setattr(
+        ev, "score", lambda p, *a, **k: threads.update(dict.fromkeys(p, threading.current_thread().name)) or real(p, *a, **k)
+    )
+    got = _evaluate(preds, held, cfg, workers=2)
+    assert threads["forest"] != threads["estimator"] == threading.current_thread().name
+    assert json.dumps(got) == json.dumps(want)  # the same figures, in the same order
+
+
 def _count_calls(monkeypatch, objs: dict[str, object], method: str) -> dict[str, int]:
     calls: dict[str, int] = {}
     for name, obj in objs.items():

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import ArtifactError, ConfigError
@@ -184,7 +185,7 @@ def _check(cfg: TrainConfig) -> None:
 def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack | None = None) -> dict[str, Any]:
     from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
-    from ..predict.evaluate import evaluate, plot, trace_prompt_ids
+    from ..predict.evaluate import plot, trace_prompt_ids
     from ..predict.io import save_predictors
     from ..progress import progress
     from .threads import apply_threads
@@ -213,9 +214,7 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
         t0 = time.perf_counter()
         pairs = len(data.rank_pairs(cfg.max_s))
         t = prog.add_task("evaluate (held out)", total=pairs * len(preds))
-        report = evaluate(
-            preds, held, max_s=cfg.max_s, window=cfg.forest_window, mass=cfg.mass, progress=lambda: prog.update(t, advance=1)
-        )
+        report = _evaluate(preds, held, cfg, workers, progress=lambda: prog.update(t, advance=1))
     steps["evaluate"] = time.perf_counter() - t0
     report["fit_seconds"] = {n: round(float(getattr(p, "fit_seconds", 0.0)), 3) for n, p in preds.items()}
     per = {n: float(getattr(p, "fit_seconds", 0.0)) for n, p in preds.items()}
@@ -265,6 +264,33 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
     report.update(threads.to_dict())
     report["fit_workers"] = workers
     return report
+
+
+def _evaluate(preds: dict[str, Any], held: Any, cfg: TrainConfig, workers: int, progress: Any = None) -> dict[str, Any]:
+    """The held-out report of `preds` (`moeflow.predict.evaluate.evaluate`). With 2 workers the forest (which
+    shares no work with the others) is scored in a thread of its own while the others are scored here, and that
+    thread then imports the plot's matplotlib modules, which `save_predictors` needs next."""
+    from ..predict.evaluate import evaluate, score, summarize
+
+    kw: dict[str, Any] = {"max_s": cfg.max_s, "window": cfg.forest_window, "mass": cfg.mass, "progress": progress}
+    if workers < 2 or "forest" not in preds or len(preds) < 2:
+        return evaluate(preds, held, **kw)
+    from concurrent.futures import ThreadPoolExecutor
+
+    def forest() -> Any:
+        got = score({"forest": preds["forest"]}, held, **kw)
+        import matplotlib.backends.backend_agg  # what `plot` imports, ahead of `save`
+        import matplotlib.figure  # noqa: F401
+
+        return got
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeflow-forest") as pool:
+        aside = pool.submit(forest)
+        results, decode = score({n: p for n, p in preds.items() if n != "forest"}, held, **kw)
+        f_results, f_decode = aside.result()
+    results, decode = {**results, **f_results}, {**decode, **f_decode}
+    results, decode = {n: results[n] for n in preds if n in results}, {n: decode[n] for n in preds if n in decode}
+    return summarize(results, decode, held, np.arange(held.n), max_s=cfg.max_s, mass=cfg.mass)
 
 
 @contextlib.contextmanager
