@@ -280,48 +280,56 @@ def test_training_rule_fits_two_at_once_unless_told_one_thread():
         assert fit_workers(1, source, cores=1) == 1
 
 
-def test_forest_fitted_beside_the_others_is_the_same(fitted_default, monkeypatch):
-    """workers=2: the forest fits in its own thread while the rest fit in this one, and every predictor is the
-    same as fitted one after the other (the same report order too)."""
-    import threading
+def _mark_pid(folder, tag: str) -> None:
+    import os
+
+    (folder / f"{tag}-{os.getpid()}").touch()
+
+
+def _pids(folder, tag: str) -> set[int]:
+    return {int(f.name.rsplit("-", 1)[1]) for f in folder.glob(f"{tag}-*")}
+
+
+def test_forest_fitted_beside_the_others_is_the_same(fitted_default, monkeypatch, tmp_path):
+    """workers=2: the forest fits in a process of its own while the rest fit in this one, and every predictor is
+    the same as fitted one after the other (the same report order too)."""
+    import os
 
     from moeflow.predict.forest import Forest
     from moeflow.predict.train import fit_all
 
     model, train, _, cfg, serial = fitted_default
-    where: list[str] = []
     real = Forest.fit
-    monkeypatch.setattr(Forest, "fit", lambda self, *a, **k: where.append(threading.current_thread().name) or real(self, *a, **k))
+    monkeypatch.setattr(Forest, "fit", lambda self, *a, **k: _mark_pid(tmp_path, "fit") or real(self, *a, **k))
     both = fit_all(train, model, cfg, workers=2)
-    assert where and where[0] != threading.current_thread().name  # the forest fitted in another thread
+    assert _pids(tmp_path, "fit") and os.getpid() not in _pids(tmp_path, "fit")  # the forest fitted elsewhere
     assert list(both) == list(serial)
     for k in ("left", "feature", "threshold", "value", "roots"):
         np.testing.assert_array_equal(both["forest"].rf.a[k], serial["forest"].rf.a[k])
-    for name in ("estimator",):
-        got, want = both[name].net.state_dict(), serial[name].net.state_dict()
-        assert all(torch.equal(got[k], want[k]) for k in want)
+    for k in ("prior_ids", "prior_counts", "prior_freq", "table"):
+        np.testing.assert_array_equal(getattr(both["forest"], k), getattr(serial["forest"], k))
+    assert both["forest"].fit_seconds > 0
+    got, want = both["estimator"].net.state_dict(), serial["estimator"].net.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
     for l, d in serial["router-pf"].dvec.items():
         assert torch.equal(both["router-pf"].dvec[l], d)
     assert both["hybrid"].use_estimator == serial["hybrid"].use_estimator
 
 
-def test_forest_scored_beside_the_others_gives_the_same_report(fitted_default, monkeypatch):
-    """With 2 workers the stage scores the forest in its own thread while the others are scored in this one; the
-    held-out report is the one `evaluate` gives for all of them in one call."""
-    import threading
+def test_forest_scored_beside_the_others_gives_the_same_report(fitted_default, monkeypatch, tmp_path):
+    """With 2 workers the stage scores the forest in a process of its own while the others are scored in this one;
+    the held-out report is the one `evaluate` gives for all of them in one call."""
+    import os
 
     from moeflow.predict import evaluate as ev
     from moeflow.stages.train import _evaluate
 
     _, _, held, cfg, preds = fitted_default
     want = ev.evaluate(preds, held, max_s=cfg.max_s, window=cfg.forest_window, mass=cfg.mass)
-    threads: dict[str, str] = {}
     real = ev.score
-    monkeypatch.setattr(
-        ev, "score", lambda p, *a, **k: threads.update(dict.fromkeys(p, threading.current_thread().name)) or real(p, *a, **k)
-    )
+    monkeypatch.setattr(ev, "score", lambda p, *a, **k: [_mark_pid(tmp_path, n) for n in p] and real(p, *a, **k))
     got = _evaluate(preds, held, cfg, workers=2)
-    assert threads["forest"] != threads["estimator"] == threading.current_thread().name
+    assert _pids(tmp_path, "estimator") == {os.getpid()} and os.getpid() not in _pids(tmp_path, "forest")
     assert json.dumps(got) == json.dumps(want)  # the same figures, in the same order
 
 

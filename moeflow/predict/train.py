@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -49,18 +51,57 @@ def check_trace_model(data: RoutingData, model: torch.nn.Module, trace: str) -> 
 
 
 def fit_workers(threads: int, source: str, cores: int | None = None) -> int:
-    """Fits run at once by `moeflow train` (the training rule): the forest (scikit-learn's splitter, which releases
-    the GIL) fits in a thread of its own beside the estimator and the other fits when this is 2, one after the
-    other when 1. `--threads N` (source "--threads") gives min(N, 2): `--threads 1` keeps training on one core.
-    Otherwise (the environment, a calibration or the size default: decode's rule, which picks 1 thread for a
-    small model because one decode token's products are too small to split) it is 2 whenever the process may use
-    2 CPUs or more: the two fits are independent, each a whole core's work for seconds, so a second core halves
-    their wall time instead of waiting on barriers."""
+    """Fits run at once by `moeflow train` (the training rule): with 2 the forest fits in a process of its own
+    (`in_child`) beside the estimator and the other fits, one after the other with 1. `--threads N` (source
+    "--threads") gives min(N, 2): `--threads 1` keeps training on one core. Otherwise (the environment, a
+    calibration or the size default: decode's rule, which picks 1 thread for a small model because one decode
+    token's products are too small to split) it is 2 whenever the process may use 2 CPUs or more: the two fits are
+    independent, each a whole core's work for seconds, so a second core halves their wall time instead of waiting
+    on barriers. 1 where processes cannot be forked (`can_fork`)."""
     from ..threads import usable_cores
 
+    if not can_fork():
+        return 1
     if source == "--threads":
         return min(max(1, threads), 2)
     return 2 if max(threads, cores or usable_cores()) >= 2 else 1
+
+
+def can_fork() -> bool:
+    """Whether `in_child` can fork (POSIX's fork start method; not on Windows)."""
+    import multiprocessing as mp
+
+    return "fork" in mp.get_all_start_methods()
+
+
+_CHILD: list[Callable[[], Any]] = []  # the function the next forked child runs (inherited, never pickled)
+_CHILD_THREADS = [1]  # its torch threads
+
+
+def _run_child() -> Any:
+    import torch
+
+    torch.set_num_threads(_CHILD_THREADS[0])  # the intra-op pool is not the parent's after fork
+    return _CHILD[0]()
+
+
+def in_child(fn: Callable[[], Any], threads: int = 1) -> Future[Any]:
+    """Run `fn()` in a forked process with `threads` torch threads; its (picklable) result comes back through the
+    future. The child inherits everything `fn` reads (the model, the trace arrays) without pickling it, and runs
+    apart from this process's GIL: a fit in a thread beside the estimator's many small torch calls would make each
+    of them wait for the GIL. The caller calls `.result()` (the pool shuts down once the result is in)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    _CHILD[:] = [fn]
+    _CHILD_THREADS[0] = max(1, threads)
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("fork"))
+    try:
+        fut = pool.submit(_run_child)  # forks here: the child sees _CHILD as set
+    finally:
+        pool.shutdown(wait=False)  # the submitted call still runs; the worker exits after it
+        _CHILD.clear()
+    return fut
 
 
 def fit_all(
@@ -73,8 +114,8 @@ def fit_all(
 ) -> dict[str, Any]:
     """name -> fitted predictor (baselines, pregate if hidden states exist, then cfg.only; hybrid reuses the
     estimator). `seconds` gets the shared default vectors' time under "default vectors". `workers` 2 (see
-    `fit_workers`): the forest fits in a thread of its own, with `cfg.threads // 2` (at least 1) tree jobs,
-    while the rest fit here; each fit is seeded on its own, so the predictors are the same as one after the
+    `fit_workers`): the forest fits in a process of its own (`in_child`), with `cfg.threads // 2` (at least 1)
+    tree jobs, while the rest fit here; each fit is seeded on its own, so the predictors are the same as one after the
     other."""
     from .default_vectors import compute_default_vectors
 
@@ -84,15 +125,16 @@ def fit_all(
     task = (lambda name, total: progress.add_task(name, total=total)) if progress else (lambda *a: None)
     adv = (lambda t, **kw: progress.update(t, **kw)) if progress else (lambda *a, **k: None)
     order = list(names)
-    aside = None  # the forest's fit in its own thread
+    aside = None  # the forest's fit in a process of its own, which saves it to a temporary folder
     if workers >= 2 and "forest" in names:
-        from concurrent.futures import ThreadPoolExecutor
+        import tempfile
 
         names.remove("forest")
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeflow-forest")
+        tmp = tempfile.TemporaryDirectory(prefix="moeflow-forest-")
         forest_cfg = dataclasses.replace(cfg, threads=max(1, int(cfg.threads or 1) // 2))
         ft = task("fit forest", 1.0)
-        aside = pool.submit(_fit_one, "forest", train, model, forest_cfg, lambda t=ft: adv(t, completed=1.0))
+        folder = Path(tmp.name) / "forest"
+        aside = in_child(lambda: _fit_and_save("forest", train, model, forest_cfg, folder), threads=forest_cfg.threads)
     dvec = None
     if any(n in ("router-pf", "estimator", "hybrid") for n in names):
         t = task("mean expert outputs", len(train.spec.moe_layers))  # the default vectors (Speculating Experts 3)
@@ -103,22 +145,33 @@ def fit_all(
     out: dict[str, Any] = {}
     try:
         _fit_here(names, train, model, cfg, dvec, out, task, adv)
+        if aside is not None:
+            seconds_ = aside.result()
+            out["forest"] = PREDICTORS["forest"].load(folder, model)
+            out["forest"].fit_seconds = seconds_
+            adv(ft, completed=1.0)
     finally:
         if aside is not None:
-            pool.shutdown(wait=True)
-    if aside is not None:
-        out["forest"] = aside.result()
+            aside.cancel()
+            tmp.cleanup()
     return {n: out[n] for n in order}
 
 
-def _fit_one(name: str, train: RoutingData, model: torch.nn.Module, cfg: Any, done: Any = None) -> Any:
+def _fit_and_save(name: str, train: RoutingData, model: torch.nn.Module, cfg: Any, folder: Path) -> float:
+    """In a child process: fit `name`, save it to `folder` (its own save format, read back with its `load`); its
+    fit seconds."""
+    p = _fit_one(name, train, model, cfg)
+    folder.mkdir()
+    p.save(folder)
+    return float(p.fit_seconds)
+
+
+def _fit_one(name: str, train: RoutingData, model: torch.nn.Module, cfg: Any) -> Any:
     """One predictor that needs nothing from the others, fitted (its `fit_seconds` set)."""
     p = PREDICTORS[name].create(model, cfg)
     t0 = time.perf_counter()
     p.fit(train, model, cfg)
     p.fit_seconds = getattr(p, "fit_seconds", 0.0) or (time.perf_counter() - t0)
-    if done is not None:
-        done()
     return p
 
 

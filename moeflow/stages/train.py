@@ -207,7 +207,7 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
     columns = (TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn())
     workers = fit_workers(threads.n, threads.source) if "forest" in cfg.only else 1
     if console is not None and workers > 1:
-        console.print("[dim]fits: the forest in a thread of its own beside the others (2 at once)[/]")
+        console.print("[dim]fits: the forest in a process of its own beside the others (2 at once)[/]")
     with progress("train", enabled=console is not None, console=console, columns=columns, transient=False) as prog:
         with _torch_threads_beside_forest(threads.n, workers):
             preds = fit_all(train, model, cfg, prog, seconds=steps, workers=workers)
@@ -268,26 +268,22 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
 
 def _evaluate(preds: dict[str, Any], held: Any, cfg: TrainConfig, workers: int, progress: Any = None) -> dict[str, Any]:
     """The held-out report of `preds` (`moeflow.predict.evaluate.evaluate`). With 2 workers the forest (which
-    shares no work with the others) is scored in a thread of its own while the others are scored here, and that
-    thread then imports the plot's matplotlib modules, which `save_predictors` needs next."""
+    shares no work with the others) is scored in a process of its own (`in_child`) while the others are scored
+    here."""
     from ..predict.evaluate import evaluate, score, summarize
+    from ..predict.train import in_child
 
-    kw: dict[str, Any] = {"max_s": cfg.max_s, "window": cfg.forest_window, "mass": cfg.mass, "progress": progress}
+    kw: dict[str, Any] = {"max_s": cfg.max_s, "window": cfg.forest_window, "mass": cfg.mass}
     if workers < 2 or "forest" not in preds or len(preds) < 2:
-        return evaluate(preds, held, **kw)
-    from concurrent.futures import ThreadPoolExecutor
-
-    def forest() -> Any:
-        got = score({"forest": preds["forest"]}, held, **kw)
-        import matplotlib.backends.backend_agg  # what `plot` imports, ahead of `save`
-        import matplotlib.figure  # noqa: F401
-
-        return got
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeflow-forest") as pool:
-        aside = pool.submit(forest)
-        results, decode = score({n: p for n, p in preds.items() if n != "forest"}, held, **kw)
+        return evaluate(preds, held, progress=progress, **kw)
+    aside = in_child(lambda: score({"forest": preds["forest"]}, held, **kw))
+    try:
+        results, decode = score({n: p for n, p in preds.items() if n != "forest"}, held, progress=progress, **kw)
         f_results, f_decode = aside.result()
+    finally:
+        aside.cancel()
+    for _ in f_results["forest"] if progress is not None else ():
+        progress()
     results, decode = {**results, **f_results}, {**decode, **f_decode}
     results, decode = {n: results[n] for n in preds if n in results}, {n: decode[n] for n in preds if n in decode}
     return summarize(results, decode, held, np.arange(held.n), max_s=cfg.max_s, mass=cfg.mass)
@@ -295,7 +291,7 @@ def _evaluate(preds: dict[str, Any], held: Any, cfg: TrainConfig, workers: int, 
 
 @contextlib.contextmanager
 def _torch_threads_beside_forest(n: int, workers: int) -> Any:
-    """While the forest fits in its own thread with n // 2 tree jobs, torch gets the other n - n // 2 threads (at
+    """While the forest fits in its own process with n // 2 tree jobs, torch gets the other n - n // 2 threads (at
     least 1): the two never ask for more threads than `--threads` in all."""
     if workers < 2 or n < 2:
         yield
