@@ -280,6 +280,29 @@ def test_training_rule_fits_two_at_once_unless_told_one_thread():
         assert fit_workers(1, source, cores=1) == 1
 
 
+def _child_torch() -> tuple[int, float]:
+    x = torch.ones(256, 256)
+    return torch.get_num_threads(), float((x @ x).sum())  # [256,256] product: a parallel region with > 1 thread
+
+
+def test_forked_fit_runs_torch_on_one_thread_after_the_parent_used_more():
+    """A forked child cannot use the parent's OpenMP team (a parallel region there waits forever): after the parent
+    ran torch on 2 threads, the child's torch runs on 1 and finishes."""
+    from moeflow.predict.train import can_fork, in_child
+
+    if not can_fork():
+        pytest.skip("no fork start method here")
+    was = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.ones(512, 512)
+        assert float((x @ x).sum()) == 512.0**3  # the parent's team exists now
+        threads, total = in_child(_child_torch).result(timeout=120)
+    finally:
+        torch.set_num_threads(was)
+    assert threads == 1 and total == 256.0**3
+
+
 def _mark_pid(folder, tag: str) -> None:
     import os
 

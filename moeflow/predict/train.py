@@ -75,26 +75,28 @@ def can_fork() -> bool:
 
 
 _CHILD: list[Callable[[], Any]] = []  # the function the next forked child runs (inherited, never pickled)
-_CHILD_THREADS = [1]  # its torch threads
 
 
 def _run_child() -> Any:
+    """In the child: one torch and one BLAS thread (an OpenMP team of the parent's is not usable after fork: a
+    parallel region would wait for threads that do not exist; one thread never opens one), then the function."""
     import torch
+    from threadpoolctl import threadpool_limits
 
-    torch.set_num_threads(_CHILD_THREADS[0])  # the intra-op pool is not the parent's after fork
-    return _CHILD[0]()
+    torch.set_num_threads(1)
+    with threadpool_limits(limits=1):
+        return _CHILD[0]()
 
 
-def in_child(fn: Callable[[], Any], threads: int = 1) -> Future[Any]:
-    """Run `fn()` in a forked process with `threads` torch threads; its (picklable) result comes back through the
-    future. The child inherits everything `fn` reads (the model, the trace arrays) without pickling it, and runs
+def in_child(fn: Callable[[], Any]) -> Future[Any]:
+    """Run `fn()` in a forked process with one torch thread (`_run_child`); its (picklable) result comes back
+    through the future. The child inherits everything `fn` reads (the model, the trace arrays) without pickling it, and runs
     apart from this process's GIL: a fit in a thread beside the estimator's many small torch calls would make each
     of them wait for the GIL. The caller calls `.result()` (the pool shuts down once the result is in)."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
     _CHILD[:] = [fn]
-    _CHILD_THREADS[0] = max(1, threads)
     pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("fork"))
     try:
         fut = pool.submit(_run_child)  # forks here: the child sees _CHILD as set
@@ -114,9 +116,9 @@ def fit_all(
 ) -> dict[str, Any]:
     """name -> fitted predictor (baselines, pregate if hidden states exist, then cfg.only; hybrid reuses the
     estimator). `seconds` gets the shared default vectors' time under "default vectors". `workers` 2 (see
-    `fit_workers`): the forest fits in a process of its own (`in_child`), with `cfg.threads // 2` (at least 1)
-    tree jobs, while the rest fit here; each fit is seeded on its own, so the predictors are the same as one after the
-    other."""
+    `fit_workers`): the forest fits in a process of its own (`in_child`: one torch thread), with `cfg.threads // 2`
+    (at least 1) tree jobs (threads: the splitter releases the GIL), while the rest fit here; each fit is seeded
+    on its own, so the predictors are the same as one after the other."""
     from .default_vectors import compute_default_vectors
 
     own = [n for n in cfg.only if n != "pregate" and n not in PLANNERS and n not in GPS]
@@ -134,7 +136,7 @@ def fit_all(
         forest_cfg = dataclasses.replace(cfg, threads=max(1, int(cfg.threads or 1) // 2))
         ft = task("fit forest", 1.0)
         folder = Path(tmp.name) / "forest"
-        aside = in_child(lambda: _fit_and_save("forest", train, model, forest_cfg, folder), threads=forest_cfg.threads)
+        aside = in_child(lambda: _fit_and_save("forest", train, model, forest_cfg, folder))
     dvec = None
     if any(n in ("router-pf", "estimator", "hybrid") for n in names):
         t = task("mean expert outputs", len(train.spec.moe_layers))  # the default vectors (Speculating Experts 3)
