@@ -270,14 +270,16 @@ def test_forest_fit_is_the_same_with_more_threads(tiny_setup):  # noqa: F811
 
 
 def test_training_rule_fits_two_at_once_unless_told_one_thread():
-    """`--threads 1` keeps training on one core; otherwise a second usable CPU fits the forest beside the rest."""
-    from moeflow.predict.train import fit_workers
+    """`--threads 1` keeps training on one core; otherwise two free CPUs fit the forest beside the rest."""
+    from moeflow.predict.train import fit_workers, idle_cpus
 
-    assert fit_workers(1, "--threads", cores=16) == 1
-    assert fit_workers(2, "--threads", cores=1) == 2 and fit_workers(8, "--threads", cores=16) == 2
+    assert fit_workers(1, "--threads", cores=16, idle=16) == 1
+    assert fit_workers(2, "--threads", cores=1, idle=0) == 2 and fit_workers(8, "--threads", cores=16, idle=0) == 2
     for source in ("calibration", "default", "OMP_NUM_THREADS", "MOEFLOW_THREADS"):
-        assert fit_workers(1, source, cores=2) == 2  # decode's 1 thread for a small model is not training's
-        assert fit_workers(1, source, cores=1) == 1
+        assert fit_workers(1, source, cores=2, idle=2.0) == 2  # decode's 1 thread for a small model is not training's
+        assert fit_workers(1, source, cores=2, idle=1.0) == 1  # one CPU kept busy by other work: one fit at a time
+        assert fit_workers(1, source, cores=1, idle=1.0) == 1
+    assert 0.0 <= idle_cpus(0.01) <= (__import__("os").cpu_count() or 1) + 1e-6
 
 
 def _child_torch() -> tuple[int, float]:

@@ -8,6 +8,7 @@ sequences the speculative-quality measurement uses.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -50,21 +51,51 @@ def check_trace_model(data: RoutingData, model: torch.nn.Module, trace: str) -> 
         raise another_model(f"trace {trace}", meta, fp, "pass the --model it was traced with")
 
 
-def fit_workers(threads: int, source: str, cores: int | None = None) -> int:
+def fit_workers(threads: int, source: str, cores: int | None = None, idle: float | None = None) -> int:
     """Fits run at once by `moeflow train` (the training rule): with 2 the forest fits in a process of its own
     (`in_child`) beside the estimator and the other fits, one after the other with 1. `--threads N` (source
     "--threads") gives min(N, 2): `--threads 1` keeps training on one core. Otherwise (the environment, a
     calibration or the size default: decode's rule, which picks 1 thread for a small model because one decode
-    token's products are too small to split) it is 2 whenever the process may use 2 CPUs or more: the two fits are
-    independent, each a whole core's work for seconds, so a second core halves their wall time instead of waiting
-    on barriers. 1 where processes cannot be forked (`can_fork`)."""
+    token's products are too small to split) it is 2 when the process may use 2 CPUs or more and about 2 of them
+    are idle now (`idle`: idle CPUs, default `idle_cpus()`): the two fits are independent, each a whole core's work
+    for seconds, so a second free core halves their wall time; on a machine that other work keeps busy, the two
+    would take turns on one core, each evicting the other's data from its caches, slower than one after the other.
+    1 where processes cannot be forked (`can_fork`)."""
     from ..threads import usable_cores
 
     if not can_fork():
         return 1
     if source == "--threads":
         return min(max(1, threads), 2)
-    return 2 if max(threads, cores or usable_cores()) >= 2 else 1
+    if max(threads, cores or usable_cores()) < 2:
+        return 1
+    return 2 if (idle_cpus() if idle is None else idle) >= IDLE_FOR_TWO else 1
+
+
+IDLE_FOR_TWO = 1.5  # idle CPUs (this process's own included, as it waits while measuring) for 2 fits at once
+
+
+def idle_cpus(interval: float = 0.1) -> float:
+    """CPUs idle over the next `interval` seconds (Linux's /proc/stat); without it, usable CPUs minus the 1-minute
+    load average."""
+    from ..threads import usable_cores
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]  # cpu user nice system idle iowait irq softirq steal ...
+        return v[3] + v[4], sum(v[:8])
+
+    try:
+        i0, t0 = sample()
+        time.sleep(interval)
+        i1, t1 = sample()
+        n = os.cpu_count() or 1
+        return n * (i1 - i0) / max(1, t1 - t0)
+    except (OSError, ValueError, IndexError):
+        try:
+            return usable_cores() - os.getloadavg()[0]
+        except OSError:
+            return 0.0
 
 
 def can_fork() -> bool:
