@@ -69,6 +69,7 @@ def test_train_json_has_seconds_per_fitted_predictor(default_train):
     # the whole stage: every fit and every shared step happened inside it (each figure rounded to 1 ms)
     assert rep["seconds"] >= sum(per.values()) + sum(rep["seconds_steps"].values()) - 0.001 * (len(per) + len(STEPS))
     assert per["estimator"] > 0 and per["forest"] > 0
+    assert rep["fit_workers"] == 1  # --threads 1: one fit at a time
 
 
 def test_train_text_prints_the_seconds_table(default_train):
@@ -266,6 +267,95 @@ def test_forest_fit_is_the_same_with_more_threads(tiny_setup):  # noqa: F811
     assert one.rf is not None and two.rf is not None
     for k in ("left", "feature", "threshold", "value", "roots"):
         np.testing.assert_array_equal(one.rf.a[k], two.rf.a[k])
+
+
+def test_training_rule_fits_two_at_once_unless_told_one_thread():
+    """`--threads 1` keeps training on one core; otherwise two free CPUs fit the forest beside the rest."""
+    from moeflow.predict.train import fit_workers, idle_cpus
+
+    assert fit_workers(1, "--threads", cores=16, idle=16) == 1
+    assert fit_workers(2, "--threads", cores=1, idle=0) == 2 and fit_workers(8, "--threads", cores=16, idle=0) == 2
+    for source in ("calibration", "default", "OMP_NUM_THREADS", "MOEFLOW_THREADS"):
+        assert fit_workers(1, source, cores=2, idle=2.0) == 2  # decode's 1 thread for a small model is not training's
+        assert fit_workers(1, source, cores=2, idle=1.0) == 1  # one CPU kept busy by other work: one fit at a time
+        assert fit_workers(1, source, cores=1, idle=1.0) == 1
+    assert 0.0 <= idle_cpus(0.01) <= (__import__("os").cpu_count() or 1) + 1e-6
+
+
+def _child_torch() -> tuple[int, float]:
+    x = torch.ones(256, 256)
+    return torch.get_num_threads(), float((x @ x).sum())  # [256,256] product: a parallel region with > 1 thread
+
+
+def test_forked_fit_runs_torch_on_one_thread_after_the_parent_used_more():
+    """A forked child cannot use the parent's OpenMP team (a parallel region there waits forever): after the parent
+    ran torch on 2 threads, the child's torch runs on 1 and finishes."""
+    from moeflow.predict.train import can_fork, in_child
+
+    if not can_fork():
+        pytest.skip("no fork start method here")
+    was = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.ones(512, 512)
+        assert float((x @ x).sum()) == 512.0**3  # the parent's team exists now
+        threads, total = in_child(_child_torch).result(timeout=120)
+    finally:
+        torch.set_num_threads(was)
+    assert threads == 1 and total == 256.0**3
+
+
+def _mark_pid(folder, tag: str) -> None:
+    import os
+
+    (folder / f"{tag}-{os.getpid()}").touch()
+
+
+def _pids(folder, tag: str) -> set[int]:
+    return {int(f.name.rsplit("-", 1)[1]) for f in folder.glob(f"{tag}-*")}
+
+
+def test_forest_fitted_beside_the_others_is_the_same(fitted_default, monkeypatch, tmp_path):
+    """workers=2: the forest fits in a process of its own while the rest fit in this one, and every predictor is
+    the same as fitted one after the other (the same report order too)."""
+    import os
+
+    from moeflow.predict.forest import Forest
+    from moeflow.predict.train import fit_all
+
+    model, train, _, cfg, serial = fitted_default
+    real = Forest.fit
+    monkeypatch.setattr(Forest, "fit", lambda self, *a, **k: _mark_pid(tmp_path, "fit") or real(self, *a, **k))
+    both = fit_all(train, model, cfg, workers=2)
+    assert _pids(tmp_path, "fit") and os.getpid() not in _pids(tmp_path, "fit")  # the forest fitted elsewhere
+    assert list(both) == list(serial)
+    for k in ("left", "feature", "threshold", "value", "roots"):
+        np.testing.assert_array_equal(both["forest"].rf.a[k], serial["forest"].rf.a[k])
+    for k in ("prior_ids", "prior_counts", "prior_freq", "table"):
+        np.testing.assert_array_equal(getattr(both["forest"], k), getattr(serial["forest"], k))
+    assert both["forest"].fit_seconds > 0
+    got, want = both["estimator"].net.state_dict(), serial["estimator"].net.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    for l, d in serial["router-pf"].dvec.items():
+        assert torch.equal(both["router-pf"].dvec[l], d)
+    assert both["hybrid"].use_estimator == serial["hybrid"].use_estimator
+
+
+def test_forest_scored_beside_the_others_gives_the_same_report(fitted_default, monkeypatch, tmp_path):
+    """With 2 workers the stage scores the forest in a process of its own while the others are scored in this one;
+    the held-out report is the one `evaluate` gives for all of them in one call."""
+    import os
+
+    from moeflow.predict import evaluate as ev
+    from moeflow.stages.train import _evaluate
+
+    _, _, held, cfg, preds = fitted_default
+    want = ev.evaluate(preds, held, max_s=cfg.max_s, window=cfg.forest_window, mass=cfg.mass)
+    real = ev.score
+    monkeypatch.setattr(ev, "score", lambda p, *a, **k: [_mark_pid(tmp_path, n) for n in p] and real(p, *a, **k))
+    got = _evaluate(preds, held, cfg, workers=2)
+    assert _pids(tmp_path, "estimator") == {os.getpid()} and os.getpid() not in _pids(tmp_path, "forest")
+    assert json.dumps(got) == json.dumps(want)  # the same figures, in the same order
 
 
 def _count_calls(monkeypatch, objs: dict[str, object], method: str) -> dict[str, int]:

@@ -104,6 +104,27 @@ def evaluate(
     predictor with a `runner()` (`moeflow.predict.fast`, the run-time path) scores every S of a source layer in
     one call per chunk of rows, as `moeflow run` does (its scores equal `predict`'s up to float32 rounding);
     without, every (layer, S) calls `predict`."""
+    sel = np.arange(data.n) if rows is None else np.asarray(rows)
+    results, decode = score(
+        predictors, data, max_s=max_s, window=window, mass=mass, chunk=chunk, progress=progress, rows=rows, batched=batched
+    )
+    return summarize(results, decode, data, sel, max_s=max_s, mass=mass)
+
+
+def score(
+    predictors: Mapping[str, Any],
+    data: RoutingData,
+    *,
+    max_s: int = 4,
+    window: int = 4,
+    mass: float = 0.8,
+    chunk: int = 2048,
+    progress: Callable[[], None] | None = None,
+    rows: np.ndarray | None = None,
+    batched: bool = True,
+) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, dict[str, dict[str, float]]]]:
+    """`evaluate`'s per-pair metrics (results, decode-only results), without the summary: predictors that share
+    no work (no `delegate` to one another) can be scored in separate calls, e.g. in two threads, and merged."""
     ctx = data.context(window)
     sel = np.arange(data.n) if rows is None else np.asarray(rows)
     dec = torch.from_numpy(data.phase[sel] == 1)  # [n] decode rows among sel
@@ -143,6 +164,21 @@ def evaluate(
                 progress()
         results[name] = res
         decode[name] = res_dec
+    return results, decode
+
+
+def summarize(
+    results: Mapping[str, dict[str, dict[str, float]]],
+    decode: Mapping[str, dict[str, dict[str, float]]],
+    data: RoutingData,
+    sel: np.ndarray,
+    *,
+    max_s: int,
+    mass: float,
+) -> dict[str, Any]:
+    """`evaluate`'s report from `score`'s metrics on rows `sel` of `data`: means by S, the decay fits."""
+    dec = data.phase[sel] == 1  # [n] decode rows among sel
+    pairs = data.rank_pairs(max_s)
     by_s = _mean_by_s(results)
     raw = {name: fit_decay([(m["S"], m["recall_at_k"]) for m in r.values()]) for name, r in results.items()}
     status = {name: decay_fit_status(f, len({m["S"] for m in r.values()})) for (name, f), r in zip(raw.items(), results.values())}
@@ -157,7 +193,7 @@ def evaluate(
         "mass": mass,
         "max_s": max_s,
         "pairs": [[src, s] for src, s in pairs],
-        "results": results,
+        "results": dict(results),
         "by_s": by_s,
         "fit": fits,
         "fit_status": status,

@@ -7,7 +7,11 @@ sequences the speculative-quality measurement uses.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +51,105 @@ def check_trace_model(data: RoutingData, model: torch.nn.Module, trace: str) -> 
         raise another_model(f"trace {trace}", meta, fp, "pass the --model it was traced with")
 
 
+def fit_workers(threads: int, source: str, cores: int | None = None, idle: float | None = None) -> int:
+    """Fits run at once by `moeflow train` (the training rule): with 2 the forest fits in a process of its own
+    (`in_child`) beside the estimator and the other fits, one after the other with 1. `--threads N` (source
+    "--threads") gives min(N, 2): `--threads 1` keeps training on one core. Otherwise (the environment, a
+    calibration or the size default: decode's rule, which picks 1 thread for a small model because one decode
+    token's products are too small to split) it is 2 when the process may use 2 CPUs or more and about 2 of them
+    are idle now (`idle`: idle CPUs, default `idle_cpus()`): the two fits are independent, each a whole core's work
+    for seconds, so a second free core halves their wall time; on a machine that other work keeps busy, the two
+    would take turns on one core, each evicting the other's data from its caches, slower than one after the other.
+    1 where processes cannot be forked (`can_fork`)."""
+    from ..threads import usable_cores
+
+    if not can_fork():
+        return 1
+    if source == "--threads":
+        return min(max(1, threads), 2)
+    if max(threads, cores or usable_cores()) < 2:
+        return 1
+    return 2 if (idle_cpus() if idle is None else idle) >= IDLE_FOR_TWO else 1
+
+
+IDLE_FOR_TWO = 1.5  # idle CPUs (this process's own included, as it waits while measuring) for 2 fits at once
+
+
+def idle_cpus(interval: float = 0.1) -> float:
+    """CPUs idle over the next `interval` seconds (Linux's /proc/stat); without it, usable CPUs minus the 1-minute
+    load average."""
+    from ..threads import usable_cores
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]  # cpu user nice system idle iowait irq softirq steal ...
+        return v[3] + v[4], sum(v[:8])
+
+    try:
+        i0, t0 = sample()
+        time.sleep(interval)
+        i1, t1 = sample()
+        n = os.cpu_count() or 1
+        return n * (i1 - i0) / max(1, t1 - t0)
+    except (OSError, ValueError, IndexError):
+        try:
+            return usable_cores() - os.getloadavg()[0]
+        except OSError:
+            return 0.0
+
+
+def can_fork() -> bool:
+    """Whether `in_child` can fork (POSIX's fork start method; not on Windows)."""
+    import multiprocessing as mp
+
+    return "fork" in mp.get_all_start_methods()
+
+
+_CHILD: list[Callable[[], Any]] = []  # the function the next forked child runs (inherited, never pickled)
+
+
+def _run_child() -> Any:
+    """In the child: one torch and one BLAS thread (an OpenMP team of the parent's is not usable after fork: a
+    parallel region would wait for threads that do not exist; one thread never opens one), then the function."""
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    torch.set_num_threads(1)
+    with threadpool_limits(limits=1):
+        return _CHILD[0]()
+
+
+def in_child(fn: Callable[[], Any]) -> Future[Any]:
+    """Run `fn()` in a forked process with one torch thread (`_run_child`); its (picklable) result comes back
+    through the future. The child inherits everything `fn` reads (the model, the trace arrays) without pickling it, and runs
+    apart from this process's GIL: a fit in a thread beside the estimator's many small torch calls would make each
+    of them wait for the GIL. The caller calls `.result()` (the pool shuts down once the result is in)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    _CHILD[:] = [fn]
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("fork"))
+    try:
+        fut = pool.submit(_run_child)  # forks here: the child sees _CHILD as set
+    finally:
+        pool.shutdown(wait=False)  # the submitted call still runs; the worker exits after it
+        _CHILD.clear()
+    return fut
+
+
 def fit_all(
-    train: RoutingData, model: torch.nn.Module, cfg: Any, progress: Any = None, seconds: dict[str, float] | None = None
+    train: RoutingData,
+    model: torch.nn.Module,
+    cfg: Any,
+    progress: Any = None,
+    seconds: dict[str, float] | None = None,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """name -> fitted predictor (baselines, pregate if hidden states exist, then cfg.only; hybrid reuses the
-    estimator). `seconds` gets the shared default vectors' time under "default vectors"."""
+    estimator). `seconds` gets the shared default vectors' time under "default vectors". `workers` 2 (see
+    `fit_workers`): the forest fits in a process of its own (`in_child`: one torch thread), with `cfg.threads // 2`
+    (at least 1) tree jobs (threads: the splitter releases the GIL), while the rest fit here; each fit is seeded
+    on its own, so the predictors are the same as one after the other."""
     from .default_vectors import compute_default_vectors
 
     own = [n for n in cfg.only if n != "pregate" and n not in PLANNERS and n not in GPS]
@@ -59,6 +157,17 @@ def fit_all(
     names = list(BASELINES) + (["pregate"] if train.has_hidden else []) + own
     task = (lambda name, total: progress.add_task(name, total=total)) if progress else (lambda *a: None)
     adv = (lambda t, **kw: progress.update(t, **kw)) if progress else (lambda *a, **k: None)
+    order = list(names)
+    aside = None  # the forest's fit in a process of its own, which saves it to a temporary folder
+    if workers >= 2 and "forest" in names:
+        import tempfile
+
+        names.remove("forest")
+        tmp = tempfile.TemporaryDirectory(prefix="moeflow-forest-")
+        forest_cfg = dataclasses.replace(cfg, threads=max(1, int(cfg.threads or 1) // 2))
+        ft = task("fit forest", 1.0)
+        folder = Path(tmp.name) / "forest"
+        aside = in_child(lambda: _fit_and_save("forest", train, model, forest_cfg, folder))
     dvec = None
     if any(n in ("router-pf", "estimator", "hybrid") for n in names):
         t = task("mean expert outputs", len(train.spec.moe_layers))  # the default vectors (Speculating Experts 3)
@@ -67,6 +176,41 @@ def fit_all(
         if seconds is not None:
             seconds["default vectors"] = time.perf_counter() - t0
     out: dict[str, Any] = {}
+    try:
+        _fit_here(names, train, model, cfg, dvec, out, task, adv)
+        if aside is not None:
+            seconds_ = aside.result()
+            out["forest"] = PREDICTORS["forest"].load(folder, model)
+            out["forest"].fit_seconds = seconds_
+            adv(ft, completed=1.0)
+    finally:
+        if aside is not None:
+            aside.cancel()
+            tmp.cleanup()
+    return {n: out[n] for n in order}
+
+
+def _fit_and_save(name: str, train: RoutingData, model: torch.nn.Module, cfg: Any, folder: Path) -> float:
+    """In a child process: fit `name`, save it to `folder` (its own save format, read back with its `load`); its
+    fit seconds."""
+    p = _fit_one(name, train, model, cfg)
+    folder.mkdir()
+    p.save(folder)
+    return float(p.fit_seconds)
+
+
+def _fit_one(name: str, train: RoutingData, model: torch.nn.Module, cfg: Any) -> Any:
+    """One predictor that needs nothing from the others, fitted (its `fit_seconds` set)."""
+    p = PREDICTORS[name].create(model, cfg)
+    t0 = time.perf_counter()
+    p.fit(train, model, cfg)
+    p.fit_seconds = getattr(p, "fit_seconds", 0.0) or (time.perf_counter() - t0)
+    return p
+
+
+def _fit_here(
+    names: list[str], train: RoutingData, model: torch.nn.Module, cfg: Any, dvec: Any, out: dict[str, Any], task: Any, adv: Any
+) -> None:
     for n in names:
         t = task(f"fit {n}", 1.0)
         p = PREDICTORS[n].create(model, cfg)
@@ -90,7 +234,6 @@ def fit_all(
         p.fit_seconds = getattr(p, "fit_seconds", 0.0) or (time.perf_counter() - t0)
         adv(t, completed=1.0)
         out[n] = p
-    return out
 
 
 def sequences(data: RoutingData, limit: int, max_len: int = 256) -> list[list[int]]:

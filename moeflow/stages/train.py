@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import ArtifactError, ConfigError
@@ -31,6 +32,7 @@ from ..predict.train import (
     check_names,
     check_trace_model,
     fit_all,
+    fit_workers,
     sequences,
 )
 
@@ -183,7 +185,7 @@ def _check(cfg: TrainConfig) -> None:
 def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack | None = None) -> dict[str, Any]:
     from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
-    from ..predict.evaluate import evaluate, plot, trace_prompt_ids
+    from ..predict.evaluate import plot, trace_prompt_ids
     from ..predict.io import save_predictors
     from ..progress import progress
     from .threads import apply_threads
@@ -203,14 +205,16 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
     train, held = data.split(cfg.holdout, cfg.seed)
     steps["load"] = time.perf_counter() - t_start
     columns = (TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn())
+    workers = fit_workers(threads.n, threads.source) if "forest" in cfg.only else 1
+    if console is not None and workers > 1:
+        console.print("[dim]fits: the forest in a process of its own beside the others (2 at once)[/]")
     with progress("train", enabled=console is not None, console=console, columns=columns, transient=False) as prog:
-        preds = fit_all(train, model, cfg, prog, seconds=steps)
+        with _torch_threads_beside_forest(threads.n, workers):
+            preds = fit_all(train, model, cfg, prog, seconds=steps, workers=workers)
         t0 = time.perf_counter()
         pairs = len(data.rank_pairs(cfg.max_s))
         t = prog.add_task("evaluate (held out)", total=pairs * len(preds))
-        report = evaluate(
-            preds, held, max_s=cfg.max_s, window=cfg.forest_window, mass=cfg.mass, progress=lambda: prog.update(t, advance=1)
-        )
+        report = _evaluate(preds, held, cfg, workers, progress=lambda: prog.update(t, advance=1))
     steps["evaluate"] = time.perf_counter() - t0
     report["fit_seconds"] = {n: round(float(getattr(p, "fit_seconds", 0.0)), 3) for n, p in preds.items()}
     per = {n: float(getattr(p, "fit_seconds", 0.0)) for n, p in preds.items()}
@@ -258,7 +262,46 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
     report["seconds"] = round(time.perf_counter() - t_start, 3)
     report["out"] = str(cfg.out)
     report.update(threads.to_dict())
+    report["fit_workers"] = workers
     return report
+
+
+def _evaluate(preds: dict[str, Any], held: Any, cfg: TrainConfig, workers: int, progress: Any = None) -> dict[str, Any]:
+    """The held-out report of `preds` (`moeflow.predict.evaluate.evaluate`). With 2 workers the forest (which
+    shares no work with the others) is scored in a process of its own (`in_child`) while the others are scored
+    here."""
+    from ..predict.evaluate import evaluate, score, summarize
+    from ..predict.train import in_child
+
+    kw: dict[str, Any] = {"max_s": cfg.max_s, "window": cfg.forest_window, "mass": cfg.mass}
+    if workers < 2 or "forest" not in preds or len(preds) < 2:
+        return evaluate(preds, held, progress=progress, **kw)
+    aside = in_child(lambda: score({"forest": preds["forest"]}, held, **kw))
+    try:
+        results, decode = score({n: p for n, p in preds.items() if n != "forest"}, held, progress=progress, **kw)
+        f_results, f_decode = aside.result()
+    finally:
+        aside.cancel()
+    for _ in f_results["forest"] if progress is not None else ():
+        progress()
+    results, decode = {**results, **f_results}, {**decode, **f_decode}
+    results, decode = {n: results[n] for n in preds if n in results}, {n: decode[n] for n in preds if n in decode}
+    return summarize(results, decode, held, np.arange(held.n), max_s=cfg.max_s, mass=cfg.mass)
+
+
+@contextlib.contextmanager
+def _torch_threads_beside_forest(n: int, workers: int) -> Any:
+    """While the forest fits in its own process with n // 2 tree jobs, torch gets the other n - n // 2 threads (at
+    least 1): the two never ask for more threads than `--threads` in all."""
+    if workers < 2 or n < 2:
+        yield
+        return
+    was = torch.get_num_threads()
+    torch.set_num_threads(max(1, n - n // 2))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was)
 
 
 def eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
