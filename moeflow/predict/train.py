@@ -99,10 +99,12 @@ def idle_cpus(interval: float = 0.1) -> float:
 
 
 def can_fork() -> bool:
-    """Whether `in_child` can fork (POSIX's fork start method; not on Windows)."""
+    """Whether `in_child` can fork: Linux only (Windows has no fork, and on macOS a forked child of a process that
+    loaded torch's and the system's frameworks is not safe)."""
     import multiprocessing as mp
+    import sys
 
-    return "fork" in mp.get_all_start_methods()
+    return sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods()
 
 
 _CHILD: list[Callable[[], Any]] = []  # the function the next forked child runs (inherited, never pickled)
