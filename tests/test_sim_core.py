@@ -194,13 +194,18 @@ def test_lfu_count_buckets_stay_ordered(per_layer):
 
 
 def _belady_heap_holds(cache: ExpertCache) -> None:
-    """Belady's heap: every resident key, pinned and just issued ones too (an access re-scores a key in
-    place), each once with its own entry, in heap order, at the position O_HPOS names."""
-    lay, I, pk, sof, _ = _state(cache)
+    """Belady's heap: every candidate key (resident, neither pinned nor just issued) and no evicted one, each
+    once with its own entry, in heap order, at the position O_HPOS names; every key out of the heap
+    has no position (-1)."""
+    lay, I, pk, sof, busy = _state(cache)
     n, K = int(I[I[lay.O_PG] + lay.PG_HSIZE]), int(I[lay.H_K])
     heap = I[I[lay.O_HEAP] : I[lay.O_HEAP] + 3 * n].reshape(-1, 3)  # [n, 3] (a, b, key)
     hpos = I[I[lay.O_HPOS] : I[lay.O_HPOS] + K]  # [K]
-    assert sorted(heap[:, 2].tolist()) == sorted(np.flatnonzero(sof >= 0).tolist())
+    keys = heap[:, 2].tolist()
+    resident = np.flatnonzero(sof >= 0)  # [R]
+    cands = resident[~busy[sof[resident]]].tolist()
+    assert len(set(keys)) == len(keys) and set(cands) <= set(keys) <= set(resident.tolist())
+    assert (hpos[resident] >= 0).sum() == n
     for i, (a, b, k) in enumerate(heap.tolist()):
         assert hpos[k] == i and (a, b) == (pk[k, lay.PK_HA], pk[k, lay.PK_HB])
         if i:
@@ -209,7 +214,7 @@ def _belady_heap_holds(cache: ExpertCache) -> None:
 
 
 @pytest.mark.parametrize("per_layer", [False, True])
-def test_belady_heap_keeps_pinned_keys(per_layer):
+def test_belady_heap_holds_every_candidate(per_layer):
     """Belady's victim structure, checked after every call (the same victims as Python's:
     test_kernel_equals_python_call_by_call)."""
     acc = _trace(4)

@@ -245,12 +245,14 @@ def _bk_free(I, k):
         I[I[O_BK] + 6 * b + 5] += 1
 
 
-# The heap (belady): an indexed min-heap of the resident keys, one entry (a, b, key) each at I[O_HEAP],
-# ordered by (a, b), unique among keys ((-score, 0), a score names its key); O_HPOS holds each key's
-# position, so an update sifts it in place. Every tracked key keeps its entry in PK_HA, PK_HB. A resident key
-# stays in the heap while pinned or just issued (an access re-scores it with one sift in place, not a removal
-# and a re-insert), so the victim is the first entry whose key is a candidate (`_hx_first`: the pinned keys
-# of the running step and the keys the running prefetch call issued are passed over).
+# The heap (belady): an indexed min-heap of resident keys, one entry (a, b, key) each at I[O_HEAP], ordered
+# by (a, b), unique among keys ((-score, 0), a score names its key); O_HPOS holds each key's position (-1: out
+# of the heap), so an update sifts it in place. Every tracked key keeps its entry in PK_HA, PK_HB. Every
+# candidate is in the heap; a pinned or just issued key stays where it is (an access re-scores it with one sift
+# in place) until a victim search meets it at the top, which takes it out (`_hx_first`: the running step's
+# pinned keys score the farthest next uses, so they gather at the top); a key out of the heap is not entered
+# while pinned or just issued, and comes back when it is a candidate again (`_hx_insert`). The victim is the
+# first entry whose key is a candidate.
 
 
 @_inline
@@ -320,7 +322,8 @@ def _hx_set(I, k, a, b):
         I[x + 1] = b
         _hx_sift(I, i)
         return
-    if I[I[O_SOF] + k] >= 0:  # resident: in the heap, pinned or not
+    s = I[I[O_SOF] + k]
+    if s >= 0 and not I[I[O_PIN] + s] and not I[I[O_PROT] + s]:  # a candidate: into the heap
         _hx_put(I, k, a, b)
 
 
@@ -342,8 +345,8 @@ def _hx_remove(I, k):
 
 @_fn
 def _hx_hold(I, k):
-    """Key k is pinned: lfu: not counted in its bucket until `_hx_insert` (belady: it stays in the heap,
-    `_hx_first` passes over it)."""
+    """Key k is pinned: lfu: not counted in its bucket until `_hx_insert` (belady: it stays where it is in the
+    heap until a victim search meets it at the top)."""
     if I[H_KIND] == KIND_LFU:
         _bk_hold(I, k)
 
@@ -371,9 +374,19 @@ def _is_cand(I, k, part):
 
 @_fn
 def _hx_first(I, part):
-    """The smallest entry whose key is a candidate (-1: none): best-first over the heap, a frontier of
-    positions (a small heap at I[O_HSKIP]) holding the children of the non-candidates passed."""
-    h, f, n = I[O_HEAP], I[O_HSKIP], I[I[O_PG] + PG_HSIZE]
+    """The smallest entry whose key is a candidate (-1: none): pinned or just issued keys at the top leave the
+    heap; then the top, or (per-layer partitions, the top another part's) best-first over the heap, a frontier
+    of positions (a small heap at I[O_HSKIP]) holding the children of the non-candidates passed."""
+    h, f = I[O_HEAP], I[O_HSKIP]
+    while I[I[O_PG] + PG_HSIZE] > 0:  # a pinned or just issued key at the top leaves the heap until `_hx_insert`
+        k = I[h + 2]
+        s = I[I[O_SOF] + k]
+        if not I[I[O_PIN] + s] and not I[I[O_PROT] + s]:
+            if not I[H_PERLAYER] or I[I[O_KR] + k] == part:
+                return k
+            break
+        _hx_remove(I, k)
+    n = I[I[O_PG] + PG_HSIZE]
     if n == 0:
         return -1
     m = 1
