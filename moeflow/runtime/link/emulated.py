@@ -122,10 +122,16 @@ class EmulatedLink(Link):
         if self._closed:
             raise RuntimeError("emulated link is closed; create a new one")
         ts = []
+        busy: dict[int, float] = {}  # link seconds per transfer size (a batch's rows are mostly one size)
+        total = 0
         for src, _, _ in items:
-            t = self._submitted(Ticket(src.numel() * src.element_size()))
-            t.busy_s = self.transfer_s(t.nbytes)
-            ts.append(t)
+            n = src.numel() * src.element_size()
+            b = busy.get(n)
+            if b is None:
+                b = busy[n] = self.transfer_s(n)
+            ts.append(Ticket(n, busy_s=b))
+            total += n
+        self._submitted_bytes += total  # `_submitted` of each
         self._sched.add_many(ts, self._clock(), demand=demand)
         held = self._batch
         copied = self._batch_copied if held is not None else threading.Event()
