@@ -738,7 +738,7 @@ def test_evictions_in_a_batch_write_the_device_table_once(tiny_models):
         cache.wait(list(cache.slot_of.values()))
         table = cache.table
         write = cache._write_table
-        cache._write_table = lambda r, e, v: (writes.append(len(r)), write(r, e, v))[1]  # type: ignore[method-assign]
+        cache._write_table = lambda r, e: (writes.append(len(r)), write(r, e))[1]  # type: ignore[method-assign]
         cache.begin_layer(second)
         with cache.batch():
             slots = cache.demand(second, list(range(E)), {})  # E // 2 victims of `first`

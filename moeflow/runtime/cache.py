@@ -542,21 +542,22 @@ class ExpertCache:
                     self._held = None
                     rows, experts = self._table_writes
                     self._table_writes = None
-                    if rows and self.table is not None:  # one write: each loaded key's slot now (-1: evicted since)
-                        layers, slot_of = self.spec.moe_layers, self.slot_of
-                        now = {(r, e): slot_of.get((layers[r], e), -1) for r, e in zip(rows, experts)}
-                        r_, e_ = zip(*now)
-                        self._write_table(list(r_), list(e_), list(now.values()))
+                    if rows and self.table is not None:
+                        self._write_table(rows, experts)
 
-    def _write_table(self, rows: list[int], experts: list[int], slots: list[int]) -> None:
-        """`table[rows[i], experts[i]] = slots[i]` for each i, in one write (each (row, expert) at most once)."""
-        table = self.table
+    def _write_table(self, rows: list[int], experts: list[int]) -> None:
+        """One write of the table: each `(rows[i], experts[i])` entry set to its key's slot now (-1: no slot)."""
+        table, layers, slot_of = self.table, self.spec.moe_layers, self.slot_of
         assert table is not None  # written only with a store
-        if self._table_np is not None and table.device.type == "cpu":  # the host table, through its numpy view
-            self._table_np[rows, experts] = slots
+        tn = self._table_np
+        if tn is not None and table.device.type == "cpu":  # the host table, entry by entry through its numpy view
+            for r, e in zip(rows, experts):  # (a repeated entry gets the same value again)
+                tn[r, e] = slot_of.get((layers[r], e), -1)
             return
+        now = {(r, e): slot_of.get((layers[r], e), -1) for r, e in zip(rows, experts)}
+        r_, e_ = zip(*now)
         # ONE host -> device copy, not waited for (a blocking copy would synchronize the device)
-        w = torch.tensor([rows, experts, slots]).to(table.device, non_blocking=True)  # [3,n]
+        w = torch.tensor([r_, e_, list(now.values())]).to(table.device, non_blocking=True)  # [3,n]
         table[w[0], w[1]] = w[2]
 
     def _hand_over(self) -> None:
