@@ -748,3 +748,28 @@ def test_evictions_in_a_batch_write_the_device_table_once(tiny_models):
         for r, l in enumerate(spec.moe_layers):
             assert table[r].tolist() == [cache.slot_of.get((l, e), -1) for e in range(E)]
         cache.release(slots)
+
+
+def test_router_hook_host_read_on_the_cpu_packs_nothing(tiny_models, monkeypatch):
+    """`RouteStep.to_host` with every tensor on the CPU: the packed transfer's values and dtypes (ids long, weights
+    float32, bit for bit), counted as one host read, without packing them into one float64 tensor (no `cat`)."""
+    model = tiny_models("olmoe")
+    eng = build_engine(model, mode="offload", link=EmulatedLink(50.0), capacity=get_adapter(model).spec.total_experts)
+    assert eng is not None
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 8, (5, 2), generator=g)  # [T,k]
+    weights = torch.rand(5, 2, generator=g, dtype=torch.float32).to(torch.bfloat16)  # [T,k]
+    counts = torch.randint(0, 9, (8,), generator=g)  # [E]
+    cats = [0]
+    cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: cats.__setitem__(0, cats[0] + 1) or cat(*a, **k))
+    with eng:
+        syncs = eng.counts.host_syncs
+        out = eng.step.to_host([(ids, weights), (counts, counts)])
+        assert eng.counts.host_syncs == syncs + 1
+    monkeypatch.setattr(torch, "cat", cat)
+    assert cats[0] == 0
+    for (i, w), (i0, w0) in zip(out, [(ids, weights), (counts, counts)]):
+        assert i.dtype == torch.long and w.dtype == torch.float32
+        assert torch.equal(i, i0.reshape(-1).to(torch.float64).long())
+        assert torch.equal(w, w0.reshape(-1).to(torch.float64).float())
