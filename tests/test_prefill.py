@@ -599,8 +599,10 @@ def test_staged_experts_call_reads_nothing_back_from_the_device(tiny_models, pro
     assert reads[0] == 0
 
 
-def test_cache_batch_writes_the_device_table_with_one_tensor(tiny_models, monkeypatch):
-    """The device table's writes of a `cache.batch()` go to the device as ONE tensor (one copy, not waited for)."""
+@pytest.mark.parametrize("host", [True, False])
+def test_cache_batch_writes_the_device_table_with_one_tensor(tiny_models, monkeypatch, host):
+    """The table's writes of a `cache.batch()`: on a device, as ONE tensor (one copy, not waited for); on the CPU
+    through the table's numpy view, with no tensor made (`host=False` takes the device path on the CPU table)."""
     model = tiny_models("olmoe")
     spec = get_adapter(model).spec
     layer = spec.moe_layers[0]
@@ -610,6 +612,8 @@ def test_cache_batch_writes_the_device_table_with_one_tensor(tiny_models, monkey
     tensor = torch.tensor
     with eng:
         cache = eng.cache
+        if not host:
+            cache._table_np = None
         cache.begin_pass(1)
         cache.begin_layer(layer)
         with cache.batch():
@@ -619,7 +623,7 @@ def test_cache_batch_writes_the_device_table_with_one_tensor(tiny_models, monkey
         assert cache.table is not None
         assert cache.table[cache.rank[layer]].tolist() == [cache.slot_of[(layer, e)] for e in range(spec.num_experts)]
         cache.release(slots)
-    assert made[0] == 1
+    assert made[0] == (0 if host else 1)
 
 
 def test_free_room_counts_the_empty_slots_without_a_scan(tiny_models, monkeypatch):
@@ -724,17 +728,7 @@ def test_evictions_in_a_batch_write_the_device_table_once(tiny_models):
     eng = build_engine(model, mode="offload", link=EmulatedLink(50.0), capacity=E + E // 2, eviction="lru")
     assert eng is not None
 
-    class Spy:  # the device table, counting its writes
-        def __init__(self, t: torch.Tensor):
-            self.t, self.device, self.writes = t, t.device, 0
-
-        def __getitem__(self, i):
-            return self.t[i]
-
-        def __setitem__(self, i, v):
-            self.writes += 1
-            self.t[i] = v
-
+    writes = []  # the table writes (`_write_table` calls), each with its entries
     with eng:
         cache = eng.cache
         assert cache.table is not None
@@ -743,14 +737,39 @@ def test_evictions_in_a_batch_write_the_device_table_once(tiny_models):
         cache.release(cache.demand(first, list(range(E)), {}))
         cache.wait(list(cache.slot_of.values()))
         table = cache.table
-        spy = Spy(table)
-        cache.table = spy  # type: ignore[assignment]
+        write = cache._write_table
+        cache._write_table = lambda r, e: (writes.append(len(r)), write(r, e))[1]  # type: ignore[method-assign]
         cache.begin_layer(second)
         with cache.batch():
             slots = cache.demand(second, list(range(E)), {})  # E // 2 victims of `first`
-        cache.table = table
+        del cache._write_table
         assert cache.counters.evictions == E // 2
-        assert spy.writes == 1
+        assert writes == [E + E // 2]  # one write: E loads of `second`, E // 2 evicted keys of `first`
         for r, l in enumerate(spec.moe_layers):
             assert table[r].tolist() == [cache.slot_of.get((l, e), -1) for e in range(E)]
         cache.release(slots)
+
+
+def test_router_hook_host_read_on_the_cpu_packs_nothing(tiny_models, monkeypatch):
+    """`RouteStep.to_host` with every tensor on the CPU: the packed transfer's values and dtypes (ids long, weights
+    float32, bit for bit), counted as one host read, without packing them into one float64 tensor (no `cat`)."""
+    model = tiny_models("olmoe")
+    eng = build_engine(model, mode="offload", link=EmulatedLink(50.0), capacity=get_adapter(model).spec.total_experts)
+    assert eng is not None
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 8, (5, 2), generator=g)  # [T,k]
+    weights = torch.rand(5, 2, generator=g, dtype=torch.float32).to(torch.bfloat16)  # [T,k]
+    counts = torch.randint(0, 9, (8,), generator=g)  # [E]
+    cats = [0]
+    cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: cats.__setitem__(0, cats[0] + 1) or cat(*a, **k))
+    with eng:
+        syncs = eng.counts.host_syncs
+        out = eng.step.to_host([(ids, weights), (counts, counts)])
+        assert eng.counts.host_syncs == syncs + 1
+    monkeypatch.setattr(torch, "cat", cat)
+    assert cats[0] == 0
+    for (i, w), (i0, w0) in zip(out, [(ids, weights), (counts, counts)]):
+        assert i.dtype == torch.long and w.dtype == torch.float32
+        assert torch.equal(i, i0.reshape(-1).to(torch.float64).long())
+        assert torch.equal(w, w0.reshape(-1).to(torch.float64).float())

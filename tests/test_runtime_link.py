@@ -158,3 +158,28 @@ def test_cuda_link_copies_and_orders():
     ref = (big @ big).sum() + src.to(dev).sum()
     assert torch.allclose(out, ref)
     assert link.bytes == 2 * (1 << 22) and link.busy_s > 0
+
+
+def test_a_handed_over_batch_is_waited_for_once():
+    """`submit_many` hands a batch to the copying thread with ONE `copied` event: a wait on its last copy waits on
+    that event once (not once per copy scheduled before it), and each copy is still due at its own time."""
+    clock = FakeClock()
+    link = _link(clock, gbps=0.2)
+    src, dst = _bufs(6, 1_000_000)  # 4 MB each -> 20 ms each
+    tickets = link.submit_many([(s, d, None) for s, d in zip(src, dst)])
+    assert [t.due for t in tickets] == pytest.approx([0.020 * (i + 1) for i in range(6)])
+    event = tickets[0].copied
+    assert all(t.copied is event for t in tickets)
+    waits = [0]
+    wait = event.wait
+
+    def counted(timeout=None):
+        waits[0] += 1
+        return wait(timeout)
+
+    event.wait = counted  # type: ignore[method-assign]
+    assert link.wait(tickets[-1]) == pytest.approx(0.120)
+    assert waits[0] == 1
+    link.close()
+    assert all(torch.equal(s, d) for s, d in zip(src, dst))
+    assert link.transfers == 6

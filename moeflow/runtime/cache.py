@@ -150,6 +150,11 @@ class ExpertCache:
             self.buffer = torch.empty(C, store.layout.row_numel, dtype=store.layout.dtype, device=device)
             self.views = store.layout.views(self.buffer)
             self.table = torch.full((L, spec.num_experts), -1, dtype=torch.long, device=device)
+        # on the CPU the table is written through a numpy view of it (no tensor made per write)
+        self._table_np = self.table.numpy() if self.table is not None and self.table.device.type == "cpu" else None
+        # per-slot rows of `buffer` [R] and per-layer host rows (the store's `[E,R]`, its rows), made once, not per copy
+        self._slot_rows: list[torch.Tensor] = list(self.buffer.unbind(0)) if self.buffer is not None else []
+        self._src_rows: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._instant = link.instant  # copies complete at submit (simulator links)
         self.slots = [Slot() for _ in range(C)]
         self.slot_of: dict[ExpertKey, int] = {}
@@ -442,7 +447,9 @@ class ExpertCache:
                 continue
             del self.slot_of[key]
             r = self.rank[layer]
-            if self.table is not None:
+            if self._table_np is not None:
+                self._table_np[r, key[1]] = -1
+            elif self.table is not None:
                 self.table[r, key[1]] = -1
             self._resident_in[r] -= 1
             self._loading.discard(s)
@@ -535,13 +542,23 @@ class ExpertCache:
                     self._held = None
                     rows, experts = self._table_writes
                     self._table_writes = None
-                    if rows and self.table is not None:  # one write: each loaded key's slot now (-1: evicted since)
-                        layers, slot_of = self.spec.moe_layers, self.slot_of
-                        now = {(r, e): slot_of.get((layers[r], e), -1) for r, e in zip(rows, experts)}
-                        r_, e_ = zip(*now)
-                        # ONE host -> device copy, not waited for (a blocking copy would synchronize the device)
-                        w = torch.tensor([r_, e_, list(now.values())]).to(self.table.device, non_blocking=True)  # [3,n]
-                        self.table[w[0], w[1]] = w[2]
+                    if rows and self.table is not None:
+                        self._write_table(rows, experts)
+
+    def _write_table(self, rows: list[int], experts: list[int]) -> None:
+        """One write of the table: each `(rows[i], experts[i])` entry set to its key's slot now (-1: no slot)."""
+        table, layers, slot_of = self.table, self.spec.moe_layers, self.slot_of
+        assert table is not None  # written only with a store
+        tn = self._table_np
+        if tn is not None and table.device.type == "cpu":  # the host table, entry by entry through its numpy view
+            for r, e in zip(rows, experts):  # (a repeated entry gets the same value again)
+                tn[r, e] = slot_of.get((layers[r], e), -1)
+            return
+        now = {(r, e): slot_of.get((layers[r], e), -1) for r, e in zip(rows, experts)}
+        r_, e_ = zip(*now)
+        # ONE host -> device copy, not waited for (a blocking copy would synchronize the device)
+        w = torch.tensor([r_, e_, list(now.values())]).to(table.device, non_blocking=True)  # [3,n]
+        table[w[0], w[1]] = w[2]
 
     def _hand_over(self) -> None:
         """The copies a `batch` holds, submitted now (in order, consecutive ones of equal priority together)."""
@@ -549,8 +566,8 @@ class ExpertCache:
         if not held:
             return
         self._held = []
-        store, buffer, slots = self.store, self.buffer, self.slots
-        assert store is not None and buffer is not None  # held only with a store (`batch`)
+        store, slots, rows = self.store, self.slots, self._slot_rows
+        assert store is not None and rows  # held only with a store (`batch`)
         i, n = 0, len(held)
         while i < n:
             demand = held[i][3]
@@ -559,11 +576,26 @@ class ExpertCache:
                 j += 1
             run = held[i:j]
             items = [
-                (store.compact_row(*key, bits), store.landing(buffer[s], bits), slots[s].last_use) for s, key, bits, _ in run
+                (
+                    self._src_row(key) if bits == FULL else store.compact_row(*key, bits),  # [R] host
+                    store.landing(rows[s], bits),
+                    slots[s].last_use,
+                )
+                for s, key, bits, _ in run
             ]
             for (s, _, _, _), t in zip(run, self.link.submit_many(items, demand=demand)):
                 slots[s].ticket = t
             i = j
+
+    def _src_row(self, key: ExpertKey) -> torch.Tensor:
+        """The host row `[R]` a full-precision copy of `key` moves (`store.row`; the layer's row views made once)."""
+        store = self.store
+        assert store is not None  # copies move rows only with a store
+        layer_rows = store.rows[key[0]]  # [E,R]
+        got = self._src_rows.get(key[0])
+        if got is None or got[0] is not layer_rows:  # the store's tensor replaced (re-offloaded): new views
+            got = self._src_rows[key[0]] = (layer_rows, list(layer_rows.unbind(0)))
+        return got[1][key[1]]
 
     def stage_room(self, layer: int) -> int:
         """Slots of `layer`'s part that no running layer pins and that hold no expert of `layer` (room for a staged
@@ -725,6 +757,8 @@ class ExpertCache:
         if self._table_writes is not None:  # a `batch`: written at its end (-1: no slot then)
             self._table_writes[0].append(r)
             self._table_writes[1].append(key[1])
+        elif self._table_np is not None:
+            self._table_np[r, key[1]] = -1  # the table follows the key
         elif self.table is not None:
             self.table[r, key[1]] = -1  # device table follows the key
         self._resident_in[r] -= 1
@@ -764,6 +798,8 @@ class ExpertCache:
         if self._table_writes is not None:  # a `batch`: written at its end
             self._table_writes[0].append(r)
             self._table_writes[1].append(key[1])
+        elif self._table_np is not None:
+            self._table_np[r, key[1]] = s  # the table follows the key
         elif self.table is not None:
             self.table[r, key[1]] = s  # device table follows the key
         self._resident_in[r] += 1
@@ -778,3 +814,4 @@ class ExpertCache:
 
     def close(self) -> None:
         self.link.drain()
+        self._src_rows.clear()  # no reference to the store's rows past the engine (it restores them)

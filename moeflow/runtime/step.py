@@ -197,10 +197,13 @@ class RouteStep:
             cache.release(cache.demand(l, experts, scores))  # all hits: pins nothing past this line
 
     def to_host(self, routings: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Expert ids and gate weights of several routings, copied to the host in ONE transfer."""
+        """Expert ids and gate weights of several routings, copied to the host in ONE transfer (on the CPU, where
+        they already are: converted, not packed)."""
+        self.counts.host_syncs += 1
+        if all(i.device.type == "cpu" and w.device.type == "cpu" for i, w in routings):  # the packed path's values
+            return [(i.reshape(-1).to(torch.long, copy=True), w.reshape(-1).to(torch.float32, copy=True)) for i, w in routings]
         flat = [t.reshape(-1).to(torch.float64) for i, w in routings for t in (i, w)]  # f64: ids and weights exact
         packed = torch.cat(flat).cpu() if len(flat) > 1 else flat[0].cpu()
-        self.counts.host_syncs += 1
         out, o = [], 0
         for i, _ in routings:
             n = i.numel()

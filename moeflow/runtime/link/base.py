@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,19 +55,33 @@ class Flag:
         return self._set
 
 
-@dataclass
 class Ticket:
-    nbytes: int
-    done: Flag = field(default_factory=Flag)
-    event: Any = None  # CUDA event (CudaLink)
-    start_event: Any = None
-    busy_s: float = 0.0  # link time this transfer took, once known
-    error: BaseException | None = None
-    due: float = 0.0  # EmulatedLink: perf_counter time at which the transfer completes
-    copied: Any = None  # EmulatedLink: set when the worker's real copy is done (one event per handed-over batch)
-    start: float = 0.0  # scheduled links: when the transfer starts on the link
-    demand: bool = True  # a demand load (False: a prefetch, which demand loads overtake while queued)
-    cancelled: bool = False  # withdrawn before it started (`Link.cancel`)
+    """One transfer: what the link knows of it (a plain class with slots: one is made per copy)."""
+
+    __slots__ = ("busy_s", "cancelled", "copied", "demand", "done", "due", "error", "event", "nbytes", "start", "start_event")
+
+    def __init__(
+        self,
+        nbytes: int,
+        done: Flag | None = None,
+        event: Any = None,  # CUDA event (CudaLink)
+        start_event: Any = None,
+        busy_s: float = 0.0,  # link time this transfer took, once known
+        error: BaseException | None = None,
+        due: float = 0.0,  # EmulatedLink: perf_counter time at which the transfer completes
+        copied: Any = None,  # EmulatedLink: set when the worker's real copy is done (one event per handed-over batch)
+        start: float = 0.0,  # scheduled links: when the transfer starts on the link
+        demand: bool = True,  # a demand load (False: a prefetch, which demand loads overtake while queued)
+        cancelled: bool = False,  # withdrawn before it started (`Link.cancel`)
+    ):
+        self.nbytes = nbytes
+        self.done = Flag() if done is None else done
+        self.event, self.start_event = event, start_event
+        self.busy_s, self.error, self.due, self.copied = busy_s, error, due, copied
+        self.start, self.demand, self.cancelled = start, demand, cancelled
+
+    def __repr__(self) -> str:
+        return f"Ticket(nbytes={self.nbytes}, start={self.start}, due={self.due}, demand={self.demand})"
 
 
 class PrioritySchedule:

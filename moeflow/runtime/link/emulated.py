@@ -122,10 +122,16 @@ class EmulatedLink(Link):
         if self._closed:
             raise RuntimeError("emulated link is closed; create a new one")
         ts = []
+        busy: dict[int, float] = {}  # link seconds per transfer size (a batch's rows are mostly one size)
+        total = 0
         for src, _, _ in items:
-            t = self._submitted(Ticket(src.numel() * src.element_size()))
-            t.busy_s = self.transfer_s(t.nbytes)
-            ts.append(t)
+            n = src.numel() * src.element_size()
+            b = busy.get(n)
+            if b is None:
+                b = busy[n] = self.transfer_s(n)
+            ts.append(Ticket(n, busy_s=b))
+            total += n
+        self._submitted_bytes += total  # `_submitted` of each
         self._sched.add_many(ts, self._clock(), demand=demand)
         held = self._batch
         copied = self._batch_copied if held is not None else threading.Event()
@@ -173,8 +179,11 @@ class EmulatedLink(Link):
         t0 = self._clock()
         while (rest := t.due - self._clock()) > 0:
             self._sleep(rest)
+        seen = None
         for x in list(self._sched.q):  # the real copies of everything scheduled up to t (worker order differs)
-            x.copied.wait()
+            if x.copied is not seen:  # a handed-over batch's copies share one event: waited once
+                seen = x.copied
+                seen.wait()
             if x is t:
                 break
         if t.error is not None:
@@ -193,8 +202,8 @@ class EmulatedLink(Link):
             last = q[-1]
             while (rest := last.due - self._clock()) > 0:
                 self._sleep(rest)
-            for t in list(q):
-                t.copied.wait()
+            for ev in {id(t.copied): t.copied for t in q}.values():  # one event per handed-over batch
+                ev.wait()
             self._settle()
 
     def close(self) -> None:
