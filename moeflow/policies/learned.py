@@ -99,6 +99,9 @@ class LearnedPrefetch(PrefetchPolicy):
         self.pred = preds[self.predictor]
         runner = getattr(self.pred, "runner", None)
         self.fast = runner() if runner is not None else None
+        warm = getattr(self.fast, "warm", None)
+        if warm is not None:  # compile (or load) a runner's kernel now, not in the first decode step
+            warm()
         if self.window is None:
             self.window = getattr(self.pred, "window", 4)
         ad = get_adapter(model)

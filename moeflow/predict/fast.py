@@ -136,6 +136,133 @@ def chain_probs(r0, w0, ids0, Fs, eps, Ds, top_k, renorm):  # pragma: no cover -
     return out
 
 
+@_jit
+def _vecmat(x, W, y):  # pragma: no cover - compiled
+    """y [n] += x [m] @ W [m,n] (float32; the inner loop over n vectorises)."""
+    for i in range(W.shape[0]):
+        xi = x[i]
+        for o in range(W.shape[1]):
+            y[o] += xi * W[i, o]
+
+
+@_jit
+def estimator_probs(r0, w0, ids0, u, zbase, soff, Fs, eps, Ds, renorm, top_k, AuT, AgT, b0, pos, BT, bb, CT, cb,
+                    headT, hb, ln_eps, residual, use):  # pragma: no cover - compiled  # fmt: skip
+    """The estimator's (and Hybrid's) whole decode call in one compiled call: [T,H] residual r_l, [T,k] gate weights
+    and ids of layer l -> [S,T,E] float32 probabilities of the targets l+1..l+S. The chain as `chain_probs`, with
+    `Fs` [S,H,E+m] the targets' norm weights folded into [router | AqT] (`ChainRunner.fused(t, AqT)`), so one
+    product per step gives the router logits and q's first-layer term; the first layer's per-call part
+    z0 = zbase [T,m] (token and earlier layers' gate terms) + u @ AuT + sum_k w_k AgT[soff + id_k] + b0, then per
+    step s with use[s]: + q-term + pos[s], the SiLU blocks (BT [nb,m,n], bb, CT [nb,n,m], cb), the LayerNorm
+    (affine folded into headT [m,E], hb), + the router logits when `residual`; without use[s] the router logits
+    (Hybrid's Router-PF pairs). The same arithmetic as `EstimatorRunner.logits` up to float32 rounding order."""
+    T, H = r0.shape
+    S, _, EM = Fs.shape
+    m = b0.shape[0]
+    E = EM - m
+    nb, _, n = BT.shape
+    out = np.empty((S, T, E), np.float32)
+    h = np.empty(H, np.float32)
+    y = np.empty(EM, np.float32)
+    z0 = np.empty(m, np.float32)
+    z = np.empty(m, np.float32)
+    a = np.empty(n, np.float32)
+    p = np.empty(E, np.float64)
+    pl = np.empty(E, np.float32)
+    chosen = np.empty(E, np.bool_)
+    for t in range(T):
+        for c in range(m):
+            z0[c] = zbase[t, c] + b0[c]
+        _vecmat(u[t], AuT, z0)
+        for i in range(ids0.shape[1]):
+            wi, g = w0[t, i], AgT[soff + ids0[t, i]]
+            for c in range(m):
+                z0[c] += wi * g[c]
+        for j in range(H):
+            h[j] = r0[t, j]
+        for i in range(ids0.shape[1]):
+            wi, d = w0[t, i], Ds[0, ids0[t, i]]
+            for j in range(H):
+                h[j] += wi * d[j]
+        for s in range(S):
+            ss = 0.0
+            for j in range(H):
+                ss += np.float64(h[j]) * np.float64(h[j])
+            inv = np.float32(1.0 / np.sqrt(np.float64(np.float32(ss / H) + eps[s])))
+            y[:] = 0.0
+            _vecmat(h, Fs[s], y)
+            for o in range(EM):
+                y[o] *= inv
+            if use[s]:
+                for c in range(m):
+                    z[c] = y[E + c] + z0[c] + pos[s, c]
+                for b in range(nb):
+                    for o in range(n):
+                        a[o] = bb[b, o]
+                    _vecmat(z, BT[b], a)
+                    for o in range(n):
+                        a[o] = a[o] * (np.float32(0.5) + np.float32(0.5) * np.tanh(np.float32(0.5) * a[o]))
+                    for c in range(m):
+                        z[c] += cb[b, c]
+                    _vecmat(a, CT[b], z)
+                mu = 0.0
+                for c in range(m):
+                    mu += z[c]
+                mu /= m
+                var = 0.0
+                for c in range(m):
+                    z[c] = np.float32(z[c] - mu)
+                    var += np.float64(z[c]) * np.float64(z[c])
+                rs = np.float32(1.0 / np.sqrt(np.float64(np.float32(var / m) + ln_eps)))
+                for c in range(m):
+                    z[c] *= rs
+                for e in range(E):
+                    pl[e] = hb[e] + (y[e] if residual else np.float32(0.0))
+                _vecmat(z, headT, pl)
+            else:
+                for e in range(E):
+                    pl[e] = y[e]
+            zmax = -np.inf
+            for e in range(E):
+                if pl[e] > zmax:
+                    zmax = pl[e]
+            tot = 0.0
+            for e in range(E):
+                p[e] = np.exp(np.float64(pl[e]) - zmax)
+                tot += p[e]
+            for e in range(E):
+                out[s, t, e] = np.float32(p[e] / tot)
+            if s + 1 < S:  # the router's top k of target s route the chain's next step
+                zmax = -np.inf
+                for e in range(E):
+                    if y[e] > zmax:
+                        zmax = y[e]
+                tot = 0.0
+                for e in range(E):
+                    p[e] = np.exp(np.float64(y[e]) - zmax)
+                    tot += p[e]
+                for e in range(E):
+                    p[e] /= tot
+                chosen[:] = False
+                wsum = 0.0
+                for _ in range(top_k):
+                    bi = -1
+                    for e in range(E):
+                        if not chosen[e] and (bi < 0 or p[e] > p[bi]):
+                            bi = e
+                    chosen[bi] = True
+                    wsum += np.float32(p[bi])
+                d2 = Ds[s + 1]
+                for e in range(E):
+                    if chosen[e]:
+                        wi = np.float32(p[e])
+                        if renorm[s]:
+                            wi = np.float32(wi / wsum)
+                        for j in range(H):
+                            h[j] += wi * d2[e, j]
+    return out
+
+
 def np32(x: torch.Tensor) -> np.ndarray:
     """A tensor as float32 numpy on the host (no copy for a float32 CPU tensor)."""
     return x.detach().to("cpu", torch.float32).numpy()
@@ -383,6 +510,13 @@ class EstimatorRunner:
         hT = np32(net.head.weight).T  # [m,E]
         self.headT, self.hb = np.ascontiguousarray(g[:, None] * hT), b @ hT + np32(net.head.bias)
         self.emb = np32(feat.emb)  # [V,H]
+        m, n = self.b0.shape[0], (self.blocks[0][0].shape[1] if self.blocks else 1)
+        self.kblocks = tuple(  # the blocks stacked for `estimator_probs`: BT [nb,m,n], bb [nb,n], CT [nb,n,m], cb [nb,m]
+            np.ascontiguousarray(np.stack([b[i] for b in self.blocks])) if self.blocks else np.zeros((0, *shp), np.float32)
+            for i, shp in enumerate([(m, n), (n,), (n, m), (m,)])
+        )
+        self.hb = np.ascontiguousarray(self.hb, np.float32)
+        self._compiled: dict[tuple[int, int], tuple[np.ndarray, ...] | None] = {}
         self._tok_key: Any = None
         self._ztok = np.zeros((0, self.b0.shape[0]), np.float32)
         self._gate: tuple[Any, int, np.ndarray] = (None, -1, self._ztok)  # (token context, source rank, earlier layers' term)
@@ -405,8 +539,14 @@ class EstimatorRunner:
 
     def _gate_term(self, batch: SourceBatch) -> np.ndarray:
         """[T,m]: the gate history's first-layer term (earlier layers' chosen experts weigh 1, the source's its gate
-        weights; as `_Features.of_batch`). The earlier layers' part is kept per token context (one per forward
-        pass) and grows by one layer when the next source layer of that pass follows."""
+        weights; as `_Features.of_batch`)."""
+        ids = batch.topk_ids.numpy(force=True)  # [T,k]
+        r_src = self.rank[batch.layer]
+        return self._gate_acc(batch) + np.matmul(np32(batch.topk_weights)[:, None, :], self.AgT[ids + r_src * self.E])[:, 0]
+
+    def _gate_acc(self, batch: SourceBatch) -> np.ndarray:
+        """[T,m]: the earlier layers' part of `_gate_term`, kept per token context (one per forward pass); it grows
+        by one layer when the next source layer of that pass follows."""
         rank, E, AgT = self.rank, self.E, self.AgT
         r_src = rank[batch.layer]
         ids = batch.topk_ids.numpy(force=True)  # [T,k]
@@ -421,7 +561,7 @@ class EstimatorRunner:
                 if rank.get(l, r_src) < r_src:
                     acc = acc + np.add.reduce(AgT[h.numpy(force=True) + rank[l] * E], 1)
         self._gate = (ctx, r_src, acc)
-        return acc + np.matmul(np32(batch.topk_weights)[:, None, :], AgT[ids + r_src * E])[:, 0]  # [T,m]
+        return acc
 
     def logits(self, batch: SourceBatch, qa: np.ndarray, rl: np.ndarray, ss: list[int]) -> np.ndarray:
         """Estimator logits [len(ss),T,E] for steps `ss` from the chain's q's first-layer term qa = q @ AqT [S,T,m]
@@ -441,7 +581,65 @@ class EstimatorRunner:
         out = (z @ self.headT + self.hb).reshape(S, T, -1)  # [S',T,E]
         return out + (rl if S == len(rl) else rl[i]) if self.residual else out
 
+    def compiled(self, l: int, steps: int) -> tuple[np.ndarray, ...] | None:
+        """`estimator_probs`'s per-(source layer, S) arrays (Fs [S,H,E+m], eps [S], Ds [S,E,H], renorm [S], pos [S,m],
+        has [S]: whether (l, s) is one of the estimator's pairs), or None when the chain cannot run compiled."""
+        key = (l, steps)
+        if key not in self._compiled:
+            c = self.chain.compiled(l, steps)
+            if c is None:
+                self._compiled[key] = None
+            else:
+                r = self.rank[l]
+                tg = self.ml[r + 1 : r + 1 + steps]
+                Fs = [F for t in tg if (F := self.chain.fused(t, self.AqT)) is not None]  # all: `compiled` checked
+                rows = [self.pair_row.get((l, s)) for s in range(1, steps + 1)]
+                pos = np.stack([self.pos[i] if i is not None else np.zeros_like(self.pos[0]) for i in rows])  # [S,m]
+                has = np.array([i is not None for i in rows], np.bool_)
+                self._compiled[key] = (np.ascontiguousarray(np.stack(Fs)), c[1], c[2], c[3], np.ascontiguousarray(pos), has)
+        return self._compiled[key]
+
+    def fast_probs(self, batch: SourceBatch, steps: int, use: np.ndarray) -> np.ndarray | None:
+        """[S,T,E] probabilities in ONE compiled call (`estimator_probs`): the estimator's where use[s-1], the
+        router's elsewhere; None when the call has more than 4 tokens or a part runs as its module (then the
+        numpy path runs)."""
+        res = batch.residual
+        if res is None or len(res) > 4 or not batch.router_input.numel():
+            return None
+        c = self.compiled(batch.layer, steps)
+        if c is None or not c[5][use].all():
+            return None
+        Fs, eps, Ds, renorm, pos, _ = c
+        BT, bb, CT, cb = self.kblocks
+        zbase = self._token_term(batch) + self._gate_acc(batch)  # [T,m]
+        return estimator_probs(  # C-contiguous inputs: one compiled signature
+            np.ascontiguousarray(np32(res)),
+            np.ascontiguousarray(np32(batch.topk_weights)),
+            np.ascontiguousarray(batch.topk_ids.numpy(force=True), np.int64),
+            np.ascontiguousarray(np32(batch.router_input)),
+            np.ascontiguousarray(zbase, np.float32),
+            self.rank[batch.layer] * self.E,
+            Fs, eps, Ds, renorm, self.chain.spec.top_k, self.AuT, self.AgT, self.b0, pos, BT, bb, CT, cb,
+            self.headT, self.hb, self.eps, bool(self.residual), use,
+        )  # fmt: skip
+
+    def warm(self) -> EstimatorRunner:
+        """Compile `estimator_probs` (or load it from numba's cache) now, at bind, not in the first decode call."""
+        l = next((x for x in self.ml[:-1] if self.compiled(x, 1) is not None), None)
+        if l is not None:
+            H, k = self.H, self.chain.spec.top_k
+            Fs, eps, Ds, renorm, pos, _ = self._compiled[(l, 1)]  # type: ignore[misc]
+            BT, bb, CT, cb = self.kblocks
+            z = np.zeros((1, self.b0.shape[0]), np.float32)
+            estimator_probs(np.zeros((1, H), np.float32), np.zeros((1, k), np.float32), np.zeros((1, k), np.int64),
+                            np.zeros((1, H), np.float32), z, 0, Fs, eps, Ds, renorm, k, self.AuT, self.AgT, self.b0, pos,
+                            BT, bb, CT, cb, self.headT, self.hb, self.eps, bool(self.residual), np.ones(1, np.bool_))  # fmt: skip
+        return self
+
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
+        out = self.fast_probs(batch, steps, np.ones(steps, np.bool_))
+        if out is not None:
+            return out
         qa, rl = self.chain.run(batch, steps, self.AqT)
         return softmax(self.logits(batch, qa, rl, list(range(1, steps + 1))))
 
@@ -454,10 +652,19 @@ class HybridRunner:
         self.est = EstimatorRunner(hybrid.estimator)
         self.use = hybrid.use_estimator
 
+    def warm(self) -> HybridRunner:
+        self.est.warm()
+        return self
+
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
+        ss = [s for s in range(1, steps + 1) if (batch.layer, s) in self.use]
+        use = np.zeros(steps, np.bool_)
+        use[np.asarray(ss, np.int64) - 1] = True
+        fast = self.est.fast_probs(batch, steps, use)
+        if fast is not None:
+            return fast
         qa, rl = self.est.chain.run(batch, steps, self.est.AqT)
         out = rl.copy()
-        ss = [s for s in range(1, steps + 1) if (batch.layer, s) in self.use]
         if ss:
             out[np.asarray(ss) - 1] = self.est.logits(batch, qa, rl, ss)
         return softmax(out)
