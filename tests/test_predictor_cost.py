@@ -119,6 +119,33 @@ def test_estimator_decode_call_is_one_compiled_call_equal_to_numpy(fitted, monke
     assert n > 0
 
 
+@pytest.mark.parametrize("kind", ["none", "prior", "pregate"])
+def test_forest_compiled_call_equals_the_numpy_features_and_walk(fitted, monkeypatch, kind):
+    """The forest's call in one compiled kernel (`forest_scores`: rows, walk, base, finish) gives exactly the
+    scores of the numpy rows walked by `forest_walk` (`prepare` then `finish`), for every base, at a decode
+    step's one token and at more."""
+    from moeflow.predict.data import batch_from_rows
+
+    _model, data, preds = fitted
+    ml = data.spec.moe_layers
+    ctx = data.context(4)
+    f = preds["forest"]
+    monkeypatch.setattr(f, "base_kind", kind)
+    run = f.runner().warm()
+    for rows in (np.array([7]), np.arange(2, data.n, 13)[:4], np.arange(1, data.n, 7)[:9]):
+        tok = torch.from_numpy(ctx[rows])
+        for src in ml[:-1]:
+            r = ml.index(src)
+            steps = min(f.max_lookahead, len(ml) - 1 - r)
+            pairs = [(ml[r + s], s) for s in range(1, steps + 1)]
+            b = batch_from_rows(data, src, rows, ctx=ctx)
+            b.token_ctx = tok
+            got = run.scores(b, steps)
+            probs = run.probs(b, [t for t, _ in pairs])
+            want = run.finish(*run.prepare(pairs, b, probs), probs)
+            np.testing.assert_array_equal(got, want, err_msg=f"{kind} {src}")
+
+
 def test_layer_ops_fall_back_to_the_module_when_numpy_differs(fitted):
     """A norm the numpy RMSNorm does not reproduce (here a LayerNorm) runs as its module's `forward`."""
     from moeflow.moe import get_adapter

@@ -75,6 +75,72 @@ def forest_walk(X, nodes, value, roots):  # pragma: no cover - compiled
 
 
 @_jit
+def forest_scores(probs, emb, pc, pp, hcols, sv, rv, nf, nodes, value, roots, base_kind, top_k):  # pragma: no cover
+    """The forest's whole call but the pre-gate in one compiled call: [P,T,E] scores of the pairs (target rank rv[p],
+    S sv[p]) from their pre-gate probabilities `probs` [P,T,E] (float32). Each row of `Forest.features` is built
+    in a buffer of `nf` floats (embedding emb [T,d], S, rank, the history's multi-hot at columns hcols [T,c], the
+    probabilities, the priors pc/pp [L,T,E+1] of the target), walked as `forest_walk` does (float64 leaf sums in
+    tree order, mean, float32), added to the base (base_kind 0: none, 1: k x the prior, 2: the pre-gate's top k,
+    ties to the lower expert) and finished as `ForestRunner.finish`: max(base + delta, 0) + 1e-3 probs + 1e-6."""
+    P, T, E = probs.shape
+    d = emb.shape[1]
+    o = nf - 3 * E - 2
+    n = roots.shape[0]
+    x = np.empty(nf, np.float32)
+    acc = np.empty(E, np.float64)
+    base = np.empty(E, np.float32)
+    chosen = np.empty(E, np.bool_)
+    out = np.empty((P, T, E), np.float32)
+    for p in range(P):
+        r = rv[p]
+        for t in range(T):
+            x[:] = 0.0
+            for j in range(d):
+                x[j] = emb[t, j]
+            x[d] = sv[p]
+            x[d + 1] = r
+            for j in range(hcols.shape[1]):
+                x[hcols[t, j]] = 1.0
+            for e in range(E):
+                x[o + e] = probs[p, t, e]
+            for e in range(E + 1):
+                x[o + E + e] = pc[r, t, e]
+                x[o + 2 * E + 1 + e] = pp[r, t, e]
+            acc[:] = 0.0
+            for j in range(n):
+                nd = roots[j]
+                while nodes[nd, 0] >= 0:
+                    xv = np.float64(x[int(nodes[nd, 2])])
+                    if xv <= nodes[nd, 5] or (np.isnan(xv) and nodes[nd, 4] != 0):
+                        nd = int(nodes[nd, 0])
+                    else:
+                        nd = int(nodes[nd, 1])
+                v = int(nodes[nd, 3])
+                for e in range(E):
+                    acc[e] += value[v, e]
+            base[:] = 0.0
+            if base_kind == 1:
+                for e in range(E):
+                    base[e] = np.float32(top_k) * pc[r, t, e]
+            elif base_kind == 2:
+                chosen[:] = False
+                for _ in range(top_k):
+                    b = -1
+                    for e in range(E):
+                        if not chosen[e] and (b < 0 or probs[p, t, e] > probs[p, t, b]):
+                            b = e
+                    chosen[b] = True
+                    base[b] = 1.0
+            for e in range(E):
+                v32 = np.float32(base[e] + np.float32(acc[e] / n))
+                if v32 < 0.0:
+                    v32 = np.float32(0.0)
+                v32 = np.float32(v32 + np.float32(np.float32(1e-3) * probs[p, t, e]))
+                out[p, t, e] = np.float32(v32 + np.float32(1e-6))
+    return out
+
+
+@_jit
 def chain_probs(r0, w0, ids0, Fs, eps, Ds, top_k, renorm):  # pragma: no cover - compiled
     """Router-PF's chain in one compiled call: [T,H] residual r_l, [T,k] gate weights and ids of layer l ->
     [S,T,E] float32 probabilities of the targets l+1..l+S. `Fs` [S,H,E] the targets' norm weights folded into
@@ -752,9 +818,49 @@ class ForestRunner:
         return np.clip(base + d, 0.0, None) + 1e-3 * probs + 1e-6
 
     def scores_pairs(self, pairs: list[tuple[int, int]], batch: SourceBatch, probs: np.ndarray | None = None) -> np.ndarray:
-        """[P,T,E] scores of every (target, S) in `pairs` with ONE tree walk; `probs` their pre-gate probabilities."""
+        """[P,T,E] scores of every (target, S) in `pairs` with ONE tree walk; `probs` their pre-gate probabilities.
+        Features, walk, base and finish run in one compiled call (`forest_scores`) for the compiled forest."""
         probs = self.probs(batch, [t for t, _ in pairs]) if probs is None else probs
-        return self.finish(*self.prepare(pairs, batch, probs), probs)
+        rf = self.f.rf
+        if not hasattr(rf, "nodes"):
+            return self.finish(*self.prepare(pairs, batch, probs), probs)
+        emb, pc, pp = self.per_pass(batch)
+        ml, E, d = self.ml, self.E, emb.shape[1]
+        hist = batch.history
+        hcols = (  # [T,c] the history's multi-hot columns
+            np.concatenate([h.numpy(force=True) + (d + 2 + ml.index(l) * E) for l, h in hist.items()], 1)
+            if hist
+            else np.zeros((batch.t, 0), np.int64)
+        )
+        kind = self.f.base_kind
+        base_kind = 1 if kind == "prior" else 2 if kind == "pregate" and batch.router_input.numel() else 0
+        return forest_scores(
+            np.ascontiguousarray(probs, np.float32),
+            np.ascontiguousarray(emb, np.float32),
+            pc,
+            pp,
+            np.ascontiguousarray(hcols, np.int64),
+            np.array([s for _, s in pairs], np.float32),
+            np.array([ml.index(t) for t, _ in pairs], np.int64),
+            int(self.f.n_features),
+            rf.nodes,
+            rf.a["value"],
+            rf.a["roots"],
+            base_kind,
+            self.k,
+        )
+
+    def warm(self) -> ForestRunner:
+        """Compile `forest_scores` (or load it from numba's cache) now, not in the first decode call."""
+        rf, L, E = self.f.rf, len(self.ml), self.E
+        if hasattr(rf, "nodes"):
+            d = self.f.dim
+            z = np.zeros((1, 1, E), np.float32)
+            pz = np.zeros((L, 1, E + 1), np.float32)
+            h0, s0, r0 = np.zeros((1, 0), np.int64), np.ones(1, np.float32), np.zeros(1, np.int64)
+            nf, a = int(self.f.n_features), rf.a
+            forest_scores(z, np.zeros((1, d), np.float32), pz, pz, h0, s0, r0, nf, rf.nodes, a["value"], a["roots"], 0, self.k)
+        return self
 
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
         r = self.ml.index(batch.layer)
