@@ -16,7 +16,8 @@ or `mass=0.9` (experts in descending score up to that cumulative mass); the gate
 Every policy makes ONE predictor call per MoE layer for all its targets l+1..l+S (`predictor.runner()`,
 `moeflow.predict.fast`: the quasi-hidden chain once, the estimator's network once on [S,T], the forest's rows of
 every target in one tree walk), on the model's thread, without the engine's router hooks (the runners apply the
-model's norms and routers directly); `predict_s` is the time `propose` takes there. The forest's `worker=on`
+model's norms and routers directly); `predict_s` is the time `propose` takes there (`predict_decode_s` its part
+in decode steps, of which there were `decode_passes`). The forest's `worker=on`
 (default off) runs ExpertFlow's asynchronous dual mode instead: one forest call per source layer for every later
 layer it knows runs in a worker thread (`AsyncForest.submit_group`); predictions are cached per (token sequence,
 layer, S), and until one is ready the policy uses the pre-gate's top-k.
@@ -82,6 +83,8 @@ class LearnedPrefetch(PrefetchPolicy):
         self._tokens: torch.Tensor | None = None  # [T,w] token context of the current pass
         self._seq: list[int] = []  # token ids of the current prompt so far (batch 1)
         self.predict_s = 0.0  # time spent in propose on the model's thread (predictor overhead on the critical path)
+        self.predict_decode_s = 0.0  # the part of it in decode steps (passes of one token)
+        self.decode_passes = 0
         self.calls = 0
         self.fast: Any = None  # the predictor's run-time path (`moeflow.predict.fast`), set by bind
 
@@ -118,6 +121,7 @@ class LearnedPrefetch(PrefetchPolicy):
             return
         self._pass = ctx.pos.pass_id
         self._hist = {}
+        self.decode_passes += int(len(ctx.indices) == 1)
         ids = ctx.token_ids.reshape(-1).tolist() if ctx.token_ids is not None else []
         if len(ids) != 1:  # a prefill: a new prompt (batch 1)
             self._seq = []
@@ -215,7 +219,10 @@ class LearnedPrefetch(PrefetchPolicy):
         batch = self._batch(ctx)
         self._submit(ctx, batch)
         out = self._requests(targets, self.step_scores(targets, batch), ctx.top_k) if targets else []
-        self.predict_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.predict_s += dt
+        if len(ctx.indices) == 1:
+            self.predict_decode_s += dt
         self.calls += 1
         return out
 
