@@ -41,7 +41,7 @@ from ..errors import ConfigError
 from ..moe import get_adapter, residual_norm
 from ..moe.sets import mass_mask
 from .base import PREFETCH, BindContext, LayerContext, PrefetchPolicy, PrefetchRequest
-from .prefetch import _on, make_gate, topk_confidence
+from .prefetch import _on, make_gate
 
 
 class LearnedPrefetch(PrefetchPolicy):
@@ -105,6 +105,7 @@ class LearnedPrefetch(PrefetchPolicy):
         warm = getattr(self.fast, "warm", None)
         if warm is not None:  # compile (or load) a runner's kernel now, not in the first decode step
             warm()
+        self._requests([0], np.ones((1, 1, 2), np.float32), 1)  # and the decode step's request kernel
         if self.window is None:
             self.window = getattr(self.pred, "window", 4)
         ad = get_adapter(model)
@@ -166,24 +167,17 @@ class LearnedPrefetch(PrefetchPolicy):
     def _requests(self, targets: list[int], sc: np.ndarray, k: int) -> list[PrefetchRequest]:
         """The prefetch requests of scores sc [S,T,E]: each target's selected experts (top round(k x overfetch)
         or the `mass` set, per token), priority nearer target first then by probability, confidence k x p.
-        No loop per target or expert: a decode step (T = 1) takes each target's top m in numpy and builds its few
-        requests in one comprehension; more tokens are reduced over T in numpy."""
+        No loop per target or expert in Python: a decode step (T = 1) selects, orders and scores its few requests in
+        one compiled call (`moeflow.predict.fast.decode_requests`); more tokens are reduced over T in numpy."""
         S, T, E = sc.shape
         flat = np.asarray(sc, dtype=np.float32).reshape(S * T, E)  # [S*T,E]
         tot = np.maximum(np.add.reduce(flat, -1, keepdims=True), np.float32(1e-12))  # [S*T,1]
         m = min(E, max(1, round(k * self.overfetch)))
-        if self.mass is None and T == 1:  # a decode step: the top m of each target, expert ascending
-            top = np.argpartition(-flat, m - 1, axis=-1)[:, :m]  # [S,m]
-            top.sort(-1)
-            b32 = flat[np.arange(S)[:, None], top] / tot  # [S,m] float32 probabilities
-            reqs = [
-                ((S - i) + b, t, e, b)
-                for i, (t, es, bs) in enumerate(zip(targets, top.tolist(), b32.tolist()))
-                for e, b in zip(es, bs)
-                if b >= 0.0  # a negative score is never requested
-            ]
-            reqs.sort(key=lambda x: -x[0])  # stable: nearer target first, then by probability
-            return [PrefetchRequest((t, e), priority=pr, confidence=topk_confidence(b, k)) for pr, t, e, b in reqs]
+        if self.mass is None and T == 1:  # a decode step: one compiled call orders them, then only the objects
+            from ..predict.fast import decode_requests
+
+            tg, ex, pr, cf = decode_requests(flat, tot.reshape(-1), m, np.asarray(targets, np.int64), float(k))
+            return list(map(PrefetchRequest, zip(tg.tolist(), ex.tolist()), pr.tolist(), cf.tolist()))
         p = flat / tot  # [S*T,E]
         if self.mass is not None:
             mask = mass_mask(torch.from_numpy(p), self.mass).numpy()  # [S*T,E]

@@ -329,6 +329,43 @@ def estimator_probs(r0, w0, ids0, u, zbase, soff, Fs, eps, Ds, renorm, top_k, Au
     return out
 
 
+@_jit
+def decode_requests(flat, tot, m, targets, k):  # pragma: no cover - compiled
+    """A decode step's prefetch requests as arrays, in issue order: scores flat [S,E] (float32) of the targets
+    `targets` [S] with row sums tot [S] -> (target [R], expert [R], priority [R], confidence [R]) of each target's top
+    m experts (ties to the lower expert), probability b = score / tot (float32), priority (S - s) + b (nearer
+    target first, then by probability; a stable order, experts ascending within a target), confidence min(1, k b);
+    a negative probability is never requested."""
+    S, E = flat.shape
+    R = S * m
+    tg = np.empty(R, np.int64)
+    ex = np.empty(R, np.int64)
+    pr = np.empty(R, np.float64)
+    cf = np.empty(R, np.float64)
+    chosen = np.empty(E, np.bool_)
+    n = 0
+    for s in range(S):
+        chosen[:] = False
+        for _ in range(m):
+            bi = -1
+            for e in range(E):
+                if not chosen[e] and (bi < 0 or flat[s, e] > flat[s, bi]):
+                    bi = e
+            chosen[bi] = True
+        for e in range(E):  # experts ascending
+            if chosen[e]:
+                b = np.float64(np.float32(flat[s, e] / tot[s]))
+                if b >= 0.0:
+                    p = (S - s) + b
+                    i = n  # insertion sort by descending priority, stable
+                    while i > 0 and pr[i - 1] < p:
+                        tg[i], ex[i], pr[i], cf[i] = tg[i - 1], ex[i - 1], pr[i - 1], cf[i - 1]
+                        i -= 1
+                    tg[i], ex[i], pr[i], cf[i] = targets[s], e, p, min(1.0, max(0.0, k * b))
+                    n += 1
+    return tg[:n], ex[:n], pr[:n], cf[:n]
+
+
 def np32(x: torch.Tensor) -> np.ndarray:
     """A tensor as float32 numpy on the host (no copy for a float32 CPU tensor)."""
     return x.detach().to("cpu", torch.float32).numpy()
