@@ -620,6 +620,7 @@ class EstimatorRunner:
         )
         self.hb = np.ascontiguousarray(self.hb, np.float32)
         self._compiled: dict[tuple[int, int], tuple[np.ndarray, ...] | None] = {}
+        self._all: dict[int, np.ndarray] = {}  # S -> [S] all True: the estimator at every step
         self._tok_key: Any = None
         self._ztok = np.zeros((0, self.b0.shape[0]), np.float32)
         self._gate: tuple[Any, int, np.ndarray] = (None, -1, self._ztok)  # (token context, source rank, earlier layers' term)
@@ -740,7 +741,10 @@ class EstimatorRunner:
         return self
 
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
-        out = self.fast_probs(batch, steps, np.ones(steps, np.bool_))
+        use = self._all.get(steps)
+        if use is None:
+            use = self._all[steps] = np.ones(steps, np.bool_)
+        out = self.fast_probs(batch, steps, use)
         if out is not None:
             return out
         qa, rl = self.chain.run(batch, steps, self.AqT)
@@ -754,20 +758,23 @@ class HybridRunner:
         assert hybrid.estimator is not None, "fit or load first"
         self.est = EstimatorRunner(hybrid.estimator)
         self.use = hybrid.use_estimator
+        self._use: dict[tuple[int, int], np.ndarray] = {}
 
     def warm(self) -> HybridRunner:
         self.est.warm()
         return self
 
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
-        ss = [s for s in range(1, steps + 1) if (batch.layer, s) in self.use]
-        use = np.zeros(steps, np.bool_)
-        use[np.asarray(ss, np.int64) - 1] = True
+        key = (batch.layer, steps)
+        use = self._use.get(key)
+        if use is None:  # [S] whether step s takes the estimator
+            use = self._use[key] = np.array([(batch.layer, s) in self.use for s in range(1, steps + 1)], np.bool_)
         fast = self.est.fast_probs(batch, steps, use)
         if fast is not None:
             return fast
         qa, rl = self.est.chain.run(batch, steps, self.est.AqT)
         out = rl.copy()
+        ss = (np.flatnonzero(use) + 1).tolist()
         if ss:
             out[np.asarray(ss) - 1] = self.est.logits(batch, qa, rl, ss)
         return softmax(out)
@@ -785,6 +792,8 @@ class ForestRunner:
         self._tok_key: Any = None
         self._pass: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._stacked: dict[tuple[int, ...], Any] = {}  # target layers -> their routers [H,P*E] (False: not numpy)
+        self._hoff: dict[tuple, np.ndarray] = {}  # (history layers, k) -> their multi-hot column offsets [c]
+        self._pairs: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # pairs -> (S [P] float32, target rank [P])
 
     def per_pass(self, batch: SourceBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(embedding [T,d], prior of the current token [L,T,E+1], of the previous token [L,T,E+1]), once per
@@ -795,7 +804,8 @@ class ForestRunner:
         f, t = self.f, batch.t
         c = ctx.cpu().numpy() if ctx is not None else np.full((t, 1), -1)
         prev_tok = c[:, -2] if c.shape[1] > 1 else np.full(t, -1)
-        self._tok_key, self._pass = ctx, (f.embed(c), f.prior_all(c[:, -1]), f.prior_all(prev_tok))
+        emb = np.ascontiguousarray(f.embed(c), np.float32)  # as the float32 rows hold it
+        self._tok_key, self._pass = ctx, (emb, f.prior_all(c[:, -1]), f.prior_all(prev_tok))
         return self._pass
 
     def probs(self, batch: SourceBatch, targets: list[int]) -> np.ndarray:
@@ -864,21 +874,28 @@ class ForestRunner:
         emb, pc, pp = self.per_pass(batch)
         ml, E, d = self.ml, self.E, emb.shape[1]
         hist = batch.history
-        hcols = (  # [T,c] the history's multi-hot columns
-            np.concatenate([h.numpy(force=True) + (d + 2 + ml.index(l) * E) for l, h in hist.items()], 1)
-            if hist
-            else np.zeros((batch.t, 0), np.int64)
-        )
+        hcols = np.zeros((batch.t, 0), np.int64)  # [T,c] the history's multi-hot columns
+        if hist:
+            hs = list(hist.values())
+            key = (tuple(hist), hs[0].shape[1])
+            off = self._hoff.get(key)
+            if off is None:  # the column of each layer's block, per history entry
+                off = self._hoff[key] = np.concatenate([np.full(h.shape[1], d + 2 + ml.index(l) * E) for l, h in hist.items()])
+            hcols = torch.cat(hs, 1).numpy(force=True).astype(np.int64, copy=False) + off
         kind = self.f.base_kind
         base_kind = 1 if kind == "prior" else 2 if kind == "pregate" and batch.router_input.numel() else 0
+        pk = tuple(pairs)
+        sr = self._pairs.get(pk)
+        if sr is None:  # S and target rank of every pair
+            sr = self._pairs[pk] = (np.array([s for _, s in pairs], np.float32), np.array([ml.index(t) for t, _ in pairs]))
         return forest_scores(
             np.ascontiguousarray(probs, np.float32),
-            np.ascontiguousarray(emb, np.float32),
+            emb,
             pc,
             pp,
-            np.ascontiguousarray(hcols, np.int64),
-            np.array([s for _, s in pairs], np.float32),
-            np.array([ml.index(t) for t, _ in pairs], np.int64),
+            np.ascontiguousarray(hcols),
+            sr[0],
+            sr[1],
             int(self.f.n_features),
             rf.nodes,
             rf.a["value"],
