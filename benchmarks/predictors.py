@@ -19,7 +19,8 @@ path the policies run: `predictor.runner()`, every S of a source layer in one ca
 learned run's predictor time per decode step on the model's thread / its TPOT, both over decode steps only),
 `predictor_share_by_run` (that share for every learned run; the forest's rows add `worker_s_per_pass`, its worker
 thread's time, off the model's thread), `predictor_share_all_passes_by_run` (the predictor time of every pass,
-prefill included, spread over the decoded tokens / TPOT)
+prefill included, spread over the decoded tokens / TPOT), `predictor_cpu_share_by_run` (the model thread's CPU time
+in the predictor per decode step / TPOT: on a loaded machine the wall time also counts waits for a core)
 and, with `--adaptive-s`, fixed S = 1..3 rows per policy next to adaptive S
 (`adaptive_vs_best_fixed`: adaptive TPOT / best fixed TPOT, per policy). Every prefetcher goes through the
 traffic-aware gate (`PrefetchGate`, default on; `--prefetch-opt gate=off` via `--gate off` here).
@@ -119,6 +120,8 @@ def run_one(
         "predict_s_per_pass": pol.predict_s / max(1, len(prompts) * new_tokens) if hasattr(pol, "predict_s") else 0.0,
         # the same in decode steps only, per decode step (what TPOT is measured over)
         "predict_s_per_step": (pol.predict_decode_s / max(1, pol.decode_passes) if hasattr(pol, "predict_decode_s") else 0.0),
+        # its CPU time on the model's thread: under load the wall time above also counts waits for a core
+        "predict_cpu_s_per_step": getattr(pol, "predict_decode_cpu_s", 0.0) / max(1, getattr(pol, "decode_passes", 0)),
         "final_s": ctrl.s if ctrl else lookahead,
         "s_changes": len(ctrl.history) - 1 if ctrl else 0,
     }
@@ -274,6 +277,7 @@ def main() -> None:
         "pred ms/step",
         "pred share",
         "share all",
+        "cpu share",
         "S end",
         "exact",
     ):
@@ -283,6 +287,7 @@ def main() -> None:
         share_all = r["predict_s_per_pass"] / r["tpot_s"] if r["tpot_s"] else 0.0
         r.update(tpot_vs_on_demand=r["tpot_s"] / od, tpot_vs_pregate=r["tpot_s"] / pg, predictor_share=share)
         r["predictor_share_all_passes"] = share_all
+        r["predictor_cpu_share"] = r["predict_cpu_s_per_step"] / r["tpot_s"] if r["tpot_s"] else 0.0
         t.add_row(
             label,
             f"{1e3 * r['tpot_s']:.2f}",
@@ -294,6 +299,7 @@ def main() -> None:
             f"{1e3 * r['predict_s_per_step']:.2f}",
             f"{share:.1%}",
             f"{share_all:.1%}",
+            f"{r['predictor_cpu_share']:.1%}",
             str(r["final_s"]),
             "" if label == "resident" else ("yes" if exact[label] else "NO"),
         )
@@ -320,6 +326,7 @@ def main() -> None:
         "predictor_share": offl[best_l]["predictor_share"] if best_l else None,
         "predictor_share_by_run": {k: offl[k]["predictor_share"] for k in learned},
         "predictor_share_all_passes_by_run": {k: offl[k]["predictor_share_all_passes"] for k in learned},
+        "predictor_cpu_share_by_run": {k: offl[k]["predictor_cpu_share"] for k in learned},
         "recall_at_k_runtime": rt_recall,
         "best_learned_run": best_l,
         "adaptive_vs_best_fixed": ada,

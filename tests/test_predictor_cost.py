@@ -284,6 +284,7 @@ def test_the_policy_makes_one_call_per_layer_and_never_runs_a_router_hook(fitted
     assert all(s == min(2, len(ml) - 1 - ml.index(l)) for l, s in calls)
     assert pol.decode_passes == passes - 1 == 4  # one prefill, then a pass per decoded token after the first
     assert 0.0 < pol.predict_decode_s < pol.predict_s  # the decode steps' share of the time, the prefill's excluded
+    assert pol.predict_decode_cpu_s > 0.0  # and the model thread's CPU time in them
 
 
 def test_forest_worker_mode_runs_the_trees_off_the_models_thread(fitted, tmp_path):

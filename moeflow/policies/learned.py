@@ -17,10 +17,10 @@ Every policy makes ONE predictor call per MoE layer for all its targets l+1..l+S
 `moeflow.predict.fast`: the quasi-hidden chain once, the estimator's network once on [S,T], the forest's rows of
 every target in one tree walk), on the model's thread, without the engine's router hooks (the runners apply the
 model's norms and routers directly); `predict_s` is the time `propose` takes there (`predict_decode_s` its part
-in decode steps, of which there were `decode_passes`). The forest's `worker=on`
-(default off) runs ExpertFlow's asynchronous dual mode instead: one forest call per source layer for every later
-layer it knows runs in a worker thread (`AsyncForest.submit_group`); predictions are cached per (token sequence,
-layer, S), and until one is ready the policy uses the pre-gate's top-k.
+in decode steps, of which there were `decode_passes`; `predict_decode_cpu_s` the thread's CPU time in them). The
+forest's `worker=on` (default off) runs ExpertFlow's asynchronous dual mode instead: one forest call per source
+layer for every later layer it knows runs in a worker thread (`AsyncForest.submit_group`); predictions are cached
+per (token sequence, layer, S), and until one is ready the policy uses the pre-gate's top-k.
 
 The policy needs the running model (routers and norms) and the post-attention residual r_l, which
 the engine captures and passes as `LayerContext.residual` (`needs_residual`): the engine calls
@@ -84,6 +84,7 @@ class LearnedPrefetch(PrefetchPolicy):
         self._seq: list[int] = []  # token ids of the current prompt so far (batch 1)
         self.predict_s = 0.0  # time spent in propose on the model's thread (predictor overhead on the critical path)
         self.predict_decode_s = 0.0  # the part of it in decode steps (passes of one token)
+        self.predict_decode_cpu_s = 0.0  # the model thread's CPU time in it (without the waits for a core under load)
         self.decode_passes = 0
         self.calls = 0
         self.fast: Any = None  # the predictor's run-time path (`moeflow.predict.fast`), set by bind
@@ -206,7 +207,7 @@ class LearnedPrefetch(PrefetchPolicy):
             raise ConfigError(
                 f"prefetch policy {self.name!r} was not bound to the model; the engine must call policy.bind(ctx) on attach"
             )
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self._begin(ctx)
         steps = min(self.lookahead or ctx.lookahead, self.pred.max_lookahead)
         targets = ctx.next_layers(steps)
@@ -217,6 +218,7 @@ class LearnedPrefetch(PrefetchPolicy):
         self.predict_s += dt
         if len(ctx.indices) == 1:
             self.predict_decode_s += dt
+            self.predict_decode_cpu_s += time.thread_time() - c0
         self.calls += 1
         return out
 
