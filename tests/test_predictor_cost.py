@@ -81,6 +81,71 @@ def test_router_pf_decode_call_is_one_compiled_call_equal_to_predict(fitted, mon
     assert calls == [1]
 
 
+def _topk_sets(x: np.ndarray, k: int) -> np.ndarray:
+    return np.sort(np.argsort(-x, -1, kind="stable")[..., :k], -1)
+
+
+@pytest.mark.parametrize("name", ["estimator", "hybrid"])
+def test_estimator_decode_call_is_one_compiled_call_equal_to_numpy(fitted, monkeypatch, name):
+    """A call of at most 4 tokens runs the estimator's (and Hybrid's) chain, network and softmax in the compiled
+    kernel (`estimator_probs`), never the numpy chain, and gives the numpy path's probabilities and top k (and
+    predict's scores) for every S, across the layers of a pass (the per-pass terms reused)."""
+    from moeflow.predict.data import batch_from_rows, target_of
+
+    _model, data, preds = fitted
+    ml, spec = data.spec.moe_layers, data.spec
+    ctx = data.context(4)
+    p = preds[name]
+    run, ref = p.runner().warm(), p.runner()
+    chain = run.est.chain if name == "hybrid" else run.chain
+    monkeypatch.setattr(chain, "run", lambda *a, **k: pytest.fail("the numpy chain ran for a decode call"))
+    n = 0
+    for rows in (np.array([7]), np.arange(2, data.n, 13)[:4], np.array([40])):
+        tok = torch.from_numpy(ctx[rows])
+        for src in ml[:-1]:
+            steps = min(p.max_lookahead, len(ml) - 1 - ml.index(src))
+            b = batch_from_rows(data, src, rows, ctx=ctx)
+            b.token_ctx = tok
+            got = run.scores(b, steps)
+            assert got.shape == (steps, len(rows), spec.num_experts) and got.dtype == np.float32
+            b2 = batch_from_rows(data, src, np.concatenate([rows] * 2), ctx=ctx)  # 2x the tokens: the numpy path
+            want = ref.scores(b2, steps)[:, : len(rows)]
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
+            assert np.array_equal(_topk_sets(got, spec.top_k), _topk_sets(want, spec.top_k))
+            for s in range(1, steps + 1):
+                pr = p.predict(target_of(spec, src, s), s, b).float().numpy()
+                np.testing.assert_allclose(got[s - 1], pr, rtol=1e-4, atol=2e-6, err_msg=f"{src}+{s}")
+            n += 1
+    assert n > 0
+
+
+@pytest.mark.parametrize("kind", ["none", "prior", "pregate"])
+def test_forest_compiled_call_equals_the_numpy_features_and_walk(fitted, monkeypatch, kind):
+    """The forest's call in one compiled kernel (`forest_scores`: rows, walk, base, finish) gives exactly the
+    scores of the numpy rows walked by `forest_walk` (`prepare` then `finish`), for every base, at a decode
+    step's one token and at more."""
+    from moeflow.predict.data import batch_from_rows
+
+    _model, data, preds = fitted
+    ml = data.spec.moe_layers
+    ctx = data.context(4)
+    f = preds["forest"]
+    monkeypatch.setattr(f, "base_kind", kind)
+    run = f.runner().warm()
+    for rows in (np.array([7]), np.arange(2, data.n, 13)[:4], np.arange(1, data.n, 7)[:9]):
+        tok = torch.from_numpy(ctx[rows])
+        for src in ml[:-1]:
+            r = ml.index(src)
+            steps = min(f.max_lookahead, len(ml) - 1 - r)
+            pairs = [(ml[r + s], s) for s in range(1, steps + 1)]
+            b = batch_from_rows(data, src, rows, ctx=ctx)
+            b.token_ctx = tok
+            got = run.scores(b, steps)
+            probs = run.probs(b, [t for t, _ in pairs])
+            want = run.finish(*run.prepare(pairs, b, probs), probs)
+            np.testing.assert_array_equal(got, want, err_msg=f"{kind} {src}")
+
+
 def test_layer_ops_fall_back_to_the_module_when_numpy_differs(fitted):
     """A norm the numpy RMSNorm does not reproduce (here a LayerNorm) runs as its module's `forward`."""
     from moeflow.moe import get_adapter
@@ -217,6 +282,9 @@ def test_the_policy_makes_one_call_per_layer_and_never_runs_a_router_hook(fitted
     passes = pol.calls // len(ml)  # propose runs at every MoE layer of a pass
     assert pol.calls == passes * len(ml) and len(calls) == passes * (len(ml) - 1)  # the last layer has no target
     assert all(s == min(2, len(ml) - 1 - ml.index(l)) for l, s in calls)
+    assert pol.decode_passes == passes - 1 == 4  # one prefill, then a pass per decoded token after the first
+    assert 0.0 < pol.predict_decode_s < pol.predict_s  # the decode steps' share of the time, the prefill's excluded
+    assert pol.predict_decode_cpu_s > 0.0  # and the model thread's CPU time in them
 
 
 def test_forest_worker_mode_runs_the_trees_off_the_models_thread(fitted, tmp_path):

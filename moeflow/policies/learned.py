@@ -16,10 +16,11 @@ or `mass=0.9` (experts in descending score up to that cumulative mass); the gate
 Every policy makes ONE predictor call per MoE layer for all its targets l+1..l+S (`predictor.runner()`,
 `moeflow.predict.fast`: the quasi-hidden chain once, the estimator's network once on [S,T], the forest's rows of
 every target in one tree walk), on the model's thread, without the engine's router hooks (the runners apply the
-model's norms and routers directly); `predict_s` is the time `propose` takes there. The forest's `worker=on`
-(default off) runs ExpertFlow's asynchronous dual mode instead: one forest call per source layer for every later
-layer it knows runs in a worker thread (`AsyncForest.submit_group`); predictions are cached per (token sequence,
-layer, S), and until one is ready the policy uses the pre-gate's top-k.
+model's norms and routers directly); `predict_s` is the time `propose` takes there (`predict_decode_s` its part
+in decode steps, of which there were `decode_passes`; `predict_decode_cpu_s` the thread's CPU time in them). The
+forest's `worker=on` (default off) runs ExpertFlow's asynchronous dual mode instead: one forest call per source
+layer for every later layer it knows runs in a worker thread (`AsyncForest.submit_group`); predictions are cached
+per (token sequence, layer, S), and until one is ready the policy uses the pre-gate's top-k.
 
 The policy needs the running model (routers and norms) and the post-attention residual r_l, which
 the engine captures and passes as `LayerContext.residual` (`needs_residual`): the engine calls
@@ -40,7 +41,7 @@ from ..errors import ConfigError
 from ..moe import get_adapter, residual_norm
 from ..moe.sets import mass_mask
 from .base import PREFETCH, BindContext, LayerContext, PrefetchPolicy, PrefetchRequest
-from .prefetch import _on, make_gate, topk_confidence
+from .prefetch import _on, make_gate
 
 
 class LearnedPrefetch(PrefetchPolicy):
@@ -82,6 +83,9 @@ class LearnedPrefetch(PrefetchPolicy):
         self._tokens: torch.Tensor | None = None  # [T,w] token context of the current pass
         self._seq: list[int] = []  # token ids of the current prompt so far (batch 1)
         self.predict_s = 0.0  # time spent in propose on the model's thread (predictor overhead on the critical path)
+        self.predict_decode_s = 0.0  # the part of it in decode steps (passes of one token)
+        self.predict_decode_cpu_s = 0.0  # the model thread's CPU time in it (without the waits for a core under load)
+        self.decode_passes = 0
         self.calls = 0
         self.fast: Any = None  # the predictor's run-time path (`moeflow.predict.fast`), set by bind
 
@@ -99,6 +103,10 @@ class LearnedPrefetch(PrefetchPolicy):
         self.pred = preds[self.predictor]
         runner = getattr(self.pred, "runner", None)
         self.fast = runner() if runner is not None else None
+        warm = getattr(self.fast, "warm", None)
+        if warm is not None:  # compile (or load) a runner's kernel now, not in the first decode step
+            warm()
+        self._requests([0], np.ones((1, 1, 2), np.float32), 1)  # and the decode step's request kernel
         if self.window is None:
             self.window = getattr(self.pred, "window", 4)
         ad = get_adapter(model)
@@ -115,6 +123,7 @@ class LearnedPrefetch(PrefetchPolicy):
             return
         self._pass = ctx.pos.pass_id
         self._hist = {}
+        self.decode_passes += int(len(ctx.indices) == 1)
         ids = ctx.token_ids.reshape(-1).tolist() if ctx.token_ids is not None else []
         if len(ids) != 1:  # a prefill: a new prompt (batch 1)
             self._seq = []
@@ -159,24 +168,17 @@ class LearnedPrefetch(PrefetchPolicy):
     def _requests(self, targets: list[int], sc: np.ndarray, k: int) -> list[PrefetchRequest]:
         """The prefetch requests of scores sc [S,T,E]: each target's selected experts (top round(k x overfetch)
         or the `mass` set, per token), priority nearer target first then by probability, confidence k x p.
-        No loop per target or expert: a decode step (T = 1) takes each target's top m in numpy and builds its few
-        requests in one comprehension; more tokens are reduced over T in numpy."""
+        No loop per target or expert in Python: a decode step (T = 1) selects, orders and scores its few requests in
+        one compiled call (`moeflow.predict.fast.decode_requests`); more tokens are reduced over T in numpy."""
         S, T, E = sc.shape
         flat = np.asarray(sc, dtype=np.float32).reshape(S * T, E)  # [S*T,E]
         tot = np.maximum(np.add.reduce(flat, -1, keepdims=True), np.float32(1e-12))  # [S*T,1]
         m = min(E, max(1, round(k * self.overfetch)))
-        if self.mass is None and T == 1:  # a decode step: the top m of each target, expert ascending
-            top = np.argpartition(-flat, m - 1, axis=-1)[:, :m]  # [S,m]
-            top.sort(-1)
-            b32 = flat[np.arange(S)[:, None], top] / tot  # [S,m] float32 probabilities
-            reqs = [
-                ((S - i) + b, t, e, b)
-                for i, (t, es, bs) in enumerate(zip(targets, top.tolist(), b32.tolist()))
-                for e, b in zip(es, bs)
-                if b >= 0.0  # a negative score is never requested
-            ]
-            reqs.sort(key=lambda x: -x[0])  # stable: nearer target first, then by probability
-            return [PrefetchRequest((t, e), priority=pr, confidence=topk_confidence(b, k)) for pr, t, e, b in reqs]
+        if self.mass is None and T == 1:  # a decode step: one compiled call orders them, then only the objects
+            from ..predict.fast import decode_requests
+
+            tg, ex, pr, cf = decode_requests(flat, tot.reshape(-1), m, np.asarray(targets, np.int64), float(k))
+            return list(map(PrefetchRequest, zip(tg.tolist(), ex.tolist()), pr.tolist(), cf.tolist()))
         p = flat / tot  # [S*T,E]
         if self.mass is not None:
             mask = mass_mask(torch.from_numpy(p), self.mass).numpy()  # [S*T,E]
@@ -205,14 +207,18 @@ class LearnedPrefetch(PrefetchPolicy):
             raise ConfigError(
                 f"prefetch policy {self.name!r} was not bound to the model; the engine must call policy.bind(ctx) on attach"
             )
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self._begin(ctx)
         steps = min(self.lookahead or ctx.lookahead, self.pred.max_lookahead)
         targets = ctx.next_layers(steps)
         batch = self._batch(ctx)
         self._submit(ctx, batch)
         out = self._requests(targets, self.step_scores(targets, batch), ctx.top_k) if targets else []
-        self.predict_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.predict_s += dt
+        if len(ctx.indices) == 1:
+            self.predict_decode_s += dt
+            self.predict_decode_cpu_s += time.thread_time() - c0
         self.calls += 1
         return out
 

@@ -75,6 +75,72 @@ def forest_walk(X, nodes, value, roots):  # pragma: no cover - compiled
 
 
 @_jit
+def forest_scores(probs, emb, pc, pp, hcols, sv, rv, nf, nodes, value, roots, base_kind, top_k):  # pragma: no cover
+    """The forest's whole call but the pre-gate in one compiled call: [P,T,E] scores of the pairs (target rank rv[p],
+    S sv[p]) from their pre-gate probabilities `probs` [P,T,E] (float32). Each row of `Forest.features` is built
+    in a buffer of `nf` floats (embedding emb [T,d], S, rank, the history's multi-hot at columns hcols [T,c], the
+    probabilities, the priors pc/pp [L,T,E+1] of the target), walked as `forest_walk` does (float64 leaf sums in
+    tree order, mean, float32), added to the base (base_kind 0: none, 1: k x the prior, 2: the pre-gate's top k,
+    ties to the lower expert) and finished as `ForestRunner.finish`: max(base + delta, 0) + 1e-3 probs + 1e-6."""
+    P, T, E = probs.shape
+    d = emb.shape[1]
+    o = nf - 3 * E - 2
+    n = roots.shape[0]
+    x = np.empty(nf, np.float32)
+    acc = np.empty(E, np.float64)
+    base = np.empty(E, np.float32)
+    chosen = np.empty(E, np.bool_)
+    out = np.empty((P, T, E), np.float32)
+    for p in range(P):
+        r = rv[p]
+        for t in range(T):
+            x[:] = 0.0
+            for j in range(d):
+                x[j] = emb[t, j]
+            x[d] = sv[p]
+            x[d + 1] = r
+            for j in range(hcols.shape[1]):
+                x[hcols[t, j]] = 1.0
+            for e in range(E):
+                x[o + e] = probs[p, t, e]
+            for e in range(E + 1):
+                x[o + E + e] = pc[r, t, e]
+                x[o + 2 * E + 1 + e] = pp[r, t, e]
+            acc[:] = 0.0
+            for j in range(n):
+                nd = roots[j]
+                while nodes[nd, 0] >= 0:
+                    xv = np.float64(x[int(nodes[nd, 2])])
+                    if xv <= nodes[nd, 5] or (np.isnan(xv) and nodes[nd, 4] != 0):
+                        nd = int(nodes[nd, 0])
+                    else:
+                        nd = int(nodes[nd, 1])
+                v = int(nodes[nd, 3])
+                for e in range(E):
+                    acc[e] += value[v, e]
+            base[:] = 0.0
+            if base_kind == 1:
+                for e in range(E):
+                    base[e] = np.float32(top_k) * pc[r, t, e]
+            elif base_kind == 2:
+                chosen[:] = False
+                for _ in range(top_k):
+                    b = -1
+                    for e in range(E):
+                        if not chosen[e] and (b < 0 or probs[p, t, e] > probs[p, t, b]):
+                            b = e
+                    chosen[b] = True
+                    base[b] = 1.0
+            for e in range(E):
+                v32 = np.float32(base[e] + np.float32(acc[e] / n))
+                if v32 < 0.0:
+                    v32 = np.float32(0.0)
+                v32 = np.float32(v32 + np.float32(np.float32(1e-3) * probs[p, t, e]))
+                out[p, t, e] = np.float32(v32 + np.float32(1e-6))
+    return out
+
+
+@_jit
 def chain_probs(r0, w0, ids0, Fs, eps, Ds, top_k, renorm):  # pragma: no cover - compiled
     """Router-PF's chain in one compiled call: [T,H] residual r_l, [T,k] gate weights and ids of layer l ->
     [S,T,E] float32 probabilities of the targets l+1..l+S. `Fs` [S,H,E] the targets' norm weights folded into
@@ -134,6 +200,170 @@ def chain_probs(r0, w0, ids0, Fs, eps, Ds, top_k, renorm):  # pragma: no cover -
                         for j in range(H):
                             h[j] += wi * d2[e, j]
     return out
+
+
+@_jit
+def _vecmat(x, W, y):  # pragma: no cover - compiled
+    """y [n] += x [m] @ W [m,n] (float32; the inner loop over n vectorises)."""
+    for i in range(W.shape[0]):
+        xi = x[i]
+        for o in range(W.shape[1]):
+            y[o] += xi * W[i, o]
+
+
+@_jit
+def estimator_probs(r0, w0, ids0, u, zbase, soff, Fs, eps, Ds, renorm, top_k, AuT, AgT, b0, pos, BT, bb, CT, cb,
+                    headT, hb, ln_eps, residual, use):  # pragma: no cover - compiled  # fmt: skip
+    """The estimator's (and Hybrid's) whole decode call in one compiled call: [T,H] residual r_l, [T,k] gate weights
+    and ids of layer l -> [S,T,E] float32 probabilities of the targets l+1..l+S. The chain as `chain_probs`, with
+    `Fs` [S,H,E+m] the targets' norm weights folded into [router | AqT] (`ChainRunner.fused(t, AqT)`), so one
+    product per step gives the router logits and q's first-layer term; the first layer's per-call part
+    z0 = zbase [T,m] (token and earlier layers' gate terms) + u @ AuT + sum_k w_k AgT[soff + id_k] + b0, then per
+    step s with use[s]: + q-term + pos[s], the SiLU blocks (BT [nb,m,n], bb, CT [nb,n,m], cb), the LayerNorm
+    (affine folded into headT [m,E], hb), + the router logits when `residual`; without use[s] the router logits
+    (Hybrid's Router-PF pairs). The same arithmetic as `EstimatorRunner.logits` up to float32 rounding order."""
+    T, H = r0.shape
+    S, _, EM = Fs.shape
+    m = b0.shape[0]
+    E = EM - m
+    nb, _, n = BT.shape
+    out = np.empty((S, T, E), np.float32)
+    h = np.empty(H, np.float32)
+    y = np.empty(EM, np.float32)
+    z0 = np.empty(m, np.float32)
+    z = np.empty(m, np.float32)
+    a = np.empty(n, np.float32)
+    p = np.empty(E, np.float64)
+    pl = np.empty(E, np.float32)
+    chosen = np.empty(E, np.bool_)
+    for t in range(T):
+        for c in range(m):
+            z0[c] = zbase[t, c] + b0[c]
+        _vecmat(u[t], AuT, z0)
+        for i in range(ids0.shape[1]):
+            wi, g = w0[t, i], AgT[soff + ids0[t, i]]
+            for c in range(m):
+                z0[c] += wi * g[c]
+        for j in range(H):
+            h[j] = r0[t, j]
+        for i in range(ids0.shape[1]):
+            wi, d = w0[t, i], Ds[0, ids0[t, i]]
+            for j in range(H):
+                h[j] += wi * d[j]
+        for s in range(S):
+            ss = 0.0
+            for j in range(H):
+                ss += np.float64(h[j]) * np.float64(h[j])
+            inv = np.float32(1.0 / np.sqrt(np.float64(np.float32(ss / H) + eps[s])))
+            y[:] = 0.0
+            _vecmat(h, Fs[s], y)
+            for o in range(EM):
+                y[o] *= inv
+            if use[s]:
+                for c in range(m):
+                    z[c] = y[E + c] + z0[c] + pos[s, c]
+                for b in range(nb):
+                    for o in range(n):
+                        a[o] = bb[b, o]
+                    _vecmat(z, BT[b], a)
+                    for o in range(n):
+                        a[o] = a[o] * (np.float32(0.5) + np.float32(0.5) * np.tanh(np.float32(0.5) * a[o]))
+                    for c in range(m):
+                        z[c] += cb[b, c]
+                    _vecmat(a, CT[b], z)
+                mu = 0.0
+                for c in range(m):
+                    mu += z[c]
+                mu /= m
+                var = 0.0
+                for c in range(m):
+                    z[c] = np.float32(z[c] - mu)
+                    var += np.float64(z[c]) * np.float64(z[c])
+                rs = np.float32(1.0 / np.sqrt(np.float64(np.float32(var / m) + ln_eps)))
+                for c in range(m):
+                    z[c] *= rs
+                for e in range(E):
+                    pl[e] = hb[e] + (y[e] if residual else np.float32(0.0))
+                _vecmat(z, headT, pl)
+            else:
+                for e in range(E):
+                    pl[e] = y[e]
+            zmax = -np.inf
+            for e in range(E):
+                if pl[e] > zmax:
+                    zmax = pl[e]
+            tot = 0.0
+            for e in range(E):
+                p[e] = np.exp(np.float64(pl[e]) - zmax)
+                tot += p[e]
+            for e in range(E):
+                out[s, t, e] = np.float32(p[e] / tot)
+            if s + 1 < S:  # the router's top k of target s route the chain's next step
+                zmax = -np.inf
+                for e in range(E):
+                    if y[e] > zmax:
+                        zmax = y[e]
+                tot = 0.0
+                for e in range(E):
+                    p[e] = np.exp(np.float64(y[e]) - zmax)
+                    tot += p[e]
+                for e in range(E):
+                    p[e] /= tot
+                chosen[:] = False
+                wsum = 0.0
+                for _ in range(top_k):
+                    bi = -1
+                    for e in range(E):
+                        if not chosen[e] and (bi < 0 or p[e] > p[bi]):
+                            bi = e
+                    chosen[bi] = True
+                    wsum += np.float32(p[bi])
+                d2 = Ds[s + 1]
+                for e in range(E):
+                    if chosen[e]:
+                        wi = np.float32(p[e])
+                        if renorm[s]:
+                            wi = np.float32(wi / wsum)
+                        for j in range(H):
+                            h[j] += wi * d2[e, j]
+    return out
+
+
+@_jit
+def decode_requests(flat, tot, m, targets, k):  # pragma: no cover - compiled
+    """A decode step's prefetch requests as arrays, in issue order: scores flat [S,E] (float32) of the targets
+    `targets` [S] with row sums tot [S] -> (target [R], expert [R], priority [R], confidence [R]) of each target's top
+    m experts (ties to the lower expert), probability b = score / tot (float32), priority (S - s) + b (nearer
+    target first, then by probability; a stable order, experts ascending within a target), confidence min(1, k b);
+    a negative probability is never requested."""
+    S, E = flat.shape
+    R = S * m
+    tg = np.empty(R, np.int64)
+    ex = np.empty(R, np.int64)
+    pr = np.empty(R, np.float64)
+    cf = np.empty(R, np.float64)
+    chosen = np.empty(E, np.bool_)
+    n = 0
+    for s in range(S):
+        chosen[:] = False
+        for _ in range(m):
+            bi = -1
+            for e in range(E):
+                if not chosen[e] and (bi < 0 or flat[s, e] > flat[s, bi]):
+                    bi = e
+            chosen[bi] = True
+        for e in range(E):  # experts ascending
+            if chosen[e]:
+                b = np.float64(np.float32(flat[s, e] / tot[s]))
+                if b >= 0.0:
+                    p = (S - s) + b
+                    i = n  # insertion sort by descending priority, stable
+                    while i > 0 and pr[i - 1] < p:
+                        tg[i], ex[i], pr[i], cf[i] = tg[i - 1], ex[i - 1], pr[i - 1], cf[i - 1]
+                        i -= 1
+                    tg[i], ex[i], pr[i], cf[i] = targets[s], e, p, min(1.0, max(0.0, k * b))
+                    n += 1
+    return tg[:n], ex[:n], pr[:n], cf[:n]
 
 
 def np32(x: torch.Tensor) -> np.ndarray:
@@ -383,6 +613,14 @@ class EstimatorRunner:
         hT = np32(net.head.weight).T  # [m,E]
         self.headT, self.hb = np.ascontiguousarray(g[:, None] * hT), b @ hT + np32(net.head.bias)
         self.emb = np32(feat.emb)  # [V,H]
+        m, n = self.b0.shape[0], (self.blocks[0][0].shape[1] if self.blocks else 1)
+        self.kblocks = tuple(  # the blocks stacked for `estimator_probs`: BT [nb,m,n], bb [nb,n], CT [nb,n,m], cb [nb,m]
+            np.ascontiguousarray(np.stack([b[i] for b in self.blocks])) if self.blocks else np.zeros((0, *shp), np.float32)
+            for i, shp in enumerate([(m, n), (n,), (n, m), (m,)])
+        )
+        self.hb = np.ascontiguousarray(self.hb, np.float32)
+        self._compiled: dict[tuple[int, int], tuple[np.ndarray, ...] | None] = {}
+        self._all: dict[int, np.ndarray] = {}  # S -> [S] all True: the estimator at every step
         self._tok_key: Any = None
         self._ztok = np.zeros((0, self.b0.shape[0]), np.float32)
         self._gate: tuple[Any, int, np.ndarray] = (None, -1, self._ztok)  # (token context, source rank, earlier layers' term)
@@ -405,8 +643,14 @@ class EstimatorRunner:
 
     def _gate_term(self, batch: SourceBatch) -> np.ndarray:
         """[T,m]: the gate history's first-layer term (earlier layers' chosen experts weigh 1, the source's its gate
-        weights; as `_Features.of_batch`). The earlier layers' part is kept per token context (one per forward
-        pass) and grows by one layer when the next source layer of that pass follows."""
+        weights; as `_Features.of_batch`)."""
+        ids = batch.topk_ids.numpy(force=True)  # [T,k]
+        r_src = self.rank[batch.layer]
+        return self._gate_acc(batch) + np.matmul(np32(batch.topk_weights)[:, None, :], self.AgT[ids + r_src * self.E])[:, 0]
+
+    def _gate_acc(self, batch: SourceBatch) -> np.ndarray:
+        """[T,m]: the earlier layers' part of `_gate_term`, kept per token context (one per forward pass); it grows
+        by one layer when the next source layer of that pass follows."""
         rank, E, AgT = self.rank, self.E, self.AgT
         r_src = rank[batch.layer]
         ids = batch.topk_ids.numpy(force=True)  # [T,k]
@@ -421,7 +665,7 @@ class EstimatorRunner:
                 if rank.get(l, r_src) < r_src:
                     acc = acc + np.add.reduce(AgT[h.numpy(force=True) + rank[l] * E], 1)
         self._gate = (ctx, r_src, acc)
-        return acc + np.matmul(np32(batch.topk_weights)[:, None, :], AgT[ids + r_src * E])[:, 0]  # [T,m]
+        return acc
 
     def logits(self, batch: SourceBatch, qa: np.ndarray, rl: np.ndarray, ss: list[int]) -> np.ndarray:
         """Estimator logits [len(ss),T,E] for steps `ss` from the chain's q's first-layer term qa = q @ AqT [S,T,m]
@@ -441,7 +685,68 @@ class EstimatorRunner:
         out = (z @ self.headT + self.hb).reshape(S, T, -1)  # [S',T,E]
         return out + (rl if S == len(rl) else rl[i]) if self.residual else out
 
+    def compiled(self, l: int, steps: int) -> tuple[np.ndarray, ...] | None:
+        """`estimator_probs`'s per-(source layer, S) arrays (Fs [S,H,E+m], eps [S], Ds [S,E,H], renorm [S], pos [S,m],
+        has [S]: whether (l, s) is one of the estimator's pairs), or None when the chain cannot run compiled."""
+        key = (l, steps)
+        if key not in self._compiled:
+            c = self.chain.compiled(l, steps)
+            if c is None:
+                self._compiled[key] = None
+            else:
+                r = self.rank[l]
+                tg = self.ml[r + 1 : r + 1 + steps]
+                Fs = [F for t in tg if (F := self.chain.fused(t, self.AqT)) is not None]  # all: `compiled` checked
+                rows = [self.pair_row.get((l, s)) for s in range(1, steps + 1)]
+                pos = np.stack([self.pos[i] if i is not None else np.zeros_like(self.pos[0]) for i in rows])  # [S,m]
+                has = np.array([i is not None for i in rows], np.bool_)
+                self._compiled[key] = (np.ascontiguousarray(np.stack(Fs)), c[1], c[2], c[3], np.ascontiguousarray(pos), has)
+        return self._compiled[key]
+
+    def fast_probs(self, batch: SourceBatch, steps: int, use: np.ndarray) -> np.ndarray | None:
+        """[S,T,E] probabilities in ONE compiled call (`estimator_probs`): the estimator's where use[s-1], the
+        router's elsewhere; None when the call has more than 4 tokens or a part runs as its module (then the
+        numpy path runs)."""
+        res = batch.residual
+        if res is None or len(res) > 4 or not batch.router_input.numel():
+            return None
+        c = self.compiled(batch.layer, steps)
+        if c is None or not c[5][use].all():
+            return None
+        Fs, eps, Ds, renorm, pos, _ = c
+        BT, bb, CT, cb = self.kblocks
+        zbase = self._token_term(batch) + self._gate_acc(batch)  # [T,m]
+        return estimator_probs(  # C-contiguous inputs: one compiled signature
+            np.ascontiguousarray(np32(res)),
+            np.ascontiguousarray(np32(batch.topk_weights)),
+            np.ascontiguousarray(batch.topk_ids.numpy(force=True), np.int64),
+            np.ascontiguousarray(np32(batch.router_input)),
+            np.ascontiguousarray(zbase, np.float32),
+            self.rank[batch.layer] * self.E,
+            Fs, eps, Ds, renorm, self.chain.spec.top_k, self.AuT, self.AgT, self.b0, pos, BT, bb, CT, cb,
+            self.headT, self.hb, self.eps, bool(self.residual), use,
+        )  # fmt: skip
+
+    def warm(self) -> EstimatorRunner:
+        """Compile `estimator_probs` (or load it from numba's cache) now, at bind, not in the first decode call."""
+        l = next((x for x in self.ml[:-1] if self.compiled(x, 1) is not None), None)
+        if l is not None:
+            H, k = self.H, self.chain.spec.top_k
+            Fs, eps, Ds, renorm, pos, _ = self._compiled[(l, 1)]  # type: ignore[misc]
+            BT, bb, CT, cb = self.kblocks
+            z = np.zeros((1, self.b0.shape[0]), np.float32)
+            estimator_probs(np.zeros((1, H), np.float32), np.zeros((1, k), np.float32), np.zeros((1, k), np.int64),
+                            np.zeros((1, H), np.float32), z, 0, Fs, eps, Ds, renorm, k, self.AuT, self.AgT, self.b0, pos,
+                            BT, bb, CT, cb, self.headT, self.hb, self.eps, bool(self.residual), np.ones(1, np.bool_))  # fmt: skip
+        return self
+
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
+        use = self._all.get(steps)
+        if use is None:
+            use = self._all[steps] = np.ones(steps, np.bool_)
+        out = self.fast_probs(batch, steps, use)
+        if out is not None:
+            return out
         qa, rl = self.chain.run(batch, steps, self.AqT)
         return softmax(self.logits(batch, qa, rl, list(range(1, steps + 1))))
 
@@ -453,11 +758,23 @@ class HybridRunner:
         assert hybrid.estimator is not None, "fit or load first"
         self.est = EstimatorRunner(hybrid.estimator)
         self.use = hybrid.use_estimator
+        self._use: dict[tuple[int, int], np.ndarray] = {}
+
+    def warm(self) -> HybridRunner:
+        self.est.warm()
+        return self
 
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
+        key = (batch.layer, steps)
+        use = self._use.get(key)
+        if use is None:  # [S] whether step s takes the estimator
+            use = self._use[key] = np.array([(batch.layer, s) in self.use for s in range(1, steps + 1)], np.bool_)
+        fast = self.est.fast_probs(batch, steps, use)
+        if fast is not None:
+            return fast
         qa, rl = self.est.chain.run(batch, steps, self.est.AqT)
         out = rl.copy()
-        ss = [s for s in range(1, steps + 1) if (batch.layer, s) in self.use]
+        ss = (np.flatnonzero(use) + 1).tolist()
         if ss:
             out[np.asarray(ss) - 1] = self.est.logits(batch, qa, rl, ss)
         return softmax(out)
@@ -475,6 +792,8 @@ class ForestRunner:
         self._tok_key: Any = None
         self._pass: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._stacked: dict[tuple[int, ...], Any] = {}  # target layers -> their routers [H,P*E] (False: not numpy)
+        self._hoff: dict[tuple, np.ndarray] = {}  # (history layers, k) -> their multi-hot column offsets [c]
+        self._pairs: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # pairs -> (S [P] float32, target rank [P])
 
     def per_pass(self, batch: SourceBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(embedding [T,d], prior of the current token [L,T,E+1], of the previous token [L,T,E+1]), once per
@@ -485,7 +804,8 @@ class ForestRunner:
         f, t = self.f, batch.t
         c = ctx.cpu().numpy() if ctx is not None else np.full((t, 1), -1)
         prev_tok = c[:, -2] if c.shape[1] > 1 else np.full(t, -1)
-        self._tok_key, self._pass = ctx, (f.embed(c), f.prior_all(c[:, -1]), f.prior_all(prev_tok))
+        emb = np.ascontiguousarray(f.embed(c), np.float32)  # as the float32 rows hold it
+        self._tok_key, self._pass = ctx, (emb, f.prior_all(c[:, -1]), f.prior_all(prev_tok))
         return self._pass
 
     def probs(self, batch: SourceBatch, targets: list[int]) -> np.ndarray:
@@ -545,9 +865,56 @@ class ForestRunner:
         return np.clip(base + d, 0.0, None) + 1e-3 * probs + 1e-6
 
     def scores_pairs(self, pairs: list[tuple[int, int]], batch: SourceBatch, probs: np.ndarray | None = None) -> np.ndarray:
-        """[P,T,E] scores of every (target, S) in `pairs` with ONE tree walk; `probs` their pre-gate probabilities."""
+        """[P,T,E] scores of every (target, S) in `pairs` with ONE tree walk; `probs` their pre-gate probabilities.
+        Features, walk, base and finish run in one compiled call (`forest_scores`) for the compiled forest."""
         probs = self.probs(batch, [t for t, _ in pairs]) if probs is None else probs
-        return self.finish(*self.prepare(pairs, batch, probs), probs)
+        rf = self.f.rf
+        if not hasattr(rf, "nodes"):
+            return self.finish(*self.prepare(pairs, batch, probs), probs)
+        emb, pc, pp = self.per_pass(batch)
+        ml, E, d = self.ml, self.E, emb.shape[1]
+        hist = batch.history
+        hcols = np.zeros((batch.t, 0), np.int64)  # [T,c] the history's multi-hot columns
+        if hist:
+            hs = list(hist.values())
+            key = (tuple(hist), hs[0].shape[1])
+            off = self._hoff.get(key)
+            if off is None:  # the column of each layer's block, per history entry
+                off = self._hoff[key] = np.concatenate([np.full(h.shape[1], d + 2 + ml.index(l) * E) for l, h in hist.items()])
+            hcols = torch.cat(hs, 1).numpy(force=True).astype(np.int64, copy=False) + off
+        kind = self.f.base_kind
+        base_kind = 1 if kind == "prior" else 2 if kind == "pregate" and batch.router_input.numel() else 0
+        pk = tuple(pairs)
+        sr = self._pairs.get(pk)
+        if sr is None:  # S and target rank of every pair
+            sr = self._pairs[pk] = (np.array([s for _, s in pairs], np.float32), np.array([ml.index(t) for t, _ in pairs]))
+        return forest_scores(
+            np.ascontiguousarray(probs, np.float32),
+            emb,
+            pc,
+            pp,
+            np.ascontiguousarray(hcols),
+            sr[0],
+            sr[1],
+            int(self.f.n_features),
+            rf.nodes,
+            rf.a["value"],
+            rf.a["roots"],
+            base_kind,
+            self.k,
+        )
+
+    def warm(self) -> ForestRunner:
+        """Compile `forest_scores` (or load it from numba's cache) now, not in the first decode call."""
+        rf, L, E = self.f.rf, len(self.ml), self.E
+        if hasattr(rf, "nodes"):
+            d = self.f.dim
+            z = np.zeros((1, 1, E), np.float32)
+            pz = np.zeros((L, 1, E + 1), np.float32)
+            h0, s0, r0 = np.zeros((1, 0), np.int64), np.ones(1, np.float32), np.zeros(1, np.int64)
+            nf, a = int(self.f.n_features), rf.a
+            forest_scores(z, np.zeros((1, d), np.float32), pz, pz, h0, s0, r0, nf, rf.nodes, a["value"], a["roots"], 0, self.k)
+        return self
 
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
         r = self.ml.index(batch.layer)
