@@ -169,13 +169,13 @@ class LearnedPrefetch(PrefetchPolicy):
         """The prefetch requests of scores sc [S,T,E]: each target's selected experts (top round(k x overfetch)
         or the `mass` set, per token), priority nearer target first then by probability, confidence k x p.
         No loop per target or expert in Python: a decode step (T = 1) selects, orders and scores its few requests in
-        one compiled call (`moeflow.predict.fast.decode_requests`); more tokens are reduced over T in numpy."""
+        one compiled call (`moeflow.predict.kernels.decode_requests`); more tokens are reduced over T in numpy."""
         S, T, E = sc.shape
         flat = np.asarray(sc, dtype=np.float32).reshape(S * T, E)  # [S*T,E]
         tot = np.maximum(np.add.reduce(flat, -1, keepdims=True), np.float32(1e-12))  # [S*T,1]
         m = min(E, max(1, round(k * self.overfetch)))
         if self.mass is None and T == 1:  # a decode step: one compiled call orders them, then only the objects
-            from ..predict.fast import decode_requests
+            from ..predict.kernels import decode_requests
 
             tg, ex, pr, cf = decode_requests(flat, tot.reshape(-1), m, np.asarray(targets, np.int64), float(k))
             return list(map(PrefetchRequest, zip(tg.tolist(), ex.tolist()), pr.tolist(), cf.tolist()))

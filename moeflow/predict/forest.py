@@ -78,7 +78,7 @@ class ArrayForest:
         self.n_features = n_features
         self.max_depth = max_depth
         self.n_estimators = len(arrays["roots"])
-        a = arrays  # [N,6] one float64 row per node for the compiled walk (`fast.forest_walk`)
+        a = arrays  # [N,6] one float64 row per node for the compiled walk (`kernels.forest_walk`)
         cols = ("left", "right", "feature", "leaf", "nan_left", "threshold")
         self.nodes = np.stack([a[k].astype(np.float64) for k in cols], 1)
 
@@ -106,9 +106,9 @@ class ArrayForest:
         return cls({k: np.concatenate(v) for k, v in parts.items()}, int(rf.n_features_in_), rf.max_depth)
 
     def predict(self, X: np.ndarray) -> np.ndarray:
-        """[T,F] -> [T,E] float64: the mean over trees of the leaf each row reaches (`fast.forest_walk`, compiled;
+        """[T,F] -> [T,E] float64: the mean over trees of the leaf each row reaches (`kernels.forest_walk`, compiled;
         features compared as float32, as scikit-learn does)."""
-        from .fast import forest_walk
+        from .kernels import forest_walk
 
         a = self.a
         X = np.ascontiguousarray(X, dtype=np.float32)

@@ -1,0 +1,342 @@
+"""The run-time predictors' compiled kernels (numba, nogil): what `moeflow.predict.fast`'s runners call once per
+decode step, and what `moeflow.policies.learned` calls to turn a step's scores into requests.
+
+- `forest_walk`: the trees of a compiled forest walked for [T,F] rows, leaves summed in scikit-learn's order.
+- `forest_scores`: a forest call whole (feature rows, walk, base and finish) after the pre-gate product.
+- `chain_probs`: Router-PF's quasi-hidden chain and router probabilities for every S of a source layer.
+- `estimator_probs`: the chain, the estimator's network and its softmax (Hybrid's router steps too) in one call.
+- `decode_requests`: a decode step's requests (target, expert, priority, confidence) in issue order.
+
+Each is compiled once and cached next to this file (or in numba's user-wide cache where that is read-only); the
+runners call them at bind so the first decode step does not.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..numba_cache import njit_cached
+
+
+def _jit(fn):  # numba caches the compiled kernel next to this file, or in its user-wide cache when that is read-only
+    return njit_cached(fn, True, nogil=True, error_model="numpy")
+
+
+@_jit
+def forest_walk(X, nodes, value, roots):  # pragma: no cover - compiled
+    """[T,F] float32 rows -> [T,E] float64: the mean over trees of the leaf each row reaches (tree order, as
+    scikit-learn sums). `nodes` [N,6] float64 rows (left, right, feature, leaf, NaN goes left, threshold; the
+    integers are exact in float64) keep one node's fields together, so a step of a walk reads one row;
+    `value` [leaves,E]; `roots` [trees]."""
+    T = X.shape[0]
+    E = value.shape[1]
+    n = roots.shape[0]
+    out = np.zeros((T, E), np.float64)
+    for i in range(T):
+        for j in range(n):
+            nd = roots[j]
+            while nodes[nd, 0] >= 0:
+                x = np.float64(X[i, int(nodes[nd, 2])])
+                if x <= nodes[nd, 5] or (np.isnan(x) and nodes[nd, 4] != 0):
+                    nd = int(nodes[nd, 0])
+                else:
+                    nd = int(nodes[nd, 1])
+            v = int(nodes[nd, 3])
+            for e in range(E):
+                out[i, e] += value[v, e]
+    for i in range(T):
+        for e in range(E):
+            out[i, e] /= n
+    return out
+
+
+@_jit
+def forest_scores(probs, emb, pc, pp, hcols, sv, rv, nf, nodes, value, roots, base_kind, top_k):  # pragma: no cover
+    """The forest's whole call but the pre-gate in one compiled call: [P,T,E] scores of the pairs (target rank rv[p],
+    S sv[p]) from their pre-gate probabilities `probs` [P,T,E] (float32). Each row of `Forest.features` is built
+    in a buffer of `nf` floats (embedding emb [T,d], S, rank, the history's multi-hot at columns hcols [T,c], the
+    probabilities, the priors pc/pp [L,T,E+1] of the target), walked as `forest_walk` does (float64 leaf sums in
+    tree order, mean, float32), added to the base (base_kind 0: none, 1: k x the prior, 2: the pre-gate's top k,
+    ties to the lower expert) and finished as `ForestRunner.finish`: max(base + delta, 0) + 1e-3 probs + 1e-6."""
+    P, T, E = probs.shape
+    d = emb.shape[1]
+    o = nf - 3 * E - 2
+    n = roots.shape[0]
+    x = np.empty(nf, np.float32)
+    acc = np.empty(E, np.float64)
+    base = np.empty(E, np.float32)
+    chosen = np.empty(E, np.bool_)
+    out = np.empty((P, T, E), np.float32)
+    for p in range(P):
+        r = rv[p]
+        for t in range(T):
+            x[:] = 0.0
+            for j in range(d):
+                x[j] = emb[t, j]
+            x[d] = sv[p]
+            x[d + 1] = r
+            for j in range(hcols.shape[1]):
+                x[hcols[t, j]] = 1.0
+            for e in range(E):
+                x[o + e] = probs[p, t, e]
+            for e in range(E + 1):
+                x[o + E + e] = pc[r, t, e]
+                x[o + 2 * E + 1 + e] = pp[r, t, e]
+            acc[:] = 0.0
+            for j in range(n):
+                nd = roots[j]
+                while nodes[nd, 0] >= 0:
+                    xv = np.float64(x[int(nodes[nd, 2])])
+                    if xv <= nodes[nd, 5] or (np.isnan(xv) and nodes[nd, 4] != 0):
+                        nd = int(nodes[nd, 0])
+                    else:
+                        nd = int(nodes[nd, 1])
+                v = int(nodes[nd, 3])
+                for e in range(E):
+                    acc[e] += value[v, e]
+            base[:] = 0.0
+            if base_kind == 1:
+                for e in range(E):
+                    base[e] = np.float32(top_k) * pc[r, t, e]
+            elif base_kind == 2:
+                chosen[:] = False
+                for _ in range(top_k):
+                    b = -1
+                    for e in range(E):
+                        if not chosen[e] and (b < 0 or probs[p, t, e] > probs[p, t, b]):
+                            b = e
+                    chosen[b] = True
+                    base[b] = 1.0
+            for e in range(E):
+                v32 = np.float32(base[e] + np.float32(acc[e] / n))
+                if v32 < 0.0:
+                    v32 = np.float32(0.0)
+                v32 = np.float32(v32 + np.float32(np.float32(1e-3) * probs[p, t, e]))
+                out[p, t, e] = np.float32(v32 + np.float32(1e-6))
+    return out
+
+
+@_jit
+def chain_probs(r0, w0, ids0, Fs, eps, Ds, top_k, renorm):  # pragma: no cover - compiled
+    """Router-PF's chain in one compiled call: [T,H] residual r_l, [T,k] gate weights and ids of layer l ->
+    [S,T,E] float32 probabilities of the targets l+1..l+S. `Fs` [S,H,E] the targets' norm weights folded into
+    their routers (`ChainRunner.fused`), `eps` [S] their norms' epsilons, `Ds` [S,E,H] the default vectors
+    added after each step (Ds[0] layer l's, Ds[s] target s's), `renorm` [S] whether target s renormalises its
+    top-k weights. The same arithmetic as `ChainRunner.run` (float32 products; the reductions in float64)."""
+    T, H = r0.shape
+    S, _, E = Fs.shape
+    out = np.empty((S, T, E), np.float32)
+    h = np.empty(H, np.float32)
+    p = np.empty(E, np.float64)
+    chosen = np.empty(E, np.bool_)
+    for t in range(T):
+        for j in range(H):
+            h[j] = r0[t, j]
+        for i in range(ids0.shape[1]):
+            wi, d = w0[t, i], Ds[0, ids0[t, i]]
+            for j in range(H):
+                h[j] += wi * d[j]
+        for s in range(S):
+            ss = 0.0
+            for j in range(H):
+                ss += np.float64(h[j]) * np.float64(h[j])
+            inv = 1.0 / np.sqrt(np.float64(np.float32(ss / H) + eps[s]))
+            F = Fs[s]
+            zmax = -np.inf
+            for e in range(E):
+                acc = 0.0
+                for j in range(H):
+                    acc += np.float64(h[j]) * np.float64(F[j, e])
+                p[e] = np.float64(np.float32(acc * inv))
+                if p[e] > zmax:
+                    zmax = p[e]
+            tot = 0.0
+            for e in range(E):
+                p[e] = np.exp(p[e] - zmax)
+                tot += p[e]
+            for e in range(E):
+                p[e] /= tot
+                out[s, t, e] = np.float32(p[e])
+            if s + 1 < S:  # the top k of target s route the chain's next step
+                chosen[:] = False
+                wsum = 0.0
+                for _ in range(top_k):
+                    b = -1
+                    for e in range(E):
+                        if not chosen[e] and (b < 0 or p[e] > p[b]):
+                            b = e
+                    chosen[b] = True
+                    wsum += np.float32(p[b])
+                d2 = Ds[s + 1]
+                for e in range(E):
+                    if chosen[e]:
+                        wi = np.float32(p[e])
+                        if renorm[s]:
+                            wi = np.float32(wi / wsum)
+                        for j in range(H):
+                            h[j] += wi * d2[e, j]
+    return out
+
+
+@_jit
+def _vecmat(x, W, y):  # pragma: no cover - compiled
+    """y [n] += x [m] @ W [m,n] (float32; the inner loop over n vectorises)."""
+    for i in range(W.shape[0]):
+        xi = x[i]
+        for o in range(W.shape[1]):
+            y[o] += xi * W[i, o]
+
+
+@_jit
+def estimator_probs(r0, w0, ids0, u, zbase, soff, Fs, eps, Ds, renorm, top_k, AuT, AgT, b0, pos, BT, bb, CT, cb,
+                    headT, hb, ln_eps, residual, use):  # pragma: no cover - compiled  # fmt: skip
+    """The estimator's (and Hybrid's) whole decode call in one compiled call: [T,H] residual r_l, [T,k] gate weights
+    and ids of layer l -> [S,T,E] float32 probabilities of the targets l+1..l+S. The chain as `chain_probs`, with
+    `Fs` [S,H,E+m] the targets' norm weights folded into [router | AqT] (`ChainRunner.fused(t, AqT)`), so one
+    product per step gives the router logits and q's first-layer term; the first layer's per-call part
+    z0 = zbase [T,m] (token and earlier layers' gate terms) + u @ AuT + sum_k w_k AgT[soff + id_k] + b0, then per
+    step s with use[s]: + q-term + pos[s], the SiLU blocks (BT [nb,m,n], bb, CT [nb,n,m], cb), the LayerNorm
+    (affine folded into headT [m,E], hb), + the router logits when `residual`; without use[s] the router logits
+    (Hybrid's Router-PF pairs). The same arithmetic as `EstimatorRunner.logits` up to float32 rounding order."""
+    T, H = r0.shape
+    S, _, EM = Fs.shape
+    m = b0.shape[0]
+    E = EM - m
+    nb, _, n = BT.shape
+    out = np.empty((S, T, E), np.float32)
+    h = np.empty(H, np.float32)
+    y = np.empty(EM, np.float32)
+    z0 = np.empty(m, np.float32)
+    z = np.empty(m, np.float32)
+    a = np.empty(n, np.float32)
+    p = np.empty(E, np.float64)
+    pl = np.empty(E, np.float32)
+    chosen = np.empty(E, np.bool_)
+    for t in range(T):
+        for c in range(m):
+            z0[c] = zbase[t, c] + b0[c]
+        _vecmat(u[t], AuT, z0)
+        for i in range(ids0.shape[1]):
+            wi, g = w0[t, i], AgT[soff + ids0[t, i]]
+            for c in range(m):
+                z0[c] += wi * g[c]
+        for j in range(H):
+            h[j] = r0[t, j]
+        for i in range(ids0.shape[1]):
+            wi, d = w0[t, i], Ds[0, ids0[t, i]]
+            for j in range(H):
+                h[j] += wi * d[j]
+        for s in range(S):
+            ss = 0.0
+            for j in range(H):
+                ss += np.float64(h[j]) * np.float64(h[j])
+            inv = np.float32(1.0 / np.sqrt(np.float64(np.float32(ss / H) + eps[s])))
+            y[:] = 0.0
+            _vecmat(h, Fs[s], y)
+            for o in range(EM):
+                y[o] *= inv
+            if use[s]:
+                for c in range(m):
+                    z[c] = y[E + c] + z0[c] + pos[s, c]
+                for b in range(nb):
+                    for o in range(n):
+                        a[o] = bb[b, o]
+                    _vecmat(z, BT[b], a)
+                    for o in range(n):
+                        a[o] = a[o] * (np.float32(0.5) + np.float32(0.5) * np.tanh(np.float32(0.5) * a[o]))
+                    for c in range(m):
+                        z[c] += cb[b, c]
+                    _vecmat(a, CT[b], z)
+                mu = 0.0
+                for c in range(m):
+                    mu += z[c]
+                mu /= m
+                var = 0.0
+                for c in range(m):
+                    z[c] = np.float32(z[c] - mu)
+                    var += np.float64(z[c]) * np.float64(z[c])
+                rs = np.float32(1.0 / np.sqrt(np.float64(np.float32(var / m) + ln_eps)))
+                for c in range(m):
+                    z[c] *= rs
+                for e in range(E):
+                    pl[e] = hb[e] + (y[e] if residual else np.float32(0.0))
+                _vecmat(z, headT, pl)
+            else:
+                for e in range(E):
+                    pl[e] = y[e]
+            zmax = -np.inf
+            for e in range(E):
+                if pl[e] > zmax:
+                    zmax = pl[e]
+            tot = 0.0
+            for e in range(E):
+                p[e] = np.exp(np.float64(pl[e]) - zmax)
+                tot += p[e]
+            for e in range(E):
+                out[s, t, e] = np.float32(p[e] / tot)
+            if s + 1 < S:  # the router's top k of target s route the chain's next step
+                zmax = -np.inf
+                for e in range(E):
+                    if y[e] > zmax:
+                        zmax = y[e]
+                tot = 0.0
+                for e in range(E):
+                    p[e] = np.exp(np.float64(y[e]) - zmax)
+                    tot += p[e]
+                for e in range(E):
+                    p[e] /= tot
+                chosen[:] = False
+                wsum = 0.0
+                for _ in range(top_k):
+                    bi = -1
+                    for e in range(E):
+                        if not chosen[e] and (bi < 0 or p[e] > p[bi]):
+                            bi = e
+                    chosen[bi] = True
+                    wsum += np.float32(p[bi])
+                d2 = Ds[s + 1]
+                for e in range(E):
+                    if chosen[e]:
+                        wi = np.float32(p[e])
+                        if renorm[s]:
+                            wi = np.float32(wi / wsum)
+                        for j in range(H):
+                            h[j] += wi * d2[e, j]
+    return out
+
+
+@_jit
+def decode_requests(flat, tot, m, targets, k):  # pragma: no cover - compiled
+    """A decode step's prefetch requests as arrays, in issue order: scores flat [S,E] (float32) of the targets
+    `targets` [S] with row sums tot [S] -> (target [R], expert [R], priority [R], confidence [R]) of each target's top
+    m experts (ties to the lower expert), probability b = score / tot (float32), priority (S - s) + b (nearer
+    target first, then by probability; a stable order, experts ascending within a target), confidence min(1, k b);
+    a negative probability is never requested."""
+    S, E = flat.shape
+    R = S * m
+    tg = np.empty(R, np.int64)
+    ex = np.empty(R, np.int64)
+    pr = np.empty(R, np.float64)
+    cf = np.empty(R, np.float64)
+    chosen = np.empty(E, np.bool_)
+    n = 0
+    for s in range(S):
+        chosen[:] = False
+        for _ in range(m):
+            bi = -1
+            for e in range(E):
+                if not chosen[e] and (bi < 0 or flat[s, e] > flat[s, bi]):
+                    bi = e
+            chosen[bi] = True
+        for e in range(E):  # experts ascending
+            if chosen[e]:
+                b = np.float64(np.float32(flat[s, e] / tot[s]))
+                if b >= 0.0:
+                    p = (S - s) + b
+                    i = n  # insertion sort by descending priority, stable
+                    while i > 0 and pr[i - 1] < p:
+                        tg[i], ex[i], pr[i], cf[i] = tg[i - 1], ex[i - 1], pr[i - 1], cf[i - 1]
+                        i -= 1
+                    tg[i], ex[i], pr[i], cf[i] = targets[s], e, p, min(1.0, max(0.0, k * b))
+                    n += 1
+    return tg[:n], ex[:n], pr[:n], cf[:n]
