@@ -346,3 +346,30 @@ def test_fused_chain_equals_the_norm_and_router_modules(fitted, name):
     assert all(F is None for F in chain._fused.values()) and chain._fused
     c2 = getattr(run, "chain", None) or getattr(getattr(run, "est", None), "chain", None) or run
     assert all(F is not None for F in c2._fused.values()) and c2._fused
+
+
+@pytest.mark.parametrize("renorm", [False, True])
+def test_chain_probs_routes_each_step_by_its_top_k(renorm):
+    """`chain_probs` (the compiled Router-PF chain) equals a plain numpy chain: RMS-normed state times the fused
+    router, softmax, and the next state grown by the top-k experts' default vectors weighted by their
+    probabilities (renormalised to sum 1 where the target renormalises); with and without renormalisation."""
+    from moeflow.predict.kernels import chain_probs
+
+    rng = np.random.default_rng(3)
+    T, H, E, S, k = 3, 16, 8, 3, 2
+    f32 = np.float32
+    r0, w0 = rng.normal(size=(T, H)).astype(f32), rng.random((T, k)).astype(f32)
+    ids0 = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int64)
+    Fs, Ds = rng.normal(size=(S, H, E)).astype(f32), rng.normal(size=(S, E, H)).astype(f32)
+    eps, rn = np.full(S, 1e-6, f32), np.full(S, renorm, np.bool_)
+    got = chain_probs(r0, w0, ids0, Fs, eps, Ds, k, rn)  # [S,T,E]
+    for t in range(T):
+        h = r0[t].astype(np.float64) + sum(float(w0[t, i]) * Ds[0, ids0[t, i]].astype(np.float64) for i in range(k))
+        for s in range(S):
+            z = (h @ Fs[s].astype(np.float64)) / np.sqrt(np.mean(h * h) + eps[s])
+            p = np.exp(z - z.max())
+            p /= p.sum()
+            np.testing.assert_allclose(got[s, t], p, rtol=2e-4, atol=1e-6, err_msg=f"t={t} s={s}")
+            top = np.argsort(-p, kind="stable")[:k]
+            w = p[top] / p[top].sum() if renorm else p[top]
+            h = h + w @ Ds[s + 1][top].astype(np.float64) if s + 1 < S else h

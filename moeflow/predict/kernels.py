@@ -22,6 +22,33 @@ def _jit(fn):  # numba caches the compiled kernel next to this file, or in its u
     return njit_cached(fn, True, nogil=True, error_model="numpy")
 
 
+def _inline(fn):  # a helper only the kernels below call, inlined into them (same file: an edit recompiles them)
+    return njit_cached(fn, True, inline="always", no_cpython_wrapper=True, no_cfunc_wrapper=True, nogil=True, error_model="numpy")
+
+
+@_inline
+def _route_next(p, chosen, top_k, renorm, d2, h):  # pragma: no cover - compiled
+    """The chain's next step: h [H] += the top k of the probabilities p [E] (ties to the lower expert; their
+    float32 weights renormalised to sum 1 when `renorm`) times their default vectors d2 [E,H]. `chosen` [E] scratch."""
+    E = p.shape[0]
+    chosen[:] = False
+    wsum = 0.0
+    for _ in range(top_k):
+        b = -1
+        for e in range(E):
+            if not chosen[e] and (b < 0 or p[e] > p[b]):
+                b = e
+        chosen[b] = True
+        wsum += np.float32(p[b])
+    for e in range(E):
+        if chosen[e]:
+            wi = np.float32(p[e])
+            if renorm:
+                wi = np.float32(wi / wsum)
+            for j in range(h.shape[0]):
+                h[j] += wi * d2[e, j]
+
+
 @_jit
 def forest_walk(X, nodes, value, roots):  # pragma: no cover - compiled
     """[T,F] float32 rows -> [T,E] float64: the mean over trees of the leaf each row reaches (tree order, as
@@ -158,23 +185,7 @@ def chain_probs(r0, w0, ids0, Fs, eps, Ds, top_k, renorm):  # pragma: no cover -
                 p[e] /= tot
                 out[s, t, e] = np.float32(p[e])
             if s + 1 < S:  # the top k of target s route the chain's next step
-                chosen[:] = False
-                wsum = 0.0
-                for _ in range(top_k):
-                    b = -1
-                    for e in range(E):
-                        if not chosen[e] and (b < 0 or p[e] > p[b]):
-                            b = e
-                    chosen[b] = True
-                    wsum += np.float32(p[b])
-                d2 = Ds[s + 1]
-                for e in range(E):
-                    if chosen[e]:
-                        wi = np.float32(p[e])
-                        if renorm[s]:
-                            wi = np.float32(wi / wsum)
-                        for j in range(H):
-                            h[j] += wi * d2[e, j]
+                _route_next(p, chosen, top_k, renorm[s], Ds[s + 1], h)
     return out
 
 
@@ -285,23 +296,7 @@ def estimator_probs(r0, w0, ids0, u, zbase, soff, Fs, eps, Ds, renorm, top_k, Au
                     tot += p[e]
                 for e in range(E):
                     p[e] /= tot
-                chosen[:] = False
-                wsum = 0.0
-                for _ in range(top_k):
-                    bi = -1
-                    for e in range(E):
-                        if not chosen[e] and (bi < 0 or p[e] > p[bi]):
-                            bi = e
-                    chosen[bi] = True
-                    wsum += np.float32(p[bi])
-                d2 = Ds[s + 1]
-                for e in range(E):
-                    if chosen[e]:
-                        wi = np.float32(p[e])
-                        if renorm[s]:
-                            wi = np.float32(wi / wsum)
-                        for j in range(H):
-                            h[j] += wi * d2[e, j]
+                _route_next(p, chosen, top_k, renorm[s], Ds[s + 1], h)
     return out
 
 
