@@ -101,11 +101,12 @@ def test_the_layers_hold_and_an_upward_import_breaks_them(graph):
         with injected(graph, (importer, imported)) as g:
             (dep,) = g.find_illegal_dependencies_for_layers(layers())
             assert importer.startswith(dep.importer) and imported.startswith(dep.imported)
-    # indirectly: runtime -> threads (outside the layers) -> calibrate
+    # indirectly: runtime -> threads (outside the layers) -> calibrate; every library that imports threads (predict's
+    # training rule does too) is then reported, each with calibrate as what it reaches
     with injected(graph, ("moeflow.runtime.generate", "moeflow.threads"), ("moeflow.threads", "moeflow.calibrate.io")) as g:
-        assert {(d.importer, d.imported) for d in g.find_illegal_dependencies_for_layers(layers())} == {
-            ("moeflow.runtime", "moeflow.calibrate")
-        }
+        found = {(d.importer, d.imported) for d in g.find_illegal_dependencies_for_layers(layers())}
+        assert ("moeflow.runtime", "moeflow.calibrate") in found
+        assert {imported for _, imported in found} == {"moeflow.calibrate"}
     assert graph.find_illegal_dependencies_for_layers(layers()) == set()
 
 
