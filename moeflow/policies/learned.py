@@ -31,6 +31,7 @@ adapters read the stacked expert tensors).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -106,6 +107,9 @@ class LearnedPrefetch(PrefetchPolicy):
         warm = getattr(self.fast, "warm", None)
         if warm is not None:  # compile (or load) a runner's kernel now, not in the first decode step
             warm()
+        pre = getattr(self.fast, "precompute", None)
+        if pre is not None:  # and stack its per-(layer, S) arrays now, for every S it can be asked for
+            pre(int(self.pred.max_lookahead))
         self._requests([0], np.ones((1, 1, 2), np.float32), 1)  # and the decode step's request kernel
         if self.window is None:
             self.window = getattr(self.pred, "window", 4)
@@ -201,8 +205,6 @@ class LearnedPrefetch(PrefetchPolicy):
         ]
 
     def propose(self, ctx: LayerContext) -> list[PrefetchRequest]:
-        import time
-
         if self.pred is None:
             raise ConfigError(
                 f"prefetch policy {self.name!r} was not bound to the model; the engine must call policy.bind(ctx) on attach"
