@@ -224,6 +224,21 @@ def test_requests_of_all_targets_at_once_equal_per_target(opts, t):
     assert len({r.key[0] for r in got}) == 3
 
 
+def test_decode_requests_are_the_dataclass_objects_without_its_init(monkeypatch):
+    """A decode step's requests are PrefetchRequest objects equal (and hashing equal) to the constructed ones,
+    made without the frozen dataclass's `__init__` (one `object.__setattr__` per field)."""
+    from moeflow.policies.base import PrefetchRequest
+    from moeflow.policies.learned import EstimatorPrefetch
+
+    pol = EstimatorPrefetch(predictors="x")
+    sc = np.random.default_rng(5).dirichlet(np.ones(16), size=(3, 1)).astype(np.float32)  # [S,1,E]
+    want = pol._requests([5, 6, 7], sc, 2)
+    monkeypatch.setattr(PrefetchRequest, "__init__", lambda *a, **k: pytest.fail("PrefetchRequest.__init__ called"))
+    got = pol._requests([5, 6, 7], sc, 2)
+    assert got == want and [hash(r) for r in got] == [hash(r) for r in want] and len(got) == 6
+    assert all(type(r) is PrefetchRequest and r.key == (int(r.key[0]), int(r.key[1])) for r in got)
+
+
 @pytest.mark.parametrize("name", ["router-pf", "estimator", "hybrid", "forest"])
 def test_the_policy_makes_one_call_per_layer_and_never_runs_a_router_hook(fitted, tmp_path, monkeypatch, name):
     """In a generation, propose calls the runner once per MoE layer (all S at once), never `predict`, and never
