@@ -224,6 +224,21 @@ def test_requests_of_all_targets_at_once_equal_per_target(opts, t):
     assert len({r.key[0] for r in got}) == 3
 
 
+def test_decode_requests_are_the_dataclass_objects_without_its_init(monkeypatch):
+    """A decode step's requests are PrefetchRequest objects equal (and hashing equal) to the constructed ones,
+    made without the frozen dataclass's `__init__` (one `object.__setattr__` per field)."""
+    from moeflow.policies.base import PrefetchRequest
+    from moeflow.policies.learned import EstimatorPrefetch
+
+    pol = EstimatorPrefetch(predictors="x")
+    sc = np.random.default_rng(5).dirichlet(np.ones(16), size=(3, 1)).astype(np.float32)  # [S,1,E]
+    want = pol._requests([5, 6, 7], sc, 2)
+    monkeypatch.setattr(PrefetchRequest, "__init__", lambda *a, **k: pytest.fail("PrefetchRequest.__init__ called"))
+    got = pol._requests([5, 6, 7], sc, 2)
+    assert got == want and [hash(r) for r in got] == [hash(r) for r in want] and len(got) == 6
+    assert all(type(r) is PrefetchRequest and r.key == (int(r.key[0]), int(r.key[1])) for r in got)
+
+
 @pytest.mark.parametrize("name", ["router-pf", "estimator", "hybrid", "forest"])
 def test_the_policy_makes_one_call_per_layer_and_never_runs_a_router_hook(fitted, tmp_path, monkeypatch, name):
     """In a generation, propose calls the runner once per MoE layer (all S at once), never `predict`, and never
@@ -275,7 +290,9 @@ def test_the_policy_makes_one_call_per_layer_and_never_runs_a_router_hook(fitted
     with eng:
         run = pol.fast.scores
         pol.fast.scores = lambda b, s: calls.append((b.layer, s)) or run(b, s)
+        sizes = {k: len(v) for k, v in _stores(pol.fast).items()}  # bind built every (layer, S)'s arrays
         got, _ = generate_one(model, prompt, eng, max_new_tokens=5, min_new_tokens=5)
+        assert {k: len(v) for k, v in _stores(pol.fast).items()} == sizes
     assert torch.equal(got, ref)
     ml = data.spec.moe_layers
     assert hooked == [] and pol.calls > 0
@@ -373,3 +390,65 @@ def test_chain_probs_routes_each_step_by_its_top_k(renorm):
             top = np.argsort(-p, kind="stable")[:k]
             w = p[top] / p[top].sum() if renorm else p[top]
             h = h + w @ Ds[s + 1][top].astype(np.float64) if s + 1 < S else h
+
+
+def _stores(run) -> dict[str, dict]:
+    """The per-(layer, S) stores a runner fills on its first call for a key."""
+    est = getattr(run, "est", run)
+    stores = {"stacked": getattr(run, "_stacked", {}), "pairs": getattr(run, "_pairs", {}), "use": getattr(run, "_use", {})}
+    if hasattr(est, "_compiled"):
+        stores.update(compiled=est._compiled, all=getattr(est, "_all", {}))
+    chain = getattr(est, "chain", None)
+    if chain is not None:
+        stores["chain"] = chain._compiled
+    return stores
+
+
+@pytest.mark.parametrize("name", LEARNED)
+def test_precompute_builds_every_s_at_bind_and_the_scores_stay_the_same(fitted, name):
+    """`runner.precompute(S)` (the policy calls it at bind) builds every source layer's per-S arrays for S up to the
+    horizon, the shorter S as views of the longest; a decode call then adds nothing to them, and its scores are
+    exactly those of a runner that builds them on first use."""
+    from moeflow.predict.data import batch_from_rows
+
+    _model, data, preds = fitted
+    ml = data.spec.moe_layers
+    ctx = data.context(4)
+    p = preds[name]
+    run, ref = p.runner().precompute(p.max_lookahead), p.runner()
+    sizes = {k: len(v) for k, v in _stores(run).items()}
+    assert any(sizes.values()), name
+    comp = _stores(run).get("compiled") or _stores(run).get("chain") or {}
+    for (l, s), c in comp.items():  # a shorter S shares the longest S's arrays
+        longest = comp.get((l, min(p.max_lookahead, len(ml) - 1 - ml.index(l))))
+        if c is not None and longest is not None and s > 1:
+            assert np.shares_memory(c[0], longest[0]) and c[0].flags.c_contiguous
+    for rows in (np.array([7]), np.array([40])):
+        tok = torch.from_numpy(ctx[rows])
+        for src in ml[:-1]:
+            for steps in range(1, min(p.max_lookahead, len(ml) - 1 - ml.index(src)) + 1):
+                b = batch_from_rows(data, src, rows, ctx=ctx)
+                b.token_ctx = tok
+                np.testing.assert_array_equal(run.scores(b, steps), ref.scores(b, steps), err_msg=f"{name} {src} S={steps}")
+    assert {k: len(v) for k, v in _stores(run).items()} == sizes, name  # nothing built in a call
+
+
+def test_np32_of_a_float32_cpu_tensor_is_its_view_without_a_conversion_call():
+    """`np32` returns a float32 CPU tensor's own memory without calling `.to` (a decode call converts a few of
+    them); any other tensor is converted."""
+    from moeflow.predict.fast import np32
+
+    seen: list[str] = []
+
+    class Spy(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3).as_subclass(Spy)
+    seen.clear()
+    a = np32(x)
+    assert a.dtype == np.float32 and np.shares_memory(a, x.numpy()) and "to" not in seen
+    b = np32(torch.arange(6, dtype=torch.float64).reshape(2, 3))
+    assert b.dtype == np.float32 and np.array_equal(b, a)

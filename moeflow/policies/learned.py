@@ -31,6 +31,7 @@ adapters read the stacked expert tensors).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -42,6 +43,19 @@ from ..moe import get_adapter, residual_norm
 from ..moe.sets import mass_mask
 from .base import PREFETCH, BindContext, LayerContext, PrefetchPolicy, PrefetchRequest
 from .prefetch import _on, make_gate
+
+
+def _request_objects(keys: Any, priorities: list[float], confidences: list[float]) -> list[PrefetchRequest]:
+    """PrefetchRequest(key, priority, confidence) of each triple, made without the frozen dataclass's `__init__`
+    (which sets every field through `object.__setattr__`): the same objects (equal, same hash) at a third of
+    the cost, for the few dozen a decode step's call returns."""
+    new, out = object.__new__, []
+    for key, pr, cf in zip(keys, priorities, confidences):
+        r = new(PrefetchRequest)
+        d = r.__dict__
+        d["key"], d["priority"], d["confidence"] = key, pr, cf
+        out.append(r)
+    return out
 
 
 class LearnedPrefetch(PrefetchPolicy):
@@ -106,6 +120,9 @@ class LearnedPrefetch(PrefetchPolicy):
         warm = getattr(self.fast, "warm", None)
         if warm is not None:  # compile (or load) a runner's kernel now, not in the first decode step
             warm()
+        pre = getattr(self.fast, "precompute", None)
+        if pre is not None:  # and stack its per-(layer, S) arrays now, for every S it can be asked for
+            pre(int(self.pred.max_lookahead))
         self._requests([0], np.ones((1, 1, 2), np.float32), 1)  # and the decode step's request kernel
         if self.window is None:
             self.window = getattr(self.pred, "window", 4)
@@ -172,13 +189,15 @@ class LearnedPrefetch(PrefetchPolicy):
         one compiled call (`moeflow.predict.kernels.decode_requests`); more tokens are reduced over T in numpy."""
         S, T, E = sc.shape
         flat = np.asarray(sc, dtype=np.float32).reshape(S * T, E)  # [S*T,E]
-        tot = np.maximum(np.add.reduce(flat, -1, keepdims=True), np.float32(1e-12))  # [S*T,1]
         m = min(E, max(1, round(k * self.overfetch)))
         if self.mass is None and T == 1:  # a decode step: one compiled call orders them, then only the objects
             from ..predict.kernels import decode_requests
 
-            tg, ex, pr, cf = decode_requests(flat, tot.reshape(-1), m, np.asarray(targets, np.int64), float(k))
-            return list(map(PrefetchRequest, zip(tg.tolist(), ex.tolist()), pr.tolist(), cf.tolist()))
+            tot1 = np.add.reduce(flat, -1)  # [S]
+            np.maximum(tot1, np.float32(1e-12), out=tot1)
+            tg, ex, pr, cf = decode_requests(flat, tot1, m, np.asarray(targets, np.int64), float(k))
+            return _request_objects(zip(tg.tolist(), ex.tolist()), pr.tolist(), cf.tolist())
+        tot = np.maximum(np.add.reduce(flat, -1, keepdims=True), np.float32(1e-12))  # [S*T,1]
         p = flat / tot  # [S*T,E]
         if self.mass is not None:
             mask = mass_mask(torch.from_numpy(p), self.mass).numpy()  # [S*T,E]
@@ -201,8 +220,6 @@ class LearnedPrefetch(PrefetchPolicy):
         ]
 
     def propose(self, ctx: LayerContext) -> list[PrefetchRequest]:
-        import time
-
         if self.pred is None:
             raise ConfigError(
                 f"prefetch policy {self.name!r} was not bound to the model; the engine must call policy.bind(ctx) on attach"

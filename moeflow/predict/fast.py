@@ -43,7 +43,9 @@ if TYPE_CHECKING:
 
 
 def np32(x: torch.Tensor) -> np.ndarray:
-    """A tensor as float32 numpy on the host (no copy for a float32 CPU tensor)."""
+    """A tensor as float32 numpy on the host (no copy for a float32 CPU tensor: its view, without a torch call)."""
+    if x.dtype is torch.float32 and x.is_cpu and not x.requires_grad:
+        return x.numpy()
     return x.detach().to("cpu", torch.float32).numpy()
 
 
@@ -235,7 +237,23 @@ class ChainRunner:
                     np.ascontiguousarray(np.stack([self.dvec[x] for x in [l, *tg[:-1]]])),  # [S,E,H]
                     np.array([bool(x) for x in sel], np.bool_),  # [S]
                 )
+                self._prefixes(l, steps)
         return self._compiled[key]
+
+    def _prefixes(self, l: int, steps: int) -> None:
+        """Every shorter S of source layer `l` as views of (l, steps)'s arrays: a step's arrays are the same for any
+        longer S, and a prefix along the first axis stays C-contiguous (the kernel's one signature)."""
+        c = self._compiled[(l, steps)]
+        if c is not None:
+            for s in range(1, steps):
+                self._compiled.setdefault((l, s), tuple(a[:s] for a in c))
+
+    def precompute(self, horizon: int) -> ChainRunner:
+        """Build the compiled call's arrays of every source layer for S up to `horizon` now (at bind), so that no
+        decode step pays for stacking them; one set of arrays per source layer, the shorter S its views."""
+        for r, l in enumerate(self.ml[:-1]):
+            self.compiled(l, min(horizon, len(self.ml) - 1 - r))
+        return self
 
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
         """Router-PF's probabilities [S,T,E]: one compiled call (`chain_probs`) when every target's norm, router and
@@ -377,7 +395,17 @@ class EstimatorRunner:
                 pos = np.stack([self.pos[i] if i is not None else np.zeros_like(self.pos[0]) for i in rows])  # [S,m]
                 has = np.array([i is not None for i in rows], np.bool_)
                 self._compiled[key] = (np.ascontiguousarray(np.stack(Fs)), c[1], c[2], c[3], np.ascontiguousarray(pos), has)
+                for s in range(1, steps):  # the shorter S: views (see `ChainRunner._prefixes`)
+                    self._compiled.setdefault((l, s), tuple(a[:s] for a in self._compiled[key]))  # type: ignore[union-attr]
         return self._compiled[key]
+
+    def precompute(self, horizon: int) -> EstimatorRunner:
+        """`ChainRunner.precompute` for the estimator's compiled call, and the all-estimator masks of every S."""
+        for r, l in enumerate(self.ml[:-1]):
+            self.compiled(l, min(horizon, len(self.ml) - 1 - r))
+        for s in range(1, horizon + 1):
+            self._all.setdefault(s, np.ones(s, np.bool_))
+        return self
 
     def fast_probs(self, batch: SourceBatch, steps: int, use: np.ndarray) -> np.ndarray | None:
         """[S,T,E] probabilities in ONE compiled call (`estimator_probs`): the estimator's where use[s-1], the
@@ -440,6 +468,15 @@ class HybridRunner:
         self.est.warm()
         return self
 
+    def precompute(self, horizon: int) -> HybridRunner:
+        """The estimator's `precompute`, and which steps take the estimator, for every source layer and S."""
+        self.est.precompute(horizon)
+        ml = self.est.ml
+        for r, l in enumerate(ml[:-1]):
+            for steps in range(1, min(horizon, len(ml) - 1 - r) + 1):
+                self._use.setdefault((l, steps), np.array([(l, s) in self.use for s in range(1, steps + 1)], np.bool_))
+        return self
+
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
         key = (batch.layer, steps)
         use = self._use.get(key)
@@ -491,13 +528,36 @@ class ForestRunner:
         u = np32(batch.router_input)  # [T,H]
         key = tuple(targets)
         W = self._stacked.get(key)
-        if W is None:  # the targets' routers side by side [H,P*E], when every one runs as numpy
-            rws = [r for r in (self.ops.rw[t] for t in targets) if r is not None]
-            W = self._stacked[key] = np.ascontiguousarray(np.concatenate(rws, 1)) if len(rws) == len(targets) else False
+        if W is None:
+            W = self._stack(key)
         if W is False:
             return softmax(np.stack([self.ops.logits(t, u) for t in targets]))
         P, T = len(targets), len(u)
         return softmax((u @ W).reshape(T, P, self.E).transpose(1, 0, 2))  # [P,T,E]
+
+    def _stack(self, key: tuple[int, ...]) -> Any:
+        """The target layers' routers side by side [H,P*E] (False: one runs as its module), kept per target list."""
+        rws = [r for r in (self.ops.rw[t] for t in key) if r is not None]
+        W = self._stacked[key] = np.ascontiguousarray(np.concatenate(rws, 1)) if len(rws) == len(key) else False
+        return W
+
+    def _pair_arrays(self, pk: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
+        """(S [P] float32, target rank [P]) of every pair, kept per pair list."""
+        sr = self._pairs[pk] = (np.array([s for _, s in pk], np.float32), np.array([self.ml.index(t) for t, _ in pk]))
+        return sr
+
+    def precompute(self, horizon: int) -> ForestRunner:
+        """The stacked routers and the pair arrays of every source layer and S up to `horizon`, now (at bind)."""
+        ml = self.ml
+        for r in range(len(ml) - 1):
+            for steps in range(1, min(horizon, len(ml) - 1 - r) + 1):
+                tg = tuple(ml[r + 1 : r + 1 + steps])
+                if tg not in self._stacked:
+                    self._stack(tg)
+                pk = tuple((t, s) for s, t in enumerate(tg, start=1))
+                if pk not in self._pairs:
+                    self._pair_arrays(pk)
+        return self
 
     def features(self, pairs: list[tuple[int, int]], batch: SourceBatch, probs: np.ndarray) -> np.ndarray:
         """[P*T,F] the forest's rows for every pair (`Forest.features`, stacked)."""
@@ -563,7 +623,7 @@ class ForestRunner:
         pk = tuple(pairs)
         sr = self._pairs.get(pk)
         if sr is None:  # S and target rank of every pair
-            sr = self._pairs[pk] = (np.array([s for _, s in pairs], np.float32), np.array([ml.index(t) for t, _ in pairs]))
+            sr = self._pair_arrays(pk)
         return forest_scores(
             np.ascontiguousarray(probs, np.float32),
             emb,
