@@ -27,6 +27,27 @@ def _inline(fn):  # a helper only the kernels below call, inlined into them (sam
 
 
 @_inline
+def _chain_start(r, w, ids, D0, h):  # pragma: no cover - compiled
+    """h [H] = the source layer's residual r [H] plus its own top-k weights w [k] times their default vectors
+    D0[ids] (D0 [E,H]): the chain's first state."""
+    for j in range(h.shape[0]):
+        h[j] = r[j]
+    for i in range(ids.shape[0]):
+        wi, d = w[i], D0[ids[i]]
+        for j in range(h.shape[0]):
+            h[j] += wi * d[j]
+
+
+@_inline
+def _sumsq(h):  # pragma: no cover - compiled
+    """sum of h [H]'s squares, in float64 (the RMS norm's reduction)."""
+    ss = 0.0
+    for j in range(h.shape[0]):
+        ss += np.float64(h[j]) * np.float64(h[j])
+    return ss
+
+
+@_inline
 def _route_next(p, chosen, top_k, renorm, d2, h):  # pragma: no cover - compiled
     """The chain's next step: h [H] += the top k of the probabilities p [E] (ties to the lower expert; their
     float32 weights renormalised to sum 1 when `renorm`) times their default vectors d2 [E,H]. `chosen` [E] scratch."""
@@ -157,16 +178,9 @@ def chain_probs(r0, w0, ids0, Fs, eps, Ds, top_k, renorm):  # pragma: no cover -
     p = np.empty(E, np.float64)
     chosen = np.empty(E, np.bool_)
     for t in range(T):
-        for j in range(H):
-            h[j] = r0[t, j]
-        for i in range(ids0.shape[1]):
-            wi, d = w0[t, i], Ds[0, ids0[t, i]]
-            for j in range(H):
-                h[j] += wi * d[j]
+        _chain_start(r0[t], w0[t], ids0[t], Ds[0], h)
         for s in range(S):
-            ss = 0.0
-            for j in range(H):
-                ss += np.float64(h[j]) * np.float64(h[j])
+            ss = _sumsq(h)
             inv = 1.0 / np.sqrt(np.float64(np.float32(ss / H) + eps[s]))
             F = Fs[s]
             zmax = -np.inf
@@ -231,16 +245,9 @@ def estimator_probs(r0, w0, ids0, u, zbase, soff, Fs, eps, Ds, renorm, top_k, Au
             wi, g = w0[t, i], AgT[soff + ids0[t, i]]
             for c in range(m):
                 z0[c] += wi * g[c]
-        for j in range(H):
-            h[j] = r0[t, j]
-        for i in range(ids0.shape[1]):
-            wi, d = w0[t, i], Ds[0, ids0[t, i]]
-            for j in range(H):
-                h[j] += wi * d[j]
+        _chain_start(r0[t], w0[t], ids0[t], Ds[0], h)
         for s in range(S):
-            ss = 0.0
-            for j in range(H):
-                ss += np.float64(h[j]) * np.float64(h[j])
+            ss = _sumsq(h)
             inv = np.float32(1.0 / np.sqrt(np.float64(np.float32(ss / H) + eps[s])))
             y[:] = 0.0
             _vecmat(h, Fs[s], y)
