@@ -447,10 +447,7 @@ class ExpertCache:
                 continue
             del self.slot_of[key]
             r = self.rank[layer]
-            if self._table_np is not None:
-                self._table_np[r, key[1]] = -1
-            elif self.table is not None:
-                self.table[r, key[1]] = -1
+            self._set_entry(r, key[1], -1)
             self._resident_in[r] -= 1
             self._loading.discard(s)
             self.slots[s] = Slot(last_use=slot.last_use)
@@ -544,6 +541,22 @@ class ExpertCache:
                     self._table_writes = None
                     if rows and self.table is not None:
                         self._write_table(rows, experts)
+
+    def _table_follows(self, r: int, e: int, slot: int) -> None:
+        """The table's entry (r, e) follows its key to `slot` (-1: none): within a `batch`, in the batch's one write
+        at its end; else now."""
+        if self._table_writes is not None:
+            self._table_writes[0].append(r)
+            self._table_writes[1].append(e)
+        else:
+            self._set_entry(r, e, slot)
+
+    def _set_entry(self, r: int, e: int, slot: int) -> None:
+        """Table entry (r, e) = `slot` now: on the CPU through its numpy view (no tensor made), else on the device."""
+        if self._table_np is not None:
+            self._table_np[r, e] = slot
+        elif self.table is not None:
+            self.table[r, e] = slot
 
     def _write_table(self, rows: list[int], experts: list[int]) -> None:
         """One write of the table: each `(rows[i], experts[i])` entry set to its key's slot now (-1: no slot)."""
@@ -754,13 +767,7 @@ class ExpertCache:
         self._evicted_in_pass[key] = self.pass_id
         del self.slot_of[key]
         r = self.rank[key[0]]
-        if self._table_writes is not None:  # a `batch`: written at its end (-1: no slot then)
-            self._table_writes[0].append(r)
-            self._table_writes[1].append(key[1])
-        elif self._table_np is not None:
-            self._table_np[r, key[1]] = -1  # the table follows the key
-        elif self.table is not None:
-            self.table[r, key[1]] = -1  # device table follows the key
+        self._table_follows(r, key[1], -1)
         self._resident_in[r] -= 1
         last_use = slot.last_use
         self.slots[s] = Slot(last_use=last_use)
@@ -795,13 +802,7 @@ class ExpertCache:
             self.store.dequantize(bits, self.buffer[s])
         self.slot_of[key] = s
         r = self.rank[key[0]]
-        if self._table_writes is not None:  # a `batch`: written at its end
-            self._table_writes[0].append(r)
-            self._table_writes[1].append(key[1])
-        elif self._table_np is not None:
-            self._table_np[r, key[1]] = s  # the table follows the key
-        elif self.table is not None:
-            self.table[r, key[1]] = s  # device table follows the key
+        self._table_follows(r, key[1], s)
         self._resident_in[r] += 1
         if not self._instant:
             self._loading.add(s)
