@@ -201,11 +201,11 @@ def _fit_and_save(name: str, train: RoutingData, model: torch.nn.Module, cfg: An
     return float(p.fit_seconds)
 
 
-def _fit_one(name: str, train: RoutingData, model: torch.nn.Module, cfg: Any) -> Any:
-    """One predictor that needs nothing from the others, fitted (its `fit_seconds` set)."""
+def _fit_one(name: str, train: RoutingData, model: torch.nn.Module, cfg: Any, **kw: Any) -> Any:
+    """One predictor fitted (its `fit_seconds` set); `kw` what it reuses of the others (`_fit_here`)."""
     p = PREDICTORS[name].create(model, cfg)
     t0 = time.perf_counter()
-    p.fit(train, model, cfg)
+    p.fit(train, model, cfg, **kw)
     p.fit_seconds = getattr(p, "fit_seconds", 0.0) or (time.perf_counter() - t0)
     return p
 
@@ -215,27 +215,15 @@ def _fit_here(
 ) -> None:
     for n in names:
         t = task(f"fit {n}", 1.0)
-        p = PREDICTORS[n].create(model, cfg)
-        t0 = time.perf_counter()
-        if n in ("router-pf",):
-            p.fit(train, model, cfg, dvec=dvec)
-        elif n == "estimator":
-            p.fit(train, model, cfg, dvec=dvec, progress=lambda f, t=t: adv(t, completed=f))
-        elif n == "hybrid":
-            p.fit(
-                train,
-                model,
-                cfg,
-                dvec=dvec,
-                estimator=out.get("estimator"),
-                progress=lambda f, t=t: adv(t, completed=f),
-                router_pf=out.get("router-pf"),
-            )
-        else:
-            p.fit(train, model, cfg)
-        p.fit_seconds = getattr(p, "fit_seconds", 0.0) or (time.perf_counter() - t0)
+        kw: dict[str, Any] = {}
+        if n in ("router-pf", "estimator", "hybrid"):
+            kw["dvec"] = dvec
+        if n in ("estimator", "hybrid"):
+            kw["progress"] = lambda f, t=t: adv(t, completed=f)
+        if n == "hybrid":
+            kw.update(estimator=out.get("estimator"), router_pf=out.get("router-pf"))
+        out[n] = _fit_one(n, train, model, cfg, **kw)
         adv(t, completed=1.0)
-        out[n] = p
 
 
 def sequences(data: RoutingData, limit: int, max_len: int = 256) -> list[list[int]]:
