@@ -161,12 +161,12 @@ class RouterPF:
         return torch.softmax(batch.router_logits(self.qh.adapter, target_layer, q).float(), -1)  # [T,E]
 
     def runner(self) -> Any:
-        """The run-time path: every S of a source layer from one chain (`fast.ChainRunner`, its decode kernel
-        compiled now)."""
+        """The run-time path: every S of a source layer from one chain (`fast.ChainRunner`; the prefetch policy
+        compiles its decode kernel at bind, `warm`)."""
         from .fast import ChainRunner
 
         assert self.qh is not None, "fit or load first"
-        return ChainRunner(self.qh).warm()
+        return ChainRunner(self.qh)
 
     def save(self, folder: Path) -> None:
         assert self.dvec is not None, "fit first"
