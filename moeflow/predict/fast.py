@@ -55,6 +55,20 @@ def softmax(z: np.ndarray) -> np.ndarray:
     return e / np.add.reduce(e, -1, keepdims=True)
 
 
+def _sources(ml: list[int], horizon: int) -> list[tuple[int, int]]:
+    """(source layer, the largest S it can be asked for, at most `horizon`) of every MoE layer with a later one."""
+    return [(l, min(horizon, len(ml) - 1 - r)) for r, l in enumerate(ml[:-1])]
+
+
+def _keep_prefixes(cache: dict[tuple[int, int], Any], l: int, steps: int) -> None:
+    """Every shorter S of source layer `l` as views of cache[(l, steps)]'s arrays: a step's arrays are the same for
+    any longer S, and a prefix along the first axis stays C-contiguous (the compiled kernels' one signature)."""
+    c = cache[(l, steps)]
+    if c is not None:
+        for s in range(1, steps):
+            cache.setdefault((l, s), tuple(a[:s] for a in c))
+
+
 class LayerOps:
     """The model's post-attention norms and routers of `layers`, hookless, on float32 numpy [T,H] inputs.
 
@@ -160,9 +174,10 @@ class ChainRunner:
         self._compiled: dict[tuple[int, int], tuple[np.ndarray, ...] | None] = {}
 
     def warm(self) -> ChainRunner:
-        """Compile `chain_probs` (or load it from numba's cache: about 0.4 s) now, at bind, not in the first decode
-        call. Only for a runner whose `scores` serves decode steps (Router-PF's); the estimator and hybrid runners
-        only call `run`, so theirs skip it."""
+        """Compile `chain_probs` (or load it from numba's cache: about 0.4 s) now, not in the first decode call: the
+        prefetch policy calls it at bind, for the runner it calls (Router-PF's); the chain inside the estimator and
+        hybrid runners only runs `run`, so theirs is never warmed, and nor is a runner held only to score held-out
+        rows (`evaluate`'s large chunks run in numpy)."""
         H, E, k = self.spec.hidden_size, self.spec.num_experts, self.spec.top_k
         f32 = np.float32
         chain_probs(np.zeros((1, H), f32), np.zeros((1, k), f32), np.zeros((1, k), np.int64), np.zeros((1, H, E), f32),
@@ -237,22 +252,14 @@ class ChainRunner:
                     np.ascontiguousarray(np.stack([self.dvec[x] for x in [l, *tg[:-1]]])),  # [S,E,H]
                     np.array([bool(x) for x in sel], np.bool_),  # [S]
                 )
-                self._prefixes(l, steps)
+                _keep_prefixes(self._compiled, l, steps)
         return self._compiled[key]
-
-    def _prefixes(self, l: int, steps: int) -> None:
-        """Every shorter S of source layer `l` as views of (l, steps)'s arrays: a step's arrays are the same for any
-        longer S, and a prefix along the first axis stays C-contiguous (the kernel's one signature)."""
-        c = self._compiled[(l, steps)]
-        if c is not None:
-            for s in range(1, steps):
-                self._compiled.setdefault((l, s), tuple(a[:s] for a in c))
 
     def precompute(self, horizon: int) -> ChainRunner:
         """Build the compiled call's arrays of every source layer for S up to `horizon` now (at bind), so that no
         decode step pays for stacking them; one set of arrays per source layer, the shorter S its views."""
-        for r, l in enumerate(self.ml[:-1]):
-            self.compiled(l, min(horizon, len(self.ml) - 1 - r))
+        for l, steps in _sources(self.ml, horizon):
+            self.compiled(l, steps)
         return self
 
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
@@ -347,8 +354,7 @@ class EstimatorRunner:
         by one layer when the next source layer of that pass follows."""
         rank, E, AgT = self.rank, self.E, self.AgT
         r_src = rank[batch.layer]
-        ids = batch.topk_ids.numpy(force=True)  # [T,k]
-        ctx, T = batch.token_ctx, len(ids)
+        ctx, T = batch.token_ctx, batch.t
         key, prev_r, acc = self._gate
         hist = batch.history
         if ctx is not None and ctx is key and prev_r == r_src - 1 and len(acc) == T and self.ml[prev_r] in hist:
@@ -395,14 +401,13 @@ class EstimatorRunner:
                 pos = np.stack([self.pos[i] if i is not None else np.zeros_like(self.pos[0]) for i in rows])  # [S,m]
                 has = np.array([i is not None for i in rows], np.bool_)
                 self._compiled[key] = (np.ascontiguousarray(np.stack(Fs)), c[1], c[2], c[3], np.ascontiguousarray(pos), has)
-                for s in range(1, steps):  # the shorter S: views (see `ChainRunner._prefixes`)
-                    self._compiled.setdefault((l, s), tuple(a[:s] for a in self._compiled[key]))  # type: ignore[union-attr]
+                _keep_prefixes(self._compiled, l, steps)
         return self._compiled[key]
 
     def precompute(self, horizon: int) -> EstimatorRunner:
         """`ChainRunner.precompute` for the estimator's compiled call, and the all-estimator masks of every S."""
-        for r, l in enumerate(self.ml[:-1]):
-            self.compiled(l, min(horizon, len(self.ml) - 1 - r))
+        for l, steps in _sources(self.ml, horizon):
+            self.compiled(l, steps)
         for s in range(1, horizon + 1):
             self._all.setdefault(s, np.ones(s, np.bool_))
         return self
@@ -471,17 +476,20 @@ class HybridRunner:
     def precompute(self, horizon: int) -> HybridRunner:
         """The estimator's `precompute`, and which steps take the estimator, for every source layer and S."""
         self.est.precompute(horizon)
-        ml = self.est.ml
-        for r, l in enumerate(ml[:-1]):
-            for steps in range(1, min(horizon, len(ml) - 1 - r) + 1):
-                self._use.setdefault((l, steps), np.array([(l, s) in self.use for s in range(1, steps + 1)], np.bool_))
+        for l, top in _sources(self.est.ml, horizon):
+            for steps in range(1, top + 1):
+                self._use_of(l, steps)
         return self
 
+    def _use_of(self, l: int, steps: int) -> np.ndarray:
+        """[S] whether step s of source layer `l` takes the estimator (kept per (l, S))."""
+        use = self._use.get((l, steps))
+        if use is None:
+            use = self._use[(l, steps)] = np.array([(l, s) in self.use for s in range(1, steps + 1)], np.bool_)
+        return use
+
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
-        key = (batch.layer, steps)
-        use = self._use.get(key)
-        if use is None:  # [S] whether step s takes the estimator
-            use = self._use[key] = np.array([(batch.layer, s) in self.use for s in range(1, steps + 1)], np.bool_)
+        use = self._use_of(batch.layer, steps)  # [S]
         fast = self.est.fast_probs(batch, steps, use)
         if fast is not None:
             return fast
@@ -549,8 +557,8 @@ class ForestRunner:
     def precompute(self, horizon: int) -> ForestRunner:
         """The stacked routers and the pair arrays of every source layer and S up to `horizon`, now (at bind)."""
         ml = self.ml
-        for r in range(len(ml) - 1):
-            for steps in range(1, min(horizon, len(ml) - 1 - r) + 1):
+        for r, (_, top) in enumerate(_sources(ml, horizon)):
+            for steps in range(1, top + 1):
                 tg = tuple(ml[r + 1 : r + 1 + steps])
                 if tg not in self._stacked:
                     self._stack(tg)
