@@ -476,3 +476,24 @@ def test_benchmark_pinned_auto_makes_the_pinned_choices(tiny_models, prompt):
     pols = ("fetch", "cpu", "auto", *bench.PINNED)
     turns = [bench.rotation(t, 1, pols) for t in range(len(pols))]
     assert all(sorted(col) == sorted(pols) for col in zip(*turns))
+
+
+def test_benchmark_side_by_side_cancels_drift_between_rounds():
+    """`benchmarks/cpu_vs_fetch.py`'s `side_by_side`: auto equal to cpu in every round while the machine runs
+    rounds at 1x and 2x speed gives 1.0; against two others it is auto over the faster (the larger of the two
+    ratios), each the median round's ratio."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_vs_fetch.py"
+    spec = importlib.util.spec_from_file_location("cpu_vs_fetch", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    drift = [1.0, 2.0, 2.0, 1.0, 1.0, 2.0, 2.0]
+    auto = [10.0 * d for d in drift]
+    cpu = [10.0 * d for d in drift]
+    fetch = [12.0 * d for d in drift]
+    assert bench.side_by_side(auto, fetch, cpu) == pytest.approx(1.0)
+    assert bench.side_by_side([11.0 * d for d in drift], fetch, cpu) == pytest.approx(1.1)
+    assert bench.side_by_side(auto, fetch) == pytest.approx(10 / 12)
