@@ -121,9 +121,11 @@ def test_estimator_decode_call_is_one_compiled_call_equal_to_numpy(fitted, monke
 
 @pytest.mark.parametrize("kind", ["none", "prior", "pregate"])
 def test_forest_compiled_call_equals_the_numpy_features_and_walk(fitted, monkeypatch, kind):
-    """The forest's call in one compiled kernel (`forest_scores`: rows, walk, base, finish) gives exactly the
-    scores of the numpy rows walked by `forest_walk` (`prepare` then `finish`), for every base, at a decode
-    step's one token and at more."""
+    """The forest's call in one compiled kernel (`forest_scores`: pre-gate, rows, walk, base, finish) gives exactly
+    the scores of the numpy rows walked by `forest_walk` (`prepare` then `finish`) on the pre-gate probabilities it
+    computed, which are numpy's (`probs`) up to float32 rounding, for every base, at a decode step's one token and
+    at more; the call runs no numpy pre-gate."""
+    from moeflow.predict import fast
     from moeflow.predict.data import batch_from_rows
 
     _model, data, preds = fitted
@@ -132,6 +134,9 @@ def test_forest_compiled_call_equals_the_numpy_features_and_walk(fitted, monkeyp
     f = preds["forest"]
     monkeypatch.setattr(f, "base_kind", kind)
     run = f.runner().warm()
+    numpy_probs, kernel, seen = run.probs, fast.forest_scores, []
+    monkeypatch.setattr(run, "probs", lambda *a: pytest.fail("the numpy pre-gate ran in a compiled forest call"))
+    monkeypatch.setattr(fast, "forest_scores", lambda *a: seen.append(a[0]) or kernel(*a))
     for rows in (np.array([7]), np.arange(2, data.n, 13)[:4], np.arange(1, data.n, 7)[:9]):
         tok = torch.from_numpy(ctx[rows])
         for src in ml[:-1]:
@@ -141,7 +146,8 @@ def test_forest_compiled_call_equals_the_numpy_features_and_walk(fitted, monkeyp
             b = batch_from_rows(data, src, rows, ctx=ctx)
             b.token_ctx = tok
             got = run.scores(b, steps)
-            probs = run.probs(b, [t for t, _ in pairs])
+            probs = seen.pop()  # [P,T,E] the kernel's pre-gate
+            np.testing.assert_allclose(probs, numpy_probs(b, [t for t, _ in pairs]), rtol=1e-5, atol=1e-7)
             want = run.finish(*run.prepare(pairs, b, probs), probs)
             np.testing.assert_array_equal(got, want, err_msg=f"{kind} {src}")
 

@@ -30,6 +30,7 @@ arithmetic, is the cost, so the runners keep the count of operations per call lo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -514,7 +515,9 @@ class ForestRunner:
         self._pass: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._stacked: dict[tuple[int, ...], Any] = {}  # target layers -> their routers [H,P*E] (False: not numpy)
         self._hoff: dict[tuple, np.ndarray] = {}  # (history layers, k) -> their multi-hot column offsets [c]
-        self._pairs: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # pairs -> (S [P] float32, target rank [P])
+        self._pairs: dict[tuple, tuple[np.ndarray, np.ndarray, Any]] = {}  # pairs -> (S [P], target rank [P], routers)
+        self._steps: dict[tuple[int, int], tuple] = {}  # (source layer, S) -> its pairs ((target, s), ...)
+        self._no_w = (np.zeros((1, 0), np.float32), np.zeros((0, 0), np.float32))  # `forest_scores` given its probs
 
     def per_pass(self, batch: SourceBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(embedding [T,d], prior of the current token [L,T,E+1], of the previous token [L,T,E+1]), once per
@@ -549,20 +552,25 @@ class ForestRunner:
         W = self._stacked[key] = np.ascontiguousarray(np.concatenate(rws, 1)) if len(rws) == len(key) else False
         return W
 
-    def _pair_arrays(self, pk: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
-        """(S [P] float32, target rank [P]) of every pair, kept per pair list."""
-        sr = self._pairs[pk] = (np.array([s for _, s in pk], np.float32), np.array([self.ml.index(t) for t, _ in pk]))
+    def _pair_arrays(self, pk: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray, Any]:
+        """(S [P] float32, target rank [P], the targets' routers side by side [H,P*E] or False) of every pair, kept
+        per pair list."""
+        tg = tuple(t for t, _ in pk)
+        W = self._stacked[tg] if tg in self._stacked else self._stack(tg)
+        sr = self._pairs[pk] = (np.array([s for _, s in pk], np.float32), np.array([self.ml.index(t) for t in tg]), W)
         return sr
+
+    def _pairs_of(self, l: int, steps: int) -> tuple[tuple[int, int], ...]:
+        """The pairs (target l+s, s) of source layer `l` for s = 1..steps, kept per (l, S)."""
+        r = self.ml.index(l)
+        pk = self._steps[(l, steps)] = tuple((self.ml[r + s], s) for s in range(1, steps + 1))
+        return pk
 
     def precompute(self, horizon: int) -> ForestRunner:
         """The stacked routers and the pair arrays of every source layer and S up to `horizon`, now (at bind)."""
-        ml = self.ml
-        for r, (_, top) in enumerate(_sources(ml, horizon)):
+        for l, top in _sources(self.ml, horizon):
             for steps in range(1, top + 1):
-                tg = tuple(ml[r + 1 : r + 1 + steps])
-                if tg not in self._stacked:
-                    self._stack(tg)
-                pk = tuple((t, s) for s, t in enumerate(tg, start=1))
+                pk = self._steps.get((l, steps)) or self._pairs_of(l, steps)
                 if pk not in self._pairs:
                     self._pair_arrays(pk)
         return self
@@ -608,13 +616,25 @@ class ForestRunner:
         d = self.f.rf.predict(X).astype(np.float32).reshape(base.shape)
         return np.clip(base + d, 0.0, None) + 1e-3 * probs + 1e-6
 
-    def scores_pairs(self, pairs: list[tuple[int, int]], batch: SourceBatch, probs: np.ndarray | None = None) -> np.ndarray:
-        """[P,T,E] scores of every (target, S) in `pairs` with ONE tree walk; `probs` their pre-gate probabilities.
-        Features, walk, base and finish run in one compiled call (`forest_scores`) for the compiled forest."""
-        probs = self.probs(batch, [t for t, _ in pairs]) if probs is None else probs
+    def scores_pairs(self, pairs: Sequence[tuple[int, int]], batch: SourceBatch, probs: np.ndarray | None = None) -> np.ndarray:
+        """[P,T,E] scores of every (target, S) in `pairs` with ONE tree walk; `probs` their pre-gate probabilities
+        (None: computed here). For the compiled forest the pre-gate (when the targets' routers run in numpy), the
+        features, walk, base and finish run in one compiled call (`forest_scores`)."""
         rf = self.f.rf
         if not hasattr(rf, "nodes"):
-            return self.finish(*self.prepare(pairs, batch, probs), probs)
+            probs = self.probs(batch, [t for t, _ in pairs]) if probs is None else probs
+            return self.finish(*self.prepare(list(pairs), batch, probs), probs)
+        pk = tuple(pairs)
+        sr = self._pairs.get(pk)
+        if sr is None:  # S, target rank and routers of every pair
+            sr = self._pair_arrays(pk)
+        uw = self._no_w
+        if probs is None:
+            if sr[2] is not False and batch.router_input.numel():  # the kernel computes the pre-gate into `probs`
+                uw = (np.ascontiguousarray(np32(batch.router_input)), sr[2])
+                probs = np.empty((len(pk), batch.t, self.E), np.float32)  # [P,T,E]
+            else:
+                probs = self.probs(batch, [t for t, _ in pk])
         emb, pc, pp = self.per_pass(batch)
         ml, E, d = self.ml, self.E, emb.shape[1]
         hist = batch.history
@@ -628,12 +648,10 @@ class ForestRunner:
             hcols = torch.cat(hs, 1).numpy(force=True).astype(np.int64, copy=False) + off
         kind = self.f.base_kind
         base_kind = 1 if kind == "prior" else 2 if kind == "pregate" and batch.router_input.numel() else 0
-        pk = tuple(pairs)
-        sr = self._pairs.get(pk)
-        if sr is None:  # S and target rank of every pair
-            sr = self._pair_arrays(pk)
         return forest_scores(
             np.ascontiguousarray(probs, np.float32),
+            uw[0],
+            uw[1],
             emb,
             pc,
             pp,
@@ -657,9 +675,11 @@ class ForestRunner:
             pz = np.zeros((L, 1, E + 1), np.float32)
             h0, s0, r0 = np.zeros((1, 0), np.int64), np.ones(1, np.float32), np.zeros(1, np.int64)
             nf, a = int(self.f.n_features), rf.a
-            forest_scores(z, np.zeros((1, d), np.float32), pz, pz, h0, s0, r0, nf, rf.nodes, a["value"], a["roots"], 0, self.k)
+            u, W = self._no_w
+            forest_scores(z, u, W, np.zeros((1, d), np.float32), pz, pz, h0, s0, r0, nf, rf.nodes, a["value"], a["roots"], 0,
+                          self.k)  # fmt: skip
         return self
 
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
-        r = self.ml.index(batch.layer)
-        return self.scores_pairs([(self.ml[r + s], s) for s in range(1, steps + 1)], batch)
+        pk = self._steps.get((batch.layer, steps)) or self._pairs_of(batch.layer, steps)
+        return self.scores_pairs(pk, batch)

@@ -2,7 +2,7 @@
 decode step, and what `moeflow.policies.learned` calls to turn a step's scores into requests.
 
 - `forest_walk`: the trees of a compiled forest walked for [T,F] rows, leaves summed in scikit-learn's order.
-- `forest_scores`: a forest call whole (feature rows, walk, base and finish) after the pre-gate product.
+- `forest_scores`: a forest call whole (the pre-gate, feature rows, walk, base and finish).
 - `chain_probs`: Router-PF's quasi-hidden chain and router probabilities for every S of a source layer.
 - `estimator_probs`: the chain, the estimator's network and its softmax (Hybrid's router steps too) in one call.
 - `decode_requests`: a decode step's requests (target, expert, priority, confidence) in issue order.
@@ -99,9 +99,12 @@ def forest_walk(X, nodes, value, roots):  # pragma: no cover - compiled
 
 
 @_jit
-def forest_scores(probs, emb, pc, pp, hcols, sv, rv, nf, nodes, value, roots, base_kind, top_k):  # pragma: no cover
-    """The forest's whole call but the pre-gate in one compiled call: [P,T,E] scores of the pairs (target rank rv[p],
-    S sv[p]) from their pre-gate probabilities `probs` [P,T,E] (float32). Each row of `Forest.features` is built
+def forest_scores(probs, u, W, emb, pc, pp, hcols, sv, rv, nf, nodes, value, roots, base_kind, top_k):  # pragma: no cover
+    """The forest's whole call in one compiled call: [P,T,E] scores of the pairs (target rank rv[p], S sv[p]) from
+    their pre-gate probabilities `probs` [P,T,E] (float32). With routers W [H,P*E] (the pairs' targets' routers side
+    by side; W [0,0]: `probs` is the input) the pre-gate is computed here first and written into `probs`: softmax of
+    the router input u [T,H] times pair p's block of W (products and softmax in float64, rounded to float32 once),
+    as `ForestRunner.probs` up to float32 rounding. Each row of `Forest.features` is built
     in a buffer of `nf` floats (embedding emb [T,d], S, rank, the history's multi-hot at columns hcols [T,c], the
     probabilities, the priors pc/pp [L,T,E+1] of the target), walked as `forest_walk` does (float64 leaf sums in
     tree order, mean, float32), added to the base (base_kind 0: none, 1: k x the prior, 2: the pre-gate's top k,
@@ -115,6 +118,25 @@ def forest_scores(probs, emb, pc, pp, hcols, sv, rv, nf, nodes, value, roots, ba
     base = np.empty(E, np.float32)
     chosen = np.empty(E, np.bool_)
     out = np.empty((P, T, E), np.float32)
+    if W.shape[1] > 0:  # the pre-gate of every pair: one pass over W's rows per token, its P*E columns vectorised
+        z = np.empty(W.shape[1], np.float64)
+        for t in range(T):
+            z[:] = 0.0
+            for j in range(W.shape[0]):
+                uj = np.float64(u[t, j])
+                for c in range(W.shape[1]):
+                    z[c] += uj * np.float64(W[j, c])
+            for p in range(P):
+                zmax = -np.inf
+                for e in range(E):
+                    if z[p * E + e] > zmax:
+                        zmax = z[p * E + e]
+                tot = 0.0
+                for e in range(E):
+                    acc[e] = np.exp(z[p * E + e] - zmax)
+                    tot += acc[e]
+                for e in range(E):
+                    probs[p, t, e] = np.float32(acc[e] / tot)
     for p in range(P):
         r = rv[p]
         for t in range(T):
