@@ -248,8 +248,12 @@ def test_decode_requests_are_the_dataclass_objects_without_its_init(monkeypatch)
 @pytest.mark.parametrize("name", ["router-pf", "estimator", "hybrid", "forest"])
 def test_the_policy_makes_one_call_per_layer_and_never_runs_a_router_hook(fitted, tmp_path, monkeypatch, name):
     """In a generation, propose calls the runner once per MoE layer (all S at once), never `predict`, and never
-    the engine's hooked router (`predict_logits`): the output stays the resident model's."""
+    the engine's hooked router (`predict_logits`), with the pass's gate history as rows (`history_rows`) too: the
+    output stays the resident model's."""
+    from dataclasses import replace
+
     from moeflow.policies.learned import LearnedPrefetch
+    from moeflow.predict.fast import history_rows
     from moeflow.predict.io import save_predictors
     from moeflow.runtime.generate import build_engine, generate_one
     from moeflow.runtime.link import DirectLink
@@ -293,15 +297,22 @@ def test_the_policy_makes_one_call_per_layer_and_never_runs_a_router_hook(fitted
 
     eng._predict_logits = logits  # type: ignore[method-assign]
     pol.propose = propose  # type: ignore[method-assign]
+    rank, E = {l: i for i, l in enumerate(data.spec.moe_layers)}, data.spec.num_experts
+    kept: list[bool] = []  # whether a batch's history rows are its history's, kept by the policy in its pass buffer
+
+    def keep(b):
+        rows = history_rows(replace(b, history_rows=None), rank, E)
+        kept.append(b.history_rows is not None and np.array_equal(b.history_rows, rows))
+
     with eng:
         run = pol.fast.scores
-        pol.fast.scores = lambda b, s: calls.append((b.layer, s)) or run(b, s)
+        pol.fast.scores = lambda b, s: calls.append((b.layer, s)) or keep(b) or run(b, s)
         sizes = {k: len(v) for k, v in _stores(pol.fast).items()}  # bind built every (layer, S)'s arrays
         got, _ = generate_one(model, prompt, eng, max_new_tokens=5, min_new_tokens=5)
         assert {k: len(v) for k, v in _stores(pol.fast).items()} == sizes
     assert torch.equal(got, ref)
     ml = data.spec.moe_layers
-    assert hooked == [] and pol.calls > 0
+    assert hooked == [] and pol.calls > 0 and kept and all(kept)
     passes = pol.calls // len(ml)  # propose runs at every MoE layer of a pass
     assert pol.calls == passes * len(ml) and len(calls) == passes * (len(ml) - 1)  # the last layer has no target
     assert all(s == min(2, len(ml) - 1 - ml.index(l)) for l, s in calls)
@@ -458,3 +469,29 @@ def test_np32_of_a_float32_cpu_tensor_is_its_view_without_a_conversion_call():
     assert a.dtype == np.float32 and np.shares_memory(a, x.numpy()) and "to" not in seen
     b = np32(torch.arange(6, dtype=torch.float64).reshape(2, 3))
     assert b.dtype == np.float32 and np.array_equal(b, a)
+
+
+@pytest.mark.parametrize("name", ["estimator", "hybrid", "forest"])
+def test_history_rows_stand_for_the_gate_history_in_the_compiled_call(fitted, name):
+    """A decode call's gate history comes from `SourceBatch.history_rows` (rank x E + expert, the policy's per-pass
+    buffer) when the batch has them: the same scores as from the `history` dict, without reading that dict."""
+    from dataclasses import replace
+
+    from moeflow.predict.data import batch_from_rows
+    from moeflow.predict.fast import history_rows
+
+    _model, data, preds = fitted
+    ml, E = data.spec.moe_layers, data.spec.num_experts
+    rank = {l: i for i, l in enumerate(ml)}
+    ctx = data.context(4)
+    p = preds[name]
+    run = p.runner().warm()
+    for rows in (np.array([7]), np.array([40])):
+        for src in ml[1:-1]:
+            steps = min(p.max_lookahead, len(ml) - 1 - ml.index(src))
+            b = batch_from_rows(data, src, rows, ctx=ctx)
+            hr = history_rows(b, rank, E)  # [T,c]
+            assert hr.shape == (1, data.spec.top_k * (rank[src] + 1))
+            want = run.scores(b, steps)
+            got = run.scores(replace(b, history={}, history_rows=hr), steps)
+            np.testing.assert_array_equal(got, want, err_msg=f"{name} {src}")

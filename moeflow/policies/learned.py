@@ -95,6 +95,8 @@ class LearnedPrefetch(PrefetchPolicy):
         self._hist: dict[int, torch.Tensor] = {}
         self._pass = -1
         self._tokens: torch.Tensor | None = None  # [T,w] token context of the current pass
+        self._hrows = np.zeros((0, 0), np.int64)  # [T,L*k] the pass's gate history as rank x E + expert
+        self._hn = 0  # its columns filled so far
         self._seq: list[int] = []  # token ids of the current prompt so far (batch 1)
         self.predict_s = 0.0  # time spent in propose on the model's thread (predictor overhead on the critical path)
         self.predict_decode_s = 0.0  # the part of it in decode steps (passes of one token)
@@ -151,12 +153,22 @@ class LearnedPrefetch(PrefetchPolicy):
             [-1] * max(0, w - (start + i + 1)) + self._seq[max(0, start + i + 1 - w) : start + i + 1] for i in range(len(ids))
         ]
         self._tokens = torch.tensor(rows, dtype=torch.long) if rows else None
+        ind = ctx.indices  # [T,k]
+        self._hrows = np.empty((ind.shape[0], len(ctx.moe_layers) * ind.shape[1]), np.int64)  # [T,L*k] this pass's
+        self._hn = 0  # history as rank x E + expert (`SourceBatch.history_rows`), filled layer by layer
 
     def _batch(self, ctx: LayerContext):
         from ..predict.data import SourceBatch
 
-        self._hist[ctx.layer] = ctx.indices
-        tokens = self._tokens if self._tokens is not None and len(self._tokens) == len(ctx.indices) else None
+        ind, n = ctx.indices, self._hn  # [T,k]
+        rows = None  # the history's rows: this layer's appended to the pass's buffer (no tensor converted per layer)
+        if ctx.layer not in self._hist and n + ind.shape[1] <= self._hrows.shape[1] and len(ind) == len(self._hrows):
+            self._hn = n + ind.shape[1]
+            ids = ind.numpy() if ind.is_cpu else ind.numpy(force=True)  # [T,k]
+            np.add(ids, ctx.moe_layers.index(ctx.layer) * ctx.num_experts, out=self._hrows[:, n : self._hn])
+            rows = self._hrows[:, : self._hn]  # [T,c]
+        self._hist[ctx.layer] = ind
+        tokens = self._tokens if self._tokens is not None and len(self._tokens) == len(ind) else None
         return SourceBatch(
             ctx.layer,
             ctx.router_input.float(),
@@ -166,6 +178,7 @@ class LearnedPrefetch(PrefetchPolicy):
             token_ctx=tokens,
             history=dict(self._hist),
             route=ctx.predict_logits,
+            history_rows=rows,
         )
 
     def _submit(self, ctx: LayerContext, batch: Any) -> None:

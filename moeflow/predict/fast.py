@@ -16,13 +16,13 @@ rounding). What the runners precompute at bind time:
   the router logits of q_s (Router-PF's scores for target l+s and the chain's next step) and the estimator's
   first-layer term of q_s; q itself is not formed.
 - Estimator (`EstimatorRunner`): the feature standardisation folded into the first layer, which is split by input
-  part: the token embeddings' term once per forward pass, the gate history's earlier layers kept per pass and
-  grown by one layer per call, q's from the chain's fused product; the trunk runs once on [S,T,m]. Hybrid runs
-  it for its estimator pairs only.
+  part: the token embeddings' term once per forward pass, the gate history's rows (summed in the compiled call; the
+  numpy path keeps them per pass, grown by one layer per call), q's from the chain's fused product; the trunk runs
+  once on [S,T,m]. Hybrid runs it for its estimator pairs only.
 - Forest (`ForestRunner`): the per-pass features (token embedding, the token priors of every target layer) once per
-  pass, the pre-gate probabilities of every target from one product with the targets' routers side by side, and
-  the trees walked by a compiled kernel (`kernels.forest_walk`, numba, releases the GIL) that sums leaves in
-  scikit-learn's order.
+  pass, the pre-gate probabilities of every target from one product with the targets' routers side by side (inside
+  the compiled call), and the trees walked by a compiled kernel (`kernels.forest_walk`, numba, releases the GIL)
+  that sums leaves in scikit-learn's order.
 
 A call is a few dozen numpy operations on [S,T,*] arrays: at a decode step (T = 1) their dispatch, not their
 arithmetic, is the cost, so the runners keep the count of operations per call low rather than the FLOPs.
@@ -48,6 +48,23 @@ def np32(x: torch.Tensor) -> np.ndarray:
     if x.dtype is torch.float32 and x.is_cpu and not x.requires_grad:
         return x.numpy()
     return x.detach().to("cpu", torch.float32).numpy()
+
+
+def npi(x: torch.Tensor) -> np.ndarray:
+    """An index tensor as numpy on the host (a CPU tensor's view without `numpy(force=True)`'s conversion calls)."""
+    return x.numpy() if x.is_cpu else x.numpy(force=True)
+
+
+def history_rows(batch: SourceBatch, rank: dict[int, int], E: int) -> np.ndarray:
+    """[T,c] int64 rank x E + expert of every id in the batch's gate history (`SourceBatch.history_rows` when the
+    policy kept them, else from `history`): the estimator's gate rows of `AgT`, the forest's multi-hot columns
+    after its first d + 2."""
+    hr = batch.history_rows
+    if hr is not None:
+        return np.ascontiguousarray(hr, np.int64)
+    if not batch.history:
+        return np.zeros((batch.t, 0), np.int64)
+    return np.ascontiguousarray(np.concatenate([npi(h) + rank[l] * E for l, h in batch.history.items()], 1), np.int64)
 
 
 def softmax(z: np.ndarray) -> np.ndarray:
@@ -275,7 +292,7 @@ class ChainRunner:
         return chain_probs(  # C-contiguous inputs: the one signature compiled at bind
             np.ascontiguousarray(np32(batch.residual)),
             np.ascontiguousarray(np32(batch.topk_weights)),
-            np.ascontiguousarray(batch.topk_ids.numpy(force=True), np.int64),
+            np.ascontiguousarray(npi(batch.topk_ids), np.int64),
             Fs,
             eps,
             Ds,
@@ -425,13 +442,13 @@ class EstimatorRunner:
             return None
         Fs, eps, Ds, renorm, pos, _ = c
         BT, bb, CT, cb = self.kblocks
-        zbase = self._token_term(batch) + self._gate_acc(batch)  # [T,m]
         return estimator_probs(  # C-contiguous inputs: one compiled signature
             np.ascontiguousarray(np32(res)),
             np.ascontiguousarray(np32(batch.topk_weights)),
-            np.ascontiguousarray(batch.topk_ids.numpy(force=True), np.int64),
+            np.ascontiguousarray(npi(batch.topk_ids), np.int64),
             np.ascontiguousarray(np32(batch.router_input)),
-            np.ascontiguousarray(zbase, np.float32),
+            np.ascontiguousarray(self._token_term(batch), np.float32),
+            history_rows(batch, self.rank, self.E),
             self.rank[batch.layer] * self.E,
             Fs, eps, Ds, renorm, self.chain.spec.top_k, self.AuT, self.AgT, self.b0, pos, BT, bb, CT, cb,
             self.headT, self.hb, self.eps, bool(self.residual), use,
@@ -446,8 +463,9 @@ class EstimatorRunner:
             BT, bb, CT, cb = self.kblocks
             z = np.zeros((1, self.b0.shape[0]), np.float32)
             estimator_probs(np.zeros((1, H), np.float32), np.zeros((1, k), np.float32), np.zeros((1, k), np.int64),
-                            np.zeros((1, H), np.float32), z, 0, Fs, eps, Ds, renorm, k, self.AuT, self.AgT, self.b0, pos,
-                            BT, bb, CT, cb, self.headT, self.hb, self.eps, bool(self.residual), np.ones(1, np.bool_))  # fmt: skip
+                            np.zeros((1, H), np.float32), z, np.zeros((1, 0), np.int64), 0, Fs, eps, Ds, renorm, k,
+                            self.AuT, self.AgT, self.b0, pos, BT, bb, CT, cb, self.headT, self.hb, self.eps,
+                            bool(self.residual), np.ones(1, np.bool_))  # fmt: skip
         return self
 
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
@@ -514,7 +532,7 @@ class ForestRunner:
         self._tok_key: Any = None
         self._pass: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._stacked: dict[tuple[int, ...], Any] = {}  # target layers -> their routers [H,P*E] (False: not numpy)
-        self._hoff: dict[tuple, np.ndarray] = {}  # (history layers, k) -> their multi-hot column offsets [c]
+        self.rank = {l: i for i, l in enumerate(self.ml)}
         self._pairs: dict[tuple, tuple[np.ndarray, np.ndarray, Any]] = {}  # pairs -> (S [P], target rank [P], routers)
         self._steps: dict[tuple[int, int], tuple] = {}  # (source layer, S) -> its pairs ((target, s), ...)
         self._no_w = (np.zeros((1, 0), np.float32), np.zeros((0, 0), np.float32))  # `forest_scores` given its probs
@@ -636,16 +654,6 @@ class ForestRunner:
             else:
                 probs = self.probs(batch, [t for t, _ in pk])
         emb, pc, pp = self.per_pass(batch)
-        ml, E, d = self.ml, self.E, emb.shape[1]
-        hist = batch.history
-        hcols = np.zeros((batch.t, 0), np.int64)  # [T,c] the history's multi-hot columns
-        if hist:
-            hs = list(hist.values())
-            key = (tuple(hist), hs[0].shape[1])
-            off = self._hoff.get(key)
-            if off is None:  # the column of each layer's block, per history entry
-                off = self._hoff[key] = np.concatenate([np.full(h.shape[1], d + 2 + ml.index(l) * E) for l, h in hist.items()])
-            hcols = torch.cat(hs, 1).numpy(force=True).astype(np.int64, copy=False) + off
         kind = self.f.base_kind
         base_kind = 1 if kind == "prior" else 2 if kind == "pregate" and batch.router_input.numel() else 0
         return forest_scores(
@@ -655,7 +663,7 @@ class ForestRunner:
             emb,
             pc,
             pp,
-            np.ascontiguousarray(hcols),
+            history_rows(batch, self.rank, self.E),  # [T,c] the history's multi-hot columns after the first d + 2
             sr[0],
             sr[1],
             int(self.f.n_features),

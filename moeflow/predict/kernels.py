@@ -99,13 +99,13 @@ def forest_walk(X, nodes, value, roots):  # pragma: no cover - compiled
 
 
 @_jit
-def forest_scores(probs, u, W, emb, pc, pp, hcols, sv, rv, nf, nodes, value, roots, base_kind, top_k):  # pragma: no cover
+def forest_scores(probs, u, W, emb, pc, pp, hrows, sv, rv, nf, nodes, value, roots, base_kind, top_k):  # pragma: no cover
     """The forest's whole call in one compiled call: [P,T,E] scores of the pairs (target rank rv[p], S sv[p]) from
     their pre-gate probabilities `probs` [P,T,E] (float32). With routers W [H,P*E] (the pairs' targets' routers side
     by side; W [0,0]: `probs` is the input) the pre-gate is computed here first and written into `probs`: softmax of
     the router input u [T,H] times pair p's block of W (products and softmax in float64, rounded to float32 once),
-    as `ForestRunner.probs` up to float32 rounding. Each row of `Forest.features` is built
-    in a buffer of `nf` floats (embedding emb [T,d], S, rank, the history's multi-hot at columns hcols [T,c], the
+    as `ForestRunner.probs` up to float32 rounding. Each row of `Forest.features` is built in a buffer of `nf` floats
+    (embedding emb [T,d], S, rank, the history's multi-hot at columns d + 2 + hrows [T,c] (rank x E + expert), the
     probabilities, the priors pc/pp [L,T,E+1] of the target), walked as `forest_walk` does (float64 leaf sums in
     tree order, mean, float32), added to the base (base_kind 0: none, 1: k x the prior, 2: the pre-gate's top k,
     ties to the lower expert) and finished as `ForestRunner.finish`: max(base + delta, 0) + 1e-3 probs + 1e-6."""
@@ -145,8 +145,8 @@ def forest_scores(probs, u, W, emb, pc, pp, hcols, sv, rv, nf, nodes, value, roo
                 x[j] = emb[t, j]
             x[d] = sv[p]
             x[d + 1] = r
-            for j in range(hcols.shape[1]):
-                x[hcols[t, j]] = 1.0
+            for j in range(hrows.shape[1]):
+                x[d + 2 + hrows[t, j]] = 1.0
             for e in range(E):
                 x[o + e] = probs[p, t, e]
             for e in range(E + 1):
@@ -235,13 +235,14 @@ def _vecmat(x, W, y):  # pragma: no cover - compiled
 
 
 @_jit
-def estimator_probs(r0, w0, ids0, u, zbase, soff, Fs, eps, Ds, renorm, top_k, AuT, AgT, b0, pos, BT, bb, CT, cb,
+def estimator_probs(r0, w0, ids0, u, zbase, hrows, soff, Fs, eps, Ds, renorm, top_k, AuT, AgT, b0, pos, BT, bb, CT, cb,
                     headT, hb, ln_eps, residual, use):  # pragma: no cover - compiled  # fmt: skip
     """The estimator's (and Hybrid's) whole decode call in one compiled call: [T,H] residual r_l, [T,k] gate weights
     and ids of layer l -> [S,T,E] float32 probabilities of the targets l+1..l+S. The chain as `chain_probs`, with
     `Fs` [S,H,E+m] the targets' norm weights folded into [router | AqT] (`ChainRunner.fused(t, AqT)`), so one
     product per step gives the router logits and q's first-layer term; the first layer's per-call part
-    z0 = zbase [T,m] (token and earlier layers' gate terms) + u @ AuT + sum_k w_k AgT[soff + id_k] + b0, then per
+    z0 = zbase [T,m] (the token terms) + b0 + the earlier layers' gate rows AgT[hrows[t, j]] (those below soff: hrows
+    [T,c] rank x E + expert of the gate history) + u @ AuT + sum_k w_k AgT[soff + id_k], then per
     step s with use[s]: + q-term + pos[s], the SiLU blocks (BT [nb,m,n], bb, CT [nb,n,m], cb), the LayerNorm
     (affine folded into headT [m,E], hb), + the router logits when `residual`; without use[s] the router logits
     (Hybrid's Router-PF pairs). The same arithmetic as `EstimatorRunner.logits` up to float32 rounding order."""
@@ -262,6 +263,11 @@ def estimator_probs(r0, w0, ids0, u, zbase, soff, Fs, eps, Ds, renorm, top_k, Au
     for t in range(T):
         for c in range(m):
             z0[c] = zbase[t, c] + b0[c]
+        for j in range(hrows.shape[1]):  # earlier layers' chosen experts weigh 1 (the source's: its gate weights below)
+            if hrows[t, j] < soff:
+                g = AgT[hrows[t, j]]
+                for c in range(m):
+                    z0[c] += g[c]
         _vecmat(u[t], AuT, z0)
         for i in range(ids0.shape[1]):
             wi, g = w0[t, i], AgT[soff + ids0[t, i]]
