@@ -230,6 +230,19 @@ def test_requests_of_all_targets_at_once_equal_per_target(opts, t):
     assert len({r.key[0] for r in got}) == 3
 
 
+def test_decode_requests_kernel_takes_the_raw_scores_of_the_step():
+    """`decode_requests` takes a decode call's scores [S,1,E] as the runner returns them (unnormalised) and
+    normalises each row itself: the per-target reference's requests, priorities and confidences."""
+    from moeflow.predict.kernels import decode_requests
+
+    rng = np.random.default_rng(4)
+    sc = (rng.dirichlet(np.ones(16), size=(3, 1)) * rng.uniform(0.5, 4.0, size=(3, 1, 1))).astype(np.float32)  # [S,1,E]
+    tg, ex, pr, cf = decode_requests(sc, 2, np.array([5, 6, 7]), 2.0)
+    want = _old_requests(sc, [5, 6, 7], 2, 1.0, None)
+    assert list(zip(tg.tolist(), ex.tolist())) == [r.key for r in want]
+    np.testing.assert_allclose(np.stack([pr, cf], 1), [(r.priority, r.confidence) for r in want], atol=1e-6)
+
+
 def test_decode_requests_are_the_dataclass_objects_without_its_init(monkeypatch):
     """A decode step's requests are PrefetchRequest objects equal (and hashing equal) to the constructed ones,
     made without the frozen dataclass's `__init__` (one `object.__setattr__` per field)."""

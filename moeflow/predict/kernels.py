@@ -336,13 +336,20 @@ def estimator_probs(r0, w0, ids0, u, zbase, hrows, soff, Fs, eps, Ds, renorm, to
 
 
 @_jit
-def decode_requests(flat, tot, m, targets, k):  # pragma: no cover - compiled
-    """A decode step's prefetch requests as arrays, in issue order: scores flat [S,E] (float32) of the targets
-    `targets` [S] with row sums tot [S] -> (target [R], expert [R], priority [R], confidence [R]) of each target's top
-    m experts (ties to the lower expert), probability b = score / tot (float32), priority (S - s) + b (nearer
-    target first, then by probability; a stable order, experts ascending within a target), confidence min(1, k b);
-    a negative probability is never requested."""
-    S, E = flat.shape
+def decode_requests(sc, m, targets, k):  # pragma: no cover - compiled
+    """A decode step's prefetch requests as arrays, in issue order: scores sc [S,1,E] (float32) of the targets
+    `targets` [S] -> (target [R], expert [R], priority [R], confidence [R]) of each target's top m experts (ties to
+    the lower expert), probability b = score / tot (float32; tot the row's sum, at least 1e-12, summed in float64),
+    priority (S - s) + b (nearer target first, then by probability; a stable order, experts ascending within a
+    target), confidence min(1, k b); a negative probability is never requested."""
+    S, E = sc.shape[0], sc.shape[2]
+    flat = sc.reshape(S, E)  # [S,E]
+    tot = np.empty(S, np.float32)
+    for s in range(S):
+        acc = 0.0
+        for e in range(E):
+            acc += np.float64(flat[s, e])
+        tot[s] = np.float32(max(acc, 1e-12))
     R = S * m
     tg = np.empty(R, np.int64)
     ex = np.empty(R, np.int64)
