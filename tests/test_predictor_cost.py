@@ -152,6 +152,27 @@ def test_forest_compiled_call_equals_the_numpy_features_and_walk(fitted, monkeyp
             np.testing.assert_array_equal(got, want, err_msg=f"{kind} {src}")
 
 
+def test_forest_decode_steps_compute_each_token_prior_once(fitted, monkeypatch):
+    """At a decode step (one token) the forest's per-pass priors are `prior_all`'s, and the previous token's is the
+    one the last step computed for its current token: one `prior_all` per new token id, none for a repeated one."""
+    from moeflow.predict.data import batch_from_rows
+
+    _model, data, preds = fitted
+    f = preds["forest"]
+    run = f.runner()
+    real, calls = f.prior_all, []
+    monkeypatch.setattr(f, "prior_all", lambda tok: calls.append(tok.tolist()) or real(tok))
+    src = data.spec.moe_layers[0]
+    ids = [11, 12, 13, 12]
+    for i, tok in enumerate(ids):  # consecutive decode steps: [.., prev, tok]
+        b = batch_from_rows(data, src, np.array([7]))
+        b.token_ctx = torch.tensor([[-1, -1, ids[i - 1] if i else -1, tok]])
+        _emb, pc, pp = run.per_pass(b)
+        np.testing.assert_array_equal(pc, real(np.array([tok])))
+        np.testing.assert_array_equal(pp, real(np.array([ids[i - 1] if i else -1])))
+    assert calls == [[11], [-1], [12], [13]]
+
+
 def test_layer_ops_fall_back_to_the_module_when_numpy_differs(fitted):
     """A norm the numpy RMSNorm does not reproduce (here a LayerNorm) runs as its module's `forward`."""
     from moeflow.moe import get_adapter

@@ -531,6 +531,7 @@ class ForestRunner:
         forest.rf.predict(np.zeros((1, forest.rf.n_features), np.float32))  # compile or load the walk now, not in a pass
         self._tok_key: Any = None
         self._pass: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._priors: dict[int, np.ndarray] = {}  # token id -> its prior of every target [L,1,E+1]
         self._stacked: dict[tuple[int, ...], Any] = {}  # target layers -> their routers [H,P*E] (False: not numpy)
         self.rank = {l: i for i, l in enumerate(self.ml)}
         self._pairs: dict[tuple, tuple[np.ndarray, np.ndarray, Any]] = {}  # pairs -> (S [P], target rank [P], routers)
@@ -547,8 +548,21 @@ class ForestRunner:
         c = ctx.cpu().numpy() if ctx is not None else np.full((t, 1), -1)
         prev_tok = c[:, -2] if c.shape[1] > 1 else np.full(t, -1)
         emb = np.ascontiguousarray(f.embed(c), np.float32)  # as the float32 rows hold it
-        self._tok_key, self._pass = ctx, (emb, f.prior_all(c[:, -1]), f.prior_all(prev_tok))
+        if t == 1:  # a decode step: its previous token's prior is the last step's current token's
+            pc, pp = self._prior(int(c[0, -1])), self._prior(int(prev_tok[0]))
+        else:
+            pc, pp = f.prior_all(c[:, -1]), f.prior_all(prev_tok)
+        self._tok_key, self._pass = ctx, (emb, pc, pp)
         return self._pass
+
+    def _prior(self, tok: int) -> np.ndarray:
+        """[L,1,E+1] `Forest.prior_all` of one token id, kept per id (at most 4096 ids; then the store restarts)."""
+        p = self._priors.get(tok)
+        if p is None:
+            if len(self._priors) >= 4096:
+                self._priors.clear()
+            p = self._priors[tok] = self.f.prior_all(np.array([tok], np.int64))
+        return p
 
     def probs(self, batch: SourceBatch, targets: list[int]) -> np.ndarray:
         """Pre-gate probabilities [P,T,E] of each target layer from the source's router input (0 without one)."""
