@@ -121,9 +121,11 @@ def test_estimator_decode_call_is_one_compiled_call_equal_to_numpy(fitted, monke
 
 @pytest.mark.parametrize("kind", ["none", "prior", "pregate"])
 def test_forest_compiled_call_equals_the_numpy_features_and_walk(fitted, monkeypatch, kind):
-    """The forest's call in one compiled kernel (`forest_scores`: rows, walk, base, finish) gives exactly the
-    scores of the numpy rows walked by `forest_walk` (`prepare` then `finish`), for every base, at a decode
-    step's one token and at more."""
+    """The forest's call in one compiled kernel (`forest_scores`: pre-gate, rows, walk, base, finish) gives exactly
+    the scores of the numpy rows walked by `forest_walk` (`prepare` then `finish`) on the pre-gate probabilities it
+    computed, which are numpy's (`probs`) up to float32 rounding, for every base, at a decode step's one token and
+    at more; the call runs no numpy pre-gate."""
+    from moeflow.predict import fast
     from moeflow.predict.data import batch_from_rows
 
     _model, data, preds = fitted
@@ -132,6 +134,9 @@ def test_forest_compiled_call_equals_the_numpy_features_and_walk(fitted, monkeyp
     f = preds["forest"]
     monkeypatch.setattr(f, "base_kind", kind)
     run = f.runner().warm()
+    numpy_probs, kernel, seen = run.probs, fast.forest_scores, []
+    monkeypatch.setattr(run, "probs", lambda *a: pytest.fail("the numpy pre-gate ran in a compiled forest call"))
+    monkeypatch.setattr(fast, "forest_scores", lambda *a: seen.append(a[0]) or kernel(*a))
     for rows in (np.array([7]), np.arange(2, data.n, 13)[:4], np.arange(1, data.n, 7)[:9]):
         tok = torch.from_numpy(ctx[rows])
         for src in ml[:-1]:
@@ -141,9 +146,31 @@ def test_forest_compiled_call_equals_the_numpy_features_and_walk(fitted, monkeyp
             b = batch_from_rows(data, src, rows, ctx=ctx)
             b.token_ctx = tok
             got = run.scores(b, steps)
-            probs = run.probs(b, [t for t, _ in pairs])
+            probs = seen.pop()  # [P,T,E] the kernel's pre-gate
+            np.testing.assert_allclose(probs, numpy_probs(b, [t for t, _ in pairs]), rtol=1e-5, atol=1e-7)
             want = run.finish(*run.prepare(pairs, b, probs), probs)
             np.testing.assert_array_equal(got, want, err_msg=f"{kind} {src}")
+
+
+def test_forest_decode_steps_compute_each_token_prior_once(fitted, monkeypatch):
+    """At a decode step (one token) the forest's per-pass priors are `prior_all`'s, and the previous token's is the
+    one the last step computed for its current token: one `prior_all` per new token id, none for a repeated one."""
+    from moeflow.predict.data import batch_from_rows
+
+    _model, data, preds = fitted
+    f = preds["forest"]
+    run = f.runner()
+    real, calls = f.prior_all, []
+    monkeypatch.setattr(f, "prior_all", lambda tok: calls.append(tok.tolist()) or real(tok))
+    src = data.spec.moe_layers[0]
+    ids = [11, 12, 13, 12]
+    for i, tok in enumerate(ids):  # consecutive decode steps: [.., prev, tok]
+        b = batch_from_rows(data, src, np.array([7]))
+        b.token_ctx = torch.tensor([[-1, -1, ids[i - 1] if i else -1, tok]])
+        _emb, pc, pp = run.per_pass(b)
+        np.testing.assert_array_equal(pc, real(np.array([tok])))
+        np.testing.assert_array_equal(pp, real(np.array([ids[i - 1] if i else -1])))
+    assert calls == [[11], [-1], [12], [13]]
 
 
 def test_layer_ops_fall_back_to_the_module_when_numpy_differs(fitted):
@@ -224,6 +251,19 @@ def test_requests_of_all_targets_at_once_equal_per_target(opts, t):
     assert len({r.key[0] for r in got}) == 3
 
 
+def test_decode_requests_kernel_takes_the_raw_scores_of_the_step():
+    """`decode_requests` takes a decode call's scores [S,1,E] as the runner returns them (unnormalised) and
+    normalises each row itself: the per-target reference's requests, priorities and confidences."""
+    from moeflow.predict.kernels import decode_requests
+
+    rng = np.random.default_rng(4)
+    sc = (rng.dirichlet(np.ones(16), size=(3, 1)) * rng.uniform(0.5, 4.0, size=(3, 1, 1))).astype(np.float32)  # [S,1,E]
+    tg, ex, pr, cf = decode_requests(sc, 2, np.array([5, 6, 7]), 2.0)
+    want = _old_requests(sc, [5, 6, 7], 2, 1.0, None)
+    assert list(zip(tg.tolist(), ex.tolist())) == [r.key for r in want]
+    np.testing.assert_allclose(np.stack([pr, cf], 1), [(r.priority, r.confidence) for r in want], atol=1e-6)
+
+
 def test_decode_requests_are_the_dataclass_objects_without_its_init(monkeypatch):
     """A decode step's requests are PrefetchRequest objects equal (and hashing equal) to the constructed ones,
     made without the frozen dataclass's `__init__` (one `object.__setattr__` per field)."""
@@ -242,8 +282,12 @@ def test_decode_requests_are_the_dataclass_objects_without_its_init(monkeypatch)
 @pytest.mark.parametrize("name", ["router-pf", "estimator", "hybrid", "forest"])
 def test_the_policy_makes_one_call_per_layer_and_never_runs_a_router_hook(fitted, tmp_path, monkeypatch, name):
     """In a generation, propose calls the runner once per MoE layer (all S at once), never `predict`, and never
-    the engine's hooked router (`predict_logits`): the output stays the resident model's."""
+    the engine's hooked router (`predict_logits`), with the pass's gate history as rows (`history_rows`) too: the
+    output stays the resident model's."""
+    from dataclasses import replace
+
     from moeflow.policies.learned import LearnedPrefetch
+    from moeflow.predict.fast import history_rows
     from moeflow.predict.io import save_predictors
     from moeflow.runtime.generate import build_engine, generate_one
     from moeflow.runtime.link import DirectLink
@@ -287,15 +331,22 @@ def test_the_policy_makes_one_call_per_layer_and_never_runs_a_router_hook(fitted
 
     eng._predict_logits = logits  # type: ignore[method-assign]
     pol.propose = propose  # type: ignore[method-assign]
+    rank, E = {l: i for i, l in enumerate(data.spec.moe_layers)}, data.spec.num_experts
+    kept: list[bool] = []  # whether a batch's history rows are its history's, kept by the policy in its pass buffer
+
+    def keep(b):
+        rows = history_rows(replace(b, history_rows=None), rank, E)
+        kept.append(b.history_rows is not None and np.array_equal(b.history_rows, rows))
+
     with eng:
         run = pol.fast.scores
-        pol.fast.scores = lambda b, s: calls.append((b.layer, s)) or run(b, s)
+        pol.fast.scores = lambda b, s: calls.append((b.layer, s)) or keep(b) or run(b, s)
         sizes = {k: len(v) for k, v in _stores(pol.fast).items()}  # bind built every (layer, S)'s arrays
         got, _ = generate_one(model, prompt, eng, max_new_tokens=5, min_new_tokens=5)
         assert {k: len(v) for k, v in _stores(pol.fast).items()} == sizes
     assert torch.equal(got, ref)
     ml = data.spec.moe_layers
-    assert hooked == [] and pol.calls > 0
+    assert hooked == [] and pol.calls > 0 and kept and all(kept)
     passes = pol.calls // len(ml)  # propose runs at every MoE layer of a pass
     assert pol.calls == passes * len(ml) and len(calls) == passes * (len(ml) - 1)  # the last layer has no target
     assert all(s == min(2, len(ml) - 1 - ml.index(l)) for l, s in calls)
@@ -452,3 +503,29 @@ def test_np32_of_a_float32_cpu_tensor_is_its_view_without_a_conversion_call():
     assert a.dtype == np.float32 and np.shares_memory(a, x.numpy()) and "to" not in seen
     b = np32(torch.arange(6, dtype=torch.float64).reshape(2, 3))
     assert b.dtype == np.float32 and np.array_equal(b, a)
+
+
+@pytest.mark.parametrize("name", ["estimator", "hybrid", "forest"])
+def test_history_rows_stand_for_the_gate_history_in_the_compiled_call(fitted, name):
+    """A decode call's gate history comes from `SourceBatch.history_rows` (rank x E + expert, the policy's per-pass
+    buffer) when the batch has them: the same scores as from the `history` dict, without reading that dict."""
+    from dataclasses import replace
+
+    from moeflow.predict.data import batch_from_rows
+    from moeflow.predict.fast import history_rows
+
+    _model, data, preds = fitted
+    ml, E = data.spec.moe_layers, data.spec.num_experts
+    rank = {l: i for i, l in enumerate(ml)}
+    ctx = data.context(4)
+    p = preds[name]
+    run = p.runner().warm()
+    for rows in (np.array([7]), np.array([40])):
+        for src in ml[1:-1]:
+            steps = min(p.max_lookahead, len(ml) - 1 - ml.index(src))
+            b = batch_from_rows(data, src, rows, ctx=ctx)
+            hr = history_rows(b, rank, E)  # [T,c]
+            assert hr.shape == (1, data.spec.top_k * (rank[src] + 1))
+            want = run.scores(b, steps)
+            got = run.scores(replace(b, history={}, history_rows=hr), steps)
+            np.testing.assert_array_equal(got, want, err_msg=f"{name} {src}")

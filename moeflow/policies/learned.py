@@ -31,6 +31,7 @@ adapters read the stacked expert tensors).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -56,6 +57,22 @@ def _request_objects(keys: Any, priorities: list[float], confidences: list[float
         d["key"], d["priority"], d["confidence"] = key, pr, cf
         out.append(r)
     return out
+
+
+@functools.cache
+def _kernels() -> Any:
+    """`moeflow.predict.kernels`, imported on first use (numba stays out of the policies' import)."""
+    from ..predict import kernels
+
+    return kernels
+
+
+@functools.cache
+def _source_batch() -> Any:
+    """`moeflow.predict.data.SourceBatch`, imported on first use."""
+    from ..predict.data import SourceBatch
+
+    return SourceBatch
 
 
 class LearnedPrefetch(PrefetchPolicy):
@@ -95,6 +112,9 @@ class LearnedPrefetch(PrefetchPolicy):
         self._hist: dict[int, torch.Tensor] = {}
         self._pass = -1
         self._tokens: torch.Tensor | None = None  # [T,w] token context of the current pass
+        self._hrows = np.zeros((0, 0), np.int64)  # [T,L*k] the pass's gate history as rank x E + expert
+        self._targets: dict[tuple[int, int], np.ndarray] = {}  # (first target, S) -> the targets [S] int64
+        self._hn = 0  # its columns filled so far
         self._seq: list[int] = []  # token ids of the current prompt so far (batch 1)
         self.predict_s = 0.0  # time spent in propose on the model's thread (predictor overhead on the critical path)
         self.predict_decode_s = 0.0  # the part of it in decode steps (passes of one token)
@@ -151,21 +171,31 @@ class LearnedPrefetch(PrefetchPolicy):
             [-1] * max(0, w - (start + i + 1)) + self._seq[max(0, start + i + 1 - w) : start + i + 1] for i in range(len(ids))
         ]
         self._tokens = torch.tensor(rows, dtype=torch.long) if rows else None
+        ind = ctx.indices  # [T,k]
+        self._hrows = np.empty((ind.shape[0], len(ctx.moe_layers) * ind.shape[1]), np.int64)  # [T,L*k] this pass's
+        self._hn = 0  # history as rank x E + expert (`SourceBatch.history_rows`), filled layer by layer
 
     def _batch(self, ctx: LayerContext):
-        from ..predict.data import SourceBatch
-
-        self._hist[ctx.layer] = ctx.indices
-        tokens = self._tokens if self._tokens is not None and len(self._tokens) == len(ctx.indices) else None
-        return SourceBatch(
+        ind, n = ctx.indices, self._hn  # [T,k]
+        rows = None  # the history's rows: this layer's appended to the pass's buffer (no tensor converted per layer)
+        if ctx.layer not in self._hist and n + ind.shape[1] <= self._hrows.shape[1] and len(ind) == len(self._hrows):
+            self._hn = n + ind.shape[1]
+            ids = ind.numpy() if ind.is_cpu else ind.numpy(force=True)  # [T,k]
+            np.add(ids, ctx.moe_layers.index(ctx.layer) * ctx.num_experts, out=self._hrows[:, n : self._hn])
+            rows = self._hrows[:, : self._hn]  # [T,c]
+        self._hist[ctx.layer] = ind
+        tokens = self._tokens if self._tokens is not None and len(self._tokens) == len(ind) else None
+        u, w = ctx.router_input, ctx.weights
+        return _source_batch()(
             ctx.layer,
-            ctx.router_input.float(),
-            ctx.indices,
-            ctx.weights.float(),
+            u if u.dtype is torch.float32 else u.float(),
+            ind,
+            w if w.dtype is torch.float32 else w.float(),
             residual=ctx.residual,
             token_ctx=tokens,
             history=dict(self._hist),
             route=ctx.predict_logits,
+            history_rows=rows,
         )
 
     def _submit(self, ctx: LayerContext, batch: Any) -> None:
@@ -188,15 +218,15 @@ class LearnedPrefetch(PrefetchPolicy):
         No loop per target or expert in Python: a decode step (T = 1) selects, orders and scores its few requests in
         one compiled call (`moeflow.predict.kernels.decode_requests`); more tokens are reduced over T in numpy."""
         S, T, E = sc.shape
-        flat = np.asarray(sc, dtype=np.float32).reshape(S * T, E)  # [S*T,E]
         m = min(E, max(1, round(k * self.overfetch)))
         if self.mass is None and T == 1:  # a decode step: one compiled call orders them, then only the objects
-            from ..predict.kernels import decode_requests
-
-            tot1 = np.add.reduce(flat, -1)  # [S]
-            np.maximum(tot1, np.float32(1e-12), out=tot1)
-            tg, ex, pr, cf = decode_requests(flat, tot1, m, np.asarray(targets, np.int64), float(k))
+            tga = self._targets.get((targets[0], S))
+            if tga is None:  # the targets as the kernel's int64 array, kept per (first target, S)
+                tga = self._targets[(targets[0], S)] = np.asarray(targets, np.int64)
+            sc32 = sc if sc.dtype == np.float32 and sc.flags.c_contiguous else np.ascontiguousarray(sc, np.float32)
+            tg, ex, pr, cf = _kernels().decode_requests(sc32, m, tga, float(k))
             return _request_objects(zip(tg.tolist(), ex.tolist()), pr.tolist(), cf.tolist())
+        flat = np.asarray(sc, dtype=np.float32).reshape(S * T, E)  # [S*T,E]
         tot = np.maximum(np.add.reduce(flat, -1, keepdims=True), np.float32(1e-12))  # [S*T,1]
         p = flat / tot  # [S*T,E]
         if self.mass is not None:

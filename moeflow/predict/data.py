@@ -167,6 +167,8 @@ class SourceBatch:
     route: Callable[[int, torch.Tensor], torch.Tensor] | None = None
     # ^ router logits of a layer for inputs [T,H]; the runtime passes `LayerContext.predict_logits`
     #   (which keeps the engine's router hooks out of it); None = call the model's router directly
+    history_rows: np.ndarray | None = None  # [T,c] int64 rank x E + expert of every id in `history`, layer by layer
+    #   (the policy's per-pass buffer, so a decode call converts no tensor); None = the runners derive it from `history`
 
     def router_logits(self, adapter, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Router logits [T,E] of `layer` for x [T,H], in the router's dtype."""

@@ -16,13 +16,13 @@ rounding). What the runners precompute at bind time:
   the router logits of q_s (Router-PF's scores for target l+s and the chain's next step) and the estimator's
   first-layer term of q_s; q itself is not formed.
 - Estimator (`EstimatorRunner`): the feature standardisation folded into the first layer, which is split by input
-  part: the token embeddings' term once per forward pass, the gate history's earlier layers kept per pass and
-  grown by one layer per call, q's from the chain's fused product; the trunk runs once on [S,T,m]. Hybrid runs
-  it for its estimator pairs only.
+  part: the token embeddings' term once per forward pass, the gate history's rows (summed in the compiled call; the
+  numpy path keeps them per pass, grown by one layer per call), q's from the chain's fused product; the trunk runs
+  once on [S,T,m]. Hybrid runs it for its estimator pairs only.
 - Forest (`ForestRunner`): the per-pass features (token embedding, the token priors of every target layer) once per
-  pass, the pre-gate probabilities of every target from one product with the targets' routers side by side, and
-  the trees walked by a compiled kernel (`kernels.forest_walk`, numba, releases the GIL) that sums leaves in
-  scikit-learn's order.
+  pass, the pre-gate probabilities of every target from one product with the targets' routers side by side (inside
+  the compiled call), and the trees walked by a compiled kernel (`kernels.forest_walk`, numba, releases the GIL)
+  that sums leaves in scikit-learn's order.
 
 A call is a few dozen numpy operations on [S,T,*] arrays: at a decode step (T = 1) their dispatch, not their
 arithmetic, is the cost, so the runners keep the count of operations per call low rather than the FLOPs.
@@ -30,6 +30,7 @@ arithmetic, is the cost, so the runners keep the count of operations per call lo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,6 +48,23 @@ def np32(x: torch.Tensor) -> np.ndarray:
     if x.dtype is torch.float32 and x.is_cpu and not x.requires_grad:
         return x.numpy()
     return x.detach().to("cpu", torch.float32).numpy()
+
+
+def npi(x: torch.Tensor) -> np.ndarray:
+    """An index tensor as numpy on the host (a CPU tensor's view without `numpy(force=True)`'s conversion calls)."""
+    return x.numpy() if x.is_cpu else x.numpy(force=True)
+
+
+def history_rows(batch: SourceBatch, rank: dict[int, int], E: int) -> np.ndarray:
+    """[T,c] int64 rank x E + expert of every id in the batch's gate history (`SourceBatch.history_rows` when the
+    policy kept them, else from `history`): the estimator's gate rows of `AgT`, the forest's multi-hot columns
+    after its first d + 2."""
+    hr = batch.history_rows
+    if hr is not None:
+        return np.ascontiguousarray(hr, np.int64)
+    if not batch.history:
+        return np.zeros((batch.t, 0), np.int64)
+    return np.ascontiguousarray(np.concatenate([npi(h) + rank[l] * E for l, h in batch.history.items()], 1), np.int64)
 
 
 def softmax(z: np.ndarray) -> np.ndarray:
@@ -274,7 +292,7 @@ class ChainRunner:
         return chain_probs(  # C-contiguous inputs: the one signature compiled at bind
             np.ascontiguousarray(np32(batch.residual)),
             np.ascontiguousarray(np32(batch.topk_weights)),
-            np.ascontiguousarray(batch.topk_ids.numpy(force=True), np.int64),
+            np.ascontiguousarray(npi(batch.topk_ids), np.int64),
             Fs,
             eps,
             Ds,
@@ -424,13 +442,13 @@ class EstimatorRunner:
             return None
         Fs, eps, Ds, renorm, pos, _ = c
         BT, bb, CT, cb = self.kblocks
-        zbase = self._token_term(batch) + self._gate_acc(batch)  # [T,m]
         return estimator_probs(  # C-contiguous inputs: one compiled signature
             np.ascontiguousarray(np32(res)),
             np.ascontiguousarray(np32(batch.topk_weights)),
-            np.ascontiguousarray(batch.topk_ids.numpy(force=True), np.int64),
+            np.ascontiguousarray(npi(batch.topk_ids), np.int64),
             np.ascontiguousarray(np32(batch.router_input)),
-            np.ascontiguousarray(zbase, np.float32),
+            np.ascontiguousarray(self._token_term(batch), np.float32),
+            history_rows(batch, self.rank, self.E),
             self.rank[batch.layer] * self.E,
             Fs, eps, Ds, renorm, self.chain.spec.top_k, self.AuT, self.AgT, self.b0, pos, BT, bb, CT, cb,
             self.headT, self.hb, self.eps, bool(self.residual), use,
@@ -445,8 +463,9 @@ class EstimatorRunner:
             BT, bb, CT, cb = self.kblocks
             z = np.zeros((1, self.b0.shape[0]), np.float32)
             estimator_probs(np.zeros((1, H), np.float32), np.zeros((1, k), np.float32), np.zeros((1, k), np.int64),
-                            np.zeros((1, H), np.float32), z, 0, Fs, eps, Ds, renorm, k, self.AuT, self.AgT, self.b0, pos,
-                            BT, bb, CT, cb, self.headT, self.hb, self.eps, bool(self.residual), np.ones(1, np.bool_))  # fmt: skip
+                            np.zeros((1, H), np.float32), z, np.zeros((1, 0), np.int64), 0, Fs, eps, Ds, renorm, k,
+                            self.AuT, self.AgT, self.b0, pos, BT, bb, CT, cb, self.headT, self.hb, self.eps,
+                            bool(self.residual), np.ones(1, np.bool_))  # fmt: skip
         return self
 
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
@@ -512,9 +531,12 @@ class ForestRunner:
         forest.rf.predict(np.zeros((1, forest.rf.n_features), np.float32))  # compile or load the walk now, not in a pass
         self._tok_key: Any = None
         self._pass: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._priors: dict[int, np.ndarray] = {}  # token id -> its prior of every target [L,1,E+1]
         self._stacked: dict[tuple[int, ...], Any] = {}  # target layers -> their routers [H,P*E] (False: not numpy)
-        self._hoff: dict[tuple, np.ndarray] = {}  # (history layers, k) -> their multi-hot column offsets [c]
-        self._pairs: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # pairs -> (S [P] float32, target rank [P])
+        self.rank = {l: i for i, l in enumerate(self.ml)}
+        self._pairs: dict[tuple, tuple[np.ndarray, np.ndarray, Any]] = {}  # pairs -> (S [P], target rank [P], routers)
+        self._steps: dict[tuple[int, int], tuple] = {}  # (source layer, S) -> its pairs ((target, s), ...)
+        self._no_w = (np.zeros((1, 0), np.float32), np.zeros((0, 0), np.float32))  # `forest_scores` given its probs
 
     def per_pass(self, batch: SourceBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(embedding [T,d], prior of the current token [L,T,E+1], of the previous token [L,T,E+1]), once per
@@ -526,8 +548,21 @@ class ForestRunner:
         c = ctx.cpu().numpy() if ctx is not None else np.full((t, 1), -1)
         prev_tok = c[:, -2] if c.shape[1] > 1 else np.full(t, -1)
         emb = np.ascontiguousarray(f.embed(c), np.float32)  # as the float32 rows hold it
-        self._tok_key, self._pass = ctx, (emb, f.prior_all(c[:, -1]), f.prior_all(prev_tok))
+        if t == 1:  # a decode step: its previous token's prior is the last step's current token's
+            pc, pp = self._prior(int(c[0, -1])), self._prior(int(prev_tok[0]))
+        else:
+            pc, pp = f.prior_all(c[:, -1]), f.prior_all(prev_tok)
+        self._tok_key, self._pass = ctx, (emb, pc, pp)
         return self._pass
+
+    def _prior(self, tok: int) -> np.ndarray:
+        """[L,1,E+1] `Forest.prior_all` of one token id, kept per id (at most 4096 ids; then the store restarts)."""
+        p = self._priors.get(tok)
+        if p is None:
+            if len(self._priors) >= 4096:
+                self._priors.clear()
+            p = self._priors[tok] = self.f.prior_all(np.array([tok], np.int64))
+        return p
 
     def probs(self, batch: SourceBatch, targets: list[int]) -> np.ndarray:
         """Pre-gate probabilities [P,T,E] of each target layer from the source's router input (0 without one)."""
@@ -549,20 +584,25 @@ class ForestRunner:
         W = self._stacked[key] = np.ascontiguousarray(np.concatenate(rws, 1)) if len(rws) == len(key) else False
         return W
 
-    def _pair_arrays(self, pk: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
-        """(S [P] float32, target rank [P]) of every pair, kept per pair list."""
-        sr = self._pairs[pk] = (np.array([s for _, s in pk], np.float32), np.array([self.ml.index(t) for t, _ in pk]))
+    def _pair_arrays(self, pk: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray, Any]:
+        """(S [P] float32, target rank [P], the targets' routers side by side [H,P*E] or False) of every pair, kept
+        per pair list."""
+        tg = tuple(t for t, _ in pk)
+        W = self._stacked[tg] if tg in self._stacked else self._stack(tg)
+        sr = self._pairs[pk] = (np.array([s for _, s in pk], np.float32), np.array([self.ml.index(t) for t in tg]), W)
         return sr
+
+    def _pairs_of(self, l: int, steps: int) -> tuple[tuple[int, int], ...]:
+        """The pairs (target l+s, s) of source layer `l` for s = 1..steps, kept per (l, S)."""
+        r = self.ml.index(l)
+        pk = self._steps[(l, steps)] = tuple((self.ml[r + s], s) for s in range(1, steps + 1))
+        return pk
 
     def precompute(self, horizon: int) -> ForestRunner:
         """The stacked routers and the pair arrays of every source layer and S up to `horizon`, now (at bind)."""
-        ml = self.ml
-        for r, (_, top) in enumerate(_sources(ml, horizon)):
+        for l, top in _sources(self.ml, horizon):
             for steps in range(1, top + 1):
-                tg = tuple(ml[r + 1 : r + 1 + steps])
-                if tg not in self._stacked:
-                    self._stack(tg)
-                pk = tuple((t, s) for s, t in enumerate(tg, start=1))
+                pk = self._steps.get((l, steps)) or self._pairs_of(l, steps)
                 if pk not in self._pairs:
                     self._pair_arrays(pk)
         return self
@@ -608,36 +648,36 @@ class ForestRunner:
         d = self.f.rf.predict(X).astype(np.float32).reshape(base.shape)
         return np.clip(base + d, 0.0, None) + 1e-3 * probs + 1e-6
 
-    def scores_pairs(self, pairs: list[tuple[int, int]], batch: SourceBatch, probs: np.ndarray | None = None) -> np.ndarray:
-        """[P,T,E] scores of every (target, S) in `pairs` with ONE tree walk; `probs` their pre-gate probabilities.
-        Features, walk, base and finish run in one compiled call (`forest_scores`) for the compiled forest."""
-        probs = self.probs(batch, [t for t, _ in pairs]) if probs is None else probs
+    def scores_pairs(self, pairs: Sequence[tuple[int, int]], batch: SourceBatch, probs: np.ndarray | None = None) -> np.ndarray:
+        """[P,T,E] scores of every (target, S) in `pairs` with ONE tree walk; `probs` their pre-gate probabilities
+        (None: computed here). For the compiled forest the pre-gate (when the targets' routers run in numpy), the
+        features, walk, base and finish run in one compiled call (`forest_scores`)."""
         rf = self.f.rf
         if not hasattr(rf, "nodes"):
-            return self.finish(*self.prepare(pairs, batch, probs), probs)
-        emb, pc, pp = self.per_pass(batch)
-        ml, E, d = self.ml, self.E, emb.shape[1]
-        hist = batch.history
-        hcols = np.zeros((batch.t, 0), np.int64)  # [T,c] the history's multi-hot columns
-        if hist:
-            hs = list(hist.values())
-            key = (tuple(hist), hs[0].shape[1])
-            off = self._hoff.get(key)
-            if off is None:  # the column of each layer's block, per history entry
-                off = self._hoff[key] = np.concatenate([np.full(h.shape[1], d + 2 + ml.index(l) * E) for l, h in hist.items()])
-            hcols = torch.cat(hs, 1).numpy(force=True).astype(np.int64, copy=False) + off
-        kind = self.f.base_kind
-        base_kind = 1 if kind == "prior" else 2 if kind == "pregate" and batch.router_input.numel() else 0
+            probs = self.probs(batch, [t for t, _ in pairs]) if probs is None else probs
+            return self.finish(*self.prepare(list(pairs), batch, probs), probs)
         pk = tuple(pairs)
         sr = self._pairs.get(pk)
-        if sr is None:  # S and target rank of every pair
+        if sr is None:  # S, target rank and routers of every pair
             sr = self._pair_arrays(pk)
+        uw = self._no_w
+        if probs is None:
+            if sr[2] is not False and batch.router_input.numel():  # the kernel computes the pre-gate into `probs`
+                uw = (np.ascontiguousarray(np32(batch.router_input)), sr[2])
+                probs = np.empty((len(pk), batch.t, self.E), np.float32)  # [P,T,E]
+            else:
+                probs = self.probs(batch, [t for t, _ in pk])
+        emb, pc, pp = self.per_pass(batch)
+        kind = self.f.base_kind
+        base_kind = 1 if kind == "prior" else 2 if kind == "pregate" and batch.router_input.numel() else 0
         return forest_scores(
             np.ascontiguousarray(probs, np.float32),
+            uw[0],
+            uw[1],
             emb,
             pc,
             pp,
-            np.ascontiguousarray(hcols),
+            history_rows(batch, self.rank, self.E),  # [T,c] the history's multi-hot columns after the first d + 2
             sr[0],
             sr[1],
             int(self.f.n_features),
@@ -657,9 +697,11 @@ class ForestRunner:
             pz = np.zeros((L, 1, E + 1), np.float32)
             h0, s0, r0 = np.zeros((1, 0), np.int64), np.ones(1, np.float32), np.zeros(1, np.int64)
             nf, a = int(self.f.n_features), rf.a
-            forest_scores(z, np.zeros((1, d), np.float32), pz, pz, h0, s0, r0, nf, rf.nodes, a["value"], a["roots"], 0, self.k)
+            u, W = self._no_w
+            forest_scores(z, u, W, np.zeros((1, d), np.float32), pz, pz, h0, s0, r0, nf, rf.nodes, a["value"], a["roots"], 0,
+                          self.k)  # fmt: skip
         return self
 
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
-        r = self.ml.index(batch.layer)
-        return self.scores_pairs([(self.ml[r + s], s) for s in range(1, steps + 1)], batch)
+        pk = self._steps.get((batch.layer, steps)) or self._pairs_of(batch.layer, steps)
+        return self.scores_pairs(pk, batch)

@@ -2,7 +2,7 @@
 decode step, and what `moeflow.policies.learned` calls to turn a step's scores into requests.
 
 - `forest_walk`: the trees of a compiled forest walked for [T,F] rows, leaves summed in scikit-learn's order.
-- `forest_scores`: a forest call whole (feature rows, walk, base and finish) after the pre-gate product.
+- `forest_scores`: a forest call whole (the pre-gate, feature rows, walk, base and finish).
 - `chain_probs`: Router-PF's quasi-hidden chain and router probabilities for every S of a source layer.
 - `estimator_probs`: the chain, the estimator's network and its softmax (Hybrid's router steps too) in one call.
 - `decode_requests`: a decode step's requests (target, expert, priority, confidence) in issue order.
@@ -99,10 +99,13 @@ def forest_walk(X, nodes, value, roots):  # pragma: no cover - compiled
 
 
 @_jit
-def forest_scores(probs, emb, pc, pp, hcols, sv, rv, nf, nodes, value, roots, base_kind, top_k):  # pragma: no cover
-    """The forest's whole call but the pre-gate in one compiled call: [P,T,E] scores of the pairs (target rank rv[p],
-    S sv[p]) from their pre-gate probabilities `probs` [P,T,E] (float32). Each row of `Forest.features` is built
-    in a buffer of `nf` floats (embedding emb [T,d], S, rank, the history's multi-hot at columns hcols [T,c], the
+def forest_scores(probs, u, W, emb, pc, pp, hrows, sv, rv, nf, nodes, value, roots, base_kind, top_k):  # pragma: no cover
+    """The forest's whole call in one compiled call: [P,T,E] scores of the pairs (target rank rv[p], S sv[p]) from
+    their pre-gate probabilities `probs` [P,T,E] (float32). With routers W [H,P*E] (the pairs' targets' routers side
+    by side; W [0,0]: `probs` is the input) the pre-gate is computed here first and written into `probs`: softmax of
+    the router input u [T,H] times pair p's block of W (products and softmax in float64, rounded to float32 once),
+    as `ForestRunner.probs` up to float32 rounding. Each row of `Forest.features` is built in a buffer of `nf` floats
+    (embedding emb [T,d], S, rank, the history's multi-hot at columns d + 2 + hrows [T,c] (rank x E + expert), the
     probabilities, the priors pc/pp [L,T,E+1] of the target), walked as `forest_walk` does (float64 leaf sums in
     tree order, mean, float32), added to the base (base_kind 0: none, 1: k x the prior, 2: the pre-gate's top k,
     ties to the lower expert) and finished as `ForestRunner.finish`: max(base + delta, 0) + 1e-3 probs + 1e-6."""
@@ -115,6 +118,25 @@ def forest_scores(probs, emb, pc, pp, hcols, sv, rv, nf, nodes, value, roots, ba
     base = np.empty(E, np.float32)
     chosen = np.empty(E, np.bool_)
     out = np.empty((P, T, E), np.float32)
+    if W.shape[1] > 0:  # the pre-gate of every pair: one pass over W's rows per token, its P*E columns vectorised
+        z = np.empty(W.shape[1], np.float64)
+        for t in range(T):
+            z[:] = 0.0
+            for j in range(W.shape[0]):
+                uj = np.float64(u[t, j])
+                for c in range(W.shape[1]):
+                    z[c] += uj * np.float64(W[j, c])
+            for p in range(P):
+                zmax = -np.inf
+                for e in range(E):
+                    if z[p * E + e] > zmax:
+                        zmax = z[p * E + e]
+                tot = 0.0
+                for e in range(E):
+                    acc[e] = np.exp(z[p * E + e] - zmax)
+                    tot += acc[e]
+                for e in range(E):
+                    probs[p, t, e] = np.float32(acc[e] / tot)
     for p in range(P):
         r = rv[p]
         for t in range(T):
@@ -123,8 +145,8 @@ def forest_scores(probs, emb, pc, pp, hcols, sv, rv, nf, nodes, value, roots, ba
                 x[j] = emb[t, j]
             x[d] = sv[p]
             x[d + 1] = r
-            for j in range(hcols.shape[1]):
-                x[hcols[t, j]] = 1.0
+            for j in range(hrows.shape[1]):
+                x[d + 2 + hrows[t, j]] = 1.0
             for e in range(E):
                 x[o + e] = probs[p, t, e]
             for e in range(E + 1):
@@ -213,13 +235,14 @@ def _vecmat(x, W, y):  # pragma: no cover - compiled
 
 
 @_jit
-def estimator_probs(r0, w0, ids0, u, zbase, soff, Fs, eps, Ds, renorm, top_k, AuT, AgT, b0, pos, BT, bb, CT, cb,
+def estimator_probs(r0, w0, ids0, u, zbase, hrows, soff, Fs, eps, Ds, renorm, top_k, AuT, AgT, b0, pos, BT, bb, CT, cb,
                     headT, hb, ln_eps, residual, use):  # pragma: no cover - compiled  # fmt: skip
     """The estimator's (and Hybrid's) whole decode call in one compiled call: [T,H] residual r_l, [T,k] gate weights
     and ids of layer l -> [S,T,E] float32 probabilities of the targets l+1..l+S. The chain as `chain_probs`, with
     `Fs` [S,H,E+m] the targets' norm weights folded into [router | AqT] (`ChainRunner.fused(t, AqT)`), so one
     product per step gives the router logits and q's first-layer term; the first layer's per-call part
-    z0 = zbase [T,m] (token and earlier layers' gate terms) + u @ AuT + sum_k w_k AgT[soff + id_k] + b0, then per
+    z0 = zbase [T,m] (the token terms) + b0 + the earlier layers' gate rows AgT[hrows[t, j]] (those below soff: hrows
+    [T,c] rank x E + expert of the gate history) + u @ AuT + sum_k w_k AgT[soff + id_k], then per
     step s with use[s]: + q-term + pos[s], the SiLU blocks (BT [nb,m,n], bb, CT [nb,n,m], cb), the LayerNorm
     (affine folded into headT [m,E], hb), + the router logits when `residual`; without use[s] the router logits
     (Hybrid's Router-PF pairs). The same arithmetic as `EstimatorRunner.logits` up to float32 rounding order."""
@@ -240,6 +263,11 @@ def estimator_probs(r0, w0, ids0, u, zbase, soff, Fs, eps, Ds, renorm, top_k, Au
     for t in range(T):
         for c in range(m):
             z0[c] = zbase[t, c] + b0[c]
+        for j in range(hrows.shape[1]):  # earlier layers' chosen experts weigh 1 (the source's: its gate weights below)
+            if hrows[t, j] < soff:
+                g = AgT[hrows[t, j]]
+                for c in range(m):
+                    z0[c] += g[c]
         _vecmat(u[t], AuT, z0)
         for i in range(ids0.shape[1]):
             wi, g = w0[t, i], AgT[soff + ids0[t, i]]
@@ -308,13 +336,20 @@ def estimator_probs(r0, w0, ids0, u, zbase, soff, Fs, eps, Ds, renorm, top_k, Au
 
 
 @_jit
-def decode_requests(flat, tot, m, targets, k):  # pragma: no cover - compiled
-    """A decode step's prefetch requests as arrays, in issue order: scores flat [S,E] (float32) of the targets
-    `targets` [S] with row sums tot [S] -> (target [R], expert [R], priority [R], confidence [R]) of each target's top
-    m experts (ties to the lower expert), probability b = score / tot (float32), priority (S - s) + b (nearer
-    target first, then by probability; a stable order, experts ascending within a target), confidence min(1, k b);
-    a negative probability is never requested."""
-    S, E = flat.shape
+def decode_requests(sc, m, targets, k):  # pragma: no cover - compiled
+    """A decode step's prefetch requests as arrays, in issue order: scores sc [S,1,E] (float32) of the targets
+    `targets` [S] -> (target [R], expert [R], priority [R], confidence [R]) of each target's top m experts (ties to
+    the lower expert), probability b = score / tot (float32; tot the row's sum, at least 1e-12, summed in float64),
+    priority (S - s) + b (nearer target first, then by probability; a stable order, experts ascending within a
+    target), confidence min(1, k b); a negative probability is never requested."""
+    S, E = sc.shape[0], sc.shape[2]
+    flat = sc.reshape(S, E)  # [S,E]
+    tot = np.empty(S, np.float32)
+    for s in range(S):
+        acc = 0.0
+        for e in range(E):
+            acc += np.float64(flat[s, e])
+        tot[s] = np.float32(max(acc, 1e-12))
     R = S * m
     tg = np.empty(R, np.int64)
     ex = np.empty(R, np.int64)
