@@ -311,10 +311,11 @@ def test_forest_fit_is_the_same_with_more_threads(tiny_setup):  # noqa: F811
         np.testing.assert_array_equal(one.rf.a[k], two.rf.a[k])
 
 
-def test_training_rule_fits_two_at_once_unless_told_one_thread():
+def test_training_rule_fits_two_at_once_unless_told_one_thread(monkeypatch):
     """`--threads 1` keeps training on one core; otherwise two free CPUs fit the forest beside the rest."""
     from moeflow.predict.train import fit_workers, idle_cpus
 
+    monkeypatch.delenv("MOEFLOW_FIT_WORKERS", raising=False)
     assert fit_workers(1, "--threads", cores=16, idle=16) == 1
     assert fit_workers(2, "--threads", cores=1, idle=0) == 2 and fit_workers(8, "--threads", cores=16, idle=0) == 2
     for source in ("calibration", "default", "OMP_NUM_THREADS", "MOEFLOW_THREADS"):
@@ -322,6 +323,21 @@ def test_training_rule_fits_two_at_once_unless_told_one_thread():
         assert fit_workers(1, source, cores=2, idle=1.0) == 1  # one CPU kept busy by other work: one fit at a time
         assert fit_workers(1, source, cores=1, idle=1.0) == 1
     assert 0.0 <= idle_cpus(0.01) <= (__import__("os").cpu_count() or 1) + 1e-6
+
+
+def test_fit_workers_environment_overrides_the_idle_rule_but_not_threads(monkeypatch):
+    """`MOEFLOW_FIT_WORKERS` 1 or 2 replaces the idle-CPU rule (to compare both beside other work); `--threads`
+    still decides, and anything else is refused with what to change."""
+    from moeflow.predict.train import fit_workers
+
+    monkeypatch.setenv("MOEFLOW_FIT_WORKERS", "1")
+    assert fit_workers(1, "default", cores=2, idle=2.0) == 1
+    monkeypatch.setenv("MOEFLOW_FIT_WORKERS", "2")
+    assert fit_workers(1, "default", cores=2, idle=0.0) == 2 and fit_workers(1, "calibration", cores=1, idle=0.0) == 2
+    assert fit_workers(1, "--threads", cores=2, idle=2.0) == 1
+    monkeypatch.setenv("MOEFLOW_FIT_WORKERS", "3")
+    with pytest.raises(ConfigError, match="MOEFLOW_FIT_WORKERS must be 1 or 2"):
+        fit_workers(1, "default", cores=2, idle=2.0)
 
 
 def _child_torch() -> tuple[int, float]:
