@@ -219,6 +219,48 @@ def test_array_forest_predicts_deep_uneven_trees_like_scikit_learn():
     np.testing.assert_allclose(ArrayForest.from_sklearn(rf).predict(Xt), rf.predict(Xt), rtol=0, atol=1e-12)
 
 
+def test_forest_arrays_saved_at_a_fast_deflate_read_back_by_numpy(tmp_path):
+    """`savez_fast` writes an .npz that `np.load` reads back exactly (with no pickle), deflated: smaller than
+    the raw arrays, and a forest saved with it loads and predicts the same."""
+    import zipfile
+
+    from sklearn.ensemble import RandomForestRegressor
+
+    from moeflow.predict.forest import ArrayForest, savez_fast
+
+    rng = np.random.default_rng(2)
+    X = rng.standard_normal((400, 5)).astype(np.float32)
+    rf = RandomForestRegressor(n_estimators=4, min_samples_leaf=2, random_state=0).fit(X, X[:, :2] > 0)
+    f = ArrayForest.from_sklearn(rf)
+    f.save(tmp_path / "forest.npz")
+    with zipfile.ZipFile(tmp_path / "forest.npz") as zf:
+        infos = zf.infolist()
+    assert {i.compress_type for i in infos} == {zipfile.ZIP_DEFLATED}
+    assert sum(i.compress_size for i in infos) < sum(i.file_size for i in infos)
+    back = ArrayForest.load(tmp_path / "forest.npz")
+    for k in ArrayForest.FIELDS:
+        np.testing.assert_array_equal(back.a[k], f.a[k])
+    np.testing.assert_array_equal(back.predict(X), f.predict(X))
+    savez_fast(tmp_path / "a.npz", {"i": np.arange(7), "s": np.float32(2.5)})
+    with np.load(tmp_path / "a.npz", allow_pickle=False) as z:
+        assert z["i"].tolist() == list(range(7)) and float(z["s"]) == 2.5
+
+
+def test_recall_plot_lays_out_without_measuring_text(tmp_path, monkeypatch):
+    """The recall plot's margins are fixed: `tight_layout` (which renders every label to measure it, 0.2-0.6 s
+    of `moeflow train`) is not called."""
+    from matplotlib.figure import Figure
+
+    from moeflow.predict.evaluate import plot
+
+    def refuse(*a, **k):
+        raise AssertionError("tight_layout called")
+
+    monkeypatch.setattr(Figure, "tight_layout", refuse)
+    report = {"results": {"p": {"1->2": {"S": 1, "target": 2, "recall_at_k": 0.5}}}, "by_s": {"p": {1: 0.5}}, "fit": {}}
+    assert plot(report, tmp_path / "r.png").stat().st_size > 0
+
+
 def test_forest_tries_at_least_the_minimum_features_per_split(tiny_setup, monkeypatch):  # noqa: F811
     """A small model's few features: the forest still tries MIN_SPLIT_FEATURES of them (or all) per split; each
     tree fits on a compact copy of its bootstrap draw of `forest_tree_samples` rows of the pool (the whole pool
@@ -269,10 +311,11 @@ def test_forest_fit_is_the_same_with_more_threads(tiny_setup):  # noqa: F811
         np.testing.assert_array_equal(one.rf.a[k], two.rf.a[k])
 
 
-def test_training_rule_fits_two_at_once_unless_told_one_thread():
+def test_training_rule_fits_two_at_once_unless_told_one_thread(monkeypatch):
     """`--threads 1` keeps training on one core; otherwise two free CPUs fit the forest beside the rest."""
     from moeflow.predict.train import fit_workers, idle_cpus
 
+    monkeypatch.delenv("MOEFLOW_FIT_WORKERS", raising=False)
     assert fit_workers(1, "--threads", cores=16, idle=16) == 1
     assert fit_workers(2, "--threads", cores=1, idle=0) == 2 and fit_workers(8, "--threads", cores=16, idle=0) == 2
     for source in ("calibration", "default", "OMP_NUM_THREADS", "MOEFLOW_THREADS"):
@@ -280,6 +323,21 @@ def test_training_rule_fits_two_at_once_unless_told_one_thread():
         assert fit_workers(1, source, cores=2, idle=1.0) == 1  # one CPU kept busy by other work: one fit at a time
         assert fit_workers(1, source, cores=1, idle=1.0) == 1
     assert 0.0 <= idle_cpus(0.01) <= (__import__("os").cpu_count() or 1) + 1e-6
+
+
+def test_fit_workers_environment_overrides_the_idle_rule_but_not_threads(monkeypatch):
+    """`MOEFLOW_FIT_WORKERS` 1 or 2 replaces the idle-CPU rule (to compare both beside other work); `--threads`
+    still decides, and anything else is refused with what to change."""
+    from moeflow.predict.train import fit_workers
+
+    monkeypatch.setenv("MOEFLOW_FIT_WORKERS", "1")
+    assert fit_workers(1, "default", cores=2, idle=2.0) == 1
+    monkeypatch.setenv("MOEFLOW_FIT_WORKERS", "2")
+    assert fit_workers(1, "default", cores=2, idle=0.0) == 2 and fit_workers(1, "calibration", cores=1, idle=0.0) == 2
+    assert fit_workers(1, "--threads", cores=2, idle=2.0) == 1
+    monkeypatch.setenv("MOEFLOW_FIT_WORKERS", "3")
+    with pytest.raises(ConfigError, match="MOEFLOW_FIT_WORKERS must be 1 or 2"):
+        fit_workers(1, "default", cores=2, idle=2.0)
 
 
 def _child_torch() -> tuple[int, float]:

@@ -243,14 +243,15 @@ class Estimator:
         assert self.net is not None and self.feat is not None
         net, H = self.net, self.feat.spec.hidden_size
         cH = self.context * H
-        ug = c["ug"][:, i].float()  # [R,B,H+L*E]
-        z = net.project(c["q"][:, i], slice(0, H))  # [P,B,m]
+        # index_select, not c[...][:, i]: the same rows, several times faster on CPU (the f16 q: 0.04 ms against 0.3)
+        ug = c["ug"].index_select(1, i).float()  # [R,B,H+L*E]
+        z = net.project(c["q"].index_select(1, i), slice(0, H))  # [P,B,m]
         zs = net.project(ug[..., :H], slice(H, 2 * H)) + net.project(ug[..., H:], slice(2 * H + cH, None))  # [R,B,m]
-        z = z + zs[c["pair_src"]] + net.A.bias + net.pos.weight[:, None, :]
+        z = z + zs.index_select(0, c["pair_src"]) + net.A.bias + net.pos.weight[:, None, :]
         if cH:
-            z = z + net.project(c["tok"][i], slice(2 * H, 2 * H + cH))  # [B,m] broadcast over pairs
+            z = z + net.project(c["tok"].index_select(0, i), slice(2 * H, 2 * H + cH))  # [B,m] broadcast over pairs
         out = net.trunk(z)  # [P,B,E]
-        return out + c["rl"][:, i] if self.residual else out
+        return out + c["rl"].index_select(1, i) if self.residual else out
 
     @torch.no_grad()
     def _val_recall(self, c: dict[str, torch.Tensor], rows_per_step: int) -> torch.Tensor:
@@ -327,7 +328,7 @@ class Estimator:
             for j in range(0, N, rows_per_step):
                 i = perm[j : j + rows_per_step]
                 logits = self._logits_parts(c, i).flatten(0, 1)  # [P*B,E]
-                loss = F.kl_div(F.log_softmax(logits, -1), y[:, i].flatten(0, 1), reduction="batchmean")
+                loss = F.kl_div(F.log_softmax(logits, -1), y.index_select(1, i).flatten(0, 1), reduction="batchmean")
                 if cfg.est_bce > 0:
                     hot = torch.zeros_like(logits).scatter(-1, c["truth"][:, i].flatten(0, 1), 1.0)
                     loss = loss + cfg.est_bce * F.binary_cross_entropy_with_logits(logits, hot) * E / k

@@ -442,6 +442,6 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     ax1.legend(fontsize=7)
     ax1.grid(alpha=0.3)
     ax2.grid(alpha=0.3)
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.06, right=0.99, bottom=0.12, top=0.93, wspace=0.18)  # tight_layout: 0.2-0.6 s of text measuring
     fig.savefig(path, dpi=110)
     return path

@@ -63,6 +63,18 @@ def multi_hot(ids: torch.Tensor | np.ndarray, num_experts: int) -> np.ndarray:
     return out
 
 
+def savez_fast(path: Path, arrays: dict[str, Any]) -> None:
+    """The file `np.savez_compressed(path, **arrays)` writes (an .npz of deflated .npy members, read back by
+    `np.load`), deflated at zlib level 1 instead of numpy's 6: the quickstart forest's arrays (54k nodes, 27k
+    leaves x 32 experts) take about a third of the time (0.12-0.15 s against 0.44 s) for 1.3 MB against 1.0."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+        for name, a in arrays.items():
+            with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.asanyarray(a), allow_pickle=False)
+
+
 class ArrayForest:
     """A fitted regression forest as plain arrays; predicts exactly like `RandomForestRegressor.predict`.
 
@@ -120,7 +132,7 @@ class ArrayForest:
             "n_features": np.int64(self.n_features),
             "max_depth": np.int64(-1 if self.max_depth is None else self.max_depth),
         }
-        np.savez_compressed(path, **arrays)  # type: ignore[arg-type]
+        savez_fast(path, arrays)
 
     @classmethod
     def load(cls, path: Path) -> ArrayForest:
@@ -325,7 +337,7 @@ class Forest:
         assert self.rf is not None, "fit first"
         self.rf.save(folder / FOREST_FILE)
         np.save(folder / "embedding.npy", self.table)
-        np.savez_compressed(folder / PRIOR_FILE, ids=self.prior_ids, counts=self.prior_counts, freq=self.prior_freq)
+        savez_fast(folder / PRIOR_FILE, {"ids": self.prior_ids, "counts": self.prior_counts, "freq": self.prior_freq})
         (folder / "config.json").write_text(
             json.dumps(
                 {

@@ -60,18 +60,25 @@ def fit_workers(threads: int, source: str, cores: int | None = None, idle: float
     are idle now (`idle`: idle CPUs, default `idle_cpus()`): the two fits are independent, each a whole core's work
     for seconds, so a second free core halves their wall time; on a machine that other work keeps busy, the two
     would take turns on one core, each evicting the other's data from its caches, slower than one after the other.
-    1 where processes cannot be forked (`can_fork`)."""
+    1 where processes cannot be forked (`can_fork`). `MOEFLOW_FIT_WORKERS` (1 or 2) overrides all but `--threads`
+    and `can_fork`."""
     from ..threads import usable_cores
 
     if not can_fork():
         return 1
     if source == "--threads":
         return min(max(1, threads), 2)
+    raw = os.environ.get(FIT_WORKERS_ENV, "").strip()
+    if raw:
+        if raw not in ("1", "2"):
+            raise ConfigError(f"{FIT_WORKERS_ENV} must be 1 or 2 (got {raw!r}); fix or unset it")
+        return int(raw)
     if max(threads, cores or usable_cores()) < 2:
         return 1
     return 2 if (idle_cpus() if idle is None else idle) >= IDLE_FOR_TWO else 1
 
 
+FIT_WORKERS_ENV = "MOEFLOW_FIT_WORKERS"  # 1 or 2: fits at once, instead of the idle-CPU rule
 IDLE_FOR_TWO = 1.5  # idle CPUs (this process's own included, as it waits while measuring) for 2 fits at once
 
 
