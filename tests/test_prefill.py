@@ -287,6 +287,42 @@ def test_staged_prefill_skips_a_policy_step_that_can_add_nothing(tiny_models, pr
     assert not steps[spec.total_experts] and steps[spec.total_experts - 1]
 
 
+def test_staged_prefill_runs_the_policy_step_only_where_nothing_stages_the_next_layer(tiny_models, prompt):
+    """Below full capacity the staged prefill stages each next MoE layer from its pre-gate, so the prefetch policy's
+    step (which would propose that layer again, at a host cost per layer) runs only after the last MoE layer; the
+    next layers are still staged and the output stays exact."""
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    ref, _ = generate_one(model, prompt, None, max_new_tokens=2, min_new_tokens=2)
+    eng = build_engine(
+        model, mode="offload", link=EmulatedLink(50.0), capacity=spec.total_experts // 2, eviction="lru", prefetch="pregate"
+    )
+    assert eng is not None
+    with eng:
+        pf = eng._prefill
+        assert pf is not None
+        seen: list[int] = []
+        staged: list[int] = []
+        prefetch, begin = eng.step.prefetch, pf.begin
+
+        def spy(layer, *a, _fn=prefetch):
+            if pf.prefill:
+                seen.append(layer)
+            return _fn(layer, *a)
+
+        def ended(decode, _fn=begin):
+            if pf.prefill:  # the prefill pass just ended: its staged copies
+                staged.append(pf.staged)
+            return _fn(decode)
+
+        eng.step.prefetch = spy  # type: ignore[method-assign]
+        pf.begin = ended  # type: ignore[method-assign]
+        out, _ = generate_one(model, prompt, eng, max_new_tokens=2, min_new_tokens=2)
+    assert torch.equal(out, ref)
+    assert seen == [spec.moe_layers[-1]], seen
+    assert staged and staged[0] > 0
+
+
 def test_staged_prefill_start_copies_the_first_layer_before_predicting_the_rest(tiny_models, prompt):
     """At the pass start the first MoE layer's predicted experts are handed to the link before the later layers'
     predictions are computed (the link starts on them sooner); the device table matches the keys after each batch."""

@@ -20,15 +20,17 @@ between is what makes the first token slow. `StagedPrefill` takes over the prefi
 2. in the experts call, before wave i waits and computes, the waves after it are demanded as far as the slots
    allow (wave i+1 always: two waves never pin more than the part holds), so copies run during compute;
 3. with a prefetch policy (staging is speculative: none without one), once every wave of l is demanded and
-   slots are free: the policy's step (its proposals, through its gate, as in every pass), then the next MoE
-   layer's experts predicted from l's router input through the next layer's router (the pre-gate: every
-   token's top-k; the most-routed ones, in id order) into the slots of its part that no wave pins and no expert
-   of that layer holds (`cache.stage`, prefetch priority: demand copies overtake them while queued), again as
-   waves release their slots. They land during l's compute and the next layer's attention; when it routes they
-   are resident and form its first waves. The copies of one step (demanded and staged) go to the link as one
-   batch (`cache.batch`: one schedule insertion per run of equal priority, one device-table write). The policy's
-   step is skipped when it can change nothing (`step_useless`: a cache of every expert, every later layer's
-   experts in slots); when it runs, it reuses the next layer's router logits the pre-gate computed (`logits`).
+   slots are free: the next MoE layer's experts predicted from l's router input through the next layer's router
+   (the pre-gate: every token's top-k; the most-routed ones, in id order) into the slots of its part that no wave
+   pins and no expert of that layer holds (`cache.stage`, prefetch priority: demand copies overtake them while
+   queued), again as waves release their slots. They land during l's compute and the next layer's attention;
+   when it routes they are resident and form its first waves. The copies of one step (demanded and staged) go
+   to the link as one batch (`cache.batch`: one schedule insertion per run of equal priority, one device-table
+   write). The policy's own step (its proposals, through its gate) runs after the last MoE layer only (for the
+   next pass): after the others the pre-gate stages what it would propose for the next layer, without its
+   per-layer host work (`step_needed`); it is skipped there too when it can change nothing (`step_useless`: a
+   cache of every expert, every later layer's experts in slots); when it runs, it reuses the router logits the
+   pre-gate computed (`logits`).
 4. a wave whose slots ascend with its experts (`slot_span`; a cold prefill fills slots in id order) reads their
    weights in place (`grouped_experts_in_place`) instead of gathering them.
 
@@ -121,6 +123,14 @@ class StagedPrefill:
         if cache.capacity < self.spec.total_experts:
             return False
         return all(cache.layer_full(l) for l in self.spec.moe_layers if l > layer)
+
+    def step_needed(self, layer: int) -> bool:
+        """The prefetch policy's step after `layer` may add something: not when the staged path stages the next
+        MoE layer from its pre-gate (what a step would propose for it, without its per-layer host work) and not
+        when it can change nothing (`step_useless`). After the last MoE layer it runs (the next pass's layers)."""
+        if self.stage_next and self.next_layer.get(layer) is not None:
+            return False
+        return not self.step_useless(layer)
 
     def route(self, layer: int, routed: Routed, counts: torch.Tensor | None, ids: torch.Tensor | None = None) -> None:
         """Plan `routed`'s waves, demand the first one now; `counts [E]` (host): tokens the next layer's router
