@@ -233,6 +233,49 @@ def test_in_place_grouped_call_is_bit_identical(tiny_models, arch):
     assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("arch", ["olmoe", "gpt_oss"])
+def test_wave_in_another_slot_order_is_read_in_place_bit_identically(tiny_models, arch):
+    """A wave whose slots span densely but do not ascend with its experts (slots taken from evictions in another
+    order) is computed in place on its rows taken in slot order and put back: the same result as gathering each
+    expert's weights; ascending slots are read in place directly, sparse ones gathered."""
+    from moeflow.moe.compute import grouped_experts, grouped_experts_in_place
+    from moeflow.runtime.prefill import wave_rows
+
+    module = next(m for m in tiny_models(arch).modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj"))
+    names = ["gate_up_proj" if module.has_gate else "up_proj", "down_proj"]
+    names += [n + "_bias" for n in names] if module.has_bias else []
+    shapes = {n: getattr(module, n).shape[1:] for n in names}
+    sizes = [int(torch.Size(s).numel()) for s in shapes.values()]
+    g = torch.Generator().manual_seed(7)
+    C = 16
+    buf = torch.randn(C, sum(sizes), generator=g, dtype=module.down_proj.dtype)  # [C,R] like the slot buffer
+    views, o = {}, 0
+    for n, size in zip(names, sizes):
+        views[n] = buf[:, o : o + size].unflatten(1, shapes[n])  # [C, ...] strided, as `ExpertLayout.views`
+        o += size
+    spans: list[tuple[int, int] | None] = []
+
+    class Call:  # the experts call's `_grouped` over `views`
+        def _grouped(self, module, x, eg, rows, groups, span=None):
+            spans.append(span)
+            if span is not None:
+                return grouped_experts_in_place(module, x, views, rows, span)
+            return grouped_experts(module, x, eg, views, rows, groups)
+
+    counts = torch.tensor([3, 2, 5, 1, 4, 2])  # rows per expert
+    eg = torch.repeat_interleave(torch.tensor([1, 4, 6, 7, 10, 11]), counts)  # [N] expert ids, sorted
+    x = torch.randn(int(counts.sum()), module.down_proj.shape[1 if not module.is_transposed else 2], generator=g)
+    x = x.to(module.down_proj.dtype)  # [N,H]
+    for slots, kind in (([9, 3, 5, 2, 7, 6], "sorted"), ([2, 3, 5, 6, 7, 9], "ascending"), ([15, 0, 5, 2, 7, 6], None)):
+        rows = torch.repeat_interleave(torch.tensor(slots), counts)  # [N] slot of each row
+        spans.clear()
+        with torch.no_grad():
+            ref = grouped_experts(module, x, eg, views, rows, len(slots))
+            got = wave_rows(Call(), module, x, eg, rows, slots)
+        assert torch.equal(got, ref), slots
+        assert spans == [None if kind is None else (min(slots), max(slots) + 1)], (slots, spans)
+
+
 def test_staged_prefill_reads_ascending_slots_in_place(tiny_models, prompt, monkeypatch):
     """A cold staged prefill fills the slots in id order, so its waves' grouped calls read the weights in place,
     and the prefill stays bit-identical to the resident model."""
@@ -285,6 +328,42 @@ def test_staged_prefill_skips_a_policy_step_that_can_add_nothing(tiny_models, pr
         assert torch.equal(out, ref)
         steps[cap] = seen
     assert not steps[spec.total_experts] and steps[spec.total_experts - 1]
+
+
+def test_staged_prefill_runs_the_policy_step_only_where_nothing_stages_the_next_layer(tiny_models, prompt):
+    """Below full capacity the staged prefill stages each next MoE layer from its pre-gate, so the prefetch policy's
+    step (which would propose that layer again, at a host cost per layer) runs only after the last MoE layer; the
+    next layers are still staged and the output stays exact."""
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    ref, _ = generate_one(model, prompt, None, max_new_tokens=2, min_new_tokens=2)
+    eng = build_engine(
+        model, mode="offload", link=EmulatedLink(50.0), capacity=spec.total_experts // 2, eviction="lru", prefetch="pregate"
+    )
+    assert eng is not None
+    with eng:
+        pf = eng._prefill
+        assert pf is not None
+        seen: list[int] = []
+        staged: list[int] = []
+        prefetch, begin = eng.step.prefetch, pf.begin
+
+        def spy(layer, *a, _fn=prefetch):
+            if pf.prefill:
+                seen.append(layer)
+            return _fn(layer, *a)
+
+        def ended(decode, _fn=begin):
+            if pf.prefill:  # the prefill pass just ended: its staged copies
+                staged.append(pf.staged)
+            return _fn(decode)
+
+        eng.step.prefetch = spy  # type: ignore[method-assign]
+        pf.begin = ended  # type: ignore[method-assign]
+        out, _ = generate_one(model, prompt, eng, max_new_tokens=2, min_new_tokens=2)
+    assert torch.equal(out, ref)
+    assert seen == [spec.moe_layers[-1]], seen
+    assert staged and staged[0] > 0
 
 
 def test_staged_prefill_start_copies_the_first_layer_before_predicting_the_rest(tiny_models, prompt):
@@ -529,6 +608,42 @@ def test_cache_batch_schedules_as_one_by_one_and_hands_over_once(tiny_models):
         if batched:  # the promotions hand over nothing (no miss before them); every miss after them: one run
             assert calls == {"submit": 0, "submit_many": 1}, calls
     assert seen[0] == seen[1]
+
+
+def test_staged_batch_deals_its_slots_in_key_order(tiny_models):
+    """A staged batch whose victims' slots come in descending order (the least recently used expert in the highest
+    slot) still puts its keys in ascending slots, so a wave of consecutive experts reads its weights in place; each
+    slot receives its own key's weights, the device table follows, and the same keys are evicted and loaded."""
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    first, second = spec.moe_layers[0], spec.moe_layers[1]
+    C = spec.num_experts // 2
+    eng = build_engine(model, mode="offload", link=EmulatedLink(1e6), capacity=C, eviction="lru", prefetch="pregate")
+    assert eng is not None
+    with eng:
+        cache = eng.cache
+        cache.begin_pass(1)
+        cache.begin_layer(first)
+        assert cache.stage([(first, e) for e in range(C)], first) == C
+        cache.link.drain()
+        for e in reversed(range(C)):  # the least recently used: the highest expert, in the highest slot
+            slots = cache.demand(first, [e], {e: 1.0})
+            cache.wait(slots)
+            cache.release(slots)
+        assert [cache.slot_of[(first, e)] for e in range(C)] == sorted(cache.slot_of[(first, e)] for e in range(C))
+        cache.begin_layer(second)
+        keys = [(second, e) for e in range(C)]
+        loads, evictions = cache.counters.loads, cache.counters.evictions
+        assert cache.stage(keys, second) == C
+        cache.link.drain()
+        slots = [cache.slot_of[k] for k in keys]
+        assert slots == sorted(slots)
+        assert (cache.counters.loads - loads, cache.counters.evictions - evictions) == (C, C)
+        assert set(cache.slot_of) == set(keys)
+        assert cache.table is not None and cache.buffer is not None and cache.store is not None
+        for (l, e), s in cache.slot_of.items():
+            assert int(cache.table[cache.rank[l], e]) == s
+            assert torch.equal(cache.buffer[s], cache.store.row(l, e))
 
 
 def test_staged_prefill_applies_each_router_once_per_input(tiny_models, prompt):

@@ -508,14 +508,46 @@ class ExpertCache:
 
     def stage(self, keys: Sequence[ExpertKey], layer: int) -> int:
         """A staged batch (`runtime/prefill.py`): copies for `keys` in the given order at prefetch priority,
-        without the prefetch policy's gate (counted as prefetches); never waits. Returns copies issued."""
+        without the prefetch policy's gate (counted as prefetches); never waits. Returns copies issued. With
+        copies held for a hand-over, the slots the batch took are dealt to its keys in ascending order, layer by
+        layer (`_ascend`): a wave of a layer's consecutive experts then reads its weights in place."""
         gate, self.gate = self.gate, None
         try:
             with self.batch():
                 n = len(keys)
-                return self.prefetch([PrefetchRequest(k, priority=float(n - i)) for i, k in enumerate(keys)], layer)
+                i0 = len(self._held) if self._held is not None else -1
+                issued = self.prefetch([PrefetchRequest(k, priority=float(n - i)) for i, k in enumerate(keys)], layer)
+                if i0 >= 0 and self._held is not None and issued > 1:
+                    self._ascend(i0)
+                return issued
         finally:
             self.gate = gate
+
+    def _ascend(self, i0: int) -> None:
+        """The held loads from `i0` on (one staged batch: prefetches, not handed over, not read by anyone yet) with
+        their slots re-dealt so that each layer's keys ascend with their slots; their copies stay in key order.
+        Only which of the batch's slots holds which of its keys changes (each slot keeps its own `last_use`):
+        the keys, counters, eviction events and the device table (written from `slot_of` at the batch's end)
+        are those of the batch as issued."""
+        held = self._held
+        assert held is not None
+        run = held[i0:]
+        by_layer: dict[int, list[tuple[int, ExpertKey, int, bool]]] = {}
+        for h in run:
+            by_layer.setdefault(h[1][0], []).append(h)
+        slots, slot_of, out = self.slots, self.slot_of, []
+        for group in by_layer.values():
+            order = sorted(group, key=lambda h: h[1])  # by key
+            dealt = sorted(h[0] for h in group)  # the group's slots, ascending
+            if [h[0] for h in order] != dealt and all(h[2] == order[0][2] and not h[3] for h in order):
+                issued = {h[1]: slots[h[0]].issued for h in group}
+                for s, (_, key, _, _) in zip(dealt, order):
+                    slot = slots[s]
+                    slot.key, slot.issued = key, issued[key]
+                    slot_of[key] = s
+                order = [(s, h[1], h[2], h[3]) for s, h in zip(dealt, order)]
+            out.extend(order)
+        held[i0:] = out
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:

@@ -20,17 +20,23 @@ between is what makes the first token slow. `StagedPrefill` takes over the prefi
 2. in the experts call, before wave i waits and computes, the waves after it are demanded as far as the slots
    allow (wave i+1 always: two waves never pin more than the part holds), so copies run during compute;
 3. with a prefetch policy (staging is speculative: none without one), once every wave of l is demanded and
-   slots are free: the policy's step (its proposals, through its gate, as in every pass), then the next MoE
-   layer's experts predicted from l's router input through the next layer's router (the pre-gate: every
-   token's top-k; the most-routed ones, in id order) into the slots of its part that no wave pins and no expert
-   of that layer holds (`cache.stage`, prefetch priority: demand copies overtake them while queued), again as
-   waves release their slots. They land during l's compute and the next layer's attention; when it routes they
-   are resident and form its first waves. The copies of one step (demanded and staged) go to the link as one
-   batch (`cache.batch`: one schedule insertion per run of equal priority, one device-table write). The policy's
-   step is skipped when it can change nothing (`step_useless`: a cache of every expert, every later layer's
-   experts in slots); when it runs, it reuses the next layer's router logits the pre-gate computed (`logits`).
-4. a wave whose slots ascend with its experts (`slot_span`; a cold prefill fills slots in id order) reads their
-   weights in place (`grouped_experts_in_place`) instead of gathering them.
+   slots are free: the next MoE layer's experts predicted from l's router input through the next layer's router
+   (the pre-gate: every token's top-k; the most-routed ones, in id order) into the slots of its part that no wave
+   pins and no expert of that layer holds (`cache.stage`, prefetch priority: demand copies overtake them while
+   queued), again as waves release their slots. They land during l's compute and the next layer's attention;
+   when it routes they are resident and form its first waves. The copies of one step (demanded and staged) go
+   to the link as one batch (`cache.batch`: one schedule insertion per run of equal priority, one device-table
+   write). The policy's own step (its proposals, through its gate) runs after the last MoE layer only (for the
+   next pass): after the others the pre-gate stages what it would propose for the next layer, without its
+   per-layer host work (`step_needed`); it is skipped there too when it can change nothing (`step_useless`: a
+   cache of every expert, every later layer's experts in slots); when it runs, it reuses the router logits the
+   pre-gate computed (`logits`).
+4. a wave whose slots ascend with its experts (`slot_span`) reads their weights in place
+   (`grouped_experts_in_place`) instead of gathering them; a staged batch deals its slots to its keys in
+   ascending order (`cache.stage`), so a cold prefill and one that evicts alike find a layer's staged experts in
+   ascending slots; a wave whose slots span as densely in another order (a demanded miss among staged experts)
+   is computed in place on its rows taken in slot order and put back (`wave_rows`): moving a wave's rows
+   costs less than gathering its experts' weights, and every group holds the same rows in the same order.
 
 Chunking. w = max(1, min(wave capacity, part capacity // 2)): a prompt that routes more experts than the cache
 holds is computed in chunks of its layer's experts. Each chunk computes ALL the rows its experts get (the stock
@@ -121,6 +127,14 @@ class StagedPrefill:
         if cache.capacity < self.spec.total_experts:
             return False
         return all(cache.layer_full(l) for l in self.spec.moe_layers if l > layer)
+
+    def step_needed(self, layer: int) -> bool:
+        """The prefetch policy's step after `layer` may add something: not when the staged path stages the next
+        MoE layer from its pre-gate (what a step would propose for it, without its per-layer host work) and not
+        when it can change nothing (`step_useless`). After the last MoE layer it runs (the next pass's layers)."""
+        if self.stage_next and self.next_layer.get(layer) is not None:
+            return False
+        return not self.step_useless(layer)
 
     def route(self, layer: int, routed: Routed, counts: torch.Tensor | None, ids: torch.Tensor | None = None) -> None:
         """Plan `routed`'s waves, demand the first one now; `counts [E]` (host): tokens the next layer's router
@@ -321,13 +335,12 @@ class StagedPrefill:
                 self.stage_later(until=partial(self._landed, [(layer, e) for e in experts]))
             cache.wait(slots)
             account.book(time.perf_counter() - t0)
-            span = slot_span(slots)
             if len(waves) == 1:  # the whole call in one grouped call
-                projs.append(call._grouped(module, x_g, eg, table[eg], len(experts), span=span))  # [S,H]
+                projs.append(wave_rows(call, module, x_g, eg, table[eg], slots))  # [S,H]
             else:
                 a, b = ends[experts[0] - 1] if experts[0] > 0 else 0, ends[experts[-1]]  # this wave's rows
                 eg_w = eg[a:b]  # [S_w]
-                projs.append(call._grouped(module, x_g[a:b], eg_w, table[eg_w], len(experts), span=span))  # [S_w,H]
+                projs.append(wave_rows(call, module, x_g[a:b], eg_w, table[eg_w], slots))  # [S_w,H]
             cache.release(slots)
             self.waves_run += 1
         self.stage_later()  # what is left of them, before the next layer's attention
@@ -342,6 +355,26 @@ class StagedPrefill:
         routed.first = None
         routed.waves = routed.ends = None
         routed.then = routed.ahead = None
+
+
+def wave_rows(
+    call: Any, module: torch.nn.Module, x: torch.Tensor, eg: torch.Tensor, rows: torch.Tensor, slots: list[int]
+) -> torch.Tensor:
+    """One wave's sorted rows `x [S_w,H]` (experts `eg [S_w]` ascending, `rows [S_w]` each row's slot) through its
+    experts, whose pinned `slots` (in expert order) are given -> [S_w,H]. Slots that ascend: the weights read in
+    place (`slot_span`); slots that would span densely in another order: the rows taken in slot order (a stable
+    sort: each expert's rows keep their order, so every group holds the same rows in the same order and the
+    result is bit-identical), computed in place and put back (moving the rows costs less than gathering the
+    experts' weights); else the weights gathered."""
+    span = slot_span(slots)
+    if span is not None:
+        return call._grouped(module, x, eg, rows, len(slots), span=span)
+    span = slot_span(sorted(slots))
+    if span is None:
+        return call._grouped(module, x, eg, rows, len(slots))
+    perm = torch.argsort(rows, stable=True)  # [S_w] rows in slot order
+    proj = call._grouped(module, x.index_select(0, perm), eg, rows.index_select(0, perm), len(slots), span=span)
+    return torch.empty_like(proj).index_copy_(0, perm, proj)  # [S_w,H] back in expert order
 
 
 def slot_span(slots: list[int]) -> tuple[int, int] | None:

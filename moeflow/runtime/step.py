@@ -159,7 +159,7 @@ class RouteStep:
         if pf is not None:
             pf.count(l, experts)
             if staged:  # the staged prefill: first wave demanded now, the next layer's experts predicted
-                if self.prefetching and not pf.step_useless(l):  # the policy's proposals once l's waves are demanded
+                if self.prefetching and pf.step_needed(l):  # the policy's proposals once l's waves are demanded
                     x = ev.x
                     routed.then = lambda: self.prefetch(l, x, logits, indices, weights)
                 self.pending[l] = routed
