@@ -347,10 +347,12 @@ def test_the_policy_makes_one_call_per_layer_and_never_runs_a_router_hook(fitted
     assert torch.equal(got, ref)
     ml = data.spec.moe_layers
     assert hooked == [] and pol.calls > 0 and kept and all(kept)
-    passes = pol.calls // len(ml)  # propose runs at every MoE layer of a pass
-    assert pol.calls == passes * len(ml) and len(calls) == passes * (len(ml) - 1)  # the last layer has no target
+    decode = pol.decode_passes  # one prefill, then a pass per decoded token after the first
+    assert decode == 4
+    # propose runs at every MoE layer of a decode pass; the staged prefill's after its last MoE layer only (its
+    # pre-gate stages each next layer), where there is no target, so every runner call is a decode pass's
+    assert pol.calls == decode * len(ml) + 1 and len(calls) == decode * (len(ml) - 1)  # the last layer has no target
     assert all(s == min(2, len(ml) - 1 - ml.index(l)) for l, s in calls)
-    assert pol.decode_passes == passes - 1 == 4  # one prefill, then a pass per decoded token after the first
     assert 0.0 < pol.predict_decode_s < pol.predict_s  # the decode steps' share of the time, the prefill's excluded
     assert pol.predict_decode_cpu_s > 0.0  # and the model thread's CPU time in them
 
