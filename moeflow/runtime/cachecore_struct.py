@@ -248,11 +248,11 @@ def _bk_free(I, k):
 # The heap (belady): an indexed min-heap of resident keys, one entry (a, b, key) each at I[O_HEAP], ordered
 # by (a, b), unique among keys ((-score, 0), a score names its key); O_HPOS holds each key's position (-1: out
 # of the heap), so an update sifts it in place. Every tracked key keeps its entry in PK_HA, PK_HB. Every
-# candidate is in the heap; a pinned or just issued key stays where it is (an access re-scores it with one sift
-# in place) until a victim search meets it at the top, which takes it out (`_hx_first`: the running step's
-# pinned keys score the farthest next uses, so they gather at the top); a key out of the heap is not entered
-# while pinned or just issued, and comes back when it is a candidate again (`_hx_insert`). The victim is the
-# first entry whose key is a candidate.
+# candidate is in the heap with that entry; a pinned or just issued key stays where it is with the entry it
+# had (an access re-scores only PK_HA: its heap entry, a next use now, sits far from the top) until it is a
+# candidate again (`_hx_insert`: one sift to its new entry) or a victim search meets it at the top, which
+# takes it out (`_hx_first`); a key out of the heap is not entered while pinned or just issued, and comes back
+# with `_hx_insert`. The victim is the first entry whose key is a candidate.
 
 
 @_inline
@@ -311,19 +311,23 @@ def _hx_put(I, k, a, b):
 
 @_fn
 def _hx_set(I, k, a, b):
-    """Key k's entry is now (a, b): sifted in place if it is in the heap, entered if it is a candidate."""
+    """Key k's entry is now (a, b); a candidate's is sifted in place or entered. A pinned or just issued key's
+    heap entry (if any) keeps its old value until `_hx_insert`: one sift when it is a candidate again, and
+    meanwhile the old entry (an access's key: a next use now, the farthest from the top) keeps it out of the
+    victim search's way."""
     pk = I[O_PK] + k * NPK
     I[pk + PK_HA] = a
     I[pk + PK_HB] = b
+    s = I[I[O_SOF] + k]
+    if s < 0 or I[I[O_PIN] + s] or I[I[O_PROT] + s]:  # not a candidate: its heap entry, if any, waits
+        return
     i = I[I[O_HPOS] + k]
     if i >= 0:
         x = I[O_HEAP] + 3 * i
         I[x] = a
         I[x + 1] = b
         _hx_sift(I, i)
-        return
-    s = I[I[O_SOF] + k]
-    if s >= 0 and not I[I[O_PIN] + s] and not I[I[O_PROT] + s]:  # a candidate: into the heap
+    else:
         _hx_put(I, k, a, b)
 
 
@@ -358,9 +362,17 @@ def _hx_insert(I, k):
     kind = I[H_KIND]
     if kind == KIND_LFU:
         _bk_free(I, k)
-    elif kind == KIND_MIN and I[I[O_HPOS] + k] < 0 and I[I[O_PK] + k * NPK + PK_TR]:
+    elif kind == KIND_MIN and I[I[O_PK] + k * NPK + PK_TR]:
         pk = I[O_PK] + k * NPK
-        _hx_put(I, k, I[pk + PK_HA], I[pk + PK_HB])
+        a, b, i = I[pk + PK_HA], I[pk + PK_HB], I[I[O_HPOS] + k]
+        if i < 0:
+            _hx_put(I, k, a, b)
+            return
+        x = I[O_HEAP] + 3 * i
+        if I[x] != a or I[x + 1] != b:  # re-scored while pinned: its entry now
+            I[x] = a
+            I[x + 1] = b
+            _hx_sift(I, i)
 
 
 @_fn
