@@ -69,7 +69,7 @@ def test_train_json_has_seconds_per_fitted_predictor(default_train):
     # the whole stage: every fit and every shared step happened inside it (each figure rounded to 1 ms)
     assert rep["seconds"] >= sum(per.values()) + sum(rep["seconds_steps"].values()) - 0.001 * (len(per) + len(STEPS))
     assert per["estimator"] > 0 and per["forest"] > 0
-    assert rep["fit_workers"] == 1  # --threads 1: one fit at a time
+    assert rep["fit_workers"] == 1 and rep["fit_threads"] == 1  # --threads 1: one fit at a time, on one thread
 
 
 def test_train_text_prints_the_seconds_table(default_train):
@@ -323,6 +323,19 @@ def test_training_rule_fits_two_at_once_unless_told_one_thread(monkeypatch):
         assert fit_workers(1, source, cores=2, idle=1.0) == 1  # one CPU kept busy by other work: one fit at a time
         assert fit_workers(1, source, cores=1, idle=1.0) == 1
     assert 0.0 <= idle_cpus(0.01) <= (__import__("os").cpu_count() or 1) + 1e-6
+
+
+def test_one_fit_at_a_time_takes_no_more_threads_than_idle_cpus():
+    """With one fit at a time the fits' threads are capped by the CPUs idle now (a torch thread waiting for a core
+    that other work holds stalls its parallel regions); `--threads N` and two fits at once keep N."""
+    from moeflow.predict.train import fit_threads
+
+    assert fit_threads(2, "calibration", 1, idle=1.0) == 1  # one busy loop on 2 cores
+    assert fit_threads(2, "calibration", 1, idle=0.2) == 1  # at least one
+    assert fit_threads(4, "default", 1, idle=2.6) == 3
+    assert fit_threads(2, "calibration", 1, idle=2.0) == 2
+    assert fit_threads(2, "--threads", 1, idle=0.0) == 2  # the user's count
+    assert fit_threads(2, "calibration", 2, idle=1.0) == 2  # two at once: the stage splits them
 
 
 def test_fit_workers_environment_overrides_the_idle_rule_but_not_threads(monkeypatch):

@@ -32,7 +32,9 @@ from ..predict.train import (
     check_names,
     check_trace_model,
     fit_all,
+    fit_threads,
     fit_workers,
+    idle_cpus,
     sequences,
 )
 
@@ -194,22 +196,27 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
     steps: dict[str, float] = {}  # seconds of the work no one predictor owns
     model = load_cpu_model(cfg.model)
     threads = apply_threads(cfg.threads, model, "cpu")
-    cfg = dataclasses.replace(cfg, threads=threads.n)  # the forest's jobs too
+    idle = idle_cpus() if threads.source != "--threads" else None  # the training rule's measure (0.1 s), read once
+    workers = fit_workers(threads.n, threads.source, idle=idle) if "forest" in cfg.only else 1
+    n = fit_threads(threads.n, threads.source, workers, idle)
+    if n != threads.n:
+        torch.set_num_threads(n)  # restored by `main`'s torch_threads
+    cfg = dataclasses.replace(cfg, threads=n)  # the forest's jobs too
     if restore is not None:
-        restore.enter_context(blas_threads(threads.n))
+        restore.enter_context(blas_threads(n))
     if console is not None:
-        console.print(f"[dim]threads: {threads.describe()}[/]")
+        fits = f"; fits: {n} thread(s), {idle:.1f} CPU(s) idle" if n != threads.n and idle is not None else ""
+        console.print(f"[dim]threads: {threads.describe()}{fits}[/]")
     need_hidden = any(PREDICTORS[n].needs_hidden for n in cfg.only if n not in PLANNERS and n not in GPS)
     data = from_trace(cfg.trace, need_hidden=need_hidden)
     check_trace_model(data, model, cfg.trace)
     train, held = data.split(cfg.holdout, cfg.seed)
     steps["load"] = time.perf_counter() - t_start
     columns = (TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn())
-    workers = fit_workers(threads.n, threads.source) if "forest" in cfg.only else 1
     if console is not None and workers > 1:
         console.print("[dim]fits: the forest in a process of its own beside the others (2 at once)[/]")
     with progress("train", enabled=console is not None, console=console, columns=columns, transient=False) as prog:
-        with _torch_threads_beside_forest(threads.n, workers):
+        with _torch_threads_beside_forest(n, workers):
             preds = fit_all(train, model, cfg, prog, seconds=steps, workers=workers)
         t0 = time.perf_counter()
         pairs = len(data.rank_pairs(cfg.max_s))
@@ -262,7 +269,7 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
     report["seconds"] = round(time.perf_counter() - t_start, 3)
     report["out"] = str(cfg.out)
     report.update(threads.to_dict())
-    report["fit_workers"] = workers
+    report["fit_workers"], report["fit_threads"] = workers, n
     return report
 
 
