@@ -199,6 +199,23 @@ def test_staged_waves_are_runs_of_consecutive_experts(tiny_models):
         assert len(waves) > 1 and all(sum(e not in (1, 5) for e in w) <= g for w in waves)
 
 
+def _slot_views(model, C: int, seed: int):
+    """The first experts module of `model`, a random slot buffer [C,R] of its expert tensors with a strided view per
+    tensor (as `ExpertLayout.views`), and the generator that drew it (for the rows)."""
+    module = next(m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj"))
+    names = ["gate_up_proj" if module.has_gate else "up_proj", "down_proj"]
+    names += [n + "_bias" for n in names] if module.has_bias else []
+    shapes = {n: getattr(module, n).shape[1:] for n in names}
+    sizes = [int(torch.Size(s).numel()) for s in shapes.values()]
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn(C, sum(sizes), generator=g, dtype=module.down_proj.dtype)  # [C,R] like the slot buffer
+    views, o = {}, 0
+    for n, size in zip(names, sizes):
+        views[n] = buf[:, o : o + size].unflatten(1, shapes[n])  # [C, ...] strided
+        o += size
+    return module, views, g
+
+
 @pytest.mark.parametrize("arch", ["olmoe", "gpt_oss"])
 def test_in_place_grouped_call_is_bit_identical(tiny_models, arch):
     """Experts whose slots ascend are read in place (`grouped_experts_in_place`: one group per slot of the span,
@@ -209,18 +226,7 @@ def test_in_place_grouped_call_is_bit_identical(tiny_models, arch):
 
     assert slot_span([3, 4, 6, 7]) == (3, 8)
     assert slot_span([4, 3]) is None and slot_span([1, 9]) is None and slot_span([]) is None
-    module = next(m for m in tiny_models(arch).modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj"))
-    names = ["gate_up_proj" if module.has_gate else "up_proj", "down_proj"]
-    names += [n + "_bias" for n in names] if module.has_bias else []
-    shapes = {n: getattr(module, n).shape[1:] for n in names}
-    sizes = [int(torch.Size(s).numel()) for s in shapes.values()]
-    g = torch.Generator().manual_seed(5)
-    C = 12
-    buf = torch.randn(C, sum(sizes), generator=g, dtype=module.down_proj.dtype)  # [C,R] like the slot buffer
-    views, o = {}, 0
-    for n, size in zip(names, sizes):
-        views[n] = buf[:, o : o + size].unflatten(1, shapes[n])  # [C, ...] strided, as `ExpertLayout.views`
-        o += size
+    module, views, g = _slot_views(tiny_models(arch), 12, seed=5)
     slots = [2, 3, 5, 6, 7, 9]  # ascending with the experts, with unused slots between
     counts = torch.tensor([3, 0, 5, 1, 4, 2])  # rows per expert (one expert without rows)
     rows = torch.repeat_interleave(torch.tensor(slots), counts)  # [N] slot of each row
@@ -241,18 +247,7 @@ def test_wave_in_another_slot_order_is_read_in_place_bit_identically(tiny_models
     from moeflow.moe.compute import grouped_experts, grouped_experts_in_place
     from moeflow.runtime.prefill import wave_rows
 
-    module = next(m for m in tiny_models(arch).modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj"))
-    names = ["gate_up_proj" if module.has_gate else "up_proj", "down_proj"]
-    names += [n + "_bias" for n in names] if module.has_bias else []
-    shapes = {n: getattr(module, n).shape[1:] for n in names}
-    sizes = [int(torch.Size(s).numel()) for s in shapes.values()]
-    g = torch.Generator().manual_seed(7)
-    C = 16
-    buf = torch.randn(C, sum(sizes), generator=g, dtype=module.down_proj.dtype)  # [C,R] like the slot buffer
-    views, o = {}, 0
-    for n, size in zip(names, sizes):
-        views[n] = buf[:, o : o + size].unflatten(1, shapes[n])  # [C, ...] strided, as `ExpertLayout.views`
-        o += size
+    module, views, g = _slot_views(tiny_models(arch), 16, seed=7)
     spans: list[tuple[int, int] | None] = []
 
     class Call:  # the experts call's `_grouped` over `views`
