@@ -71,6 +71,23 @@ def _route_next(p, chosen, top_k, renorm, d2, h):  # pragma: no cover - compiled
 
 
 @_jit
+def _softmax(x, p):  # pragma: no cover - compiled
+    """p [E] (float64) = the softmax of x [E] (float32 or float64; p may be x): the maximum, the exponentials and
+    their sum in float64, one division per entry. Not inlined: numba aborted when an inlined copy of one helper
+    appeared twice in one kernel (`estimator_probs` calls this twice)."""
+    zmax = -np.inf
+    for e in range(x.shape[0]):
+        if x[e] > zmax:
+            zmax = x[e]
+    tot = 0.0
+    for e in range(x.shape[0]):
+        p[e] = np.exp(np.float64(x[e]) - zmax)
+        tot += p[e]
+    for e in range(x.shape[0]):
+        p[e] /= tot
+
+
+@_jit
 def forest_walk(X, nodes, value, roots):  # pragma: no cover - compiled
     """[T,F] float32 rows -> [T,E] float64: the mean over trees of the leaf each row reaches (tree order, as
     scikit-learn sums). `nodes` [N,6] float64 rows (left, right, feature, leaf, NaN goes left, threshold; the
@@ -127,16 +144,9 @@ def forest_scores(probs, u, W, emb, pc, pp, hrows, sv, rv, nf, nodes, value, roo
                 for c in range(W.shape[1]):
                     z[c] += uj * np.float64(W[j, c])
             for p in range(P):
-                zmax = -np.inf
+                _softmax(z[p * E : (p + 1) * E], acc)
                 for e in range(E):
-                    if z[p * E + e] > zmax:
-                        zmax = z[p * E + e]
-                tot = 0.0
-                for e in range(E):
-                    acc[e] = np.exp(z[p * E + e] - zmax)
-                    tot += acc[e]
-                for e in range(E):
-                    probs[p, t, e] = np.float32(acc[e] / tot)
+                    probs[p, t, e] = np.float32(acc[e])
     for p in range(P):
         r = rv[p]
         for t in range(T):
@@ -205,20 +215,13 @@ def chain_probs(r0, w0, ids0, Fs, eps, Ds, top_k, renorm):  # pragma: no cover -
             ss = _sumsq(h)
             inv = 1.0 / np.sqrt(np.float64(np.float32(ss / H) + eps[s]))
             F = Fs[s]
-            zmax = -np.inf
             for e in range(E):
                 acc = 0.0
                 for j in range(H):
                     acc += np.float64(h[j]) * np.float64(F[j, e])
                 p[e] = np.float64(np.float32(acc * inv))
-                if p[e] > zmax:
-                    zmax = p[e]
-            tot = 0.0
+            _softmax(p, p)
             for e in range(E):
-                p[e] = np.exp(p[e] - zmax)
-                tot += p[e]
-            for e in range(E):
-                p[e] /= tot
                 out[s, t, e] = np.float32(p[e])
             if s + 1 < S:  # the top k of target s route the chain's next step
                 _route_next(p, chosen, top_k, renorm[s], Ds[s + 1], h)
@@ -310,27 +313,11 @@ def estimator_probs(r0, w0, ids0, u, zbase, hrows, soff, Fs, eps, Ds, renorm, to
             else:
                 for e in range(E):
                     pl[e] = y[e]
-            zmax = -np.inf
+            _softmax(pl, p)
             for e in range(E):
-                if pl[e] > zmax:
-                    zmax = pl[e]
-            tot = 0.0
-            for e in range(E):
-                p[e] = np.exp(np.float64(pl[e]) - zmax)
-                tot += p[e]
-            for e in range(E):
-                out[s, t, e] = np.float32(p[e] / tot)
+                out[s, t, e] = np.float32(p[e])
             if s + 1 < S:  # the router's top k of target s route the chain's next step
-                zmax = -np.inf
-                for e in range(E):
-                    if y[e] > zmax:
-                        zmax = y[e]
-                tot = 0.0
-                for e in range(E):
-                    p[e] = np.exp(np.float64(y[e]) - zmax)
-                    tot += p[e]
-                for e in range(E):
-                    p[e] /= tot
+                _softmax(y[:E], p)
                 _route_next(p, chosen, top_k, renorm[s], Ds[s + 1], h)
     return out
 
