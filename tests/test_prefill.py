@@ -325,17 +325,24 @@ def test_staged_prefill_skips_a_policy_step_that_can_add_nothing(tiny_models, pr
     assert not steps[spec.total_experts] and steps[spec.total_experts - 1]
 
 
-def test_staged_prefill_runs_the_policy_step_only_where_nothing_stages_the_next_layer(tiny_models, prompt):
-    """Below full capacity the staged prefill stages each next MoE layer from its pre-gate, so the prefetch policy's
-    step (which would propose that layer again, at a host cost per layer) runs only after the last MoE layer; the
-    next layers are still staged and the output stays exact."""
-    model = tiny_models("olmoe")
+def _half_cache_pregate(model, prompt):
+    """`model`'s spec, its stock greedy output for `prompt` (2 new tokens) and an offload engine over a fast emulated
+    link with half of its experts cached, lru + pregate."""
     spec = get_adapter(model).spec
     ref, _ = generate_one(model, prompt, None, max_new_tokens=2, min_new_tokens=2)
     eng = build_engine(
         model, mode="offload", link=EmulatedLink(50.0), capacity=spec.total_experts // 2, eviction="lru", prefetch="pregate"
     )
     assert eng is not None
+    return spec, ref, eng
+
+
+def test_staged_prefill_runs_the_policy_step_only_where_nothing_stages_the_next_layer(tiny_models, prompt):
+    """Below full capacity the staged prefill stages each next MoE layer from its pre-gate, so the prefetch policy's
+    step (which would propose that layer again, at a host cost per layer) runs only after the last MoE layer; the
+    next layers are still staged and the output stays exact."""
+    model = tiny_models("olmoe")
+    spec, ref, eng = _half_cache_pregate(model, prompt)
     with eng:
         pf = eng._prefill
         assert pf is not None
@@ -645,12 +652,7 @@ def test_staged_prefill_applies_each_router_once_per_input(tiny_models, prompt):
     """The pre-gate and the prefetch policy's step both need the next layer's router on a layer's router input:
     it is applied once (the policy's step reuses the logits), and the prefill stays exact."""
     model = tiny_models("olmoe")
-    spec = get_adapter(model).spec
-    ref, _ = generate_one(model, prompt, None, max_new_tokens=2, min_new_tokens=2)
-    eng = build_engine(
-        model, mode="offload", link=EmulatedLink(50.0), capacity=spec.total_experts // 2, eviction="lru", prefetch="pregate"
-    )
-    assert eng is not None
+    _spec, ref, eng = _half_cache_pregate(model, prompt)
     calls: list[tuple[int, int, tuple[int, ...]]] = []
     kept: list[torch.Tensor] = []  # every input stays alive: no address is reused for another one
     with eng:
