@@ -373,7 +373,8 @@ def wave_rows(
     if span is None:
         return call._grouped(module, x, eg, rows, len(slots))
     perm = torch.argsort(rows, stable=True)  # [S_w] rows in slot order
-    proj = call._grouped(module, x.index_select(0, perm), eg, rows.index_select(0, perm), len(slots), span=span)
+    xs, es, rs = (t.index_select(0, perm) for t in (x, eg, rows))  # [S_w,H], [S_w], [S_w] in slot order
+    proj = call._grouped(module, xs, es, rs, len(slots), span=span)
     return torch.empty_like(proj).index_copy_(0, perm, proj)  # [S_w,H] back in expert order
 
 
