@@ -595,7 +595,7 @@ class ExpertCache:
         table, layers, slot_of = self.table, self.spec.moe_layers, self.slot_of
         assert table is not None  # written only with a store
         tn = self._table_np
-        if tn is not None and table.device.type == "cpu":  # the host table, entry by entry through its numpy view
+        if tn is not None:  # the host table, entry by entry through its numpy view
             for r, e in zip(rows, experts):  # (a repeated entry gets the same value again)
                 tn[r, e] = slot_of.get((layers[r], e), -1)
             return
