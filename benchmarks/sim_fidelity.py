@@ -9,7 +9,7 @@ every configuration eviction (`--eviction`) x capacity (`--capacity`) x prefetch
 S of `--lookahead`) measures TPOT with `moeflow run --link emulated:...` (moeflow.stages.run.main, the same
 calibration) and predicts it with `moeflow simulate --link emulated:...` on the trace, twice:
 - `baseline`: `--layer-time-us` = the calibration's `layer_time_s` (T_l, the stock decoder layer) and nothing else;
-- `calibrated`: `--calibrated-time` (`moeflow.sim.simulator.TimeModel.from_calibration`: per MoE layer
+- `calibrated`: `--calibrated-time` (`moeflow.sim.timemodel.TimeModel.from_calibration`: per MoE layer
   attention, router hook, prefetch proposal, the experts call before and after its wait, the rest of the pass; the
   engine's host time per demand and per prefetch copy, and the rest of a pass's per demand copy; the link's wake
   lateness).

@@ -45,7 +45,7 @@ from moeflow.models import load_model  # noqa: E402
 from moeflow.moe import get_adapter  # noqa: E402
 from moeflow.policies.parse import parse_capacity  # noqa: E402
 from moeflow.sim import AccessTrace, from_trace, simulate  # noqa: E402
-from moeflow.sim.simulator import Belady  # noqa: E402
+from moeflow.sim.belady import Belady  # noqa: E402
 from moeflow.trace import Trace  # noqa: E402
 
 EVICTIONS = ("lru", "lfu", "least-stale", "belady-approx", "belady", "next-use")

@@ -313,7 +313,7 @@ def test_wait_lateness_spreads_every_extra_stall_over_the_waits_that_slept():
 def test_calibration_records_engine_and_link_time(tmp_path, tiny_models):
     """`moeflow calibrate --link-gbps` records what `moeflow simulate --calibrated-time` reads: the engine's decode
     pass split per MoE layer (pregate's proposal too) and the emulated link's submit and wake seconds."""
-    from moeflow.sim.simulator import TimeModel
+    from moeflow.sim.timemodel import TimeModel
     from moeflow.stages.calibrate import CalibrateConfig, main
 
     model = tiny_models("olmoe")

@@ -345,7 +345,7 @@ def test_simulate_json_rows_report_accesses_per_second(traced):
     from typer.testing import CliRunner
 
     from moeflow.cli.app import _register, app
-    from moeflow.sim.simulator import Belady
+    from moeflow.sim.belady import Belady
     from moeflow.trace import Trace
 
     ck, tr = traced
@@ -408,7 +408,7 @@ def test_time_model_places_each_host_term_around_the_copies():
     + hook (0.6 ms): layer 1 waits 2.0 - 1.8 = 0.2 ms for its copy; then its experts (0.2 ms) and the pass's
     rest (0.3 ms): 2.5 ms per decode pass. Placed anywhere else (the proposal after its copy, attention after
     the wait) the stall differs."""
-    from moeflow.sim.simulator import TimeModel
+    from moeflow.sim.timemodel import TimeModel
 
     tm = TimeModel(
         attention_s=(0.5 * MS,), route_s=(0.1 * MS,), predict_s=(0.4 * MS, 0.0), experts_s=(0.2 * MS,), token_s=0.3 * MS
@@ -426,7 +426,7 @@ def test_time_model_places_each_host_term_around_the_copies():
 def test_modelled_link_submit_and_wake_seconds():
     """`submit_s` advances the clock after a copy is scheduled (the copy's due time stays), `wake_s` is added to
     every wait that stalls: layer 1's demand copy (due 1 ms after its submission) stalls 1.0 - 0.1 + 0.05 ms."""
-    from moeflow.sim.simulator import TimeModel
+    from moeflow.sim.timemodel import TimeModel
 
     tm = TimeModel(token_s=0.3 * MS, submit_s=0.1 * MS, wake_s=0.05 * MS)
     st = simulate(_two_layer_trace(), 4, "lru", "none", link="emulated:1", timing=tm, count_phase=1)
@@ -440,7 +440,7 @@ def test_dispatch_overlaps_the_demand_copies():
     """The experts call's work before its wait (`dispatch_s`, 0.4 ms) runs while layer 1's demand copy (1 ms) is in
     flight: the wait stalls 1.0 - 0.4 ms and the pass takes 1.0 + 0.2 (experts) x 2 + 0.4 x 1 (layer 0's dispatch,
     nothing in flight) + 0.3 ms. Placed after the wait (inside `experts_s`) it would add 0.4 ms of stall."""
-    from moeflow.sim.simulator import TimeModel
+    from moeflow.sim.timemodel import TimeModel
 
     tm = TimeModel(dispatch_s=(0.4 * MS,), experts_s=(0.2 * MS,), token_s=0.3 * MS)
     st = simulate(_two_layer_trace(), 4, "lru", "none", link="emulated:1", timing=tm, count_phase=1)
@@ -453,7 +453,7 @@ def test_modelled_link_prefetch_submit_seconds():
     """A prefetch copy advances the clock by `prefetch_submit_s`, a demand copy by `submit_s`: layer 0 proposes
     (1, 1) (0.25 ms of host time per prefetch copy), so layer 1's copy, due 1 ms after its submission, stalls
     1.0 - 0.25 ms; with the same host time per demand copy only (`prefetch_submit_s` 0) it stalls 1.0 ms."""
-    from moeflow.sim.simulator import TimeModel
+    from moeflow.sim.timemodel import TimeModel
 
     for pf_submit, stall in ((0.25 * MS, 0.75 * MS), (0.0, 1.0 * MS)):
         tm = TimeModel(submit_s=0.25 * MS, prefetch_submit_s=pf_submit)
@@ -467,7 +467,7 @@ def test_miss_host_seconds_follow_each_demand_copy_after_the_wait():
     """`miss_host_s` (0.5 ms) per demand copy runs after the layer's wait: layer 1's demand copy (1 ms) stalls all of
     1 ms, then the pass takes 0.5 ms more and its rest (0.3 ms); the same copy prefetched at layer 0 is no demand
     copy: no such seconds (layer 0's hit neither)."""
-    from moeflow.sim.simulator import TimeModel
+    from moeflow.sim.timemodel import TimeModel
 
     tm = TimeModel(token_s=0.3 * MS, miss_host_s=0.5 * MS)
     st = simulate(_two_layer_trace(), 4, "lru", "none", link="emulated:1", timing=tm, count_phase=1)
@@ -483,7 +483,7 @@ def test_a_new_generation_drains_the_link_untimed():
     """Prefetches still in flight when a generation ends are complete when the next one's prefill starts (as
     `moeflow run` drains the link between prompts): the second prompt's decode pass finds (0, 3) ready. Without
     the drain the prefill's demand copy of (0, 2) would go ahead of it and that decode pass would wait 0.7 ms."""
-    from moeflow.sim.simulator import TimeModel
+    from moeflow.sim.timemodel import TimeModel
 
     acc = _two_layer_trace()
     acc.passes += [
@@ -501,7 +501,7 @@ def test_a_new_generation_drains_the_link_untimed():
 def test_time_model_on_an_instant_link_compiled_and_call_by_call():
     """With no stall every pass takes the time model's seconds: the compiled replay and the call-by-call one agree,
     the proposal's time counts only for a proposing prefetch policy, `layer_time_s` is `experts_s` of every layer."""
-    from moeflow.sim.simulator import TimeModel
+    from moeflow.sim.timemodel import TimeModel
 
     acc = synthetic(30, num_experts=8, top_k=2, seed=1)
     tm = TimeModel(attention_s=(1.0, 2.0, 3.0, 4.0), route_s=(0.5,), predict_s=(0.25,), experts_s=(2.0,), token_s=7.0)
@@ -519,7 +519,7 @@ def test_time_model_on_an_instant_link_compiled_and_call_by_call():
 
 
 def test_time_model_from_calibration():
-    from moeflow.sim.simulator import TimeModel
+    from moeflow.sim.timemodel import TimeModel
 
     cal = {
         "engine_time": {
@@ -554,7 +554,7 @@ def test_pregate_proposal_time_grows_with_the_layers_it_predicts():
     rank 1 / 2, which gives back the measurement at S = 1 and at S = 2 adds rank 2's router to rank 0's proposal.
     The simulator's clock follows the S the proposals use: the engine's, else the policy's own `lookahead=`.
     A policy not known to predict per layer keeps its measured time at every S."""
-    from moeflow.sim.simulator import TimeModel
+    from moeflow.sim.timemodel import TimeModel
 
     et = {"attention_s": [0.0] * 3, "route_s": [0.0] * 3, "experts_s": [0.0] * 3, "token_s": 0.0}
     cal = {"engine_time": {**et, "predict_s": {"pregate": [0.3 * MS, 0.35 * MS, 0.05 * MS], "other": [0.3 * MS] * 3}}}
@@ -583,7 +583,7 @@ def test_simulate_cli_calibrated_time_predicts_tpot(traced, tmp_path):
     import moeflow.cli.simulate  # noqa: F401
     from moeflow.calibrate import write_calibration
     from moeflow.cli.app import _register, app
-    from moeflow.sim.simulator import TimeModel
+    from moeflow.sim.timemodel import TimeModel
     from moeflow.stages.calibrate import CalibrateConfig
     from moeflow.stages.calibrate import main as calibrate
     from moeflow.trace import Trace

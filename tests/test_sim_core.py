@@ -20,8 +20,9 @@ from moeflow.runtime.cache import ExpertCache
 from moeflow.runtime.cachecore import LOG_EVICT
 from moeflow.runtime.link import DirectLink
 from moeflow.sim import AccessTrace, LayerStep, Pass, record_generate, simulate
+from moeflow.sim.belady import Belady
 from moeflow.sim.link import InstantLink, ModelledLink
-from moeflow.sim.simulator import Belady, _Spec
+from moeflow.sim.simulator import _Spec
 from moeflow.sim.stream import proposals, stream
 
 COMPILED = ("lru", "lfu", "least-stale", "belady-approx", "belady", "next-use")

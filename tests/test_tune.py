@@ -307,7 +307,7 @@ def test_candidates_view_leaves_out_excluded_slots():
 def test_cost_model_time_model_with_and_without_engine_time():
     """A calibration without engine_time: layer_time_s per MoE layer and the rest of compute_per_token_s once per
     pass, so a pass without stalls takes the compute per token; with it: the simulator's `from_calibration`."""
-    from moeflow.sim.simulator import TimeModel
+    from moeflow.sim.timemodel import TimeModel
     from moeflow.tune.search import CostModel
 
     cal = {"compute_per_token_s": 0.03, "layer_time_s": 0.002}

@@ -8,7 +8,7 @@ pinned host -> device copies timed with CUDA events, module timings with synchro
 host memcpy (`Tensor.copy_`, one thread), and, when asked, the runtime's `EmulatedLink` (submit + wait,
 wall time) so the numbers include its worker-thread overhead.
 
-What the simulator's clock needs (`moeflow.sim.simulator.TimeModel`): `engine_timing` splits the offload
+What the simulator's clock needs (`moeflow.sim.timemodel.TimeModel`): `engine_timing` splits the offload
 engine's decode pass (every expert resident) into per-layer attention, router hook, prefetch proposal, the
 experts call before its wait (dispatch) and after it, and the rest of the pass (`token_s`); `link_timing`
 measures the emulated link's host time per submit and its waiting thread's lateness; `copy_timing` the engine's

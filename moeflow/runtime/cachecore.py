@@ -12,7 +12,7 @@ replays a whole access stream through the same internal functions (`_demand`, `_
 The kernels follow `ExpertCache`'s Python mechanism with an instant link step for step (hits pinned first,
 misses in id order, each evicting the policy's victim; prefetches in priority order, resident proposals told
 to the policy (`on_predicted`), a slot issued in the same call never a victim) and the Python policies' events
-(`moeflow.policies.eviction`, `least_stale`, `belady_approx`, `next_use`, `moeflow.sim.simulator.Belady`): the same
+(`moeflow.policies.eviction`, `least_stale`, `belady_approx`, `next_use`, `moeflow.sim.belady.Belady`): the same
 victims, the same counters (tests/test_sim_core.py checks both against the Python path on random streams).
 
 State: ONE int64 array `I` (a header of sizes and section offsets, then every integer section), one float64

@@ -8,7 +8,7 @@ The simulated `ExpertCache` (no store) asks `submit_nbytes(nbytes)` for each tra
   of the previous transfer)` and is due `latency + bytes / bandwidth` later, demand transfers ahead of the
   prefetches not yet started (`cancel`, `promote` as on the emulated link); it is ready when `now >= due`;
   `wait` advances the clock to `due` and returns the stall.
-  The simulator advances `now` by the host's time (`advance`: `moeflow.sim.simulator.TimeModel`), as compute
+  The simulator advances `now` by the host's time (`advance`: `moeflow.sim.timemodel.TimeModel`), as compute
   advances wall time; `submit_s` is the host's time per demand copy submitted and `prefetch_submit_s` per
   prefetch copy (the clock advances after the copy is scheduled), `wake_s` the lateness of a wait that stalls
   (the emulated link's sleeping thread runs again that long after the copy is due; all measured by

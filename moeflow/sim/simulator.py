@@ -16,29 +16,14 @@ Per forward pass (`begin_pass`) and MoE layer, exactly the engine's sequence of 
 Links (`moeflow.sim.link`): `InstantLink` (copies complete at once: `DirectLink`'s behaviour) or
 `ModelledLink(gbps, latency)` (`EmulatedLink`'s FIFO schedule on a virtual clock; no threads, no sleeping).
 
-Time (`TimeModel`): the link's clock advances as the engine's host thread would, per MoE layer: `attention_s`
-(attention, norms, router) and `route_s` (the router hook: host read, cache calls) before the layer's demand
-copies are submitted, `predict_s` (a proposing prefetch policy's proposal) plus `predict_layer_s` of each MoE layer
-it predicts (pregate applies the router of each of the S next layers: S of them, fewer near the last layer) before
-its copies are submitted,
-`dispatch_s` (the experts call up to its wait: the MoE block after the router, the rows sorted) while the copies
-are in flight, `experts_s` (the rest of the experts call) after the layer's slots are waited for; `token_s` per
-pass (final norm, head, generate's loop). `ModelledLink` adds `submit_s` per demand copy submitted (the router
-hook's host time per miss: the victim, the slot table, the link's submit), `prefetch_submit_s` per prefetch copy
-and `wake_s` per wait that stalls; `miss_host_s` per demand copy after the layer's wait (the rest of a pass that
-copies runs slower than an all-hit one: the experts call's miss path, weights just copied; a calibrated figure,
-`copy_costs`).
-`TimeModel.from_calibration` reads what `moeflow calibrate` measured (`engine_time`); `layer_time_s` alone is
-`experts_s` of every layer. `SimStats.time_s` sums, over the counted passes, the clock from the end of the
-previous pass to the end of the pass (as `moeflow run` times decode passes), so `pass_s` is the predicted TPOT
-of decode passes. A new generation (a prefill pass) first drains the link, as `moeflow run` does between prompts.
+Time: the link's clock advances per MoE layer by the engine's calibrated host time (`moeflow.sim.timemodel.TimeModel`).
 
 Every pass of the access trace is replayed in order (prefill passes too: the cache carries over, as in
 `moeflow run`); `decode_counters` are the `CacheCounters` of decode passes, `counters` of all passes, and
 the `SimStats` headline fields count the passes of `count_phase` (None: all).
 
-`belady(...)`: Belady's MIN for demand paging (evict the resident expert whose next use is farthest in
-the future), through the same cache: the best hit count any eviction policy can reach without prefetching.
+`belady(...)`: Belady's MIN for demand paging (`moeflow.sim.belady.Belady`: evict the resident expert whose next
+use is farthest in the future), through the same cache: the best hit count any eviction policy can reach without prefetching.
 
 Compiled replay: when the cache runs its compiled core (an eviction policy with a `kernel`: lru, lfu,
 least-stale, belady-approx, next-use, belady; the instant link), the miss policy is `fetch` and the prefetch policy's
@@ -53,26 +38,26 @@ the trace; the kernels: loaded once per process), `engine` which replay ran.
 
 from __future__ import annotations
 
-import bisect
-import heapq
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..policies import EVICTION, MISS, PREFETCH, EvictionPolicy, ExpertKey, Position
-from ..policies.base import Candidates, PrefetchPolicy
+from ..policies import EVICTION, MISS, PREFETCH, ExpertKey
+from ..policies.base import PrefetchPolicy
 from ..policies.miss import Fetch
 from ..runtime.cache import CacheCounters, ExpertCache, needed_experts, wave_capacity
-from ..runtime.cachecore import belady_tables, warm
+from ..runtime.cachecore import warm
 from ..runtime.corecache import ReplayResult, counters_of
 from .access import AccessTrace
+from .belady import Belady
 from .link import make_sim_link
 from .stream import layer_context, precomputable, proposals, stream
+from .timemodel import TimeModel
 
 
 @dataclass
@@ -159,111 +144,6 @@ class SimStats:
         return d
 
 
-@dataclass(frozen=True)
-class TimeModel:
-    """Host seconds the link's clock advances by (see "Time" above). Per-layer terms are tuples indexed by MoE
-    layer rank (one value: every layer); all zero is a clock that only stalls advance."""
-
-    attention_s: tuple[float, ...] = (0.0,)  # before the router hook: attention, norms, router (layer 0: + embedding)
-    route_s: tuple[float, ...] = (0.0,)  # the router hook without the prefetch proposal: host read, cache calls
-    predict_s: tuple[float, ...] = (0.0,)  # the prefetch policy's proposal and gate (proposing policies only)
-    experts_s: tuple[float, ...] = (0.0,)  # the experts call after its slots are ready: grouped GEMMs, combine
-    token_s: float = 0.0  # per pass, outside the MoE layers: final norm, head, generate's loop between passes
-    submit_s: float = 0.0  # host seconds per demand copy the router hook issues (ModelledLink)
-    wake_s: float = 0.0  # seconds a wait that stalls returns after its copy is due (ModelledLink)
-    dispatch_s: tuple[float, ...] = (0.0,)  # the experts call before it waits for its slots: the rows sorted
-    prefetch_submit_s: float | None = None  # host seconds per prefetch copy (ModelledLink; None: submit_s)
-    predict_layer_s: tuple[float, ...] = (0.0,)  # the proposal's seconds per MoE layer it predicts, by that layer's rank
-    miss_host_s: float = 0.0  # host seconds per demand copy after the layer's wait (a pass that copies runs slower)
-
-    def __post_init__(self) -> None:
-        for name in ("attention_s", "route_s", "predict_s", "dispatch_s", "experts_s", "predict_layer_s"):
-            v = getattr(self, name)
-            if not v or min(v) < 0:
-                raise ConfigError(f"time model {name} needs one value >= 0 or one per MoE layer, got {v!r}")
-        if min(self.token_s, self.submit_s, self.wake_s, self.prefetch_copy_s, self.miss_host_s) < 0:
-            raise ConfigError("time model token_s, submit_s, prefetch_submit_s, wake_s and miss_host_s must be >= 0")
-
-    @property
-    def prefetch_copy_s(self) -> float:
-        """Host seconds per prefetch copy (`prefetch_submit_s`, else `submit_s`)."""
-        return self.submit_s if self.prefetch_submit_s is None else self.prefetch_submit_s
-
-    @classmethod
-    def layer_time(cls, layer_time_s: float) -> TimeModel:
-        """`layer_time_s` of compute per MoE layer after its slots are ready (nothing else)."""
-        return cls(experts_s=(float(layer_time_s),))
-
-    @classmethod
-    def from_compute(cls, compute_per_token_s: float, layer_time_s: float, num_moe_layers: int) -> TimeModel:
-        """A calibration without `engine_time`: `layer_time_s` per MoE layer after its slots are ready, the rest of
-        `compute_per_token_s` once per pass (`token_s`), so a pass that waits for nothing takes the compute per token."""
-        rest = float(compute_per_token_s) - num_moe_layers * float(layer_time_s)
-        return cls(experts_s=(float(layer_time_s),), token_s=max(0.0, rest))
-
-    @classmethod
-    def from_calibration(cls, cal: dict[str, Any], prefetch: str = "none") -> TimeModel:
-        """The terms `moeflow calibrate` measured (`engine_time`, `link_timing`); `predict_s` of `prefetch` (a
-        policy name; zero when it was not measured or proposes nothing), split by `predict_split` for a policy
-        that predicts the S next layers (`PER_LAYER_PREDICT`)."""
-        et = cal.get("engine_time")
-        if not isinstance(et, dict):
-            raise ConfigError("the calibration has no engine_time; re-run `moeflow calibrate` to measure it")
-        lt = cal.get("link_timing") or {}
-        pred = (et.get("predict_s") or {}).get(prefetch)
-        base: tuple[float, ...] = tuple(pred) if pred else (0.0,)
-        per_layer: tuple[float, ...] = (0.0,)
-        if pred and prefetch in PER_LAYER_PREDICT and len(pred) > 1:
-            base, per_layer = predict_split(pred)
-        submit = float(lt.get("demand_copy_s", lt.get("submit_s", 0.0)))  # the engine's, else the link's alone
-        return cls(
-            attention_s=tuple(et["attention_s"]),
-            route_s=tuple(et["route_s"]),
-            predict_s=base,
-            predict_layer_s=per_layer,
-            dispatch_s=tuple(et.get("dispatch_s") or (0.0,)),  # an older calibration: inside experts_s
-            experts_s=tuple(et["experts_s"]),
-            token_s=float(et["token_s"]),
-            submit_s=submit,
-            prefetch_submit_s=float(lt.get("prefetch_copy_s", submit)),
-            wake_s=float(lt.get("engine_wake_s", lt.get("wake_s", 0.0))),  # measured in the engine, else the link alone
-            miss_host_s=float(lt.get("miss_host_s", 0.0)),  # an older calibration: not measured
-        )
-
-    def per_layer(self, n: int, lookahead: int = 1) -> tuple[list[float], list[float], list[float], list[float]]:
-        """(before the demand copies, before the prefetch copies, before the wait, after the wait) per MoE layer
-        rank, `n` layers; the proposal at rank r predicts ranks r+1 .. min(r+`lookahead`, n-1)."""
-
-        def at(v: tuple[float, ...], name: str) -> list[float]:
-            if len(v) == 1:
-                return [v[0]] * n
-            if len(v) != n:
-                raise ConfigError(f"time model {name} has {len(v)} values for {n} MoE layers; re-calibrate this model")
-            return list(v)
-
-        pre = [a + r for a, r in zip(at(self.attention_s, "attention_s"), at(self.route_s, "route_s"))]
-        ahead = at(self.predict_layer_s, "predict_layer_s")
-        pred = [p + sum(ahead[r + 1 : r + 1 + max(0, lookahead)]) for r, p in enumerate(at(self.predict_s, "predict_s"))]
-        return pre, pred, at(self.dispatch_s, "dispatch_s"), at(self.experts_s, "experts_s")
-
-    def pass_s(self, n: int, prefetching: bool, lookahead: int = 1) -> float:
-        """Seconds of one pass through `n` MoE layers that waits for nothing (proposals `lookahead` layers ahead)."""
-        pre, pred, disp, post = self.per_layer(n, lookahead)
-        return self.token_s + sum(pre) + sum(disp) + sum(post) + (sum(pred) if prefetching else 0.0)
-
-
-PER_LAYER_PREDICT = frozenset({"pregate"})  # proposals that apply one router per predicted layer (S of them)
-
-
-def predict_split(pred: Sequence[float]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(`predict_s`, `predict_layer_s`) from a proposal's seconds per MoE layer rank measured at S = 1 (`pred`,
-    n >= 2 values): the last layer predicts no layer, so its time is what every proposal costs whatever it predicts
-    (the context, the gate's call); rank r < n-1 predicted rank r+1, so `pred[r]` less that is rank r+1's
-    (its router, the selection, the requests; >= 0). Rank 0 is never predicted."""
-    base = float(pred[-1])
-    return (base,), (0.0, *(max(0.0, float(p) - base) for p in pred[:-1]))
-
-
 # ---- the access trace in the engine's order, computed once per trace ----------------------------------
 
 
@@ -306,102 +186,6 @@ def _compile(acc: AccessTrace) -> _Compiled:
 def _needed(idx: np.ndarray, w: np.ndarray) -> tuple[list[int], dict[int, float]]:
     flat = torch.from_numpy(np.ascontiguousarray(idx.reshape(-1)).astype(np.int64))
     return needed_experts(flat, torch.from_numpy(np.ascontiguousarray(w.reshape(-1), dtype=np.float32)))
-
-
-# ---- Belady's MIN ------------------------------------------------------------------------------------------
-
-
-class Belady(EvictionPolicy):
-    """MIN: the victim is the candidate whose next use (layer step) is farthest away (never = after the end);
-    ties go to the larger key. Built from the access trace it will be replayed on (every pass, in the
-    simulator's order); it counts layer steps from `on_layer_start`. Next uses are precomputed with numpy
-    (`cachecore.belady_tables`, which the compiled core reads: `kernel`); the Python events look them up
-    (one dict lookup per access); `victim` takes the top of a lazy max-heap of the resident keys' next uses,
-    skipping keys that are not candidates (pinned), when the cache passes its `Candidates` view; any other
-    sequence gets one C-level `max` over the candidates (the same victim: every key's score is distinct)."""
-
-    name: ClassVar[str] = "belady"
-    kernel = "belady"
-
-    def __init__(self, acc: AccessTrace):
-        st = stream(acc)
-        self.E = acc.num_experts
-        self.M = len(acc.moe_layers) * self.E
-        self._rank = {l: r for r, l in enumerate(acc.moe_layers)}
-        S, A = len(st.step_rank), st.accesses
-        self.never = S + 1
-        self._tables = belady_tables(st.exp_off, st.step_keys(self.E), self.M)
-        X = self._tables
-        self._step_keys = X[3 + S : 3 + S + A]  # [A] key of each access, by step
-        self._next_of = X[3 + S + A : 3 + S + 2 * A]  # [A] the step of its key's next use
-        self._key_off = X[3 + S + 2 * A : 4 + S + 2 * A + self.M]  # [K+1]
-        self._key_steps = X[4 + S + 2 * A + self.M :]  # [A] per key, its access steps ascending
-        self._exp_off = st.exp_off
-        self._next: dict[int, int] | None = None  # code (step * M + key) -> step of the next use, on first use
-        self._score: dict[ExpertKey, int] = {}  # resident key -> next use * M + key index (larger = evict)
-        self._heap: list[tuple[int, ExpertKey]] = []  # (-score, key), lazy: live while it is the key's score
-        self.step = -1
-
-    def kernel_tables(self) -> np.ndarray:
-        """The next-use tables the compiled core reads (`cachecore.belady_tables`)."""
-        return self._tables
-
-    def on_layer_start(self, pos: Position) -> None:
-        self.step += 1
-
-    def next_use(self, key: ExpertKey) -> int:
-        """First use of `key` at or after the current step (`never` if none)."""
-        ki = self._rank[key[0]] * self.E + key[1]
-        lo, hi = int(self._key_off[ki]), int(self._key_off[ki + 1])
-        i = lo + bisect.bisect_left(self._key_steps[lo:hi].tolist(), self.step)
-        return int(self._key_steps[i]) if i < hi else self.never
-
-    def victim(self, candidates: Sequence[ExpertKey], pos: Position) -> ExpertKey:
-        if type(candidates) is Candidates:  # every candidate is resident, so scored
-            heap, score = self._heap, self._score
-            skipped, found = [], None
-            while heap:
-                neg, k = heap[0]
-                if score.get(k) != -neg:
-                    heapq.heappop(heap)  # dead: re-scored or evicted
-                elif k in candidates:
-                    found = k
-                    break
-                else:
-                    skipped.append(heapq.heappop(heap))
-            for e in skipped:
-                heapq.heappush(heap, e)
-            if found is not None:
-                return found
-        return max(candidates, key=self._score.__getitem__)
-
-    def _set(self, key: ExpertKey, score: int) -> None:
-        self._score[key] = score
-        heap = self._heap
-        heapq.heappush(heap, (-score, key))
-        if len(heap) > 4 * len(self._score) + 64:  # drop dead entries
-            self._heap = [(-v, k) for k, v in self._score.items()]
-            heapq.heapify(self._heap)
-
-    def on_insert(self, key, pos, *, prefetched):
-        if prefetched:  # not accessed now: its next use from here
-            self._set(key, self.next_use(key) * self.M + self._rank[key[0]] * self.E + key[1])
-
-    def on_access(self, key, pos, *, score):
-        if self._next is None:
-            step_of = np.repeat(np.arange(len(self._exp_off) - 1), np.diff(self._exp_off))
-            self._next = dict(zip((step_of * self.M + self._step_keys).tolist(), self._next_of.tolist()))
-        ki = pos.layer_rank * self.E + key[1]
-        self._set(key, self._next.get(self.step * self.M + ki, self.never) * self.M + ki)
-
-    def on_evict(self, key):
-        self._score.pop(key, None)
-
-    def on_pass_start(self, pos):
-        pass
-
-    def on_predicted(self, key, pos):
-        pass
 
 
 # ---- replay ------------------------------------------------------------------------------------------------

@@ -124,7 +124,7 @@ def main(cfg: SimulateConfig) -> dict[str, Any]:
     eviction x prefetch, plus Belady per capacity. Each row: the headline metrics over `--phase` passes,
     `decode_counters` (CacheCounters of decode passes, the key and field names of `moeflow run --json`),
     `counters` (all passes), `accesses_per_s` (replayed accesses / replay seconds), `time_s` and
-    `predicted_tpot_s` (the link's clock per decode pass: `moeflow.sim.simulator.TimeModel`, from
+    `predicted_tpot_s` (the link's clock per decode pass: `moeflow.sim.timemodel.TimeModel`, from
     `--calibrated-time` or `--layer-time-us`)."""
     import time
 
@@ -251,7 +251,7 @@ def _time_models(cfg: SimulateConfig, tr: Any, prefetches: tuple[str, ...]) -> d
     if not cfg.calibrated_time:
         return None
     from ..calibrate import load_calibration
-    from ..sim.simulator import TimeModel
+    from ..sim.timemodel import TimeModel
 
     path = _calibration_file(cfg)
     if not path.is_file():

@@ -8,7 +8,7 @@ miss policies, `cpu` and `auto`, act in the engine's router hook, which the simu
 
 Predicted TPOT of a candidate (`CostModel`): every pass of the trace is replayed through the runtime's cache on
 the modelled link (`moeflow.sim.link.ModelledLink`: the calibration's bandwidth and latency, or `--link`), whose
-clock advances by the simulator's time model (`moeflow.sim.simulator.TimeModel`): the calibration's `engine_time`
+clock advances by the simulator's time model (`moeflow.sim.timemodel.TimeModel`): the calibration's `engine_time`
 and `link_timing` (`TimeModel.from_calibration`, what `moeflow simulate --calibrated-time` uses, so both predict
 the same TPOT for the same configuration), or, for a calibration without them, the calibrated compute per MoE
 layer (`layer_time_s`) with the rest of the compute per token once per pass (`TimeModel.from_compute`). The
@@ -38,7 +38,8 @@ from ..policies.lossy import lossy
 from ..policies.parse import build_policy, policy_args
 from ..sim.access import AccessTrace
 from ..sim.link import ModelledLink
-from ..sim.simulator import TimeModel, belady, simulate
+from ..sim.simulator import belady, simulate
+from ..sim.timemodel import TimeModel
 from .replay import AdaptiveS, PregateTable, TablePrefetch
 
 # the default space (each dimension can be given instead: `moeflow tune -e/-f/-S`)
