@@ -173,7 +173,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--limit", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--max-prompt-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=7, help="rounds (default 7); per decode step the median round")
+    ap.add_argument(
+        "--rounds", type=int, default=11,
+        help="rounds (default 11); each ratio is the median round: where two policies make the same choices,"
+        " their ratio is noise around 1 whose spread shrinks with the rounds",
+    )  # fmt: skip
     ap.add_argument(
         "--pinned", action="store_true",
         help="also run auto pinned to fetch and to cpu (same choices as the policy; only auto's overhead differs)",
