@@ -295,6 +295,52 @@ def test_staged_prefill_reads_ascending_slots_in_place(tiny_models, prompt, monk
     assert calls and torch.equal(logits, ref_logits)
 
 
+def test_staged_prefill_computes_landed_waves_in_one_call(tiny_models, prompt, monkeypatch):
+    """The demanded waves after the current one whose copies have landed join its grouped call (at most w experts
+    each): fewer calls than planned waves, bit-identical logits. Virtual clock; every demanded copy has landed once
+    a wave's wait returns (a drain after each wait), so which waves join is deterministic."""
+    from moeflow.runtime import prefill
+
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    with torch.no_grad():
+        ref_logits = model(prompt).logits
+    now = [0.0]
+    link = EmulatedLink(1.0, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    eng = build_engine(model, mode="offload", link=link, capacity=spec.total_experts, eviction="lru", prefetch="none")
+    assert eng is not None
+    planned: list[int] = []
+    calls: list[int] = []
+    rows = prefill.wave_rows
+
+    def spy_rows(call, module, x, eg, r, slots):
+        calls.append(len(slots))
+        return rows(call, module, x, eg, r, slots)
+
+    monkeypatch.setattr(prefill, "wave_rows", spy_rows)
+    with eng, torch.no_grad():
+        pf, cache = eng._prefill, eng.cache
+        assert pf is not None
+        plan, wait = pf.plan, cache.wait
+
+        def spy_plan(layer, experts):
+            waves = plan(layer, experts)
+            planned.append(len(waves))
+            return waves
+
+        def spy_wait(slots):
+            stall = wait(slots)
+            link.drain()  # every copy issued so far has landed
+            return stall
+
+        monkeypatch.setattr(pf, "plan", spy_plan)
+        monkeypatch.setattr(cache, "wait", spy_wait)
+        logits = model(prompt).logits
+    assert torch.equal(logits, ref_logits)
+    assert sum(planned) > len(planned)  # the cold layers were planned in several waves
+    assert len(calls) == pf.waves_run < sum(planned) and max(calls) <= pf.wave
+
+
 def test_staged_prefill_skips_a_policy_step_that_can_add_nothing(tiny_models, prompt):
     """With every expert of the later layers in a slot of a cache that holds them all, the prefill's prefetch policy
     step is not run (it could propose only resident experts, and nothing is ever evicted); below full capacity it runs."""

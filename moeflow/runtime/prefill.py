@@ -18,7 +18,10 @@ between is what makes the first token slow. `StagedPrefill` takes over the prefi
    (pinned, its copies handed to the link together: `Link.batch`; demand copies overtake the queued staged ones,
    so the link copies the layer in wave order);
 2. in the experts call, before wave i waits and computes, the waves after it are demanded as far as the slots
-   allow (wave i+1 always: two waves never pin more than the part holds), so copies run during compute;
+   allow (wave i+1 always: two waves never pin more than the part holds), so copies run during compute; the
+   demanded waves right after i whose copies have all landed join its grouped call (up to w experts: `compute`):
+   the plan cuts waves for copies still to come, and where compute lags the link (the host's per-call work on a
+   small model) they have landed by then, so one call does what several would, with nothing more to wait for;
 3. with a prefetch policy (staging is speculative: none without one), once every wave of l is demanded and
    slots are free: the next MoE layer's experts predicted from l's router input through the next layer's router
    (the pre-gate: every token's top-k; the most-routed ones, in id order) into the slots of its part that no wave
@@ -307,7 +310,9 @@ class StagedPrefill:
     ) -> torch.Tensor:
         """Every sorted row `x_g [S,H]` (experts `eg [S]`, ascending) through its expert, wave by wave -> [S,H]:
         before wave i waits and computes, the waves after it are demanded as far as the slots allow (wave i+1 at
-        least: two waves never pin more than the part holds), then the next layer is staged."""
+        least: two waves never pin more than the part holds), then the next layer is staged; the demanded waves
+        after i whose copies have landed are computed with it in one grouped call of at most w experts (their rows
+        are the next slices of the sorted rows), the wave after them demanded first."""
         cache, account = self.cache, self.account
         waves = routed.waves or []
         pinned: dict[int, list[int]] = {0: routed.first or []}
@@ -320,7 +325,8 @@ class StagedPrefill:
         ends = routed.ends or []
         if len(waves) > 1 and not ends:
             ends = torch.bincount(eg, minlength=self.spec.num_experts).cumsum(0).tolist()
-        for i, experts in enumerate(waves):
+        i = 0
+        while i < len(waves):
             t0 = time.perf_counter()
             held = sum(len(p) for p in pinned.values())
             with cache.batch():  # this step's copies handed to the link together
@@ -330,7 +336,19 @@ class StagedPrefill:
                     ahead += 1
                 if ahead == len(waves):
                     self.stage_ahead(routed, final=i == len(waves) - 1)
-            slots = pinned.pop(i)
+            experts, slots = waves[i], pinned.pop(i)
+            j = i + 1  # the demanded waves after i whose copies have all landed join its grouped call (at most w)
+            while j < ahead and len(experts) + len(waves[j]) <= self.wave and self._landed([(layer, e) for e in waves[j]]):
+                experts, slots = experts + waves[j], slots + pinned.pop(j)
+                j += 1
+            if j > i + 1:  # merged: the wave after them demanded before they compute (two calls never pin more than 2w)
+                with cache.batch():
+                    if ahead == j < len(waves):
+                        pinned[j] = self.demand(layer, waves[j], scores)
+                        ahead += 1
+                    if ahead == len(waves):
+                        self.stage_ahead(routed, final=j == len(waves))
+            i = j
             if self._later is not None:  # the thread would wait for this wave's copies: stage later layers meanwhile
                 self.stage_later(until=partial(self._landed, [(layer, e) for e in experts]))
             cache.wait(slots)
