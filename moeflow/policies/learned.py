@@ -115,6 +115,8 @@ class LearnedPrefetch(PrefetchPolicy):
         self._hrows = np.zeros((0, 0), np.int64)  # [T,L*k] the pass's gate history as rank x E + expert
         self._targets: dict[tuple[int, int], np.ndarray] = {}  # (first target, S) -> the targets [S] int64
         self._hn = 0  # its columns filled so far
+        self._ib = np.zeros((2, 0), np.int64)  # `runner.requests`' output: (target, expert) [2,R] of a decode step
+        self._fb = np.zeros((2, 0), np.float64)  # and (priority, confidence) [2,R]
         self._seq: list[int] = []  # token ids of the current prompt so far (batch 1)
         self.predict_s = 0.0  # time spent in propose on the model's thread (predictor overhead on the critical path)
         self.predict_decode_s = 0.0  # the part of it in decode steps (passes of one token)
@@ -144,6 +146,8 @@ class LearnedPrefetch(PrefetchPolicy):
         if pre is not None:  # and stack its per-(layer, S) arrays now, for every S it can be asked for
             pre(int(self.pred.max_lookahead))
         self._requests([0], np.ones((1, 1, 2), np.float32), 1)  # and the decode step's request kernel
+        R = int(self.pred.max_lookahead) * ctx.adapter.spec.num_experts  # the most requests one decode step makes
+        self._ib, self._fb = np.zeros((2, R), np.int64), np.zeros((2, R), np.float64)
         if self.window is None:
             self.window = getattr(self.pred, "window", 4)
         ad = get_adapter(model)
@@ -212,6 +216,29 @@ class LearnedPrefetch(PrefetchPolicy):
         with torch.no_grad():
             return np.stack([self.scores(t, s, batch).float().cpu().numpy() for s, t in enumerate(targets, start=1)])
 
+    def _target_array(self, targets: list[int]) -> np.ndarray:
+        """The targets as the request kernels' int64 array [S], kept per (first target, S)."""
+        tga = self._targets.get((targets[0], len(targets)))
+        if tga is None:
+            tga = self._targets[(targets[0], len(targets))] = np.asarray(targets, np.int64)
+        return tga
+
+    def _decode_requests(self, targets: list[int], batch: Any, k: int, E: int) -> list[PrefetchRequest] | None:
+        """A decode step's requests from ONE compiled call of the runner (`runner.requests`: its kernel and
+        `decode_requests` together, no scores handed back): what `_requests(targets, step_scores(...), k)` gives;
+        None when the runner has no such call or this one does not run compiled (then the scores path runs)."""
+        req = getattr(self.fast, "requests", None)
+        if req is None:
+            return None
+        S, m = len(targets), min(E, max(1, round(k * self.overfetch)))
+        if self._ib.shape[1] < S * m:  # the kernel's output buffers, grown to the largest call so far
+            self._ib, self._fb = np.zeros((2, S * m), np.int64), np.zeros((2, S * m), np.float64)
+        n = req(batch, S, m, self._target_array(targets), float(k), self._ib, self._fb)
+        if n is None:
+            return None
+        (tg, ex), (pr, cf) = self._ib[:, :n].tolist(), self._fb[:, :n].tolist()
+        return _request_objects(zip(tg, ex), pr, cf)
+
     def _requests(self, targets: list[int], sc: np.ndarray, k: int) -> list[PrefetchRequest]:
         """The prefetch requests of scores sc [S,T,E]: each target's selected experts (top round(k x overfetch)
         or the `mass` set, per token), priority nearer target first then by probability, confidence k x p.
@@ -220,9 +247,7 @@ class LearnedPrefetch(PrefetchPolicy):
         S, T, E = sc.shape
         m = min(E, max(1, round(k * self.overfetch)))
         if self.mass is None and T == 1:  # a decode step: one compiled call orders them, then only the objects
-            tga = self._targets.get((targets[0], S))
-            if tga is None:  # the targets as the kernel's int64 array, kept per (first target, S)
-                tga = self._targets[(targets[0], S)] = np.asarray(targets, np.int64)
+            tga = self._target_array(targets)
             sc32 = sc if sc.dtype == np.float32 and sc.flags.c_contiguous else np.ascontiguousarray(sc, np.float32)
             tg, ex, pr, cf = _kernels().decode_requests(sc32, m, tga, float(k))
             return _request_objects(zip(tg.tolist(), ex.tolist()), pr.tolist(), cf.tolist())
@@ -260,7 +285,11 @@ class LearnedPrefetch(PrefetchPolicy):
         targets = ctx.next_layers(steps)
         batch = self._batch(ctx)
         self._submit(ctx, batch)
-        out = self._requests(targets, self.step_scores(targets, batch), ctx.top_k) if targets else []
+        out = None
+        if targets and self.mass is None and len(ctx.indices) == 1:  # a decode step: the runner's one call
+            out = self._decode_requests(targets, batch, ctx.top_k, ctx.num_experts)
+        if out is None:
+            out = self._requests(targets, self.step_scores(targets, batch), ctx.top_k) if targets else []
         dt = time.perf_counter() - t0
         self.predict_s += dt
         if len(ctx.indices) == 1:
