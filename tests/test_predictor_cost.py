@@ -304,6 +304,49 @@ def test_runner_requests_are_decode_requests_of_its_scores_in_one_call(fitted, m
     assert run.requests(b5, 1, k, np.arange(1), float(k), *np.zeros((2, 2, 40))) is None
 
 
+@pytest.mark.parametrize("name", LEARNED)
+def test_a_batch_with_host_arrays_runs_the_decode_call_without_touching_a_tensor(fitted, name):
+    """With `SourceBatch.arrays` (the policy's host copies of the residual, router input, gate weights and ids) a
+    decode step's `runner.requests` reads no tensor of the batch (no torch call on them), and gives the requests of
+    the tensors."""
+    from dataclasses import replace
+
+    from moeflow.predict.data import batch_from_rows
+
+    seen: list[str] = []
+
+    class Spy(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    _model, data, preds = fitted
+    ml, k = data.spec.moe_layers, data.spec.top_k
+    ctx = data.context(4)
+    p = preds[name]
+    run = p.runner().warm().precompute(p.max_lookahead)
+    tok = torch.from_numpy(ctx[[7]])
+    for src in ml[:-1]:
+        steps = min(p.max_lookahead, len(ml) - 1 - ml.index(src))
+        b = batch_from_rows(data, src, np.array([7]), ctx=ctx)
+        b.token_ctx = tok
+        tga = np.arange(steps, dtype=np.int64)
+        arrays = tuple(
+            np.ascontiguousarray(t.numpy(), dt)
+            for t, dt in zip((b.residual, b.router_input, b.topk_weights, b.topk_ids), (np.float32,) * 3 + (np.int64,))
+        )
+        spied = {f: getattr(b, f).as_subclass(Spy) for f in ("residual", "router_input", "topk_weights", "topk_ids")}
+        b2 = replace(b, arrays=arrays, **spied)
+        ib, fb = np.zeros((2, 40), np.int64), np.zeros((2, 40))
+        ib0, fb0 = np.zeros((2, 40), np.int64), np.zeros((2, 40))
+        n0 = run.requests(b, steps, k, tga, float(k), ib0, fb0)
+        seen.clear()
+        n = run.requests(b2, steps, k, tga, float(k), ib, fb)
+        assert seen == [], (name, seen)
+        assert n == n0 and n0 > 0 and np.array_equal(ib[:, :n], ib0[:, :n]) and np.array_equal(fb[:, :n], fb0[:, :n])
+
+
 def test_decode_requests_are_the_dataclass_objects_without_its_init(monkeypatch):
     """A decode step's requests are PrefetchRequest objects equal (and hashing equal) to the constructed ones,
     made without the frozen dataclass's `__init__` (one `object.__setattr__` per field)."""
@@ -373,11 +416,13 @@ def test_the_policy_makes_one_call_per_layer_and_never_runs_a_router_hook(fitted
     eng._predict_logits = logits  # type: ignore[method-assign]
     pol.propose = propose  # type: ignore[method-assign]
     rank, E = {l: i for i, l in enumerate(data.spec.moe_layers)}, data.spec.num_experts
-    kept: list[bool] = []  # whether a batch's history rows are its history's, kept by the policy in its pass buffer
+    kept: list[bool] = []  # whether a batch's history rows are its history's (the policy's pass buffer), and its arrays
 
     def keep(b):
         rows = history_rows(replace(b, history_rows=None), rank, E)
         kept.append(b.history_rows is not None and np.array_equal(b.history_rows, rows))
+        host = (b.residual, b.router_input, b.topk_weights, b.topk_ids)  # the policy's host arrays are the tensors'
+        kept.append(b.arrays is not None and all(np.array_equal(a, t.numpy()) for a, t in zip(b.arrays, host)))
 
     scored: list[int] = []  # runner calls that handed scores back (`scores`) instead of the requests (`requests`)
     with eng:

@@ -59,6 +59,19 @@ def _request_objects(keys: Any, priorities: list[float], confidences: list[float
     return out
 
 
+_F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
+
+
+def _host(x: torch.Tensor, dt: np.dtype) -> np.ndarray:
+    """x as C-contiguous host numpy of dtype `dt`: a CPU tensor's own memory when it already is one (one torch call,
+    `numpy()`), else converted."""
+    try:
+        a = x.numpy()
+    except (TypeError, RuntimeError):  # on a GPU, bfloat16, or requiring grad
+        a = x.detach().to("cpu", torch.float32 if dt is _F32 else torch.int64).numpy()
+    return np.ascontiguousarray(a, dt)
+
+
 @functools.cache
 def _kernels() -> Any:
     """`moeflow.predict.kernels`, imported on first use (numba stays out of the policies' import)."""
@@ -115,6 +128,7 @@ class LearnedPrefetch(PrefetchPolicy):
         self._hrows = np.zeros((0, 0), np.int64)  # [T,L*k] the pass's gate history as rank x E + expert
         self._targets: dict[tuple[int, int], np.ndarray] = {}  # (first target, S) -> the targets [S] int64
         self._hn = 0  # its columns filled so far
+        self._nt = self._k = self._ntok = 0  # the pass's tokens, experts per token, token-context rows
         self._ib = np.zeros((2, 0), np.int64)  # `runner.requests`' output: (target, expert) [2,R] of a decode step
         self._fb = np.zeros((2, 0), np.float64)  # and (priority, confidence) [2,R]
         self._seq: list[int] = []  # token ids of the current prompt so far (batch 1)
@@ -176,30 +190,39 @@ class LearnedPrefetch(PrefetchPolicy):
         ]
         self._tokens = torch.tensor(rows, dtype=torch.long) if rows else None
         ind = ctx.indices  # [T,k]
-        self._hrows = np.empty((ind.shape[0], len(ctx.moe_layers) * ind.shape[1]), np.int64)  # [T,L*k] this pass's
+        self._nt, self._k = int(ind.shape[0]), int(ind.shape[1])  # tokens of this pass, experts per token
+        self._ntok = len(rows)
+        self._hrows = np.empty((self._nt, len(ctx.moe_layers) * self._k), np.int64)  # [T,L*k] this pass's
         self._hn = 0  # history as rank x E + expert (`SourceBatch.history_rows`), filled layer by layer
 
     def _batch(self, ctx: LayerContext):
-        ind, n = ctx.indices, self._hn  # [T,k]
+        """The SourceBatch of this layer. Its tensors are converted to host numpy once (`SourceBatch.arrays`: one
+        `numpy()` per tensor and no other torch call, so the runners' compiled calls touch no tensor) and this layer's
+        ids are appended to the pass's history rows."""
+        ind, n, k = ctx.indices, self._hn, self._k  # [T,k]
+        u, w, res = ctx.router_input, ctx.weights, ctx.residual
+        ids = _host(ind, _I64)  # [T,k]
+        arrays = None
+        if res is not None and ids.shape == (self._nt, k):
+            arrays = (_host(res, _F32), _host(u, _F32), _host(w, _F32), ids)
         rows = None  # the history's rows: this layer's appended to the pass's buffer (no tensor converted per layer)
-        if ctx.layer not in self._hist and n + ind.shape[1] <= self._hrows.shape[1] and len(ind) == len(self._hrows):
-            self._hn = n + ind.shape[1]
-            ids = ind.numpy() if ind.is_cpu else ind.numpy(force=True)  # [T,k]
+        if ctx.layer not in self._hist and n + k <= self._hrows.shape[1] and ids.shape[0] == self._nt:
+            self._hn = n + k
             np.add(ids, ctx.moe_layers.index(ctx.layer) * ctx.num_experts, out=self._hrows[:, n : self._hn])
             rows = self._hrows[:, : self._hn]  # [T,c]
         self._hist[ctx.layer] = ind
-        tokens = self._tokens if self._tokens is not None and len(self._tokens) == len(ind) else None
-        u, w = ctx.router_input, ctx.weights
+        tokens = self._tokens if self._ntok == self._nt else None
         return _source_batch()(
             ctx.layer,
             u if u.dtype is torch.float32 else u.float(),
             ind,
             w if w.dtype is torch.float32 else w.float(),
-            residual=ctx.residual,
+            residual=res,
             token_ctx=tokens,
             history=dict(self._hist),
             route=ctx.predict_logits,
             history_rows=rows,
+            arrays=arrays,
         )
 
     def _submit(self, ctx: LayerContext, batch: Any) -> None:
@@ -286,13 +309,14 @@ class LearnedPrefetch(PrefetchPolicy):
         batch = self._batch(ctx)
         self._submit(ctx, batch)
         out = None
-        if targets and self.mass is None and len(ctx.indices) == 1:  # a decode step: the runner's one call
+        decode = self._nt == 1
+        if targets and self.mass is None and decode:  # a decode step: the runner's one call
             out = self._decode_requests(targets, batch, ctx.top_k, ctx.num_experts)
         if out is None:
             out = self._requests(targets, self.step_scores(targets, batch), ctx.top_k) if targets else []
         dt = time.perf_counter() - t0
         self.predict_s += dt
-        if len(ctx.indices) == 1:
+        if decode:
             self.predict_decode_s += dt
             self.predict_decode_cpu_s += time.thread_time() - c0
         self.calls += 1

@@ -291,6 +291,10 @@ class ChainRunner:
     def _args(self, batch: SourceBatch, steps: int) -> tuple | None:
         """`chain_probs`'s arguments for this call, or None: the numpy chain runs (more than 4 tokens, no residual, or
         a target's norm, router or selection rule runs as its module)."""
+        arr = batch.arrays
+        if arr is not None:  # the policy's host arrays: no tensor touched
+            c = self.compiled(batch.layer, steps) if arr[3].shape[0] <= 4 else None
+            return None if c is None else (arr[0], arr[2], arr[3], c[0], c[1], c[2], self.spec.top_k, c[3])
         res = batch.residual
         c = self.compiled(batch.layer, steps) if res is not None and len(res) <= 4 else None
         if c is None or res is None:
@@ -481,6 +485,14 @@ class EstimatorRunner:
     def _args(self, batch: SourceBatch, steps: int, use: np.ndarray) -> tuple | None:
         """`estimator_probs`'s arguments for this call, or None (more than 4 tokens, no residual or router input, or
         `_tail` None: then the numpy path runs)."""
+        arr = batch.arrays
+        if arr is not None:  # the policy's host arrays: no tensor touched
+            T = arr[3].shape[0]
+            tail = self._tail(batch.layer, steps, use) if T <= 4 and arr[1].size else None
+            if tail is None:
+                return None
+            zb = self._token_term(batch)
+            return (arr[0], arr[2], arr[3], arr[1], zb, history_rows(batch, self.rank, self.E), *tail)
         res = batch.residual
         if res is None or len(res) > 4 or not batch.router_input.numel():
             return None
@@ -750,16 +762,17 @@ class ForestRunner:
         sr = self._pairs.get(pk)
         if sr is None:  # S, target rank and routers of every pair
             sr = self._pair_arrays(pk)
-        uw = self._no_w
+        uw, arr = self._no_w, batch.arrays  # arr: the policy's host arrays (no tensor touched), else the tensors
+        has_u = arr[1].size if arr is not None else batch.router_input.numel()
         if probs is None:
-            if sr[2] is not False and batch.router_input.numel():  # the kernel computes the pre-gate into `probs`
-                uw = (np.ascontiguousarray(np32(batch.router_input)), sr[2])
+            if sr[2] is not False and has_u:  # the kernel computes the pre-gate into `probs`
+                uw = (arr[1] if arr is not None else np.ascontiguousarray(np32(batch.router_input)), sr[2])
                 probs = np.empty((len(pk), batch.t, self.E), np.float32)  # [P,T,E]
             else:
                 probs = self.probs(batch, [t for t, _ in pk])
         emb, pc, pp = self.per_pass(batch)
         kind = self.f.base_kind
-        base_kind = 1 if kind == "prior" else 2 if kind == "pregate" and batch.router_input.numel() else 0
+        base_kind = 1 if kind == "prior" else 2 if kind == "pregate" and has_u else 0
         return (
             np.ascontiguousarray(probs, np.float32),
             uw[0],
