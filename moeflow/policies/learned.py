@@ -196,14 +196,14 @@ class LearnedPrefetch(PrefetchPolicy):
         self._hn = 0  # history as rank x E + expert (`SourceBatch.history_rows`), filled layer by layer
 
     def _batch(self, ctx: LayerContext):
-        """The SourceBatch of this layer. Its tensors are converted to host numpy once (`SourceBatch.arrays`: one
-        `numpy()` per tensor and no other torch call, so the runners' compiled calls touch no tensor) and this layer's
-        ids are appended to the pass's history rows."""
+        """The SourceBatch of this layer. At a decode step its tensors are converted to host numpy once
+        (`SourceBatch.arrays`: one `numpy()` per tensor and no other torch call, so the runner's compiled call touches
+        no tensor); this layer's ids are appended to the pass's history rows."""
         ind, n, k = ctx.indices, self._hn, self._k  # [T,k]
         u, w, res = ctx.router_input, ctx.weights, ctx.residual
         ids = _host(ind, _I64)  # [T,k]
-        arrays = None
-        if res is not None and ids.shape == (self._nt, k):
+        arrays = None  # a decode step's, for a runner with a compiled call (a prefill's tensors stay on their device)
+        if self._nt == 1 and res is not None and self.fast is not None and ids.shape == (1, k):
             arrays = (_host(res, _F32), _host(u, _F32), _host(w, _F32), ids)
         rows = None  # the history's rows: this layer's appended to the pass's buffer (no tensor converted per layer)
         if ctx.layer not in self._hist and n + k <= self._hrows.shape[1] and ids.shape[0] == self._nt:
