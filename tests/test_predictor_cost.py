@@ -264,6 +264,89 @@ def test_decode_requests_kernel_takes_the_raw_scores_of_the_step():
     np.testing.assert_allclose(np.stack([pr, cf], 1), [(r.priority, r.confidence) for r in want], atol=1e-6)
 
 
+@pytest.mark.parametrize("name", LEARNED)
+def test_runner_requests_are_decode_requests_of_its_scores_in_one_call(fitted, monkeypatch, name):
+    """`runner.requests` (a decode step's one compiled call: the runner's kernel and `decode_into` together, into
+    the caller's buffers) gives exactly `decode_requests(runner.scores(...))` for every source layer, S and
+    overfetch, without calling the scores kernel from Python; a call of more than one token has none (None: the
+    scores path runs)."""
+    from moeflow.predict import fast
+    from moeflow.predict.data import batch_from_rows
+    from moeflow.predict.kernels import decode_requests
+
+    _model, data, preds = fitted
+    ml, k = data.spec.moe_layers, data.spec.top_k
+    ctx = data.context(4)
+    p = preds[name]
+    run = p.runner().warm().precompute(p.max_lookahead)
+    n = 0
+    for rows in (np.array([7]), np.array([40])):
+        tok = torch.from_numpy(ctx[rows])
+        for src in ml[:-1]:
+            for steps in range(1, min(p.max_lookahead, len(ml) - 1 - ml.index(src)) + 1):
+                b = batch_from_rows(data, src, rows, ctx=ctx)
+                b.token_ctx = tok
+                tga = np.arange(100, 100 + steps, dtype=np.int64)
+                for m in (k, k + 2):
+                    want = decode_requests(run.scores(b, steps), m, tga, float(k))
+                    with monkeypatch.context() as mp:
+                        for kern in ("chain_probs", "estimator_probs", "forest_scores"):
+                            mp.setattr(fast, kern, lambda *a, kern=kern: pytest.fail(f"{kern} called from Python"))
+                        ib, fb = np.full((2, 40), -7, np.int64), np.full((2, 40), np.nan)
+                        n_req = run.requests(b, steps, m, tga, float(k), ib, fb)
+                    assert n_req == len(want[0]) > 0, name
+                    for g, w in zip((ib[0, :n_req], ib[1, :n_req], fb[0, :n_req], fb[1, :n_req]), want):
+                        np.testing.assert_array_equal(g, w, err_msg=f"{name} {src} S={steps} m={m}")
+                    assert (ib[:, n_req:] == -7).all()  # nothing written past the count
+                    n += 1
+    assert n > 0
+    b5 = batch_from_rows(data, ml[0], np.arange(5), ctx=ctx)
+    assert run.requests(b5, 1, k, np.arange(1), float(k), *np.zeros((2, 2, 40))) is None
+
+
+@pytest.mark.parametrize("name", LEARNED)
+def test_a_batch_with_host_arrays_runs_the_decode_call_without_touching_a_tensor(fitted, name):
+    """With `SourceBatch.arrays` (the policy's host copies of the residual, router input, gate weights and ids) a
+    decode step's `runner.requests` reads no tensor of the batch (no torch call on them), and gives the requests of
+    the tensors."""
+    from dataclasses import replace
+
+    from moeflow.predict.data import batch_from_rows
+
+    seen: list[str] = []
+
+    class Spy(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    _model, data, preds = fitted
+    ml, k = data.spec.moe_layers, data.spec.top_k
+    ctx = data.context(4)
+    p = preds[name]
+    run = p.runner().warm().precompute(p.max_lookahead)
+    tok = torch.from_numpy(ctx[[7]])
+    for src in ml[:-1]:
+        steps = min(p.max_lookahead, len(ml) - 1 - ml.index(src))
+        b = batch_from_rows(data, src, np.array([7]), ctx=ctx)
+        b.token_ctx = tok
+        tga = np.arange(steps, dtype=np.int64)
+        arrays = tuple(
+            np.ascontiguousarray(t.numpy(), dt)
+            for t, dt in zip((b.residual, b.router_input, b.topk_weights, b.topk_ids), (np.float32,) * 3 + (np.int64,))
+        )
+        spied = {f: getattr(b, f).as_subclass(Spy) for f in ("residual", "router_input", "topk_weights", "topk_ids")}
+        b2 = replace(b, arrays=arrays, **spied)
+        ib, fb = np.zeros((2, 40), np.int64), np.zeros((2, 40))
+        ib0, fb0 = np.zeros((2, 40), np.int64), np.zeros((2, 40))
+        n0 = run.requests(b, steps, k, tga, float(k), ib0, fb0)
+        seen.clear()
+        n = run.requests(b2, steps, k, tga, float(k), ib, fb)
+        assert seen == [], (name, seen)
+        assert n == n0 and n0 > 0 and np.array_equal(ib[:, :n], ib0[:, :n]) and np.array_equal(fb[:, :n], fb0[:, :n])
+
+
 def test_decode_requests_are_the_dataclass_objects_without_its_init(monkeypatch):
     """A decode step's requests are PrefetchRequest objects equal (and hashing equal) to the constructed ones,
     made without the frozen dataclass's `__init__` (one `object.__setattr__` per field)."""
@@ -281,9 +364,10 @@ def test_decode_requests_are_the_dataclass_objects_without_its_init(monkeypatch)
 
 @pytest.mark.parametrize("name", ["router-pf", "estimator", "hybrid", "forest"])
 def test_the_policy_makes_one_call_per_layer_and_never_runs_a_router_hook(fitted, tmp_path, monkeypatch, name):
-    """In a generation, propose calls the runner once per MoE layer (all S at once), never `predict`, and never
-    the engine's hooked router (`predict_logits`), with the pass's gate history as rows (`history_rows`) too: the
-    output stays the resident model's."""
+    """In a generation, propose calls the runner once per MoE layer (all S at once, a decode step's requests in one
+    compiled call: `runner.requests`, never `scores`), never `predict`, and never the engine's hooked router
+    (`predict_logits`), with the pass's gate history as rows (`history_rows`) too: the output stays the resident
+    model's."""
     from dataclasses import replace
 
     from moeflow.policies.learned import LearnedPrefetch
@@ -332,21 +416,26 @@ def test_the_policy_makes_one_call_per_layer_and_never_runs_a_router_hook(fitted
     eng._predict_logits = logits  # type: ignore[method-assign]
     pol.propose = propose  # type: ignore[method-assign]
     rank, E = {l: i for i, l in enumerate(data.spec.moe_layers)}, data.spec.num_experts
-    kept: list[bool] = []  # whether a batch's history rows are its history's, kept by the policy in its pass buffer
+    kept: list[bool] = []  # whether a batch's history rows are its history's (the policy's pass buffer), and its arrays
 
     def keep(b):
         rows = history_rows(replace(b, history_rows=None), rank, E)
         kept.append(b.history_rows is not None and np.array_equal(b.history_rows, rows))
+        host = (b.residual, b.router_input, b.topk_weights, b.topk_ids)  # the policy's host arrays are the tensors'
+        kept.append(b.arrays is not None and all(np.array_equal(a, t.numpy()) for a, t in zip(b.arrays, host)))
 
+    scored: list[int] = []  # runner calls that handed scores back (`scores`) instead of the requests (`requests`)
     with eng:
-        run = pol.fast.scores
-        pol.fast.scores = lambda b, s: calls.append((b.layer, s)) or keep(b) or run(b, s)
+        run, req = pol.fast.scores, pol.fast.requests
+        pol.fast.scores = lambda b, s: scored.append(b.layer) or run(b, s)
+        pol.fast.requests = lambda b, s, *a: calls.append((b.layer, s)) or keep(b) or req(b, s, *a)
         sizes = {k: len(v) for k, v in _stores(pol.fast).items()}  # bind built every (layer, S)'s arrays
         got, _ = generate_one(model, prompt, eng, max_new_tokens=5, min_new_tokens=5)
         assert {k: len(v) for k, v in _stores(pol.fast).items()} == sizes
     assert torch.equal(got, ref)
     ml = data.spec.moe_layers
     assert hooked == [] and pol.calls > 0 and kept and all(kept)
+    assert scored == []  # a decode step's scores and requests come from the runner's ONE compiled call
     decode = pol.decode_passes  # one prefill, then a pass per decoded token after the first
     assert decode == 4
     # propose runs at every MoE layer of a decode pass; the staged prefill's after its last MoE layer only (its
@@ -450,7 +539,7 @@ def _stores(run) -> dict[str, dict]:
     est = getattr(run, "est", run)
     stores = {"stacked": getattr(run, "_stacked", {}), "pairs": getattr(run, "_pairs", {}), "use": getattr(run, "_use", {})}
     if hasattr(est, "_compiled"):
-        stores.update(compiled=est._compiled, all=getattr(est, "_all", {}))
+        stores.update(compiled=est._compiled, all=getattr(est, "_all", {}), tails=getattr(est, "_tails", {}))
     chain = getattr(est, "chain", None)
     if chain is not None:
         stores["chain"] = chain._compiled

@@ -59,6 +59,19 @@ def _request_objects(keys: Any, priorities: list[float], confidences: list[float
     return out
 
 
+_F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
+
+
+def _host(x: torch.Tensor, dt: np.dtype) -> np.ndarray:
+    """x as C-contiguous host numpy of dtype `dt`: a CPU tensor's own memory when it already is one (one torch call,
+    `numpy()`), else converted."""
+    try:
+        a = x.numpy()
+    except (TypeError, RuntimeError):  # on a GPU, bfloat16, or requiring grad
+        a = x.detach().to("cpu", torch.float32 if dt is _F32 else torch.int64).numpy()
+    return np.ascontiguousarray(a, dt)
+
+
 @functools.cache
 def _kernels() -> Any:
     """`moeflow.predict.kernels`, imported on first use (numba stays out of the policies' import)."""
@@ -115,6 +128,9 @@ class LearnedPrefetch(PrefetchPolicy):
         self._hrows = np.zeros((0, 0), np.int64)  # [T,L*k] the pass's gate history as rank x E + expert
         self._targets: dict[tuple[int, int], np.ndarray] = {}  # (first target, S) -> the targets [S] int64
         self._hn = 0  # its columns filled so far
+        self._nt = self._k = self._ntok = 0  # the pass's tokens, experts per token, token-context rows
+        self._ib = np.zeros((2, 0), np.int64)  # `runner.requests`' output: (target, expert) [2,R] of a decode step
+        self._fb = np.zeros((2, 0), np.float64)  # and (priority, confidence) [2,R]
         self._seq: list[int] = []  # token ids of the current prompt so far (batch 1)
         self.predict_s = 0.0  # time spent in propose on the model's thread (predictor overhead on the critical path)
         self.predict_decode_s = 0.0  # the part of it in decode steps (passes of one token)
@@ -144,6 +160,8 @@ class LearnedPrefetch(PrefetchPolicy):
         if pre is not None:  # and stack its per-(layer, S) arrays now, for every S it can be asked for
             pre(int(self.pred.max_lookahead))
         self._requests([0], np.ones((1, 1, 2), np.float32), 1)  # and the decode step's request kernel
+        R = int(self.pred.max_lookahead) * ctx.adapter.spec.num_experts  # the most requests one decode step makes
+        self._ib, self._fb = np.zeros((2, R), np.int64), np.zeros((2, R), np.float64)
         if self.window is None:
             self.window = getattr(self.pred, "window", 4)
         ad = get_adapter(model)
@@ -172,30 +190,39 @@ class LearnedPrefetch(PrefetchPolicy):
         ]
         self._tokens = torch.tensor(rows, dtype=torch.long) if rows else None
         ind = ctx.indices  # [T,k]
-        self._hrows = np.empty((ind.shape[0], len(ctx.moe_layers) * ind.shape[1]), np.int64)  # [T,L*k] this pass's
+        self._nt, self._k = int(ind.shape[0]), int(ind.shape[1])  # tokens of this pass, experts per token
+        self._ntok = len(rows)
+        self._hrows = np.empty((self._nt, len(ctx.moe_layers) * self._k), np.int64)  # [T,L*k] this pass's
         self._hn = 0  # history as rank x E + expert (`SourceBatch.history_rows`), filled layer by layer
 
     def _batch(self, ctx: LayerContext):
-        ind, n = ctx.indices, self._hn  # [T,k]
+        """The SourceBatch of this layer. At a decode step its tensors are converted to host numpy once
+        (`SourceBatch.arrays`: one `numpy()` per tensor and no other torch call, so the runner's compiled call touches
+        no tensor); this layer's ids are appended to the pass's history rows."""
+        ind, n, k = ctx.indices, self._hn, self._k  # [T,k]
+        u, w, res = ctx.router_input, ctx.weights, ctx.residual
+        ids = _host(ind, _I64)  # [T,k]
+        arrays = None  # a decode step's, for a runner with a compiled call (a prefill's tensors stay on their device)
+        if self._nt == 1 and res is not None and self.fast is not None and ids.shape == (1, k):
+            arrays = (_host(res, _F32), _host(u, _F32), _host(w, _F32), ids)
         rows = None  # the history's rows: this layer's appended to the pass's buffer (no tensor converted per layer)
-        if ctx.layer not in self._hist and n + ind.shape[1] <= self._hrows.shape[1] and len(ind) == len(self._hrows):
-            self._hn = n + ind.shape[1]
-            ids = ind.numpy() if ind.is_cpu else ind.numpy(force=True)  # [T,k]
+        if ctx.layer not in self._hist and n + k <= self._hrows.shape[1] and ids.shape[0] == self._nt:
+            self._hn = n + k
             np.add(ids, ctx.moe_layers.index(ctx.layer) * ctx.num_experts, out=self._hrows[:, n : self._hn])
             rows = self._hrows[:, : self._hn]  # [T,c]
         self._hist[ctx.layer] = ind
-        tokens = self._tokens if self._tokens is not None and len(self._tokens) == len(ind) else None
-        u, w = ctx.router_input, ctx.weights
+        tokens = self._tokens if self._ntok == self._nt else None
         return _source_batch()(
             ctx.layer,
             u if u.dtype is torch.float32 else u.float(),
             ind,
             w if w.dtype is torch.float32 else w.float(),
-            residual=ctx.residual,
+            residual=res,
             token_ctx=tokens,
             history=dict(self._hist),
             route=ctx.predict_logits,
             history_rows=rows,
+            arrays=arrays,
         )
 
     def _submit(self, ctx: LayerContext, batch: Any) -> None:
@@ -212,6 +239,29 @@ class LearnedPrefetch(PrefetchPolicy):
         with torch.no_grad():
             return np.stack([self.scores(t, s, batch).float().cpu().numpy() for s, t in enumerate(targets, start=1)])
 
+    def _target_array(self, targets: list[int]) -> np.ndarray:
+        """The targets as the request kernels' int64 array [S], kept per (first target, S)."""
+        tga = self._targets.get((targets[0], len(targets)))
+        if tga is None:
+            tga = self._targets[(targets[0], len(targets))] = np.asarray(targets, np.int64)
+        return tga
+
+    def _decode_requests(self, targets: list[int], batch: Any, k: int, E: int) -> list[PrefetchRequest] | None:
+        """A decode step's requests from ONE compiled call of the runner (`runner.requests`: its kernel and
+        `decode_requests` together, no scores handed back): what `_requests(targets, step_scores(...), k)` gives;
+        None when the runner has no such call or this one does not run compiled (then the scores path runs)."""
+        req = getattr(self.fast, "requests", None)
+        if req is None:
+            return None
+        S, m = len(targets), min(E, max(1, round(k * self.overfetch)))
+        if self._ib.shape[1] < S * m:  # the kernel's output buffers, grown to the largest call so far
+            self._ib, self._fb = np.zeros((2, S * m), np.int64), np.zeros((2, S * m), np.float64)
+        n = req(batch, S, m, self._target_array(targets), float(k), self._ib, self._fb)
+        if n is None:
+            return None
+        (tg, ex), (pr, cf) = self._ib[:, :n].tolist(), self._fb[:, :n].tolist()
+        return _request_objects(zip(tg, ex), pr, cf)
+
     def _requests(self, targets: list[int], sc: np.ndarray, k: int) -> list[PrefetchRequest]:
         """The prefetch requests of scores sc [S,T,E]: each target's selected experts (top round(k x overfetch)
         or the `mass` set, per token), priority nearer target first then by probability, confidence k x p.
@@ -220,9 +270,7 @@ class LearnedPrefetch(PrefetchPolicy):
         S, T, E = sc.shape
         m = min(E, max(1, round(k * self.overfetch)))
         if self.mass is None and T == 1:  # a decode step: one compiled call orders them, then only the objects
-            tga = self._targets.get((targets[0], S))
-            if tga is None:  # the targets as the kernel's int64 array, kept per (first target, S)
-                tga = self._targets[(targets[0], S)] = np.asarray(targets, np.int64)
+            tga = self._target_array(targets)
             sc32 = sc if sc.dtype == np.float32 and sc.flags.c_contiguous else np.ascontiguousarray(sc, np.float32)
             tg, ex, pr, cf = _kernels().decode_requests(sc32, m, tga, float(k))
             return _request_objects(zip(tg.tolist(), ex.tolist()), pr.tolist(), cf.tolist())
@@ -260,10 +308,15 @@ class LearnedPrefetch(PrefetchPolicy):
         targets = ctx.next_layers(steps)
         batch = self._batch(ctx)
         self._submit(ctx, batch)
-        out = self._requests(targets, self.step_scores(targets, batch), ctx.top_k) if targets else []
+        out = None
+        decode = self._nt == 1
+        if targets and self.mass is None and decode:  # a decode step: the runner's one call
+            out = self._decode_requests(targets, batch, ctx.top_k, ctx.num_experts)
+        if out is None:
+            out = self._requests(targets, self.step_scores(targets, batch), ctx.top_k) if targets else []
         dt = time.perf_counter() - t0
         self.predict_s += dt
-        if len(ctx.indices) == 1:
+        if decode:
             self.predict_decode_s += dt
             self.predict_decode_cpu_s += time.thread_time() - c0
         self.calls += 1

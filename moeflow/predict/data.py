@@ -169,6 +169,10 @@ class SourceBatch:
     #   (which keeps the engine's router hooks out of it); None = call the model's router directly
     history_rows: np.ndarray | None = None  # [T,c] int64 rank x E + expert of every id in `history`, layer by layer
     #   (the policy's per-pass buffer, so a decode call converts no tensor); None = the runners derive it from `history`
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None  # (residual [T,H] float32, router
+    #   input [T,H] float32, topk weights [T,k] float32, topk ids [T,k] int64) as C-contiguous host numpy, the same
+    #   values as the tensors above (the policy's one conversion per layer, so the runners' compiled calls touch no
+    #   tensor); None = the runners convert the tensors
 
     def router_logits(self, adapter, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Router logits [T,E] of `layer` for x [T,H], in the router's dtype."""
@@ -177,7 +181,8 @@ class SourceBatch:
 
     @property
     def t(self) -> int:
-        return int(self.topk_ids.shape[0])
+        a = self.arrays
+        return int(self.topk_ids.shape[0]) if a is None else a[3].shape[0]
 
 
 def batch_from_rows(data: RoutingData, layer: int, rows: np.ndarray | slice, *, ctx: np.ndarray | None = None) -> SourceBatch:

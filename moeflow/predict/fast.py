@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ..moe import residual_norm
-from .kernels import chain_probs, estimator_probs, forest_scores
+from .kernels import chain_probs, chain_requests, estimator_probs, estimator_requests, forest_requests, forest_scores
 
 if TYPE_CHECKING:
     from .data import SourceBatch
@@ -65,6 +65,12 @@ def history_rows(batch: SourceBatch, rank: dict[int, int], E: int) -> np.ndarray
     if not batch.history:
         return np.zeros((batch.t, 0), np.int64)
     return np.ascontiguousarray(np.concatenate([npi(h) + rank[l] * E for l, h in batch.history.items()], 1), np.int64)
+
+
+def _request_buffers(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Buffers for `runner.requests` of up to n requests: (target, expert) [2,n] int64, (priority, confidence) [2,n]
+    float64."""
+    return np.zeros((2, n), np.int64), np.zeros((2, n), np.float64)
 
 
 def softmax(z: np.ndarray) -> np.ndarray:
@@ -192,14 +198,16 @@ class ChainRunner:
         self._compiled: dict[tuple[int, int], tuple[np.ndarray, ...] | None] = {}
 
     def warm(self) -> ChainRunner:
-        """Compile `chain_probs` (or load it from numba's cache: about 0.4 s) now, not in the first decode call: the
-        prefetch policy calls it at bind, for the runner it calls (Router-PF's); the chain inside the estimator and
-        hybrid runners only runs `run`, so theirs is never warmed, and nor is a runner held only to score held-out
-        rows (`evaluate`'s large chunks run in numpy)."""
+        """Compile `chain_probs` and `chain_requests` (or load them from numba's cache: about 0.4 s each) now, not in
+        the first decode call: the prefetch policy calls it at bind, for the runner it calls (Router-PF's); the chain
+        inside the estimator and hybrid runners only runs `run`, so theirs is never warmed, and nor is a runner held
+        only to score held-out rows (`evaluate`'s large chunks run in numpy)."""
         H, E, k = self.spec.hidden_size, self.spec.num_experts, self.spec.top_k
         f32 = np.float32
-        chain_probs(np.zeros((1, H), f32), np.zeros((1, k), f32), np.zeros((1, k), np.int64), np.zeros((1, H, E), f32),
-                    np.ones(1, f32), np.zeros((1, E, H), f32), k, np.zeros(1, np.bool_))  # fmt: skip
+        a = (np.zeros((1, H), f32), np.zeros((1, k), f32), np.zeros((1, k), np.int64), np.zeros((1, H, E), f32),
+             np.ones(1, f32), np.zeros((1, E, H), f32), k, np.zeros(1, np.bool_))  # fmt: skip
+        chain_probs(*a)
+        chain_requests(*a, 1, np.zeros(1, np.int64), 1.0, *_request_buffers(1))
         return self
 
     def fused(self, l: int, proj: np.ndarray | None) -> np.ndarray | None:
@@ -280,17 +288,20 @@ class ChainRunner:
             self.compiled(l, steps)
         return self
 
-    def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
-        """Router-PF's probabilities [S,T,E]: one compiled call (`chain_probs`) when every target's norm, router and
-        selection rule run in numpy and the call has at most 4 tokens (longer prompts go to numpy's products). A
-        decode step's call is then a few microseconds of arithmetic whatever ran on the core before it, where a few
-        dozen numpy operations each pay their dispatch from cold caches."""
-        c = self.compiled(batch.layer, steps) if batch.residual is not None and len(batch.residual) <= 4 else None
-        if c is None or batch.residual is None:
-            return softmax(self.run(batch, steps, need_q=False)[1])
+    def _args(self, batch: SourceBatch, steps: int) -> tuple | None:
+        """`chain_probs`'s arguments for this call, or None: the numpy chain runs (more than 4 tokens, no residual, or
+        a target's norm, router or selection rule runs as its module)."""
+        arr = batch.arrays
+        if arr is not None:  # the policy's host arrays: no tensor touched
+            c = self.compiled(batch.layer, steps) if arr[3].shape[0] <= 4 else None
+            return None if c is None else (arr[0], arr[2], arr[3], c[0], c[1], c[2], self.spec.top_k, c[3])
+        res = batch.residual
+        c = self.compiled(batch.layer, steps) if res is not None and len(res) <= 4 else None
+        if c is None or res is None:
+            return None
         Fs, eps, Ds, renorm = c
-        return chain_probs(  # C-contiguous inputs: the one signature compiled at bind
-            np.ascontiguousarray(np32(batch.residual)),
+        return (  # C-contiguous inputs: the one signature compiled at bind
+            np.ascontiguousarray(np32(res)),
             np.ascontiguousarray(np32(batch.topk_weights)),
             np.ascontiguousarray(npi(batch.topk_ids), np.int64),
             Fs,
@@ -299,6 +310,23 @@ class ChainRunner:
             self.spec.top_k,
             renorm,
         )
+
+    def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
+        """Router-PF's probabilities [S,T,E]: one compiled call (`chain_probs`) when every target's norm, router and
+        selection rule run in numpy and the call has at most 4 tokens (longer prompts go to numpy's products). A
+        decode step's call is then a few microseconds of arithmetic whatever ran on the core before it, where a few
+        dozen numpy operations each pay their dispatch from cold caches."""
+        a = self._args(batch, steps)
+        return softmax(self.run(batch, steps, need_q=False)[1]) if a is None else chain_probs(*a)
+
+    def requests(
+        self, batch: SourceBatch, steps: int, m: int, targets: np.ndarray, k: float, ib: np.ndarray, fb: np.ndarray
+    ) -> int | None:
+        """A decode step's requests (`kernels.decode_into` of `scores`: (target, expert) into ib [2,>=S*m] int64,
+        (priority, confidence) into fb [2,>=S*m] float64; their count returned) in ONE compiled call
+        (`chain_requests`), or None when the call is not one token or does not run compiled."""
+        a = self._args(batch, steps) if batch.t == 1 else None
+        return None if a is None else chain_requests(*a, m, targets, k, ib, fb)
 
 
 class EstimatorRunner:
@@ -340,6 +368,7 @@ class EstimatorRunner:
         self.hb = np.ascontiguousarray(self.hb, np.float32)
         self._compiled: dict[tuple[int, int], tuple[np.ndarray, ...] | None] = {}
         self._all: dict[int, np.ndarray] = {}  # S -> [S] all True: the estimator at every step
+        self._tails: dict[tuple[int, int, int], tuple] = {}  # (source layer, S, id(use)) -> (use, `_tail`)
         self._tok_key: Any = None
         self._ztok = np.zeros((0, self.b0.shape[0]), np.float32)
         self._gate: tuple[Any, int, np.ndarray] = (None, -1, self._ztok)  # (token context, source rank, earlier layers' term)
@@ -423,60 +452,122 @@ class EstimatorRunner:
         return self._compiled[key]
 
     def precompute(self, horizon: int) -> EstimatorRunner:
-        """`ChainRunner.precompute` for the estimator's compiled call, and the all-estimator masks of every S."""
-        for l, steps in _sources(self.ml, horizon):
-            self.compiled(l, steps)
+        """`ChainRunner.precompute` for the estimator's compiled call, the all-estimator masks of every S and the
+        compiled call's argument tails of every (source layer, S)."""
         for s in range(1, horizon + 1):
-            self._all.setdefault(s, np.ones(s, np.bool_))
+            self._use_all(s)
+        for l, top in _sources(self.ml, horizon):
+            self.compiled(l, top)
+            for steps in range(1, top + 1):
+                self._tail(l, steps, self._all[steps])
         return self
 
-    def fast_probs(self, batch: SourceBatch, steps: int, use: np.ndarray) -> np.ndarray | None:
-        """[S,T,E] probabilities in ONE compiled call (`estimator_probs`): the estimator's where use[s-1], the
-        router's elsewhere; None when the call has more than 4 tokens or a part runs as its module (then the
-        numpy path runs)."""
+    def _tail(self, l: int, steps: int, use: np.ndarray) -> tuple | None:
+        """`estimator_probs`'s arguments after the per-call ones (source offset in AgT's rows, the per-(layer, S)
+        arrays, the network, `use`), kept per (source layer, S, use array): a decode call unpacks one tuple; None when
+        a part runs as its module or a step in `use` is not one of the estimator's pairs."""
+        key = (l, steps, id(use))
+        kept = self._tails.get(key)
+        if kept is not None:
+            return kept[1]
+        c = self.compiled(l, steps)
+        t = None
+        if c is not None and c[5][use].all():
+            Fs, eps, Ds, renorm, pos, _ = c
+            BT, bb, CT, cb = self.kblocks
+            t = (self.rank[l] * self.E, Fs, eps, Ds, renorm, self.chain.spec.top_k, self.AuT, self.AgT, self.b0, pos,
+                 BT, bb, CT, cb, self.headT, self.hb, self.eps, bool(self.residual), use)  # fmt: skip
+        if len(self._tails) >= 4096:  # callers that pass a new `use` per call: the store restarts
+            self._tails.clear()
+        self._tails[key] = (use, t)  # holds `use`, so its id is not reused while the entry lives
+        return t
+
+    def _args(self, batch: SourceBatch, steps: int, use: np.ndarray) -> tuple | None:
+        """`estimator_probs`'s arguments for this call, or None (more than 4 tokens, no residual or router input, or
+        `_tail` None: then the numpy path runs)."""
+        arr = batch.arrays
+        if arr is not None:  # the policy's host arrays: no tensor touched
+            T = arr[3].shape[0]
+            tail = self._tail(batch.layer, steps, use) if T <= 4 and arr[1].size else None
+            if tail is None:
+                return None
+            zb = self._token_term(batch)
+            return (arr[0], arr[2], arr[3], arr[1], zb, history_rows(batch, self.rank, self.E), *tail)
         res = batch.residual
         if res is None or len(res) > 4 or not batch.router_input.numel():
             return None
-        c = self.compiled(batch.layer, steps)
-        if c is None or not c[5][use].all():
+        tail = self._tail(batch.layer, steps, use)
+        if tail is None:
             return None
-        Fs, eps, Ds, renorm, pos, _ = c
-        BT, bb, CT, cb = self.kblocks
-        return estimator_probs(  # C-contiguous inputs: one compiled signature
+        return (  # C-contiguous inputs: one compiled signature
             np.ascontiguousarray(np32(res)),
             np.ascontiguousarray(np32(batch.topk_weights)),
             np.ascontiguousarray(npi(batch.topk_ids), np.int64),
             np.ascontiguousarray(np32(batch.router_input)),
             np.ascontiguousarray(self._token_term(batch), np.float32),
             history_rows(batch, self.rank, self.E),
-            self.rank[batch.layer] * self.E,
-            Fs, eps, Ds, renorm, self.chain.spec.top_k, self.AuT, self.AgT, self.b0, pos, BT, bb, CT, cb,
-            self.headT, self.hb, self.eps, bool(self.residual), use,
-        )  # fmt: skip
+            *tail,
+        )
+
+    def fast_probs(self, batch: SourceBatch, steps: int, use: np.ndarray) -> np.ndarray | None:
+        """[S,T,E] probabilities in ONE compiled call (`estimator_probs`): the estimator's where use[s-1], the
+        router's elsewhere; None when the call has more than 4 tokens or a part runs as its module (then the
+        numpy path runs)."""
+        a = self._args(batch, steps, use)
+        return None if a is None else estimator_probs(*a)
+
+    def fast_requests(
+        self,
+        batch: SourceBatch,
+        steps: int,
+        use: np.ndarray,
+        m: int,
+        targets: np.ndarray,
+        k: float,
+        ib: np.ndarray,
+        fb: np.ndarray,
+    ) -> int | None:
+        """`kernels.decode_into` of `fast_probs` in ONE compiled call (`estimator_requests`), or None (not one
+        token, or `fast_probs` would be None)."""
+        a = self._args(batch, steps, use) if batch.t == 1 else None
+        return None if a is None else estimator_requests(*a, m, targets, k, ib, fb)
+
+    def _use_all(self, steps: int) -> np.ndarray:
+        use = self._all.get(steps)
+        if use is None:
+            use = self._all[steps] = np.ones(steps, np.bool_)
+        return use
 
     def warm(self) -> EstimatorRunner:
-        """Compile `estimator_probs` (or load it from numba's cache) now, at bind, not in the first decode call."""
+        """Compile `estimator_probs` and `estimator_requests` (or load them from numba's cache) now, at bind, not in
+        the first decode call."""
         l = next((x for x in self.ml[:-1] if self.compiled(x, 1) is not None), None)
         if l is not None:
             H, k = self.H, self.chain.spec.top_k
             Fs, eps, Ds, renorm, pos, _ = self._compiled[(l, 1)]  # type: ignore[misc]
             BT, bb, CT, cb = self.kblocks
             z = np.zeros((1, self.b0.shape[0]), np.float32)
-            estimator_probs(np.zeros((1, H), np.float32), np.zeros((1, k), np.float32), np.zeros((1, k), np.int64),
-                            np.zeros((1, H), np.float32), z, np.zeros((1, 0), np.int64), 0, Fs, eps, Ds, renorm, k,
-                            self.AuT, self.AgT, self.b0, pos, BT, bb, CT, cb, self.headT, self.hb, self.eps,
-                            bool(self.residual), np.ones(1, np.bool_))  # fmt: skip
+            a = (np.zeros((1, H), np.float32), np.zeros((1, k), np.float32), np.zeros((1, k), np.int64),
+                 np.zeros((1, H), np.float32), z, np.zeros((1, 0), np.int64), 0, Fs, eps, Ds, renorm, k,
+                 self.AuT, self.AgT, self.b0, pos, BT, bb, CT, cb, self.headT, self.hb, self.eps,
+                 bool(self.residual), np.ones(1, np.bool_))  # fmt: skip
+            estimator_probs(*a)
+            estimator_requests(*a, 1, np.zeros(1, np.int64), 1.0, *_request_buffers(1))
         return self
 
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
-        use = self._all.get(steps)
-        if use is None:
-            use = self._all[steps] = np.ones(steps, np.bool_)
+        use = self._use_all(steps)
         out = self.fast_probs(batch, steps, use)
         if out is not None:
             return out
         qa, rl = self.chain.run(batch, steps, self.AqT)
         return softmax(self.logits(batch, qa, rl, list(range(1, steps + 1))))
+
+    def requests(
+        self, batch: SourceBatch, steps: int, m: int, targets: np.ndarray, k: float, ib: np.ndarray, fb: np.ndarray
+    ) -> int | None:
+        """A decode step's requests (`ChainRunner.requests`' buffers and count) in one compiled call, or None."""
+        return self.fast_requests(batch, steps, self._use_all(steps), m, targets, k, ib, fb)
 
 
 class HybridRunner:
@@ -493,11 +584,12 @@ class HybridRunner:
         return self
 
     def precompute(self, horizon: int) -> HybridRunner:
-        """The estimator's `precompute`, and which steps take the estimator, for every source layer and S."""
+        """The estimator's `precompute`, and which steps take the estimator (and the compiled call's argument tail)
+        for every source layer and S."""
         self.est.precompute(horizon)
         for l, top in _sources(self.est.ml, horizon):
             for steps in range(1, top + 1):
-                self._use_of(l, steps)
+                self.est._tail(l, steps, self._use_of(l, steps))
         return self
 
     def _use_of(self, l: int, steps: int) -> np.ndarray:
@@ -506,6 +598,12 @@ class HybridRunner:
         if use is None:
             use = self._use[(l, steps)] = np.array([(l, s) in self.use for s in range(1, steps + 1)], np.bool_)
         return use
+
+    def requests(
+        self, batch: SourceBatch, steps: int, m: int, targets: np.ndarray, k: float, ib: np.ndarray, fb: np.ndarray
+    ) -> int | None:
+        """A decode step's requests (`ChainRunner.requests`' buffers and count) in one compiled call, or None."""
+        return self.est.fast_requests(batch, steps, self._use_of(batch.layer, steps), m, targets, k, ib, fb)
 
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
         use = self._use_of(batch.layer, steps)  # [S]
@@ -656,21 +754,26 @@ class ForestRunner:
         if not hasattr(rf, "nodes"):
             probs = self.probs(batch, [t for t, _ in pairs]) if probs is None else probs
             return self.finish(*self.prepare(list(pairs), batch, probs), probs)
-        pk = tuple(pairs)
+        return forest_scores(*self._args(tuple(pairs), batch, probs))
+
+    def _args(self, pk: tuple[tuple[int, int], ...], batch: SourceBatch, probs: np.ndarray | None) -> tuple:
+        """`forest_scores`'s arguments for the pairs `pk` (the compiled forest only)."""
+        rf = self.f.rf
         sr = self._pairs.get(pk)
         if sr is None:  # S, target rank and routers of every pair
             sr = self._pair_arrays(pk)
-        uw = self._no_w
+        uw, arr = self._no_w, batch.arrays  # arr: the policy's host arrays (no tensor touched), else the tensors
+        has_u = arr[1].size if arr is not None else batch.router_input.numel()
         if probs is None:
-            if sr[2] is not False and batch.router_input.numel():  # the kernel computes the pre-gate into `probs`
-                uw = (np.ascontiguousarray(np32(batch.router_input)), sr[2])
+            if sr[2] is not False and has_u:  # the kernel computes the pre-gate into `probs`
+                uw = (arr[1] if arr is not None else np.ascontiguousarray(np32(batch.router_input)), sr[2])
                 probs = np.empty((len(pk), batch.t, self.E), np.float32)  # [P,T,E]
             else:
                 probs = self.probs(batch, [t for t, _ in pk])
         emb, pc, pp = self.per_pass(batch)
         kind = self.f.base_kind
-        base_kind = 1 if kind == "prior" else 2 if kind == "pregate" and batch.router_input.numel() else 0
-        return forest_scores(
+        base_kind = 1 if kind == "prior" else 2 if kind == "pregate" and has_u else 0
+        return (
             np.ascontiguousarray(probs, np.float32),
             uw[0],
             uw[1],
@@ -689,7 +792,8 @@ class ForestRunner:
         )
 
     def warm(self) -> ForestRunner:
-        """Compile `forest_scores` (or load it from numba's cache) now, not in the first decode call."""
+        """Compile `forest_scores` and `forest_requests` (or load them from numba's cache) now, not in the first decode
+        call."""
         rf, L, E = self.f.rf, len(self.ml), self.E
         if hasattr(rf, "nodes"):
             d = self.f.dim
@@ -698,10 +802,22 @@ class ForestRunner:
             h0, s0, r0 = np.zeros((1, 0), np.int64), np.ones(1, np.float32), np.zeros(1, np.int64)
             nf, a = int(self.f.n_features), rf.a
             u, W = self._no_w
-            forest_scores(z, u, W, np.zeros((1, d), np.float32), pz, pz, h0, s0, r0, nf, rf.nodes, a["value"], a["roots"], 0,
-                          self.k)  # fmt: skip
+            args = (z, u, W, np.zeros((1, d), np.float32), pz, pz, h0, s0, r0, nf, rf.nodes, a["value"], a["roots"], 0,
+                    self.k)  # fmt: skip
+            forest_scores(*args)
+            forest_requests(*args, 1, np.zeros(1, np.int64), 1.0, *_request_buffers(1))
         return self
 
     def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
         pk = self._steps.get((batch.layer, steps)) or self._pairs_of(batch.layer, steps)
         return self.scores_pairs(pk, batch)
+
+    def requests(
+        self, batch: SourceBatch, steps: int, m: int, targets: np.ndarray, k: float, ib: np.ndarray, fb: np.ndarray
+    ) -> int | None:
+        """A decode step's requests (`ChainRunner.requests`' buffers and count) in ONE compiled call
+        (`forest_requests`), or None when the call is not one token or the forest is not compiled."""
+        if batch.t != 1 or not hasattr(self.f.rf, "nodes"):
+            return None
+        pk = self._steps.get((batch.layer, steps)) or self._pairs_of(batch.layer, steps)
+        return forest_requests(*self._args(pk, batch, None), m, targets, k, ib, fb)

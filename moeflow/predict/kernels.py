@@ -5,7 +5,10 @@ decode step, and what `moeflow.policies.learned` calls to turn a step's scores i
 - `forest_scores`: a forest call whole (the pre-gate, feature rows, walk, base and finish).
 - `chain_probs`: Router-PF's quasi-hidden chain and router probabilities for every S of a source layer.
 - `estimator_probs`: the chain, the estimator's network and its softmax (Hybrid's router steps too) in one call.
-- `decode_requests`: a decode step's requests (target, expert, priority, confidence) in issue order.
+- `decode_requests`: a decode step's requests (target, expert, priority, confidence) in issue order (`decode_into`
+  writes them into the caller's buffers).
+- `chain_requests`, `estimator_requests`, `forest_requests`: a runner's kernel and `decode_into` in one call, what a
+  prefetch policy's decode step calls (`runner.requests`): one dispatch per step, no array handed back.
 
 Each is compiled once and cached next to this file (or in numba's user-wide cache where that is read-only); the
 runners call them at bind so the first decode step does not.
@@ -323,12 +326,13 @@ def estimator_probs(r0, w0, ids0, u, zbase, hrows, soff, Fs, eps, Ds, renorm, to
 
 
 @_jit
-def decode_requests(sc, m, targets, k):  # pragma: no cover - compiled
-    """A decode step's prefetch requests as arrays, in issue order: scores sc [S,1,E] (float32) of the targets
-    `targets` [S] -> (target [R], expert [R], priority [R], confidence [R]) of each target's top m experts (ties to
-    the lower expert), probability b = score / tot (float32; tot the row's sum, at least 1e-12, summed in float64),
-    priority (S - s) + b (nearer target first, then by probability; a stable order, experts ascending within a
-    target), confidence min(1, k b); a negative probability is never requested."""
+def decode_into(sc, m, targets, k, ib, fb):  # pragma: no cover - compiled
+    """A decode step's prefetch requests written in issue order into ib [2,>=S*m] int64 (target, expert) and fb
+    [2,>=S*m] float64 (priority, confidence); returns their count. Scores sc [S,1,E] (float32) of the targets
+    `targets` [S]: each target's top m experts (ties to the lower expert), probability b = score / tot (float32;
+    tot the row's sum, at least 1e-12, summed in float64), priority (S - s) + b (nearer target first, then by
+    probability; a stable order, experts ascending within a target), confidence min(1, k b); a negative
+    probability is never requested."""
     S, E = sc.shape[0], sc.shape[2]
     flat = sc.reshape(S, E)  # [S,E]
     tot = np.empty(S, np.float32)
@@ -337,11 +341,6 @@ def decode_requests(sc, m, targets, k):  # pragma: no cover - compiled
         for e in range(E):
             acc += np.float64(flat[s, e])
         tot[s] = np.float32(max(acc, 1e-12))
-    R = S * m
-    tg = np.empty(R, np.int64)
-    ex = np.empty(R, np.int64)
-    pr = np.empty(R, np.float64)
-    cf = np.empty(R, np.float64)
     chosen = np.empty(E, np.bool_)
     n = 0
     for s in range(S):
@@ -358,9 +357,45 @@ def decode_requests(sc, m, targets, k):  # pragma: no cover - compiled
                 if b >= 0.0:
                     p = (S - s) + b
                     i = n  # insertion sort by descending priority, stable
-                    while i > 0 and pr[i - 1] < p:
-                        tg[i], ex[i], pr[i], cf[i] = tg[i - 1], ex[i - 1], pr[i - 1], cf[i - 1]
+                    while i > 0 and fb[0, i - 1] < p:
+                        ib[0, i], ib[1, i], fb[0, i], fb[1, i] = ib[0, i - 1], ib[1, i - 1], fb[0, i - 1], fb[1, i - 1]
                         i -= 1
-                    tg[i], ex[i], pr[i], cf[i] = targets[s], e, p, min(1.0, max(0.0, k * b))
+                    ib[0, i], ib[1, i], fb[0, i], fb[1, i] = targets[s], e, p, min(1.0, max(0.0, k * b))
                     n += 1
-    return tg[:n], ex[:n], pr[:n], cf[:n]
+    return n
+
+
+@_jit
+def decode_requests(sc, m, targets, k):  # pragma: no cover - compiled
+    """`decode_into` as arrays: (target [R], expert [R], priority [R], confidence [R]) in issue order."""
+    R = sc.shape[0] * m
+    ib = np.empty((2, R), np.int64)
+    fb = np.empty((2, R), np.float64)
+    n = decode_into(sc, m, targets, k, ib, fb)
+    return ib[0, :n], ib[1, :n], fb[0, :n], fb[1, :n]
+
+
+@_jit
+def chain_requests(r0, w0, ids0, Fs, eps, Ds, top_k, renorm, m, targets, k, ib, fb):  # pragma: no cover - compiled
+    """Router-PF's decode step whole in one compiled call: `decode_into` of `chain_probs`'s [S,1,E] probabilities
+    (the same arithmetic, one call instead of two, no array handed back): the count of requests in ib, fb."""
+    return decode_into(chain_probs(r0, w0, ids0, Fs, eps, Ds, top_k, renorm), m, targets, k, ib, fb)
+
+
+@_jit
+def estimator_requests(r0, w0, ids0, u, zbase, hrows, soff, Fs, eps, Ds, renorm, top_k, AuT, AgT, b0, pos, BT, bb, CT, cb,
+                       headT, hb, ln_eps, residual, use, m, targets, k, ib, fb):  # pragma: no cover - compiled  # fmt: skip
+    """The estimator's (and Hybrid's) decode step whole in one compiled call: `decode_into` of `estimator_probs`'s
+    [S,1,E] probabilities."""
+    sc = estimator_probs(r0, w0, ids0, u, zbase, hrows, soff, Fs, eps, Ds, renorm, top_k, AuT, AgT, b0, pos, BT, bb, CT, cb,
+                         headT, hb, ln_eps, residual, use)  # fmt: skip
+    return decode_into(sc, m, targets, k, ib, fb)
+
+
+@_jit
+def forest_requests(
+    probs, u, W, emb, pc, pp, hrows, sv, rv, nf, nodes, value, roots, base_kind, top_k, m, targets, k, ib, fb
+):  # pragma: no cover
+    """The forest's decode step whole in one compiled call: `decode_into` of `forest_scores`'s [P,1,E] scores."""
+    sc = forest_scores(probs, u, W, emb, pc, pp, hrows, sv, rv, nf, nodes, value, roots, base_kind, top_k)
+    return decode_into(sc, m, targets, k, ib, fb)
