@@ -438,6 +438,30 @@ def test_forest_fitted_and_scored_in_one_process_gives_the_serial_report(fitted_
     assert json.dumps(report) == json.dumps(want)  # the same figures, in the same order
 
 
+def test_work_for_later_is_done_while_the_forest_process_runs_on(fitted_default):
+    """`idle` runs in this process after its own fits and scores, while the forest's process still scores (here
+    held up for a second), and not at all when one fit runs at a time."""
+    import time
+
+    from moeflow.predict import evaluate as ev
+    from moeflow.predict.train import fit_all
+
+    model, train, held, cfg, _ = fitted_default
+    cfg = dataclasses.replace(cfg, only=("forest",), forest_trees=2)
+    events: list[str] = []
+
+    def scores(p, here):
+        if not here:
+            time.sleep(1.0)  # the forest's process: still busy when this one is done
+        events.append("scored here") if here else None
+        return ev.score(p, held, max_s=cfg.max_s)
+
+    for workers in (2, 1):
+        events.clear()
+        fit_all(train, model, cfg, workers=workers, score=scores, scored=[], idle=lambda: events.append("idle"))
+        assert events == (["scored here", "idle"] if workers == 2 else ["scored here"])
+
+
 def test_stage_scores_beside_the_forest_on_the_threads_it_leaves(tiny_setup, tmp_path, monkeypatch):  # noqa: F811
     """`--threads 2` (2 fits at once): while the forest's process fits and scores on 1 thread, this process scores
     the others on the other thread (torch and BLAS), not on 2 (3 threads on 2 cores stall torch's parallel

@@ -181,12 +181,14 @@ def fit_all(
     workers: int = 1,
     score: Callable[[dict[str, Any], bool], Scores] | None = None,
     scored: list[Scores] | None = None,
+    idle: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """name -> fitted predictor: the baselines, pregate if hidden states exist, then cfg.only (`fitted_names`;
     hybrid reuses the estimator). `seconds` gets the shared default vectors' time under "default vectors".
     `score(preds, here)` (optional) scores a set of them (`here` is False in the forest's process): a tuple of
     picklable dicts keyed by predictor name; the dicts of all its calls, merged in the predictors' order, are
-    appended to `scored`.
+    appended to `scored`. `idle()` (optional) is work this process needs later (e.g. imports), done while it would
+    wait for the forest's process.
 
     `workers` 2 (see `fit_workers`): the forest fits in a process of its own (`in_child`: one torch thread, with
     `cfg.threads // 2` (at least 1) tree jobs: the splitter releases the GIL) while the rest fit here. That process
@@ -225,6 +227,8 @@ def fit_all(
         if score is not None:
             scores = score({n: out[n] for n in names if n not in there}, True)
         if aside is not None:
+            if idle is not None and not aside.done():
+                idle()
             seconds_, got = aside.result()
             out["forest"] = PREDICTORS["forest"].load(folder, model)
             out["forest"].fit_seconds = seconds_

@@ -275,7 +275,7 @@ def _fit_and_evaluate(
     the end of this process's fits to the report). With 2 workers the forest (which shares no work with the
     others) is fitted and scored in a process of its own with the cheap `ASIDE` predictors
     (`moeflow.predict.train.fit_all`) while the others are fitted and scored here."""
-    from ..predict.evaluate import score, summarize
+    from ..predict.evaluate import preload_plot, score, summarize
     from ..predict.train import fitted_names
 
     kw: dict[str, Any] = {"max_s": cfg.max_s, "window": cfg.forest_window, "mass": cfg.mass}
@@ -291,7 +291,7 @@ def _fit_and_evaluate(
         return score(preds, held, progress=lambda: prog.update(task[0], advance=1), **kw)
 
     got: list[Any] = []
-    preds = fit_all(train, model, cfg, prog, seconds=steps, workers=workers, score=scores, scored=got)
+    preds = fit_all(train, model, cfg, prog, seconds=steps, workers=workers, score=scores, scored=got, idle=preload_plot)
     if task:
         prog.update(task[0], completed=total)
     results, decode = got[0]
