@@ -79,6 +79,21 @@ def test_train_text_prints_the_seconds_table(default_train):
         assert row in text, row
 
 
+def test_train_freezes_what_is_left_for_the_exit(monkeypatch, tmp_path):
+    """The train command registers `gc.freeze` to run at interpreter exit (the teardown's collections then skip the
+    objects left), and nothing more: gc is not frozen while the process goes on."""
+    import atexit
+    import gc
+
+    registered: list = []
+    monkeypatch.setattr(atexit, "register", lambda f, *a, **k: registered.append(f) or f)
+    monkeypatch.setattr("moeflow.stages.train.main", lambda cfg, console=None: {"seconds": 0.0})
+    frozen = gc.get_freeze_count()
+    code, _, log = _train(["--trace", str(tmp_path), "--out", str(tmp_path / "p"), "--json"])
+    assert code == 0, log
+    assert gc.freeze in registered and gc.get_freeze_count() == frozen
+
+
 def test_only_planners_still_fit_and_are_timed(tmp_path):
     """`--only eam --only eap`: the CasMoE planner alone, each part with its seconds."""
     from moeflow.models import load_model, tiny_model
