@@ -79,6 +79,21 @@ def test_train_text_prints_the_seconds_table(default_train):
         assert row in text, row
 
 
+def test_train_freezes_what_is_left_for_the_exit(monkeypatch, tmp_path):
+    """The train command registers `gc.freeze` to run at interpreter exit (the teardown's collections then skip the
+    objects left), and nothing more: gc is not frozen while the process goes on."""
+    import atexit
+    import gc
+
+    registered: list = []
+    monkeypatch.setattr(atexit, "register", lambda f, *a, **k: registered.append(f) or f)
+    monkeypatch.setattr("moeflow.stages.train.main", lambda cfg, console=None: {"seconds": 0.0})
+    frozen = gc.get_freeze_count()
+    code, _, log = _train(["--trace", str(tmp_path), "--out", str(tmp_path / "p"), "--json"])
+    assert code == 0, log
+    assert gc.freeze in registered and gc.get_freeze_count() == frozen
+
+
 def test_only_planners_still_fit_and_are_timed(tmp_path):
     """`--only eam --only eap`: the CasMoE planner alone, each part with its seconds."""
     from moeflow.models import load_model, tiny_model
@@ -412,21 +427,88 @@ def test_forest_fitted_beside_the_others_is_the_same(fitted_default, monkeypatch
     assert both["hybrid"].use_estimator == serial["hybrid"].use_estimator
 
 
-def test_forest_scored_beside_the_others_gives_the_same_report(fitted_default, monkeypatch, tmp_path):
-    """With 2 workers the stage scores the forest in a process of its own while the others are scored in this one;
-    the held-out report is the one `evaluate` gives for all of them in one call."""
+def test_forest_fitted_and_scored_in_one_process_gives_the_serial_report(fitted_default, monkeypatch, tmp_path):
+    """workers=2 with a scorer: one forked process fits the forest and scores it with the cheap ASIDE predictors,
+    while the others are fitted and scored in this one; the merged held-out report is the one `evaluate` gives
+    for all of them in one call."""
     import os
 
     from moeflow.predict import evaluate as ev
-    from moeflow.stages.train import _evaluate
+    from moeflow.predict import train as pt
 
-    _, _, held, cfg, preds = fitted_default
-    want = ev.evaluate(preds, held, max_s=cfg.max_s, window=cfg.forest_window, mass=cfg.mass)
+    model, train, held, cfg, serial = fitted_default
+    kw = {"max_s": cfg.max_s, "window": cfg.forest_window, "mass": cfg.mass}
+    want = ev.evaluate(serial, held, **kw)
+    forks: list[int] = []
+    real_child, real_score = pt.in_child, ev.score
+    monkeypatch.setattr(pt, "in_child", lambda fn: forks.append(1) or real_child(fn))
+    monkeypatch.setattr(ev, "score", lambda p, *a, **k: [_mark_pid(tmp_path, n) for n in p] and real_score(p, *a, **k))
+    got: list = []
+    preds = pt.fit_all(train, model, cfg, workers=2, score=lambda p, here: ev.score(p, held, **kw), scored=got)
+    assert list(preds) == list(serial) and forks == [1]  # the forest's fit and its scores: one process
+    here = {n for n in preds if _pids(tmp_path, n) == {os.getpid()}}
+    there = {n for n in preds if _pids(tmp_path, n) and os.getpid() not in _pids(tmp_path, n)}
+    assert there == {"forest", *pt.ASIDE} and here == set(preds) - there
+    report = ev.summarize(*got[0], held, np.arange(held.n), max_s=cfg.max_s, mass=cfg.mass)
+    assert json.dumps(report) == json.dumps(want)  # the same figures, in the same order
+
+
+def test_work_for_later_is_done_while_the_forest_process_runs_on(fitted_default):
+    """`idle` runs in this process after its own fits and scores, while the forest's process still scores (here
+    held up for a second), and not at all when one fit runs at a time."""
+    import time
+
+    from moeflow.predict import evaluate as ev
+    from moeflow.predict.train import fit_all
+
+    model, train, held, cfg, _ = fitted_default
+    cfg = dataclasses.replace(cfg, only=("forest",), forest_trees=2)
+    events: list[str] = []
+
+    def scores(p, here):
+        if not here:
+            time.sleep(1.0)  # the forest's process: still busy when this one is done
+        events.append("scored here") if here else None
+        return ev.score(p, held, max_s=cfg.max_s)
+
+    for workers in (2, 1):
+        events.clear()
+        fit_all(train, model, cfg, workers=workers, score=scores, scored=[], idle=lambda: events.append("idle"))
+        assert events == (["scored here", "idle"] if workers == 2 else ["scored here"])
+
+
+def test_stage_scores_beside_the_forest_on_the_threads_it_leaves(tiny_setup, tmp_path, monkeypatch):  # noqa: F811
+    """`--threads 2` (2 fits at once): while the forest's process fits and scores on 1 thread, this process scores
+    the others on the other thread (torch and BLAS), not on 2 (3 threads on 2 cores stall torch's parallel
+    regions), and gets its counts back after."""
+    import os
+
+    from threadpoolctl import threadpool_info
+
+    import moeflow.predict.evaluate as ev
+    from moeflow.predict.train import can_fork
+    from moeflow.stages.train import TrainConfig, main
+
+    if not can_fork():
+        pytest.skip("no fork start method here")
+    _, trace, _ = tiny_setup
+    seen: list[tuple[int, set[int]]] = []
     real = ev.score
-    monkeypatch.setattr(ev, "score", lambda p, *a, **k: [_mark_pid(tmp_path, n) for n in p] and real(p, *a, **k))
-    got = _evaluate(preds, held, cfg, workers=2)
-    assert _pids(tmp_path, "estimator") == {os.getpid()} and os.getpid() not in _pids(tmp_path, "forest")
-    assert json.dumps(got) == json.dumps(want)  # the same figures, in the same order
+
+    def spy(*a, **k):
+        if os.getpid() == me:
+            seen.append((torch.get_num_threads(), {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}))
+        return real(*a, **k)
+
+    me = os.getpid()
+    monkeypatch.setattr(ev, "score", spy)
+    model = str(trace.parent / "model")
+    cfg = TrainConfig(trace=str(trace), out=str(tmp_path / "p"), model=model, only=("router-pf", "forest"), max_s=1, threads=2)
+    cfg = dataclasses.replace(cfg, forest_trees=2, forest_max_samples=500, forest_tree_samples=200)
+    was = torch.get_num_threads()
+    rep = main(cfg)
+    assert rep["fit_workers"] == 2 and rep["fit_threads"] == 2
+    assert seen == [(1, {1})] and torch.get_num_threads() == was
 
 
 def _count_calls(monkeypatch, objs: dict[str, object], method: str) -> dict[str, int]:
@@ -598,13 +680,13 @@ def test_train_runs_numpy_blas_with_its_threads(tiny_setup, tmp_path, monkeypatc
         return {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
 
     seen: list[set[int]] = []
-    real = ev.evaluate
+    real = ev.score
 
     def spy(*a, **k):
         seen.append(blas())
         return real(*a, **k)
 
-    monkeypatch.setattr(ev, "evaluate", spy)
+    monkeypatch.setattr(ev, "score", spy)
     cfg = TrainConfig(
         trace=str(trace), out=str(tmp_path / "p"), model=str(trace.parent / "model"), only=("forest",), max_s=1, threads=1
     )

@@ -419,6 +419,13 @@ def tables(report: dict[str, Any]) -> list:
     return out
 
 
+def preload_plot() -> None:
+    """Import what `plot` draws with (matplotlib's `Figure` and Agg canvas: most of its time); `moeflow train` does
+    it while it would wait for the forest's process."""
+    import matplotlib.backends.backend_agg
+    import matplotlib.figure  # noqa: F401
+
+
 def plot(report: dict[str, Any], path: Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

@@ -158,6 +158,20 @@ def in_child(fn: Callable[[], Any]) -> Future[Any]:
     return fut
 
 
+ASIDE = ("frequency", "token-id", "pregate")  # cheap, seeded fits the forest's process repeats and scores too
+
+
+def fitted_names(only: tuple[str, ...], has_hidden: bool) -> list[str]:
+    """The predictors `fit_all` fits for `--only` names `only`, in its order: the baselines, pregate (with hidden
+    states), then the learned ones (hybrid after the estimator and router-pf it reuses)."""
+    own = [n for n in only if n != "pregate" and n not in PLANNERS and n not in GPS]
+    own.sort(key=lambda n: n == "hybrid")
+    return list(BASELINES) + (["pregate"] if has_hidden else []) + own
+
+
+Scores = tuple[dict[str, Any], ...]  # a scorer's output: dicts keyed by predictor name
+
+
 def fit_all(
     train: RoutingData,
     model: torch.nn.Module,
@@ -165,30 +179,40 @@ def fit_all(
     progress: Any = None,
     seconds: dict[str, float] | None = None,
     workers: int = 1,
+    score: Callable[[dict[str, Any], bool], Scores] | None = None,
+    scored: list[Scores] | None = None,
+    idle: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """name -> fitted predictor (baselines, pregate if hidden states exist, then cfg.only; hybrid reuses the
-    estimator). `seconds` gets the shared default vectors' time under "default vectors". `workers` 2 (see
-    `fit_workers`): the forest fits in a process of its own (`in_child`: one torch thread), with `cfg.threads // 2`
-    (at least 1) tree jobs (threads: the splitter releases the GIL), while the rest fit here; each fit is seeded
-    on its own, so the predictors are the same as one after the other."""
+    """name -> fitted predictor: the baselines, pregate if hidden states exist, then cfg.only (`fitted_names`;
+    hybrid reuses the estimator). `seconds` gets the shared default vectors' time under "default vectors".
+    `score(preds, here)` (optional) scores a set of them (`here` is False in the forest's process): a tuple of
+    picklable dicts keyed by predictor name; the dicts of all its calls, merged in the predictors' order, are
+    appended to `scored`. `idle()` (optional) is work this process needs later (e.g. imports), done while it would
+    wait for the forest's process.
+
+    `workers` 2 (see `fit_workers`): the forest fits in a process of its own (`in_child`: one torch thread, with
+    `cfg.threads // 2` (at least 1) tree jobs: the splitter releases the GIL) while the rest fit here. That process
+    also scores the forest and the `ASIDE` predictors (fitted again there: a few ms; scored there, they balance
+    the estimator's fit and scoring here), then saves the forest to a temporary folder read back here. Each fit
+    is seeded on its own, so the predictors and scores are the same as one after the other."""
     from .default_vectors import compute_default_vectors
 
-    own = [n for n in cfg.only if n != "pregate" and n not in PLANNERS and n not in GPS]
-    own.sort(key=lambda n: n == "hybrid")  # after the estimator and router-pf it reuses
-    names = list(BASELINES) + (["pregate"] if train.has_hidden else []) + own
+    names = fitted_names(cfg.only, train.has_hidden)
     task = (lambda name, total: progress.add_task(name, total=total)) if progress else (lambda *a: None)
     adv = (lambda t, **kw: progress.update(t, **kw)) if progress else (lambda *a, **k: None)
     order = list(names)
-    aside = None  # the forest's fit in a process of its own, which saves it to a temporary folder
+    aside = None  # the forest's fit (and scores) in a process of its own, which saves it to a temporary folder
+    there: list[str] = []  # the predictors scored in that process
     if workers >= 2 and "forest" in names:
         import tempfile
 
         names.remove("forest")
+        there = [n for n in order if n in ASIDE or n == "forest"] if score is not None else []
         tmp = tempfile.TemporaryDirectory(prefix="moeflow-forest-")
         forest_cfg = dataclasses.replace(cfg, threads=max(1, int(cfg.threads or 1) // 2))
         ft = task("fit forest", 1.0)
         folder = Path(tmp.name) / "forest"
-        aside = in_child(lambda: _fit_and_save("forest", train, model, forest_cfg, folder))
+        aside = in_child(lambda: _fit_aside(train, model, forest_cfg, folder, there, score))
     dvec = None
     if any(n in ("router-pf", "estimator", "hybrid") for n in names):
         t = task("mean expert outputs", len(train.spec.moe_layers))  # the default vectors (Speculating Experts 3)
@@ -197,27 +221,46 @@ def fit_all(
         if seconds is not None:
             seconds["default vectors"] = time.perf_counter() - t0
     out: dict[str, Any] = {}
+    scores = None
     try:
         _fit_here(names, train, model, cfg, dvec, out, task, adv)
+        if score is not None:
+            scores = score({n: out[n] for n in names if n not in there}, True)
         if aside is not None:
-            seconds_ = aside.result()
+            if idle is not None and not aside.done():
+                idle()
+            seconds_, got = aside.result()
             out["forest"] = PREDICTORS["forest"].load(folder, model)
             out["forest"].fit_seconds = seconds_
             adv(ft, completed=1.0)
+            if scores is not None and got is not None:
+                scores = tuple(_in_order({**a, **b}, order) for a, b in zip(scores, got))
     finally:
         if aside is not None:
             aside.cancel()
             tmp.cleanup()
+    if scores is not None and scored is not None:
+        scored.append(scores)
     return {n: out[n] for n in order}
 
 
-def _fit_and_save(name: str, train: RoutingData, model: torch.nn.Module, cfg: Any, folder: Path) -> float:
-    """In a child process: fit `name`, save it to `folder` (its own save format, read back with its `load`); its
-    fit seconds."""
-    p = _fit_one(name, train, model, cfg)
+def _in_order(d: dict[str, Any], order: list[str]) -> dict[str, Any]:
+    return {n: d[n] for n in order if n in d}
+
+
+def _fit_aside(
+    train: RoutingData, model: torch.nn.Module, cfg: Any, folder: Path, names: list[str], score: Any
+) -> tuple[float, Scores | None]:
+    """In the forest's process: fit the forest and save it to `folder` (its own save format, read back with its
+    `load`); then fit the other `names` and score all of `names` with `score`. (The forest's fit seconds, the
+    scores or None.)"""
+    p = _fit_one("forest", train, model, cfg)
     folder.mkdir()
     p.save(folder)
-    return float(p.fit_seconds)
+    if score is None or not names:
+        return float(p.fit_seconds), None
+    preds = {n: p if n == "forest" else _fit_one(n, train, model, cfg) for n in names}
+    return float(p.fit_seconds), score(preds, False)
 
 
 def _fit_one(name: str, train: RoutingData, model: torch.nn.Module, cfg: Any, **kw: Any) -> Any:

@@ -216,13 +216,8 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
     if console is not None and workers > 1:
         console.print("[dim]fits: the forest in a process of its own beside the others (2 at once)[/]")
     with progress("train", enabled=console is not None, console=console, columns=columns, transient=False) as prog:
-        with _torch_threads_beside_forest(n, workers):
-            preds = fit_all(train, model, cfg, prog, seconds=steps, workers=workers)
-        t0 = time.perf_counter()
-        pairs = len(data.rank_pairs(cfg.max_s))
-        t = prog.add_task("evaluate (held out)", total=pairs * len(preds))
-        report = _evaluate(preds, held, cfg, workers, progress=lambda: prog.update(t, advance=1))
-    steps["evaluate"] = time.perf_counter() - t0
+        with _threads_beside_forest(n, workers):
+            preds, report, steps["evaluate"] = _fit_and_evaluate(train, held, model, cfg, prog, steps, workers)
     report["fit_seconds"] = {n: round(float(getattr(p, "fit_seconds", 0.0)), 3) for n, p in preds.items()}
     per = {n: float(getattr(p, "fit_seconds", 0.0)) for n, p in preds.items()}
     report["train_tokens"], report["heldout_tokens"] = train.n, held.n
@@ -273,40 +268,50 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
     return report
 
 
-def _evaluate(preds: dict[str, Any], held: Any, cfg: TrainConfig, workers: int, progress: Any = None) -> dict[str, Any]:
-    """The held-out report of `preds` (`moeflow.predict.evaluate.evaluate`). With 2 workers the forest (which
-    shares no work with the others) is scored in a process of its own (`in_child`) while the others are scored
-    here."""
-    from ..predict.evaluate import evaluate, score, summarize
-    from ..predict.train import in_child
+def _fit_and_evaluate(
+    train: Any, held: Any, model: torch.nn.Module, cfg: TrainConfig, prog: Any, steps: dict[str, float], workers: int
+) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """(name -> fitted predictor, their held-out report (`moeflow.predict.evaluate.evaluate`'s), the seconds from
+    the end of this process's fits to the report). With 2 workers the forest (which shares no work with the
+    others) is fitted and scored in a process of its own with the cheap `ASIDE` predictors
+    (`moeflow.predict.train.fit_all`) while the others are fitted and scored here."""
+    from ..predict.evaluate import preload_plot, score, summarize
+    from ..predict.train import fitted_names
 
     kw: dict[str, Any] = {"max_s": cfg.max_s, "window": cfg.forest_window, "mass": cfg.mass}
-    if workers < 2 or "forest" not in preds or len(preds) < 2:
-        return evaluate(preds, held, progress=progress, **kw)
-    aside = in_child(lambda: score({"forest": preds["forest"]}, held, **kw))
-    try:
-        results, decode = score({n: p for n, p in preds.items() if n != "forest"}, held, progress=progress, **kw)
-        f_results, f_decode = aside.result()
-    finally:
-        aside.cancel()
-    for _ in f_results["forest"] if progress is not None else ():
-        progress()
-    results, decode = {**results, **f_results}, {**decode, **f_decode}
-    results, decode = {n: results[n] for n in preds if n in results}, {n: decode[n] for n in preds if n in decode}
-    return summarize(results, decode, held, np.arange(held.n), max_s=cfg.max_s, mass=cfg.mass)
+    total = len(held.rank_pairs(cfg.max_s)) * len(fitted_names(cfg.only, train.has_hidden))
+    task: list[Any] = []
+    started: list[float] = []
+
+    def scores(preds: dict[str, Any], here: bool) -> tuple[dict[str, Any], ...]:
+        if not here:  # the forest's process: no progress display there
+            return score(preds, held, **kw)
+        started.append(time.perf_counter())
+        task.append(prog.add_task("evaluate (held out)", total=total))
+        return score(preds, held, progress=lambda: prog.update(task[0], advance=1), **kw)
+
+    got: list[Any] = []
+    preds = fit_all(train, model, cfg, prog, seconds=steps, workers=workers, score=scores, scored=got, idle=preload_plot)
+    if task:
+        prog.update(task[0], completed=total)
+    results, decode = got[0]
+    report = summarize(results, decode, held, np.arange(held.n), max_s=cfg.max_s, mass=cfg.mass)
+    return preds, report, time.perf_counter() - (started[0] if started else time.perf_counter())
 
 
 @contextlib.contextmanager
-def _torch_threads_beside_forest(n: int, workers: int) -> Any:
-    """While the forest fits in its own process with n // 2 tree jobs, torch gets the other n - n // 2 threads (at
-    least 1): the two never ask for more threads than `--threads` in all."""
+def _threads_beside_forest(n: int, workers: int) -> Any:
+    """While the forest fits and is scored in its own process (n // 2 tree jobs, one torch thread), torch and BLAS
+    get the other n - n // 2 threads here (at least 1): the two never ask for more threads than `--threads` in
+    all (each of torch's parallel regions waits for all its threads, so one more thread than cores stalls them)."""
     if workers < 2 or n < 2:
         yield
         return
     was = torch.get_num_threads()
     torch.set_num_threads(max(1, n - n // 2))
     try:
-        yield
+        with blas_threads(max(1, n - n // 2)):
+            yield
     finally:
         torch.set_num_threads(was)
 
