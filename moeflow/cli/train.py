@@ -52,17 +52,6 @@ def _print_gps(report: dict, console: Console) -> None:
         render(report["gps"], console)
 
 
-def _freeze_at_exit() -> None:
-    """At interpreter exit, move every object left to gc's permanent generation (`gc.freeze`): the collections of
-    the interpreter's teardown then skip them (after a train, the modules of torch, transformers, scikit-learn and
-    matplotlib took 1.2-1.5 s to tear down on a 2-core machine under load, 0.2-0.3 s frozen). Only at exit: nothing
-    changes for the process before then (an in-process caller, a test runner)."""
-    import atexit
-    import gc
-
-    atexit.register(gc.freeze)
-
-
 @app.command("train")
 def train(
     trace: Path = typer.Option(
@@ -115,7 +104,6 @@ def train(
     from ..plan.train import plan_overrides
     from ..stages.train import LEARNED, TrainConfig, main
 
-    _freeze_at_exit()
     cfg = TrainConfig(
         trace=str(trace),
         out=str(out),
