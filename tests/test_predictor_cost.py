@@ -125,7 +125,7 @@ def test_forest_compiled_call_equals_the_numpy_features_and_walk(fitted, monkeyp
     the scores of the numpy rows walked by `forest_walk` (`prepare` then `finish`) on the pre-gate probabilities it
     computed, which are numpy's (`probs`) up to float32 rounding, for every base, at a decode step's one token and
     at more; the call runs no numpy pre-gate."""
-    from moeflow.predict import fast
+    from moeflow.predict import fast_forest
     from moeflow.predict.data import batch_from_rows
 
     _model, data, preds = fitted
@@ -134,9 +134,9 @@ def test_forest_compiled_call_equals_the_numpy_features_and_walk(fitted, monkeyp
     f = preds["forest"]
     monkeypatch.setattr(f, "base_kind", kind)
     run = f.runner().warm()
-    numpy_probs, kernel, seen = run.probs, fast.forest_scores, []
+    numpy_probs, kernel, seen = run.probs, fast_forest.forest_scores, []
     monkeypatch.setattr(run, "probs", lambda *a: pytest.fail("the numpy pre-gate ran in a compiled forest call"))
-    monkeypatch.setattr(fast, "forest_scores", lambda *a: seen.append(a[0]) or kernel(*a))
+    monkeypatch.setattr(fast_forest, "forest_scores", lambda *a: seen.append(a[0]) or kernel(*a))
     for rows in (np.array([7]), np.arange(2, data.n, 13)[:4], np.arange(1, data.n, 7)[:9]):
         tok = torch.from_numpy(ctx[rows])
         for src in ml[:-1]:
@@ -270,7 +270,7 @@ def test_runner_requests_are_decode_requests_of_its_scores_in_one_call(fitted, m
     the caller's buffers) gives exactly `decode_requests(runner.scores(...))` for every source layer, S and
     overfetch, without calling the scores kernel from Python; a call of more than one token has none (None: the
     scores path runs)."""
-    from moeflow.predict import fast
+    from moeflow.predict import fast, fast_estimator, fast_forest
     from moeflow.predict.data import batch_from_rows
     from moeflow.predict.kernels import decode_requests
 
@@ -290,8 +290,11 @@ def test_runner_requests_are_decode_requests_of_its_scores_in_one_call(fitted, m
                 for m in (k, k + 2):
                     want = decode_requests(run.scores(b, steps), m, tga, float(k))
                     with monkeypatch.context() as mp:
-                        for kern in ("chain_probs", "estimator_probs", "forest_scores"):
-                            mp.setattr(fast, kern, lambda *a, kern=kern: pytest.fail(f"{kern} called from Python"))
+                        for mod in (fast, fast_estimator, fast_forest):
+                            for kern in ("chain_probs", "estimator_probs", "forest_scores"):
+                                if hasattr(mod, kern):
+                                    fail = lambda *a, kern=kern: pytest.fail(f"{kern} called from Python")  # noqa: E731
+                                    mp.setattr(mod, kern, fail)
                         ib, fb = np.full((2, 40), -7, np.int64), np.full((2, 40), np.nan)
                         n_req = run.requests(b, steps, m, tga, float(k), ib, fb)
                     assert n_req == len(want[0]) > 0, name

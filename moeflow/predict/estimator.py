@@ -383,7 +383,7 @@ class Estimator:
 
     def runner(self) -> Any:
         """The run-time path: every S of a source layer in one pass through the network (`fast.EstimatorRunner`)."""
-        from .fast import EstimatorRunner
+        from .fast_estimator import EstimatorRunner
 
         return EstimatorRunner(self)
 
@@ -520,7 +520,7 @@ class Hybrid:
 
     def runner(self) -> Any:
         """The run-time path: one chain and one estimator pass per source layer (`fast.HybridRunner`)."""
-        from .fast import HybridRunner
+        from .fast_estimator import HybridRunner
 
         return HybridRunner(self)
 

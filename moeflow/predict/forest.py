@@ -329,7 +329,7 @@ class Forest:
 
     def runner(self) -> Any:
         """The run-time path: every (target, S) of a source layer in one call (`fast.ForestRunner`)."""
-        from .fast import ForestRunner
+        from .fast_forest import ForestRunner
 
         return ForestRunner(self)
 
@@ -465,7 +465,7 @@ class AsyncForest:
     """
 
     def __init__(self, forest: Forest, *, max_entries: int = 65536, workers: int = 1):
-        from .fast import ForestRunner
+        from .fast_forest import ForestRunner
 
         self.forest = forest
         self.fast = ForestRunner(forest)
