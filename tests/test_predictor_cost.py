@@ -26,6 +26,18 @@ def fitted(tiny_setup):  # noqa: F811
     return model, data, preds
 
 
+def _spy(seen: list[str]) -> type[torch.Tensor]:
+    """A tensor subclass that records the name of every torch function called on it into `seen`."""
+
+    class Spy(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    return Spy
+
+
 def test_one_call_gives_every_s_as_predict_does(fitted):
     """runner.scores(batch, S)[s-1] = predict(l+s, s, batch) for every source layer and s; the per-pass parts
     (token terms) are reused across the layers of one pass (one token-context tensor) and redone for the next."""
@@ -317,12 +329,7 @@ def test_a_batch_with_host_arrays_runs_the_decode_call_without_touching_a_tensor
     from moeflow.predict.data import batch_from_rows
 
     seen: list[str] = []
-
-    class Spy(torch.Tensor):
-        @classmethod
-        def __torch_function__(cls, func, types, args=(), kwargs=None):
-            seen.append(getattr(func, "__name__", str(func)))
-            return super().__torch_function__(func, types, args, kwargs or {})
+    Spy = _spy(seen)
 
     _model, data, preds = fitted
     ml, k = data.spec.moe_layers, data.spec.top_k
@@ -584,12 +591,7 @@ def test_np32_of_a_float32_cpu_tensor_is_its_view_without_a_conversion_call():
     from moeflow.predict.fast import np32
 
     seen: list[str] = []
-
-    class Spy(torch.Tensor):
-        @classmethod
-        def __torch_function__(cls, func, types, args=(), kwargs=None):
-            seen.append(getattr(func, "__name__", str(func)))
-            return super().__torch_function__(func, types, args, kwargs or {})
+    Spy = _spy(seen)
 
     x = torch.arange(6, dtype=torch.float32).reshape(2, 3).as_subclass(Spy)
     seen.clear()
