@@ -26,6 +26,20 @@ def fitted(tiny_setup):  # noqa: F811
     return model, data, preds
 
 
+def _decode_batches(data, ctx, horizon: int):
+    """(source layer, S, one-token batch) for two decode rows, every source layer and every S up to `horizon`."""
+    from moeflow.predict.data import batch_from_rows
+
+    ml = data.spec.moe_layers
+    for rows in (np.array([7]), np.array([40])):
+        tok = torch.from_numpy(ctx[rows])
+        for src in ml[:-1]:
+            for steps in range(1, min(horizon, len(ml) - 1 - ml.index(src)) + 1):
+                b = batch_from_rows(data, src, rows, ctx=ctx)
+                b.token_ctx = tok
+                yield src, steps, b
+
+
 def _spy(seen: list[str]) -> type[torch.Tensor]:
     """A tensor subclass that records the name of every torch function called on it into `seen`."""
 
@@ -292,28 +306,23 @@ def test_runner_requests_are_decode_requests_of_its_scores_in_one_call(fitted, m
     p = preds[name]
     run = p.runner().warm().precompute(p.max_lookahead)
     n = 0
-    for rows in (np.array([7]), np.array([40])):
-        tok = torch.from_numpy(ctx[rows])
-        for src in ml[:-1]:
-            for steps in range(1, min(p.max_lookahead, len(ml) - 1 - ml.index(src)) + 1):
-                b = batch_from_rows(data, src, rows, ctx=ctx)
-                b.token_ctx = tok
-                tga = np.arange(100, 100 + steps, dtype=np.int64)
-                for m in (k, k + 2):
-                    want = decode_requests(run.scores(b, steps), m, tga, float(k))
-                    with monkeypatch.context() as mp:
-                        for mod in (fast, fast_estimator, fast_forest):
-                            for kern in ("chain_probs", "estimator_probs", "forest_scores"):
-                                if hasattr(mod, kern):
-                                    fail = lambda *a, kern=kern: pytest.fail(f"{kern} called from Python")  # noqa: E731
-                                    mp.setattr(mod, kern, fail)
-                        ib, fb = np.full((2, 40), -7, np.int64), np.full((2, 40), np.nan)
-                        n_req = run.requests(b, steps, m, tga, float(k), ib, fb)
-                    assert n_req == len(want[0]) > 0, name
-                    for g, w in zip((ib[0, :n_req], ib[1, :n_req], fb[0, :n_req], fb[1, :n_req]), want):
-                        np.testing.assert_array_equal(g, w, err_msg=f"{name} {src} S={steps} m={m}")
-                    assert (ib[:, n_req:] == -7).all()  # nothing written past the count
-                    n += 1
+    for src, steps, b in _decode_batches(data, ctx, p.max_lookahead):
+        tga = np.arange(100, 100 + steps, dtype=np.int64)
+        for m in (k, k + 2):
+            want = decode_requests(run.scores(b, steps), m, tga, float(k))
+            with monkeypatch.context() as mp:
+                for mod in (fast, fast_estimator, fast_forest):
+                    for kern in ("chain_probs", "estimator_probs", "forest_scores"):
+                        if hasattr(mod, kern):
+                            fail = lambda *a, kern=kern: pytest.fail(f"{kern} called from Python")  # noqa: E731
+                            mp.setattr(mod, kern, fail)
+                ib, fb = np.full((2, 40), -7, np.int64), np.full((2, 40), np.nan)
+                n_req = run.requests(b, steps, m, tga, float(k), ib, fb)
+            assert n_req == len(want[0]) > 0, name
+            for g, w in zip((ib[0, :n_req], ib[1, :n_req], fb[0, :n_req], fb[1, :n_req]), want):
+                np.testing.assert_array_equal(g, w, err_msg=f"{name} {src} S={steps} m={m}")
+            assert (ib[:, n_req:] == -7).all()  # nothing written past the count
+            n += 1
     assert n > 0
     b5 = batch_from_rows(data, ml[0], np.arange(5), ctx=ctx)
     assert run.requests(b5, 1, k, np.arange(1), float(k), *np.zeros((2, 2, 40))) is None
@@ -561,8 +570,6 @@ def test_precompute_builds_every_s_at_bind_and_the_scores_stay_the_same(fitted, 
     """`runner.precompute(S)` (the policy calls it at bind) builds every source layer's per-S arrays for S up to the
     horizon, the shorter S as views of the longest; a decode call then adds nothing to them, and its scores are
     exactly those of a runner that builds them on first use."""
-    from moeflow.predict.data import batch_from_rows
-
     _model, data, preds = fitted
     ml = data.spec.moe_layers
     ctx = data.context(4)
@@ -575,13 +582,8 @@ def test_precompute_builds_every_s_at_bind_and_the_scores_stay_the_same(fitted, 
         longest = comp.get((l, min(p.max_lookahead, len(ml) - 1 - ml.index(l))))
         if c is not None and longest is not None and s > 1:
             assert np.shares_memory(c[0], longest[0]) and c[0].flags.c_contiguous
-    for rows in (np.array([7]), np.array([40])):
-        tok = torch.from_numpy(ctx[rows])
-        for src in ml[:-1]:
-            for steps in range(1, min(p.max_lookahead, len(ml) - 1 - ml.index(src)) + 1):
-                b = batch_from_rows(data, src, rows, ctx=ctx)
-                b.token_ctx = tok
-                np.testing.assert_array_equal(run.scores(b, steps), ref.scores(b, steps), err_msg=f"{name} {src} S={steps}")
+    for src, steps, b in _decode_batches(data, ctx, p.max_lookahead):
+        np.testing.assert_array_equal(run.scores(b, steps), ref.scores(b, steps), err_msg=f"{name} {src} S={steps}")
     assert {k: len(v) for k, v in _stores(run).items()} == sizes, name  # nothing built in a call
 
 
