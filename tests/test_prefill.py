@@ -931,3 +931,62 @@ def test_router_hook_host_read_on_the_cpu_packs_nothing(tiny_models, monkeypatch
         assert i.dtype == torch.long and w.dtype == torch.float32
         assert torch.equal(i, i0.reshape(-1).to(torch.float64).long())
         assert torch.equal(w, w0.reshape(-1).to(torch.float64).float())
+
+
+def test_staged_batch_decides_as_the_prefetch_of_its_keys_without_request_objects(tiny_models, monkeypatch):
+    """A staged batch (`cache.stage`) of an evicting cache with copies in flight takes the same victims, slots,
+    eviction events and counters as the gateless prefetch of the same keys in the same order, without building a
+    request per key or going through `prefetch` (its per-key host work in the router hook)."""
+    from moeflow.policies.base import PrefetchRequest
+
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    first, second, third = spec.moe_layers[0], spec.moe_layers[1], spec.moe_layers[2]
+    E = spec.num_experts
+
+    def run(staged: bool):
+        now = [0.0]
+        link = EmulatedLink(1.0, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+        eng = build_engine(model, mode="offload", link=link, capacity=E + E // 2, eviction="lru", prefetch="pregate")
+        assert eng is not None
+        events: list[tuple[str, object]] = []
+        with eng:
+            cache = eng.cache
+            ev = cache.eviction
+            for name in ("on_insert", "on_evict", "on_predicted"):
+                f = getattr(ev, name)
+                setattr(ev, name, lambda k, *a, _f=f, _n=name, **kw: (events.append((_n, k)), _f(k, *a, **kw))[1])
+            cache.begin_pass(1)
+            batches = [
+                (first, [(first, e) for e in range(E)]),
+                (second, [(second, e) for e in reversed(range(0, E, 2))] + [(second, 4), (first, 1)]),  # resident ones
+                (third, [(third, e) for e in range(E // 2)]),  # evicts while `second` is in flight
+            ]
+            issued = []
+            for i, (layer, keys) in enumerate(batches):
+                cache.begin_layer(layer)
+                if staged:
+                    issued.append(cache.stage(keys, layer))
+                else:
+                    n = len(keys)
+                    with cache.batch():
+                        reqs = [PrefetchRequest(k, priority=float(n - j)) for j, k in enumerate(keys)]
+                        gate, cache.gate = cache.gate, None
+                        issued.append(cache.prefetch(reqs, layer))
+                        cache.gate = gate
+                if i == 0:
+                    cache.wait(list(cache.slot_of.values()))  # landed; the later batches stay in flight
+            state = (issued, sorted(cache.slot_of), vars(cache.counters).copy(), list(events))
+            link.drain()
+        return state
+
+    expected = run(staged=False)
+    calls = []
+    from moeflow.runtime.cache import ExpertCache
+
+    monkeypatch.setattr(ExpertCache, "prefetch", lambda self, *a, **k: calls.append(a) or 0)
+    got = run(staged=True)
+    assert calls == []  # no request objects through the gated prefetch
+    assert got[0] == expected[0] and got[1] == expected[1] and got[3] == expected[3]
+    assert got[2] == expected[2]
+    assert expected[2]["evictions"] > 0 and any(n == "on_predicted" for n, _ in expected[3])

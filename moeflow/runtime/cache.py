@@ -511,17 +511,46 @@ class ExpertCache:
         without the prefetch policy's gate (counted as prefetches); never waits. Returns copies issued. With
         copies held for a hand-over, the slots the batch took are dealt to its keys in ascending order, layer by
         layer (`_ascend`): a wave of a layer's consecutive experts then reads its weights in place."""
-        gate, self.gate = self.gate, None
-        try:
-            with self.batch():
-                n = len(keys)
-                i0 = len(self._held) if self._held is not None else -1
-                issued = self.prefetch([PrefetchRequest(k, priority=float(n - i)) for i, k in enumerate(keys)], layer)
-                if i0 >= 0 and self._held is not None and issued > 1:
-                    self._ascend(i0)
-                return issued
-        finally:
-            self.gate = gate
+        if self.core is not None:  # the compiled core's prefetch kernel, requests in the given order
+            gate, self.gate = self.gate, None
+            try:
+                with self.batch():
+                    n = len(keys)
+                    return self.prefetch([PrefetchRequest(k, priority=float(n - i)) for i, k in enumerate(keys)], layer)
+            finally:
+                self.gate = gate
+        with self.batch():
+            i0 = len(self._held) if self._held is not None else -1
+            issued = self._stage_keys(keys, layer)
+            if i0 >= 0 and self._held is not None and issued > 1:
+                self._ascend(i0)
+            return issued
+
+    def _stage_keys(self, keys: Sequence[ExpertKey], layer: int) -> int:
+        """`prefetch` without a gate of requests in the order of `keys` (the Python mechanism): the same
+        decisions, events and counters, without a request object and a sort per key. Returns copies issued."""
+        issued: set[int] = set()
+        pos = self.position(layer)
+        rank, E, slot_of, slots, c = self.rank, self.spec.num_experts, self.slot_of, self.slots, self.counters
+        predicted = self.eviction.on_predicted if self.eviction is not None else None
+        acquire, load = self._acquire, self._load
+        for k in keys:
+            key = (int(k[0]), int(k[1]))
+            if key[0] not in rank or not 0 <= key[1] < E:
+                continue
+            if key in slot_of:  # already resident or in flight: tell the policy only
+                if predicted is not None:
+                    predicted(key, pos)
+                continue
+            s = acquire(key, pos, demand=False, protected=issued)
+            if s is None:
+                continue
+            load(s, key, prefetched=True, pos=pos)
+            slots[s].issued = self._prefetch_seq
+            self._prefetch_seq += 1
+            c.prefetch_issued += 1
+            issued.add(s)
+        return len(issued)
 
     def _ascend(self, i0: int) -> None:
         """The held loads from `i0` on (one staged batch: prefetches, not handed over, not read by anyone yet) with
