@@ -76,6 +76,7 @@ from moeflow.policies.parse import parse_capacity
 from moeflow.runtime.generate import PassClock, build_engine, generate_one
 from moeflow.runtime.link import CudaLink, EmulatedLink, Link
 from moeflow.runtime.metrics import RunMetrics
+from moeflow.runtime.timing import settle_heap
 
 POLICIES = ("fetch", "cpu", "auto")
 # `--pinned`: auto with priors that force one side (host time 1 s and the device's free: always fetch; host time 0
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lat = args.latency_us * 1e-6
     cuda = args.device.startswith("cuda")
     model, tok = load_model(args.model, device=args.device, experts_implementation="grouped_mm")
+    settle_heap()  # as `moeflow run`: no full gc collection over the model's objects mid-step
     spec = get_adapter(model).spec
     capacity = parse_capacity(args.capacity, total_experts=spec.total_experts, expert_bytes=spec.expert_bytes)
     prompts = [

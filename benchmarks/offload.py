@@ -74,6 +74,7 @@ from moeflow.runtime.generate import build_engine, fastest_experts_impl, generat
 from moeflow.runtime.link import CudaLink, EmulatedLink
 from moeflow.runtime.metrics import RunMetrics
 from moeflow.runtime.store import ExpertLayout
+from moeflow.runtime.timing import settle_heap
 
 
 def layer_timer(adapter, cuda: bool = False):
@@ -189,6 +190,7 @@ def main() -> None:
     if args.link == "cuda" and not cuda:
         ap.error("--link cuda needs --device cuda")
     model, tok = load_model(args.model, dtype=args.dtype, device=args.device, experts_implementation="grouped_mm")
+    settle_heap()  # as `moeflow run`: no full gc collection over the model's objects mid-step
     ad = get_adapter(model)
     spec = ad.spec
     prompts = [

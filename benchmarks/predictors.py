@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO))
 from _profile import h2d_gbps  # noqa: E402  benchmarks/_profile.py (the script's folder is on sys.path)
 
 from moeflow.models import default_model_path  # noqa: E402
+from moeflow.runtime.timing import settle_heap  # noqa: E402
 
 
 def heldout_prompts(pred_dir: Path, n: int) -> list[torch.Tensor]:
@@ -208,6 +209,7 @@ def main() -> None:
     from moeflow.runtime.link import CudaLink, EmulatedLink
 
     model, _ = load_model(a.model, dtype=a.dtype, device=a.device, experts_implementation="grouped_mm")
+    settle_heap()  # as `moeflow run`: no full gc collection over the model's objects mid-step
     spec = get_adapter(model).spec
     have = read_predictor_meta(a.predictors)["predictors"]
     policies = [p for p in a.policies.split(",") if p in have]

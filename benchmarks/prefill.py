@@ -43,6 +43,7 @@ from moeflow.moe import get_adapter
 from moeflow.policies.parse import parse_capacity
 from moeflow.runtime.generate import build_engine, generate_one
 from moeflow.runtime.link import CudaLink, EmulatedLink, Link
+from moeflow.runtime.timing import settle_heap
 
 PATHS = ("serial", "staged")
 
@@ -84,6 +85,7 @@ def main() -> None:
     if link_kind == "cuda" and device.type != "cuda":
         raise SystemExit("--link cuda needs --device cuda")
     model, tok = load_model(args.model, device=args.device, experts_implementation="grouped_mm")
+    settle_heap()  # as `moeflow run`: no full gc collection over the model's objects mid-step
     spec = get_adapter(model).spec
     prompts = [p.to(device) for p in make_prompts(tok, args.data_dir, args.prompts, args.tokens)]
     caps = [parse_capacity(c, total_experts=spec.total_experts, expert_bytes=None) for c in args.capacity.split(",")]

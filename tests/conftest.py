@@ -71,3 +71,14 @@ def ckpt_with(tmp_path_factory, tiny_checkpoint):
         return model
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _unfrozen_heap():
+    """A command run in-process freezes the heap (`moeflow.runtime.timing.settle_heap`, as the CLI process would
+    once); the suite's process runs many, so each test hands the frozen objects back to the collector."""
+    import gc
+
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()

@@ -240,3 +240,30 @@ def test_trace_reports_threads_and_simulate_prints_progress_lines(ckpt, tmp_path
         assert e.code in (0, None)
     err = capsys.readouterr().err
     assert "simulate: simulating 3/3 configs (100%)" in err, err
+
+
+def test_settle_heap_collects_then_freezes(monkeypatch):
+    """`settle_heap` collects first (no garbage kept alive by the freeze), then freezes what is alive."""
+    import gc
+
+    from moeflow.runtime import timing
+
+    calls: list[str] = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("collect") or 0)
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: 7)
+    assert timing.settle_heap() == 7 and calls == ["collect", "freeze"]
+
+
+def test_run_settles_the_heap_once_after_the_model_loads(ckpt, capsys, monkeypatch):
+    """`moeflow run` freezes the loaded process's objects before it generates (so a full collection never scans
+    the model's objects mid-step), once, after the model is loaded."""
+    import moeflow.models as models
+    import moeflow.stages.session as session
+
+    seen: list[str] = []
+    load = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: seen.append("load") or load(*a, **k))
+    monkeypatch.setattr(session, "settle_heap", lambda: seen.append("settle") or 0)
+    res, _ = _run_json(ckpt, capsys)
+    assert res and seen == ["load", "settle"]

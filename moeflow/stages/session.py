@@ -25,6 +25,7 @@ from ..policies.parse import build_policy, parse_capacity, policy_args
 from ..runtime.adaptive_s import requested_step_size
 from ..runtime.generate import build_engine, generate_batch
 from ..runtime.link import make_link, parse_link
+from ..runtime.timing import settle_heap
 from .run_config import RunConfig, check_config_model
 from .threads import apply_threads
 
@@ -62,6 +63,7 @@ def open_session(cfg: RunConfig, command: str) -> Session:
     cal, cal_path = read_calibration(cfg, model, link_spec)
     threads = apply_threads(cfg.threads, model, cfg.device, calibration=cal)
     lookahead, s_source = requested_step_size(cfg.lookahead, cal, spec.num_moe_layers, Path(cfg.model).name)
+    settle_heap()  # no full collection over the loaded model's objects in the middle of a timed decode step
     return Session(model, tok, spec, device, link_spec, cal, cal_path, threads, lookahead, s_source, prompts)
 
 
