@@ -47,7 +47,7 @@ that reads the link) runs the Python mechanism below, in the runtime and the sim
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Literal, cast, overload
@@ -463,7 +463,6 @@ class ExpertCache:
     def prefetch(self, requests: Sequence[PrefetchRequest], layer: int) -> int:
         """Issue copies for proposed experts, highest priority first, each one the gate admits; never waits.
         Returns copies issued."""
-        issued: set[int] = set()
         pos = self.position(layer)
         gate = self.gate
         if gate is not None and self._held is not None:  # the gate reads the link's backlog copy by copy
@@ -477,32 +476,40 @@ class ExpertCache:
             gate.begin(self.link, self.expert_bytes, pos.pass_id, pos.layer_rank)
         if self.core is not None:
             return self._core_prefetch(requests, pos, gate)
-        rank, E, slot_of = self.rank, self.spec.num_experts, self.slot_of
+        ordered = sorted(requests, key=_priority, reverse=True)  # stable: ties keep the proposal order
+        return self._issue(((r.key, r) for r in ordered), pos, gate)
+
+    def _issue(self, items: Iterable[tuple[ExpertKey, PrefetchRequest | None]], pos: Position, gate: Any) -> int:
+        """The Python mechanism of `prefetch` and `stage`: a copy per (key, request) in the given order, each one
+        `gate` admits (None: every one; then the request is not read and may be None). Returns copies issued."""
+        issued: set[int] = set()
+        rank, E, slot_of, slots, c = self.rank, self.spec.num_experts, self.slot_of, self.slots, self.counters
         predicted = self.eviction.on_predicted if self.eviction is not None else None
-        for req in sorted(requests, key=_priority, reverse=True):  # stable: ties keep the proposal order
-            key = (int(req.key[0]), int(req.key[1]))
+        victim_aware = gate is not None and getattr(gate, "victim", False)
+        for k, req in items:
+            key = (int(k[0]), int(k[1]))
             if key[0] not in rank or not 0 <= key[1] < E:
                 continue
             if key in slot_of:  # already resident or in flight: tell the policy only
                 if predicted is not None:
                     predicted(key, pos)
                 continue
-            if gate is not None and not gate.admit(req, self.rank[key[0]] - pos.layer_rank):
-                self.counters.prefetch_refused += 1
+            if gate is not None and not gate.admit(req, rank[key[0]] - pos.layer_rank):
+                c.prefetch_refused += 1
                 continue
             keep = None  # a victim-aware gate may keep the victim (refusing the copy)
-            if gate is not None and getattr(gate, "victim", False):
+            if victim_aware:
                 keep = lambda v, req=req: gate.keep_victim(self.eviction, req, v, pos)  # noqa: E731
                 kept = gate.victim_refused
             s = self._acquire(key, pos, demand=False, protected=issued, keep=keep)
             if s is None:
                 if keep is not None and gate.victim_refused != kept:
-                    self.counters.prefetch_refused += 1
+                    c.prefetch_refused += 1
                 continue
             self._load(s, key, prefetched=True, pos=pos)
-            self.slots[s].issued = self._prefetch_seq
+            slots[s].issued = self._prefetch_seq
             self._prefetch_seq += 1
-            self.counters.prefetch_issued += 1
+            c.prefetch_issued += 1
             issued.add(s)
         return len(issued)
 
@@ -521,36 +528,10 @@ class ExpertCache:
                 self.gate = gate
         with self.batch():
             i0 = len(self._held) if self._held is not None else -1
-            issued = self._stage_keys(keys, layer)
+            issued = self._issue(((k, None) for k in keys), self.position(layer), None)  # no request objects, no sort
             if i0 >= 0 and self._held is not None and issued > 1:
                 self._ascend(i0)
             return issued
-
-    def _stage_keys(self, keys: Sequence[ExpertKey], layer: int) -> int:
-        """`prefetch` without a gate of requests in the order of `keys` (the Python mechanism): the same
-        decisions, events and counters, without a request object and a sort per key. Returns copies issued."""
-        issued: set[int] = set()
-        pos = self.position(layer)
-        rank, E, slot_of, slots, c = self.rank, self.spec.num_experts, self.slot_of, self.slots, self.counters
-        predicted = self.eviction.on_predicted if self.eviction is not None else None
-        acquire, load = self._acquire, self._load
-        for k in keys:
-            key = (int(k[0]), int(k[1]))
-            if key[0] not in rank or not 0 <= key[1] < E:
-                continue
-            if key in slot_of:  # already resident or in flight: tell the policy only
-                if predicted is not None:
-                    predicted(key, pos)
-                continue
-            s = acquire(key, pos, demand=False, protected=issued)
-            if s is None:
-                continue
-            load(s, key, prefetched=True, pos=pos)
-            slots[s].issued = self._prefetch_seq
-            self._prefetch_seq += 1
-            c.prefetch_issued += 1
-            issued.add(s)
-        return len(issued)
 
     def _ascend(self, i0: int) -> None:
         """The held loads from `i0` on (one staged batch: prefetches, not handed over, not read by anyone yet) with
