@@ -53,11 +53,11 @@ def time_row_copy(store: Any, device: torch.device) -> float:
 def settle_heap() -> int:
     """Collect, then move every object alive now to the garbage collector's permanent generation (`gc.freeze`);
     the number of objects frozen. Call it once the model is loaded, before timed generation: the loaded process
-    holds millions of objects (torch, transformers, the model's modules), and Python's full collection, which a
-    run's allocations trigger every so often, scanned them all in the middle of a decode step (300-400 ms inside
-    one prefetch proposal on olmoe-deep on 2 CPU cores; none with the collector off). Frozen objects are never
-    scanned again and never freed by a collection (reference counting still frees them), so call it once per
-    process, after setup."""
+    holds the objects of torch, transformers and the model's modules, and Python's full collection, which a run's
+    allocations trigger every so often, scanned them all in the middle of a decode step (on olmoe-deep in
+    `benchmarks/predictors.py`, one adaptive-S row at 16-20% predictor share against 3-5% for the others). Frozen
+    objects are never scanned again and never freed by a collection (reference counting still frees them), so
+    call it once per process, after setup."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
