@@ -67,7 +67,6 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from moeflow.data.prompts import load_prompts
 from moeflow.models import default_model_path, load_model
@@ -77,6 +76,7 @@ from moeflow.runtime.generate import PassClock, build_engine, generate_one
 from moeflow.runtime.link import CudaLink, EmulatedLink, Link
 from moeflow.runtime.metrics import RunMetrics
 from moeflow.runtime.timing import settle_heap
+from moeflow.tables import FitTable
 
 POLICIES = ("fetch", "cpu", "auto")
 # `--pinned`: auto with priors that force one side (host time 1 s and the device's free: always fetch; host time 0
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    con = Console(width=150, stderr=True)
+    con = Console(stderr=True)
     gbps = sorted(float(x) for x in args.gbps.split(",") if x.strip())
     lat = args.latency_us * 1e-6
     cuda = args.device.startswith("cuda")
@@ -238,8 +238,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if cuda:  # the real link's bandwidth for one expert row; latency taken as 0 (it is inside the measured copy)
             gbps, lat = [nbytes / min(probe.time_row_copy() for _ in range(5)) / 1e9], 0.0
     analytic = {t: (nbytes / (h - lat) / 1e9 if h > lat else None) for t, h in host.items()}  # GB/s
-    t1 = Table(
-        title=f"host compute of one expert ({nbytes / 1e6:.3f} MB row) vs one copy over the {'CUDA' if cuda else 'emulated'} link"
+    t1 = FitTable(
+        key=1,
+        title=f"host compute of one expert ({nbytes / 1e6:.3f} MB row) vs one copy over the "
+        f"{'CUDA' if cuda else 'emulated'} link",
     )
     t1.add_column("tokens / call", justify="right")
     t1.add_column("host ms", justify="right")
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cells.append(f"{c * 1e3:.3f} ({'cpu' if h < c else 'fetch'})")
         a = analytic[t]
         t1.add_row(str(t), f"{h * 1e3:.3f}", *cells, "-" if a is None else f"{a:.2f}")
-    Console(width=200).print(t1)
+    Console().print(t1)
 
     # 2. TPOT side by side: one untimed warm-up per policy, then `rounds` rounds; in each round every bandwidth
     # runs the policies back to back in a rotated order, each on a fresh engine (same prompts, greedy)
@@ -291,9 +293,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         xs = [r[key] for r in runs[(b, pol)] if r.get(key) is not None]
         return median(xs) if xs else None
 
-    t2 = Table(
+    t2 = FitTable(
+        key=1,
         title=f"TPOT, {spec.arch} C={capacity} ({args.capacity}), {args.eviction}+{args.prefetch}, {args.rounds} rounds: each "
-        "decode step's median round (floor: its fastest round; runs: the median run's TPOT; spread: slowest / fastest run)"
+        "decode step's median round (floor: its fastest round; runs: the median run's TPOT; spread: slowest / fastest run)",
     )
     cols = (
         "GB/s", "fetch ms", "cpu ms", "auto ms", "run spread f/c/a", "cpu/fetch", "auto/best", "side", "floor", "runs", "paired",
@@ -301,9 +304,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     for c in cols:
         t2.add_column(c, justify="right")
-    t3 = Table(
+    t3 = FitTable(
+        key=1,
         title="per miss, ms: measured wait (fetch: link wait per demand load; cpu: host wait per host expert) vs "
-        "auto's model at 1 token (cost_cpu with later hits, cost_fetch); overlap, ms per token: host busy / hidden"
+        "auto's model at 1 token (cost_cpu with later hits, cost_fetch); overlap, ms per token: host busy / hidden",
     )
     for c in (
         "GB/s",
@@ -394,17 +398,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{ms(row['auto_host_busy_s_per_token'])}/{ms(row['auto_host_hidden_s_per_token'])}",
             pct(row["cpu_host_hidden_share"]), pct(row["auto_host_hidden_share"]),
         )  # fmt: skip
-    Console(width=200).print(t2)
-    Console(width=200).print(t3)
+    Console().print(t2)
+    Console().print(t3)
     if args.pinned:
-        t4 = Table(title="auto pinned to one side / that policy, TPOT (the same choices; the difference is auto's overhead)")
+        t4 = FitTable(
+            key=1, title="auto pinned to one side / that policy, TPOT (the same choices; the difference is auto's overhead)"
+        )
         for c in ("GB/s", "auto=fetch / fetch", "floor", "auto=cpu / cpu", "floor"):
             t4.add_column(c, justify="right")
         for row in rows:
             pin = row["pinned_over_policy"]
             cells = [f"{pin[q][st]:.3f}" for q in ("auto=fetch", "auto=cpu") for st in ("median", "floor")]
             t4.add_row(f"{row['gbps']:g}", *cells)
-        Console(width=200).print(t4)
+        Console().print(t4)
     cpu_tpots = [r["tpot_cpu_s"] for r in rows]
     spread = max(cpu_tpots) / min(cpu_tpots)
     con.print(

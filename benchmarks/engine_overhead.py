@@ -116,12 +116,12 @@ def main() -> None:
         return
 
     from rich.console import Console
-    from rich.table import Table
 
     from moeflow.models import default_model_path, load_model
     from moeflow.moe import get_adapter
     from moeflow.runtime.generate import build_engine
     from moeflow.runtime.link import make_link
+    from moeflow.tables import FitTable
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -168,7 +168,7 @@ def main() -> None:
     paired = statistics.median(e / r for e, r in zip(tpot["engine"], tpot["resident"]))  # same round
     unit = "kernel launches" if cuda else "aten ops"
     key = "kernel_launches" if cuda else "aten_ops"
-    t = Table(
+    t = FitTable(
         title=f"engine overhead: {Path(path).name} on {a.device} "
         f"({spec.num_moe_layers} MoE layers x {spec.num_experts} experts, top-{spec.top_k}), "
         f"C = all {spec.total_experts} experts"

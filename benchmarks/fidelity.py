@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
+from rich.text import Text
 
 from moeflow.models import default_model_path
 from moeflow.policies import MISS, ROUTING
@@ -45,6 +45,7 @@ from moeflow.quality.measure import dppl_cell, dppl_interval, within_noise
 from moeflow.stages.quality import main as quality_main
 from moeflow.stages.quality_config import QualityConfig
 from moeflow.stages.run_config import RunConfig
+from moeflow.tables import FitTable
 
 MISS_POLICIES = ("fetch", "drop", "substitute", "fetch-lowest-bit", "fetch-priority", "cascade", "cpu", "auto")
 LAMBDAS = (0.0, 0.1, 0.3, 0.5, 1.0)
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in rows:
         del r["token_nll"]  # per-token NLLs: the intervals are computed
     rec = recommend(rows, args.max_ppl_loss)
-    t = Table(
+    t = FitTable(
+        key=2,
         title=f"fidelity — {Path(args.model).name}, {args.link} (quality vs speed, relative to fetch)",
         caption="ppl Δ%: vs resident [95% interval, paired bootstrap over blocks of scored tokens]; within noise: the "
         f"interval holds 0. Recommended only with a loss <= {args.max_ppl_loss:g}% at the interval's top",
@@ -252,14 +254,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         t.add_row(
             r["capacity"],
             r["config"],
-            "[bold red]LOSSY[/]" if r["lossy"] else "exact",
+            Text("LOSSY", style="bold red") if r["lossy"] else "exact",
             dppl_cell(r["ppl_delta_pct"], r["dppl_ci95"]),
             f"{r['agreement']:.3f}" if r["agreement"] is not None else "-",
             f"{r['tpot_s'] * 1e3:.2f}" if r["tpot_s"] else "-",
             f"{r['vs_fetch_tpot_gain_pct']:+.1f}" if r["vs_fetch_tpot_gain_pct"] is not None else "-",
             f"{r['bytes_per_token']:.0f}" if r["bytes_per_token"] is not None else "-",
         )
-    Console(width=160).print(t)
+    Console().print(t)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fidelity.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1, default=str))

@@ -23,13 +23,13 @@ sys.path.insert(0, str(REPO))
 
 from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
-from rich.table import Table  # noqa: E402
 
 from moeflow.models import default_model_path, load_model, tiny_model  # noqa: E402
 from moeflow.moe import get_adapter  # noqa: E402
 from moeflow.sim import from_trace, simulate  # noqa: E402
 from moeflow.sim.simulator import belady  # noqa: E402
 from moeflow.sim.study import DEFAULT_CONFIGS, capacity_of, gsm8k_prompts, sampled_trace, sweep  # noqa: E402
+from moeflow.tables import FitTable  # noqa: E402
 
 CONFIGS = (
     *DEFAULT_CONFIGS,
@@ -177,10 +177,10 @@ def main() -> None:
         f"model {which}: {len(acc.moe_layers)} MoE layers x {acc.num_experts} experts, top-{acc.top_k}; "
         f"{len(acc.passes)} {args.phase} passes; working set {W:.1f} experts per pass"
     )
-    out = Console(width=150)
+    out = Console()
     for f in fractions:
         sub = [r for r in rows if r["fraction"] == f]
-        t = Table(title=f"capacity {f:.0%} = {sub[0]['capacity']} experts (pass working set {W:.1f})")
+        t = FitTable(key=1, title=f"capacity {f:.0%} = {sub[0]['capacity']} experts (pass working set {W:.1f})")
         for c in (
             "config",
             "hit rate",

@@ -62,7 +62,6 @@ import time
 import torch
 from _profile import engine_syncs_per_decode_layer, h2d_gbps, profile_counts  # benchmarks/_profile.py
 from rich.console import Console
-from rich.table import Table
 
 from moeflow.calibrate import copy_share_bandwidth
 from moeflow.data.prompts import load_prompts
@@ -75,6 +74,7 @@ from moeflow.runtime.link import CudaLink, EmulatedLink
 from moeflow.runtime.metrics import RunMetrics
 from moeflow.runtime.store import ExpertLayout
 from moeflow.runtime.timing import settle_heap
+from moeflow.tables import FitTable
 
 
 def layer_timer(adapter, cuda: bool = False):
@@ -184,7 +184,7 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    con = Console(width=160)
+    con = Console()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if args.link == "cuda" and not cuda:
@@ -338,7 +338,7 @@ def main() -> None:
         rows.append((m, bound(loads), exact, counts, miss))
 
     od_tpot = rows[0][0].tpot_s
-    t = Table(title=f"offloaded decode, bandwidth-bound ({bw / 1e9:.4g} GB/s), C={capacity}")
+    t = FitTable(key=1, title=f"offloaded decode, bandwidth-bound ({bw / 1e9:.4g} GB/s), C={capacity}")
     for c in (
         "run",
         "TPOT ms",

@@ -199,7 +199,6 @@ def main() -> None:
         ap.error("--link cuda needs --device cuda")
     torch.set_num_threads(a.threads)
     from rich.console import Console
-    from rich.table import Table
 
     from moeflow.calibrate import copy_share_bandwidth, load_calibration
     from moeflow.models import load_model
@@ -207,6 +206,7 @@ def main() -> None:
     from moeflow.policies.parse import parse_capacity
     from moeflow.predict.io import read_predictor_meta
     from moeflow.runtime.link import CudaLink, EmulatedLink
+    from moeflow.tables import FitTable
 
     model, _ = load_model(a.model, dtype=a.dtype, device=a.device, experts_implementation="grouped_mm")
     settle_heap()  # as `moeflow run`: no full gc collection over the model's objects mid-step
@@ -264,9 +264,10 @@ def main() -> None:
     acc = record_generate(model, prompts, max_new_tokens=a.new_tokens, do_sample=False, keep_router_input=False)
     belady_tpt = belady(acc, cap, count_phase=1).loads_per_token
     bound = max(res_resident["tpot_s"], belady_tpt * (a.latency_us * 1e-6 + spec.expert_bytes / (gbps * 1e9)))
-    t = Table(
+    t = FitTable(
+        key=1,
         title=f"{Path(a.model).name}: {a.link} link {gbps:.3f} GB/s (copy share {a.copy_share} on-demand), "
-        f"capacity {cap}/{spec.total_experts} experts, {len(prompts)} held-out prompts x {a.new_tokens} tokens"
+        f"capacity {cap}/{spec.total_experts} experts, {len(prompts)} held-out prompts x {a.new_tokens} tokens",
     )
     for c in (
         "run",
@@ -305,7 +306,7 @@ def main() -> None:
             str(r["final_s"]),
             "" if label == "resident" else ("yes" if exact[label] else "NO"),
         )
-    Console(width=200).print(t)
+    Console().print(t)
     offl = {k: r for k, r in rows.items() if k != "resident"}
     best = min(offl, key=lambda k: offl[k]["tpot_s"])
     learned = [k for k in offl if k.split(" ")[0] in policies]

@@ -205,11 +205,12 @@ def main() -> None:
         cost = decode_cost(preds, from_trace(str(root / "gsm8k")), max_s)
 
     from rich.console import Console
-    from rich.table import Table
 
-    con = Console(width=200)
+    from moeflow.tables import FitTable
+
+    con = Console()
     ss = list(range(1, max_s + 1))
-    t = Table(title=f"held-out recall@k (trained on {args.train_set}; {args.model})")
+    t = FitTable(key=1, title=f"held-out recall@k (trained on {args.train_set}; {args.model})")
     t.add_column("predictor")
     for name in EVAL_SETS:
         for s in ss:
@@ -218,7 +219,7 @@ def main() -> None:
     for p, by_set in recall.items():
         t.add_row(p, *[f"{by_set[n].get(s, float('nan')):.3f}" for n in EVAL_SETS for s in ss], f"{cost.get(p, 0) * 1e6:.0f}")
     con.print(t)
-    t2 = Table(title="held-out recall@k per target layer (S = 1 / 2 / ...), mean over the three sets")
+    t2 = FitTable(key=1, title="held-out recall@k per target layer (S = 1 / 2 / ...), mean over the three sets")
     t2.add_column("predictor")
     layers = sorted({lay for v in per_layer.values() for d in v.values() for lay in d}, key=lambda x: int(x[1:]))
     for lay in layers:
@@ -416,11 +417,12 @@ def main_traces(args: argparse.Namespace) -> None:
         sweep.append(row)
 
     from rich.console import Console
-    from rich.table import Table
 
-    con = Console(width=200)
+    from moeflow.tables import FitTable
+
+    con = Console()
     ss = list(range(1, max_s + 1))
-    t = Table(title=f"held-out recall@k ({pred_dir}; {args.model})")
+    t = FitTable(key=1, title=f"held-out recall@k ({pred_dir}; {args.model})")
     t.add_column("predictor")
     for name in sets:
         for s in ss:
@@ -430,7 +432,7 @@ def main_traces(args: argparse.Namespace) -> None:
     con.print(t)
     for key in ("rank_alignment", "rank_in_topk"):
         for name, by_p in extra.get(key, {}).items():
-            tr = Table(title=f"{key} per target layer, ranks 1..{k} ({name}, S = 1)")
+            tr = FitTable(key=1, title=f"{key} per target layer, ranks 1..{k} ({name}, S = 1)")
             tr.add_column("predictor")
             layers = list(next(iter(by_p.values())))
             for lay in layers:

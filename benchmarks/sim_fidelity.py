@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
+
+from moeflow.tables import FitTable
 
 
 def mean_abs_error(pred: list[float], meas: list[float]) -> float:
@@ -269,7 +270,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     figures = figures_of(rows)
     steady = {"max_spread": args.steady, "configurations": len(steady_rows), **figures_of(steady_rows)}
-    t = Table(
+    t = FitTable(
+        key=2,
         title=f"sim fidelity — {Path(args.model).name}, {args.link}, {args.limit} prompts x {args.max_new_tokens} tokens",
         caption="TPOT ms: measured by moeflow run (median of --repeats; spread: (max - min) / median), predicted by "
         "moeflow simulate with T_l only "
@@ -307,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{r['measured_stall_per_token_s'] * 1e3:.2f}",
             f"{r['predicted_stall_per_token_s'] * 1e3:.2f}",
         )
-    Console(width=120).print(t)
+    Console().print(t)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cal_keep = [

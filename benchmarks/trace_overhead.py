@@ -37,11 +37,11 @@ def main() -> None:
     a = ap.parse_args()
 
     from rich.console import Console
-    from rich.table import Table
 
     from moeflow.data import load_prompts
     from moeflow.models import default_model_path, load_model
     from moeflow.moe import get_adapter, model_fingerprint
+    from moeflow.tables import FitTable
     from moeflow.trace.record import RoutingRecorder, generation_kwargs, trace_one
     from moeflow.trace.writer import TraceWriter
 
@@ -129,7 +129,7 @@ def main() -> None:
         "ratio_trace_hidden_with_write": round((secs["trace+hidden"] + write[True]) / secs["plain"], 4),
         "plain_tokens_per_s": round(tokens / secs["plain"], 1),
     }
-    t = Table(title=f"trace overhead: {res['arch']}, {len(inputs)} prompts x {a.reps}, {tokens} routed tokens (interleaved)")
+    t = FitTable(title=f"trace overhead: {res['arch']}, {len(inputs)} prompts x {a.reps}, {tokens} routed tokens (interleaved)")
     for c in ("mode", "seconds", "tok/s", "x plain", "x plain incl. shard write"):
         t.add_column(c, justify="right" if c != "mode" else "left")
     t.add_row("generate", f"{secs['plain']:.2f}", f"{tokens / secs['plain']:.0f}", "1.000", "")
