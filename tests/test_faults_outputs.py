@@ -411,7 +411,7 @@ class Payload:
 def test_the_forest_is_plain_arrays_that_predict_like_scikit_learn():
     from sklearn.ensemble import RandomForestRegressor
 
-    from moeflow.predict.forest import ArrayForest
+    from moeflow.predict.forest_arrays import ArrayForest
 
     rng = np.random.default_rng(0)
     X = rng.standard_normal((600, 7)).astype(np.float32)
