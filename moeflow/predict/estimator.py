@@ -319,14 +319,9 @@ class Estimator:
 
     @classmethod
     def load(cls, folder: Path, model: torch.nn.Module) -> Estimator:
-        from .io import artifact_file, load_tensors, read_json_file
+        from .io import artifact_file, load_tensors, read_config
 
-        c = read_json_file(folder / "config.json")
-        if int(c.get("features", 1)) != FEATURES_VERSION:
-            raise ArtifactError(
-                f"{folder} holds an estimator with input features v{c.get('features', 1)}; this moeflow needs "
-                f"v{FEATURES_VERSION}: re-run `moeflow train`"
-            )
+        c = read_config(folder, "an estimator with input features", FEATURES_VERSION)
         with artifact_file(folder / "config.json"):
             self = cls(model, int(c["max_lookahead"]), int(c["m"]), int(c["n"]), int(c["blocks"]), int(c["context"]))
             self.residual = bool(c.get("residual", False))  # folders written before the residual form: plain logits

@@ -253,19 +253,14 @@ class Forest:
     @classmethod
     def load(cls, folder: Path, model: torch.nn.Module) -> Forest:
         """Read a forest folder; nothing in it is unpickled (a legacy `forest.joblib` is refused)."""
-        from .io import artifact_file, read_json_file
+        from .io import artifact_file, read_config
 
         if not (folder / FOREST_FILE).exists() and (folder / LEGACY_FILE).exists():
             raise ArtifactError(
                 f"{folder / LEGACY_FILE} is a pickle, which moeflow no longer loads (it can run "
                 f"code); re-run `moeflow train` to save the forest as {FOREST_FILE}"
             )
-        c = read_json_file(folder / "config.json")
-        if int(c.get("features", 1)) != FEATURES_VERSION:
-            raise ArtifactError(
-                f"{folder} holds a forest with features v{c.get('features', 1)}; this moeflow needs "
-                f"v{FEATURES_VERSION}: re-run `moeflow train`"
-            )
+        c = read_config(folder, "a forest with features", FEATURES_VERSION)
         with artifact_file(folder / "config.json"):
             self = cls(model, int(c["max_lookahead"]), int(c["window"]), int(c["dim"]))
             self.base_kind = str(c["base"])
