@@ -236,7 +236,7 @@ def test_split_passes_adds_up_to_the_period():
     """Each decode pass's period (end to end) = per MoE layer attention + router hook + proposal + the experts call
     before its wait (dispatch) and after it, plus the rest (`token_s`); a pass that did not route every MoE layer
     once, in order, is skipped; the copies issued per pass are averaged."""
-    from moeflow.calibrate.measure import split_passes
+    from moeflow.calibrate.engine_time import split_passes
 
     def mark(t0):  # pass start t0; layer l: router hook at +1, +1.5 (0.25 of it the proposal), wait +1.625, end +2
         route = [(l, t0 + 1 + 2 * i, t0 + 1.5 + 2 * i, 0.25) for i, l in enumerate((0, 2))]
@@ -266,7 +266,7 @@ def test_split_passes_adds_up_to_the_period():
 def test_copy_costs_per_copy_over_the_resident_engine():
     """The router hook's extra seconds per demand copy and the proposal's per prefetch copy: a small cache's split
     against the resident one's; none issued (or no extra time) -> 0."""
-    from moeflow.calibrate.measure import copy_costs
+    from moeflow.calibrate.engine_time import copy_costs
 
     resident = {"route_s": [1.0, 1.0], "predict_s": {"pregate": [0.5, 0.0]}}
     loaded = {"route_s": [2.0, 1.5], "predict_s": {"pregate": [1.0, 0.25]}, "demand_loads": 3.0, "prefetch_loads": 0.5}
@@ -279,7 +279,7 @@ def test_copy_costs_rest_of_the_pass_per_demand_copy_waits_left_out():
     """`miss_host_s`: attention, dispatch, experts (its 3 s of waits for copies left out) and token_s of the small
     cache's pass (6 s) against the resident pass's (4 s), over its 2 demand copies; the router hook's extra is
     `demand_copy_s`, not counted again; a pass that copies no slower -> 0."""
-    from moeflow.calibrate.measure import copy_costs
+    from moeflow.calibrate.engine_time import copy_costs
 
     resident = {"route_s": [1.0, 1.0], "predict_s": {"none": [0.0, 0.0]}, "attention_s": [1.0, 1.0]}
     resident.update(dispatch_s=[0.0, 0.0], experts_s=[0.5, 0.5], token_s=1.0)
@@ -294,7 +294,7 @@ def test_copy_costs_rest_of_the_pass_per_demand_copy_waits_left_out():
 
 def test_median_of_rounds_drops_a_preempted_round():
     """Element-wise medians over rounds (lists, nested dicts, numbers); a round 10x slower does not move them."""
-    from moeflow.calibrate.measure import median_of
+    from moeflow.calibrate.engine_time import median_of
 
     rounds = [{"a": [1.0, 2.0], "p": {"x": [3.0]}, "t": 1.0, "n": "k"} for _ in range(2)]
     rounds.append({"a": [10.0, 20.0], "p": {"x": [30.0]}, "t": 10.0, "n": "k"})
@@ -304,7 +304,7 @@ def test_median_of_rounds_drops_a_preempted_round():
 def test_wait_lateness_spreads_every_extra_stall_over_the_waits_that_slept():
     """(entry, due, return): a wait that slept 1 s and returned 0.5 s late, one entered after its copy was due that
     still stalled 0.25 s (the copy not made yet), one that returned at once: 0.75 s over the one wait that slept."""
-    from moeflow.calibrate.measure import wait_lateness
+    from moeflow.calibrate.engine_time import wait_lateness
 
     assert wait_lateness([(0.0, 1.0, 1.5), (2.0, 1.75, 2.25), (3.0, 2.0, 3.0)]) == (0.75, 1)
     assert wait_lateness([(3.0, 2.0, 3.0)]) == (0.0, 0)

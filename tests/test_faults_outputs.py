@@ -411,7 +411,7 @@ class Payload:
 def test_the_forest_is_plain_arrays_that_predict_like_scikit_learn():
     from sklearn.ensemble import RandomForestRegressor
 
-    from moeflow.predict.forest import ArrayForest
+    from moeflow.predict.forest_arrays import ArrayForest
 
     rng = np.random.default_rng(0)
     X = rng.standard_normal((600, 7)).astype(np.float32)
@@ -514,6 +514,22 @@ def test_a_corrupt_estimator_is_one_line(trained, tmp_path):
     with pytest.raises(ArtifactError, match=r"estimator\.pt \(it is corrupt"):
         Estimator.load(folder, model)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_older_input_features_are_refused_in_one_line(trained, tmp_path):
+    """A learned predictor's config.json with features of another version (v1, or no "features": older folders)
+    is refused, naming the folder and what to re-run, before any other file is read."""
+    model, _, _, _ = trained
+    from moeflow.predict.estimator import Estimator
+    from moeflow.predict.forest import Forest
+
+    for cls, holds in ((Estimator, "an estimator with input features v1"), (Forest, "a forest with features v1")):
+        folder = tmp_path / cls.name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"max_lookahead": 1}))
+        with pytest.raises(ArtifactError) as e:
+            cls.load(folder, model)
+        assert str(e.value) == f"{folder} holds {holds}; this moeflow needs v2: re-run `moeflow train`"
 
 
 # -- calibrate --out ------------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def test_grouped_forest_call_equals_per_token_calls(forest):
 
 def test_async_forest_makes_one_call_per_layer(forest):
     from moeflow.predict.data import batch_from_rows, target_of
-    from moeflow.predict.forest import AsyncForest
+    from moeflow.predict.forest_async import AsyncForest
 
     _model, data, f = forest
     ml = data.spec.moe_layers

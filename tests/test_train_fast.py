@@ -224,7 +224,7 @@ def test_array_forest_predicts_deep_uneven_trees_like_scikit_learn():
     """Walks of different depth per (row, tree), and NaN features (each split's missing-value side)."""
     from sklearn.ensemble import RandomForestRegressor
 
-    from moeflow.predict.forest import ArrayForest
+    from moeflow.predict.forest_arrays import ArrayForest
 
     rng = np.random.default_rng(1)
     X = rng.standard_normal((800, 6)).astype(np.float32)
@@ -245,7 +245,7 @@ def test_forest_arrays_saved_at_a_fast_deflate_read_back_by_numpy(tmp_path):
 
     from sklearn.ensemble import RandomForestRegressor
 
-    from moeflow.predict.forest import ArrayForest, savez_fast
+    from moeflow.predict.forest_arrays import ArrayForest, savez_fast
 
     rng = np.random.default_rng(2)
     X = rng.standard_normal((400, 5)).astype(np.float32)
@@ -286,7 +286,8 @@ def test_forest_tries_at_least_the_minimum_features_per_split(tiny_setup, monkey
     when that is smaller), its repeats as weights, never on weights over the whole pool."""
     import sklearn.tree
 
-    from moeflow.predict.forest import MIN_SPLIT_FEATURES, Forest
+    from moeflow.predict.forest import Forest
+    from moeflow.predict.forest_arrays import MIN_SPLIT_FEATURES
     from moeflow.stages.train import TrainConfig
 
     seen: list[tuple[object, int, float]] = []

@@ -5,8 +5,8 @@ Top-level fields the runtime reads: `bandwidth_bytes_per_s` (C_s, at the expert 
 `best_threads` (the torch thread count every command uses by default, `moeflow.threads`; `thread_sweep` has
 the decode time per token at each count timed). A file without `best_threads` (written before it was
 recorded) stays valid: commands then use the default count. `engine_time` (the offload engine's decode pass
-split per MoE layer: `measure.engine_timing`) and `link_timing` (the emulated link's `submit_s`, `wake_s`; the
-engine's `demand_copy_s`, `prefetch_copy_s` per copy on it: `measure.copy_timing`) are
+split per MoE layer: `engine_time.engine_timing`) and `link_timing` (the emulated link's `submit_s`, `wake_s`; the
+engine's `demand_copy_s`, `prefetch_copy_s` per copy on it: `engine_time.copy_timing`) are
 what `moeflow simulate --calibrated-time` reads; a file without them stays valid for everything else.
 """
 

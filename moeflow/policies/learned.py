@@ -380,7 +380,7 @@ class ForestPrefetch(LearnedPrefetch):
         self.worker = _on(worker, "forest worker")
 
     def bind(self, ctx: BindContext) -> Callable[[], None]:
-        from ..predict.forest import AsyncForest
+        from ..predict.forest_async import AsyncForest
 
         unbind = super().bind(ctx)
         if self.worker:

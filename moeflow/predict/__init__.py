@@ -4,7 +4,7 @@ Importing the package registers every predictor in `PREDICTORS`: `pregate`, `rou
 `hybrid`, `forest`, and the baselines `frequency` and `token-id`.
 """
 
-from . import baselines, default_vectors, estimator, forest, pregate  # noqa: F401  (registration)
+from . import baselines, default_vectors, estimator, forest, hybrid, pregate  # noqa: F401  (registration)
 from .base import PREDICTORS, Predictor
 from .data import RoutingData, SourceBatch, batch_from_rows, from_trace
 from .io import load_predictors, save_predictors

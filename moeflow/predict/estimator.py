@@ -1,4 +1,6 @@
-"""The neural estimator (Speculating Experts, section 6.1 + appendix A) and Hybrid-PF (section 6.3).
+"""The neural estimator (Speculating Experts, section 6.1 + appendix A): fit, predict, save, load. Its network and
+input features are in `estimator_net.py`; Hybrid-PF (section 6.3), which serves it on some (layer, S) pairs, is in
+`hybrid.py`.
 
 Estimator: features x -> standardise -> linear projection A (F->m) + a learned embedding of the
 (source layer, S) pair (the paper's "positional embedding" of layer l; with S > 1 one embedding per
@@ -23,11 +25,6 @@ learning-rate schedule, early stopping on the recall of a validation part of the
 Each step takes a set of rows with all their (layer, S) pairs, so the first layer runs once per distinct
 input part (q per pair, [u | g] per source layer, the token embeddings per row; `_logits_parts`).
 The standardisation (mean / std per feature of the training set) is part of the saved network.
-
-Hybrid-PF: Router-PF everywhere, except on the (layer, S) pairs where Router-PF's recall on a
-validation part of the training prompts is below a threshold; the threshold is the one that
-maximises mean validation recall of the mix (so it is chosen on the training split only). The
-estimator it uses is the one `moeflow train` fits (same validation part), not a second fit.
 """
 
 from __future__ import annotations
@@ -41,44 +38,14 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..errors import ArtifactError
-from ..moe.sets import recall_at_k
 from .base import PREDICTORS
 from .data import RoutingData, SourceBatch, batch_from_rows, iter_chunks, target_of
-from .default_vectors import QuasiHidden, RouterPF, compute_default_vectors, load_dvec, save_dvec
+from .default_vectors import QuasiHidden, compute_default_vectors, load_dvec, save_dvec
+from .estimator_net import EstimatorFeatures, EstimatorNet
 
 FEATURES_VERSION = 2  # config.json "features": 1 = q only (older folders, refused with a message)
-
-
-class EstimatorNet(nn.Module):
-    mu: torch.Tensor  # [F] feature means (buffer)
-    sd: torch.Tensor  # [F] feature standard deviations (buffer)
-
-    def __init__(self, in_dim: int, num_experts: int, num_pairs: int, m: int = 128, n: int = 256, blocks: int = 1):
-        super().__init__()
-        self.register_buffer("mu", torch.zeros(in_dim))
-        self.register_buffer("sd", torch.ones(in_dim))
-        self.A = nn.Linear(in_dim, m)
-        self.pos = nn.Embedding(num_pairs, m)
-        self.B = nn.ModuleList(nn.Linear(m, n) for _ in range(blocks))
-        self.C = nn.ModuleList(nn.Linear(n, m) for _ in range(blocks))
-        self.norm = nn.LayerNorm(m)
-        self.head = nn.Linear(m, num_experts)
-
-    def forward(self, x: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
-        return self.trunk(self.A((x - self.mu) / self.sd) + self.pos(pair))  # [T,E] logits
-
-    def project(self, x: torch.Tensor, cols: slice) -> torch.Tensor:
-        """The first layer's term of the input features `cols` (standardised): [...,len(cols)] -> [...,m], no bias."""
-        return ((x.float() - self.mu[cols]) / self.sd[cols]) @ self.A.weight[:, cols].T
-
-    def trunk(self, z: torch.Tensor) -> torch.Tensor:
-        """After the first layer: residual SiLU blocks, LayerNorm, head. [...,m] -> [...,E] logits."""
-        for B, C in zip(self.B, self.C):
-            z = z + C(F.silu(B(z)))  # [...,m]
-        return self.head(self.norm(z))
 
 
 def _hidden(data: RoutingData, layer: int) -> np.ndarray:
@@ -86,66 +53,6 @@ def _hidden(data: RoutingData, layer: int) -> np.ndarray:
     if h is None:
         raise ArtifactError("the estimator needs traced router inputs; re-run `moeflow trace --record-hidden`")
     return h
-
-
-def _recall(scores: torch.Tensor, truth: torch.Tensor) -> float:
-    """recall@k of the top-k scores [T,E] against the routed experts truth [T,k]."""
-    return recall_at_k(torch.topk(scores, truth.shape[1], -1).indices, truth)
-
-
-class _Features:
-    """The estimator's input x for a source batch (see the module docstring); shape-agnostic."""
-
-    def __init__(self, model: torch.nn.Module, spec: Any, context: int):
-        self.spec = spec
-        self.context = context
-        self.emb = model.get_input_embeddings().weight.detach().float()  # type: ignore[operator]  # [V,H]
-        self.ml = list(spec.moe_layers)
-
-    @property
-    def dim(self) -> int:
-        return (2 + self.context) * self.spec.hidden_size + len(self.ml) * self.spec.num_experts
-
-    def tokens(self, ctx: torch.Tensor | None, t: int) -> torch.Tensor:
-        """[T, context*H] input embeddings of the last `context` tokens (most recent first; 0 = unknown)."""
-        H = self.spec.hidden_size
-        out = torch.zeros(t, self.context * H)
-        if ctx is None or self.context == 0:
-            return out
-        for j in range(min(self.context, ctx.shape[1])):
-            ids = ctx[:, -1 - j].long()
-            ok = (ids >= 0) & (ids < len(self.emb))
-            out[ok, j * H : (j + 1) * H] = self.emb[ids[ok]]
-        return out
-
-    def gates(self, hist_ids: torch.Tensor, hist_w: torch.Tensor, upto: torch.Tensor) -> torch.Tensor:
-        """[T, L*E]: gate weights of the chosen experts per MoE layer rank r <= upto[t] (else 0).
-        hist_ids / hist_w [T,L,k] (rows of ranks not yet routed may hold anything)."""
-        T, L, _ = hist_ids.shape
-        E = self.spec.num_experts
-        g = torch.zeros(T, L, E).scatter(-1, hist_ids.long(), hist_w.float())
-        g = g * (torch.arange(L)[None, :] <= upto[:, None]).float()[..., None]
-        return g.reshape(T, L * E)
-
-    def of_batch(self, q: torch.Tensor, batch: SourceBatch) -> torch.Tensor:
-        T, L, k = batch.t, len(self.ml), self.spec.top_k
-        ids = torch.zeros(T, L, k, dtype=torch.long)
-        w = torch.zeros(T, L, k)
-        r_src = self.ml.index(batch.layer)
-        # the history keeps ids only: earlier layers' chosen experts weigh 1, the source's its gate weights
-        for l, h in batch.history.items():
-            if l in self.ml and self.ml.index(l) < r_src:
-                ids[:, self.ml.index(l)] = h.long()
-                w[:, self.ml.index(l)] = 1.0
-        w[:, r_src] = batch.topk_weights.float()
-        ids[:, r_src] = batch.topk_ids.long()
-        return self.assemble(
-            q, batch.router_input.float(), self.tokens(batch.token_ctx, T), self.gates(ids, w, torch.full((T,), r_src))
-        )
-
-    @staticmethod
-    def assemble(q: torch.Tensor, u: torch.Tensor, tok: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-        return torch.cat([q.float(), u.float(), tok, gates], 1)
 
 
 @PREDICTORS.register
@@ -168,7 +75,7 @@ class Estimator:
         self.m, self.n, self.blocks, self.context = m, n, blocks, context
         self.residual = residual  # logits = the network's + the target router's of q (Router-PF's)
         self.qh: QuasiHidden | None = None
-        self.feat: _Features | None = None
+        self.feat: EstimatorFeatures | None = None
         self.pairs: list[tuple[int, int]] = []  # (source layer, S) -> embedding row
         self.net: EstimatorNet | None = None
         self.history: list[dict[str, float]] = []
@@ -235,7 +142,7 @@ class Estimator:
         """The full features [B,F] of samples (pair p [B], row i [B]) from `_parts` (the standardisation's sample)."""
         H = self.feat.spec.hidden_size if self.feat is not None else 0
         ug = c["ug"][c["pair_src"][p], i].float()  # [B,H+L*E]
-        return _Features.assemble(c["q"][p, i], ug[:, :H], c["tok"][i].float(), ug[:, H:])
+        return EstimatorFeatures.assemble(c["q"][p, i], ug[:, :H], c["tok"][i].float(), ug[:, H:])
 
     def _logits_parts(self, c: dict[str, torch.Tensor], i: torch.Tensor) -> torch.Tensor:
         """Logits [P,B,E] of every pair for rows i [B]: `EstimatorNet.forward` on `_features_parts`, with the
@@ -281,7 +188,7 @@ class Estimator:
         t0 = time.perf_counter()
         dvec = dvec if dvec is not None else compute_default_vectors(model, data, max_tokens=cfg.dv_max_tokens)
         self.qh = QuasiHidden(model, dvec)
-        self.feat = _Features(model, data.spec, self.context)
+        self.feat = EstimatorFeatures(model, data.spec, self.context)
         self.max_lookahead = cfg.max_s
         self.pairs = data.rank_pairs(cfg.max_s)
         spec = data.spec
@@ -412,14 +319,9 @@ class Estimator:
 
     @classmethod
     def load(cls, folder: Path, model: torch.nn.Module) -> Estimator:
-        from .io import artifact_file, load_tensors, read_json_file
+        from .io import artifact_file, load_tensors, read_config
 
-        c = read_json_file(folder / "config.json")
-        if int(c.get("features", 1)) != FEATURES_VERSION:
-            raise ArtifactError(
-                f"{folder} holds an estimator with input features v{c.get('features', 1)}; this moeflow needs "
-                f"v{FEATURES_VERSION}: re-run `moeflow train`"
-            )
+        c = read_config(folder, "an estimator with input features", FEATURES_VERSION)
         with artifact_file(folder / "config.json"):
             self = cls(model, int(c["max_lookahead"]), int(c["m"]), int(c["n"]), int(c["blocks"]), int(c["context"]))
             self.residual = bool(c.get("residual", False))  # folders written before the residual form: plain logits
@@ -428,128 +330,10 @@ class Estimator:
             self.fit_seconds = float(c.get("fit_seconds", 0.0))
         self.qh = QuasiHidden(model, load_dvec(folder, model))
         spec = self.qh.spec
-        self.feat = _Features(model, spec, self.context)
+        self.feat = EstimatorFeatures(model, spec, self.context)
         self.net = EstimatorNet(self.feat.dim, spec.num_experts, len(self.pairs), self.m, self.n, self.blocks)
         state = load_tensors(folder / "estimator.pt")
         with artifact_file(folder / "estimator.pt"):
             self.net.load_state_dict(state)  # a wrong key or shape is refused too
         self.net.eval()
-        return self
-
-
-@PREDICTORS.register
-class Hybrid:
-    name: ClassVar[str] = "hybrid"
-    needs_hidden: ClassVar[bool] = True
-
-    def __init__(self, model: torch.nn.Module, max_lookahead: int = 4):
-        self.model = model
-        self.max_lookahead = max_lookahead
-        self.router_pf: RouterPF | None = None
-        self.estimator: Estimator | None = None
-        self.threshold = 0.0
-        self.use_estimator: set[tuple[int, int]] = set()
-        self.val: dict[str, dict[str, float]] = {}
-
-    @classmethod
-    def create(cls, model: torch.nn.Module, cfg: Any) -> Hybrid:
-        return cls(model, cfg.max_s)
-
-    def fit(
-        self,
-        data: RoutingData,
-        model: torch.nn.Module,
-        cfg: Any,
-        dvec: dict[int, torch.Tensor] | None = None,
-        estimator: Estimator | None = None,
-        progress: Callable[[float], None] | None = None,
-        router_pf: RouterPF | None = None,
-    ) -> None:
-        """Picks the (layer, S) pairs the estimator serves on the validation part of the training prompts
-        (`Estimator.fit`'s: `cfg.hybrid_val` of them, seed `cfg.seed + 1`). Reuses `estimator` when it was
-        fitted on `data` (its validation prompts are this split's), else fits one; reuses `router_pf` when it
-        holds these default vectors."""
-        _, val = data.split(cfg.hybrid_val, cfg.seed + 1)
-        dvec = dvec if dvec is not None else compute_default_vectors(model, data, max_tokens=cfg.dv_max_tokens)
-        if router_pf is None or router_pf.dvec is not dvec or router_pf.max_lookahead < cfg.max_s:
-            router_pf = RouterPF(model, dvec, cfg.max_s)
-        self.router_pf = router_pf
-        vp = np.unique(val.prompt_id)
-        if (
-            estimator is None
-            or estimator.val_recall is None
-            or estimator.val_prompts is None
-            or not np.array_equal(estimator.val_prompts, vp)
-            or estimator.max_lookahead < cfg.max_s
-        ):
-            estimator = Estimator.create(model, cfg)
-            estimator.fit(data, model, cfg, dvec=dvec, progress=progress)
-        assert estimator.val_recall is not None
-        self.estimator = estimator
-        self.max_lookahead = cfg.max_s
-        rec: dict[tuple[int, int], tuple[float, float]] = {}
-        qh = router_pf.qh
-        assert qh is not None
-        pairs = data.rank_pairs(cfg.max_s)
-        for src in sorted({l for l, _ in pairs}):  # Router-PF: one chain per source layer serves every S
-            smax = max(s for l, s in pairs if l == src)
-            b = batch_from_rows(val, src, np.arange(val.n))
-            for s, q in enumerate(qh.chain(b, smax), start=1):
-                tgt = target_of(data.spec, src, s)
-                scores = torch.softmax(b.router_logits(qh.adapter, tgt, q).float(), -1)  # [T,E] = RouterPF.predict
-                rec[(src, s)] = (_recall(scores, torch.from_numpy(val.layers[tgt].topk_ids)), estimator.val_recall[(src, s)])
-        best = (-1.0, 0.0)
-        for thr in [*sorted({0.0, *[r for r, _ in rec.values()]}), 1.01]:
-            mean = float(np.mean([e if r < thr else r for r, e in rec.values()]))
-            if mean > best[0] + 1e-9:
-                best = (mean, thr)
-        self.threshold = best[1]
-        self.use_estimator = {p for p, (r, _) in rec.items() if r < self.threshold}
-        self.val = {f"{l}+{s}": {"router_pf": r, "estimator": e} for (l, s), (r, e) in rec.items()}
-
-    def delegate(self, layer: int, lookahead: int) -> Estimator | RouterPF:
-        """The predictor that serves source layer `layer` at step `lookahead` (what `predict` calls)."""
-        assert self.estimator is not None and self.router_pf is not None, "fit or load first"
-        return self.estimator if (layer, lookahead) in self.use_estimator else self.router_pf
-
-    def predict(self, target_layer: int, lookahead: int, batch: SourceBatch) -> torch.Tensor:
-        assert self.estimator is not None and self.router_pf is not None, "fit or load first"
-        if (batch.layer, lookahead) in self.use_estimator:
-            return self.estimator.predict(target_layer, lookahead, batch)
-        return self.router_pf.predict(target_layer, lookahead, batch)
-
-    def runner(self) -> Any:
-        """The run-time path: one chain and one estimator pass per source layer (`fast.HybridRunner`)."""
-        from .fast_estimator import HybridRunner
-
-        return HybridRunner(self)
-
-    def save(self, folder: Path) -> None:
-        assert self.estimator is not None, "fit first"
-        self.estimator.save(folder)
-        (folder / "hybrid.json").write_text(
-            json.dumps(
-                {
-                    "threshold": self.threshold,
-                    "use_estimator": sorted(self.use_estimator),
-                    "validation_recall": self.val,
-                    "max_lookahead": self.max_lookahead,
-                }
-            )
-        )
-
-    @classmethod
-    def load(cls, folder: Path, model: torch.nn.Module) -> Hybrid:
-        from .io import artifact_file, read_json_file
-
-        c = read_json_file(folder / "hybrid.json")
-        self = cls(model)
-        self.estimator = Estimator.load(folder, model)
-        assert self.estimator.qh is not None
-        with artifact_file(folder / "hybrid.json"):
-            self.max_lookahead = int(c["max_lookahead"])
-            self.router_pf = RouterPF(model, self.estimator.qh.dvec, self.max_lookahead)
-            self.threshold = float(c["threshold"])
-            self.use_estimator = {(int(l), int(s)) for l, s in c["use_estimator"]}
-            self.val = dict(c["validation_recall"])
         return self

@@ -73,7 +73,7 @@ class EstimatorRunner:
         if ctx is not None and ctx is self._tok_key and len(self._ztok) == batch.t:
             return self._ztok
         T, H = batch.t, self.H
-        tok = np.zeros((T, self.context * H), np.float32)  # as `_Features.tokens`
+        tok = np.zeros((T, self.context * H), np.float32)  # as `EstimatorFeatures.tokens`
         if ctx is not None and self.context:
             c = ctx.cpu().numpy()
             for j in range(min(self.context, c.shape[1])):
@@ -85,7 +85,7 @@ class EstimatorRunner:
 
     def _gate_term(self, batch: SourceBatch) -> np.ndarray:
         """[T,m]: the gate history's first-layer term (earlier layers' chosen experts weigh 1, the source's its gate
-        weights; as `_Features.of_batch`)."""
+        weights; as `EstimatorFeatures.of_batch`)."""
         ids = batch.topk_ids.numpy(force=True)  # [T,k]
         r_src = self.rank[batch.layer]
         return self._gate_acc(batch) + np.matmul(np32(batch.topk_weights)[:, None, :], self.AgT[ids + r_src * self.E])[:, 0]

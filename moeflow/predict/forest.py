@@ -1,4 +1,4 @@
-"""ExpertFlow's random-forest delta predictor (ExpertFlow 3.2.2-3.2.5), and its asynchronous runner.
+"""ExpertFlow's random-forest delta predictor (ExpertFlow 3.2.2-3.2.5): features, fit, predict, save, load.
 
 Samples (3.2.3-3.2.4): one per token record, source layer and step S. The "token sequence" of a
 record is the window of its last `window` token ids in its prompt (this one last); records are
@@ -20,23 +20,19 @@ learns the deviation (Delta) of the truth from the pre-gate estimate: the regres
 y - pregate_topk (multi-hot of the pre-gate's top-k) and predicts score = pregate_topk + Delta_hat
 (+ a 1e-3 * pre-gate probability tie-break). Without traced hidden states (no pre-gate) the base
 is 0 and the forest predicts y directly. scikit-learn regression trees (MSE) fit it as `RandomForestRegressor`
-would (`_fit_trees`); it is then kept, saved and evaluated as plain arrays (`ArrayForest`, `forest.npz`): loading runs no code
-from the file (no pickle), and a legacy `forest.joblib` is refused.
+would (`forest_arrays.fit_trees`); it is then kept, saved and evaluated as plain arrays (`ArrayForest`,
+`forest.npz`): loading runs no code from the file (no pickle), and a legacy `forest.joblib` is refused.
 
 `predict_group(pairs, batch)` serves every (target, S) of a source layer with ONE forest call (the rows
 of all pairs stacked), which is what the run-time policy does per layer.
 
-`AsyncForest` evaluates it on CPU in a worker thread, asynchronously to the model: results land in
-a prediction cache keyed by (token sequence, target layer, S); a lookup that finds nothing ready
-falls back to the pre-gate's top-k (ExpertFlow 3.2.2, "dual mode").
+The trees as arrays are `forest_arrays.py`; `AsyncForest`, which runs the forest on a worker thread, is
+`forest_async.py`.
 """
 
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Callable, Hashable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -47,13 +43,13 @@ from ..errors import ArtifactError
 from ..moe import get_adapter
 from .base import PREDICTORS
 from .data import RoutingData, SourceBatch, batch_from_rows, target_of
+from .forest_arrays import ArrayForest, fit_trees, savez_fast
 
 FOREST_FILE = "forest.npz"
 PRIOR_FILE = "prior.npz"  # the token-id prior (arrays)
 BASES = ("pregate", "prior", "none")
 FEATURES_VERSION = 2  # 1: [e, S, l, prev_act] (older folders are refused with a message)
 LEGACY_FILE = "forest.joblib"
-MIN_SPLIT_FEATURES = 32  # features tried per split at least (all if fewer): 32 of 500 within 0.5 recall points of 50, 25 lost 2
 
 
 def multi_hot(ids: torch.Tensor | np.ndarray, num_experts: int) -> np.ndarray:
@@ -61,105 +57,6 @@ def multi_hot(ids: torch.Tensor | np.ndarray, num_experts: int) -> np.ndarray:
     out = np.zeros((ids.shape[0], num_experts), dtype=np.float32)
     np.put_along_axis(out, ids, 1.0, axis=1)
     return out
-
-
-def savez_fast(path: Path, arrays: dict[str, Any]) -> None:
-    """The file `np.savez_compressed(path, **arrays)` writes (an .npz of deflated .npy members, read back by
-    `np.load`), deflated at zlib level 1 instead of numpy's 6: the quickstart forest's arrays (54k nodes, 27k
-    leaves x 32 experts) take about a third of the time (0.12-0.15 s against 0.44 s) for 1.3 MB against 1.0."""
-    import zipfile
-
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
-        for name, a in arrays.items():
-            with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
-                np.lib.format.write_array(f, np.asanyarray(a), allow_pickle=False)
-
-
-class ArrayForest:
-    """A fitted regression forest as plain arrays; predicts exactly like `RandomForestRegressor.predict`.
-
-    All trees' nodes are stacked (node ids offset per tree): `left`/`right` children (-1 at a leaf),
-    split `feature` and `threshold`, `nan_left` (where a NaN goes), `leaf` (row of `value` at a leaf,
-    -1 inside) and `value` [n_leaves, E] (float64 leaf means); `roots` [n_trees] holds each tree's root.
-    """
-
-    FIELDS = ("left", "right", "feature", "threshold", "nan_left", "leaf", "value", "roots")
-
-    def __init__(self, arrays: dict[str, np.ndarray], n_features: int, max_depth: int | None):
-        self.a = arrays
-        self.n_features = n_features
-        self.max_depth = max_depth
-        self.n_estimators = len(arrays["roots"])
-        a = arrays  # [N,6] one float64 row per node for the compiled walk (`kernels.forest_walk`)
-        cols = ("left", "right", "feature", "leaf", "nan_left", "threshold")
-        self.nodes = np.stack([a[k].astype(np.float64) for k in cols], 1)
-
-    @classmethod
-    def from_sklearn(cls, rf: Any) -> ArrayForest:
-        parts: dict[str, list[np.ndarray]] = {k: [] for k in cls.FIELDS}
-        off = n_leaves = 0
-        for est in rf.estimators_:
-            t = est.tree_
-            left, right = t.children_left.astype(np.int64), t.children_right.astype(np.int64)
-            is_leaf = left == -1
-            parts["left"].append(np.where(is_leaf, -1, left + off))
-            parts["right"].append(np.where(is_leaf, -1, right + off))
-            parts["feature"].append(np.where(is_leaf, 0, t.feature).astype(np.int64))
-            parts["threshold"].append(t.threshold.astype(np.float64))
-            mgl = getattr(t, "missing_go_to_left", None)
-            parts["nan_left"].append(np.zeros(t.node_count, bool) if mgl is None else np.asarray(mgl, bool))
-            leaf = np.full(t.node_count, -1, np.int64)
-            leaf[is_leaf] = n_leaves + np.arange(int(is_leaf.sum()))
-            parts["leaf"].append(leaf)
-            parts["value"].append(t.value[is_leaf, :, 0].astype(np.float64))  # [leaves,E]
-            parts["roots"].append(np.array([off], np.int64))
-            off += t.node_count
-            n_leaves += int(is_leaf.sum())
-        return cls({k: np.concatenate(v) for k, v in parts.items()}, int(rf.n_features_in_), rf.max_depth)
-
-    def predict(self, X: np.ndarray) -> np.ndarray:
-        """[T,F] -> [T,E] float64: the mean over trees of the leaf each row reaches (`kernels.forest_walk`, compiled;
-        features compared as float32, as scikit-learn does)."""
-        from .kernels import forest_walk
-
-        a = self.a
-        X = np.ascontiguousarray(X, dtype=np.float32)
-        return forest_walk(X, self.nodes, a["value"], a["roots"])
-
-    def save(self, path: Path) -> None:
-        arrays = {
-            **self.a,
-            "n_features": np.int64(self.n_features),
-            "max_depth": np.int64(-1 if self.max_depth is None else self.max_depth),
-        }
-        savez_fast(path, arrays)
-
-    @classmethod
-    def load(cls, path: Path) -> ArrayForest:
-        """Read `forest.npz` (numeric arrays only, no pickle) and check it is a well-formed forest."""
-        with np.load(path, allow_pickle=False) as z:
-            missing = [k for k in (*cls.FIELDS, "n_features", "max_depth") if k not in z.files]
-            if missing:
-                raise ValueError(f"no {missing[0]} array")
-            a = {k: z[k] for k in cls.FIELDS}
-            n_features, depth = int(z["n_features"]), int(z["max_depth"])
-        n, n_leaves = len(a["left"]), len(a["value"])
-        ok = (
-            all(len(a[k]) == n for k in ("right", "feature", "threshold", "nan_left", "leaf"))
-            and a["value"].ndim == 2
-            and len(a["roots"]) > 0
-            and all(a[k].dtype.kind == "i" for k in ("left", "right", "feature", "leaf", "roots"))
-            and ((a["left"] >= -1) & (a["left"] < n) & (a["right"] >= -1) & (a["right"] < n)).all()
-            and ((a["roots"] >= 0) & (a["roots"] < n)).all()
-            and ((a["feature"] >= 0) & (a["feature"] < n_features)).all()
-            and ((a["left"] >= 0) == (a["right"] >= 0)).all()
-            and ((a["left"] >= 0) | ((a["leaf"] >= 0) & (a["leaf"] < n_leaves))).all()
-            and ((a["left"] < 0) | (a["left"] > np.arange(n))).all()  # children after parents: no loops
-            and ((a["right"] < 0) | (a["right"] > np.arange(n))).all()
-        )
-        if not ok:
-            raise ValueError("inconsistent tree arrays")
-        return cls(a, n_features, None if depth < 0 else depth)
 
 
 @PREDICTORS.register
@@ -306,7 +203,7 @@ class Forest:
             base, probs = self.base(tgt, b if data.has_hidden else _no_router(b), minus)
             X[j * n : (j + 1) * n] = self.features(tgt, s, b, probs, minus)
             Y[j * n : (j + 1) * n] = multi_hot(data.layers[tgt].topk_ids[rows], self.spec.num_experts) - base
-        self.rf = ArrayForest.from_sklearn(_fit_trees(X, Y, cfg, self.n_features))  # run-time prediction: compiled walk
+        self.rf = ArrayForest.from_sklearn(fit_trees(X, Y, cfg, self.n_features))  # run-time prediction: compiled walk
         self.fit_seconds = time.perf_counter() - t0
 
     def delta_hat(self, target: int, s: int, batch: SourceBatch, probs: np.ndarray | None = None) -> np.ndarray:
@@ -356,19 +253,14 @@ class Forest:
     @classmethod
     def load(cls, folder: Path, model: torch.nn.Module) -> Forest:
         """Read a forest folder; nothing in it is unpickled (a legacy `forest.joblib` is refused)."""
-        from .io import artifact_file, read_json_file
+        from .io import artifact_file, read_config
 
         if not (folder / FOREST_FILE).exists() and (folder / LEGACY_FILE).exists():
             raise ArtifactError(
                 f"{folder / LEGACY_FILE} is a pickle, which moeflow no longer loads (it can run "
                 f"code); re-run `moeflow train` to save the forest as {FOREST_FILE}"
             )
-        c = read_json_file(folder / "config.json")
-        if int(c.get("features", 1)) != FEATURES_VERSION:
-            raise ArtifactError(
-                f"{folder} holds a forest with features v{c.get('features', 1)}; this moeflow needs "
-                f"v{FEATURES_VERSION}: re-run `moeflow train`"
-            )
+        c = read_config(folder, "a forest with features", FEATURES_VERSION)
         with artifact_file(folder / "config.json"):
             self = cls(model, int(c["max_lookahead"]), int(c["window"]), int(c["dim"]))
             self.base_kind = str(c["base"])
@@ -403,157 +295,5 @@ class Forest:
         return self
 
 
-class _Trees:
-    """What `ArrayForest.from_sklearn` reads of a fitted forest: its trees, feature count and depth limit."""
-
-    def __init__(self, trees: list[Any], n_features: int, max_depth: int | None):
-        self.estimators_, self.n_features_in_, self.max_depth = trees, n_features, max_depth
-
-
-def _fit_trees(X: np.ndarray, Y: np.ndarray, cfg: Any, n_features: int) -> _Trees:
-    """A random forest of `cfg.forest_trees` scikit-learn regression trees (MSE) on X [n,F] float32 -> Y [n,E], as
-    `RandomForestRegressor(max_samples=...)` fits it: each tree on a bootstrap draw of `cfg.forest_tree_samples`
-    rows of the pool (all n when fewer), the rows drawn more than once weighted by their count, a random subset of
-    the features tried per split. Each tree gets its draw as a compact copy X[rows] [<=draw,F] instead of weights
-    over the whole pool: the splitter then reads rows of a 24 MB copy instead of rows scattered over the pool
-    (n x F x 4 bytes, 240 MB by default): about a fifth less CPU time for the trees on the quickstart trace.
-    `cfg.threads` trees fit at once (the splitter releases the GIL)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from sklearn.tree import DecisionTreeRegressor
-
-    n = len(X)
-    draw = min(cfg.forest_tree_samples, n)
-    rng = np.random.default_rng(cfg.seed)
-    seeds = rng.integers(0, 2**31 - 1, cfg.forest_trees)
-    max_features = min(n_features, max(MIN_SPLIT_FEATURES, round(cfg.forest_max_features * n_features)))
-
-    def one(t: int) -> Any:
-        r = np.random.default_rng(int(seeds[t]))
-        rows, counts = np.unique(r.integers(0, n, draw), return_counts=True)  # [u] the bootstrap draw, with repeats
-        tree = DecisionTreeRegressor(
-            max_depth=cfg.forest_depth or None,
-            min_samples_leaf=cfg.forest_min_leaf,
-            max_features=max_features,
-            random_state=int(seeds[t]),
-        )
-        return tree.fit(X[rows], Y[rows], sample_weight=counts.astype(np.float64))  # X[rows]: [u,F] contiguous
-
-    workers = max(1, int(cfg.threads or 1))
-    if workers == 1:
-        trees = [one(t) for t in range(cfg.forest_trees)]
-    else:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            trees = list(pool.map(one, range(cfg.forest_trees)))
-    return _Trees(trees, n_features, cfg.forest_depth or None)
-
-
 def _no_router(batch: SourceBatch) -> SourceBatch:
     return SourceBatch(batch.layer, torch.zeros(0), batch.topk_ids, batch.topk_weights, None, batch.token_ctx, batch.history)
-
-
-class AsyncForest:
-    """Runs `Forest` predictions in a worker thread; a cache keyed by (token sequence, layer, S).
-
-    `submit_group(pairs, batch, keys, probs)` queues, as ONE forest call for all (target, S) in `pairs`, the rows
-    whose keys are not cached or pending (`submit(target, s, ...)`: one pair); `lookup(target, keys, fallback)`
-    returns, per row, the ready prediction with the smallest S for that target (any source), else the fallback's
-    row (the pre-gate). The caller's thread builds the rows (`fast.ForestRunner.prepare`: the pre-gate
-    probabilities from one product with the stacked routers, pass them as `probs` [P,T,E] when already computed,
-    and the features, numpy); the worker walks the trees in a compiled kernel that releases the GIL, so it never
-    holds the model's thread up. Counters say how often each path was taken; `busy_s` is the worker's time.
-    """
-
-    def __init__(self, forest: Forest, *, max_entries: int = 65536, workers: int = 1):
-        from .fast_forest import ForestRunner
-
-        self.forest = forest
-        self.fast = ForestRunner(forest)
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moeflow-forest")
-        self.cache: dict[tuple[Hashable, int, int], np.ndarray] = {}
-        self.pending: dict[tuple[Hashable, int, int], Future] = {}
-        self.lock = threading.Lock()
-        self.max_entries = max_entries
-        self.hits = 0
-        self.fallbacks = 0
-        self.busy_s = 0.0
-        self.calls = 0  # forest calls (one per submitted source layer)
-
-    def _run(self, pairs: list[tuple[int, int]], keys: list, X: np.ndarray, base: np.ndarray, probs: np.ndarray) -> None:
-        import time
-
-        t0 = time.perf_counter()
-        scores = self.fast.finish(X, base, probs)  # [P,T,E] one forest call for every (target, S)
-        with self.lock:
-            for (t, s), sc in zip(pairs, scores):
-                for i, q in enumerate(keys):
-                    self.cache[(q, t, s)] = sc[i]
-                    self.pending.pop((q, t, s), None)
-            while len(self.cache) > self.max_entries:
-                self.cache.pop(next(iter(self.cache)))
-            self.busy_s += time.perf_counter() - t0
-            self.calls += 1
-
-    def submit(self, target: int, s: int, batch: SourceBatch, seq_keys: list[Hashable]) -> None:
-        self.submit_group([(target, s)], batch, seq_keys)
-
-    def submit_group(
-        self, pairs: list[tuple[int, int]], batch: SourceBatch, seq_keys: list[Hashable], probs: np.ndarray | None = None
-    ) -> None:
-        """Queue ONE forest job for every (target, S) in `pairs`, for the rows with any of them not cached
-        or pending. `probs` [P,T,E]: the pairs' pre-gate probabilities (computed here when None)."""
-        with self.lock:
-            todo = [
-                i
-                for i, q in enumerate(seq_keys)
-                if any((q, t, s) not in self.cache and (q, t, s) not in self.pending for t, s in pairs)
-            ]
-        if not todo or not pairs:
-            return
-        probs = self.fast.probs(batch, [t for t, _ in pairs]) if probs is None else probs
-        sub = batch
-        if len(todo) < batch.t:
-            idx = torch.tensor(todo)
-            sub = SourceBatch(
-                batch.layer,
-                batch.router_input[idx] if batch.router_input.numel() else batch.router_input,
-                batch.topk_ids[idx],
-                batch.topk_weights[idx],
-                None,
-                None if batch.token_ctx is None else batch.token_ctx[idx],
-                {l: h[idx] for l, h in batch.history.items()},
-            )
-            probs = probs[:, todo]
-        sub_keys = [seq_keys[i] for i in todo]
-        X, base = self.fast.prepare(list(pairs), sub, probs)  # numpy here; the worker walks the trees without the GIL
-        with self.lock:
-            fut = self.pool.submit(self._run, list(pairs), sub_keys, X, base, probs)
-            for q in sub_keys:
-                for t, s in pairs:
-                    self.pending[(q, t, s)] = fut
-
-    def lookup(self, target: int, seq_keys: list[Hashable], fallback: Callable[[], Any]) -> np.ndarray:
-        """Scores [T,E]: cached forest rows where ready (smallest S first), the fallback's rows elsewhere."""
-        out: list[np.ndarray | None] = []
-        with self.lock:
-            for q in seq_keys:
-                got = None
-                for s in range(1, self.forest.max_lookahead + 1):
-                    got = self.cache.get((q, target, s))
-                    if got is not None:
-                        break
-                out.append(got)
-        missing = [i for i, o in enumerate(out) if o is None]
-        self.hits += len(out) - len(missing)
-        self.fallbacks += len(missing)
-        if missing:
-            fb = fallback()
-            fb = fb.float().numpy() if isinstance(fb, torch.Tensor) else np.asarray(fb, np.float32)
-            if len(missing) == len(out):
-                return fb
-            for i in missing:
-                out[i] = fb[i]
-        return np.stack(out)  # type: ignore[arg-type]  # every row filled above
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)

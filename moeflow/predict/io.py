@@ -56,6 +56,17 @@ def read_json_file(path: Path) -> dict[str, Any]:
         return obj
 
 
+def read_config(folder: Path, holds: str, version: int) -> dict[str, Any]:
+    """`folder/config.json` of a learned predictor (see `read_json_file`), refused with one line unless its input
+    features are `version` ("features", 1 when absent); `holds` names them: "a forest with features"."""
+    c = read_json_file(folder / "config.json")
+    if int(c.get("features", 1)) != version:
+        raise ArtifactError(
+            f"{folder} holds {holds} v{c.get('features', 1)}; this moeflow needs v{version}: re-run `moeflow train`"
+        )
+    return c
+
+
 def read_plan_meta(folder: Path, kind: str, schema: int, fingerprint: str | None) -> dict[str, Any]:
     """`<kind>.json` of a CasMoE plan artifact (`eam`, `eap`) in `folder`: refuses another kind or schema and,
     given `fingerprint`, another model's folder."""

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from ..artifacts import new_meta
+from ..calibrate.engine_time import engine_rounds
 from ..calibrate.io import KIND, SCHEMA, calibration_path, device_name, write_calibration
 from ..calibrate.measure import (
     bandwidth_sweep,
-    engine_rounds,
     expert_timing,
     fit_latency,
     link_timing,

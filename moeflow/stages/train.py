@@ -71,7 +71,7 @@ class TrainConfig:
     forest_trees: int = 24
     forest_depth: int = 0  # 0: no limit (forest_min_leaf bounds the trees)
     forest_min_leaf: int = 8
-    forest_max_features: float = 0.064  # part of the features tried per split (at least forest.MIN_SPLIT_FEATURES)
+    forest_max_features: float = 0.064  # part of the features tried per split (at least forest_arrays.MIN_SPLIT_FEATURES)
     forest_max_samples: int = 120_000  # the pool: rows x (layer, S) pairs, subsampled per pair
     forest_tree_samples: int = 12_000  # each tree's bootstrap draw from the pool (the whole pool when smaller)
     forest_window: int = 4
