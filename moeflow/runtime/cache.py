@@ -48,14 +48,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, Literal, cast, overload
+from typing import Any, cast
 
 import torch
 
-from ..policies.base import Candidates, EvictionPolicy, ExpertKey, MissPolicy, Position, PrefetchRequest
+from ..policies.base import EvictionPolicy, ExpertKey, MissPolicy, Position, PrefetchRequest
 from ..quant import FULL, compact_bytes_estimate
+from .cache_slots import LOADING, READY, Slot, SlotPool, make_position
 from .cachecore import LOG_EVICT, LOG_LOAD
 from .corecache import CacheCore, ReplayResult, kernel_kind
 from .counters import GATHER_BYTES, MAX_GROUPS, CacheCounters, check_capacity, needed_experts, wave_capacity  # noqa: F401
@@ -63,50 +63,10 @@ from .link import Link, Ticket
 from .misses import fetch_bits
 from .store import HostExpertStore
 
-FREE, LOADING, READY = "free", "loading", "ready"
-_new = object.__new__
 _priority = attrgetter("priority")
 
 
-def _position(pass_id: int, layer: int, layer_rank: int, time: int) -> Position:
-    """`Position(...)` without the frozen dataclass's per-field `object.__setattr__` (equal, same hash)."""
-    p = _new(Position)
-    d = p.__dict__
-    d["pass_id"], d["layer"], d["layer_rank"], d["time"] = pass_id, layer, layer_rank, time
-    return p
-
-
-@dataclass
-class Slot:
-    state: str = FREE
-    key: ExpertKey | None = None
-    ticket: Ticket | None = None
-    pinned: bool = False
-    prefetched: bool = False  # inserted by a prefetch
-    used: bool = False  # accessed since insertion
-    last_use: Any = None  # link marker after the last compute that read this slot
-    bits: int = FULL  # precision of the copy in the slot (FULL = 0: the model dtype; 8/4/2: a compact copy)
-    dequant: int = FULL  # bits of a compact copy in flight that `_ready` must dequantize (FULL: none)
-    issued: int = 0  # a prefetched slot's sequence number (`ExpertCache._prefetch_seq` at its issue)
-
-
-class _InFlight:
-    """The slots an eviction may not take, asked slot by slot: `protected` ones and copies still in flight (a
-    slot's copy is checked, and a landed one marked ready, only when the policy asks about that slot)."""
-
-    __slots__ = ("_cache", "_protected")
-
-    def __init__(self, cache: ExpertCache, protected: Any):
-        self._cache, self._protected = cache, protected
-
-    def __contains__(self, s: object) -> bool:
-        if s in self._protected:
-            return True
-        cache = self._cache
-        return s in cache._loading and cache._refresh(s) != READY
-
-
-class ExpertCache:
+class ExpertCache(SlotPool):
     def __init__(
         self,
         store: HostExpertStore | None,
@@ -210,7 +170,7 @@ class ExpertCache:
 
     # ---- positions and events -------------------------------------------------------------------
     def position(self, layer: int) -> Position:
-        return _position(self.pass_id, layer, self.rank[layer], self.time)
+        return make_position(self.pass_id, layer, self.rank[layer], self.time)
 
     def begin_pass(self, pass_id: int) -> None:
         self.pass_id = pass_id
@@ -246,25 +206,6 @@ class ExpertCache:
 
     def num_resident(self) -> int:
         return len(self.slot_of)
-
-    def _part(self, layer: int) -> int:
-        return self.rank[layer] if self.per_layer else 0
-
-    def _refresh(self, s: int) -> str:
-        slot = self.slots[s]
-        if slot.state == LOADING and slot.ticket is not None and self.link.ready(slot.ticket):  # LOADING has a ticket
-            self._ready(s)
-        return slot.state
-
-    def _ready(self, s: int) -> None:
-        """The slot's copy is complete: mark it ready; a compact copy is dequantized in place now (device)."""
-        slot = self.slots[s]
-        slot.state = READY
-        self._loading.discard(s)
-        if slot.dequant != FULL:
-            bits, slot.dequant = slot.dequant, FULL
-            if self.store is not None and self.buffer is not None:
-                self.store.dequantize(bits, self.buffer[s])
 
     def bytes_at(self, bits: int) -> int:
         """Bytes one transfer of an expert at `bits` moves (FULL: the full row)."""
@@ -326,7 +267,7 @@ class ExpertCache:
                 c.misses += 1
                 if self._evicted_in_pass.get(key) == pass_id:
                     c.collision_misses += 1
-                pos = _position(pass_id, layer, rank, t)
+                pos = make_position(pass_id, layer, rank, t)
                 s = self._acquire(key, pos, demand=True, protected=())
                 b = bits.get(e, FULL) if bits else FULL
                 self._load(s, key, prefetched=False, pos=pos, bits=b)
@@ -344,7 +285,7 @@ class ExpertCache:
             slot.used = True
             self.time = t = t + 1
             if ev is not None:
-                ev.on_access(key, _position(pass_id, layer, rank, t), score=float(scores.get(e, 0.0)))
+                ev.on_access(key, make_position(pass_id, layer, rank, t), score=float(scores.get(e, 0.0)))
             out.append(s)
         return out
 
@@ -416,21 +357,6 @@ class ExpertCache:
                 self._evict(s)
             elif self.upgrade and slot.bits != FULL and slot.state == READY and slot.key is not None:
                 self._upgrade(s)
-
-    def _upgrade(self, s: int) -> None:
-        """Cascade: queue the full-precision row over a low-precision slot (prefetch priority, after the
-        computation that just read it); the slot is in flight until the exact expert has landed."""
-        slot = self.slots[s]
-        key = cast(ExpertKey, slot.key)
-        slot.ticket = self._submit(s, key, FULL, demand=False)
-        slot.bits, slot.dequant = FULL, FULL
-        if not self._instant:
-            slot.state = LOADING
-            self._loading.add(s)
-        self.counters.upgrades += 1
-        self.counters.bytes_moved += self.expert_bytes
-        if self._on_precision is not None:
-            self._on_precision(key, FULL)
 
     # ---- prefetch -----------------------------------------------------------------------------------
     def cancel_stale(self, layer: int, experts: Sequence[int]) -> int:
@@ -747,76 +673,6 @@ class ExpertCache:
         return res
 
     # ---- slots ----------------------------------------------------------------------------------------
-    @overload
-    def _acquire(self, key: ExpertKey, pos: Position, *, demand: Literal[True], protected) -> int: ...
-    @overload
-    def _acquire(self, key: ExpertKey, pos: Position, *, demand: bool, protected, keep=None) -> int | None: ...
-    def _acquire(self, key: ExpertKey, pos: Position, *, demand: bool, protected, keep=None) -> int | None:
-        """A free slot of `key`'s part, evicting a victim if needed; None only when not `demand` and nothing is evictable,
-        or `keep(victim)` (a prefetch's victim-aware gate) says to keep the victim."""
-        part = self._part(key[0])
-        free = self._free[part]
-        if free:
-            return free.pop()
-        while True:
-            slots, loading = self.slots, self._loading  # a slot of a full part not in `_loading` is ready
-            # the candidates as a view (`key in cands` is O(1), so policies need not scan them)
-            if not self.per_layer:  # one part, every slot holds a key: the unpinned slots' keys, listed only if iterated
-                # a landed copy's slot is ready (a candidate), one still in flight is not: asked of the slots the
-                # policy looks at only, not of every copy in flight at each acquisition
-                exclude: Any = _InFlight(self, protected) if loading else protected
-                cands = Candidates(self.slot_of, slots, exclude=exclude)
-            else:
-                cands = Candidates(
-                    self.slot_of,
-                    slots,
-                    [
-                        cast(ExpertKey, slots[s].key)  # a full part's slots all hold a key
-                        for s in self._part_slots[part]
-                        if not slots[s].pinned and s not in protected and (s not in loading or self._refresh(s) == READY)
-                    ],
-                )
-            if cands:
-                break
-            if not demand:
-                return None
-            in_flight = [
-                s
-                for s in self._part_slots[part]
-                if self.slots[s].state == LOADING and not self.slots[s].pinned and s not in protected
-            ]
-            if not in_flight:
-                raise RuntimeError(f"no evictable slot for {key}: all {len(self._part_slots[part])} are pinned")
-            self.wait(in_flight[:1])  # an unfinished prefetch blocks a demand load: real stall
-        if self.eviction is None:
-            raise RuntimeError("cache is full and has no eviction policy")
-        victim = cast(ExpertKey, tuple(self.eviction.victim(cands, pos)))
-        if victim not in cands:
-            raise RuntimeError(f"eviction policy {self.eviction.name!r} chose {victim}, not one of the candidates")
-        if keep is not None and keep(victim):
-            return None
-        s = self.slot_of[victim]
-        self._evict(s)
-        return self._free[part].pop()
-
-    def _evict(self, s: int) -> None:
-        slot = self.slots[s]
-        key = slot.key
-        assert key is not None and slot.state != LOADING and not slot.pinned
-        if slot.prefetched and not slot.used:
-            self.counters.prefetch_unused_evicted += 1
-        self.counters.evictions += 1
-        self._evicted_in_pass[key] = self.pass_id
-        del self.slot_of[key]
-        r = self.rank[key[0]]
-        self._table_follows(r, key[1], -1)
-        self._resident_in[r] -= 1
-        last_use = slot.last_use
-        self.slots[s] = Slot(last_use=last_use)
-        self._free[self._part(key[0])].append(s)
-        if self.eviction is not None:
-            self.eviction.on_evict(key)
-
     def _submit(self, s: int, key: ExpertKey, bits: int, *, demand: bool) -> Ticket:
         """Start the copy of `key` at `bits` into slot `s` (a compact copy lands in the row's first bytes)."""
         slot = self.slots[s]
@@ -826,34 +682,6 @@ class ExpertCache:
             return self.link.submit(src, store.landing(buffer[s], bits), after=slot.last_use, demand=demand)
         # simulated: the link models the transfer of one expert (row or compact copy), nothing is copied
         return self.link.submit_nbytes(self.bytes_at(bits), after=slot.last_use, demand=demand)  # type: ignore[attr-defined]
-
-    def _load(self, s: int, key: ExpertKey, *, prefetched: bool, pos: Position, bits: int = FULL) -> None:
-        slot = self.slots[s]
-        if self._held is not None:  # a `batch`: submitted at its end (a slot in flight without a ticket meanwhile)
-            slot.ticket = None
-            self._held.append((s, key, bits, not prefetched))
-        else:
-            slot.ticket = self._submit(s, key, bits, demand=not prefetched)
-        slot.bits, slot.dequant = bits, bits
-        slot.state = READY if self._instant else LOADING
-        slot.key = key
-        slot.prefetched = prefetched
-        slot.used = False
-        if self._instant and bits != FULL and self.store is not None and self.buffer is not None:
-            slot.dequant = FULL
-            self.store.dequantize(bits, self.buffer[s])
-        self.slot_of[key] = s
-        r = self.rank[key[0]]
-        self._table_follows(r, key[1], s)
-        self._resident_in[r] += 1
-        if not self._instant:
-            self._loading.add(s)
-        self.counters.loads += 1
-        self.counters.bytes_moved += self.bytes_at(bits)  # this transfer's bytes (a compact copy is smaller)
-        if self._on_precision is not None:
-            self._on_precision(key, bits)
-        if self.eviction is not None:
-            self.eviction.on_insert(key, pos, prefetched=prefetched)
 
     def close(self) -> None:
         self.link.drain()
