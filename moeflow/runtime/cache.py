@@ -3,17 +3,26 @@
 The cache is mechanism only. It asks the eviction policy for every victim (`victim(candidates, pos)`
 over resident, unpinned, not-in-flight slots) and reports every event to it (`on_insert`,
 `on_access(score=gate weight)`, `on_evict`, `on_pass_start`, `on_layer_start`). It never holds more
-than C experts: the slot buffer `[C, row_numel]` is allocated once, with per-parameter views
-`[C, *shape]` from which the engine gathers the slots a layer routes to.
+than C experts. With `per_layer=True` the C slots are split evenly between MoE layers and a layer only evicts
+its own. With `retain=False` (the `on-demand` baseline) a layer's slots are freed as soon as its compute ends.
 
-The (layer, expert) -> slot map lives twice: `slot_of` on the host (the cache's decisions) and `table`
-`[L_moe, E]` (long, -1 = not resident) on the device, updated whenever a slot's key changes, so the
-engine's expert compute finds slots without building tensors from Python lists.
-
-Slot states: free -> loading (copy in flight) -> ready; a ready or loading slot may additionally be
-pinned by the running layer (it will be read by this layer's expert compute and cannot be evicted).
-With `per_layer=True` the C slots are split evenly between MoE layers and a layer only evicts its own.
-With `retain=False` (the `on-demand` baseline) a layer's slots are freed as soon as its compute ends.
+`ExpertCache` is one object in four modules of one job each (mixins sharing the cache's state, so every call site,
+attribute and hot loop is as it was in one class, and tests hook `_evict`, `_core_apply`, `_write_table` on it):
+- here: construction and the access order below (`demand`, `route`, `prefetch` / `_issue`, `stage`, `wait`,
+  `release`, `cancel_stale`);
+- `runtime/cache_slots.py` (`Slot`, `SlotPool`): a slot's life, free -> loading (copy in flight) -> ready, plus
+  pinned by the running layer (read by this layer's compute, not evictable): `_acquire` (the policy's victim),
+  `_load`, `_evict`, `_upgrade`, `_refresh` / `_ready`; the queries over slots (`resident`, `is_ready`,
+  `layer_all_ready`, `stage_room`, `free_room`, ...);
+- `runtime/cache_device.py` (`CacheDevice`): the bytes that move: the slot buffer `[C, row_numel]` allocated once
+  with per-parameter views `[C, *shape]` the engine gathers from, the device `table` `[L_moe, E]` (long, -1 = not
+  resident) that follows the host's `slot_of` whenever a slot's key changes (so the expert compute finds slots
+  without tensors built from Python lists), `_submit` (one copy) and `batch` (copies held and handed over together);
+- `runtime/cache_compiled.py` (`CompiledBridge`): the compiled core (`runtime/corecache.py`). With an eviction
+  policy that declares a `kernel` and an instant link, decisions, the policy's state and counters live in numba
+  kernels, one call per cache call; the cache then follows each call's evictions and loads in `slot_of`,
+  `slots[s].key/state/pinned/bits/ticket` and `table`, and `replay` runs the simulator's whole stream in one call.
+  Every other policy or link (copies in flight, cancellation, a gate that reads the link) runs the Python mechanism.
 
 Without a store (`store=None, spec=...`: the trace-driven simulator, `moeflow.sim`) the cache holds no
 tensors: no buffer, no views, no device table; `_load` moves bookkeeping only and asks the link for a
@@ -33,15 +42,6 @@ per forward pass `begin_pass`, then per MoE layer):
 Mixed precision (`runtime/misses.py`): a `("fetch", bits)` miss loads a compact copy (`Slot.bits`), `_ready`
 dequantizes it, `upgrade` (`cascade`) queues the full row over it on `release`; eviction policies with
 `hears_precision` (`lhu`) are told every slot's precision (load and upgrade).
-
-Compiled core (`runtime/cachecore.py`, `runtime/corecache.py`): with an eviction policy that declares a
-`kernel` (lru, lfu, least-stale, belady-approx; the simulator's Belady MIN) and an instant link (the simulator's
-`InstantLink`, the runtime's `DirectLink`), the decisions, the policy's state and the counters live in numba
-kernels, one call per cache call (`demand`, `prefetch`, `release`, `begin_pass`, `begin_layer`); this object
-then holds the tensors, tickets and the views others read (`slot_of`, `slots[s].key/state/pinned/bits/ticket`,
-`table`), following each call's evictions and loads. The simulator replays a whole stream through the same
-kernels in one call (`replay`). Every other policy or link (in flight copies, cancellation, a traffic gate
-that reads the link) runs the Python mechanism below, in the runtime and the simulator alike.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class ExpertCache(SlotPool, CompiledBridge, CacheDevice):
     ):
         """`store=None` (with `spec`, optionally `expert_bytes`): bookkeeping only, no tensors (the simulator).
         `compiled`: None keeps the bookkeeping in the compiled core when the policy and link allow it (see
-        "Compiled core" above), False always runs the Python mechanism, True requires the core."""
+        `runtime/cache_compiled.py`), False always runs the Python mechanism, True requires the core."""
         if store is None and spec is None:
             raise ValueError("ExpertCache needs a store, or spec= for a tensor-free (simulated) cache")
         spec = store.spec if store is not None else spec
@@ -152,30 +152,6 @@ class ExpertCache(SlotPool, CompiledBridge, CacheDevice):
             self.core.begin_layer(self.rank[layer])
         elif self.eviction is not None:
             self.eviction.on_layer_start(self.position(layer))
-
-    def resident(self, key: ExpertKey) -> bool:
-        """True when `key` has a slot (ready or in flight)."""
-        return key in self.slot_of
-
-    def is_ready(self, key: ExpertKey) -> bool:
-        s = self.slot_of.get(key)
-        return s is not None and self._refresh(s) == READY
-
-    def num_resident(self) -> int:
-        return len(self.slot_of)
-
-    def layer_full(self, layer: int) -> bool:
-        """Every expert of `layer` has a slot (ready or in flight)."""
-        return self._resident_in[self.rank[layer]] >= self.spec.num_experts
-
-    def layer_all_ready(self, layer: int) -> bool:
-        """True when every expert of `layer` is in a ready slot: no access of this layer can miss or wait."""
-        if self._resident_in[self.rank[layer]] < self.spec.num_experts:
-            return False
-        for s in list(self._loading):
-            if self._refresh(s) != READY and (key := self.slots[s].key) is not None and key[0] == layer:
-                return False
-        return True
 
     # ---- demand: the running layer's experts -------------------------------------------------------
     def demand(
@@ -408,25 +384,7 @@ class ExpertCache(SlotPool, CompiledBridge, CacheDevice):
                 self._ascend(i0)
             return issued
 
-    def stage_room(self, layer: int) -> int:
-        """Slots of `layer`'s part that no running layer pins and that hold no expert of `layer` (room for a staged
-        batch of `layer` that evicts none of its own)."""
-        slots, n = self.slots, 0
-        for s in self._part_slots[self._part(layer)]:
-            sl = slots[s]
-            if not sl.pinned and ((key := sl.key) is None or key[0] != layer):
-                n += 1
-        return n
-
-    def free_room(self, layer: int) -> int:
-        """Empty slots of `layer`'s part (a batch staged into them evicts nothing)."""
-        if self.core is None:  # `_free` lists exactly the part's empty slots (the compiled core keeps its own)
-            return len(self._free[self._part(layer)])
-        slots = self.slots
-        return sum(slots[s].key is None for s in self._part_slots[self._part(layer)])
-
-    # ---- compiled core -------------------------------------------------------------------------------
-    # ---- slots ----------------------------------------------------------------------------------------
+    # ---- end ------------------------------------------------------------------------------------------
     def close(self) -> None:
         self.link.drain()
         self._src_rows.clear()  # no reference to the store's rows past the engine (it restores them)

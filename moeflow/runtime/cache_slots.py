@@ -9,7 +9,8 @@ the full row over a low-precision slot), `_refresh` / `_ready` (a copy known com
 dequantized then). It is a mixin of `ExpertCache`, not an object the cache owns: every method reads and writes
 the cache's own slot map, free lists and counters, and tests hook `_evict` on the cache; the attributes it uses
 are declared below and set by `ExpertCache.__init__`. The copies themselves (`_submit`, a `batch`'s held copies,
-the device table) are `runtime/cache_device.py`'s.
+the device table) are `runtime/cache_device.py`'s. The queries over slots live here too (`resident`,
+`is_ready`, `num_resident`, `layer_full`, `layer_all_ready`, `stage_room`, `free_room`).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class _InFlight:
 
 
 class SlotPool:
-    """The slots' life (mixin of `ExpertCache`): acquisition with eviction, loads, evictions, upgrades, readiness."""
+    """The slots' life (mixin of `ExpertCache`): acquisition with eviction, loads, evictions, upgrades, readiness;
+    and the queries over slots (`resident`, `is_ready`, `layer_full`, `layer_all_ready`, `stage_room`, `free_room`)."""
 
     # set by `ExpertCache.__init__`
     spec: Any
@@ -93,6 +95,7 @@ class SlotPool:
     _evicted_in_pass: dict[ExpertKey, int]
     _on_precision: Any
     _held: list[tuple[int, ExpertKey, int, bool]] | None
+    core: Any  # the compiled core (`cache_compiled`), None: this Python mechanism
 
     if TYPE_CHECKING:  # the cache's other parts (`cache_device.CacheDevice`, `cache.ExpertCache`)
 
@@ -101,6 +104,49 @@ class SlotPool:
         def bytes_at(self, bits: int) -> int: ...
         def wait(self, slots: Sequence[int]) -> float: ...
 
+    # ---- queries ------------------------------------------------------------------------------------
+    def resident(self, key: ExpertKey) -> bool:
+        """True when `key` has a slot (ready or in flight)."""
+        return key in self.slot_of
+
+    def is_ready(self, key: ExpertKey) -> bool:
+        s = self.slot_of.get(key)
+        return s is not None and self._refresh(s) == READY
+
+    def num_resident(self) -> int:
+        return len(self.slot_of)
+
+    def layer_full(self, layer: int) -> bool:
+        """Every expert of `layer` has a slot (ready or in flight)."""
+        return self._resident_in[self.rank[layer]] >= self.spec.num_experts
+
+    def layer_all_ready(self, layer: int) -> bool:
+        """True when every expert of `layer` is in a ready slot: no access of this layer can miss or wait."""
+        if self._resident_in[self.rank[layer]] < self.spec.num_experts:
+            return False
+        for s in list(self._loading):
+            if self._refresh(s) != READY and (key := self.slots[s].key) is not None and key[0] == layer:
+                return False
+        return True
+
+    def stage_room(self, layer: int) -> int:
+        """Slots of `layer`'s part that no running layer pins and that hold no expert of `layer` (room for a staged
+        batch of `layer` that evicts none of its own)."""
+        slots, n = self.slots, 0
+        for s in self._part_slots[self._part(layer)]:
+            sl = slots[s]
+            if not sl.pinned and ((key := sl.key) is None or key[0] != layer):
+                n += 1
+        return n
+
+    def free_room(self, layer: int) -> int:
+        """Empty slots of `layer`'s part (a batch staged into them evicts nothing)."""
+        if self.core is None:  # `_free` lists exactly the part's empty slots (the compiled core keeps its own)
+            return len(self._free[self._part(layer)])
+        slots = self.slots
+        return sum(slots[s].key is None for s in self._part_slots[self._part(layer)])
+
+    # ---- a slot's life -----------------------------------------------------------------------------
     def _part(self, layer: int) -> int:
         return self.rank[layer] if self.per_layer else 0
 
