@@ -3,17 +3,26 @@
 The cache is mechanism only. It asks the eviction policy for every victim (`victim(candidates, pos)`
 over resident, unpinned, not-in-flight slots) and reports every event to it (`on_insert`,
 `on_access(score=gate weight)`, `on_evict`, `on_pass_start`, `on_layer_start`). It never holds more
-than C experts: the slot buffer `[C, row_numel]` is allocated once, with per-parameter views
-`[C, *shape]` from which the engine gathers the slots a layer routes to.
+than C experts. With `per_layer=True` the C slots are split evenly between MoE layers and a layer only evicts
+its own. With `retain=False` (the `on-demand` baseline) a layer's slots are freed as soon as its compute ends.
 
-The (layer, expert) -> slot map lives twice: `slot_of` on the host (the cache's decisions) and `table`
-`[L_moe, E]` (long, -1 = not resident) on the device, updated whenever a slot's key changes, so the
-engine's expert compute finds slots without building tensors from Python lists.
-
-Slot states: free -> loading (copy in flight) -> ready; a ready or loading slot may additionally be
-pinned by the running layer (it will be read by this layer's expert compute and cannot be evicted).
-With `per_layer=True` the C slots are split evenly between MoE layers and a layer only evicts its own.
-With `retain=False` (the `on-demand` baseline) a layer's slots are freed as soon as its compute ends.
+`ExpertCache` is one object in four modules of one job each (mixins sharing the cache's state, so every call site,
+attribute and hot loop is as it was in one class, and tests hook `_evict`, `_core_apply`, `_write_table` on it):
+- here: construction and the access order below (`demand`, `route`, `prefetch` / `_issue`, `stage`, `wait`,
+  `release`, `cancel_stale`);
+- `runtime/cache_slots.py` (`Slot`, `SlotPool`): a slot's life, free -> loading (copy in flight) -> ready, plus
+  pinned by the running layer (read by this layer's compute, not evictable): `_acquire` (the policy's victim),
+  `_load`, `_evict`, `_upgrade`, `_refresh` / `_ready`; the queries over slots (`resident`, `is_ready`,
+  `layer_all_ready`, `stage_room`, `free_room`, ...);
+- `runtime/cache_device.py` (`CacheDevice`): the bytes that move: the slot buffer `[C, row_numel]` allocated once
+  with per-parameter views `[C, *shape]` the engine gathers from, the device `table` `[L_moe, E]` (long, -1 = not
+  resident) that follows the host's `slot_of` whenever a slot's key changes (so the expert compute finds slots
+  without tensors built from Python lists), `_submit` (one copy) and `batch` (copies held and handed over together);
+- `runtime/cache_compiled.py` (`CompiledBridge`): the compiled core (`runtime/corecache.py`). With an eviction
+  policy that declares a `kernel` and an instant link, decisions, the policy's state and counters live in numba
+  kernels, one call per cache call; the cache then follows each call's evictions and loads in `slot_of`,
+  `slots[s].key/state/pinned/bits/ticket` and `table`, and `replay` runs the simulator's whole stream in one call.
+  Every other policy or link (copies in flight, cancellation, a gate that reads the link) runs the Python mechanism.
 
 Without a store (`store=None, spec=...`: the trace-driven simulator, `moeflow.sim`) the cache holds no
 tensors: no buffer, no views, no device table; `_load` moves bookkeeping only and asks the link for a
@@ -33,80 +42,30 @@ per forward pass `begin_pass`, then per MoE layer):
 Mixed precision (`runtime/misses.py`): a `("fetch", bits)` miss loads a compact copy (`Slot.bits`), `_ready`
 dequantizes it, `upgrade` (`cascade`) queues the full row over it on `release`; eviction policies with
 `hears_precision` (`lhu`) are told every slot's precision (load and upgrade).
-
-Compiled core (`runtime/cachecore.py`, `runtime/corecache.py`): with an eviction policy that declares a
-`kernel` (lru, lfu, least-stale, belady-approx; the simulator's Belady MIN) and an instant link (the simulator's
-`InstantLink`, the runtime's `DirectLink`), the decisions, the policy's state and the counters live in numba
-kernels, one call per cache call (`demand`, `prefetch`, `release`, `begin_pass`, `begin_layer`); this object
-then holds the tensors, tickets and the views others read (`slot_of`, `slots[s].key/state/pinned/bits/ticket`,
-`table`), following each call's evictions and loads. The simulator replays a whole stream through the same
-kernels in one call (`replay`). Every other policy or link (in flight copies, cancellation, a traffic gate
-that reads the link) runs the Python mechanism below, in the runtime and the simulator alike.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from operator import attrgetter
-from typing import Any, Literal, cast, overload
+from typing import Any
 
 import torch
 
-from ..policies.base import Candidates, EvictionPolicy, ExpertKey, MissPolicy, Position, PrefetchRequest
-from ..quant import FULL, compact_bytes_estimate
-from .cachecore import LOG_EVICT, LOG_LOAD
-from .corecache import CacheCore, ReplayResult, kernel_kind
+from ..policies.base import EvictionPolicy, ExpertKey, MissPolicy, Position, PrefetchRequest
+from ..quant import FULL
+from .cache_compiled import CompiledBridge
+from .cache_device import CacheDevice
+from .cache_slots import LOADING, READY, Slot, SlotPool, make_position
 from .counters import GATHER_BYTES, MAX_GROUPS, CacheCounters, check_capacity, needed_experts, wave_capacity  # noqa: F401
-from .link import Link, Ticket
+from .link import Link
 from .misses import fetch_bits
 from .store import HostExpertStore
 
-FREE, LOADING, READY = "free", "loading", "ready"
-_new = object.__new__
 _priority = attrgetter("priority")
 
 
-def _position(pass_id: int, layer: int, layer_rank: int, time: int) -> Position:
-    """`Position(...)` without the frozen dataclass's per-field `object.__setattr__` (equal, same hash)."""
-    p = _new(Position)
-    d = p.__dict__
-    d["pass_id"], d["layer"], d["layer_rank"], d["time"] = pass_id, layer, layer_rank, time
-    return p
-
-
-@dataclass
-class Slot:
-    state: str = FREE
-    key: ExpertKey | None = None
-    ticket: Ticket | None = None
-    pinned: bool = False
-    prefetched: bool = False  # inserted by a prefetch
-    used: bool = False  # accessed since insertion
-    last_use: Any = None  # link marker after the last compute that read this slot
-    bits: int = FULL  # precision of the copy in the slot (FULL = 0: the model dtype; 8/4/2: a compact copy)
-    dequant: int = FULL  # bits of a compact copy in flight that `_ready` must dequantize (FULL: none)
-    issued: int = 0  # a prefetched slot's sequence number (`ExpertCache._prefetch_seq` at its issue)
-
-
-class _InFlight:
-    """The slots an eviction may not take, asked slot by slot: `protected` ones and copies still in flight (a
-    slot's copy is checked, and a landed one marked ready, only when the policy asks about that slot)."""
-
-    __slots__ = ("_cache", "_protected")
-
-    def __init__(self, cache: ExpertCache, protected: Any):
-        self._cache, self._protected = cache, protected
-
-    def __contains__(self, s: object) -> bool:
-        if s in self._protected:
-            return True
-        cache = self._cache
-        return s in cache._loading and cache._refresh(s) != READY
-
-
-class ExpertCache:
+class ExpertCache(SlotPool, CompiledBridge, CacheDevice):
     def __init__(
         self,
         store: HostExpertStore | None,
@@ -124,7 +83,7 @@ class ExpertCache:
     ):
         """`store=None` (with `spec`, optionally `expert_bytes`): bookkeeping only, no tensors (the simulator).
         `compiled`: None keeps the bookkeeping in the compiled core when the policy and link allow it (see
-        "Compiled core" above), False always runs the Python mechanism, True requires the core."""
+        `runtime/cache_compiled.py`), False always runs the Python mechanism, True requires the core."""
         if store is None and spec is None:
             raise ValueError("ExpertCache needs a store, or spec= for a tensor-free (simulated) cache")
         spec = store.spec if store is not None else spec
@@ -141,20 +100,7 @@ class ExpertCache:
         L = spec.num_moe_layers
         self.rank = {l: r for r, l in enumerate(spec.moe_layers)}
         C = self.capacity
-        self.buffer: torch.Tensor | None = None  # [C,R] (None without a store)
-        self.views: dict[str, torch.Tensor] = {}  # name -> [C, *shape]
-        self.table: torch.Tensor | None = None  # [L,E] slot or -1, on the device
-        self._table_writes: tuple[list[int], list[int]] | None = None  # (ranks, experts) a `batch` loaded
-        self._held: list[tuple[int, ExpertKey, int, bool]] | None = None  # (slot, key, bits, demand): a `batch`'s copies
-        if store is not None:
-            self.buffer = torch.empty(C, store.layout.row_numel, dtype=store.layout.dtype, device=device)
-            self.views = store.layout.views(self.buffer)
-            self.table = torch.full((L, spec.num_experts), -1, dtype=torch.long, device=device)
-        # on the CPU the table is written through a numpy view of it (no tensor made per write)
-        self._table_np = self.table.numpy() if self.table is not None and self.table.device.type == "cpu" else None
-        # per-slot rows of `buffer` [R] and per-layer host rows (the store's `[E,R]`, its rows), made once, not per copy
-        self._slot_rows: list[torch.Tensor] = list(self.buffer.unbind(0)) if self.buffer is not None else []
-        self._src_rows: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._init_device(store, C, L, spec.num_experts, device)
         self._instant = link.instant  # copies complete at submit (simulator links)
         self.slots = [Slot() for _ in range(C)]
         self.slot_of: dict[ExpertKey, int] = {}
@@ -175,42 +121,13 @@ class ExpertCache:
         self._on_precision = eviction.on_precision if eviction is not None and eviction.hears_precision else None
         self.core = self._make_core(compiled)
 
-    def _make_core(self, compiled: bool | None) -> CacheCore | None:
-        """The compiled core for a policy with a `kernel`, an instant link without a transfer estimate (so a
-        prefetch gate admits by its budget alone) and MoE layers in ascending order; else None (Python)."""
-        kind = kernel_kind(self.eviction)
-        why = None
-        if kind is None:
-            why = f"eviction policy {type(self.eviction).__name__} has no compiled kernel"
-        elif getattr(self.gate, "victim", False):
-            why = "the prefetch gate asks the eviction policy about each victim (victim=on)"
-        elif not self.link.instant or self.link.transfer_estimate_s(self.expert_bytes) is not None:
-            why = f"link {self.link.name!r} is not instant"
-        elif list(self.spec.moe_layers) != sorted(self.spec.moe_layers):
-            why = "the MoE layers are not in ascending order"
-        if why is not None or compiled is False:
-            if compiled:
-                raise ValueError(f"compiled cache core unavailable: {why}")
-            return None
-        assert kind is not None  # `why` is None only with a kernel
-        return CacheCore(
-            capacity=self.capacity,
-            num_layers=self.spec.num_moe_layers,
-            num_experts=self.spec.num_experts,
-            per_layer=self.per_layer,
-            kind=kind,
-            policy=self.eviction,
-            bytes_of_bits=[self.expert_bytes] + [0] * 8,  # compact sizes: set when a load asks for them
-            log=True,
-        )
-
     # ---- capacity --------------------------------------------------------------------------------
     def _check_capacity(self) -> None:
         check_capacity(self.spec, self.capacity, per_layer=self.per_layer)
 
     # ---- positions and events -------------------------------------------------------------------
     def position(self, layer: int) -> Position:
-        return _position(self.pass_id, layer, self.rank[layer], self.time)
+        return make_position(self.pass_id, layer, self.rank[layer], self.time)
 
     def begin_pass(self, pass_id: int) -> None:
         self.pass_id = pass_id
@@ -235,57 +152,6 @@ class ExpertCache:
             self.core.begin_layer(self.rank[layer])
         elif self.eviction is not None:
             self.eviction.on_layer_start(self.position(layer))
-
-    def resident(self, key: ExpertKey) -> bool:
-        """True when `key` has a slot (ready or in flight)."""
-        return key in self.slot_of
-
-    def is_ready(self, key: ExpertKey) -> bool:
-        s = self.slot_of.get(key)
-        return s is not None and self._refresh(s) == READY
-
-    def num_resident(self) -> int:
-        return len(self.slot_of)
-
-    def _part(self, layer: int) -> int:
-        return self.rank[layer] if self.per_layer else 0
-
-    def _refresh(self, s: int) -> str:
-        slot = self.slots[s]
-        if slot.state == LOADING and slot.ticket is not None and self.link.ready(slot.ticket):  # LOADING has a ticket
-            self._ready(s)
-        return slot.state
-
-    def _ready(self, s: int) -> None:
-        """The slot's copy is complete: mark it ready; a compact copy is dequantized in place now (device)."""
-        slot = self.slots[s]
-        slot.state = READY
-        self._loading.discard(s)
-        if slot.dequant != FULL:
-            bits, slot.dequant = slot.dequant, FULL
-            if self.store is not None and self.buffer is not None:
-                self.store.dequantize(bits, self.buffer[s])
-
-    def bytes_at(self, bits: int) -> int:
-        """Bytes one transfer of an expert at `bits` moves (FULL: the full row)."""
-        if bits == FULL:
-            return self.expert_bytes
-        if self.store is not None:
-            return self.store.expert_bytes_at(bits)
-        return compact_bytes_estimate(self.expert_bytes, bits)
-
-    def layer_full(self, layer: int) -> bool:
-        """Every expert of `layer` has a slot (ready or in flight)."""
-        return self._resident_in[self.rank[layer]] >= self.spec.num_experts
-
-    def layer_all_ready(self, layer: int) -> bool:
-        """True when every expert of `layer` is in a ready slot: no access of this layer can miss or wait."""
-        if self._resident_in[self.rank[layer]] < self.spec.num_experts:
-            return False
-        for s in list(self._loading):
-            if self._refresh(s) != READY and (key := self.slots[s].key) is not None and key[0] == layer:
-                return False
-        return True
 
     # ---- demand: the running layer's experts -------------------------------------------------------
     def demand(
@@ -326,7 +192,7 @@ class ExpertCache:
                 c.misses += 1
                 if self._evicted_in_pass.get(key) == pass_id:
                     c.collision_misses += 1
-                pos = _position(pass_id, layer, rank, t)
+                pos = make_position(pass_id, layer, rank, t)
                 s = self._acquire(key, pos, demand=True, protected=())
                 b = bits.get(e, FULL) if bits else FULL
                 self._load(s, key, prefetched=False, pos=pos, bits=b)
@@ -344,7 +210,7 @@ class ExpertCache:
             slot.used = True
             self.time = t = t + 1
             if ev is not None:
-                ev.on_access(key, _position(pass_id, layer, rank, t), score=float(scores.get(e, 0.0)))
+                ev.on_access(key, make_position(pass_id, layer, rank, t), score=float(scores.get(e, 0.0)))
             out.append(s)
         return out
 
@@ -416,21 +282,6 @@ class ExpertCache:
                 self._evict(s)
             elif self.upgrade and slot.bits != FULL and slot.state == READY and slot.key is not None:
                 self._upgrade(s)
-
-    def _upgrade(self, s: int) -> None:
-        """Cascade: queue the full-precision row over a low-precision slot (prefetch priority, after the
-        computation that just read it); the slot is in flight until the exact expert has landed."""
-        slot = self.slots[s]
-        key = cast(ExpertKey, slot.key)
-        slot.ticket = self._submit(s, key, FULL, demand=False)
-        slot.bits, slot.dequant = FULL, FULL
-        if not self._instant:
-            slot.state = LOADING
-            self._loading.add(s)
-        self.counters.upgrades += 1
-        self.counters.bytes_moved += self.expert_bytes
-        if self._on_precision is not None:
-            self._on_precision(key, FULL)
 
     # ---- prefetch -----------------------------------------------------------------------------------
     def cancel_stale(self, layer: int, experts: Sequence[int]) -> int:
@@ -533,328 +384,7 @@ class ExpertCache:
                 self._ascend(i0)
             return issued
 
-    def _ascend(self, i0: int) -> None:
-        """The held loads from `i0` on (one staged batch: prefetches, not handed over, not read by anyone yet) with
-        their slots re-dealt so that each layer's keys ascend with their slots; their copies stay in key order.
-        Only which of the batch's slots holds which of its keys changes (each slot keeps its own `last_use`):
-        the keys, counters, eviction events and the device table (written from `slot_of` at the batch's end)
-        are those of the batch as issued."""
-        held = self._held
-        assert held is not None
-        run = held[i0:]
-        by_layer: dict[int, list[tuple[int, ExpertKey, int, bool]]] = {}
-        for h in run:
-            by_layer.setdefault(h[1][0], []).append(h)
-        slots, slot_of, out = self.slots, self.slot_of, []
-        for group in by_layer.values():
-            order = sorted(group, key=lambda h: h[1])  # by key
-            dealt = sorted(h[0] for h in group)  # the group's slots, ascending
-            if [h[0] for h in order] != dealt and all(h[2] == order[0][2] and not h[3] for h in order):
-                issued = {h[1]: slots[h[0]].issued for h in group}
-                for s, (_, key, _, _) in zip(dealt, order):
-                    slot = slots[s]
-                    slot.key, slot.issued = key, issued[key]
-                    slot_of[key] = s
-                order = [(s, h[1], h[2], h[3]) for s, h in zip(dealt, order)]
-            out.extend(order)
-        held[i0:] = out
-
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
-        """The loads inside (`demand`, `stage`) as ONE batch: every decision and event as one by one, but the copies
-        handed to the link at the end in runs of equal priority (`Link.submit_many`: the same schedule, one
-        reflow; a promotion or a wait inside hands over what is held first) and the device table written once.
-        Nested: the outer one hands over. Instant links and tensor-free caches load one by one."""
-        if self._table_writes is not None:
-            yield
-            return
-        with self.link.batch():  # the link hands what it got to its copying thread at the end, together
-            self._table_writes = ([], [])
-            if not self._instant and self.store is not None:
-                self._held = []
-            try:
-                yield
-            finally:
-                try:
-                    self._hand_over()
-                finally:
-                    self._held = None
-                    rows, experts = self._table_writes
-                    self._table_writes = None
-                    if rows and self.table is not None:
-                        self._write_table(rows, experts)
-
-    def _table_follows(self, r: int, e: int, slot: int) -> None:
-        """The table's entry (r, e) follows its key to `slot` (-1: none): within a `batch`, in the batch's one write
-        at its end; else now."""
-        if self._table_writes is not None:
-            self._table_writes[0].append(r)
-            self._table_writes[1].append(e)
-        else:
-            self._set_entry(r, e, slot)
-
-    def _set_entry(self, r: int, e: int, slot: int) -> None:
-        """Table entry (r, e) = `slot` now: on the CPU through its numpy view (no tensor made), else on the device."""
-        if self._table_np is not None:
-            self._table_np[r, e] = slot
-        elif self.table is not None:
-            self.table[r, e] = slot
-
-    def _write_table(self, rows: list[int], experts: list[int]) -> None:
-        """One write of the table: each `(rows[i], experts[i])` entry set to its key's slot now (-1: no slot)."""
-        table, layers, slot_of = self.table, self.spec.moe_layers, self.slot_of
-        assert table is not None  # written only with a store
-        tn = self._table_np
-        if tn is not None:  # the host table, entry by entry through its numpy view
-            for r, e in zip(rows, experts):  # (a repeated entry gets the same value again)
-                tn[r, e] = slot_of.get((layers[r], e), -1)
-            return
-        now = {(r, e): slot_of.get((layers[r], e), -1) for r, e in zip(rows, experts)}
-        r_, e_ = zip(*now)
-        # ONE host -> device copy, not waited for (a blocking copy would synchronize the device)
-        w = torch.tensor([r_, e_, list(now.values())]).to(table.device, non_blocking=True)  # [3,n]
-        table[w[0], w[1]] = w[2]
-
-    def _hand_over(self) -> None:
-        """The copies a `batch` holds, submitted now (in order, consecutive ones of equal priority together)."""
-        held = self._held
-        if not held:
-            return
-        self._held = []
-        store, slots, rows = self.store, self.slots, self._slot_rows
-        assert store is not None and rows  # held only with a store (`batch`)
-        i, n = 0, len(held)
-        while i < n:
-            demand = held[i][3]
-            j = i + 1
-            while j < n and held[j][3] == demand:
-                j += 1
-            run = held[i:j]
-            items = [
-                (
-                    self._src_row(key) if bits == FULL else store.compact_row(*key, bits),  # [R] host
-                    store.landing(rows[s], bits),
-                    slots[s].last_use,
-                )
-                for s, key, bits, _ in run
-            ]
-            for (s, _, _, _), t in zip(run, self.link.submit_many(items, demand=demand)):
-                slots[s].ticket = t
-            i = j
-
-    def _src_row(self, key: ExpertKey) -> torch.Tensor:
-        """The host row `[R]` a full-precision copy of `key` moves (`store.row`; the layer's row views made once)."""
-        store = self.store
-        assert store is not None  # copies move rows only with a store
-        layer_rows = store.rows[key[0]]  # [E,R]
-        got = self._src_rows.get(key[0])
-        if got is None or got[0] is not layer_rows:  # the store's tensor replaced (re-offloaded): new views
-            got = self._src_rows[key[0]] = (layer_rows, list(layer_rows.unbind(0)))
-        return got[1][key[1]]
-
-    def stage_room(self, layer: int) -> int:
-        """Slots of `layer`'s part that no running layer pins and that hold no expert of `layer` (room for a staged
-        batch of `layer` that evicts none of its own)."""
-        slots, n = self.slots, 0
-        for s in self._part_slots[self._part(layer)]:
-            sl = slots[s]
-            if not sl.pinned and ((key := sl.key) is None or key[0] != layer):
-                n += 1
-        return n
-
-    def free_room(self, layer: int) -> int:
-        """Empty slots of `layer`'s part (a batch staged into them evicts nothing)."""
-        if self.core is None:  # `_free` lists exactly the part's empty slots (the compiled core keeps its own)
-            return len(self._free[self._part(layer)])
-        slots = self.slots
-        return sum(slots[s].key is None for s in self._part_slots[self._part(layer)])
-
-    # ---- compiled core -------------------------------------------------------------------------------
-    def _core_demand(self, layer: int, experts: Sequence[int], bits: dict[int, int] | None) -> list[int]:
-        core = cast(CacheCore, self.core)
-        for b in set(bits.values()) if bits else ():
-            core.st.byb[b] = self.bytes_at(b)
-        out = core.demand(self.rank[layer], experts, bits)
-        self._core_apply()
-        slots = self.slots
-        for s in out:
-            slots[s].pinned = True
-        self.time = core.time
-        return out
-
-    def _core_prefetch(self, requests: Sequence[PrefetchRequest], pos: Position, gate: Any) -> int:
-        core = cast(CacheCore, self.core)
-        left = -1 if gate is None else gate.quota()
-        if left is None:  # unreachable: the core is built only for links without a transfer estimate
-            raise RuntimeError("the prefetch gate needs the link for this call; the compiled core cannot ask it")
-        E, rank = self.spec.num_experts, self.rank
-        keys = []
-        for req in sorted(requests, key=lambda r: -r.priority):
-            l, e = int(req.key[0]), int(req.key[1])
-            r = rank.get(l)
-            keys.append(r * E + e if r is not None and 0 <= e < E else -1)
-        issued, admitted, refused = core.prefetch(pos.layer_rank, keys, left)
-        if gate is not None:
-            gate.count(admitted, refused)
-        self._core_apply()
-        return issued
-
-    def _core_apply(self) -> None:
-        """Follow the core's last call: its evictions, loads (the copies) and upgrades, and its counters."""
-        core = cast(CacheCore, self.core)
-        E, layers, slots, table = self.spec.num_experts, self.spec.moe_layers, self.slots, self.table
-        for op, s, k, arg in core.records():
-            r, e = divmod(k, E)
-            key = (layers[r], e)
-            if op == LOG_EVICT:
-                del self.slot_of[key]
-                if table is not None:
-                    table[r, e] = -1
-                self._resident_in[r] -= 1
-                slots[s] = Slot(last_use=slots[s].last_use)
-            elif op == LOG_LOAD:
-                bits, prefetched = arg & 255, bool(arg >> 8)
-                slot = slots[s]
-                slot.ticket = self._submit(s, key, bits, demand=not prefetched)
-                slot.state, slot.key, slot.bits, slot.prefetched = READY, key, bits, prefetched
-                if bits != FULL and self.store is not None and self.buffer is not None:
-                    self.store.dequantize(bits, self.buffer[s])  # the copy is complete (instant link)
-                self.slot_of[key] = s
-                if table is not None:
-                    table[r, e] = s
-                self._resident_in[r] += 1
-            else:  # LOG_UPGRADE: the full row over a low-precision slot
-                slots[s].ticket = self._submit(s, key, FULL, demand=False)
-                slots[s].bits = FULL
-        core.counters(self.counters)
-
-    def replay(self, stream: Any, proposals: Any, *, wave_cap: int, count_phase: int | None, left: int) -> ReplayResult:
-        """The simulator: a whole access stream through the compiled core in one call (`CacheCore.replay`); the
-        slot map follows the final state."""
-        if self.core is None:
-            raise RuntimeError("ExpertCache.replay needs the compiled core")
-        res = self.core.replay(stream, proposals, wave_cap=wave_cap, count_phase=count_phase, left=left)
-        self.slot_of.clear()
-        self._resident_in = [0] * self.spec.num_moe_layers
-        E, layers = self.spec.num_experts, self.spec.moe_layers
-        for s, k in self.core.resident():
-            r, e = divmod(k, E)
-            self.slots[s] = Slot(state=READY, key=(layers[r], e))
-            self.slot_of[(layers[r], e)] = s
-            self._resident_in[r] += 1
-        self.core.counters(self.counters)
-        self.time = self.core.time
-        return res
-
-    # ---- slots ----------------------------------------------------------------------------------------
-    @overload
-    def _acquire(self, key: ExpertKey, pos: Position, *, demand: Literal[True], protected) -> int: ...
-    @overload
-    def _acquire(self, key: ExpertKey, pos: Position, *, demand: bool, protected, keep=None) -> int | None: ...
-    def _acquire(self, key: ExpertKey, pos: Position, *, demand: bool, protected, keep=None) -> int | None:
-        """A free slot of `key`'s part, evicting a victim if needed; None only when not `demand` and nothing is evictable,
-        or `keep(victim)` (a prefetch's victim-aware gate) says to keep the victim."""
-        part = self._part(key[0])
-        free = self._free[part]
-        if free:
-            return free.pop()
-        while True:
-            slots, loading = self.slots, self._loading  # a slot of a full part not in `_loading` is ready
-            # the candidates as a view (`key in cands` is O(1), so policies need not scan them)
-            if not self.per_layer:  # one part, every slot holds a key: the unpinned slots' keys, listed only if iterated
-                # a landed copy's slot is ready (a candidate), one still in flight is not: asked of the slots the
-                # policy looks at only, not of every copy in flight at each acquisition
-                exclude: Any = _InFlight(self, protected) if loading else protected
-                cands = Candidates(self.slot_of, slots, exclude=exclude)
-            else:
-                cands = Candidates(
-                    self.slot_of,
-                    slots,
-                    [
-                        cast(ExpertKey, slots[s].key)  # a full part's slots all hold a key
-                        for s in self._part_slots[part]
-                        if not slots[s].pinned and s not in protected and (s not in loading or self._refresh(s) == READY)
-                    ],
-                )
-            if cands:
-                break
-            if not demand:
-                return None
-            in_flight = [
-                s
-                for s in self._part_slots[part]
-                if self.slots[s].state == LOADING and not self.slots[s].pinned and s not in protected
-            ]
-            if not in_flight:
-                raise RuntimeError(f"no evictable slot for {key}: all {len(self._part_slots[part])} are pinned")
-            self.wait(in_flight[:1])  # an unfinished prefetch blocks a demand load: real stall
-        if self.eviction is None:
-            raise RuntimeError("cache is full and has no eviction policy")
-        victim = cast(ExpertKey, tuple(self.eviction.victim(cands, pos)))
-        if victim not in cands:
-            raise RuntimeError(f"eviction policy {self.eviction.name!r} chose {victim}, not one of the candidates")
-        if keep is not None and keep(victim):
-            return None
-        s = self.slot_of[victim]
-        self._evict(s)
-        return self._free[part].pop()
-
-    def _evict(self, s: int) -> None:
-        slot = self.slots[s]
-        key = slot.key
-        assert key is not None and slot.state != LOADING and not slot.pinned
-        if slot.prefetched and not slot.used:
-            self.counters.prefetch_unused_evicted += 1
-        self.counters.evictions += 1
-        self._evicted_in_pass[key] = self.pass_id
-        del self.slot_of[key]
-        r = self.rank[key[0]]
-        self._table_follows(r, key[1], -1)
-        self._resident_in[r] -= 1
-        last_use = slot.last_use
-        self.slots[s] = Slot(last_use=last_use)
-        self._free[self._part(key[0])].append(s)
-        if self.eviction is not None:
-            self.eviction.on_evict(key)
-
-    def _submit(self, s: int, key: ExpertKey, bits: int, *, demand: bool) -> Ticket:
-        """Start the copy of `key` at `bits` into slot `s` (a compact copy lands in the row's first bytes)."""
-        slot = self.slots[s]
-        store, buffer = self.store, self.buffer
-        if store is not None and buffer is not None:  # the buffer exists exactly when the store does
-            src = store.compact_row(*key, bits)  # [R] model dtype or [compact bytes] uint8, host
-            return self.link.submit(src, store.landing(buffer[s], bits), after=slot.last_use, demand=demand)
-        # simulated: the link models the transfer of one expert (row or compact copy), nothing is copied
-        return self.link.submit_nbytes(self.bytes_at(bits), after=slot.last_use, demand=demand)  # type: ignore[attr-defined]
-
-    def _load(self, s: int, key: ExpertKey, *, prefetched: bool, pos: Position, bits: int = FULL) -> None:
-        slot = self.slots[s]
-        if self._held is not None:  # a `batch`: submitted at its end (a slot in flight without a ticket meanwhile)
-            slot.ticket = None
-            self._held.append((s, key, bits, not prefetched))
-        else:
-            slot.ticket = self._submit(s, key, bits, demand=not prefetched)
-        slot.bits, slot.dequant = bits, bits
-        slot.state = READY if self._instant else LOADING
-        slot.key = key
-        slot.prefetched = prefetched
-        slot.used = False
-        if self._instant and bits != FULL and self.store is not None and self.buffer is not None:
-            slot.dequant = FULL
-            self.store.dequantize(bits, self.buffer[s])
-        self.slot_of[key] = s
-        r = self.rank[key[0]]
-        self._table_follows(r, key[1], s)
-        self._resident_in[r] += 1
-        if not self._instant:
-            self._loading.add(s)
-        self.counters.loads += 1
-        self.counters.bytes_moved += self.bytes_at(bits)  # this transfer's bytes (a compact copy is smaller)
-        if self._on_precision is not None:
-            self._on_precision(key, bits)
-        if self.eviction is not None:
-            self.eviction.on_insert(key, pos, prefetched=prefetched)
-
+    # ---- end ------------------------------------------------------------------------------------------
     def close(self) -> None:
         self.link.drain()
         self._src_rows.clear()  # no reference to the store's rows past the engine (it restores them)
