@@ -65,10 +65,11 @@ from .cachecore_layout import (
     PK_REF,
     SC_PASS,
     _fn,
+    _inline,
 )
 
 
-@_fn
+@_inline
 def _see(I, r):
     """`_see`: layer rank `r` is known; ranks among the known layers follow."""
     seen, srank = I[O_SEEN], I[O_SRANK]
@@ -83,7 +84,7 @@ def _see(I, r):
     I[I[O_PG] + PG_NSEEN] = n
 
 
-@_fn
+@_inline
 def _ahead(I, kr, pr):
     """`_ahead`: MoE layer steps from the running layer (rank pr) until layer rank kr runs."""
     _see(I, kr)
@@ -92,7 +93,7 @@ def _ahead(I, kr, pr):
     return (I[srank + kr] - I[srank + pr] - 1) % I[I[O_PG] + PG_NSEEN] + 1
 
 
-@_fn
+@_inline
 def _pred_drop(I, k):
     """Remove `k`'s pending proposal (the pending list's last takes its place)."""
     pl, pg = I[O_PLIST], I[O_PG]
@@ -105,7 +106,7 @@ def _pred_drop(I, k):
     I[I[O_PK] + k * NPK + PK_HASPRED] = 0
 
 
-@_fn
+@_inline
 def _ba_slot(I, F, k):
     """The per-slot copy of resident key k's fields (the victim reads slots), and its layer's bounds: a new
     value v of a key's interval (reference pass) joins the layer's top two (bottom two) bounds; the value it
@@ -146,7 +147,7 @@ def _ba_slot(I, F, k):
             I[I[O_BNOINT] + q] += 1
 
 
-@_fn
+@_inline
 def _predict(I, k, pr):
     p = I[I[O_SC] + SC_PASS]
     if I[I[O_PK] + k * NPK + PK_HASPRED] and I[I[O_PK] + k * NPK + PK_PPASS] == p:

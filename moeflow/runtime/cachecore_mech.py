@@ -54,12 +54,13 @@ from .cachecore_layout import (
     SC_PSEQ,
     SC_TIME,
     _fn,
+    _inline,
 )
 from .cachecore_policy import pol_access, pol_evict, pol_insert, pol_predicted, pol_victim
 from .cachecore_struct import _hx_hold, _hx_insert, _log
 
 
-@_fn
+@_inline
 def _evict(I, F, s):
     k = I[I[O_SKEY] + s]
     cnt, sc = I[O_CNT], I[O_SC]
@@ -84,7 +85,7 @@ def _evict(I, F, s):
     pol_evict(I, F, k, s)
 
 
-@_fn
+@_inline
 def _load(I, F, X, s, k, pr, prefetched, b):
     cnt, sc = I[O_CNT], I[O_SC]
     I[I[O_SKEY] + s] = k
@@ -101,7 +102,7 @@ def _load(I, F, X, s, k, pr, prefetched, b):
     pol_insert(I, F, X, k, pr, prefetched)
 
 
-@_fn
+@_inline
 def _acquire(I, F, X, k, pr):
     """A free slot of `k`'s part, evicting the policy's victim if needed; -1: no candidate."""
     part = I[I[O_KR] + k] if I[H_PERLAYER] else 0

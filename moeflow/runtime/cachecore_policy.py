@@ -39,6 +39,7 @@ from .cachecore_layout import (
     PK_TR,
     SC_PASS,
     _fn,
+    _inline,
 )
 from .cachecore_nu import nu_access, nu_evict, nu_insert, nu_layer_start, nu_pass_start, nu_predicted, nu_victim
 from .cachecore_struct import (
@@ -54,7 +55,7 @@ from .cachecore_struct import (
 )
 
 
-@_fn
+@_inline
 def _touch(I, k, order):
     """`_Base._touch`: a new tick; lru: to the end of its part's list; with `order`, lfu: to the end of its
     count's bucket (a demand load's insert skips it: the access that follows at once places it, and nothing
@@ -101,7 +102,7 @@ def _ls_pass_start(I, p):
         I[cur + 1] = -1
 
 
-@_fn
+@_inline
 def _ls_sync(I):
     p = I[I[O_SC] + SC_PASS]
     if p != I[I[O_PG] + PG_LSPASS]:
@@ -129,7 +130,7 @@ def _min_set(I, k, step):
     _hx_set(I, k, -I[I[O_PK] + k * NPK + PK_SCORE], 0)
 
 
-@_fn
+@_inline
 def pol_insert(I, F, X, k, pr, prefetched):
     """`on_insert(key, pos, prefetched)`; `pr`: the position's layer rank."""
     kind = I[H_KIND]
@@ -170,7 +171,7 @@ def pol_insert(I, F, X, k, pr, prefetched):
         nu_insert(I, F, k, pr, prefetched)
 
 
-@_fn
+@_inline
 def pol_access(I, F, X, k):
     """`on_access(key, pos)` (the gate weight matters to none of the compiled policies)."""
     kind = I[H_KIND]
@@ -203,7 +204,7 @@ def pol_access(I, F, X, k):
         nu_access(I, F, k)
 
 
-@_fn
+@_inline
 def pol_evict(I, F, k, s):
     """`on_evict(key)`; s: the slot it leaves."""
     kind = I[H_KIND]
@@ -226,7 +227,7 @@ def pol_evict(I, F, k, s):
     I[I[O_PK] + k * NPK + PK_TR] = 0
 
 
-@_fn
+@_inline
 def pol_predicted(I, F, k, pr):
     """`on_predicted(key, pos)`: a proposal of a resident key."""
     kind = I[H_KIND]
@@ -250,7 +251,7 @@ def pol_pass_start(I, F, p):
         nu_pass_start(I, F, p)
 
 
-@_fn
+@_inline
 def pol_layer_start(I, F, r):
     kind = I[H_KIND]
     if kind == KIND_MIN:
@@ -262,7 +263,7 @@ def pol_layer_start(I, F, r):
         nu_layer_start(I, F, r)
 
 
-@_fn
+@_inline
 def pol_victim(I, F, part, pr):
     """The policy's victim among `part`'s candidates (-1: no candidate); `pr`: the position's layer rank."""
     kind = I[H_KIND]

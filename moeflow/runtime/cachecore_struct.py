@@ -43,7 +43,7 @@ from .cachecore_layout import (
 )
 
 
-@_fn
+@_inline
 def _log(I, op, s, k, arg):
     if I[H_LOGON]:
         sc = I[O_SC]
@@ -53,7 +53,7 @@ def _log(I, op, s, k, arg):
         I[sc + SC_NLOG] = n + 1
 
 
-@_fn
+@_inline
 def _ll_unlink(I, li, k):
     lst = I[O_LST] + 2 * li
     prev, nxt = I[I[O_PK] + k * NPK + PK_PREV], I[I[O_PK] + k * NPK + PK_NEXT]
@@ -69,7 +69,7 @@ def _ll_unlink(I, li, k):
     I[I[O_PK] + k * NPK + PK_NEXT] = -1
 
 
-@_fn
+@_inline
 def _ll_append(I, li, k):
     lst = I[O_LST] + 2 * li
     tail = I[lst + 1]
@@ -92,7 +92,7 @@ def _ll_append(I, li, k):
 # uncounted, and is counted when `_hx_insert` makes it a candidate again (unpinned, its prefetch call over).
 
 
-@_fn
+@_inline
 def _bk_part(I, k):
     return I[I[O_KR] + k] if I[H_PERLAYER] else 0
 
@@ -226,7 +226,7 @@ def _bk_first(I, part):
     return -1
 
 
-@_fn
+@_inline
 def _bk_hold(I, k):
     """Key k is pinned: no longer counted among its bucket's candidates."""
     pk = I[O_PK] + k * NPK
@@ -235,7 +235,7 @@ def _bk_hold(I, k):
         I[I[O_BK] + 6 * I[pk + PK_BKT] + 5] -= 1
 
 
-@_fn
+@_inline
 def _bk_free(I, k):
     """lfu: key k (resident) is a candidate again: unpinned, or its prefetch call over."""
     pk = I[O_PK] + k * NPK
@@ -347,7 +347,7 @@ def _hx_remove(I, k):
         _hx_sift(I, i)
 
 
-@_fn
+@_inline
 def _hx_hold(I, k):
     """Key k is pinned: lfu: not counted in its bucket until `_hx_insert` (belady: it stays where it is in the
     heap until a victim search meets it at the top)."""
@@ -355,7 +355,7 @@ def _hx_hold(I, k):
         _bk_hold(I, k)
 
 
-@_fn
+@_inline
 def _hx_insert(I, k):
     """Resident key k is a candidate again: lfu: counted in its bucket; belady: into the heap with its entry
     if it is not there (a tracked key only: a demand load's entry is set by the access that follows)."""
@@ -375,7 +375,7 @@ def _hx_insert(I, k):
             _hx_sift(I, i)
 
 
-@_fn
+@_inline
 def _is_cand(I, k, part):
     """A victim candidate of `part`: resident, not pinned, not issued by the running prefetch call."""
     s = I[I[O_SOF] + k]
@@ -440,7 +440,7 @@ def _hx_first(I, part):
     return -1
 
 
-@_fn
+@_inline
 def _list_first(I, li, part):
     """The first candidate of list `li` (-1: none)."""
     k = I[I[O_LST] + 2 * li]
