@@ -315,10 +315,8 @@ class StagedPrefill:
         are the next slices of the sorted rows), the wave after them demanded first."""
         cache, account = self.cache, self.account
         waves = routed.waves or []
-        pinned: dict[int, list[int]] = {0: routed.first or []}
+        pinned: dict[int, list[int]] = {0: routed.first or []}  # each demanded wave not computed yet: its slots
         ahead = 1  # the first wave not demanded yet
-        room = cache.part_capacity
-        scores = routed.scores or {}
         projs: list[torch.Tensor] = []
         # rows [ends[e-1], ends[e]) of the sorted routing go to expert e: each wave is one slice (the counts the
         # router hook read with the routing; from `eg` only for a routing planned without them: a device read)
@@ -328,26 +326,14 @@ class StagedPrefill:
         i = 0
         while i < len(waves):
             t0 = time.perf_counter()
-            held = sum(len(p) for p in pinned.values())
-            with cache.batch():  # this step's copies handed to the link together
-                while ahead < len(waves) and (ahead == i + 1 or held + len(waves[ahead]) <= room):
-                    pinned[ahead] = self.demand(layer, waves[ahead], scores)
-                    held += len(waves[ahead])
-                    ahead += 1
-                if ahead == len(waves):
-                    self.stage_ahead(routed, final=i == len(waves) - 1)
+            ahead = self._demand_ahead(layer, routed, pinned, ahead, i + 1, cache.part_capacity, i == len(waves) - 1)
             experts, slots = waves[i], pinned.pop(i)
             j = i + 1  # the demanded waves after i whose copies have all landed join its grouped call (at most w)
             while j < ahead and len(experts) + len(waves[j]) <= self.wave and self._landed([(layer, e) for e in waves[j]]):
                 experts, slots = experts + waves[j], slots + pinned.pop(j)
                 j += 1
             if j > i + 1:  # merged: the wave after them demanded before they compute (two calls never pin more than 2w)
-                with cache.batch():
-                    if ahead == j < len(waves):
-                        pinned[j] = self.demand(layer, waves[j], scores)
-                        ahead += 1
-                    if ahead == len(waves):
-                        self.stage_ahead(routed, final=j == len(waves))
+                ahead = self._demand_ahead(layer, routed, pinned, ahead, j, 0, j == len(waves))
             i = j
             if self._later is not None:  # the thread would wait for this wave's copies: stage later layers meanwhile
                 self.stage_later(until=partial(self._landed, [(layer, e) for e in experts]))
@@ -365,6 +351,24 @@ class StagedPrefill:
         if not projs:  # unreachable: a routed call has at least one expert
             raise RuntimeError(f"layer {layer}: no expert computed")
         return projs[0] if len(projs) == 1 else torch.cat(projs)  # [S,H]: the waves' slices in order
+
+    def _demand_ahead(
+        self, layer: int, routed: Routed, pinned: dict[int, list[int]], ahead: int, must: int, room: int, final: bool
+    ) -> int:
+        """One step's copies as one batch: from wave `ahead` (the first not demanded) on, wave `must` and the waves
+        after it while the demanded waves not computed (`pinned`, extended) hold at most `room` slots; once every
+        wave is demanded, the next layer staged (`stage_ahead`, `final` at the layer's last grouped call). Returns
+        the first wave not demanded."""
+        waves, scores = routed.waves or [], routed.scores or {}
+        held = sum(len(p) for p in pinned.values())
+        with self.cache.batch():  # this step's copies handed to the link together
+            while ahead < len(waves) and (ahead == must or held + len(waves[ahead]) <= room):
+                pinned[ahead] = self.demand(layer, waves[ahead], scores)
+                held += len(waves[ahead])
+                ahead += 1
+            if ahead == len(waves):
+                self.stage_ahead(routed, final=final)
+        return ahead
 
     def release(self, routed: Routed) -> None:
         """A routing that will not be computed as planned: unpin its first wave."""
