@@ -24,8 +24,8 @@ between is what makes the first token slow. `StagedPrefill` takes over the prefi
    small model) they have landed by then, so one call does what several would, with nothing more to wait for;
 3. with a prefetch policy (staging is speculative: none without one), once every wave of l is demanded and
    slots are free: the next MoE layer's experts predicted from l's router input through the next layer's router
-   (the pre-gate: every token's top-k; the most-routed ones, in id order) into the slots of its part that no wave
-   pins and no expert of that layer holds (`cache.stage`, prefetch priority: demand copies overtake them while
+   (the pre-gate: every token's top-k; in id order when they all fit in the part, else the most-routed first)
+   into the slots of its part that no wave pins and no expert of that layer holds (`cache.stage`, prefetch priority: demand copies overtake them while
    queued), again as waves release their slots. They land during l's compute and the next layer's attention;
    when it routes they are resident and form its first waves. The copies of one step (demanded and staged) go
    to the link as one batch (`cache.batch`: one schedule insertion per run of equal priority, one device-table
@@ -156,7 +156,10 @@ class StagedPrefill:
         nxt = self.next_layer.get(layer)
         if nxt is not None and counts is not None:
             c = counts.tolist()
-            routed.ahead = (nxt, sorted((e for e in range(len(c)) if c[e] > 0), key=lambda e: (-c[e], e)))
+            order = sorted((e for e in range(len(c)) if c[e] > 0), key=lambda e: (-c[e], e))  # most-routed first
+            if len(order) <= cache.part_capacity:  # all fit in the part: id order, its waves' order (`stage_ahead`)
+                order.sort()
+            routed.ahead = (nxt, order)
         with cache.batch():
             routed.first = self.demand(layer, waves[0], routed.scores or {}) if waves else []
             if len(waves) <= 1 and routed.ahead is not None:
@@ -273,7 +276,11 @@ class StagedPrefill:
         """Every wave of the layer is demanded: once slots are free (or at its last wave, `final`), the prefetch
         policy's step (`Routed.then`); then as many of the next layer's predicted experts as the slots of its part
         that no wave pins hold (prefetch priority: demand copies overtake them while queued). Called again as
-        waves release their slots; `final` ends it."""
+        waves release their slots; `final` ends it. The predicted experts come in id order when they all fit in
+        the part (`route`): each batch then holds the lowest ids still to copy, the next layer's first waves, in
+        ascending slots, so a wave is read in place (olmoe-mini at 25%, per prefill: 7.0 waves in place, 1.9
+        with rows reordered, 0 gathered, against 2.0 / 5.7 / 3.0 with the most-routed ones first); when they do
+        not all fit, the most-routed first (what the slots can take)."""
         if routed.ahead is None and routed.then is None:
             return
         cache = self.cache
@@ -287,7 +294,7 @@ class StagedPrefill:
         layer, experts = routed.ahead
         if final:
             routed.ahead = None
-        todo = [(layer, e) for e in experts if (layer, e) not in cache.slot_of]  # most-routed first
+        todo = [(layer, e) for e in experts if (layer, e) not in cache.slot_of]  # in `route`'s order
         room = cache.stage_room(layer) if todo else 0
         if room <= 0:
             return
