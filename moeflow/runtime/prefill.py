@@ -25,8 +25,8 @@ between is what makes the first token slow. `StagedPrefill` takes over the prefi
 3. with a prefetch policy (staging is speculative: none without one), once every wave of l is demanded and
    slots are free: the next MoE layer's experts predicted from l's router input through the next layer's router
    (the pre-gate: every token's top-k; in id order when they all fit in the part, else the most-routed first)
-   into the slots of its part that no wave pins and no expert of that layer holds (`cache.stage`, prefetch priority: demand copies overtake them while
-   queued), again as waves release their slots. They land during l's compute and the next layer's attention;
+   into the slots of its part that no wave pins and no expert of that layer holds (`cache.stage`, prefetch
+   priority: demand copies overtake them while queued), again as waves release their slots. They land during l's compute and the next layer's attention;
    when it routes they are resident and form its first waves. The copies of one step (demanded and staged) go
    to the link as one batch (`cache.batch`: one schedule insertion per run of equal priority, one device-table
    write). The policy's own step (its proposals, through its gate) runs after the last MoE layer only (for the
