@@ -22,18 +22,18 @@ between is what makes the first token slow. `StagedPrefill` takes over the prefi
    demanded waves right after i whose copies have all landed join its grouped call (up to w experts: `compute`):
    the plan cuts waves for copies still to come, and where compute lags the link (the host's per-call work on a
    small model) they have landed by then, so one call does what several would, with nothing more to wait for;
-3. with a prefetch policy (staging is speculative: none without one), once every wave of l is demanded and
-   slots are free: the next MoE layer's experts predicted from l's router input through the next layer's router
-   (the pre-gate: every token's top-k; in id order when they all fit in the part, else the most-routed first)
-   into the slots of its part that no wave pins and no expert of that layer holds (`cache.stage`, prefetch
-   priority: demand copies overtake them while queued), again as waves release their slots. They land during l's compute and the next layer's attention;
-   when it routes they are resident and form its first waves. The copies of one step (demanded and staged) go
-   to the link as one batch (`cache.batch`: one schedule insertion per run of equal priority, one device-table
-   write). The policy's own step (its proposals, through its gate) runs after the last MoE layer only (for the
-   next pass): after the others the pre-gate stages what it would propose for the next layer, without its
-   per-layer host work (`step_needed`); it is skipped there too when it can change nothing (`step_useless`: a
-   cache of every expert, every later layer's experts in slots); when it runs, it reuses the router logits the
-   pre-gate computed (`logits`).
+3. with a prefetch policy (staging is speculative: none without one), once every wave of l is demanded and slots
+   are free: the next MoE layer's experts predicted from l's router input through the next layer's router (the
+   pre-gate: every token's top-k; in id order when they all fit in the part, else the most-routed first) into the
+   slots of its part that no wave pins and no expert of that layer holds (`cache.stage`, prefetch priority: demand
+   copies overtake them while queued), again as waves release their slots. They land during l's compute and the
+   next layer's attention; when it routes they are resident and form its first waves. The copies of one step
+   (demanded and staged) go to the link as one batch (`cache.batch`: one schedule insertion per run of equal
+   priority, one device-table write). The policy's own step (its proposals, through its gate) runs after the last
+   MoE layer only (for the next pass): after the others the pre-gate stages what it would propose for the next
+   layer, without its per-layer host work (`step_needed`); it is skipped there too when it can change nothing
+   (`step_useless`: a cache of every expert, every later layer's experts in slots); when it runs, it reuses the
+   router logits the pre-gate computed (`logits`).
 4. a wave whose slots ascend with its experts (`slot_span`) reads their weights in place
    (`grouped_experts_in_place`) instead of gathering them; a staged batch deals its slots to its keys in
    ascending order (`cache.stage`), so a cold prefill and one that evicts alike find a layer's staged experts in
