@@ -51,6 +51,14 @@ The TTFT bound. `begin` snapshots the resident keys; every prefill routing adds 
 resident at the pass start to `needed` (staged or serial, deferred layers included): the copies no schedule can
 avoid. The bound of a prefill is max(resident prefill time, needed x link seconds per expert)
 (`RunMetrics.set_ttft_bound`).
+
+Measured (`OMP_NUM_THREADS=1 benchmarks/prefill.py --model models/olmoe-mini --threads 1 --gbps 1.41`, staged
+TTFT / bound at 25 / 50 / 100%, three runs of this path interleaved with three of the one before its in-id-order
+staging and linear-router pre-gate (67d1740), 2-core host at load 2.8-3.0): 1.63/1.61/1.59, 1.65/1.65/1.61,
+1.58/1.59/1.57 against 2.57/1.66/1.74, 1.87/1.72/1.70, 1.80/2.02/1.65. olmoe-deep at `--gbps 1.50` (load 2.2-2.5)
+did not move beyond the noise (1.56/1.60/1.58 and 1.63/1.69/1.58 against 1.62/1.65/1.58 and 1.48/1.45/1.41). The
+1.3 target is not met under that load: where the link keeps up, the rest is host work on the compute thread
+(per-key cache bookkeeping, per-wave calls, the pre-gate).
 """
 
 from __future__ import annotations
