@@ -98,7 +98,7 @@ class StagedPrefill:
         self.cache, self.spec, self.account = cache, spec, account
         self.predict_logits = predict_logits
         self._memo: tuple[int, torch.Tensor, int, torch.Tensor] | None = None  # (target, x, x's version, logits)
-        self._later: tuple[list[int], torch.Tensor] | None = None  # later MoE layers to stage from the embeddings, them
+        self._later: tuple[list[int], torch.Tensor, bool] | None = None  # later MoE layers to stage: them, embeddings, all
         self.enabled = enabled
         self.stage_next = stage_next  # predict and stage the next layer's experts (speculative: a prefetch policy is on)
         self.wave = max(1, min(wave_cap, cache.part_capacity // 2))  # w: experts per staged wave
@@ -250,30 +250,47 @@ class StagedPrefill:
         layers = list(self.spec.moe_layers)
         if not cache.per_layer:  # one part: the layers the empty slots may reach (each takes at most E)
             layers = layers[: 1 + max(0, -(-(cache.free_room(layers[0]) - E) // E))]
-        self._stage_predicted(layers[0], x, cache.stage_room(layers[0]))
+        every = self._routes_every(x)
+        self._stage_predicted(layers[0], x, cache.stage_room(layers[0]), every)
         if len(layers) > 1:
-            self._later = (layers[1:], x)
+            self._later = (layers[1:], x, every)
+
+    def _routes_every(self, x: torch.Tensor) -> bool:
+        """The cache holds every expert (staging evicts nothing) and a prefill of `x [...,H]`'s T tokens is expected
+        to route every expert of each layer: fewer than half an expert left unrouted under uniform top-k routing,
+        E (1 - k/E)^T < 0.5 (olmoe-mini, 256 tokens: 126 of its 128 experts routed). Then every expert is staged,
+        layer by layer, without the pre-gate's host work (one router product, top-k and count per layer): the
+        link copies the few unrouted ones too, and no layer's routed expert is left to a demand copy."""
+        cache, spec = self.cache, self.spec
+        if cache.capacity < spec.total_experts:
+            return False
+        E, k, T = spec.num_experts, spec.top_k, x.shape[:-1].numel()
+        return E * (1 - k / E) ** T < 0.5
 
     def stage_later(self, until: Callable[[], bool] | None = None) -> None:
         """The later MoE layers `start` left, predicted from the embeddings and staged one layer at a time into
         the empty slots, until `until()` (checked before each layer) or all of them."""
         while self._later is not None and (until is None or not until()):
-            layers, x = self._later
-            self._later = (layers[1:], x) if len(layers) > 1 else None
-            self._stage_predicted(layers[0], x, self.cache.free_room(layers[0]))
+            layers, x, every = self._later
+            self._later = (layers[1:], x, every) if len(layers) > 1 else None
+            self._stage_predicted(layers[0], x, self.cache.free_room(layers[0]), every)
 
     def _landed(self, keys: list[tuple[int, int]]) -> bool:
         """Every one of `keys` is in a ready slot (its copy has landed)."""
         return all(map(self.cache.is_ready, keys))
 
-    def _stage_predicted(self, layer: int, x: torch.Tensor, room: int) -> None:
+    def _stage_predicted(self, layer: int, x: torch.Tensor, room: int, every: bool = False) -> None:
         """`layer`'s experts predicted from `x [...,H]` (every token's top-k of its router), the most-routed ones
-        (at most `room`) not in a slot staged as one batch, in id order (the order of the layer's waves)."""
+        (at most `room`) not in a slot staged as one batch, in id order (the order of the layer's waves); `every`
+        (`_routes_every`): all of its experts, nothing predicted."""
         cache = self.cache
         if room <= 0 or cache.layer_full(layer):
             return
-        c = self._pregate(layer, x).tolist()  # [E] host
-        order = sorted((e for e in range(len(c)) if c[e] > 0), key=lambda e: (-c[e], e))
+        if every:
+            order = list(range(self.spec.num_experts))
+        else:
+            c = self._pregate(layer, x).tolist()  # [E] host
+            order = sorted((e for e in range(len(c)) if c[e] > 0), key=lambda e: (-c[e], e))
         keys = sorted([(layer, e) for e in order if (layer, e) not in cache.slot_of][:room])
         if keys:
             n0 = cache.counters.loads
