@@ -9,7 +9,8 @@ between is what makes the first token slow. `StagedPrefill` takes over the prefi
    experts predicted by its router from the embeddings are staged (the slots `stage_room` gives), so the link
    copies from the first moment, not from the first router; the later layers' likewise into empty slots only,
    layer by layer while the first layer's experts call would wait for its copies (`stage_later`: host work
-   where the thread idles, not before the first attention), the rest when that call ends;
+   where the thread idles, not before the first attention), the rest when that call ends. A cache of every
+   expert and a prompt expected to route them all (`_routes_every`) stage every expert so, unpredicted;
 1. at a MoE layer's router hook its routed experts R_l (unique, sorted) are known (ONE host read, which also
    carries the pre-gate counts of step 3): queued copies of l's experts outside R_l are withdrawn
    (`cache.cancel_stale`); R_l is cut into waves of consecutive experts (`plan`; each wave's rows are one
@@ -53,12 +54,12 @@ avoid. The bound of a prefill is max(resident prefill time, needed x link second
 (`RunMetrics.set_ttft_bound`).
 
 Measured (`OMP_NUM_THREADS=1 benchmarks/prefill.py --model models/olmoe-mini --threads 1 --gbps 1.41`, staged
-TTFT / bound at 25 / 50 / 100%, three runs of this path interleaved with three of the one before its in-id-order
-staging and linear-router pre-gate (67d1740), 2-core host at load 2.8-3.0): 1.63/1.61/1.59, 1.65/1.65/1.61,
-1.58/1.59/1.57 against 2.57/1.66/1.74, 1.87/1.72/1.70, 1.80/2.02/1.65. olmoe-deep at `--gbps 1.50` (load 2.2-2.5)
-did not move beyond the noise (1.56/1.60/1.58 and 1.63/1.69/1.58 against 1.62/1.65/1.58 and 1.48/1.45/1.41). The
-1.3 target is not met under that load: where the link keeps up, the rest is host work on the compute thread
-(per-key cache bookkeeping, per-wave calls, the pre-gate).
+TTFT / bound at 25 / 50 / 100%, runs of this path interleaved with runs of 67d1740 (before the linear-router
+pre-gate, the in-id-order staging and the unpredicted staging of a full-size cache), 2-core host shared with
+other jobs): olmoe-mini at load 1.6-2.0, 1.63/1.60/1.51, 1.57/1.49/1.43, 1.59/1.62/1.54 against 1.76/1.62/1.59,
+1.73/1.64/1.59, 1.73/1.59/1.56; olmoe-deep (`--gbps 1.50`, load 1.4-2.0) 1.35/1.36/1.24, 1.34/1.34/1.22 against
+1.41/1.42/1.37, 1.36/1.39/1.31. The 1.3 target is met only by olmoe-deep at 100% at that load: where the link
+keeps up, the rest is host work on the compute thread (per-key cache bookkeeping, per-wave calls, the pre-gate).
 """
 
 from __future__ import annotations
