@@ -416,11 +416,12 @@ def test_staged_prefill_runs_the_policy_step_only_where_nothing_stages_the_next_
 
 def test_staged_prefill_start_copies_the_first_layer_before_predicting_the_rest(tiny_models, prompt):
     """At the pass start the first MoE layer's predicted experts are handed to the link before the later layers'
-    predictions are computed (the link starts on them sooner); the device table matches the keys after each batch."""
+    predictions are computed (the link starts on them sooner); the device table matches the keys after each batch.
+    (One slot short of every expert: a cache of all of them stages every expert unpredicted, the next test.)"""
     model = tiny_models("olmoe")
     spec = get_adapter(model).spec
     eng = build_engine(
-        model, mode="offload", link=EmulatedLink(50.0), capacity=spec.total_experts, eviction="lru", prefetch="pregate"
+        model, mode="offload", link=EmulatedLink(50.0), capacity=spec.total_experts - 1, eviction="lru", prefetch="pregate"
     )
     assert eng is not None
     events: list[tuple[str, int]] = []
@@ -456,6 +457,42 @@ def test_staged_prefill_start_copies_the_first_layer_before_predicting_the_rest(
         table_matches()
         assert {l for l, _ in cache.slot_of} == set(spec.moe_layers)  # staged one layer at a time
     assert events == [e for l in spec.moe_layers for e in (("predict", l), ("stage", l))], events
+
+
+def test_staged_prefill_stages_every_expert_unpredicted_when_all_fit_and_all_are_routed(tiny_models, prompt):
+    """A cache of every expert and a prompt expected to route every expert of each layer (`_routes_every`: E=8,
+    k=2, 8 x 0.75^24 < 0.5): the pass start stages all experts of every layer, layer by layer, without computing
+    a pre-gate; a prompt too short for that (4 tokens: 8 x 0.75^4 >= 0.5) predicts each layer's experts; one slot
+    short of every expert, the 24-token prompt predicts them too."""
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    for ids, cap, every in (
+        (prompt, spec.total_experts, True),
+        (prompt[:, :4], spec.total_experts, False),
+        (prompt, spec.total_experts - 1, False),
+    ):
+        eng = build_engine(model, mode="offload", link=EmulatedLink(50.0), capacity=cap, eviction="lru", prefetch="pregate")
+        assert eng is not None
+        with eng:
+            pf, cache = eng._prefill, eng.cache
+            assert pf is not None
+            predicted: list[int] = []
+            pregate = pf._pregate
+
+            def spy(layer, x, pregate=pregate, predicted=predicted):
+                predicted.append(layer)
+                return pregate(layer, x)
+
+            pf._pregate = spy  # type: ignore[method-assign]
+            pf.begin(decode=False)
+            with torch.no_grad():
+                x = model.get_input_embeddings()(ids)  # [1,P,H]
+            pf.start(x)
+            pf.stage_later()
+            if every:
+                assert predicted == [] and len(cache.slot_of) == spec.total_experts
+            else:
+                assert predicted == list(spec.moe_layers)
 
 
 def test_ttft_bound_counts_the_copies_a_prefill_needs(tiny_models, prompt):

@@ -105,15 +105,16 @@ class ArchInfo:
     router_attr: str  # the router on the MoE block
     select: SelectFn
     shared_attr: str | None  # shared expert(s) module on the block, if any
+    linear_logits: bool = False  # the router's logits are `F.linear(x [T,H], router.weight)` (no bias, no cast)
 
 
 ARCHS: dict[str, ArchInfo] = {
     a.model_type: a
     for a in [
-        ArchInfo("olmoe", "mlp", "gate", select_olmoe, None),
-        ArchInfo("mixtral", "mlp", "gate", select_mixtral, None),
-        ArchInfo("qwen2_moe", "mlp", "gate", select_olmoe, "shared_expert"),
-        ArchInfo("qwen3_moe", "mlp", "gate", select_olmoe, None),
+        ArchInfo("olmoe", "mlp", "gate", select_olmoe, None, linear_logits=True),
+        ArchInfo("mixtral", "mlp", "gate", select_mixtral, None, linear_logits=True),
+        ArchInfo("qwen2_moe", "mlp", "gate", select_olmoe, "shared_expert", linear_logits=True),
+        ArchInfo("qwen3_moe", "mlp", "gate", select_olmoe, None, linear_logits=True),
         ArchInfo("deepseek_v3", "mlp", "gate", select_deepseek_v3, "shared_experts"),
         ArchInfo("gpt_oss", "mlp", "router", select_topk_then_softmax, None),
         ArchInfo("granitemoe", "block_sparse_moe", "router", select_granitemoe, None),
@@ -171,8 +172,15 @@ class Adapter:
         return self.info.select(self.router(layer), logits, bias)
 
     def router_logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """Router logits [T,E] of layer `layer` for router inputs x [T,H] (or [B,S,H])."""
-        return self.router(layer)(x)[0]
+        """Router logits [T,E] of layer `layer` for router inputs x [T,H] (or [B,S,H]). A linear router's
+        (`ArchInfo.linear_logits`): its own product computed alone, bit-identical, without its module call (its
+        forward hooks, e.g. the engine's router hook, do not fire) nor its softmax and top-k, which a caller that
+        wants logits discards (the staged prefill's pre-gate: half the host time of the router's forward)."""
+        router = self.router(layer)
+        if self.info.linear_logits:
+            w = cast(torch.Tensor, router.weight)  # [E,H]
+            return F.linear(x.reshape(-1, w.shape[-1]), w)  # [T,E]
+        return router(x)[0]
 
     # -- spec --
     def _read_spec(self) -> MoESpec:

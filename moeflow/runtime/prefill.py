@@ -9,7 +9,8 @@ between is what makes the first token slow. `StagedPrefill` takes over the prefi
    experts predicted by its router from the embeddings are staged (the slots `stage_room` gives), so the link
    copies from the first moment, not from the first router; the later layers' likewise into empty slots only,
    layer by layer while the first layer's experts call would wait for its copies (`stage_later`: host work
-   where the thread idles, not before the first attention), the rest when that call ends;
+   where the thread idles, not before the first attention), the rest when that call ends. A cache of every
+   expert and a prompt expected to route them all (`_routes_every`) stage every expert so, unpredicted;
 1. at a MoE layer's router hook its routed experts R_l (unique, sorted) are known (ONE host read, which also
    carries the pre-gate counts of step 3): queued copies of l's experts outside R_l are withdrawn
    (`cache.cancel_stale`); R_l is cut into waves of consecutive experts (`plan`; each wave's rows are one
@@ -22,18 +23,18 @@ between is what makes the first token slow. `StagedPrefill` takes over the prefi
    demanded waves right after i whose copies have all landed join its grouped call (up to w experts: `compute`):
    the plan cuts waves for copies still to come, and where compute lags the link (the host's per-call work on a
    small model) they have landed by then, so one call does what several would, with nothing more to wait for;
-3. with a prefetch policy (staging is speculative: none without one), once every wave of l is demanded and
-   slots are free: the next MoE layer's experts predicted from l's router input through the next layer's router
-   (the pre-gate: every token's top-k; the most-routed ones, in id order) into the slots of its part that no wave
-   pins and no expert of that layer holds (`cache.stage`, prefetch priority: demand copies overtake them while
-   queued), again as waves release their slots. They land during l's compute and the next layer's attention;
-   when it routes they are resident and form its first waves. The copies of one step (demanded and staged) go
-   to the link as one batch (`cache.batch`: one schedule insertion per run of equal priority, one device-table
-   write). The policy's own step (its proposals, through its gate) runs after the last MoE layer only (for the
-   next pass): after the others the pre-gate stages what it would propose for the next layer, without its
-   per-layer host work (`step_needed`); it is skipped there too when it can change nothing (`step_useless`: a
-   cache of every expert, every later layer's experts in slots); when it runs, it reuses the router logits the
-   pre-gate computed (`logits`).
+3. with a prefetch policy (staging is speculative: none without one), once every wave of l is demanded and slots
+   are free: the next MoE layer's experts predicted from l's router input through the next layer's router (the
+   pre-gate: every token's top-k; in id order when they all fit in the part, else the most-routed first) into the
+   slots of its part that no wave pins and no expert of that layer holds (`cache.stage`, prefetch priority: demand
+   copies overtake them while queued), again as waves release their slots. They land during l's compute and the
+   next layer's attention; when it routes they are resident and form its first waves. The copies of one step
+   (demanded and staged) go to the link as one batch (`cache.batch`: one schedule insertion per run of equal
+   priority, one device-table write). The policy's own step (its proposals, through its gate) runs after the last
+   MoE layer only (for the next pass): after the others the pre-gate stages what it would propose for the next
+   layer, without its per-layer host work (`step_needed`); it is skipped there too when it can change nothing
+   (`step_useless`: a cache of every expert, every later layer's experts in slots); when it runs, it reuses the
+   router logits the pre-gate computed (`logits`).
 4. a wave whose slots ascend with its experts (`slot_span`) reads their weights in place
    (`grouped_experts_in_place`) instead of gathering them; a staged batch deals its slots to its keys in
    ascending order (`cache.stage`), so a cold prefill and one that evicts alike find a layer's staged experts in
@@ -51,6 +52,14 @@ The TTFT bound. `begin` snapshots the resident keys; every prefill routing adds 
 resident at the pass start to `needed` (staged or serial, deferred layers included): the copies no schedule can
 avoid. The bound of a prefill is max(resident prefill time, needed x link seconds per expert)
 (`RunMetrics.set_ttft_bound`).
+
+Measured (`OMP_NUM_THREADS=1 benchmarks/prefill.py --model models/olmoe-mini --threads 1 --gbps 1.41`, staged
+TTFT / bound at 25 / 50 / 100%, runs of this path interleaved with runs of 67d1740 (before the linear-router
+pre-gate, the in-id-order staging and the unpredicted staging of a full-size cache), 2-core host shared with
+other jobs): olmoe-mini at load 1.6-2.0, 1.63/1.60/1.51, 1.57/1.49/1.43, 1.59/1.62/1.54 against 1.76/1.62/1.59,
+1.73/1.64/1.59, 1.73/1.59/1.56; olmoe-deep (`--gbps 1.50`, load 1.4-2.0) 1.35/1.36/1.24, 1.34/1.34/1.22 against
+1.41/1.42/1.37, 1.36/1.39/1.31. The 1.3 target is met only by olmoe-deep at 100% at that load: where the link
+keeps up, the rest is host work on the compute thread (per-key cache bookkeeping, per-wave calls, the pre-gate).
 """
 
 from __future__ import annotations
@@ -90,7 +99,7 @@ class StagedPrefill:
         self.cache, self.spec, self.account = cache, spec, account
         self.predict_logits = predict_logits
         self._memo: tuple[int, torch.Tensor, int, torch.Tensor] | None = None  # (target, x, x's version, logits)
-        self._later: tuple[list[int], torch.Tensor] | None = None  # later MoE layers to stage from the embeddings, them
+        self._later: tuple[list[int], torch.Tensor, bool] | None = None  # later MoE layers to stage: them, embeddings, all
         self.enabled = enabled
         self.stage_next = stage_next  # predict and stage the next layer's experts (speculative: a prefetch policy is on)
         self.wave = max(1, min(wave_cap, cache.part_capacity // 2))  # w: experts per staged wave
@@ -156,7 +165,10 @@ class StagedPrefill:
         nxt = self.next_layer.get(layer)
         if nxt is not None and counts is not None:
             c = counts.tolist()
-            routed.ahead = (nxt, sorted((e for e in range(len(c)) if c[e] > 0), key=lambda e: (-c[e], e)))
+            order = sorted((e for e in range(len(c)) if c[e] > 0), key=lambda e: (-c[e], e))  # most-routed first
+            if len(order) <= cache.part_capacity:  # all fit in the part: id order, its waves' order (`stage_ahead`)
+                order.sort()
+            routed.ahead = (nxt, order)
         with cache.batch():
             routed.first = self.demand(layer, waves[0], routed.scores or {}) if waves else []
             if len(waves) <= 1 and routed.ahead is not None:
@@ -239,30 +251,47 @@ class StagedPrefill:
         layers = list(self.spec.moe_layers)
         if not cache.per_layer:  # one part: the layers the empty slots may reach (each takes at most E)
             layers = layers[: 1 + max(0, -(-(cache.free_room(layers[0]) - E) // E))]
-        self._stage_predicted(layers[0], x, cache.stage_room(layers[0]))
+        every = self._routes_every(x)
+        self._stage_predicted(layers[0], x, cache.stage_room(layers[0]), every)
         if len(layers) > 1:
-            self._later = (layers[1:], x)
+            self._later = (layers[1:], x, every)
+
+    def _routes_every(self, x: torch.Tensor) -> bool:
+        """The cache holds every expert (staging evicts nothing) and a prefill of `x [...,H]`'s T tokens is expected
+        to route every expert of each layer: fewer than half an expert left unrouted under uniform top-k routing,
+        E (1 - k/E)^T < 0.5 (olmoe-mini, 256 tokens: 126 of its 128 experts routed). Then every expert is staged,
+        layer by layer, without the pre-gate's host work (one router product, top-k and count per layer): the
+        link copies the few unrouted ones too, and no layer's routed expert is left to a demand copy."""
+        cache, spec = self.cache, self.spec
+        if cache.capacity < spec.total_experts:
+            return False
+        E, k, T = spec.num_experts, spec.top_k, x.shape[:-1].numel()
+        return E * (1 - k / E) ** T < 0.5
 
     def stage_later(self, until: Callable[[], bool] | None = None) -> None:
         """The later MoE layers `start` left, predicted from the embeddings and staged one layer at a time into
         the empty slots, until `until()` (checked before each layer) or all of them."""
         while self._later is not None and (until is None or not until()):
-            layers, x = self._later
-            self._later = (layers[1:], x) if len(layers) > 1 else None
-            self._stage_predicted(layers[0], x, self.cache.free_room(layers[0]))
+            layers, x, every = self._later
+            self._later = (layers[1:], x, every) if len(layers) > 1 else None
+            self._stage_predicted(layers[0], x, self.cache.free_room(layers[0]), every)
 
     def _landed(self, keys: list[tuple[int, int]]) -> bool:
         """Every one of `keys` is in a ready slot (its copy has landed)."""
         return all(map(self.cache.is_ready, keys))
 
-    def _stage_predicted(self, layer: int, x: torch.Tensor, room: int) -> None:
+    def _stage_predicted(self, layer: int, x: torch.Tensor, room: int, every: bool = False) -> None:
         """`layer`'s experts predicted from `x [...,H]` (every token's top-k of its router), the most-routed ones
-        (at most `room`) not in a slot staged as one batch, in id order (the order of the layer's waves)."""
+        (at most `room`) not in a slot staged as one batch, in id order (the order of the layer's waves); `every`
+        (`_routes_every`): all of its experts, nothing predicted."""
         cache = self.cache
         if room <= 0 or cache.layer_full(layer):
             return
-        c = self._pregate(layer, x).tolist()  # [E] host
-        order = sorted((e for e in range(len(c)) if c[e] > 0), key=lambda e: (-c[e], e))
+        if every:
+            order = list(range(self.spec.num_experts))
+        else:
+            c = self._pregate(layer, x).tolist()  # [E] host
+            order = sorted((e for e in range(len(c)) if c[e] > 0), key=lambda e: (-c[e], e))
         keys = sorted([(layer, e) for e in order if (layer, e) not in cache.slot_of][:room])
         if keys:
             n0 = cache.counters.loads
@@ -273,7 +302,11 @@ class StagedPrefill:
         """Every wave of the layer is demanded: once slots are free (or at its last wave, `final`), the prefetch
         policy's step (`Routed.then`); then as many of the next layer's predicted experts as the slots of its part
         that no wave pins hold (prefetch priority: demand copies overtake them while queued). Called again as
-        waves release their slots; `final` ends it."""
+        waves release their slots; `final` ends it. The predicted experts come in id order when they all fit in
+        the part (`route`): each batch then holds the lowest ids still to copy, the next layer's first waves, in
+        ascending slots, so a wave is read in place (olmoe-mini at 25%, per prefill: 7.0 waves in place, 1.9
+        with rows reordered, 0 gathered, against 2.0 / 5.7 / 3.0 with the most-routed ones first); when they do
+        not all fit, the most-routed first (what the slots can take)."""
         if routed.ahead is None and routed.then is None:
             return
         cache = self.cache
@@ -287,7 +320,7 @@ class StagedPrefill:
         layer, experts = routed.ahead
         if final:
             routed.ahead = None
-        todo = [(layer, e) for e in experts if (layer, e) not in cache.slot_of]  # most-routed first
+        todo = [(layer, e) for e in experts if (layer, e) not in cache.slot_of]  # in `route`'s order
         room = cache.stage_room(layer) if todo else 0
         if room <= 0:
             return
@@ -315,10 +348,8 @@ class StagedPrefill:
         are the next slices of the sorted rows), the wave after them demanded first."""
         cache, account = self.cache, self.account
         waves = routed.waves or []
-        pinned: dict[int, list[int]] = {0: routed.first or []}
+        pinned: dict[int, list[int]] = {0: routed.first or []}  # each demanded wave not computed yet: its slots
         ahead = 1  # the first wave not demanded yet
-        room = cache.part_capacity
-        scores = routed.scores or {}
         projs: list[torch.Tensor] = []
         # rows [ends[e-1], ends[e]) of the sorted routing go to expert e: each wave is one slice (the counts the
         # router hook read with the routing; from `eg` only for a routing planned without them: a device read)
@@ -328,26 +359,14 @@ class StagedPrefill:
         i = 0
         while i < len(waves):
             t0 = time.perf_counter()
-            held = sum(len(p) for p in pinned.values())
-            with cache.batch():  # this step's copies handed to the link together
-                while ahead < len(waves) and (ahead == i + 1 or held + len(waves[ahead]) <= room):
-                    pinned[ahead] = self.demand(layer, waves[ahead], scores)
-                    held += len(waves[ahead])
-                    ahead += 1
-                if ahead == len(waves):
-                    self.stage_ahead(routed, final=i == len(waves) - 1)
+            ahead = self._demand_ahead(layer, routed, pinned, ahead, i + 1, cache.part_capacity, i == len(waves) - 1)
             experts, slots = waves[i], pinned.pop(i)
             j = i + 1  # the demanded waves after i whose copies have all landed join its grouped call (at most w)
             while j < ahead and len(experts) + len(waves[j]) <= self.wave and self._landed([(layer, e) for e in waves[j]]):
                 experts, slots = experts + waves[j], slots + pinned.pop(j)
                 j += 1
             if j > i + 1:  # merged: the wave after them demanded before they compute (two calls never pin more than 2w)
-                with cache.batch():
-                    if ahead == j < len(waves):
-                        pinned[j] = self.demand(layer, waves[j], scores)
-                        ahead += 1
-                    if ahead == len(waves):
-                        self.stage_ahead(routed, final=j == len(waves))
+                ahead = self._demand_ahead(layer, routed, pinned, ahead, j, 0, j == len(waves))
             i = j
             if self._later is not None:  # the thread would wait for this wave's copies: stage later layers meanwhile
                 self.stage_later(until=partial(self._landed, [(layer, e) for e in experts]))
@@ -365,6 +384,24 @@ class StagedPrefill:
         if not projs:  # unreachable: a routed call has at least one expert
             raise RuntimeError(f"layer {layer}: no expert computed")
         return projs[0] if len(projs) == 1 else torch.cat(projs)  # [S,H]: the waves' slices in order
+
+    def _demand_ahead(
+        self, layer: int, routed: Routed, pinned: dict[int, list[int]], ahead: int, must: int, room: int, final: bool
+    ) -> int:
+        """One step's copies as one batch: from wave `ahead` (the first not demanded) on, wave `must` and the waves
+        after it while the demanded waves not computed (`pinned`, extended) hold at most `room` slots; once every
+        wave is demanded, the next layer staged (`stage_ahead`, `final` at the layer's last grouped call). Returns
+        the first wave not demanded."""
+        waves, scores = routed.waves or [], routed.scores or {}
+        held = sum(len(p) for p in pinned.values())
+        with self.cache.batch():  # this step's copies handed to the link together
+            while ahead < len(waves) and (ahead == must or held + len(waves[ahead]) <= room):
+                pinned[ahead] = self.demand(layer, waves[ahead], scores)
+                held += len(waves[ahead])
+                ahead += 1
+            if ahead == len(waves):
+                self.stage_ahead(routed, final=final)
+        return ahead
 
     def release(self, routed: Routed) -> None:
         """A routing that will not be computed as planned: unpin its first wave."""
