@@ -331,11 +331,10 @@ def test_forest_fit_is_the_same_with_more_threads(tiny_setup):  # noqa: F811
         np.testing.assert_array_equal(one.rf.a[k], two.rf.a[k])
 
 
-def test_training_rule_fits_two_at_once_unless_told_one_thread(monkeypatch):
+def test_training_rule_fits_two_at_once_unless_told_one_thread():
     """`--threads 1` keeps training on one core; otherwise two free CPUs fit the forest beside the rest."""
     from moeflow.predict.train import fit_workers, idle_cpus
 
-    monkeypatch.delenv("MOEFLOW_FIT_WORKERS", raising=False)
     assert fit_workers(1, "--threads", cores=16, idle=16) == 1
     assert fit_workers(2, "--threads", cores=1, idle=0) == 2 and fit_workers(8, "--threads", cores=16, idle=0) == 2
     for source in ("calibration", "default", "OMP_NUM_THREADS", "MOEFLOW_THREADS"):
@@ -358,19 +357,22 @@ def test_one_fit_at_a_time_takes_no_more_threads_than_idle_cpus():
     assert fit_threads(2, "calibration", 2, idle=1.0) == 2  # two at once: the stage splits them
 
 
-def test_fit_workers_environment_overrides_the_idle_rule_but_not_threads(monkeypatch):
-    """`MOEFLOW_FIT_WORKERS` 1 or 2 replaces the idle-CPU rule (to compare both beside other work); `--threads`
-    still decides, and anything else is refused with what to change."""
+def test_fit_workers_flag_replaces_the_idle_rule_but_not_threads():
+    """`--fit-workers 1|2` (`requested`) replaces the idle-CPU rule (to compare both beside other work); `--threads`
+    still decides, and a count other than 1 or 2, or 2 with `--threads 1`, is refused with what to change."""
     from moeflow.predict.train import fit_workers
+    from moeflow.stages.train import TrainConfig
 
-    monkeypatch.setenv("MOEFLOW_FIT_WORKERS", "1")
-    assert fit_workers(1, "default", cores=2, idle=2.0) == 1
-    monkeypatch.setenv("MOEFLOW_FIT_WORKERS", "2")
-    assert fit_workers(1, "default", cores=2, idle=0.0) == 2 and fit_workers(1, "calibration", cores=1, idle=0.0) == 2
-    assert fit_workers(1, "--threads", cores=2, idle=2.0) == 1
-    monkeypatch.setenv("MOEFLOW_FIT_WORKERS", "3")
-    with pytest.raises(ConfigError, match="MOEFLOW_FIT_WORKERS must be 1 or 2"):
-        fit_workers(1, "default", cores=2, idle=2.0)
+    assert fit_workers(1, "default", cores=2, idle=2.0, requested=1) == 1
+    assert fit_workers(1, "default", cores=2, idle=0.0, requested=2) == 2
+    assert fit_workers(1, "calibration", cores=1, idle=0.0, requested=2) == 2
+    assert fit_workers(1, "--threads", cores=2, idle=2.0, requested=2) == 1
+    assert fit_workers(1, "default", cores=2, idle=0.0) == 1  # without a request: the rule
+    with pytest.raises(ConfigError, match="--fit-workers must be 1 or 2"):
+        TrainConfig(trace="t", out="o", model="m", fit_workers=3)
+    with pytest.raises(ConfigError, match="--threads 1 forbids"):
+        TrainConfig(trace="t", out="o", model="m", fit_workers=2, threads=1)
+    assert TrainConfig(trace="t", out="o", model="m", fit_workers=2, threads=2).fit_workers == 2
 
 
 def _child_torch() -> tuple[int, float]:

@@ -96,6 +96,12 @@ def train(
         "prompts stops improving, and trains at least 300 steps.",
     ),
     threads: int | None = threads_option(),
+    fit_workers: int | None = typer.Option(
+        None,
+        "--fit-workers",
+        help="Fits at once: 2 fits the forest in a process of its own beside the other fits, 1 fits one after the "
+        "other. Default: 2 when about 2 CPUs are idle when training starts, else 1 (`--threads 1`: 1).",
+    ),
     force: bool = typer.Option(False, "--force", help="Replace an existing predictor folder at --out."),
     wait: bool = wait_option(),
     as_json: bool = json_option(),
@@ -116,6 +122,7 @@ def train(
         forest_max_samples=forest_samples,
         est_epochs=est_epochs,
         threads=threads,
+        fit_workers=fit_workers,
         force=force,
         wait=wait,
         **plan_overrides(plan_opt),

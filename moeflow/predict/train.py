@@ -51,7 +51,9 @@ def check_trace_model(data: RoutingData, model: torch.nn.Module, trace: str) -> 
         raise another_model(f"trace {trace}", meta, fp, "pass the --model it was traced with")
 
 
-def fit_workers(threads: int, source: str, cores: int | None = None, idle: float | None = None) -> int:
+def fit_workers(
+    threads: int, source: str, cores: int | None = None, idle: float | None = None, requested: int | None = None
+) -> int:
     """Fits run at once by `moeflow train` (the training rule): with 2 the forest fits in a process of its own
     (`in_child`) beside the estimator and the other fits, one after the other with 1. `--threads N` (source
     "--threads") gives min(N, 2): `--threads 1` keeps training on one core. Otherwise (the environment, a
@@ -60,19 +62,16 @@ def fit_workers(threads: int, source: str, cores: int | None = None, idle: float
     are idle now (`idle`: idle CPUs, default `idle_cpus()`): the two fits are independent, each a whole core's work
     for seconds, so a second free core halves their wall time; on a machine that other work keeps busy, the two
     would take turns on one core, each evicting the other's data from its caches, slower than one after the other.
-    1 where processes cannot be forked (`can_fork`). `MOEFLOW_FIT_WORKERS` (1 or 2) overrides all but `--threads`
-    and `can_fork`."""
+    1 where processes cannot be forked (`can_fork`). `requested` (`moeflow train --fit-workers 1|2`) replaces the
+    idle-CPU rule; `--threads` and `can_fork` still decide first (the stage refuses `--threads 1` with 2)."""
     from ..threads import usable_cores
 
     if not can_fork():
         return 1
     if source == "--threads":
         return min(max(1, threads), 2)
-    raw = os.environ.get(FIT_WORKERS_ENV, "").strip()
-    if raw:
-        if raw not in ("1", "2"):
-            raise ConfigError(f"{FIT_WORKERS_ENV} must be 1 or 2 (got {raw!r}); fix or unset it")
-        return int(raw)
+    if requested is not None:
+        return requested
     if max(threads, cores or usable_cores()) < 2:
         return 1
     return 2 if (idle_cpus() if idle is None else idle) >= IDLE_FOR_TWO else 1
@@ -90,7 +89,6 @@ def fit_threads(threads: int, source: str, workers: int, idle: float | None = No
     return max(1, min(threads, int(free + 0.5)))
 
 
-FIT_WORKERS_ENV = "MOEFLOW_FIT_WORKERS"  # 1 or 2: fits at once, instead of the idle-CPU rule
 IDLE_FOR_TWO = 1.5  # idle CPUs (this process's own included, as it waits while measuring) for 2 fits at once
 
 

@@ -52,6 +52,7 @@ class TrainConfig:
     max_s: int = 4  # largest step S fitted and evaluated
     mass: float = 0.8  # cumulative score mass of the evaluated prefetch set
     threads: int | None = None  # torch threads and forest jobs (None: moeflow.threads' rule)
+    fit_workers: int | None = None  # fits at once, 1 or 2 (None: the idle-CPU rule, `predict.train.fit_workers`)
     dv_max_tokens: int = 50_000  # tokens per layer used for the default vectors
     est_latent: int = 128  # estimator m
     est_hidden: int = 256  # estimator n
@@ -106,6 +107,10 @@ class TrainConfig:
                 raise ConfigError(f"{flag} must be >= 1 (got {v})")
         if not 0.0 < self.holdout < 1.0:
             raise ConfigError(f"--holdout must be in (0, 1), got {self.holdout}")
+        if self.fit_workers not in (None, 1, 2):
+            raise ConfigError(f"--fit-workers must be 1 or 2 (got {self.fit_workers}); leave it out for the idle-CPU rule")
+        if self.fit_workers == 2 and self.threads == 1:
+            raise ConfigError("--fit-workers 2 runs two fits at once, which --threads 1 forbids; drop one of them")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -197,7 +202,7 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
     model = load_cpu_model(cfg.model)
     threads = apply_threads(cfg.threads, model, "cpu")
     idle = idle_cpus() if threads.source != "--threads" else None  # the training rule's measure (0.1 s), read once
-    workers = fit_workers(threads.n, threads.source, idle=idle) if "forest" in cfg.only else 1
+    workers = fit_workers(threads.n, threads.source, idle=idle, requested=cfg.fit_workers) if "forest" in cfg.only else 1
     n = fit_threads(threads.n, threads.source, workers, idle)
     if n != threads.n:
         torch.set_num_threads(n)  # restored by `main`'s torch_threads
