@@ -109,8 +109,6 @@ class TrainConfig:
             raise ConfigError(f"--holdout must be in (0, 1), got {self.holdout}")
         if self.fit_workers not in (None, 1, 2):
             raise ConfigError(f"--fit-workers must be 1 or 2 (got {self.fit_workers}); leave it out for the idle-CPU rule")
-        if self.fit_workers == 2 and self.threads == 1:
-            raise ConfigError("--fit-workers 2 runs two fits at once, which --threads 1 forbids; drop one of them")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -186,6 +184,8 @@ def _check(cfg: TrainConfig) -> None:
     check_names(cfg.only)
     if not 0.0 < cfg.holdout < 1.0:
         raise ConfigError(f"--holdout must be in (0, 1), got {cfg.holdout}")
+    if cfg.fit_workers == 2 and cfg.threads == 1:  # the user's flags (the stage later sets threads to the fits' own)
+        raise ConfigError("--fit-workers 2 runs two fits at once, which --threads 1 forbids; drop one of them")
     check_out(cfg.out, kind=KIND, inputs=(cfg.trace, cfg.model), force=cfg.force)
 
 
