@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     ap.add_argument(
         "--host-split", choices=("measured", "on", "off"), default="measured",
-        help="a CPU device's all-host calls: split with the host worker when measured faster, always (on), never (off) (default %(default)s)",
+        help="a CPU device's all-host calls: split with the host worker when measured faster, always (on), never (off)"
+        " (default %(default)s)",
     )  # fmt: skip
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default %(default)s)")
     ap.add_argument(

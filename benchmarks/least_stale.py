@@ -137,7 +137,8 @@ def main() -> None:
     ap.add_argument(
         "--trace",
         default=None,
-        help="replay a `moeflow trace --record-hidden` folder instead of generating (the model is still loaded for pre-gating; default: generate)",
+        help="replay a `moeflow trace --record-hidden` folder instead of generating (the model is still loaded"
+        " for pre-gating; default: generate)",
     )
     ap.add_argument(
         "--evictions",

@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--steady",
         type=float,
         default=0.2,
-        help="`steady` figures: configurations whose TPOT spread (max - min) / median is at most this, a fraction (default %(default)s)",
+        help="`steady` figures: configurations whose TPOT spread (max - min) / median is at most this,"
+        " a fraction (default %(default)s)",
     )
     ap.add_argument(
         "--decode-steps", type=int, default=None, help="decode steps moeflow calibrate times per round (default --max-new-tokens)"

@@ -86,7 +86,8 @@ def main() -> None:
     ap.add_argument(
         "--s-values",
         default="1,2",
-        help="fixed prefetch step sizes S of the space (MoE layers ahead), comma list; adaptive S is swept too (default %(default)s)",
+        help="fixed prefetch step sizes S of the space (MoE layers ahead), comma list;"
+        " adaptive S is swept too (default %(default)s)",
     )
     ap.add_argument(
         "--trace", default=None, help="trace folder of these prompts with hidden states (default: traced here into --work)"
