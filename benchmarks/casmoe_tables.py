@@ -148,21 +148,53 @@ def table(title: str, head: list[str], rows: list[list[Any]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(default_model_path()))
-    ap.add_argument("--root", default="/tmp/casmoe-tables")
-    ap.add_argument("--sets", nargs="+", default=["sst2", "cola", "mmlu", "wmt16"])
-    ap.add_argument("--train-per-set", type=int, default=60)
-    ap.add_argument("--new-tokens", type=int, default=4, help="new tokens per traced prompt")
-    ap.add_argument("--prompt-tokens", type=int, default=96)
-    ap.add_argument("--eap-epochs", type=int, default=8)
-    ap.add_argument("--eps", type=float, default=0.3)
-    ap.add_argument("--eval-per-set", type=int, default=3, help="held-out prompts per set for the throughput runs")
-    ap.add_argument("--run-new-tokens", type=int, default=16)
-    ap.add_argument("--capacity", nargs="+", default=["10%", "25%"])
-    ap.add_argument("--link", default="emulated:2,10")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--device", default="cpu", help="torch device for trace, run and quality: cpu or cuda (then --link cuda)")
-    ap.add_argument("--task-limit", type=int, default=40, help="MMLU questions of the quality reference")
+    ap.add_argument("--model", default=str(default_model_path()), help="model directory (default %(default)s)")
+    ap.add_argument(
+        "--root", default="/tmp/casmoe-tables", help="work folder: trace, predictors, eval prompts (default %(default)s)"
+    )
+    ap.add_argument("--sets", nargs="+", default=["sst2", "cola", "mmlu", "wmt16"], help="prompt set names (default %(default)s)")
+    ap.add_argument(
+        "--train-per-set",
+        type=int,
+        default=60,
+        help="prompts traced per set for training, from its train split (MMLU dev) (default %(default)s)",
+    )
+    ap.add_argument("--new-tokens", type=int, default=4, help="new tokens per traced prompt (default %(default)s)")
+    ap.add_argument("--prompt-tokens", type=int, default=96, help="max prompt tokens, traced and run (default %(default)s)")
+    ap.add_argument("--eap-epochs", type=int, default=8, help="EAP training epochs (default %(default)s)")
+    ap.add_argument(
+        "--eps",
+        type=float,
+        default=0.3,
+        help="cascade threshold: EAM when its best cosine similarity is >= eps, else EAP (default %(default)s)",
+    )
+    ap.add_argument(
+        "--eval-per-set", type=int, default=3, help="held-out prompts per set for the throughput runs (default %(default)s)"
+    )
+    ap.add_argument(
+        "--run-new-tokens",
+        type=int,
+        default=16,
+        help="new tokens per prompt in the throughput runs, min = max (default %(default)s)",
+    )
+    ap.add_argument(
+        "--capacity",
+        nargs="+",
+        default=["10%", "25%"],
+        help="device expert slots per offloaded run: N experts, P%% of routed experts or a size (default %(default)s)",
+    )
+    ap.add_argument(
+        "--link",
+        default="emulated:2,10",
+        help="transfer link of the runs, emulated:GBPS[,US] (GB/s, latency in us), cuda or direct (default %(default)s)",
+    )
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per moeflow command (default %(default)s)")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device for trace, run and quality: cpu or cuda (then --link cuda) (default %(default)s)",
+    )
+    ap.add_argument("--task-limit", type=int, default=40, help="MMLU questions of the quality reference (default %(default)s)")
     a = ap.parse_args()
     root = Path(a.root)
     root.mkdir(parents=True, exist_ok=True)

@@ -164,36 +164,45 @@ def measure(eng, m: RunMetrics, pol: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=default_model_path())
-    ap.add_argument("--gbps", default="0.1,0.3,0.6,1,4,32", help="emulated link bandwidths (GB/s)")
-    ap.add_argument("--latency-us", type=float, default=10.0)
-    ap.add_argument("--capacity", default="25%")
-    ap.add_argument("--eviction", default="lru")
-    ap.add_argument("--prefetch", default="none")
-    ap.add_argument("--prompts", default="alpaca")
-    ap.add_argument("--limit", type=int, default=3)
-    ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--max-prompt-tokens", type=int, default=32)
+    ap.add_argument("--model", default=default_model_path(), help="model directory (default %(default)s)")
+    ap.add_argument(
+        "--gbps", default="0.1,0.3,0.6,1,4,32", help="emulated link bandwidths, comma list (GB/s; default %(default)s)"
+    )
+    ap.add_argument("--latency-us", type=float, default=10.0, help="emulated link latency per copy (us; default %(default)s)")
+    ap.add_argument(
+        "--capacity", default="25%", help="device expert slots: N experts, P%% of routed experts or a size (default %(default)s)"
+    )
+    ap.add_argument("--eviction", default="lru", help="cache eviction policy (default %(default)s)")
+    ap.add_argument("--prefetch", default="none", help="prefetch policy; none: every miss is a demand miss (default %(default)s)")
+    ap.add_argument("--prompts", default="alpaca", help="prompt set name or file (default %(default)s)")
+    ap.add_argument("--limit", type=int, default=3, help="prompts per run (default %(default)s)")
+    ap.add_argument("--new-tokens", type=int, default=16, help="new tokens per prompt (default %(default)s)")
+    ap.add_argument(
+        "--max-prompt-tokens", type=int, default=32, help="prompt truncated to this many tokens (default %(default)s)"
+    )
     ap.add_argument(
         "--rounds", type=int, default=11,
-        help="rounds (default 11); each ratio is the median round: where two policies make the same choices,"
+        help="rounds (default %(default)s); each ratio is the median round: where two policies make the same choices,"
         " their ratio is noise around 1 whose spread shrinks with the rounds",
     )  # fmt: skip
     ap.add_argument(
         "--pinned", action="store_true",
-        help="also run auto pinned to fetch and to cpu (same choices as the policy; only auto's overhead differs)",
+        help="also run auto pinned to fetch and to cpu (same choices as the policy; only auto's overhead differs) (default off)",
     )  # fmt: skip
     ap.add_argument(
         "--host-split", choices=("measured", "on", "off"), default="measured",
-        help="a CPU device's all-host calls: split with the host worker when measured faster (default), always, never",
+        help="a CPU device's all-host calls: split with the host worker when measured faster, always (on), never (off)"
+        " (default %(default)s)",
     )  # fmt: skip
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default %(default)s)")
     ap.add_argument(
         "--device", default="cpu",
         help="cpu (default): emulated links at --gbps; cuda: the model on the GPU and the real CUDA link, whose "
         "measured GB/s (one expert row, pinned host -> device) is the one bandwidth (--gbps ignored)",
     )  # fmt: skip
-    ap.add_argument("--data-dir", default=None)
+    ap.add_argument(
+        "--data-dir", default=None, help="data directory for prompt set names (default: $MOEFLOW_DATA or ../shared/data)"
+    )
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)

@@ -103,13 +103,13 @@ def main() -> None:
         choices=tuple(SHAPES),
         help="instead of --model: a random-weight OLMoE of this shape built in memory on --device (no download)",
     )
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="torch device: cpu or cuda (default %(default)s)")
     ap.add_argument("--dtype", default="auto", help="auto (default): bf16 on CUDA, fp32 on CPU")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1)")
-    ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=6, help="timed rounds, alternating order (default 6)")
-    ap.add_argument("--profile-tokens", type=int, default=6, help="new tokens in the profiled generation")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default %(default)s)")
+    ap.add_argument("--prompt-tokens", type=int, default=64, help="random prompt length (tokens; default %(default)s)")
+    ap.add_argument("--new-tokens", type=int, default=32, help="new tokens per timed generation (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=6, help="timed rounds, alternating order (default %(default)s)")
+    ap.add_argument("--profile-tokens", type=int, default=6, help="new tokens in the profiled generation (default %(default)s)")
     a = ap.parse_args()
     if a.make_model:
         make_model(a.make_model[0], Path(a.make_model[1]))

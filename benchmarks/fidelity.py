@@ -167,28 +167,64 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=default_model_path())
-    ap.add_argument("--link", default="emulated:2,10", help="emulated:GBPS[,LATENCY_US] (default), direct or cuda")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--capacity", default="5%,25%")
-    ap.add_argument("--lambdas", default=",".join(map(str, LAMBDAS)))
-    ap.add_argument("--prefetch", default="pregate")
-    ap.add_argument("--eviction", default="lru")
-    ap.add_argument("--predictors", default=None, help="predictor folder: adds router-pf --speculative")
-    ap.add_argument("--prompts", default="alpaca")
-    ap.add_argument("--limit", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--ppl-tokens", type=int, default=256)
-    ap.add_argument("--ppl-windows", type=int, default=2)
-    ap.add_argument("--task", default="none", choices=("mmlu", "gsm8k", "none"))
-    ap.add_argument("--task-limit", type=int, default=40)
-    ap.add_argument("--max-ppl-loss", type=float, default=1.0)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--data-dir", default=None)
-    ap.add_argument("--out-dir", default="benchmarks/results/fidelity")
-    ap.add_argument("--misses", default=None, help="comma list of miss specs (name[:key=value]) instead of every registered one")
-    ap.add_argument("--no-hit-first", action="store_true", help="leave the hit-first routing configuration out")
-    ap.add_argument("--lookahead", type=int, default=None, help="step size S (default: as moeflow quality)")
+    ap.add_argument("--model", default=default_model_path(), help="model directory (default %(default)s)")
+    ap.add_argument(
+        "--link",
+        default="emulated:2,10",
+        help="transfer link: emulated:GBPS[,LATENCY_US] (GB/s, us), direct or cuda (default %(default)s)",
+    )
+    ap.add_argument("--device", default="cpu", help="torch device: cpu or cuda (default %(default)s)")
+    ap.add_argument(
+        "--capacity",
+        default="5%,25%",
+        help="device expert slots, comma list: N experts, P%% of routed experts or a size (default %(default)s)",
+    )
+    ap.add_argument(
+        "--lambdas", default=",".join(map(str, LAMBDAS)), help="cache-aware routing lambdas, comma list (default %(default)s)"
+    )
+    ap.add_argument("--prefetch", default="pregate", help="prefetch policy of every configuration (default %(default)s)")
+    ap.add_argument("--eviction", default="lru", help="eviction policy of every configuration (default %(default)s)")
+    ap.add_argument("--predictors", default=None, help="predictor folder: adds router-pf --speculative (default: none, not run)")
+    ap.add_argument("--prompts", default="alpaca", help="prompt set name or file (default %(default)s)")
+    ap.add_argument("--limit", type=int, default=4, help="prompts of --prompts (default %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt, also the min (default %(default)s)")
+    ap.add_argument("--ppl-tokens", type=int, default=256, help="scored tokens per perplexity window (default %(default)s)")
+    ap.add_argument("--ppl-windows", type=int, default=2, help="perplexity windows; 0: no perplexity (default %(default)s)")
+    ap.add_argument(
+        "--task", default="none", choices=("mmlu", "gsm8k", "none"), help="task accuracy measured too (default %(default)s)"
+    )
+    ap.add_argument("--task-limit", type=int, default=40, help="questions of --task (default %(default)s)")
+    ap.add_argument(
+        "--max-ppl-loss",
+        type=float,
+        default=1.0,
+        help="largest perplexity loss recommended, at the top of its 95%% interval (percent; default %(default)s)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: moeflow's rule, $MOEFLOW_THREADS, $OMP_NUM_THREADS, calibrated or by model size)",
+    )
+    ap.add_argument(
+        "--data-dir", default=None, help="data directory for prompt set names (default: $MOEFLOW_DATA or ../shared/data)"
+    )
+    ap.add_argument(
+        "--out-dir", default="benchmarks/results/fidelity", help="folder for fidelity.json and fidelity.png (default %(default)s)"
+    )
+    ap.add_argument(
+        "--misses",
+        default=None,
+        help="comma list of miss specs (name[:key=value]) instead of every registered one (default: every registered one)",
+    )
+    ap.add_argument(
+        "--no-hit-first",
+        action="store_true",
+        help="leave the hit-first routing configuration out (default: included when registered)",
+    )
+    ap.add_argument(
+        "--lookahead", type=int, default=None, help="prefetch step size S (MoE layers ahead; default: as moeflow quality)"
+    )
     args = ap.parse_args(argv)
     console = Console(stderr=True)
     say = lambda s: console.print(f"[yellow]{s}[/]")  # noqa: E731

@@ -112,11 +112,20 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", default="/tmp/gps_vs_ep/trace-olmoe-mini-alpaca")
-    ap.add_argument("--prompts", type=int, default=48)
-    ap.add_argument("--heldout", type=int, default=12)
-    ap.add_argument("--worlds", default="2,4")
-    ap.add_argument("--out", default="/tmp/gps_vs_ep")
+    ap.add_argument(
+        "--trace",
+        default="/tmp/gps_vs_ep/trace-olmoe-mini-alpaca",
+        help="trace folder of olmoe-mini on alpaca, recorded here if missing (default %(default)s)",
+    )
+    ap.add_argument("--prompts", type=int, default=48, help="alpaca prompts traced, held-out ones included (default %(default)s)")
+    ap.add_argument(
+        "--heldout",
+        type=int,
+        default=12,
+        help="last prompts held out: run by ep and predicted; the rest train (default %(default)s)",
+    )
+    ap.add_argument("--worlds", default="2,4", help="gloo rank counts N, comma list (default %(default)s)")
+    ap.add_argument("--out", default="/tmp/gps_vs_ep", help="folder for the placement files (default %(default)s)")
     args = ap.parse_args()
 
     from moeflow.data.prompts import load_prompts

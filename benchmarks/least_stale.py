@@ -114,20 +114,36 @@ def detailed_sweep(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=default_model_path())
-    ap.add_argument("--prompts", type=int, default=20, help="GSM8K test questions (default 20)")
-    ap.add_argument("--new-tokens", type=int, default=32, help="sampled decode steps per prompt (default 32)")
-    ap.add_argument("--fractions", default="0.05,0.10,0.25,0.50", help="capacities as fractions of all experts")
-    ap.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--phase", choices=("decode", "prefill", "all"), default="decode")
+    ap.add_argument(
+        "--model", default=default_model_path(), help="model directory; a tiny random model when absent (default %(default)s)"
+    )
+    ap.add_argument("--prompts", type=int, default=20, help="GSM8K test questions (default %(default)s)")
+    ap.add_argument("--new-tokens", type=int, default=32, help="sampled decode steps per prompt (default %(default)s)")
+    ap.add_argument(
+        "--fractions",
+        default="0.05,0.10,0.25,0.50",
+        help="capacities as fractions of all experts, comma list (default %(default)s)",
+    )
+    ap.add_argument(
+        "--data", default=str(REPO.parent / "shared" / "data"), help="data directory holding GSM8K (default %(default)s)"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (and the random model's) (default %(default)s)")
+    ap.add_argument(
+        "--phase",
+        choices=("decode", "prefill", "all"),
+        default="decode",
+        help="passes of the trace replayed (default %(default)s)",
+    )
     ap.add_argument(
         "--trace",
         default=None,
-        help="replay a `moeflow trace --record-hidden` folder instead of generating (the model is still loaded for pre-gating)",
+        help="replay a `moeflow trace --record-hidden` folder instead of generating (the model is still loaded"
+        " for pre-gating; default: generate)",
     )
     ap.add_argument(
-        "--evictions", default=None, help="comma list of eviction policies (name[:k=v]); replaces the default configurations"
+        "--evictions",
+        default=None,
+        help="comma list of eviction policies (name[:k=v]); replaces the default configurations (default: those)",
     )
     ap.add_argument(
         "--prefetch",
@@ -135,8 +151,10 @@ def main() -> None:
         default=None,
         help="prefetch policy name[:k=v,...] for every --evictions policy (repeatable; default: none and pregate)",
     )
-    ap.add_argument("--link", default=None, help="instant (default) or emulated:GBPS[,LATENCY_US] on a virtual clock")
-    ap.add_argument("--layer-time-us", type=float, default=0.0, help="compute per MoE layer on the virtual clock")
+    ap.add_argument("--link", default=None, help="instant (default) or emulated:GBPS[,LATENCY_US] (GB/s, us) on a virtual clock")
+    ap.add_argument(
+        "--layer-time-us", type=float, default=0.0, help="compute per MoE layer on the virtual clock (us; default %(default)s)"
+    )
     args = ap.parse_args()
     detailed = bool(args.evictions or args.prefetch or args.link or args.layer_time_us)
     torch.set_num_threads(2)

@@ -149,23 +149,48 @@ def run_prompts(model, prompts, engine, args, label, new_tokens=None):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--prompts", default="gsm8k", help="prompt file or set name (moeflow.data.load_prompts)")
-    ap.add_argument("--limit", type=int, default=3)
-    ap.add_argument("--new-tokens", type=int, default=24)
-    ap.add_argument("--max-prompt-tokens", type=int, default=48)
-    ap.add_argument("--capacity", default="25%", help="cache capacity: N, P%% or bytes")
-    ap.add_argument("--copy-share", type=float, default=0.85, help="on-demand copy share of TPOT to emulate")
-    ap.add_argument("--gbps", type=float, default=None, help="link bandwidth (overrides --copy-share)")
-    ap.add_argument("--latency-us", type=float, default=0.0)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--resident-runs", type=int, default=2, help="resident runs; the fastest TPOT is the reference (default 2)")
+    ap.add_argument("--model", required=True, help="model directory (required)")
+    ap.add_argument(
+        "--prompts", default="gsm8k", help="prompt file or set name (moeflow.data.load_prompts) (default %(default)s)"
+    )
+    ap.add_argument("--limit", type=int, default=3, help="prompts per run (default %(default)s)")
+    ap.add_argument("--new-tokens", type=int, default=24, help="new tokens per prompt (default %(default)s)")
+    ap.add_argument(
+        "--max-prompt-tokens", type=int, default=48, help="prompt truncated to this many tokens (default %(default)s)"
+    )
+    ap.add_argument(
+        "--capacity", default="25%", help="cache capacity: N experts, P%% of routed experts or a size (default %(default)s)"
+    )
+    ap.add_argument(
+        "--copy-share",
+        type=float,
+        default=0.85,
+        help="on-demand copy share of TPOT to emulate, a fraction; sets the emulated bandwidth (default %(default)s)",
+    )
+    ap.add_argument(
+        "--gbps",
+        type=float,
+        default=None,
+        help="link bandwidth (GB/s; overrides --copy-share; default: from --copy-share, or measured with --link cuda)",
+    )
+    ap.add_argument("--latency-us", type=float, default=0.0, help="emulated link latency per copy (us; default %(default)s)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default %(default)s)")
+    ap.add_argument(
+        "--resident-runs", type=int, default=2, help="resident runs; the fastest TPOT is the reference (default %(default)s)"
+    )
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument(
+        "--dtype", default="auto", help="model dtype; auto: float32 on CPU, the checkpoint's on CUDA (default %(default)s)"
+    )
     ap.add_argument(
         "--link", default="emulated", choices=("emulated", "cuda"), help="emulated (default: bandwidth-bound regime) or cuda"
     )
-    ap.add_argument("--profile-tokens", type=int, default=6, help="new tokens of the profiled generation per configuration")
+    ap.add_argument(
+        "--profile-tokens",
+        type=int,
+        default=6,
+        help="new tokens of the profiled generation per configuration (default %(default)s)",
+    )
     ap.add_argument(
         "--policies", default=None, help="comma list of evictions, name or name:key=value;... (default: all registered)"
     )
@@ -179,8 +204,8 @@ def main() -> None:
         default=None,
         help="comma list of exact miss policies run with every eviction x prefetch (default fetch; e.g. fetch,auto)",
     )
-    ap.add_argument("--adaptive-s", action="store_true", help="add lru+pregate at fixed S=1..3 and adaptive S")
-    ap.add_argument("--no-profile", action="store_true", help="skip the profiled generations (faster)")
+    ap.add_argument("--adaptive-s", action="store_true", help="add lru+pregate at fixed S=1..3 and adaptive S (default off)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiled generations (faster; default: profiled)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)

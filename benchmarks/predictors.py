@@ -173,23 +173,44 @@ class _null:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=default_model_path())
-    ap.add_argument("--predictors", required=True)
-    ap.add_argument("--capacity", default="25%")
-    ap.add_argument("--copy-share", type=float, default=0.85)
-    ap.add_argument("--gbps", type=float, default=None)
-    ap.add_argument("--latency-us", type=float, default=10.0)
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--new-tokens", type=int, default=24)
-    ap.add_argument("--lookahead", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--calibration", default=None, help="moeflow calibrate JSON for the adaptive controller's start")
-    ap.add_argument("--policies", default="router-pf,estimator,hybrid,forest")
-    ap.add_argument("--adaptive-s", action="store_true", help="fixed S=1..3 rows per policy next to adaptive S")
-    ap.add_argument("--gate", default="on", choices=("on", "off"), help="the prefetch gate of every prefetcher")
+    ap.add_argument("--model", default=default_model_path(), help="model directory (default %(default)s)")
+    ap.add_argument(
+        "--predictors", required=True, help="predictor folder of `moeflow train`; its held-out prompts are run (required)"
+    )
+    ap.add_argument(
+        "--capacity", default="25%", help="device expert slots: N experts, P%% of routed experts or a size (default %(default)s)"
+    )
+    ap.add_argument(
+        "--copy-share",
+        type=float,
+        default=0.85,
+        help="on-demand copy share of TPOT to emulate, a fraction; sets the emulated bandwidth (default %(default)s)",
+    )
+    ap.add_argument(
+        "--gbps", type=float, default=None, help="link bandwidth (GB/s; default: from --copy-share, or measured with --link cuda)"
+    )
+    ap.add_argument("--latency-us", type=float, default=10.0, help="emulated link latency per copy (us; default %(default)s)")
+    ap.add_argument("--prompts", type=int, default=6, help="held-out prompts of the predictors' trace (default %(default)s)")
+    ap.add_argument("--new-tokens", type=int, default=24, help="new tokens per prompt (default %(default)s)")
+    ap.add_argument(
+        "--lookahead", type=int, default=1, help="step size S without --adaptive-s (MoE layers ahead; default %(default)s)"
+    )
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default %(default)s)")
+    ap.add_argument(
+        "--calibration", default=None, help="moeflow calibrate JSON for the adaptive controller's start (default: none)"
+    )
+    ap.add_argument(
+        "--policies",
+        default="router-pf,estimator,hybrid,forest",
+        help="learned prefetchers, comma list; those not in the folder are skipped (default %(default)s)",
+    )
+    ap.add_argument("--adaptive-s", action="store_true", help="fixed S=1..3 rows per policy next to adaptive S (default off)")
+    ap.add_argument(
+        "--gate", default="on", choices=("on", "off"), help="the prefetch gate of every prefetcher (default %(default)s)"
+    )
     ap.add_argument("--fixed-s", default=None, help="comma list of fixed S rows next to adaptive S (default 1,2,3)")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", help="model dtype (default %(default)s)")
     ap.add_argument(
         "--link", default="emulated", choices=("emulated", "cuda"), help="emulated (default) or cuda (needs --device cuda)"
     )

@@ -99,37 +99,64 @@ def decode_cost(preds: dict, data, max_s: int, reps: int = 30) -> dict[str, floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=default_model_path())
-    ap.add_argument("--root", default="/tmp/pred", help="folder of the traces (created if missing) and the predictors")
-    ap.add_argument("--train-set", default="sharegpt")
-    ap.add_argument("--train-limit", type=int, default=150, help="training prompts (when the trace is recorded here)")
-    ap.add_argument("--eval-limit", type=int, default=60, help="prompts per held-out set (when recorded here)")
-    ap.add_argument("--new-tokens", type=int, default=24)
-    ap.add_argument("--prompt-tokens", type=int, default=96)
-    ap.add_argument("--max-s", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--predictors", default=None, help="use this predictor folder instead of training (ROOT/predictors)")
-    ap.add_argument("--train-opt", action="append", default=[], help="TrainConfig field=value (repeat), e.g. est_epochs=12")
-    ap.add_argument("--train-trace", default=None, help="a recorded training trace (--record-hidden) instead of ROOT/<train-set>")
+    ap.add_argument("--model", default=default_model_path(), help="model directory (default %(default)s)")
+    ap.add_argument(
+        "--root", default="/tmp/pred", help="folder of the traces (created if missing) and the predictors (default %(default)s)"
+    )
+    ap.add_argument("--train-set", default="sharegpt", help="prompt set the predictors train on (default %(default)s)")
+    ap.add_argument(
+        "--train-limit", type=int, default=150, help="training prompts (when the trace is recorded here) (default %(default)s)"
+    )
+    ap.add_argument(
+        "--eval-limit", type=int, default=60, help="prompts per held-out set (when recorded here) (default %(default)s)"
+    )
+    ap.add_argument("--new-tokens", type=int, default=24, help="sampled new tokens per traced prompt (default %(default)s)")
+    ap.add_argument("--prompt-tokens", type=int, default=96, help="max prompt tokens per traced prompt (default %(default)s)")
+    ap.add_argument(
+        "--max-s",
+        type=int,
+        default=4,
+        help="largest step size S trained and scored, capped at MoE layers - 1 (MoE layers ahead; default %(default)s)",
+    )
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default %(default)s)")
+    ap.add_argument(
+        "--predictors", default=None, help="use this predictor folder instead of training (default: train into ROOT/predictors)"
+    )
+    ap.add_argument(
+        "--train-opt", action="append", default=[], help="TrainConfig field=value (repeat), e.g. est_epochs=12 (default: none)"
+    )
+    ap.add_argument(
+        "--train-trace",
+        default=None,
+        help="a recorded training trace (--record-hidden) instead of ROOT/<train-set> (default: that)",
+    )
     ap.add_argument(
         "--eval-trace",
         action="append",
         default=[],
         metavar="NAME=DIR",
-        help="evaluate on recorded traces (repeat); records nothing",
+        help="evaluate on recorded traces (repeat); records nothing (default: record and evaluate the built-in sets)",
     )
     ap.add_argument(
         "--eval-only", action="append", default=[], help="with --eval-trace: predictors to evaluate (repeat; default all)"
     )
-    ap.add_argument("--rank-alignment", action="store_true", help="with --eval-trace: per-layer rank alignment at S = 1 (Fig. 5)")
-    ap.add_argument("--speculative", action="store_true", help="with --eval-trace: speculative execution's quality cost per set")
-    ap.add_argument("--spec-sequences", type=int, default=24, help="trace prompts per set scored by --speculative")
+    ap.add_argument(
+        "--rank-alignment",
+        action="store_true",
+        help="with --eval-trace: per-layer rank alignment at S = 1 (Fig. 5) (default off)",
+    )
+    ap.add_argument(
+        "--speculative", action="store_true", help="with --eval-trace: speculative execution's quality cost per set (default off)"
+    )
+    ap.add_argument(
+        "--spec-sequences", type=int, default=24, help="trace prompts per set scored by --speculative (default %(default)s)"
+    )
     ap.add_argument(
         "--train-tokens",
         action="append",
         type=int,
         default=[],
-        help="with --eval-trace: estimator refit at est_max_tokens=N (repeat)",
+        help="with --eval-trace: estimator refit at est_max_tokens=N (tokens; repeat; default: none)",
     )
     args = ap.parse_args()
     if args.eval_trace:

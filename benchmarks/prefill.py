@@ -59,13 +59,17 @@ def make_prompts(tok, data_dir: str, n: int, tokens: int) -> list[torch.Tensor]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="models/olmoe-mini")
-    ap.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    ap.add_argument("--model", default="models/olmoe-mini", help="model directory (default %(default)s)")
+    ap.add_argument(
+        "--data-dir",
+        default=str(Path(__file__).resolve().parents[2] / "shared" / "data"),
+        help="data directory of the ShareGPT and Alpaca texts the prompts are cut from (default %(default)s)",
+    )
     ap.add_argument("--prompts", type=int, default=3, help="prompts (default 3)")
     ap.add_argument("--tokens", type=int, default=256, help="tokens per prompt (default 256)")
     ap.add_argument("--new-tokens", type=int, default=4, help="greedy tokens per run, checked against resident (default 4)")
     ap.add_argument("--capacity", default="25%,50%,100%", help="cache sizes: N experts or P%% of all (default 25%%,50%%,100%%)")
-    ap.add_argument("--eviction", default="lru")
+    ap.add_argument("--eviction", default="lru", help="cache eviction policy (default %(default)s)")
     ap.add_argument("--prefetch", default="pregate", help="prefetch policy of both paths (default pregate, as moeflow run)")
     ap.add_argument("--gbps", type=float, default=None, help="emulated link GB/s (default: from --copy-share)")
     ap.add_argument(
@@ -73,7 +77,7 @@ def main() -> None:
     )
     ap.add_argument("--latency-us", type=float, default=0.0, help="emulated link latency per copy, microseconds (default 0)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per prompt and configuration, fastest kept (default 5)")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default %(default)s)")
     ap.add_argument("--device", default="cpu", help="torch device of the model: cpu or cuda[:N] (default cpu)")
     ap.add_argument("--link", choices=("emulated", "cuda"), default=None, help="emulated (default on cpu) or cuda (on cuda)")
     args = ap.parse_args()

@@ -172,28 +172,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from moeflow.models import default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=default_model_path())
-    ap.add_argument("--link", default="emulated:0.1,20", help="emulated:GBPS[,LATENCY_US] (default 0.1 GB/s, 20 us)")
-    ap.add_argument("--prompts", default="alpaca")
+    ap.add_argument("--model", default=default_model_path(), help="model directory (default %(default)s)")
+    ap.add_argument("--link", default="emulated:0.1,20", help="emulated:GBPS[,LATENCY_US] (GB/s, us; default %(default)s)")
+    ap.add_argument("--prompts", default="alpaca", help="prompt set name or file (default %(default)s)")
     ap.add_argument("--limit", type=int, default=4, help="prompts (default 4)")
-    ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--capacity", default="10%,25%,50%")
-    ap.add_argument("--eviction", default="lru,least-stale")
-    ap.add_argument("--lookahead", default="1,2", help="step sizes S for pregate (none runs once)")
-    ap.add_argument("--repeats", type=int, default=2, help="moeflow run sweeps (default 2); each configuration's median TPOT")
+    ap.add_argument("--max-new-tokens", type=int, default=24, help="new tokens per prompt, traced and run (default %(default)s)")
+    ap.add_argument(
+        "--capacity",
+        default="10%,25%,50%",
+        help="device expert slots, comma list: N experts, P%% of routed experts or a size (default %(default)s)",
+    )
+    ap.add_argument("--eviction", default="lru,least-stale", help="eviction policies, comma list (default %(default)s)")
+    ap.add_argument(
+        "--lookahead",
+        default="1,2",
+        help="step sizes S for pregate, comma list (MoE layers ahead; none runs once) (default %(default)s)",
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=2, help="moeflow run sweeps (default %(default)s); each configuration's median TPOT"
+    )
     ap.add_argument(
         "--steady",
         type=float,
         default=0.2,
-        help="`steady` figures: configurations whose TPOT spread is at most this (default 0.2)",
+        help="`steady` figures: configurations whose TPOT spread (max - min) / median is at most this,"
+        " a fraction (default %(default)s)",
     )
     ap.add_argument(
         "--decode-steps", type=int, default=None, help="decode steps moeflow calibrate times per round (default --max-new-tokens)"
     )
-    ap.add_argument("--engine-rounds", type=int, default=3, help="moeflow calibrate --engine-rounds (default 3)")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--data-dir", default=None)
-    ap.add_argument("--out-dir", default="benchmarks/results/sim_fidelity")
+    ap.add_argument("--engine-rounds", type=int, default=3, help="moeflow calibrate --engine-rounds (default %(default)s)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: moeflow's rule, $MOEFLOW_THREADS, $OMP_NUM_THREADS, calibrated or by model size)",
+    )
+    ap.add_argument(
+        "--data-dir", default=None, help="data directory for prompt set names (default: $MOEFLOW_DATA or ../shared/data)"
+    )
+    ap.add_argument(
+        "--out-dir", default="benchmarks/results/sim_fidelity", help="folder for sim_fidelity.json (default %(default)s)"
+    )
     args = ap.parse_args(argv)
     args.decode_steps = args.decode_steps or args.max_new_tokens
     args.capacity = [c.strip() for c in args.capacity.split(",") if c.strip()]

@@ -24,8 +24,10 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint folder (default: models/olmoe-deep, or $MOEFLOW_MODEL)")
     ap.add_argument("--prompts", default="sharegpt", help="prompt file or set name (default sharegpt)")
     ap.add_argument("--n", type=int, default=10, help="prompts (default 10)")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--max-prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="greedy new tokens per prompt (default %(default)s)")
+    ap.add_argument(
+        "--max-prompt-tokens", type=int, default=128, help="prompt truncated to this many tokens (default %(default)s)"
+    )
     ap.add_argument("--reps", type=int, default=1, help="passes over the prompts (default 1)")
     ap.add_argument(
         "--threads",
@@ -33,7 +35,9 @@ def main() -> None:
         default=1,
         help="torch threads (default 1: on shared cores the intra-op pool makes 2-thread timings noise)",
     )
-    ap.add_argument("--data-dir", default=None)
+    ap.add_argument(
+        "--data-dir", default=None, help="data directory for prompt set names (default: $MOEFLOW_DATA or ../shared/data)"
+    )
     a = ap.parse_args()
 
     from rich.console import Console

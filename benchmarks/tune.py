@@ -61,20 +61,46 @@ def last_json(out: str) -> Any:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(REPO / "models" / "olmoe-deep"))
-    ap.add_argument("--calibration", required=True, help="`moeflow calibrate --link-gbps GBPS` of this machine")
-    ap.add_argument("--gbps", type=float, default=0.03, help="the emulated link (GB/s)")
-    ap.add_argument("--prompts", default="sharegpt")
-    ap.add_argument("--limit", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--budget", default="25%")
-    ap.add_argument("--evictions", default="lru,lfu")
-    ap.add_argument("--prefetches", default="none,pregate")
-    ap.add_argument("--s-values", default="1,2")
-    ap.add_argument("--trace", default=None, help="a trace of these prompts (default: traced here)")
-    ap.add_argument("--work", default="/tmp/tune-bench")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=3, help="measurements of every configuration, interleaved")
+    ap.add_argument("--model", default=str(REPO / "models" / "olmoe-deep"), help="model directory (default %(default)s)")
+    ap.add_argument(
+        "--calibration", required=True, help="calibration file: `moeflow calibrate --link-gbps GBPS` of this machine (required)"
+    )
+    ap.add_argument("--gbps", type=float, default=0.03, help="the emulated link's bandwidth (GB/s; default %(default)s)")
+    ap.add_argument("--prompts", default="sharegpt", help="prompt set name or file (default %(default)s)")
+    ap.add_argument("--limit", type=int, default=3, help="prompts traced and decoded by every run (default %(default)s)")
+    ap.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=16,
+        help="new tokens per prompt, also the runs' --min-new-tokens (default %(default)s)",
+    )
+    ap.add_argument(
+        "--budget",
+        default="25%",
+        help="tune's device memory for experts: N experts, P%% of routed experts or a size (default %(default)s)",
+    )
+    ap.add_argument("--evictions", default="lru,lfu", help="eviction policies of the space, comma list (default %(default)s)")
+    ap.add_argument(
+        "--prefetches", default="none,pregate", help="prefetch policies of the space, comma list (default %(default)s)"
+    )
+    ap.add_argument(
+        "--s-values",
+        default="1,2",
+        help="fixed prefetch step sizes S of the space (MoE layers ahead), comma list;"
+        " adaptive S is swept too (default %(default)s)",
+    )
+    ap.add_argument(
+        "--trace", default=None, help="trace folder of these prompts with hidden states (default: traced here into --work)"
+    )
+    ap.add_argument(
+        "--work",
+        default="/tmp/tune-bench",
+        help="work folder; outputs kept and reused by a rerun of the same command (default %(default)s)",
+    )
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per moeflow command (default %(default)s)")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="measurements of every configuration, interleaved round-robin (default %(default)s)"
+    )
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
