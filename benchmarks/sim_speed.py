@@ -20,13 +20,14 @@ Prints a table and, last, one JSON line. Not a test: no assertions.
 
 Measured (olmoe-deep, a held-out GSM8K trace: `moeflow trace --prompts gsm8k --limit 30 --record-hidden
 --threads 1`, 2,787 tokens; capacity 25% = 96, x145 = 8.0 M accesses; `--evictions
-lru,lfu,least-stale,belady-approx,belady --python-passes 10`, OMP_NUM_THREADS=1, a shared 2-core machine at
-load 1.4-2.1, base and new one after the other; M accesses per CPU second, prefetch none / pregate), before ->
-after inlining the policy dispatchers, the mechanism's steps and the list helpers into the kernels
-(`cachecore_layout._inline`): lru 13.3 / 9.0 -> 21.0 / 14.3, lfu 9.2 / 5.5 -> 12.6 / 6.7, least-stale
-10.1 / 6.9 -> 17.2 / 10.5, belady 8.2 / 6.0 -> 9.8 / 7.0, belady-approx 3.1 / 1.9 -> 3.7 / 2.2 (its victim
-search, `cachecore_ba._ba_layers`, is about 70% of its replay: below the 5 M target); same counters as the
-Python mechanism in every row.
+lru,lfu,least-stale,belady-approx,belady --python-passes 10`, OMP_NUM_THREADS=1, a quiet 2-core machine (load
+1.0: the benchmark itself), new / base 67d1740 / new one after the other; M accesses per CPU second, prefetch
+none / pregate), before -> after inlining the policy dispatchers, the mechanism's steps and the list helpers
+into the kernels (`cachecore_layout._inline`): lru 13.4 / 8.9 -> 21.0-21.3 / 14.2-14.4, lfu 9.3 / 5.5 ->
+12.7-12.8 / 6.9-7.0, least-stale 10.4 / 6.9 -> 16.3-16.6 / 10.2-10.5, belady 8.5 / 6.1 -> 9.7-9.9 / 7.2-7.5,
+belady-approx 3.2 / 1.9 -> 3.7-3.8 / 2.2 (its victim search, `cachecore_ba._ba_layers`, is about 70% of its
+replay: below the 5 M target; a victim search that returns the first candidate, timing only, runs at 11.7 /
+6.3); same counters as the Python mechanism in every row.
 """
 
 from __future__ import annotations
