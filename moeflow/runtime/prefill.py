@@ -53,13 +53,9 @@ resident at the pass start to `needed` (staged or serial, deferred layers includ
 avoid. The bound of a prefill is max(resident prefill time, needed x link seconds per expert)
 (`RunMetrics.set_ttft_bound`).
 
-Measured (`OMP_NUM_THREADS=1 benchmarks/prefill.py --model models/olmoe-mini --threads 1 --gbps 1.41`, staged
-TTFT / bound at 25 / 50 / 100%, runs of this path interleaved with runs of 67d1740 (before the linear-router
-pre-gate, the in-id-order staging and the unpredicted staging of a full-size cache), 2-core host shared with
-other jobs): olmoe-mini at load 1.6-2.0, 1.63/1.60/1.51, 1.57/1.49/1.43, 1.59/1.62/1.54 against 1.76/1.62/1.59,
-1.73/1.64/1.59, 1.73/1.59/1.56; olmoe-deep (`--gbps 1.50`, load 1.4-2.0) 1.35/1.36/1.24, 1.34/1.34/1.22 against
-1.41/1.42/1.37, 1.36/1.39/1.31. The 1.3 target is met only by olmoe-deep at 100% at that load: where the link
-keeps up, the rest is host work on the compute thread (per-key cache bookkeeping, per-wave calls, the pre-gate).
+How close a staged prefill comes to its bound, measured against the path before this one, is in docs/run.md
+(`benchmarks/prefill.py`): where the link keeps up, what is left is host work on the compute thread (per-key
+cache bookkeeping, per-wave calls, the pre-gate).
 """
 
 from __future__ import annotations
