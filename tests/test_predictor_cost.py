@@ -627,3 +627,22 @@ def test_history_rows_stand_for_the_gate_history_in_the_compiled_call(fitted, na
             want = run.scores(b, steps)
             got = run.scores(replace(b, history={}, history_rows=hr), steps)
             np.testing.assert_array_equal(got, want, err_msg=f"{name} {src}")
+
+
+def test_every_runtime_runner_has_the_runner_protocol_methods():
+    """A learned prefetch policy calls `warm`, `precompute`, `scores` and `requests` on its predictor's runner
+    without probing for them (`moeflow.predict.base.Runner`): every runner class must define all four, with
+    `requests` taking the decode step's buffers."""
+    import inspect
+
+    from moeflow.predict.base import Runner
+    from moeflow.predict.fast import ChainRunner
+    from moeflow.predict.fast_estimator import EstimatorRunner, HybridRunner
+    from moeflow.predict.fast_forest import ForestRunner
+
+    want = {n: inspect.signature(getattr(Runner, n)) for n in ("warm", "precompute", "scores", "requests")}
+    for cls in (ChainRunner, EstimatorRunner, HybridRunner, ForestRunner):
+        for name, sig in want.items():
+            got = getattr(cls, name, None)
+            assert callable(got), f"{cls.__name__} lacks {name}"
+            assert list(inspect.signature(got).parameters) == list(sig.parameters), f"{cls.__name__}.{name}"

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -44,6 +44,9 @@ from ..moe import get_adapter, residual_norm
 from ..moe.sets import mass_mask
 from .base import PREFETCH, BindContext, LayerContext, PrefetchPolicy, PrefetchRequest
 from .prefetch import _on, make_gate
+
+if TYPE_CHECKING:  # the predictors' package (and numba) stays out of the policies' import
+    from ..predict.base import Runner
 
 
 def _request_objects(keys: Any, priorities: list[float], confidences: list[float]) -> list[PrefetchRequest]:
@@ -137,7 +140,7 @@ class LearnedPrefetch(PrefetchPolicy):
         self.predict_decode_cpu_s = 0.0  # the model thread's CPU time in it (without the waits for a core under load)
         self.decode_passes = 0
         self.calls = 0
-        self.fast: Any = None  # the predictor's run-time path (`moeflow.predict.fast`), set by bind
+        self.fast: Runner | None = None  # the predictor's run-time path (`moeflow.predict.fast`), set by bind
 
     @property
     def horizon(self) -> int | None:
@@ -151,14 +154,11 @@ class LearnedPrefetch(PrefetchPolicy):
         self.model = model = ctx.model
         _, preds = load_predictors(self.folder, model, [self.predictor])
         self.pred = preds[self.predictor]
-        runner = getattr(self.pred, "runner", None)
+        runner = getattr(self.pred, "runner", None)  # the learned predictors have one; pregate and the baselines not
         self.fast = runner() if runner is not None else None
-        warm = getattr(self.fast, "warm", None)
-        if warm is not None:  # compile (or load) a runner's kernel now, not in the first decode step
-            warm()
-        pre = getattr(self.fast, "precompute", None)
-        if pre is not None:  # and stack its per-(layer, S) arrays now, for every S it can be asked for
-            pre(int(self.pred.max_lookahead))
+        if self.fast is not None:
+            self.fast.warm()  # compile (or load) a runner's kernel now, not in the first decode step
+            self.fast.precompute(int(self.pred.max_lookahead))  # and stack its per-(layer, S) arrays for every S
         self._requests([0], np.ones((1, 1, 2), np.float32), 1)  # and the decode step's request kernel
         R = int(self.pred.max_lookahead) * ctx.adapter.spec.num_experts  # the most requests one decode step makes
         self._ib, self._fb = np.zeros((2, R), np.int64), np.zeros((2, R), np.float64)
@@ -249,14 +249,13 @@ class LearnedPrefetch(PrefetchPolicy):
     def _decode_requests(self, targets: list[int], batch: Any, k: int, E: int) -> list[PrefetchRequest] | None:
         """A decode step's requests from ONE compiled call of the runner (`runner.requests`: its kernel and
         `decode_requests` together, no scores handed back): what `_requests(targets, step_scores(...), k)` gives;
-        None when the runner has no such call or this one does not run compiled (then the scores path runs)."""
-        req = getattr(self.fast, "requests", None)
-        if req is None:
+        None without a runner or when this call does not run compiled (then the scores path runs)."""
+        if self.fast is None:
             return None
         S, m = len(targets), min(E, max(1, round(k * self.overfetch)))
         if self._ib.shape[1] < S * m:  # the kernel's output buffers, grown to the largest call so far
             self._ib, self._fb = np.zeros((2, S * m), np.int64), np.zeros((2, S * m), np.float64)
-        n = req(batch, S, m, self._target_array(targets), float(k), self._ib, self._fb)
+        n = self.fast.requests(batch, S, m, self._target_array(targets), float(k), self._ib, self._fb)
         if n is None:
             return None
         (tg, ex), (pr, cf) = self._ib[:, :n].tolist(), self._fb[:, :n].tolist()

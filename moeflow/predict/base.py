@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from ..registry import Registry
@@ -37,6 +38,30 @@ class Predictor(Protocol):
 
     @classmethod
     def load(cls, folder: Path, model: torch.nn.Module) -> Predictor: ...
+
+
+class Runner(Protocol):
+    """A predictor's run-time path (`moeflow.predict.fast`: `ChainRunner`, `EstimatorRunner`, `HybridRunner`,
+    `ForestRunner`), what a learned prefetch policy calls per decode step; `Predictor.runner()` makes one."""
+
+    def warm(self) -> Runner:
+        """Compile (or load from numba's cache) the kernels a decode step calls, now rather than in the first step."""
+        ...
+
+    def precompute(self, horizon: int) -> Runner:
+        """Stack the per-(layer, S) arrays for every S up to `horizon`."""
+        ...
+
+    def scores(self, batch: SourceBatch, steps: int) -> np.ndarray:
+        """Scores [steps,T,E] of the next `steps` MoE layers from `batch`'s source layer."""
+        ...
+
+    def requests(
+        self, batch: SourceBatch, steps: int, m: int, targets: np.ndarray, k: float, ib: np.ndarray, fb: np.ndarray
+    ) -> int | None:
+        """A decode step's requests written into ib [2,>=S*m] (target, expert) and fb [2,>=S*m] (priority,
+        confidence) in one compiled call, their count returned; None when this call does not run compiled."""
+        ...
 
 
 PREDICTORS = Registry("predictor", what="predictor")
