@@ -1,6 +1,7 @@
 """MoE-GPS's predicted ranking of expert placements vs `moeflow ep`'s measured one, N = 2 and 4 gloo ranks on CPU.
 
-One trace of models/olmoe-mini (alpaca prompts, prefill + 1 token; recorded here if missing, command printed).
+One trace of `--model` (default models/olmoe-mini; alpaca prompts, prefill + 1 token; recorded here if missing,
+command printed).
 Its last `--heldout` prompts are held out; the rest is the train split. Per N and strategy a placement is
 built through `moeflow.gps.simulator` and written in the `moeflow ep` placement format:
 
@@ -18,7 +19,7 @@ machine's roofline (`measure_this_machine`) and a gloo link measured here (all_t
 bandwidth, `Interconnect`). Measured: ep's dispatch + compute + combine per MoE layer (slowest rank, summed
 over calls; the all-gather is outside the simulator's FFN). Rankings are compared by Kendall tau.
 
-    .venv/bin/python benchmarks/gps_vs_ep.py [--trace DIR] [--prompts 48] [--heldout 12]
+    .venv/bin/python benchmarks/gps_vs_ep.py [--model models/olmoe-mini] [--trace DIR] [--prompts 48] [--heldout 12]
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ROOT / "models" / "olmoe-mini"
+MODEL = ROOT / "models" / "olmoe-mini"  # the default --model
 
 
 def _a2a_worker(rank: int, world: int, init: str, out: str) -> None:
@@ -92,11 +93,11 @@ def measure_gloo(world: int) -> tuple[float, float]:
     return r[SIZES[0]], 1.0 / float(slope)  # latency: the 64-byte call's time
 
 
-def ensure_trace(trace: Path, n: int) -> None:
+def ensure_trace(trace: Path, n: int, model: Path) -> None:
     if (trace / "meta.json").is_file():
         print(f"trace: {trace} (exists)")
         return
-    cmd = [str(ROOT / ".venv/bin/moeflow"), "trace", "-m", str(MODEL), "-p", "alpaca", "--limit", str(n)]
+    cmd = [str(ROOT / ".venv/bin/moeflow"), "trace", "-m", str(model), "-p", "alpaca", "--limit", str(n)]
     cmd += ["--max-new-tokens", "1", "--threads", str(os.cpu_count() or 1), "--out", str(trace)]
     print("recording the trace:", shlex.join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
@@ -113,9 +114,14 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
+        "--model",
+        default=str(MODEL),
+        help="MoE checkpoint folder traced and run by `moeflow ep` (default %(default)s)",
+    )
+    ap.add_argument(
         "--trace",
-        default="/tmp/gps_vs_ep/trace-olmoe-mini-alpaca",
-        help="trace folder of olmoe-mini on alpaca, recorded here if missing (default %(default)s)",
+        default=None,
+        help="trace folder of --model on alpaca, recorded here if missing (default /tmp/gps_vs_ep/trace-MODEL-alpaca)",
     )
     ap.add_argument("--prompts", type=int, default=48, help="alpaca prompts traced, held-out ones included (default %(default)s)")
     ap.add_argument(
@@ -147,8 +153,12 @@ def main() -> None:
     from moeflow.trace import Trace
 
     t_start = time.time()
-    trace = Path(args.trace)
-    ensure_trace(trace, args.prompts)
+    model = Path(args.model)
+    trace = Path(args.trace or f"/tmp/gps_vs_ep/trace-{model.name}-alpaca")
+    ensure_trace(trace, args.prompts, model)
+    cfg = json.loads((model / "config.json").read_text())
+    heads = int(cfg.get("num_attention_heads", 4))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
     tr = Trace(trace)
     spec = tr.spec
     E, k, layers = spec.num_experts, spec.top_k, list(spec.moe_layers)
@@ -171,7 +181,7 @@ def main() -> None:
     for N in [int(x) for x in args.worlds.split(",")]:
         lat, bw = measure_gloo(N)
         link = Interconnect(f"gloo loopback, {N} ranks (measured)", bw, lat)
-        shape = Shape("olmoe-mini fp32", spec.hidden_size, spec.expert_intermediate_size, 4, 4, E, k, 4)
+        shape = Shape(f"{model.name} fp32", spec.hidden_size, spec.expert_intermediate_size, heads, kv_heads, E, k, 4)
         sysm = System(N, gpu, link, shape, 1)
         slots = math.ceil(E / N) + 1
         ridge = gpu.flops / gpu.hbm * shape.dtype_bytes / 2
@@ -208,13 +218,13 @@ def main() -> None:
                 "imbalance_ep_rule": float(rows_ep.max() / rows_ep.mean()),
             }
         rc = RunConfig(
-            model=str(MODEL),
+            model=str(model),
             prompt=[p.text for p in held],
             max_new_tokens=1,
             batch_size=1,
             threads=max(1, (os.cpu_count() or 1) // N),
         )
-        cmd = f"moeflow ep -m {MODEL.relative_to(ROOT)} -p <{len(held)} held-out prompts> --max-new-tokens 1 --world-size {N} "
+        cmd = f"moeflow ep -m {model} -p <{len(held)} held-out prompts> --max-new-tokens 1 --world-size {N} "
         cmd += " ".join(f"--placement {f}" for f in files + files)
         print(f"\nN={N}: gloo all_to_all latency {lat * 1e6:.0f} µs, {bw / 1e9:.2f} GB/s; running: {cmd}", flush=True)
         res = launch(EPConfig(run=rc, world_size=N, placements=tuple(files + files), backend="gloo"))
