@@ -160,11 +160,8 @@ class StagedPrefill:
             routed.ends = torch.bincount(ids, minlength=self.spec.num_experts).cumsum(0).tolist()  # [E] host
         nxt = self.next_layer.get(layer)
         if nxt is not None and counts is not None:
-            c = counts.tolist()
-            order = sorted((e for e in range(len(c)) if c[e] > 0), key=lambda e: (-c[e], e))  # most-routed first
-            if len(order) <= cache.part_capacity:  # all fit in the part: id order, its waves' order (`stage_ahead`)
-                order.sort()
-            routed.ahead = (nxt, order)
+            # all fit in the part: id order, its waves' order (`stage_ahead`); else the most-routed first
+            routed.ahead = (nxt, routed_order(counts.tolist(), by_count_above=cache.part_capacity))
         with cache.batch():
             routed.first = self.demand(layer, waves[0], routed.scores or {}) if waves else []
             if len(waves) <= 1 and routed.ahead is not None:
@@ -286,8 +283,7 @@ class StagedPrefill:
         if every:
             order = list(range(self.spec.num_experts))
         else:
-            c = self._pregate(layer, x).tolist()  # [E] host
-            order = sorted((e for e in range(len(c)) if c[e] > 0), key=lambda e: (-c[e], e))
+            order = routed_order(self._pregate(layer, x).tolist(), by_count_above=0)  # [E] counts read on the host
         keys = sorted([(layer, e) for e in order if (layer, e) not in cache.slot_of][:room])
         if keys:
             n0 = cache.counters.loads
@@ -406,6 +402,15 @@ class StagedPrefill:
         routed.first = None
         routed.waves = routed.ends = None
         routed.then = routed.ahead = None
+
+
+def routed_order(counts: list[int], by_count_above: int) -> list[int]:
+    """The experts with a count above 0 (`counts [E]`: tokens routed to each), in id order when there are at most
+    `by_count_above` of them, else the most-routed first (ties in id order)."""
+    order = [e for e, n in enumerate(counts) if n > 0]  # id order
+    if len(order) > by_count_above:
+        order.sort(key=lambda e: -counts[e])  # stable: equal counts keep id order
+    return order
 
 
 def wave_rows(
