@@ -10,7 +10,8 @@ its own. With `retain=False` (the `on-demand` baseline) a layer's slots are free
 attribute and hot loop is as it was in one class, and tests hook `_evict`, `_core_apply`, `_write_table` on it):
 - here: construction and the access order below (`demand`, `route`, `prefetch` / `_issue`, `stage`, `wait`,
   `release`, `cancel_stale`);
-- `runtime/cache_slots.py` (`Slot`, `SlotPool`): a slot's life, free -> loading (copy in flight) -> ready, plus
+- `runtime/cache_slots.py` (`Slot`, `CacheState`: the state set below, declared once for the mixins; `SlotPool`):
+  a slot's life, free -> loading (copy in flight) -> ready, plus
   pinned by the running layer (read by this layer's compute, not evictable): `_acquire` (the policy's victim),
   `_load`, `_evict`, `_upgrade`, `_refresh` / `_ready`; the queries over slots (`resident`, `is_ready`,
   `layer_all_ready`, `stage_room`, `free_room`, ...);

@@ -10,52 +10,23 @@ copies, the counters), and `replay`, the simulator's whole stream through the sa
 
 A mixin of `ExpertCache`, not an object the cache owns: `_core_apply` writes the cache's slot map, slots, table
 and counters and starts its copies, and tests hook `_core_apply` on the cache; the attributes it uses are
-declared below and set by `ExpertCache.__init__`.
+declared in `cache_slots.CacheState` and set by `ExpertCache.__init__`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
-import torch
-
-from ..policies.base import EvictionPolicy, ExpertKey, Position, PrefetchRequest
+from ..policies.base import Position, PrefetchRequest
 from ..quant import FULL
-from .cache_slots import READY, Slot
+from .cache_slots import READY, CacheState, Slot
 from .cachecore import LOG_EVICT, LOG_LOAD
 from .corecache import CacheCore, ReplayResult, kernel_kind
-from .counters import CacheCounters
-from .link import Link, Ticket
-from .store import HostExpertStore
 
 
-class CompiledBridge:
+class CompiledBridge(CacheState):
     """`ExpertCache`'s calls into its compiled core and the following of their records (mixin)."""
-
-    # set by `ExpertCache.__init__`
-    spec: Any
-    store: HostExpertStore | None
-    buffer: torch.Tensor | None
-    table: torch.Tensor | None
-    link: Link
-    eviction: EvictionPolicy | None
-    gate: Any
-    capacity: int
-    per_layer: bool
-    expert_bytes: int
-    rank: dict[int, int]
-    slots: list[Slot]
-    slot_of: dict[ExpertKey, int]
-    counters: CacheCounters
-    core: CacheCore | None
-    time: int
-    _resident_in: list[int]
-
-    if TYPE_CHECKING:  # the cache's other part (`cache_device.CacheDevice`)
-
-        def _submit(self, s: int, key: ExpertKey, bits: int, *, demand: bool) -> Ticket: ...
-        def bytes_at(self, bits: int) -> int: ...
 
     def _make_core(self, compiled: bool | None) -> CacheCore | None:
         """The compiled core for a policy with a `kernel`, an instant link without a transfer estimate (so a

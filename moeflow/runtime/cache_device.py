@@ -11,35 +11,26 @@ link for a transfer of `bytes_at(bits)` bytes.
 
 A mixin of `ExpertCache`, not an object the cache owns: the copies read and write the cache's slots (`last_use`,
 `ticket`, `issued`) and slot map, `_held` is read per key by `_load`, and tests hook `_write_table` and
-`_table_np` on the cache; the attributes it uses are declared below and set by `ExpertCache.__init__`.
+`_table_np` on the cache; the attributes it uses are declared in `cache_slots.CacheState` and set by
+`ExpertCache.__init__`.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
 from ..policies.base import ExpertKey
 from ..quant import FULL, compact_bytes_estimate
-from .cache_slots import Slot
-from .link import Link, Ticket
+from .cache_slots import CacheState
+from .link import Ticket
 from .store import HostExpertStore
 
 
-class CacheDevice:
+class CacheDevice(CacheState):
     """The tensors and the copies of `ExpertCache` (mixin): buffer, views, device table, a `batch`'s held copies."""
-
-    # set by `ExpertCache.__init__`
-    spec: Any
-    store: HostExpertStore | None
-    link: Link
-    expert_bytes: int
-    slots: list[Slot]
-    slot_of: dict[ExpertKey, int]
-    _instant: bool
 
     def _init_device(self, store: HostExpertStore | None, C: int, L: int, E: int, device: torch.device | None) -> None:
         """The buffer, views and table of `C` slots over `L` MoE layers of `E` experts (none without a store)."""

@@ -8,7 +8,7 @@ and its bookkeeping: slot map, device table, counters, the policy's `on_insert`)
 the full row over a low-precision slot), `_refresh` / `_ready` (a copy known complete; a compact copy is
 dequantized then). It is a mixin of `ExpertCache`, not an object the cache owns: every method reads and writes
 the cache's own slot map, free lists and counters, and tests hook `_evict` on the cache; the attributes it uses
-are declared below and set by `ExpertCache.__init__`. The copies themselves (`_submit`, a `batch`'s held copies,
+are declared in `CacheState` and set by `ExpertCache.__init__`. The copies themselves (`_submit`, a `batch`'s held copies,
 the device table) are `runtime/cache_device.py`'s. The queries over slots live here too (`resident`,
 `is_ready`, `num_resident`, `layer_full`, `layer_all_ready`, `stage_room`, `free_room`).
 """
@@ -26,6 +26,9 @@ from ..quant import FULL
 from .counters import CacheCounters
 from .link import Link, Ticket
 from .store import HostExpertStore
+
+if TYPE_CHECKING:
+    from .corecache import CacheCore
 
 FREE, LOADING, READY = "free", "loading", "ready"
 _new = object.__new__
@@ -69,22 +72,27 @@ class _InFlight:
         return s in cache._loading and cache._refresh(s) != READY
 
 
-class SlotPool:
-    """The slots' life (mixin of `ExpertCache`): acquisition with eviction, loads, evictions, upgrades, readiness;
-    and the queries over slots (`resident`, `is_ready`, `layer_full`, `layer_all_ready`, `stage_room`, `free_room`)."""
+class CacheState:
+    """What `ExpertCache.__init__` sets and its parts (`SlotPool` here, `cache_device.CacheDevice`,
+    `cache_compiled.CompiledBridge`, mixins of the cache) read: declared once, for the type checker, with the
+    methods one part calls on another. It holds nothing and defines nothing at run time."""
 
-    # set by `ExpertCache.__init__`
     spec: Any
     store: HostExpertStore | None
     buffer: torch.Tensor | None
+    table: torch.Tensor | None
     link: Link
     eviction: EvictionPolicy | None
+    gate: Any
+    capacity: int
     per_layer: bool
     expert_bytes: int
     rank: dict[int, int]
     slots: list[Slot]
     slot_of: dict[ExpertKey, int]
     counters: CacheCounters
+    core: CacheCore | None  # the compiled core (`cache_compiled`), None: the Python mechanism
+    time: int
     pass_id: int
     upgrade: bool
     _instant: bool
@@ -95,14 +103,18 @@ class SlotPool:
     _evicted_in_pass: dict[ExpertKey, int]
     _on_precision: Any
     _held: list[tuple[int, ExpertKey, int, bool]] | None
-    core: Any  # the compiled core (`cache_compiled`), None: this Python mechanism
 
-    if TYPE_CHECKING:  # the cache's other parts (`cache_device.CacheDevice`, `cache.ExpertCache`)
+    if TYPE_CHECKING:  # defined by the parts (`CacheDevice`, `ExpertCache`)
 
         def _table_follows(self, r: int, e: int, slot: int) -> None: ...
         def _submit(self, s: int, key: ExpertKey, bits: int, *, demand: bool) -> Ticket: ...
         def bytes_at(self, bits: int) -> int: ...
         def wait(self, slots: Sequence[int]) -> float: ...
+
+
+class SlotPool(CacheState):
+    """The slots' life (mixin of `ExpertCache`): acquisition with eviction, loads, evictions, upgrades, readiness;
+    and the queries over slots (`resident`, `is_ready`, `layer_full`, `layer_all_ready`, `stage_room`, `free_room`)."""
 
     # ---- queries ------------------------------------------------------------------------------------
     def resident(self, key: ExpertKey) -> bool:
