@@ -177,13 +177,11 @@ def blas_threads(n: int) -> Any:
 
 
 def _check(cfg: TrainConfig) -> None:
-    """Before any work: the predictor names, --holdout, --out (`outputs.check_out`)."""
+    """Before any work: the predictor names, --fit-workers 2 against --threads 1, --out (`outputs.check_out`)."""
     from ..outputs import check_out
     from ..predict.io import KIND
 
-    check_names(cfg.only)
-    if not 0.0 < cfg.holdout < 1.0:
-        raise ConfigError(f"--holdout must be in (0, 1), got {cfg.holdout}")
+    check_names(cfg.only)  # --holdout and --fit-workers' values: `TrainConfig.__post_init__`
     if cfg.fit_workers == 2 and cfg.threads == 1:  # the user's flags (the stage later sets threads to the fits' own)
         raise ConfigError("--fit-workers 2 runs two fits at once, which --threads 1 forbids; drop one of them")
     check_out(cfg.out, kind=KIND, inputs=(cfg.trace, cfg.model), force=cfg.force)
