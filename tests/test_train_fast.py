@@ -436,8 +436,8 @@ def test_forest_fitted_beside_the_others_is_the_same(fitted_default, monkeypatch
 
 
 def test_forest_fitted_and_scored_in_one_process_gives_the_serial_report(fitted_default, monkeypatch, tmp_path):
-    """workers=2 with a scorer: one forked process fits the forest and scores it with the cheap ASIDE predictors,
-    while the others are fitted and scored in this one; the merged held-out report is the one `evaluate` gives
+    """workers=2 with a scorer: one forked process fits the forest and scores it, while the others (the baselines
+    and pregate too) are fitted and scored in this one; the merged held-out report is the one `evaluate` gives
     for all of them in one call."""
     import os
 
@@ -456,7 +456,7 @@ def test_forest_fitted_and_scored_in_one_process_gives_the_serial_report(fitted_
     assert list(preds) == list(serial) and forks == [1]  # the forest's fit and its scores: one process
     here = {n for n in preds if _pids(tmp_path, n) == {os.getpid()}}
     there = {n for n in preds if _pids(tmp_path, n) and os.getpid() not in _pids(tmp_path, n)}
-    assert there == {"forest", *pt.ASIDE} and here == set(preds) - there
+    assert there == {"forest"} and here == set(preds) - there
     report = ev.summarize(*got[0], held, np.arange(held.n), max_s=cfg.max_s, mass=cfg.mass)
     assert json.dumps(report) == json.dumps(want)  # the same figures, in the same order
 

@@ -123,9 +123,16 @@ class Forest:
         return np.concatenate([p, np.log1p(tot / self.spec.top_k)], 2).astype(np.float32)
 
     def features(
-        self, target: int, s: int, batch: SourceBatch, probs: np.ndarray | None = None, minus: np.ndarray | None = None
+        self,
+        target: int,
+        s: int,
+        batch: SourceBatch,
+        probs: np.ndarray | None = None,
+        minus: np.ndarray | None = None,
+        out: np.ndarray | None = None,
     ) -> np.ndarray:
-        """[T,F] (see the module docstring); `probs` = the pre-gate probabilities of `target` when known."""
+        """[T,F] (see the module docstring); `probs` = the pre-gate probabilities of `target` when known; written
+        into `out` [T,F] float32 when given (the fit's pool, without a temporary copy)."""
         ml, E = self.spec.moe_layers, self.spec.num_experts
         t = batch.t
         ctx = batch.token_ctx.numpy() if batch.token_ctx is not None else np.full((t, 1), -1)
@@ -138,7 +145,9 @@ class Forest:
             probs = self.base(target, batch)[1]
         prev_tok = ctx[:, -2] if ctx.shape[1] > 1 else np.full(t, -1)
         return np.concatenate(
-            [self.embed(ctx), meta, prev, probs, self.prior(target, ctx[:, -1], minus), self.prior(target, prev_tok)], axis=1
+            [self.embed(ctx), meta, prev, probs, self.prior(target, ctx[:, -1], minus), self.prior(target, prev_tok)],
+            axis=1,
+            out=out,
         )
 
     @torch.no_grad()
@@ -201,7 +210,7 @@ class Forest:
             b = batch_from_rows(data, src, rows, ctx=ctx)
             minus = own[pinv[rows], ml.index(tgt)]  # the row's own prompt, left out of its token prior
             base, probs = self.base(tgt, b if data.has_hidden else _no_router(b), minus)
-            X[j * n : (j + 1) * n] = self.features(tgt, s, b, probs, minus)
+            self.features(tgt, s, b, probs, minus, out=X[j * n : (j + 1) * n])
             Y[j * n : (j + 1) * n] = multi_hot(data.layers[tgt].topk_ids[rows], self.spec.num_experts) - base
         self.rf = ArrayForest.from_sklearn(fit_trees(X, Y, cfg, self.n_features))  # run-time prediction: compiled walk
         self.fit_seconds = time.perf_counter() - t0

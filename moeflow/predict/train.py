@@ -156,9 +156,6 @@ def in_child(fn: Callable[[], Any]) -> Future[Any]:
     return fut
 
 
-ASIDE = ("frequency", "token-id", "pregate")  # cheap, seeded fits the forest's process repeats and scores too
-
-
 def fitted_names(only: tuple[str, ...], has_hidden: bool) -> list[str]:
     """The predictors `fit_all` fits for `--only` names `only`, in its order: the baselines, pregate (with hidden
     states), then the learned ones (hybrid after the estimator and router-pf it reuses)."""
@@ -190,9 +187,9 @@ def fit_all(
 
     `workers` 2 (see `fit_workers`): the forest fits in a process of its own (`in_child`: one torch thread, with
     `cfg.threads // 2` (at least 1) tree jobs: the splitter releases the GIL) while the rest fit here. That process
-    also scores the forest and the `ASIDE` predictors (fitted again there: a few ms; scored there, they balance
-    the estimator's fit and scoring here), then saves the forest to a temporary folder read back here. Each fit
-    is seeded on its own, so the predictors and scores are the same as one after the other."""
+    also scores the forest, then saves it to a temporary folder read back here; everything else is scored here
+    (the forest's process, with scikit-learn's import and the trees, is the longer one). Each fit is seeded on its
+    own, so the predictors and scores are the same as one after the other."""
     from .default_vectors import compute_default_vectors
 
     names = fitted_names(cfg.only, train.has_hidden)
@@ -200,17 +197,15 @@ def fit_all(
     adv = (lambda t, **kw: progress.update(t, **kw)) if progress else (lambda *a, **k: None)
     order = list(names)
     aside = None  # the forest's fit (and scores) in a process of its own, which saves it to a temporary folder
-    there: list[str] = []  # the predictors scored in that process
     if workers >= 2 and "forest" in names:
         import tempfile
 
         names.remove("forest")
-        there = [n for n in order if n in ASIDE or n == "forest"] if score is not None else []
         tmp = tempfile.TemporaryDirectory(prefix="moeflow-forest-")
         forest_cfg = dataclasses.replace(cfg, threads=max(1, int(cfg.threads or 1) // 2))
         ft = task("fit forest", 1.0)
         folder = Path(tmp.name) / "forest"
-        aside = in_child(lambda: _fit_aside(train, model, forest_cfg, folder, there, score))
+        aside = in_child(lambda: _fit_aside(train, model, forest_cfg, folder, score))
     dvec = None
     if any(n in ("router-pf", "estimator", "hybrid") for n in names):
         t = task("mean expert outputs", len(train.spec.moe_layers))  # the default vectors (Speculating Experts 3)
@@ -223,7 +218,7 @@ def fit_all(
     try:
         _fit_here(names, train, model, cfg, dvec, out, task, adv)
         if score is not None:
-            scores = score({n: out[n] for n in names if n not in there}, True)
+            scores = score({n: out[n] for n in names}, True)
         if aside is not None:
             if idle is not None and not aside.done():
                 idle()
@@ -246,19 +241,15 @@ def _in_order(d: dict[str, Any], order: list[str]) -> dict[str, Any]:
     return {n: d[n] for n in order if n in d}
 
 
-def _fit_aside(
-    train: RoutingData, model: torch.nn.Module, cfg: Any, folder: Path, names: list[str], score: Any
-) -> tuple[float, Scores | None]:
+def _fit_aside(train: RoutingData, model: torch.nn.Module, cfg: Any, folder: Path, score: Any) -> tuple[float, Scores | None]:
     """In the forest's process: fit the forest and save it to `folder` (its own save format, read back with its
-    `load`); then fit the other `names` and score all of `names` with `score`. (The forest's fit seconds, the
-    scores or None.)"""
+    `load`); then score it with `score` (optional). (The forest's fit seconds, the scores or None.)"""
     p = _fit_one("forest", train, model, cfg)
     folder.mkdir()
     p.save(folder)
-    if score is None or not names:
+    if score is None:
         return float(p.fit_seconds), None
-    preds = {n: p if n == "forest" else _fit_one(n, train, model, cfg) for n in names}
-    return float(p.fit_seconds), score(preds, False)
+    return float(p.fit_seconds), score({"forest": p}, False)
 
 
 def _fit_one(name: str, train: RoutingData, model: torch.nn.Module, cfg: Any, **kw: Any) -> Any:

@@ -278,8 +278,8 @@ def _fit_and_evaluate(
 ) -> tuple[dict[str, Any], dict[str, Any], float]:
     """(name -> fitted predictor, their held-out report (`moeflow.predict.evaluate.evaluate`'s), the seconds from
     the end of this process's fits to the report). With 2 workers the forest (which shares no work with the
-    others) is fitted and scored in a process of its own with the cheap `ASIDE` predictors
-    (`moeflow.predict.train.fit_all`) while the others are fitted and scored here."""
+    others) is fitted and scored in a process of its own (`moeflow.predict.train.fit_all`) while the others are
+    fitted and scored here."""
     from ..predict.evaluate import preload_plot, score, summarize
     from ..predict.train import fitted_names
 
