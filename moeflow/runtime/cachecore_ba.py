@@ -66,6 +66,7 @@ from .cachecore_layout import (
     SC_PASS,
     _fn,
     _inline,
+    _u,
 )
 
 
@@ -287,45 +288,45 @@ def _ba_layers(I, F, pr):
     p = I[I[O_SC] + SC_PASS]
     pmin = 2.0  # the least calibrated probability, computed when a layer first needs it (2.0: not yet)
     for q in range(L):
-        if I[lsn + q] == 0:
-            F[ub + q] = -1.0
+        if I[_u(lsn + q)] == 0:
+            F[_u(ub + q)] = -1.0
             continue
         d = q - pr - 1
         d = d + L + 1 if d < 0 else d + 1
-        Im = F[biv + q]
-        if I[bnoint + q] > 0 and mean > Im:
+        Im = F[_u(biv + q)]
+        if I[_u(bnoint + q)] > 0 and mean > Im:
             Im = mean
-        age = float(p - I[bref + q])
+        age = float(p - I[_u(bref + q)])
         Im = age if age > Im else Im
         Im = 1.0 if 1.0 > Im else Im
         e = Im - 1.0
-        if I[bprop + q] >= p and d < L:
+        if I[_u(bprop + q)] >= p and d < L:
             if pmin > 1.0:
                 pmin = 1.0
                 for a in range(L + 2):
-                    pmin = F[pah + a] if F[pah + a] < pmin else pmin
+                    pmin = F[_u(pah + a)] if F[_u(pah + a)] < pmin else pmin
             if (1.0 - pmin) * Im > e:
                 e = (1.0 - pmin) * Im
-        F[ub + q] = d + L * e + 1e-9 * (1.0 + d + L * Im)
+        F[_u(ub + q)] = d + L * e + 1e-9 * (1.0 + d + L * Im)
     top = -1.0  # every E[next use] is >= 1
     best, bt, recheck = -1, 0, False  # the least recent candidate within 1e-9 of the top so far
     nscan = 0
     while True:
         q, bq = -1, -1.0
         for r in range(L):
-            if F[ub + r] > bq:
-                q, bq = r, F[ub + r]
+            if F[_u(ub + r)] > bq:
+                q, bq = r, F[_u(ub + r)]
         if q < 0 or bq < top - 1e-9:  # no slot of an unscanned layer reaches the window
             break
-        F[ub + q] = -1.0
-        I[scan + nscan] = q
+        F[_u(ub + q)] = -1.0
+        I[_u(scan + nscan)] = q
         nscan += 1
         d = q - pr - 1
         d = d + L + 1 if d < 0 else d + 1
         iv1, iv2, ref1, ref2, noint, nprop = -1.0, -1.0, NO_REF, NO_REF, 0, NEVER_PASS  # exact bounds again
-        for i in range(I[lsn + q]):
-            s = I[lsl + q * C + i]
-            iv, ref, pp = F[siv + s], I[sref + s], I[spp + s]
+        for i in range(I[_u(lsn + q)]):
+            s = I[_u(lsl + q * C + i)]
+            iv, ref, pp = F[_u(siv + s)], I[_u(sref + s)], I[_u(spp + s)]
             # the top two intervals (-1: none) and the least two references, without branches
             noint += iv < 0.0
             lo = iv if iv < iv1 else iv1
@@ -335,22 +336,22 @@ def _ba_layers(I, F, pr):
             ref1 = ref if ref < ref1 else ref1
             ref2 = hi if hi < ref2 else ref2
             nprop = pp if pp > nprop else nprop
-            if I[pin + s] or I[prot + s]:
-                F[far + s] = -1.0
+            if I[_u(pin + s)] or I[_u(prot + s)]:
+                F[_u(far + s)] = -1.0
                 continue
             Ik = iv if iv >= 0.0 else mean  # `expected_next_use`'s arithmetic
             age = float(p - ref)
             Ik = age if age > Ik else Ik
             Ik = 1.0 if 1.0 > Ik else Ik
             if pp == p and d < L:
-                p1 = F[pah + I[spa + s]]
+                p1 = F[_u(pah + I[_u(spa + s)])]
             elif d + L * (Ik - 1.0) + 1e-9 * (1.0 + d + L * Ik) < top - 1e-9:
-                F[far + s] = -1.0  # E = d + L * (I - 1) up to rounding: below the window, no division
+                F[_u(far + s)] = -1.0  # E = d + L * (I - 1) up to rounding: below the window, no division
                 continue
             else:
                 p1 = 1.0 / Ik
             f = d + (1.0 - p1) * L * Ik
-            F[far + s] = f
+            F[_u(far + s)] = f
             if f > top:
                 if top < f - 1e-9:  # every earlier slot falls out of the window
                     best = -1
@@ -358,24 +359,24 @@ def _ba_layers(I, F, pr):
                     recheck = True
                 top = f
             if f >= top - 1e-9:
-                k = I[skey + s]
-                t = I[pk + k * NPK + PK_LAST]
+                k = I[_u(skey + s)]
+                t = I[_u(pk + k * NPK + PK_LAST)]
                 if best < 0 or t < bt or (t == bt and k < best):
                     best, bt = k, t
-        F[biv + q], F[biv + L + q], I[bref + q], I[bref + L + q] = iv1, iv2, ref1, ref2
-        I[bnoint + q], I[bprop + q] = noint, nprop
+        F[_u(biv + q)], F[_u(biv + L + q)], I[_u(bref + q)], I[_u(bref + L + q)] = iv1, iv2, ref1, ref2
+        I[_u(bnoint + q)], I[_u(bprop + q)] = noint, nprop
     if top < 0.0 or not recheck:
         return best
     best, bt = -1, 0
     cut = top - 1e-9
     for j in range(nscan):
-        q = I[scan + j]
-        for i in range(I[lsn + q]):
-            s = I[lsl + q * C + i]
-            if F[far + s] < cut:
+        q = I[_u(scan + j)]
+        for i in range(I[_u(lsn + q)]):
+            s = I[_u(lsl + q * C + i)]
+            if F[_u(far + s)] < cut:
                 continue
-            k = I[skey + s]
-            t = I[pk + k * NPK + PK_LAST]
+            k = I[_u(skey + s)]
+            t = I[_u(pk + k * NPK + PK_LAST)]
             if best < 0 or t < bt or (t == bt and k < best):
                 best, bt = k, t
     return best
