@@ -74,15 +74,15 @@ from .cachecore_layout import (
 def _see(I, r):
     """`_see`: layer rank `r` is known; ranks among the known layers follow."""
     seen, srank = I[O_SEEN], I[O_SRANK]
-    if I[seen + r]:
+    if I[_u(seen + r)]:
         return
-    I[seen + r] = 1
+    I[_u(seen + r)] = 1
     n = 0
     for i in range(I[H_L]):
-        if I[seen + i]:
-            I[srank + i] = n
+        if I[_u(seen + i)]:
+            I[_u(srank + i)] = n
             n += 1
-    I[I[O_PG] + PG_NSEEN] = n
+    I[_u(I[O_PG] + PG_NSEEN)] = n
 
 
 @_inline
@@ -91,20 +91,20 @@ def _ahead(I, kr, pr):
     _see(I, kr)
     _see(I, pr)
     srank = I[O_SRANK]
-    return (I[srank + kr] - I[srank + pr] - 1) % I[I[O_PG] + PG_NSEEN] + 1
+    return (I[_u(srank + kr)] - I[_u(srank + pr)] - 1) % I[_u(I[O_PG] + PG_NSEEN)] + 1
 
 
 @_inline
 def _pred_drop(I, k):
     """Remove `k`'s pending proposal (the pending list's last takes its place)."""
     pl, pg = I[O_PLIST], I[O_PG]
-    i = I[I[O_PK] + k * NPK + PK_PIDX]
-    n = I[pg + PG_NPRED] - 1
-    last = I[pl + n]
-    I[pl + i] = last
-    I[I[O_PK] + last * NPK + PK_PIDX] = i
-    I[pg + PG_NPRED] = n
-    I[I[O_PK] + k * NPK + PK_HASPRED] = 0
+    i = I[_u(I[O_PK] + k * NPK + PK_PIDX)]
+    n = I[_u(pg + PG_NPRED)] - 1
+    last = I[_u(pl + n)]
+    I[_u(pl + i)] = last
+    I[_u(I[O_PK] + last * NPK + PK_PIDX)] = i
+    I[_u(pg + PG_NPRED)] = n
+    I[_u(I[O_PK] + k * NPK + PK_HASPRED)] = 0
 
 
 @_inline
@@ -112,69 +112,69 @@ def _ba_slot(I, F, k):
     """The per-slot copy of resident key k's fields (the victim reads slots), and its layer's bounds: a new
     value v of a key's interval (reference pass) joins the layer's top two (bottom two) bounds; the value it
     replaces stays counted, which only loosens them."""
-    s = I[I[O_SOF] + k]
+    s = I[_u(I[O_SOF] + k)]
     if s < 0:
         return
     b = I[O_PK] + k * NPK
-    q, L = I[I[O_KR] + k], I[H_L]
-    ref = I[b + PK_REF]
-    spp = I[b + PK_PPASS] if I[b + PK_HASPRED] else NEVER_PASS
-    I[I[O_SREF] + s] = ref
-    I[I[O_SPP] + s] = spp
-    I[I[O_SPA] + s] = I[b + PK_PAHEAD]
+    q, L = I[_u(I[O_KR] + k)], I[H_L]
+    ref = I[_u(b + PK_REF)]
+    spp = I[_u(b + PK_PPASS)] if I[_u(b + PK_HASPRED)] else NEVER_PASS
+    I[_u(I[O_SREF] + s)] = ref
+    I[_u(I[O_SPP] + s)] = spp
+    I[_u(I[O_SPA] + s)] = I[_u(b + PK_PAHEAD)]
     br = I[O_BREF] + q
-    if ref < I[br]:
-        I[br + L] = I[br]
-        I[br] = ref
-    elif ref < I[br + L]:
-        I[br + L] = ref
-    if spp > I[I[O_BPROP] + q]:
-        I[I[O_BPROP] + q] = spp
-    old = F[I[OF_SIV] + s]
-    if I[b + PK_HASINT]:
-        iv = F[I[OF_PKF] + k]
-        F[I[OF_SIV] + s] = iv
+    if ref < I[_u(br)]:
+        I[_u(br + L)] = I[_u(br)]
+        I[_u(br)] = ref
+    elif ref < I[_u(br + L)]:
+        I[_u(br + L)] = ref
+    if spp > I[_u(I[O_BPROP] + q)]:
+        I[_u(I[O_BPROP] + q)] = spp
+    old = F[_u(I[OF_SIV] + s)]
+    if I[_u(b + PK_HASINT)]:
+        iv = F[_u(I[OF_PKF] + k)]
+        F[_u(I[OF_SIV] + s)] = iv
         if old < 0.0:
-            I[I[O_BNOINT] + q] -= 1
+            I[_u(I[O_BNOINT] + q)] -= 1
         bi = I[OF_BIV] + q
-        if iv > F[bi]:
-            F[bi + L] = F[bi]
-            F[bi] = iv
-        elif iv > F[bi + L]:
-            F[bi + L] = iv
+        if iv > F[_u(bi)]:
+            F[_u(bi + L)] = F[_u(bi)]
+            F[_u(bi)] = iv
+        elif iv > F[_u(bi + L)]:
+            F[_u(bi + L)] = iv
     else:
-        F[I[OF_SIV] + s] = -1.0
+        F[_u(I[OF_SIV] + s)] = -1.0
         if old >= 0.0:
-            I[I[O_BNOINT] + q] += 1
+            I[_u(I[O_BNOINT] + q)] += 1
 
 
 @_inline
 def _predict(I, k, pr):
-    p = I[I[O_SC] + SC_PASS]
-    if I[I[O_PK] + k * NPK + PK_HASPRED] and I[I[O_PK] + k * NPK + PK_PPASS] == p:
+    p = I[_u(I[O_SC] + SC_PASS)]
+    if I[_u(I[O_PK] + k * NPK + PK_HASPRED)] and I[_u(I[O_PK] + k * NPK + PK_PPASS)] == p:
         return
-    ahead = _ahead(I, I[I[O_KR] + k], pr)
-    if not I[I[O_PK] + k * NPK + PK_HASPRED]:
+    ahead = _ahead(I, I[_u(I[O_KR] + k)], pr)
+    if not I[_u(I[O_PK] + k * NPK + PK_HASPRED)]:
         pg = I[O_PG]
-        n = I[pg + PG_NPRED]
-        I[I[O_PLIST] + n] = k
-        I[I[O_PK] + k * NPK + PK_PIDX] = n
-        I[pg + PG_NPRED] = n + 1
-        I[I[O_PK] + k * NPK + PK_HASPRED] = 1
-    I[I[O_PK] + k * NPK + PK_PPASS] = p
-    I[I[O_PK] + k * NPK + PK_PAHEAD] = ahead
+        n = I[_u(pg + PG_NPRED)]
+        I[_u(I[O_PLIST] + n)] = k
+        I[_u(I[O_PK] + k * NPK + PK_PIDX)] = n
+        I[_u(pg + PG_NPRED)] = n + 1
+        I[_u(I[O_PK] + k * NPK + PK_HASPRED)] = 1
+    I[_u(I[O_PK] + k * NPK + PK_PPASS)] = p
+    I[_u(I[O_PK] + k * NPK + PK_PAHEAD)] = ahead
 
 
 @_fn
 def ba_insert(I, F, k, pr, prefetched):
     """`on_insert` (after `_Base`'s tick): the key's slot joins its layer's list."""
-    q, s, C = I[I[O_KR] + k], I[I[O_SOF] + k], I[H_C]
-    n = I[I[O_LSN] + q]
-    I[I[O_LSL] + q * C + n] = s
-    I[I[O_SPOS] + s] = n
-    I[I[O_LSN] + q] = n + 1
-    F[I[OF_SIV] + s] = 0.0  # not counted as a key without interval until `_ba_slot` says so
-    I[I[O_PK] + k * NPK + PK_REF] = I[I[O_SC] + SC_PASS]
+    q, s, C = I[_u(I[O_KR] + k)], I[_u(I[O_SOF] + k)], I[H_C]
+    n = I[_u(I[O_LSN] + q)]
+    I[_u(I[O_LSL] + q * C + n)] = s
+    I[_u(I[O_SPOS] + s)] = n
+    I[_u(I[O_LSN] + q)] = n + 1
+    F[_u(I[OF_SIV] + s)] = 0.0  # not counted as a key without interval until `_ba_slot` says so
+    I[_u(I[O_PK] + k * NPK + PK_REF)] = I[_u(I[O_SC] + SC_PASS)]
     if prefetched:
         _predict(I, k, pr)
     _ba_slot(I, F, k)
@@ -184,55 +184,55 @@ def ba_insert(I, F, k, pr, prefetched):
 def ba_evict(I, F, k, s):
     """`on_evict`: slot s leaves its layer's list (the list's last takes its place) and its bounds (a key at a
     bound is the largest (least) there: the second bound takes its place)."""
-    q, C, L = I[I[O_KR] + k], I[H_C], I[H_L]
-    iv, ref, bi, br = F[I[OF_SIV] + s], I[I[O_SREF] + s], I[OF_BIV] + q, I[O_BREF] + q
+    q, C, L = I[_u(I[O_KR] + k)], I[H_C], I[H_L]
+    iv, ref, bi, br = F[_u(I[OF_SIV] + s)], I[_u(I[O_SREF] + s)], I[OF_BIV] + q, I[O_BREF] + q
     if iv < 0.0:
-        I[I[O_BNOINT] + q] -= 1
-    elif iv == F[bi]:
-        F[bi] = F[bi + L]
-    if ref == I[br]:
-        I[br] = I[br + L]
+        I[_u(I[O_BNOINT] + q)] -= 1
+    elif iv == F[_u(bi)]:
+        F[_u(bi)] = F[_u(bi + L)]
+    if ref == I[_u(br)]:
+        I[_u(br)] = I[_u(br + L)]
     _slot_list_remove(I, q, C, s)
 
 
 @_fn
 def _slot_list_remove(I, q, C, s):
     """Slot s leaves layer rank q's slot list (the list's last takes its place); next-use's core shares it."""
-    lsl, i = I[O_LSL] + q * C, I[I[O_SPOS] + s]
-    n = I[I[O_LSN] + q] - 1
-    last = I[lsl + n]
-    I[lsl + i] = last
-    I[I[O_SPOS] + last] = i
-    I[I[O_LSN] + q] = n
+    lsl, i = I[O_LSL] + q * C, I[_u(I[O_SPOS] + s)]
+    n = I[_u(I[O_LSN] + q)] - 1
+    last = I[_u(lsl + n)]
+    I[_u(lsl + i)] = last
+    I[_u(I[O_SPOS] + last)] = i
+    I[_u(I[O_LSN] + q)] = n
 
 
 @_fn
 def ba_access(I, F, k):
     """`on_access` (after `_Base`'s tick)."""
-    _see(I, I[I[O_KR] + k])
-    p = I[I[O_SC] + SC_PASS]
+    _see(I, I[_u(I[O_KR] + k)])
+    p = I[_u(I[O_SC] + SC_PASS)]
     pg, pgf = I[O_PG], I[OF_PGF]
     b = I[O_PK] + k * NPK
-    ema = F[pgf + PGF_EMA]
-    if I[b + PK_HASLU] and p > I[b + PK_LASTUSE]:
-        gap = float(p - I[b + PK_LASTUSE])
+    ema = F[_u(pgf + PGF_EMA)]
+    if I[_u(b + PK_HASLU)] and p > I[_u(b + PK_LASTUSE)]:
+        gap = float(p - I[_u(b + PK_LASTUSE)])
         f = I[OF_PKF] + k
-        if I[b + PK_HASINT]:
-            F[f] = (1.0 - ema) * F[f] + ema * gap
+        if I[_u(b + PK_HASINT)]:
+            F[_u(f)] = (1.0 - ema) * F[_u(f)] + ema * gap
         else:
-            F[f] = gap
-            I[b + PK_HASINT] = 1
-        I[pg + PG_NINTS] += 1
-        F[pgf + PGF_MEAN] += (gap - F[pgf + PGF_MEAN]) / min(I[pg + PG_NINTS], 1000)
-    I[b + PK_HASLU] = 1
-    I[b + PK_LASTUSE] = p
-    I[b + PK_REF] = p
-    if I[b + PK_HASPRED]:
-        pp, ahead = I[b + PK_PPASS], I[b + PK_PAHEAD]
+            F[_u(f)] = gap
+            I[_u(b + PK_HASINT)] = 1
+        I[_u(pg + PG_NINTS)] += 1
+        F[_u(pgf + PGF_MEAN)] += (gap - F[_u(pgf + PGF_MEAN)]) / min(I[_u(pg + PG_NINTS)], 1000)
+    I[_u(b + PK_HASLU)] = 1
+    I[_u(b + PK_LASTUSE)] = p
+    I[_u(b + PK_REF)] = p
+    if I[_u(b + PK_HASPRED)]:
+        pp, ahead = I[_u(b + PK_PPASS)], I[_u(b + PK_PAHEAD)]
         _pred_drop(I, k)
         if pp == p:  # `_outcome(ahead, True)`
             a = I[OF_PAH] + ahead
-            F[a] = (1.0 - ema) * F[a] + ema * 1.0
+            F[_u(a)] = (1.0 - ema) * F[_u(a)] + ema * 1.0
     _ba_slot(I, F, k)
 
 
@@ -247,16 +247,16 @@ def ba_expire(I, F, p, rr):
     """Proposals of an earlier pass, or (rr >= 0) of a layer before rank rr of this pass, were wasted (their
     layer ran without them)."""
     pg, pl, srank = I[O_PG], I[O_PLIST], I[O_SRANK]
-    ema = F[I[OF_PGF] + PGF_EMA]
+    ema = F[_u(I[OF_PGF] + PGF_EMA)]
     i = 0
-    while i < I[pg + PG_NPRED]:
-        k = I[pl + i]
-        pp = I[I[O_PK] + k * NPK + PK_PPASS]
-        if pp < p or (rr >= 0 and pp == p and I[srank + I[I[O_KR] + k]] < rr):
-            a = I[OF_PAH] + I[I[O_PK] + k * NPK + PK_PAHEAD]
+    while i < I[_u(pg + PG_NPRED)]:
+        k = I[_u(pl + i)]
+        pp = I[_u(I[O_PK] + k * NPK + PK_PPASS)]
+        if pp < p or (rr >= 0 and pp == p and I[_u(srank + I[_u(I[O_KR] + k)])] < rr):
+            a = I[OF_PAH] + I[_u(I[O_PK] + k * NPK + PK_PAHEAD)]
             _pred_drop(I, k)
             _ba_slot(I, F, k)
-            F[a] = (1.0 - ema) * F[a] + ema * 0.0  # `_outcome(ahead, False)`
+            F[_u(a)] = (1.0 - ema) * F[_u(a)] + ema * 0.0  # `_outcome(ahead, False)`
         else:
             i += 1
 
@@ -264,14 +264,14 @@ def ba_expire(I, F, p, rr):
 @_fn
 def _far(I, F, s, pr, p, L, mean):
     """E[next use] of slot s's key seen from rank pr, every layer seen (`expected_next_use`'s arithmetic)."""
-    d = I[I[O_SRK] + s] - pr - 1
+    d = I[_u(I[O_SRK] + s)] - pr - 1
     d = d + L + 1 if d < 0 else d + 1
-    iv = F[I[OF_SIV] + s]  # max(interval (none: the mean), passes since last use or load, 1)
+    iv = F[_u(I[OF_SIV] + s)]  # max(interval (none: the mean), passes since last use or load, 1)
     Ik = iv if iv >= 0.0 else mean
-    age = float(p - I[I[O_SREF] + s])
+    age = float(p - I[_u(I[O_SREF] + s)])
     Ik = age if age > Ik else Ik
     Ik = 1.0 if 1.0 > Ik else Ik
-    p1 = F[I[OF_PAH] + I[I[O_SPA] + s]] if I[I[O_SPP] + s] == p and d < L else 1.0 / Ik
+    p1 = F[_u(I[OF_PAH] + I[_u(I[O_SPA] + s)])] if I[_u(I[O_SPP] + s)] == p and d < L else 1.0 / Ik
     return d + (1.0 - p1) * L * Ik
 
 
@@ -389,41 +389,41 @@ def ba_victim(I, F, part, pr):
     the layers' ranks among the layers seen so far (`_ahead`), once every layer is seen the ranks themselves."""
     C, per, L = I[H_C], I[H_PER], I[H_L]
     perlayer = I[H_PERLAYER]
-    if not perlayer and I[I[O_PG] + PG_NSEEN] == L:
+    if not perlayer and I[_u(I[O_PG] + PG_NSEEN)] == L:
         return _ba_layers(I, F, pr)
     skey, pin, prot, srk, far = I[O_SKEY], I[O_PIN], I[O_PROT], I[O_SRK], I[OF_FAR]
-    mean = F[I[OF_PGF] + PGF_MEAN]
-    p = I[I[O_SC] + SC_PASS]
+    mean = F[_u(I[OF_PGF] + PGF_MEAN)]
+    p = I[_u(I[O_SC] + SC_PASS)]
     lo, hi = (part * per, part * per + per) if perlayer else (0, C)
     for s in range(lo, hi):
-        if I[skey + s] < 0 or I[pin + s] or I[prot + s]:
-            F[far + s] = -1.0
+        if I[_u(skey + s)] < 0 or I[_u(pin + s)] or I[_u(prot + s)]:
+            F[_u(far + s)] = -1.0
             continue
-        if I[I[O_PG] + PG_NSEEN] == L:
-            F[far + s] = _far(I, F, s, pr, p, L, mean)
+        if I[_u(I[O_PG] + PG_NSEEN)] == L:
+            F[_u(far + s)] = _far(I, F, s, pr, p, L, mean)
             continue
-        d = _ahead(I, I[srk + s], pr)
-        Ls = I[I[O_PG] + PG_NSEEN]
-        iv = F[I[OF_SIV] + s]
+        d = _ahead(I, I[_u(srk + s)], pr)
+        Ls = I[_u(I[O_PG] + PG_NSEEN)]
+        iv = F[_u(I[OF_SIV] + s)]
         Ik = iv if iv >= 0.0 else mean
-        age = float(p - I[I[O_SREF] + s])
+        age = float(p - I[_u(I[O_SREF] + s)])
         Ik = age if age > Ik else Ik
         Ik = 1.0 if 1.0 > Ik else Ik
-        p1 = F[I[OF_PAH] + I[I[O_SPA] + s]] if I[I[O_SPP] + s] == p and d < Ls else 1.0 / Ik
-        F[far + s] = d + (1.0 - p1) * Ls * Ik
+        p1 = F[_u(I[OF_PAH] + I[_u(I[O_SPA] + s)])] if I[_u(I[O_SPP] + s)] == p and d < Ls else 1.0 / Ik
+        F[_u(far + s)] = d + (1.0 - p1) * Ls * Ik
     top = -1.0  # every E[next use] is >= 1
     for s in range(lo, hi):
-        f = F[far + s]
+        f = F[_u(far + s)]
         top = f if f > top else top
     if top < 0.0:
         return -1
     best, bt = -1, 0
     cut = top - 1e-9
     for s in range(lo, hi):
-        if F[far + s] < cut:
+        if F[_u(far + s)] < cut:
             continue
-        k = I[skey + s]
-        t = I[I[O_PK] + k * NPK + PK_LAST]
+        k = I[_u(skey + s)]
+        t = I[_u(I[O_PK] + k * NPK + PK_LAST)]
         if best < 0 or t < bt or (t == bt and k < best):
             best, bt = k, t
     return best
