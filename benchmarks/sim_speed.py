@@ -25,9 +25,13 @@ lru,lfu,least-stale,belady-approx,belady --python-passes 10`, OMP_NUM_THREADS=1,
 none / pregate), before -> after inlining the policy dispatchers, the mechanism's steps and the list helpers
 into the kernels (`cachecore_layout._inline`): lru 13.4 / 8.9 -> 21.0-21.3 / 14.2-14.4, lfu 9.3 / 5.5 ->
 12.7-12.8 / 6.9-7.0, least-stale 10.4 / 6.9 -> 16.3-16.6 / 10.2-10.5, belady 8.5 / 6.1 -> 9.7-9.9 / 7.2-7.5,
-belady-approx 3.2 / 1.9 -> 3.7-3.8 / 2.2 (its victim search, `cachecore_ba._ba_layers`, is about 70% of its
-replay: below the 5 M target; a victim search that returns the first candidate, timing only, runs at 11.7 /
-6.3); same counters as the Python mechanism in every row.
+belady-approx 3.2 / 1.9 -> 3.7-3.8 / 2.2; same counters as the Python mechanism in every row. Then, with the
+state arrays indexed through unsigned casts (`cachecore_layout._u`: numba emits no negative-index wraparound for
+them) in the mechanism, the dispatchers, the eviction structures and belady-approx (base 2cf692b / new / new /
+base, `--trace` a 2,787-token GSM8K trace, load 1.7-2.8: two other jobs on the 2 cores): lru 21.0-22.0 / 14.5-14.9 ->
+30.1-31.7 / 19.4, lfu 12.8-13.2 / 7.0-7.2 -> 17.6-18.1 / 9.3-9.4, least-stale 16.4 / 10.4-10.5 -> 23.1-24.2 / 13.4-14.1,
+belady 9.8-10.1 / 7.1-7.2 -> 12.4-12.7 / 9.3-9.6, belady-approx 3.7-3.8 / 2.2 -> 5.1 / 3.1 (pregate still below the 5 M
+target: its victim search, `cachecore_ba._ba_layers`, is about 65% of that replay); same counters in every row.
 """
 
 from __future__ import annotations

@@ -66,6 +66,7 @@ from .cachecore_layout import (
     SC_PASS,
     _fn,
     _inline,
+    _u,
 )
 
 
@@ -73,15 +74,15 @@ from .cachecore_layout import (
 def _see(I, r):
     """`_see`: layer rank `r` is known; ranks among the known layers follow."""
     seen, srank = I[O_SEEN], I[O_SRANK]
-    if I[seen + r]:
+    if I[_u(seen + r)]:
         return
-    I[seen + r] = 1
+    I[_u(seen + r)] = 1
     n = 0
     for i in range(I[H_L]):
-        if I[seen + i]:
-            I[srank + i] = n
+        if I[_u(seen + i)]:
+            I[_u(srank + i)] = n
             n += 1
-    I[I[O_PG] + PG_NSEEN] = n
+    I[_u(I[O_PG] + PG_NSEEN)] = n
 
 
 @_inline
@@ -90,20 +91,20 @@ def _ahead(I, kr, pr):
     _see(I, kr)
     _see(I, pr)
     srank = I[O_SRANK]
-    return (I[srank + kr] - I[srank + pr] - 1) % I[I[O_PG] + PG_NSEEN] + 1
+    return (I[_u(srank + kr)] - I[_u(srank + pr)] - 1) % I[_u(I[O_PG] + PG_NSEEN)] + 1
 
 
 @_inline
 def _pred_drop(I, k):
     """Remove `k`'s pending proposal (the pending list's last takes its place)."""
     pl, pg = I[O_PLIST], I[O_PG]
-    i = I[I[O_PK] + k * NPK + PK_PIDX]
-    n = I[pg + PG_NPRED] - 1
-    last = I[pl + n]
-    I[pl + i] = last
-    I[I[O_PK] + last * NPK + PK_PIDX] = i
-    I[pg + PG_NPRED] = n
-    I[I[O_PK] + k * NPK + PK_HASPRED] = 0
+    i = I[_u(I[O_PK] + k * NPK + PK_PIDX)]
+    n = I[_u(pg + PG_NPRED)] - 1
+    last = I[_u(pl + n)]
+    I[_u(pl + i)] = last
+    I[_u(I[O_PK] + last * NPK + PK_PIDX)] = i
+    I[_u(pg + PG_NPRED)] = n
+    I[_u(I[O_PK] + k * NPK + PK_HASPRED)] = 0
 
 
 @_inline
@@ -111,69 +112,69 @@ def _ba_slot(I, F, k):
     """The per-slot copy of resident key k's fields (the victim reads slots), and its layer's bounds: a new
     value v of a key's interval (reference pass) joins the layer's top two (bottom two) bounds; the value it
     replaces stays counted, which only loosens them."""
-    s = I[I[O_SOF] + k]
+    s = I[_u(I[O_SOF] + k)]
     if s < 0:
         return
     b = I[O_PK] + k * NPK
-    q, L = I[I[O_KR] + k], I[H_L]
-    ref = I[b + PK_REF]
-    spp = I[b + PK_PPASS] if I[b + PK_HASPRED] else NEVER_PASS
-    I[I[O_SREF] + s] = ref
-    I[I[O_SPP] + s] = spp
-    I[I[O_SPA] + s] = I[b + PK_PAHEAD]
+    q, L = I[_u(I[O_KR] + k)], I[H_L]
+    ref = I[_u(b + PK_REF)]
+    spp = I[_u(b + PK_PPASS)] if I[_u(b + PK_HASPRED)] else NEVER_PASS
+    I[_u(I[O_SREF] + s)] = ref
+    I[_u(I[O_SPP] + s)] = spp
+    I[_u(I[O_SPA] + s)] = I[_u(b + PK_PAHEAD)]
     br = I[O_BREF] + q
-    if ref < I[br]:
-        I[br + L] = I[br]
-        I[br] = ref
-    elif ref < I[br + L]:
-        I[br + L] = ref
-    if spp > I[I[O_BPROP] + q]:
-        I[I[O_BPROP] + q] = spp
-    old = F[I[OF_SIV] + s]
-    if I[b + PK_HASINT]:
-        iv = F[I[OF_PKF] + k]
-        F[I[OF_SIV] + s] = iv
+    if ref < I[_u(br)]:
+        I[_u(br + L)] = I[_u(br)]
+        I[_u(br)] = ref
+    elif ref < I[_u(br + L)]:
+        I[_u(br + L)] = ref
+    if spp > I[_u(I[O_BPROP] + q)]:
+        I[_u(I[O_BPROP] + q)] = spp
+    old = F[_u(I[OF_SIV] + s)]
+    if I[_u(b + PK_HASINT)]:
+        iv = F[_u(I[OF_PKF] + k)]
+        F[_u(I[OF_SIV] + s)] = iv
         if old < 0.0:
-            I[I[O_BNOINT] + q] -= 1
+            I[_u(I[O_BNOINT] + q)] -= 1
         bi = I[OF_BIV] + q
-        if iv > F[bi]:
-            F[bi + L] = F[bi]
-            F[bi] = iv
-        elif iv > F[bi + L]:
-            F[bi + L] = iv
+        if iv > F[_u(bi)]:
+            F[_u(bi + L)] = F[_u(bi)]
+            F[_u(bi)] = iv
+        elif iv > F[_u(bi + L)]:
+            F[_u(bi + L)] = iv
     else:
-        F[I[OF_SIV] + s] = -1.0
+        F[_u(I[OF_SIV] + s)] = -1.0
         if old >= 0.0:
-            I[I[O_BNOINT] + q] += 1
+            I[_u(I[O_BNOINT] + q)] += 1
 
 
 @_inline
 def _predict(I, k, pr):
-    p = I[I[O_SC] + SC_PASS]
-    if I[I[O_PK] + k * NPK + PK_HASPRED] and I[I[O_PK] + k * NPK + PK_PPASS] == p:
+    p = I[_u(I[O_SC] + SC_PASS)]
+    if I[_u(I[O_PK] + k * NPK + PK_HASPRED)] and I[_u(I[O_PK] + k * NPK + PK_PPASS)] == p:
         return
-    ahead = _ahead(I, I[I[O_KR] + k], pr)
-    if not I[I[O_PK] + k * NPK + PK_HASPRED]:
+    ahead = _ahead(I, I[_u(I[O_KR] + k)], pr)
+    if not I[_u(I[O_PK] + k * NPK + PK_HASPRED)]:
         pg = I[O_PG]
-        n = I[pg + PG_NPRED]
-        I[I[O_PLIST] + n] = k
-        I[I[O_PK] + k * NPK + PK_PIDX] = n
-        I[pg + PG_NPRED] = n + 1
-        I[I[O_PK] + k * NPK + PK_HASPRED] = 1
-    I[I[O_PK] + k * NPK + PK_PPASS] = p
-    I[I[O_PK] + k * NPK + PK_PAHEAD] = ahead
+        n = I[_u(pg + PG_NPRED)]
+        I[_u(I[O_PLIST] + n)] = k
+        I[_u(I[O_PK] + k * NPK + PK_PIDX)] = n
+        I[_u(pg + PG_NPRED)] = n + 1
+        I[_u(I[O_PK] + k * NPK + PK_HASPRED)] = 1
+    I[_u(I[O_PK] + k * NPK + PK_PPASS)] = p
+    I[_u(I[O_PK] + k * NPK + PK_PAHEAD)] = ahead
 
 
 @_fn
 def ba_insert(I, F, k, pr, prefetched):
     """`on_insert` (after `_Base`'s tick): the key's slot joins its layer's list."""
-    q, s, C = I[I[O_KR] + k], I[I[O_SOF] + k], I[H_C]
-    n = I[I[O_LSN] + q]
-    I[I[O_LSL] + q * C + n] = s
-    I[I[O_SPOS] + s] = n
-    I[I[O_LSN] + q] = n + 1
-    F[I[OF_SIV] + s] = 0.0  # not counted as a key without interval until `_ba_slot` says so
-    I[I[O_PK] + k * NPK + PK_REF] = I[I[O_SC] + SC_PASS]
+    q, s, C = I[_u(I[O_KR] + k)], I[_u(I[O_SOF] + k)], I[H_C]
+    n = I[_u(I[O_LSN] + q)]
+    I[_u(I[O_LSL] + q * C + n)] = s
+    I[_u(I[O_SPOS] + s)] = n
+    I[_u(I[O_LSN] + q)] = n + 1
+    F[_u(I[OF_SIV] + s)] = 0.0  # not counted as a key without interval until `_ba_slot` says so
+    I[_u(I[O_PK] + k * NPK + PK_REF)] = I[_u(I[O_SC] + SC_PASS)]
     if prefetched:
         _predict(I, k, pr)
     _ba_slot(I, F, k)
@@ -183,55 +184,55 @@ def ba_insert(I, F, k, pr, prefetched):
 def ba_evict(I, F, k, s):
     """`on_evict`: slot s leaves its layer's list (the list's last takes its place) and its bounds (a key at a
     bound is the largest (least) there: the second bound takes its place)."""
-    q, C, L = I[I[O_KR] + k], I[H_C], I[H_L]
-    iv, ref, bi, br = F[I[OF_SIV] + s], I[I[O_SREF] + s], I[OF_BIV] + q, I[O_BREF] + q
+    q, C, L = I[_u(I[O_KR] + k)], I[H_C], I[H_L]
+    iv, ref, bi, br = F[_u(I[OF_SIV] + s)], I[_u(I[O_SREF] + s)], I[OF_BIV] + q, I[O_BREF] + q
     if iv < 0.0:
-        I[I[O_BNOINT] + q] -= 1
-    elif iv == F[bi]:
-        F[bi] = F[bi + L]
-    if ref == I[br]:
-        I[br] = I[br + L]
+        I[_u(I[O_BNOINT] + q)] -= 1
+    elif iv == F[_u(bi)]:
+        F[_u(bi)] = F[_u(bi + L)]
+    if ref == I[_u(br)]:
+        I[_u(br)] = I[_u(br + L)]
     _slot_list_remove(I, q, C, s)
 
 
 @_fn
 def _slot_list_remove(I, q, C, s):
     """Slot s leaves layer rank q's slot list (the list's last takes its place); next-use's core shares it."""
-    lsl, i = I[O_LSL] + q * C, I[I[O_SPOS] + s]
-    n = I[I[O_LSN] + q] - 1
-    last = I[lsl + n]
-    I[lsl + i] = last
-    I[I[O_SPOS] + last] = i
-    I[I[O_LSN] + q] = n
+    lsl, i = I[O_LSL] + q * C, I[_u(I[O_SPOS] + s)]
+    n = I[_u(I[O_LSN] + q)] - 1
+    last = I[_u(lsl + n)]
+    I[_u(lsl + i)] = last
+    I[_u(I[O_SPOS] + last)] = i
+    I[_u(I[O_LSN] + q)] = n
 
 
 @_fn
 def ba_access(I, F, k):
     """`on_access` (after `_Base`'s tick)."""
-    _see(I, I[I[O_KR] + k])
-    p = I[I[O_SC] + SC_PASS]
+    _see(I, I[_u(I[O_KR] + k)])
+    p = I[_u(I[O_SC] + SC_PASS)]
     pg, pgf = I[O_PG], I[OF_PGF]
     b = I[O_PK] + k * NPK
-    ema = F[pgf + PGF_EMA]
-    if I[b + PK_HASLU] and p > I[b + PK_LASTUSE]:
-        gap = float(p - I[b + PK_LASTUSE])
+    ema = F[_u(pgf + PGF_EMA)]
+    if I[_u(b + PK_HASLU)] and p > I[_u(b + PK_LASTUSE)]:
+        gap = float(p - I[_u(b + PK_LASTUSE)])
         f = I[OF_PKF] + k
-        if I[b + PK_HASINT]:
-            F[f] = (1.0 - ema) * F[f] + ema * gap
+        if I[_u(b + PK_HASINT)]:
+            F[_u(f)] = (1.0 - ema) * F[_u(f)] + ema * gap
         else:
-            F[f] = gap
-            I[b + PK_HASINT] = 1
-        I[pg + PG_NINTS] += 1
-        F[pgf + PGF_MEAN] += (gap - F[pgf + PGF_MEAN]) / min(I[pg + PG_NINTS], 1000)
-    I[b + PK_HASLU] = 1
-    I[b + PK_LASTUSE] = p
-    I[b + PK_REF] = p
-    if I[b + PK_HASPRED]:
-        pp, ahead = I[b + PK_PPASS], I[b + PK_PAHEAD]
+            F[_u(f)] = gap
+            I[_u(b + PK_HASINT)] = 1
+        I[_u(pg + PG_NINTS)] += 1
+        F[_u(pgf + PGF_MEAN)] += (gap - F[_u(pgf + PGF_MEAN)]) / min(I[_u(pg + PG_NINTS)], 1000)
+    I[_u(b + PK_HASLU)] = 1
+    I[_u(b + PK_LASTUSE)] = p
+    I[_u(b + PK_REF)] = p
+    if I[_u(b + PK_HASPRED)]:
+        pp, ahead = I[_u(b + PK_PPASS)], I[_u(b + PK_PAHEAD)]
         _pred_drop(I, k)
         if pp == p:  # `_outcome(ahead, True)`
             a = I[OF_PAH] + ahead
-            F[a] = (1.0 - ema) * F[a] + ema * 1.0
+            F[_u(a)] = (1.0 - ema) * F[_u(a)] + ema * 1.0
     _ba_slot(I, F, k)
 
 
@@ -246,16 +247,16 @@ def ba_expire(I, F, p, rr):
     """Proposals of an earlier pass, or (rr >= 0) of a layer before rank rr of this pass, were wasted (their
     layer ran without them)."""
     pg, pl, srank = I[O_PG], I[O_PLIST], I[O_SRANK]
-    ema = F[I[OF_PGF] + PGF_EMA]
+    ema = F[_u(I[OF_PGF] + PGF_EMA)]
     i = 0
-    while i < I[pg + PG_NPRED]:
-        k = I[pl + i]
-        pp = I[I[O_PK] + k * NPK + PK_PPASS]
-        if pp < p or (rr >= 0 and pp == p and I[srank + I[I[O_KR] + k]] < rr):
-            a = I[OF_PAH] + I[I[O_PK] + k * NPK + PK_PAHEAD]
+    while i < I[_u(pg + PG_NPRED)]:
+        k = I[_u(pl + i)]
+        pp = I[_u(I[O_PK] + k * NPK + PK_PPASS)]
+        if pp < p or (rr >= 0 and pp == p and I[_u(srank + I[_u(I[O_KR] + k)])] < rr):
+            a = I[OF_PAH] + I[_u(I[O_PK] + k * NPK + PK_PAHEAD)]
             _pred_drop(I, k)
             _ba_slot(I, F, k)
-            F[a] = (1.0 - ema) * F[a] + ema * 0.0  # `_outcome(ahead, False)`
+            F[_u(a)] = (1.0 - ema) * F[_u(a)] + ema * 0.0  # `_outcome(ahead, False)`
         else:
             i += 1
 
@@ -263,14 +264,14 @@ def ba_expire(I, F, p, rr):
 @_fn
 def _far(I, F, s, pr, p, L, mean):
     """E[next use] of slot s's key seen from rank pr, every layer seen (`expected_next_use`'s arithmetic)."""
-    d = I[I[O_SRK] + s] - pr - 1
+    d = I[_u(I[O_SRK] + s)] - pr - 1
     d = d + L + 1 if d < 0 else d + 1
-    iv = F[I[OF_SIV] + s]  # max(interval (none: the mean), passes since last use or load, 1)
+    iv = F[_u(I[OF_SIV] + s)]  # max(interval (none: the mean), passes since last use or load, 1)
     Ik = iv if iv >= 0.0 else mean
-    age = float(p - I[I[O_SREF] + s])
+    age = float(p - I[_u(I[O_SREF] + s)])
     Ik = age if age > Ik else Ik
     Ik = 1.0 if 1.0 > Ik else Ik
-    p1 = F[I[OF_PAH] + I[I[O_SPA] + s]] if I[I[O_SPP] + s] == p and d < L else 1.0 / Ik
+    p1 = F[_u(I[OF_PAH] + I[_u(I[O_SPA] + s)])] if I[_u(I[O_SPP] + s)] == p and d < L else 1.0 / Ik
     return d + (1.0 - p1) * L * Ik
 
 
@@ -287,45 +288,45 @@ def _ba_layers(I, F, pr):
     p = I[I[O_SC] + SC_PASS]
     pmin = 2.0  # the least calibrated probability, computed when a layer first needs it (2.0: not yet)
     for q in range(L):
-        if I[lsn + q] == 0:
-            F[ub + q] = -1.0
+        if I[_u(lsn + q)] == 0:
+            F[_u(ub + q)] = -1.0
             continue
         d = q - pr - 1
         d = d + L + 1 if d < 0 else d + 1
-        Im = F[biv + q]
-        if I[bnoint + q] > 0 and mean > Im:
+        Im = F[_u(biv + q)]
+        if I[_u(bnoint + q)] > 0 and mean > Im:
             Im = mean
-        age = float(p - I[bref + q])
+        age = float(p - I[_u(bref + q)])
         Im = age if age > Im else Im
         Im = 1.0 if 1.0 > Im else Im
         e = Im - 1.0
-        if I[bprop + q] >= p and d < L:
+        if I[_u(bprop + q)] >= p and d < L:
             if pmin > 1.0:
                 pmin = 1.0
                 for a in range(L + 2):
-                    pmin = F[pah + a] if F[pah + a] < pmin else pmin
+                    pmin = F[_u(pah + a)] if F[_u(pah + a)] < pmin else pmin
             if (1.0 - pmin) * Im > e:
                 e = (1.0 - pmin) * Im
-        F[ub + q] = d + L * e + 1e-9 * (1.0 + d + L * Im)
+        F[_u(ub + q)] = d + L * e + 1e-9 * (1.0 + d + L * Im)
     top = -1.0  # every E[next use] is >= 1
     best, bt, recheck = -1, 0, False  # the least recent candidate within 1e-9 of the top so far
     nscan = 0
     while True:
         q, bq = -1, -1.0
         for r in range(L):
-            if F[ub + r] > bq:
-                q, bq = r, F[ub + r]
+            if F[_u(ub + r)] > bq:
+                q, bq = r, F[_u(ub + r)]
         if q < 0 or bq < top - 1e-9:  # no slot of an unscanned layer reaches the window
             break
-        F[ub + q] = -1.0
-        I[scan + nscan] = q
+        F[_u(ub + q)] = -1.0
+        I[_u(scan + nscan)] = q
         nscan += 1
         d = q - pr - 1
         d = d + L + 1 if d < 0 else d + 1
         iv1, iv2, ref1, ref2, noint, nprop = -1.0, -1.0, NO_REF, NO_REF, 0, NEVER_PASS  # exact bounds again
-        for i in range(I[lsn + q]):
-            s = I[lsl + q * C + i]
-            iv, ref, pp = F[siv + s], I[sref + s], I[spp + s]
+        for i in range(I[_u(lsn + q)]):
+            s = I[_u(lsl + q * C + i)]
+            iv, ref, pp = F[_u(siv + s)], I[_u(sref + s)], I[_u(spp + s)]
             # the top two intervals (-1: none) and the least two references, without branches
             noint += iv < 0.0
             lo = iv if iv < iv1 else iv1
@@ -335,22 +336,22 @@ def _ba_layers(I, F, pr):
             ref1 = ref if ref < ref1 else ref1
             ref2 = hi if hi < ref2 else ref2
             nprop = pp if pp > nprop else nprop
-            if I[pin + s] or I[prot + s]:
-                F[far + s] = -1.0
+            if I[_u(pin + s)] or I[_u(prot + s)]:
+                F[_u(far + s)] = -1.0
                 continue
             Ik = iv if iv >= 0.0 else mean  # `expected_next_use`'s arithmetic
             age = float(p - ref)
             Ik = age if age > Ik else Ik
             Ik = 1.0 if 1.0 > Ik else Ik
             if pp == p and d < L:
-                p1 = F[pah + I[spa + s]]
+                p1 = F[_u(pah + I[_u(spa + s)])]
             elif d + L * (Ik - 1.0) + 1e-9 * (1.0 + d + L * Ik) < top - 1e-9:
-                F[far + s] = -1.0  # E = d + L * (I - 1) up to rounding: below the window, no division
+                F[_u(far + s)] = -1.0  # E = d + L * (I - 1) up to rounding: below the window, no division
                 continue
             else:
                 p1 = 1.0 / Ik
             f = d + (1.0 - p1) * L * Ik
-            F[far + s] = f
+            F[_u(far + s)] = f
             if f > top:
                 if top < f - 1e-9:  # every earlier slot falls out of the window
                     best = -1
@@ -358,24 +359,24 @@ def _ba_layers(I, F, pr):
                     recheck = True
                 top = f
             if f >= top - 1e-9:
-                k = I[skey + s]
-                t = I[pk + k * NPK + PK_LAST]
+                k = I[_u(skey + s)]
+                t = I[_u(pk + k * NPK + PK_LAST)]
                 if best < 0 or t < bt or (t == bt and k < best):
                     best, bt = k, t
-        F[biv + q], F[biv + L + q], I[bref + q], I[bref + L + q] = iv1, iv2, ref1, ref2
-        I[bnoint + q], I[bprop + q] = noint, nprop
+        F[_u(biv + q)], F[_u(biv + L + q)], I[_u(bref + q)], I[_u(bref + L + q)] = iv1, iv2, ref1, ref2
+        I[_u(bnoint + q)], I[_u(bprop + q)] = noint, nprop
     if top < 0.0 or not recheck:
         return best
     best, bt = -1, 0
     cut = top - 1e-9
     for j in range(nscan):
-        q = I[scan + j]
-        for i in range(I[lsn + q]):
-            s = I[lsl + q * C + i]
-            if F[far + s] < cut:
+        q = I[_u(scan + j)]
+        for i in range(I[_u(lsn + q)]):
+            s = I[_u(lsl + q * C + i)]
+            if F[_u(far + s)] < cut:
                 continue
-            k = I[skey + s]
-            t = I[pk + k * NPK + PK_LAST]
+            k = I[_u(skey + s)]
+            t = I[_u(pk + k * NPK + PK_LAST)]
             if best < 0 or t < bt or (t == bt and k < best):
                 best, bt = k, t
     return best
@@ -388,41 +389,41 @@ def ba_victim(I, F, part, pr):
     the layers' ranks among the layers seen so far (`_ahead`), once every layer is seen the ranks themselves."""
     C, per, L = I[H_C], I[H_PER], I[H_L]
     perlayer = I[H_PERLAYER]
-    if not perlayer and I[I[O_PG] + PG_NSEEN] == L:
+    if not perlayer and I[_u(I[O_PG] + PG_NSEEN)] == L:
         return _ba_layers(I, F, pr)
     skey, pin, prot, srk, far = I[O_SKEY], I[O_PIN], I[O_PROT], I[O_SRK], I[OF_FAR]
-    mean = F[I[OF_PGF] + PGF_MEAN]
-    p = I[I[O_SC] + SC_PASS]
+    mean = F[_u(I[OF_PGF] + PGF_MEAN)]
+    p = I[_u(I[O_SC] + SC_PASS)]
     lo, hi = (part * per, part * per + per) if perlayer else (0, C)
     for s in range(lo, hi):
-        if I[skey + s] < 0 or I[pin + s] or I[prot + s]:
-            F[far + s] = -1.0
+        if I[_u(skey + s)] < 0 or I[_u(pin + s)] or I[_u(prot + s)]:
+            F[_u(far + s)] = -1.0
             continue
-        if I[I[O_PG] + PG_NSEEN] == L:
-            F[far + s] = _far(I, F, s, pr, p, L, mean)
+        if I[_u(I[O_PG] + PG_NSEEN)] == L:
+            F[_u(far + s)] = _far(I, F, s, pr, p, L, mean)
             continue
-        d = _ahead(I, I[srk + s], pr)
-        Ls = I[I[O_PG] + PG_NSEEN]
-        iv = F[I[OF_SIV] + s]
+        d = _ahead(I, I[_u(srk + s)], pr)
+        Ls = I[_u(I[O_PG] + PG_NSEEN)]
+        iv = F[_u(I[OF_SIV] + s)]
         Ik = iv if iv >= 0.0 else mean
-        age = float(p - I[I[O_SREF] + s])
+        age = float(p - I[_u(I[O_SREF] + s)])
         Ik = age if age > Ik else Ik
         Ik = 1.0 if 1.0 > Ik else Ik
-        p1 = F[I[OF_PAH] + I[I[O_SPA] + s]] if I[I[O_SPP] + s] == p and d < Ls else 1.0 / Ik
-        F[far + s] = d + (1.0 - p1) * Ls * Ik
+        p1 = F[_u(I[OF_PAH] + I[_u(I[O_SPA] + s)])] if I[_u(I[O_SPP] + s)] == p and d < Ls else 1.0 / Ik
+        F[_u(far + s)] = d + (1.0 - p1) * Ls * Ik
     top = -1.0  # every E[next use] is >= 1
     for s in range(lo, hi):
-        f = F[far + s]
+        f = F[_u(far + s)]
         top = f if f > top else top
     if top < 0.0:
         return -1
     best, bt = -1, 0
     cut = top - 1e-9
     for s in range(lo, hi):
-        if F[far + s] < cut:
+        if F[_u(far + s)] < cut:
             continue
-        k = I[skey + s]
-        t = I[I[O_PK] + k * NPK + PK_LAST]
+        k = I[_u(skey + s)]
+        t = I[_u(I[O_PK] + k * NPK + PK_LAST)]
         if best < 0 or t < bt or (t == bt and k < best):
             best, bt = k, t
     return best

@@ -19,6 +19,11 @@ import numpy as np
 
 from ..numba_cache import file_digest, njit_cached, stamped_locators
 
+try:  # an index cast to unsigned skips numba's negative-index wraparound (the kernels' indices are never negative)
+    from numba import uintp as _u
+except ImportError:  # pragma: no cover - without numba the kernels run as Python
+    _u = int  # type: ignore[assignment]
+
 _HERE = Path(__file__).resolve().parent
 _SHARED = (_HERE.parent / "policies" / "next_use_sums.py",)  # outside this folder, inlined by the kernels
 _STAMP: list[str] = []

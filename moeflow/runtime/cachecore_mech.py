@@ -55,6 +55,7 @@ from .cachecore_layout import (
     SC_TIME,
     _fn,
     _inline,
+    _u,
 )
 from .cachecore_policy import pol_access, pol_evict, pol_insert, pol_predicted, pol_victim
 from .cachecore_struct import _hx_hold, _hx_insert, _log
@@ -62,25 +63,25 @@ from .cachecore_struct import _hx_hold, _hx_insert, _log
 
 @_inline
 def _evict(I, F, s):
-    k = I[I[O_SKEY] + s]
+    k = I[_u(I[O_SKEY] + s)]
     cnt, sc = I[O_CNT], I[O_SC]
-    if I[I[O_PREF] + s] and not I[I[O_USED] + s]:
-        I[cnt + C_PF_UNUSED] += 1
-    I[cnt + C_EVICT] += 1
-    I[I[O_EVP] + k] = I[sc + SC_PASS]
-    I[I[O_SOF] + k] = -1
-    I[I[O_RES] + I[I[O_KR] + k]] -= 1
-    I[sc + SC_NRES] -= 1
-    I[I[O_SKEY] + s] = -1
-    I[I[O_PIN] + s] = 0
-    I[I[O_PREF] + s] = 0
-    I[I[O_USED] + s] = 0
-    I[I[O_BITS] + s] = 0
-    I[I[O_ISS] + s] = 0
-    part = I[I[O_KR] + k] if I[H_PERLAYER] else 0
+    if I[_u(I[O_PREF] + s)] and not I[_u(I[O_USED] + s)]:
+        I[_u(cnt + C_PF_UNUSED)] += 1
+    I[_u(cnt + C_EVICT)] += 1
+    I[_u(I[O_EVP] + k)] = I[_u(sc + SC_PASS)]
+    I[_u(I[O_SOF] + k)] = -1
+    I[_u(I[O_RES] + I[_u(I[O_KR] + k)])] -= 1
+    I[_u(sc + SC_NRES)] -= 1
+    I[_u(I[O_SKEY] + s)] = -1
+    I[_u(I[O_PIN] + s)] = 0
+    I[_u(I[O_PREF] + s)] = 0
+    I[_u(I[O_USED] + s)] = 0
+    I[_u(I[O_BITS] + s)] = 0
+    I[_u(I[O_ISS] + s)] = 0
+    part = I[_u(I[O_KR] + k)] if I[H_PERLAYER] else 0
     nf = I[O_NFREE] + part
-    I[I[O_FREE] + part * I[H_PER] + I[nf]] = s
-    I[nf] += 1
+    I[_u(I[O_FREE] + part * I[H_PER] + I[_u(nf)])] = s
+    I[_u(nf)] += 1
     _log(I, LOG_EVICT, s, k, 0)
     pol_evict(I, F, k, s)
 
@@ -88,16 +89,16 @@ def _evict(I, F, s):
 @_inline
 def _load(I, F, X, s, k, pr, prefetched, b):
     cnt, sc = I[O_CNT], I[O_SC]
-    I[I[O_SKEY] + s] = k
-    I[I[O_SRK] + s] = I[I[O_KR] + k]
-    I[I[O_BITS] + s] = b
-    I[I[O_PREF] + s] = prefetched
-    I[I[O_USED] + s] = 0
-    I[I[O_SOF] + k] = s
-    I[I[O_RES] + I[I[O_KR] + k]] += 1
-    I[sc + SC_NRES] += 1
-    I[cnt + C_LOADS] += 1
-    I[cnt + C_BYTES] += I[I[O_BYB] + b]
+    I[_u(I[O_SKEY] + s)] = k
+    I[_u(I[O_SRK] + s)] = I[_u(I[O_KR] + k)]
+    I[_u(I[O_BITS] + s)] = b
+    I[_u(I[O_PREF] + s)] = prefetched
+    I[_u(I[O_USED] + s)] = 0
+    I[_u(I[O_SOF] + k)] = s
+    I[_u(I[O_RES] + I[_u(I[O_KR] + k)])] += 1
+    I[_u(sc + SC_NRES)] += 1
+    I[_u(cnt + C_LOADS)] += 1
+    I[_u(cnt + C_BYTES)] += I[_u(I[O_BYB] + b)]
     _log(I, LOG_LOAD, s, k, b + 256 * prefetched)
     pol_insert(I, F, X, k, pr, prefetched)
 
@@ -105,15 +106,15 @@ def _load(I, F, X, s, k, pr, prefetched, b):
 @_inline
 def _acquire(I, F, X, k, pr):
     """A free slot of `k`'s part, evicting the policy's victim if needed; -1: no candidate."""
-    part = I[I[O_KR] + k] if I[H_PERLAYER] else 0
+    part = I[_u(I[O_KR] + k)] if I[H_PERLAYER] else 0
     nf = I[O_NFREE] + part
-    if I[nf] == 0:
+    if I[_u(nf)] == 0:
         v = pol_victim(I, F, part, pr)
         if v < 0:
             return -1
-        _evict(I, F, I[I[O_SOF] + v])
-    I[nf] -= 1
-    return I[I[O_FREE] + part * I[H_PER] + I[nf]]
+        _evict(I, F, I[_u(I[O_SOF] + v)])
+    I[_u(nf)] -= 1
+    return I[_u(I[O_FREE] + part * I[H_PER] + I[_u(nf)])]
 
 
 @_fn
@@ -124,41 +125,41 @@ def _demand(I, F, X, r, experts, nbits, out):
     sof, pin, bits, pref, used, iss = I[O_SOF], I[O_PIN], I[O_BITS], I[O_PREF], I[O_USED], I[O_ISS]
     n = experts.shape[0]
     for i in range(n):
-        s = I[sof + r * E + experts[i]]
+        s = I[_u(sof + r * E + experts[i])]
         if s >= 0:
-            I[pin + s] = 1
+            I[_u(pin + s)] = 1
             _hx_hold(I, r * E + experts[i])
-    p = I[sc + SC_PASS]
+    p = I[_u(sc + SC_PASS)]
     for i in range(n):
         k = r * E + experts[i]
-        s = I[sof + k]
-        I[cnt + C_ACC] += 1
+        s = I[_u(sof + k)]
+        I[_u(cnt + C_ACC)] += 1
         if s >= 0:
-            I[cnt + C_HIT] += 1
-            if I[bits + s] != 0:
-                I[cnt + C_LB_HITS] += 1
+            I[_u(cnt + C_HIT)] += 1
+            if I[_u(bits + s)] != 0:
+                I[_u(cnt + C_LB_HITS)] += 1
         else:
-            I[cnt + C_MISS] += 1
-            if I[I[O_EVP] + k] == p:
-                I[cnt + C_COLL] += 1
+            I[_u(cnt + C_MISS)] += 1
+            if I[_u(I[O_EVP] + k)] == p:
+                I[_u(cnt + C_COLL)] += 1
             s = _acquire(I, F, X, k, r)
             if s < 0:
                 return i
             b = nbits[i]
             _load(I, F, X, s, k, r, 0, b)
-            I[cnt + C_DEM] += 1
+            I[_u(cnt + C_DEM)] += 1
             if b != 0:
-                I[cnt + C_LB_LOADS] += 1
-            I[pin + s] = 1
+                I[_u(cnt + C_LB_LOADS)] += 1
+            I[_u(pin + s)] = 1
             _hx_hold(I, k)
-        if I[pref + s] and not I[used + s]:
-            I[cnt + C_PFU] += 1
-            if I[iss + s] < I[sc + SC_PHSEQ]:
-                I[cnt + C_PFU_PH] += 1
-                if I[iss + s] < I[sc + SC_GENSEQ]:
-                    I[cnt + C_PFU_GEN] += 1
-        I[used + s] = 1
-        I[sc + SC_TIME] += 1
+        if I[_u(pref + s)] and not I[_u(used + s)]:
+            I[_u(cnt + C_PFU)] += 1
+            if I[_u(iss + s)] < I[_u(sc + SC_PHSEQ)]:
+                I[_u(cnt + C_PFU_PH)] += 1
+                if I[_u(iss + s)] < I[_u(sc + SC_GENSEQ)]:
+                    I[_u(cnt + C_PFU_GEN)] += 1
+        I[_u(used + s)] = 1
+        I[_u(sc + SC_TIME)] += 1
         pol_access(I, F, X, k)
         out[i] = s
     return -1
@@ -174,11 +175,11 @@ def _prefetch(I, F, X, pr, keys, n, left, res):
         k = keys[i]
         if k < 0:
             continue
-        if I[I[O_SOF] + k] >= 0:
+        if I[_u(I[O_SOF] + k)] >= 0:
             pol_predicted(I, F, k, pr)
             continue
         if left == 0:
-            I[cnt + C_REFUSED] += 1
+            I[_u(cnt + C_REFUSED)] += 1
             res[2] += 1
             continue
         res[1] += 1
@@ -187,17 +188,17 @@ def _prefetch(I, F, X, pr, keys, n, left, res):
         s = _acquire(I, F, X, k, pr)
         if s < 0:
             continue
-        I[prot + s] = 1  # never a victim in this call (out of the heap from its insert on)
+        I[_u(prot + s)] = 1  # never a victim in this call (out of the heap from its insert on)
         _load(I, F, X, s, k, pr, 1, 0)
-        I[I[O_ISS] + s] = I[sc + SC_PSEQ]
-        I[sc + SC_PSEQ] += 1
-        I[cnt + C_PFI] += 1
-        I[isl + issued] = s
+        I[_u(I[O_ISS] + s)] = I[_u(sc + SC_PSEQ)]
+        I[_u(sc + SC_PSEQ)] += 1
+        I[_u(cnt + C_PFI)] += 1
+        I[_u(isl + issued)] = s
         issued += 1
     for i in range(issued):
-        s = I[isl + i]
-        I[prot + s] = 0
-        _hx_insert(I, I[I[O_SKEY] + s])
+        s = I[_u(isl + i)]
+        I[_u(prot + s)] = 0
+        _hx_insert(I, I[_u(I[O_SKEY] + s)])
     res[0] += issued
 
 
@@ -206,16 +207,16 @@ def _release(I, F, slots, n, retain, upgrade):
     cnt = I[O_CNT]
     for i in range(n):
         s = slots[i]
-        I[I[O_PIN] + s] = 0
-        k = I[I[O_SKEY] + s]
+        I[_u(I[O_PIN] + s)] = 0
+        k = I[_u(I[O_SKEY] + s)]
         if k < 0:
             continue
         if not retain:
             _evict(I, F, s)
             continue
         _hx_insert(I, k)
-        if upgrade and I[I[O_BITS] + s] != 0:
-            I[I[O_BITS] + s] = 0
-            I[cnt + C_UPGRADES] += 1
-            I[cnt + C_BYTES] += I[I[O_BYB]]
+        if upgrade and I[_u(I[O_BITS] + s)] != 0:
+            I[_u(I[O_BITS] + s)] = 0
+            I[_u(cnt + C_UPGRADES)] += 1
+            I[_u(cnt + C_BYTES)] += I[_u(I[O_BYB])]
             _log(I, LOG_UPGRADE, s, k, 0)

@@ -40,6 +40,7 @@ from .cachecore_layout import (
     SC_PASS,
     _fn,
     _inline,
+    _u,
 )
 from .cachecore_nu import nu_access, nu_evict, nu_insert, nu_layer_start, nu_pass_start, nu_predicted, nu_victim
 from .cachecore_struct import (
@@ -61,15 +62,15 @@ def _touch(I, k, order):
     count's bucket (a demand load's insert skips it: the access that follows at once places it, and nothing
     asks for a victim between the two)."""
     kind, pg = I[H_KIND], I[O_PG]
-    I[pg + PG_TICK] += 1
-    t = I[pg + PG_TICK]
+    I[_u(pg + PG_TICK)] += 1
+    t = I[_u(pg + PG_TICK)]
     if kind == KIND_LRU:
-        li = I[I[O_KR] + k] if I[H_PERLAYER] else 0
-        if I[I[O_PK] + k * NPK + PK_TR]:
+        li = I[_u(I[O_KR] + k)] if I[H_PERLAYER] else 0
+        if I[_u(I[O_PK] + k * NPK + PK_TR)]:
             _ll_unlink(I, li, k)
         _ll_append(I, li, k)
-    I[I[O_PK] + k * NPK + PK_TR] = 1
-    I[I[O_PK] + k * NPK + PK_LAST] = t
+    I[_u(I[O_PK] + k * NPK + PK_TR)] = 1
+    I[_u(I[O_PK] + k * NPK + PK_LAST)] = t
     if kind == KIND_LFU and order:
         _bk_touch(I, k)
 
@@ -78,56 +79,56 @@ def _touch(I, k, order):
 def _ls_pass_start(I, p):
     """least-stale `on_pass_start`: every current queue joins the end of its layer's stale queue."""
     pg = I[O_PG]
-    if p == I[pg + PG_LSPASS]:
+    if p == I[_u(pg + PG_LSPASS)]:
         return
-    I[pg + PG_LSPASS] = p
+    I[_u(pg + PG_LSPASS)] = p
     L, lst = I[H_L], I[O_LST]
     for r in range(L):
         cur, stale = lst + 2 * (L + r), lst + 2 * r
-        h = I[cur]
+        h = I[_u(cur)]
         if h < 0:
             continue
         k = h
         while k >= 0:
-            I[I[O_PK] + k * NPK + PK_CUR] = 0
-            k = I[I[O_PK] + k * NPK + PK_NEXT]
-        tail = I[stale + 1]
+            I[_u(I[O_PK] + k * NPK + PK_CUR)] = 0
+            k = I[_u(I[O_PK] + k * NPK + PK_NEXT)]
+        tail = I[_u(stale + 1)]
         if tail >= 0:
-            I[I[O_PK] + tail * NPK + PK_NEXT] = h
-            I[I[O_PK] + h * NPK + PK_PREV] = tail
+            I[_u(I[O_PK] + tail * NPK + PK_NEXT)] = h
+            I[_u(I[O_PK] + h * NPK + PK_PREV)] = tail
         else:
-            I[stale] = h
-        I[stale + 1] = I[cur + 1]
-        I[cur] = -1
-        I[cur + 1] = -1
+            I[_u(stale)] = h
+        I[_u(stale + 1)] = I[_u(cur + 1)]
+        I[_u(cur)] = -1
+        I[_u(cur + 1)] = -1
 
 
 @_inline
 def _ls_sync(I):
-    p = I[I[O_SC] + SC_PASS]
-    if p != I[I[O_PG] + PG_LSPASS]:
+    p = I[_u(I[O_SC] + SC_PASS)]
+    if p != I[_u(I[O_PG] + PG_LSPASS)]:
         _ls_pass_start(I, p)
 
 
 @_fn
 def _ls_make_current(I, k):
     _ls_sync(I)
-    if I[I[O_PK] + k * NPK + PK_CUR]:
+    if I[_u(I[O_PK] + k * NPK + PK_CUR)]:
         return
-    r, L = I[I[O_KR] + k], I[H_L]
-    I[I[O_PK] + k * NPK + PK_CUR] = 1
-    if I[I[O_PK] + k * NPK + PK_ENT]:
+    r, L = I[_u(I[O_KR] + k)], I[H_L]
+    I[_u(I[O_PK] + k * NPK + PK_CUR)] = 1
+    if I[_u(I[O_PK] + k * NPK + PK_ENT)]:
         _ll_unlink(I, r, k)
-    I[I[O_PK] + k * NPK + PK_ENT] = 1
+    I[_u(I[O_PK] + k * NPK + PK_ENT)] = 1
     _ll_append(I, L + r, k)
 
 
 @_fn
 def _min_set(I, k, step):
     """belady: key k's score from `step`, the step of its next use (`never` = S + 1 when none)."""
-    I[I[O_PK] + k * NPK + PK_TR] = 1
-    I[I[O_PK] + k * NPK + PK_SCORE] = step * I[H_K] + k
-    _hx_set(I, k, -I[I[O_PK] + k * NPK + PK_SCORE], 0)
+    I[_u(I[O_PK] + k * NPK + PK_TR)] = 1
+    I[_u(I[O_PK] + k * NPK + PK_SCORE)] = step * I[H_K] + k
+    _hx_set(I, k, -I[_u(I[O_PK] + k * NPK + PK_SCORE)], 0)
 
 
 @_inline
@@ -136,8 +137,8 @@ def pol_insert(I, F, X, k, pr, prefetched):
     kind = I[H_KIND]
     if kind == KIND_MIN:
         if prefetched:  # not accessed now: its first use from the current step on
-            step, S, A = I[I[O_PG] + PG_STEP], X[0], X[1]
-            nu = I[I[O_PK] + k * NPK + PK_NU]  # the use after its last access: none since, so at or after now
+            step, S, A = I[_u(I[O_PG] + PG_STEP)], X[0], X[1]
+            nu = I[_u(I[O_PK] + k * NPK + PK_NU)]  # the use after its last access: none since, so at or after now
             if nu < step:  # not accessed yet (or no such use): search its access steps
                 ko = 2 + (S + 1) + 2 * A  # per key, the offsets of its access steps
                 ks = ko + I[H_K] + 1
@@ -159,11 +160,11 @@ def pol_insert(I, F, X, k, pr, prefetched):
             _ls_make_current(I, k)
         else:
             _ls_sync(I)
-            r, L = I[I[O_KR] + k], I[H_L]
-            li = L + r if I[I[O_PK] + k * NPK + PK_CUR] else r
-            if I[I[O_PK] + k * NPK + PK_ENT]:
+            r, L = I[_u(I[O_KR] + k)], I[H_L]
+            li = L + r if I[_u(I[O_PK] + k * NPK + PK_CUR)] else r
+            if I[_u(I[O_PK] + k * NPK + PK_ENT)]:
                 _ll_unlink(I, li, k)
-            I[I[O_PK] + k * NPK + PK_ENT] = 1
+            I[_u(I[O_PK] + k * NPK + PK_ENT)] = 1
             _ll_append(I, li, k)
     elif kind == KIND_BA:
         ba_insert(I, F, k, pr, prefetched)
@@ -176,7 +177,7 @@ def pol_access(I, F, X, k):
     """`on_access(key, pos)` (the gate weight matters to none of the compiled policies)."""
     kind = I[H_KIND]
     if kind == KIND_MIN:
-        step, S, A = I[I[O_PG] + PG_STEP], X[0], X[1]
+        step, S, A = I[_u(I[O_PG] + PG_STEP)], X[0], X[1]
         nu = S + 1
         if 0 <= step < S:  # this step's keys, ascending, and the step of each one's next use
             lo, end = X[2 + step], X[2 + step + 1]
@@ -190,11 +191,11 @@ def pol_access(I, F, X, k):
                     hi = mid
             if lo < end and X[ek + lo] == k:
                 nu = X[ek + A + lo]
-        I[I[O_PK] + k * NPK + PK_NU] = nu
+        I[_u(I[O_PK] + k * NPK + PK_NU)] = nu
         _min_set(I, k, nu)
         return
     if kind == KIND_LFU:
-        I[I[O_PK] + k * NPK + PK_CNT] += 1
+        I[_u(I[O_PK] + k * NPK + PK_CNT)] += 1
     _touch(I, k, 1)
     if kind == KIND_LS:
         _ls_make_current(I, k)
@@ -208,14 +209,14 @@ def pol_access(I, F, X, k):
 def pol_evict(I, F, k, s):
     """`on_evict(key)`; s: the slot it leaves."""
     kind = I[H_KIND]
-    if kind == KIND_LRU and I[I[O_PK] + k * NPK + PK_TR]:
-        _ll_unlink(I, I[I[O_KR] + k] if I[H_PERLAYER] else 0, k)
+    if kind == KIND_LRU and I[_u(I[O_PK] + k * NPK + PK_TR)]:
+        _ll_unlink(I, I[_u(I[O_KR] + k)] if I[H_PERLAYER] else 0, k)
     elif kind == KIND_LS:
-        if I[I[O_PK] + k * NPK + PK_ENT]:
-            r = I[I[O_KR] + k]
-            _ll_unlink(I, I[H_L] + r if I[I[O_PK] + k * NPK + PK_CUR] else r, k)
-            I[I[O_PK] + k * NPK + PK_ENT] = 0
-        I[I[O_PK] + k * NPK + PK_CUR] = 0
+        if I[_u(I[O_PK] + k * NPK + PK_ENT)]:
+            r = I[_u(I[O_KR] + k)]
+            _ll_unlink(I, I[H_L] + r if I[_u(I[O_PK] + k * NPK + PK_CUR)] else r, k)
+            I[_u(I[O_PK] + k * NPK + PK_ENT)] = 0
+        I[_u(I[O_PK] + k * NPK + PK_CUR)] = 0
     elif kind == KIND_LFU:
         _bk_unlink(I, k)
     elif kind == KIND_MIN:
@@ -224,7 +225,7 @@ def pol_evict(I, F, k, s):
         ba_evict(I, F, k, s)
     elif kind == KIND_NU:
         nu_evict(I, F, k, s)
-    I[I[O_PK] + k * NPK + PK_TR] = 0
+    I[_u(I[O_PK] + k * NPK + PK_TR)] = 0
 
 
 @_inline
@@ -232,7 +233,7 @@ def pol_predicted(I, F, k, pr):
     """`on_predicted(key, pos)`: a proposal of a resident key."""
     kind = I[H_KIND]
     if kind == KIND_LS:
-        if I[I[O_PK] + k * NPK + PK_TR]:
+        if I[_u(I[O_PK] + k * NPK + PK_TR)]:
             _ls_make_current(I, k)
     elif kind == KIND_BA:
         ba_predicted(I, F, k, pr)
@@ -255,10 +256,10 @@ def pol_pass_start(I, F, p):
 def pol_layer_start(I, F, r):
     kind = I[H_KIND]
     if kind == KIND_MIN:
-        I[I[O_PG] + PG_STEP] += 1
+        I[_u(I[O_PG] + PG_STEP)] += 1
     elif kind == KIND_BA:
         _see(I, r)
-        ba_expire(I, F, I[I[O_SC] + SC_PASS], I[I[O_SRANK] + r])
+        ba_expire(I, F, I[_u(I[O_SC] + SC_PASS)], I[_u(I[O_SRANK] + r)])
     elif kind == KIND_NU:
         nu_layer_start(I, F, r)
 
