@@ -388,4 +388,3 @@ class ExpertCache(SlotPool, CompiledBridge, CacheDevice):
     # ---- end ------------------------------------------------------------------------------------------
     def close(self) -> None:
         self.link.drain()
-        self._src_rows.clear()  # no reference to the store's rows past the engine (it restores them)

@@ -63,6 +63,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from functools import partial
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -144,11 +145,12 @@ class StagedPrefill:
             return False
         return not self.step_useless(layer)
 
-    def route(self, layer: int, routed: Routed, counts: torch.Tensor | None, ids: torch.Tensor | None = None) -> None:
+    def route(self, layer: int, routed: Routed, counts: torch.Tensor | None, per: list[int] | None = None) -> None:
         """Plan `routed`'s waves, demand the first one now; `counts [E]` (host): tokens the next layer's router
         sends to each expert (`predict`); a one-wave layer stages them at once (nothing of it is left to demand).
-        `ids [S]` (host): the routed expert ids the router hook read, whose per-expert counts give each wave's
-        rows of the sorted routing (`Routed.ends`), so the experts call reads nothing back from the device."""
+        `per [E]`: rows this layer routes to each expert (`counters.routed_counts`, from the ids the router hook
+        read), whose running sums give each wave's rows of the sorted routing (`Routed.ends`), so the experts call
+        reads nothing back from the device."""
         cache = self.cache
         if self._later is not None and layer != self.spec.moe_layers[0]:  # the first layer's experts call did not run
             self.stage_later()
@@ -156,8 +158,8 @@ class StagedPrefill:
         cache.cancel_stale(layer, experts)  # queued copies of this layer that it does not route: withdrawn
         waves = self.plan(layer, experts)
         routed.waves = waves
-        if len(waves) > 1 and ids is not None:  # rows [ends[e-1], ends[e]) of the sorted routing go to expert e
-            routed.ends = torch.bincount(ids, minlength=self.spec.num_experts).cumsum(0).tolist()  # [E] host
+        if len(waves) > 1 and per is not None:  # rows [ends[e-1], ends[e]) of the sorted routing go to expert e
+            routed.ends = list(accumulate(per))  # [E]
         nxt = self.next_layer.get(layer)
         if nxt is not None and counts is not None:
             # all fit in the part: id order, its waves' order (`stage_ahead`); else the most-routed first
@@ -207,8 +209,10 @@ class StagedPrefill:
         nxt = self.next_layer.get(layer)
         if nxt is None or not self.stage_next:
             return None
-        cache = self.cache
+        cache, later = self.cache, self._later
         if cache.capacity >= self.spec.total_experts and cache.layer_full(nxt):  # nothing to stage, ever evicted
+            return None
+        if later is not None and later[2] and nxt in later[0]:  # `stage_later` stages every one of its experts
             return None
         return self._pregate(nxt, x)
 
