@@ -10,14 +10,16 @@ between is what makes the first token slow. `StagedPrefill` takes over the prefi
    copies from the first moment, not from the first router; the later layers' likewise into empty slots only,
    layer by layer while the first layer's experts call would wait for its copies (`stage_later`: host work
    where the thread idles, not before the first attention), the rest when that call ends. A cache of every
-   expert and a prompt expected to route them all (`_routes_every`) stage every expert so, unpredicted;
+   expert and a prompt expected to route them all (`_routes_every`) stage every expert so, unpredicted (and the
+   router hooks run no pre-gate for a layer `stage_later` stages whole);
 1. at a MoE layer's router hook its routed experts R_l (unique, sorted) are known (ONE host read, which also
-   carries the pre-gate counts of step 3): queued copies of l's experts outside R_l are withdrawn
-   (`cache.cancel_stale`); R_l is cut into waves of consecutive experts (`plan`; each wave's rows are one
-   slice of the sorted rows): a wave closes at w experts or at ceil(still to copy / `PIPELINE`) of them still
-   to copy, so compute starts once the first few have landed; the first wave is demanded at once, as one batch
-   (pinned, its copies handed to the link together: `Link.batch`; demand copies overtake the queued staged ones,
-   so the link copies the layer in wave order);
+   carries the pre-gate counts of step 3; R_l, its summed gate weights and its rows per expert from one bincount
+   and one `index_add_` by expert id, `counters.routed_counts`, no sort nor Python set): queued copies of l's
+   experts outside R_l are withdrawn (`cache.cancel_stale`); R_l is cut into waves of consecutive experts (`plan`;
+   each wave's rows are one slice of the sorted rows): a wave closes at w experts or at ceil(still to copy /
+   `PIPELINE`) of them still to copy, so compute starts once the first few have landed; the first wave is demanded
+   at once, as one batch (pinned, its copies handed to the link together: `Link.batch`; demand copies overtake the
+   queued staged ones, so the link copies the layer in wave order);
 2. in the experts call, before wave i waits and computes, the waves after it are demanded as far as the slots
    allow (wave i+1 always: two waves never pin more than the part holds), so copies run during compute; the
    demanded waves right after i whose copies have all landed join its grouped call (up to w experts: `compute`):
@@ -55,7 +57,7 @@ avoid. The bound of a prefill is max(resident prefill time, needed x link second
 
 How close a staged prefill comes to its bound, measured against the path before this one, is in docs/run.md
 (`benchmarks/prefill.py`): where the link keeps up, what is left is host work on the compute thread (per-key
-cache bookkeeping, per-wave calls, the pre-gate).
+cache bookkeeping, per-wave calls, the pre-gate) and, on a loaded host, the emulated link's copies taking its core.
 """
 
 from __future__ import annotations
