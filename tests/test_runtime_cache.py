@@ -276,3 +276,20 @@ def test_prefetch_precision_at_full_capacity_is_a_share(model):
     assert runs[-1].prefetch_precision is not None and runs[-1].decode_prefetch_precision is not None
     windows = [c for m in runs for c in (m.counters, m.decode_counters)]
     assert any(c.prefetch_used > c.prefetch_issued for c in windows)  # the case is exercised
+
+
+def test_routed_counts_sums_bit_identical_to_unique_path():
+    """A prefill's needed experts summed by expert id (`routed_counts`) equal the unique/searchsorted path bit for
+    bit (the same float32 additions in row order), with the rows per expert; ids beyond a quarter left unrouted."""
+    from moeflow.runtime.counters import needed_experts, routed_counts
+
+    g = torch.Generator().manual_seed(3)
+    for E, S in ((32, 1024), (64, 300), (8, 9)):
+        flat = torch.randint(0, E - E // 4, (S,), generator=g)  # [S] some experts never routed
+        w = torch.rand(S, generator=g) * torch.tensor(1e3).pow(torch.rand(S, generator=g))  # [S] wide range
+        experts, scores = needed_experts(flat, w)  # the unique path (no num_experts)
+        got_e, got_s, per = routed_counts(flat, w, E)
+        assert got_e == experts and list(got_s) == list(scores)
+        assert all(torch.tensor(got_s[e]).view(torch.int32) == torch.tensor(scores[e]).view(torch.int32) for e in experts)
+        assert per == torch.bincount(flat, minlength=E).tolist() and sum(per) == S
+        assert needed_experts(flat, w, E) == (experts, scores)

@@ -288,9 +288,15 @@ class ExpertCache(SlotPool, CompiledBridge, CacheDevice):
     def cancel_stale(self, layer: int, experts: Sequence[int]) -> int:
         """`layer` has routed to `experts`: withdraw its other prefetches whose copy has not started yet
         (the link's `cancel`), free their slots; returns how many (`prefetch_cancelled`)."""
-        need = set(experts)
+        need, slot_of, loading = set(experts), self.slot_of, self._loading
+        # the layer's slots in flight for experts it does not route, in slot order (E lookups, not every copy in flight)
+        stale = sorted(
+            s
+            for e in range(self.spec.num_experts)
+            if e not in need and (s := slot_of.get((layer, e))) is not None and s in loading
+        )
         n = 0
-        for s in sorted(self._loading):
+        for s in stale:
             slot = self.slots[s]
             key, t = slot.key, slot.ticket
             if key is None or key[0] != layer or key[1] in need or not slot.prefetched or slot.pinned or t is None:
@@ -388,4 +394,3 @@ class ExpertCache(SlotPool, CompiledBridge, CacheDevice):
     # ---- end ------------------------------------------------------------------------------------------
     def close(self) -> None:
         self.link.drain()
-        self._src_rows.clear()  # no reference to the store's rows past the engine (it restores them)

@@ -5,7 +5,7 @@
 device table `[L_moe, E]` (long, -1 = not resident) that follows `slot_of` (`_table_follows`: now, through a
 numpy view on the CPU (`_set_entry`), or once at a `batch`'s end (`_write_table`)). It starts every copy
 (`_submit`: the host row, or a compact copy, into a slot row) and, inside a `batch`, holds them and hands them to
-the link at its end in runs of equal priority (`_hand_over`, `_src_row`; `_ascend` re-deals a staged batch's slots
+the link at its end in runs of equal priority (`_hand_over`; `_ascend` re-deals a staged batch's slots
 so that a layer's keys ascend with them). Without a store (the simulator) there are no tensors: `_submit` asks the
 link for a transfer of `bytes_at(bits)` bytes.
 
@@ -45,9 +45,8 @@ class CacheDevice(CacheState):
             self.table = torch.full((L, E), -1, dtype=torch.long, device=device)
         # on the CPU the table is written through a numpy view of it (no tensor made per write)
         self._table_np = self.table.numpy() if self.table is not None and self.table.device.type == "cpu" else None
-        # per-slot rows of `buffer` [R] and per-layer host rows (the store's `[E,R]`, its rows), made once, not per copy
+        # per-slot rows of `buffer` [R], made once, not per copy (the host rows' views are the store's: `row`)
         self._slot_rows: list[torch.Tensor] = list(self.buffer.unbind(0)) if self.buffer is not None else []
-        self._src_rows: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     def bytes_at(self, bits: int) -> int:
         """Bytes one transfer of an expert at `bits` moves (FULL: the full row)."""
@@ -140,7 +139,7 @@ class CacheDevice(CacheState):
             run = held[i:j]
             items = [
                 (
-                    self._src_row(key) if bits == FULL else store.compact_row(*key, bits),  # [R] host
+                    store.row(*key) if bits == FULL else store.compact_row(*key, bits),  # [R] host
                     store.landing(rows[s], bits),
                     slots[s].last_use,
                 )
@@ -149,16 +148,6 @@ class CacheDevice(CacheState):
             for (s, _, _, _), t in zip(run, self.link.submit_many(items, demand=demand)):
                 slots[s].ticket = t
             i = j
-
-    def _src_row(self, key: ExpertKey) -> torch.Tensor:
-        """The host row `[R]` a full-precision copy of `key` moves (`store.row`; the layer's row views made once)."""
-        store = self.store
-        assert store is not None  # copies move rows only with a store
-        layer_rows = store.rows[key[0]]  # [E,R]
-        got = self._src_rows.get(key[0])
-        if got is None or got[0] is not layer_rows:  # the store's tensor replaced (re-offloaded): new views
-            got = self._src_rows[key[0]] = (layer_rows, list(layer_rows.unbind(0)))
-        return got[1][key[1]]
 
     def _ascend(self, i0: int) -> None:
         """The held loads from `i0` on (one staged batch: prefetches, not handed over, not read by anyone yet) with

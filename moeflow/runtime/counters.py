@@ -25,9 +25,15 @@ def wave_capacity(part_capacity: int, expert_bytes: int) -> int:
     return max(1, min(part_capacity, MAX_GROUPS, GATHER_BYTES // max(1, expert_bytes)))
 
 
-def needed_experts(flat: torch.Tensor, weights: torch.Tensor) -> tuple[list[int], dict[int, float]]:
+def needed_experts(
+    flat: torch.Tensor, weights: torch.Tensor, num_experts: int | None = None
+) -> tuple[list[int], dict[int, float]]:
     """Unique experts of a call (host tensors `[S]` ids, `[S]` float32 gate weights), sorted by id, and their
-    gate weight summed over the call's tokens (float32, in row order): the order of every cache access."""
+    gate weight summed over the call's tokens (float32, in row order): the order of every cache access.
+    `num_experts` (E, the ids' range) given and more rows than E: by expert id (`routed_counts`, fewer host ops)."""
+    if num_experts is not None and flat.numel() > num_experts:
+        experts, scores, _ = routed_counts(flat, weights, num_experts)
+        return experts, scores
     ids = flat.tolist()
     if len(set(ids)) == len(ids):  # every expert once (a decode step): nothing to sum
         ws = weights.tolist()
@@ -38,6 +44,16 @@ def needed_experts(flat: torch.Tensor, weights: torch.Tensor) -> tuple[list[int]
     summed.index_add_(0, torch.searchsorted(uniq, flat), weights)
     experts = uniq.tolist()
     return experts, dict(zip(experts, summed.tolist()))
+
+
+def routed_counts(flat: torch.Tensor, weights: torch.Tensor, num_experts: int) -> tuple[list[int], dict[int, float], list[int]]:
+    """`needed_experts` of ids `flat [S]` in `0..num_experts-1` (host), plus the rows routed to each expert `[E]`.
+    Each expert's weights are summed into its own bin by `index_add_` in row order: the same float32 additions in
+    the same order as into its rank among the unique ids, so the same sums (a prefill: no sort, no Python set)."""
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # [E] rows per expert
+    summed = torch.zeros(num_experts, dtype=torch.float32).index_add_(0, flat, weights).tolist()  # [E]
+    experts = [e for e, n in enumerate(counts) if n]
+    return experts, {e: summed[e] for e in experts}, counts
 
 
 @dataclass

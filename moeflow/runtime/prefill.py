@@ -10,14 +10,16 @@ between is what makes the first token slow. `StagedPrefill` takes over the prefi
    copies from the first moment, not from the first router; the later layers' likewise into empty slots only,
    layer by layer while the first layer's experts call would wait for its copies (`stage_later`: host work
    where the thread idles, not before the first attention), the rest when that call ends. A cache of every
-   expert and a prompt expected to route them all (`_routes_every`) stage every expert so, unpredicted;
+   expert and a prompt expected to route them all (`_routes_every`) stage every expert so, unpredicted (and the
+   router hooks run no pre-gate for a layer `stage_later` stages whole);
 1. at a MoE layer's router hook its routed experts R_l (unique, sorted) are known (ONE host read, which also
-   carries the pre-gate counts of step 3): queued copies of l's experts outside R_l are withdrawn
-   (`cache.cancel_stale`); R_l is cut into waves of consecutive experts (`plan`; each wave's rows are one
-   slice of the sorted rows): a wave closes at w experts or at ceil(still to copy / `PIPELINE`) of them still
-   to copy, so compute starts once the first few have landed; the first wave is demanded at once, as one batch
-   (pinned, its copies handed to the link together: `Link.batch`; demand copies overtake the queued staged ones,
-   so the link copies the layer in wave order);
+   carries the pre-gate counts of step 3; R_l, its summed gate weights and its rows per expert from one bincount
+   and one `index_add_` by expert id, `counters.routed_counts`, no sort nor Python set): queued copies of l's
+   experts outside R_l are withdrawn (`cache.cancel_stale`); R_l is cut into waves of consecutive experts (`plan`;
+   each wave's rows are one slice of the sorted rows): a wave closes at w experts or at ceil(still to copy /
+   `PIPELINE`) of them still to copy, so compute starts once the first few have landed; the first wave is demanded
+   at once, as one batch (pinned, its copies handed to the link together: `Link.batch`; demand copies overtake the
+   queued staged ones, so the link copies the layer in wave order);
 2. in the experts call, before wave i waits and computes, the waves after it are demanded as far as the slots
    allow (wave i+1 always: two waves never pin more than the part holds), so copies run during compute; the
    demanded waves right after i whose copies have all landed join its grouped call (up to w experts: `compute`):
@@ -55,7 +57,7 @@ avoid. The bound of a prefill is max(resident prefill time, needed x link second
 
 How close a staged prefill comes to its bound, measured against the path before this one, is in docs/run.md
 (`benchmarks/prefill.py`): where the link keeps up, what is left is host work on the compute thread (per-key
-cache bookkeeping, per-wave calls, the pre-gate).
+cache bookkeeping, per-wave calls, the pre-gate) and, on a loaded host, the emulated link's copies taking its core.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from functools import partial
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -144,11 +147,12 @@ class StagedPrefill:
             return False
         return not self.step_useless(layer)
 
-    def route(self, layer: int, routed: Routed, counts: torch.Tensor | None, ids: torch.Tensor | None = None) -> None:
+    def route(self, layer: int, routed: Routed, counts: torch.Tensor | None, per: list[int] | None = None) -> None:
         """Plan `routed`'s waves, demand the first one now; `counts [E]` (host): tokens the next layer's router
         sends to each expert (`predict`); a one-wave layer stages them at once (nothing of it is left to demand).
-        `ids [S]` (host): the routed expert ids the router hook read, whose per-expert counts give each wave's
-        rows of the sorted routing (`Routed.ends`), so the experts call reads nothing back from the device."""
+        `per [E]`: rows this layer routes to each expert (`counters.routed_counts`, from the ids the router hook
+        read), whose running sums give each wave's rows of the sorted routing (`Routed.ends`), so the experts call
+        reads nothing back from the device."""
         cache = self.cache
         if self._later is not None and layer != self.spec.moe_layers[0]:  # the first layer's experts call did not run
             self.stage_later()
@@ -156,8 +160,8 @@ class StagedPrefill:
         cache.cancel_stale(layer, experts)  # queued copies of this layer that it does not route: withdrawn
         waves = self.plan(layer, experts)
         routed.waves = waves
-        if len(waves) > 1 and ids is not None:  # rows [ends[e-1], ends[e]) of the sorted routing go to expert e
-            routed.ends = torch.bincount(ids, minlength=self.spec.num_experts).cumsum(0).tolist()  # [E] host
+        if len(waves) > 1 and per is not None:  # rows [ends[e-1], ends[e]) of the sorted routing go to expert e
+            routed.ends = list(accumulate(per))  # [E]
         nxt = self.next_layer.get(layer)
         if nxt is not None and counts is not None:
             # all fit in the part: id order, its waves' order (`stage_ahead`); else the most-routed first
@@ -207,8 +211,10 @@ class StagedPrefill:
         nxt = self.next_layer.get(layer)
         if nxt is None or not self.stage_next:
             return None
-        cache = self.cache
+        cache, later = self.cache, self._later
         if cache.capacity >= self.spec.total_experts and cache.layer_full(nxt):  # nothing to stage, ever evicted
+            return None
+        if later is not None and later[2] and nxt in later[0]:  # `stage_later` stages every one of its experts
             return None
         return self._pregate(nxt, x)
 

@@ -45,7 +45,7 @@ from ..policies.base import (
 )
 from ..policies.routing import dual_select
 from .cache import ExpertCache
-from .counters import needed_experts
+from .counters import needed_experts, routed_counts
 from .passstats import EngineCounts, PassAccount
 from .prefill import StagedPrefill
 
@@ -151,7 +151,11 @@ class RouteStep:
                 indices = ids_h.view(indices.shape).to(indices.device)
                 weights = w_h.view(weights.shape).to(device=weights.device, dtype=weights.dtype)
                 replaced = (logits, weights, indices)
-        experts, scores = needed_experts(ids_h, w_h)
+        per: list[int] | None = None  # rows routed to each expert [E] (a staged prefill's waves)
+        if staged and not cpu and ids_h.numel() > self.spec.num_experts:
+            experts, scores, per = routed_counts(ids_h, w_h, self.spec.num_experts)
+        else:
+            experts, scores = needed_experts(ids_h, w_h, self.spec.num_experts)
         if cpu:
             experts = [e for e in experts if e not in cpu]
             scores = {e: v for e, v in scores.items() if e not in cpu}
@@ -163,7 +167,7 @@ class RouteStep:
                     x = ev.x
                     routed.then = lambda: self.prefetch(l, x, logits, indices, weights)
                 self.pending[l] = routed
-                pf.route(l, routed, hosted[1][0] if pred is not None else None, ids_h)
+                pf.route(l, routed, hosted[1][0] if pred is not None else None, per)
                 return replaced
         loads0 = cache.counters.loads  # the access order of `moeflow.runtime.cache` (shared with the simulator)
         routed.slots = cache.route(l, experts, scores, self.wave_cap, None if self.miss_hook else self.miss)
@@ -190,7 +194,7 @@ class RouteStep:
         deferred, self.deferred = self.deferred, []
         cache = self.cache
         for (l, _, _), (ids, w) in zip(deferred, self.to_host([(i, w) for _, i, w in deferred])):
-            experts, scores = needed_experts(ids, w)
+            experts, scores = needed_experts(ids, w, self.spec.num_experts)
             if self.prefill is not None and self.prefill.prefill:
                 self.prefill.count(l, experts)
             cache.begin_layer(l)

@@ -42,6 +42,7 @@ class HostExpertStore:
         first = adapter.per_expert_params(self.spec.moe_layers[0])
         self.layout = ExpertLayout.of({n: p.detach() for n, p in first.items()})
         self.rows: dict[int, torch.Tensor] = {}
+        self.row_views: dict[int, list[torch.Tensor]] = {}  # layer -> its rows' views `[R]` (made once, at offload)
         self._params: dict[int, dict[str, torch.nn.Parameter]] = {}
         self._device: dict[int, torch.device] = {}
         self.offloaded = False
@@ -54,7 +55,7 @@ class HostExpertStore:
         return self.layout.row_bytes
 
     def row(self, layer: int, expert: int) -> torch.Tensor:
-        return self.rows[layer][expert]  # [row_numel] contiguous
+        return self.row_views[layer][expert]  # [row_numel] contiguous
 
     # ---- mixed precision -------------------------------------------------------------------------
     @property
@@ -108,6 +109,7 @@ class HostExpertStore:
                 for name, p in params.items():
                     views[name].copy_(p.detach().to("cpu"))
             self.rows[l] = _pin(host) if self.pin else host
+            self.row_views[l] = list(self.rows[l].unbind(0))  # [R] each: a copy's source, no view made per copy
             self._params[l] = dict(params)
             self._device[l] = next(iter(params.values())).device
             for p in params.values():  # free the device copy; keep the Parameter object
@@ -127,6 +129,7 @@ class HostExpertStore:
             for name, p in params.items():
                 p.data = views[name].to(self._device[l], copy=True).contiguous()
         self.rows.clear()
+        self.row_views.clear()
         self._params.clear()
         self.compact.clear()
         self.compact_layout.clear()
