@@ -58,7 +58,8 @@ def test_staged_prefill_exact_down_to_top_k(tiny_models, arch, prompt):
 
 
 def _pinned_and_resident(model, prompt, cap: int, per_layer: bool) -> list[tuple[int, int]]:
-    """(pinned slots, resident experts) after every demand and staged batch of a staged generation."""
+    """(pinned slots, resident experts) after every demand, staged batch and release of a staged generation; the
+    cache's count of pinned slots (`_pinned_n`, which spares `_any_candidate` a scan) checked against them."""
     eng = build_engine(
         model, mode="offload", link=EmulatedLink(50.0), capacity=cap, eviction="lru", prefetch="pregate", per_layer=per_layer
     )
@@ -71,12 +72,15 @@ def _pinned_and_resident(model, prompt, cap: int, per_layer: bool) -> list[tuple
         def spy(fn):
             def call(*a, **k):
                 out = fn(*a, **k)
-                seen.append((sum(s.pinned for s in cache.slots), cache.num_resident()))
+                pinned = sum(s.pinned for s in cache.slots)
+                assert cache._pinned_n == pinned
+                seen.append((pinned, cache.num_resident()))
                 return out
 
             return call
 
-        cache.demand, cache.stage = spy(demand), spy(stage)  # type: ignore[method-assign]
+        release = cache.release
+        cache.demand, cache.stage, cache.release = spy(demand), spy(stage), spy(release)  # type: ignore[method-assign]
         generate_one(model, prompt, eng, max_new_tokens=2, min_new_tokens=2)
     return seen
 
