@@ -110,6 +110,8 @@ class StagedPrefill:
         self.needed = 0  # routed experts of this prefill not resident at its start (the bound's copies)
         self.staged = 0  # next-layer copies this prefill issued
         self.waves_run = 0  # waves this prefill computed (more than the MoE layers: chunked)
+        self._all_routed = False  # the running prefill is expected to route every expert of each layer (`start`)
+        self._ones: torch.Tensor | None = None  # [E] the pre-gate's counts when it would predict every expert
 
     def begin(self, decode: bool) -> None:
         """A forward pass starts: a prefill (not `decode`) is counted, and run here when enabled."""
@@ -118,6 +120,7 @@ class StagedPrefill:
         self.needed = self.staged = self.waves_run = 0
         self.resident0 = set(self.cache.slot_of) if self.prefill else set()
         self._memo = self._later = None
+        self._all_routed = False
 
     def count(self, layer: int, experts: list[int]) -> None:
         """Layer `layer` of the prefill routed to `experts` (each once): count the ones it must copy."""
@@ -216,6 +219,11 @@ class StagedPrefill:
             return None
         if later is not None and later[2] and nxt in later[0]:  # `stage_later` stages every one of its experts
             return None
+        E = self.spec.num_experts
+        if self._all_routed and E <= cache.part_capacity:  # it would predict every expert, staged in id order
+            if self._ones is None or self._ones.device != x.device:
+                self._ones = torch.ones(E, dtype=torch.long, device=x.device)  # [E]
+            return self._ones
         return self._pregate(nxt, x)
 
     def _pregate(self, target: int, x: torch.Tensor) -> torch.Tensor:
@@ -250,21 +258,23 @@ class StagedPrefill:
         layers = list(self.spec.moe_layers)
         if not cache.per_layer:  # one part: the layers the empty slots may reach (each takes at most E)
             layers = layers[: 1 + max(0, -(-(cache.free_room(layers[0]) - E) // E))]
+        self._all_routed = self._expects_all_routed(x)
         every = self._routes_every(x)
         self._stage_predicted(layers[0], x, cache.stage_room(layers[0]), every)
         if len(layers) > 1:
             self._later = (layers[1:], x, every)
 
     def _routes_every(self, x: torch.Tensor) -> bool:
-        """The cache holds every expert (staging evicts nothing) and a prefill of `x [...,H]`'s T tokens is expected
-        to route every expert of each layer: fewer than half an expert left unrouted under uniform top-k routing,
-        E (1 - k/E)^T < 0.5 (olmoe-mini, 256 tokens: 126 of its 128 experts routed). Then every expert is staged,
-        layer by layer, without the pre-gate's host work (one router product, top-k and count per layer): the
-        link copies the few unrouted ones too, and no layer's routed expert is left to a demand copy."""
-        cache, spec = self.cache, self.spec
-        if cache.capacity < spec.total_experts:
-            return False
-        E, k, T = spec.num_experts, spec.top_k, x.shape[:-1].numel()
+        """The cache holds every expert (staging evicts nothing) and `_expects_all_routed(x)`: every expert is staged,
+        layer by layer, without the pre-gate's host work (the link copies the few unrouted ones too)."""
+        return self.cache.capacity >= self.spec.total_experts and self._expects_all_routed(x)
+
+    def _expects_all_routed(self, x: torch.Tensor) -> bool:
+        """A prefill of `x [...,H]`'s T tokens is expected to route every expert of each layer: E (1 - k/E)^T < 0.5
+        under uniform top-k routing (olmoe-mini, 256 tokens: 126 of 128 routed; olmoe-deep, E = 32: all). The
+        pre-gate (a router product, top-k and count per layer) would predict every expert: where its counts
+        order nothing (all fit in the part, or in a staged batch's room) it is not run, at any capacity."""
+        E, k, T = self.spec.num_experts, self.spec.top_k, x.shape[:-1].numel()
         return E * (1 - k / E) ** T < 0.5
 
     def stage_later(self, until: Callable[[], bool] | None = None) -> None:
@@ -282,15 +292,17 @@ class StagedPrefill:
     def _stage_predicted(self, layer: int, x: torch.Tensor, room: int, every: bool = False) -> None:
         """`layer`'s experts predicted from `x [...,H]` (every token's top-k of its router), the most-routed ones
         (at most `room`) not in a slot staged as one batch, in id order (the order of the layer's waves); `every`
-        (`_routes_every`): all of its experts, nothing predicted."""
+        (`_routes_every`): all of its experts, nothing predicted; likewise, unpredicted, when every expert is
+        expected routed (`_expects_all_routed`) and the room holds all of them not in a slot."""
         cache = self.cache
         if room <= 0 or cache.layer_full(layer):
             return
-        if every:
-            order = list(range(self.spec.num_experts))
+        todo = [(layer, e) for e in range(self.spec.num_experts) if (layer, e) not in cache.slot_of]  # id order
+        if every or (self._all_routed and room >= len(todo)):
+            keys = todo[:room]
         else:
             order = routed_order(self._pregate(layer, x).tolist(), by_count_above=0)  # [E] counts read on the host
-        keys = sorted([(layer, e) for e in order if (layer, e) not in cache.slot_of][:room])
+            keys = sorted([(layer, e) for e in order if (layer, e) not in cache.slot_of][:room])
         if keys:
             n0 = cache.counters.loads
             self.staged += cache.stage(keys, layer)  # one batch
