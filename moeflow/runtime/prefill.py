@@ -9,9 +9,11 @@ between is what makes the first token slow. `StagedPrefill` takes over the prefi
    experts predicted by its router from the embeddings are staged (the slots `stage_room` gives), so the link
    copies from the first moment, not from the first router; the later layers' likewise into empty slots only,
    layer by layer while the first layer's experts call would wait for its copies (`stage_later`: host work
-   where the thread idles, not before the first attention), the rest when that call ends. A cache of every
-   expert and a prompt expected to route them all (`_routes_every`) stage every expert so, unpredicted (and the
-   router hooks run no pre-gate for a layer `stage_later` stages whole);
+   where the thread idles, not before the first attention), the rest when that call ends. A prompt expected to
+   route every expert of each layer (`_expects_all_routed`) computes no pre-gate where its counts would order
+   nothing: a layer whose empty slots take all its experts not in a slot is staged whole, unpredicted (a cache
+   of every expert: every layer, `_routes_every`), and a router hook whose next layer fits in the part predicts
+   every expert of it (`predict`; staged in id order, as the counts would order them);
 1. at a MoE layer's router hook its routed experts R_l (unique, sorted) are known (ONE host read, which also
    carries the pre-gate counts of step 3; R_l, its summed gate weights and its rows per expert from one bincount
    and one `index_add_` by expert id, `counters.routed_counts`, no sort nor Python set): queued copies of l's
@@ -55,9 +57,9 @@ resident at the pass start to `needed` (staged or serial, deferred layers includ
 avoid. The bound of a prefill is max(resident prefill time, needed x link seconds per expert)
 (`RunMetrics.set_ttft_bound`).
 
-How close a staged prefill comes to its bound, measured against the path before this one, is in docs/run.md
-(`benchmarks/prefill.py`): where the link keeps up, what is left is host work on the compute thread (per-key
-cache bookkeeping, per-wave calls, the pre-gate) and, on a loaded host, the emulated link's copies taking its core.
+How close a staged prefill comes to its bound is in docs/run.md (`benchmarks/prefill.py`): where the link keeps
+up, what is left is host work on the compute thread (per-key cache bookkeeping, per-wave calls) and, on a loaded
+host, the emulated link's copies taking its core.
 """
 
 from __future__ import annotations
@@ -111,7 +113,6 @@ class StagedPrefill:
         self.staged = 0  # next-layer copies this prefill issued
         self.waves_run = 0  # waves this prefill computed (more than the MoE layers: chunked)
         self._all_routed = False  # the running prefill is expected to route every expert of each layer (`start`)
-        self._ones: torch.Tensor | None = None  # [E] the pre-gate's counts when it would predict every expert
 
     def begin(self, decode: bool) -> None:
         """A forward pass starts: a prefill (not `decode`) is counted, and run here when enabled."""
@@ -221,9 +222,7 @@ class StagedPrefill:
             return None
         E = self.spec.num_experts
         if self._all_routed and E <= cache.part_capacity:  # it would predict every expert, staged in id order
-            if self._ones is None or self._ones.device != x.device:
-                self._ones = torch.ones(E, dtype=torch.long, device=x.device)  # [E]
-            return self._ones
+            return torch.ones(E, dtype=torch.long, device=x.device)  # [E]
         return self._pregate(nxt, x)
 
     def _pregate(self, target: int, x: torch.Tensor) -> torch.Tensor:
@@ -245,13 +244,8 @@ class StagedPrefill:
 
     def start(self, x: torch.Tensor | None) -> None:
         """The staged prefill's pass begins (after `begin`), `x [...,H]` its embeddings: with `stage_next`, the
-        first MoE layer's router applied to them predicts its experts, staged at once (the most-routed ones, in
-        id order, into the slots `stage_room` gives): the link copies from the pass start instead of idling until
-        the first router (its demand copies overtake these while queued; `cancel_stale` withdraws the wrong ones).
-        The later layers' likewise, each into EMPTY slots only (nothing evicted), as far as they reach, are left to
-        `stage_later`: predicted and staged layer by layer while the first layer's experts call would wait for its
-        copies (host work where the thread idles anyway, not before the first layer's attention), the rest when
-        the first layer's experts call ends."""
+        first MoE layer's experts predicted from them staged at once (into the slots `stage_room` gives), the
+        later layers' into EMPTY slots only, as far as they reach, left to `stage_later` (module docstring, 0)."""
         if not (self.active and self.stage_next) or x is None:
             return
         cache, E = self.cache, self.spec.num_experts
@@ -260,13 +254,12 @@ class StagedPrefill:
             layers = layers[: 1 + max(0, -(-(cache.free_room(layers[0]) - E) // E))]
         self._all_routed = self._expects_all_routed(x)
         every = self._routes_every(x)
-        self._stage_predicted(layers[0], x, cache.stage_room(layers[0]), every)
+        self._stage_predicted(layers[0], x, cache.stage_room(layers[0]))
         if len(layers) > 1:
             self._later = (layers[1:], x, every)
 
     def _routes_every(self, x: torch.Tensor) -> bool:
-        """The cache holds every expert (staging evicts nothing) and `_expects_all_routed(x)`: every expert is staged,
-        layer by layer, without the pre-gate's host work (the link copies the few unrouted ones too)."""
+        """A cache of every expert and `_expects_all_routed(x)`: every expert staged, layer by layer, unpredicted."""
         return self.cache.capacity >= self.spec.total_experts and self._expects_all_routed(x)
 
     def _expects_all_routed(self, x: torch.Tensor) -> bool:
@@ -283,24 +276,22 @@ class StagedPrefill:
         while self._later is not None and (until is None or not until()):
             layers, x, every = self._later
             self._later = (layers[1:], x, every) if len(layers) > 1 else None
-            self._stage_predicted(layers[0], x, self.cache.free_room(layers[0]), every)
+            self._stage_predicted(layers[0], x, self.cache.free_room(layers[0]))
 
     def _landed(self, keys: list[tuple[int, int]]) -> bool:
         """Every one of `keys` is in a ready slot (its copy has landed)."""
         return all(map(self.cache.is_ready, keys))
 
-    def _stage_predicted(self, layer: int, x: torch.Tensor, room: int, every: bool = False) -> None:
+    def _stage_predicted(self, layer: int, x: torch.Tensor, room: int) -> None:
         """`layer`'s experts predicted from `x [...,H]` (every token's top-k of its router), the most-routed ones
-        (at most `room`) not in a slot staged as one batch, in id order (the order of the layer's waves); `every`
-        (`_routes_every`): all of its experts, nothing predicted; likewise, unpredicted, when every expert is
-        expected routed (`_expects_all_routed`) and the room holds all of them not in a slot."""
+        (at most `room`) not in a slot staged as one batch, in id order (the order of the layer's waves); all of
+        them, unpredicted, when every expert is expected routed and `room` holds those not in a slot (always so in
+        a cache of every expert: `_routes_every`)."""
         cache = self.cache
         if room <= 0 or cache.layer_full(layer):
             return
-        todo = [(layer, e) for e in range(self.spec.num_experts) if (layer, e) not in cache.slot_of]  # id order
-        if every or (self._all_routed and room >= len(todo)):
-            keys = todo[:room]
-        else:
+        keys = [(layer, e) for e in range(self.spec.num_experts) if (layer, e) not in cache.slot_of]  # id order
+        if not (self._all_routed and room >= len(keys)):
             order = routed_order(self._pregate(layer, x).tolist(), by_count_above=0)  # [E] counts read on the host
             keys = sorted([(layer, e) for e in order if (layer, e) not in cache.slot_of][:room])
         if keys:
