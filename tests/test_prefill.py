@@ -58,7 +58,8 @@ def test_staged_prefill_exact_down_to_top_k(tiny_models, arch, prompt):
 
 
 def _pinned_and_resident(model, prompt, cap: int, per_layer: bool) -> list[tuple[int, int]]:
-    """(pinned slots, resident experts) after every demand and staged batch of a staged generation."""
+    """(pinned slots, resident experts) after every demand, staged batch and release of a staged generation; the
+    cache's count of pinned slots (`_pinned_n`, which spares `_any_candidate` a scan) checked against them."""
     eng = build_engine(
         model, mode="offload", link=EmulatedLink(50.0), capacity=cap, eviction="lru", prefetch="pregate", per_layer=per_layer
     )
@@ -71,12 +72,15 @@ def _pinned_and_resident(model, prompt, cap: int, per_layer: bool) -> list[tuple
         def spy(fn):
             def call(*a, **k):
                 out = fn(*a, **k)
-                seen.append((sum(s.pinned for s in cache.slots), cache.num_resident()))
+                pinned = sum(s.pinned for s in cache.slots)
+                assert cache._pinned_n == pinned
+                seen.append((pinned, cache.num_resident()))
                 return out
 
             return call
 
-        cache.demand, cache.stage = spy(demand), spy(stage)  # type: ignore[method-assign]
+        release = cache.release
+        cache.demand, cache.stage, cache.release = spy(demand), spy(stage), spy(release)  # type: ignore[method-assign]
         generate_one(model, prompt, eng, max_new_tokens=2, min_new_tokens=2)
     return seen
 
@@ -417,7 +421,8 @@ def test_staged_prefill_runs_the_policy_step_only_where_nothing_stages_the_next_
 def test_staged_prefill_start_copies_the_first_layer_before_predicting_the_rest(tiny_models, prompt):
     """At the pass start the first MoE layer's predicted experts are handed to the link before the later layers'
     predictions are computed (the link starts on them sooner); the device table matches the keys after each batch.
-    (One slot short of every expert: a cache of all of them stages every expert unpredicted, the next test.)"""
+    (One slot short of every expert, a 4-token prompt: a prompt expected to route every expert stages them
+    unpredicted where they fit, the next test.)"""
     model = tiny_models("olmoe")
     spec = get_adapter(model).spec
     eng = build_engine(
@@ -449,7 +454,7 @@ def test_staged_prefill_start_copies_the_first_layer_before_predicting_the_rest(
         pf._pregate, cache.stage = spy_pregate, spy_stage  # type: ignore[method-assign]
         pf.begin(decode=False)
         with torch.no_grad():
-            x = model.get_input_embeddings()(prompt)  # [1,P,H]
+            x = model.get_input_embeddings()(prompt[:, :4])  # [1,4,H]
         pf.start(x)
         table_matches()
         assert {l for l, _ in cache.slot_of} == {spec.moe_layers[0]}  # the later layers: `stage_later`
@@ -463,13 +468,15 @@ def test_staged_prefill_stages_every_expert_unpredicted_when_all_fit_and_all_are
     """A cache of every expert and a prompt expected to route every expert of each layer (`_routes_every`: E=8,
     k=2, 8 x 0.75^24 < 0.5): the pass start stages all experts of every layer, layer by layer, without computing
     a pre-gate; a prompt too short for that (4 tokens: 8 x 0.75^4 >= 0.5) predicts each layer's experts; one slot
-    short of every expert, the 24-token prompt predicts them too."""
+    short of every expert, the 24-token prompt predicts only the last layer's, the one whose empty slots cannot
+    take all its experts (the pre-gate then picks which: the most-routed)."""
     model = tiny_models("olmoe")
     spec = get_adapter(model).spec
-    for ids, cap, every in (
-        (prompt, spec.total_experts, True),
-        (prompt[:, :4], spec.total_experts, False),
-        (prompt, spec.total_experts - 1, False),
+    layers = list(spec.moe_layers)
+    for ids, cap, every, want in (
+        (prompt, spec.total_experts, True, []),
+        (prompt[:, :4], spec.total_experts, False, layers),
+        (prompt, spec.total_experts - 1, False, layers[-1:]),
     ):
         eng = build_engine(model, mode="offload", link=EmulatedLink(50.0), capacity=cap, eviction="lru", prefetch="pregate")
         assert eng is not None
@@ -489,10 +496,9 @@ def test_staged_prefill_stages_every_expert_unpredicted_when_all_fit_and_all_are
                 x = model.get_input_embeddings()(ids)  # [1,P,H]
             pf.start(x)
             pf.stage_later()
+            assert predicted == want
             if every:
-                assert predicted == [] and len(cache.slot_of) == spec.total_experts
-            else:
-                assert predicted == list(spec.moe_layers)
+                assert len(cache.slot_of) == spec.total_experts
 
 
 def test_ttft_bound_counts_the_copies_a_prefill_needs(tiny_models, prompt):
@@ -729,6 +735,44 @@ def test_staged_batch_deals_its_slots_in_key_order(tiny_models):
         for (l, e), s in cache.slot_of.items():
             assert int(cache.table[cache.rank[l], e]) == s
             assert torch.equal(cache.buffer[s], cache.store.row(l, e))
+
+
+def test_router_hooks_run_no_pregate_when_every_expert_is_expected_routed(tiny_models, prompt):
+    """Half the experts cached, a prompt expected to route every expert of each layer (E=8, k=2, 24 tokens): the
+    router hooks predict every expert of the next layer (staged in id order, as the pre-gate's counts would order
+    them when the part holds them all) without computing the pre-gate; a 4-token prompt computes it; both exact."""
+    model = tiny_models("olmoe")
+    for ids, want_pregate in ((prompt, False), (prompt[:, :4], True)):
+        spec, ref, eng = _half_cache_pregate(model, ids)
+        with eng:
+            pf = eng._prefill
+            assert pf is not None
+            inside, pregated, counts = [False], [], []
+            predict, pregate = pf.predict, pf._pregate
+
+            def spy_predict(layer, x, _f=predict, inside=inside, counts=counts):
+                inside[0] = True
+                try:
+                    out = _f(layer, x)
+                finally:
+                    inside[0] = False
+                if out is not None:
+                    counts.append(out.tolist())
+                return out
+
+            def spy_pregate(layer, x, _f=pregate, inside=inside, pregated=pregated):
+                if inside[0]:
+                    pregated.append(layer)
+                return _f(layer, x)
+
+            pf.predict, pf._pregate = spy_predict, spy_pregate  # type: ignore[method-assign]
+            out, _ = generate_one(model, ids, eng, max_new_tokens=2, min_new_tokens=2)
+        assert torch.equal(out, ref)
+        assert counts  # the router hooks predicted the next layers
+        if want_pregate:
+            assert pregated
+        else:
+            assert pregated == [] and all(c == [1] * spec.num_experts for c in counts)
 
 
 def test_staged_prefill_applies_each_router_once_per_input(tiny_models, prompt):

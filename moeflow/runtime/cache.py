@@ -107,6 +107,7 @@ class ExpertCache(SlotPool, CompiledBridge, CacheDevice):
         self.slot_of: dict[ExpertKey, int] = {}
         self._resident_in = [0] * L  # resident experts per MoE layer
         self._loading: set[int] = set()  # slots whose copy may be in flight
+        self._pinned_n = 0  # slots pinned now (`_any_candidate`: a part with room needs no scan)
         per = C // L if per_layer else C
         parts = L if per_layer else 1
         self._part_slots = [list(range(p * per, (p + 1) * per)) for p in range(parts)]
@@ -170,8 +171,9 @@ class ExpertCache(SlotPool, CompiledBridge, CacheDevice):
         slot_of, slots, c, ev = self.slot_of, self.slots, self.counters, self.eviction
         for e in experts:
             s = slot_of.get((layer, e))
-            if s is not None:
+            if s is not None and not slots[s].pinned:
                 slots[s].pinned = True
+                self._pinned_n += 1
         rank, pass_id = self.rank[layer], self.pass_id
         out = []
         t = self.time  # only this loop advances it
@@ -200,7 +202,8 @@ class ExpertCache(SlotPool, CompiledBridge, CacheDevice):
                 c.demand_loads += 1
                 if b != FULL:
                     c.lowbit_loads += 1
-                slots[s].pinned = True
+                slots[s].pinned = True  # a fresh slot: not pinned before
+                self._pinned_n += 1
             slot = slots[s]
             if slot.prefetched and not slot.used:
                 c.prefetch_used += 1
@@ -270,6 +273,7 @@ class ExpertCache(SlotPool, CompiledBridge, CacheDevice):
         if self.core is not None:
             for s in slots:
                 slot = self.slots[s]
+                self._pinned_n -= slot.pinned
                 slot.pinned = False
                 slot.last_use = marker
             if self.core.release(slots, self.retain, self.upgrade):  # else nothing but pins changed
@@ -277,6 +281,7 @@ class ExpertCache(SlotPool, CompiledBridge, CacheDevice):
             return
         for s in slots:
             slot = self.slots[s]
+            self._pinned_n -= slot.pinned
             slot.pinned = False
             slot.last_use = marker
             if not self.retain and slot.key is not None:

@@ -65,6 +65,7 @@ class CompiledBridge(CacheState):
         self._core_apply()
         slots = self.slots
         for s in out:
+            self._pinned_n += not slots[s].pinned
             slots[s].pinned = True
         self.time = core.time
         return out

@@ -98,6 +98,7 @@ class CacheState:
     _instant: bool
     _resident_in: list[int]
     _loading: set[int]
+    _pinned_n: int
     _part_slots: list[list[int]]
     _free: list[list[int]]
     _evicted_in_pass: dict[ExpertKey, int]
@@ -197,6 +198,7 @@ class SlotPool(CacheState):
                 # policy looks at only, not of every copy in flight at each acquisition
                 exclude: Any = _InFlight(self, protected) if loading else protected
                 cands = Candidates(self.slot_of, slots, exclude=exclude)
+                found = self._any_candidate(protected)
             else:
                 cands = Candidates(
                     self.slot_of,
@@ -207,7 +209,8 @@ class SlotPool(CacheState):
                         if not slots[s].pinned and s not in protected and (s not in loading or self._refresh(s) == READY)
                     ],
                 )
-            if cands:
+                found = bool(cands)
+            if found:
                 break
             if not demand:
                 return None
@@ -229,6 +232,21 @@ class SlotPool(CacheState):
         s = self.slot_of[victim]
         self._evict(s)
         return self._free[part].pop()
+
+    def _any_candidate(self, protected: Any) -> bool:
+        """The single part has an eviction candidate (what `bool` of its `Candidates` answers: an unpinned slot not
+        `protected` whose copy is not in flight or has landed). Counted first: fewer slots pinned, in flight and
+        `protected` than slots leaves one (a staged batch: its issued slots are `protected` and in flight, and
+        `Candidates` asked ~11 copies per acquisition whether they had landed on olmoe-deep at 25%); else the
+        slots asked, those not in flight first (sets only), then the copies in flight (one that has landed is
+        marked ready). Which slot answers moves no choice: the policy's victim is asked of the candidates after."""
+        slots, loading = self.slots, self._loading
+        if self._pinned_n + len(loading) + len(protected) < len(slots):
+            return True
+        for s, sl in enumerate(slots):
+            if not sl.pinned and s not in protected and s not in loading:
+                return True
+        return any(not slots[s].pinned and s not in protected and self._refresh(s) == READY for s in sorted(loading))
 
     def _evict(self, s: int) -> None:
         slot = self.slots[s]

@@ -9,9 +9,11 @@ between is what makes the first token slow. `StagedPrefill` takes over the prefi
    experts predicted by its router from the embeddings are staged (the slots `stage_room` gives), so the link
    copies from the first moment, not from the first router; the later layers' likewise into empty slots only,
    layer by layer while the first layer's experts call would wait for its copies (`stage_later`: host work
-   where the thread idles, not before the first attention), the rest when that call ends. A cache of every
-   expert and a prompt expected to route them all (`_routes_every`) stage every expert so, unpredicted (and the
-   router hooks run no pre-gate for a layer `stage_later` stages whole);
+   where the thread idles, not before the first attention), the rest when that call ends. A prompt expected to
+   route every expert of each layer (`_expects_all_routed`) computes no pre-gate where its counts would order
+   nothing: a layer whose empty slots take all its experts not in a slot is staged whole, unpredicted (a cache
+   of every expert: every layer, `_routes_every`), and a router hook whose next layer fits in the part predicts
+   every expert of it (`predict`; staged in id order, as the counts would order them);
 1. at a MoE layer's router hook its routed experts R_l (unique, sorted) are known (ONE host read, which also
    carries the pre-gate counts of step 3; R_l, its summed gate weights and its rows per expert from one bincount
    and one `index_add_` by expert id, `counters.routed_counts`, no sort nor Python set): queued copies of l's
@@ -55,9 +57,9 @@ resident at the pass start to `needed` (staged or serial, deferred layers includ
 avoid. The bound of a prefill is max(resident prefill time, needed x link seconds per expert)
 (`RunMetrics.set_ttft_bound`).
 
-How close a staged prefill comes to its bound, measured against the path before this one, is in docs/run.md
-(`benchmarks/prefill.py`): where the link keeps up, what is left is host work on the compute thread (per-key
-cache bookkeeping, per-wave calls, the pre-gate) and, on a loaded host, the emulated link's copies taking its core.
+How close a staged prefill comes to its bound is in docs/run.md (`benchmarks/prefill.py`): where the link keeps
+up, what is left is host work on the compute thread (per-key cache bookkeeping, per-wave calls) and, on a loaded
+host, the emulated link's copies taking its core.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ class StagedPrefill:
         self.needed = 0  # routed experts of this prefill not resident at its start (the bound's copies)
         self.staged = 0  # next-layer copies this prefill issued
         self.waves_run = 0  # waves this prefill computed (more than the MoE layers: chunked)
+        self._all_routed = False  # the running prefill is expected to route every expert of each layer (`start`)
 
     def begin(self, decode: bool) -> None:
         """A forward pass starts: a prefill (not `decode`) is counted, and run here when enabled."""
@@ -118,6 +121,7 @@ class StagedPrefill:
         self.needed = self.staged = self.waves_run = 0
         self.resident0 = set(self.cache.slot_of) if self.prefill else set()
         self._memo = self._later = None
+        self._all_routed = False
 
     def count(self, layer: int, experts: list[int]) -> None:
         """Layer `layer` of the prefill routed to `experts` (each once): count the ones it must copy."""
@@ -216,6 +220,9 @@ class StagedPrefill:
             return None
         if later is not None and later[2] and nxt in later[0]:  # `stage_later` stages every one of its experts
             return None
+        E = self.spec.num_experts
+        if self._all_routed and E <= cache.part_capacity:  # it would predict every expert, staged in id order
+            return torch.ones(E, dtype=torch.long, device=x.device)  # [E]
         return self._pregate(nxt, x)
 
     def _pregate(self, target: int, x: torch.Tensor) -> torch.Tensor:
@@ -237,34 +244,30 @@ class StagedPrefill:
 
     def start(self, x: torch.Tensor | None) -> None:
         """The staged prefill's pass begins (after `begin`), `x [...,H]` its embeddings: with `stage_next`, the
-        first MoE layer's router applied to them predicts its experts, staged at once (the most-routed ones, in
-        id order, into the slots `stage_room` gives): the link copies from the pass start instead of idling until
-        the first router (its demand copies overtake these while queued; `cancel_stale` withdraws the wrong ones).
-        The later layers' likewise, each into EMPTY slots only (nothing evicted), as far as they reach, are left to
-        `stage_later`: predicted and staged layer by layer while the first layer's experts call would wait for its
-        copies (host work where the thread idles anyway, not before the first layer's attention), the rest when
-        the first layer's experts call ends."""
+        first MoE layer's experts predicted from them staged at once (into the slots `stage_room` gives), the
+        later layers' into EMPTY slots only, as far as they reach, left to `stage_later` (module docstring, 0)."""
         if not (self.active and self.stage_next) or x is None:
             return
         cache, E = self.cache, self.spec.num_experts
         layers = list(self.spec.moe_layers)
         if not cache.per_layer:  # one part: the layers the empty slots may reach (each takes at most E)
             layers = layers[: 1 + max(0, -(-(cache.free_room(layers[0]) - E) // E))]
+        self._all_routed = self._expects_all_routed(x)
         every = self._routes_every(x)
-        self._stage_predicted(layers[0], x, cache.stage_room(layers[0]), every)
+        self._stage_predicted(layers[0], x, cache.stage_room(layers[0]))
         if len(layers) > 1:
             self._later = (layers[1:], x, every)
 
     def _routes_every(self, x: torch.Tensor) -> bool:
-        """The cache holds every expert (staging evicts nothing) and a prefill of `x [...,H]`'s T tokens is expected
-        to route every expert of each layer: fewer than half an expert left unrouted under uniform top-k routing,
-        E (1 - k/E)^T < 0.5 (olmoe-mini, 256 tokens: 126 of its 128 experts routed). Then every expert is staged,
-        layer by layer, without the pre-gate's host work (one router product, top-k and count per layer): the
-        link copies the few unrouted ones too, and no layer's routed expert is left to a demand copy."""
-        cache, spec = self.cache, self.spec
-        if cache.capacity < spec.total_experts:
-            return False
-        E, k, T = spec.num_experts, spec.top_k, x.shape[:-1].numel()
+        """A cache of every expert and `_expects_all_routed(x)`: every expert staged, layer by layer, unpredicted."""
+        return self.cache.capacity >= self.spec.total_experts and self._expects_all_routed(x)
+
+    def _expects_all_routed(self, x: torch.Tensor) -> bool:
+        """A prefill of `x [...,H]`'s T tokens is expected to route every expert of each layer: E (1 - k/E)^T < 0.5
+        under uniform top-k routing (olmoe-mini, 256 tokens: 126 of 128 routed; olmoe-deep, E = 32: all). The
+        pre-gate (a router product, top-k and count per layer) would predict every expert: where its counts
+        order nothing (all fit in the part, or in a staged batch's room) it is not run, at any capacity."""
+        E, k, T = self.spec.num_experts, self.spec.top_k, x.shape[:-1].numel()
         return E * (1 - k / E) ** T < 0.5
 
     def stage_later(self, until: Callable[[], bool] | None = None) -> None:
@@ -273,24 +276,24 @@ class StagedPrefill:
         while self._later is not None and (until is None or not until()):
             layers, x, every = self._later
             self._later = (layers[1:], x, every) if len(layers) > 1 else None
-            self._stage_predicted(layers[0], x, self.cache.free_room(layers[0]), every)
+            self._stage_predicted(layers[0], x, self.cache.free_room(layers[0]))
 
     def _landed(self, keys: list[tuple[int, int]]) -> bool:
         """Every one of `keys` is in a ready slot (its copy has landed)."""
         return all(map(self.cache.is_ready, keys))
 
-    def _stage_predicted(self, layer: int, x: torch.Tensor, room: int, every: bool = False) -> None:
+    def _stage_predicted(self, layer: int, x: torch.Tensor, room: int) -> None:
         """`layer`'s experts predicted from `x [...,H]` (every token's top-k of its router), the most-routed ones
-        (at most `room`) not in a slot staged as one batch, in id order (the order of the layer's waves); `every`
-        (`_routes_every`): all of its experts, nothing predicted."""
+        (at most `room`) not in a slot staged as one batch, in id order (the order of the layer's waves); all of
+        them, unpredicted, when every expert is expected routed and `room` holds those not in a slot (always so in
+        a cache of every expert: `_routes_every`)."""
         cache = self.cache
         if room <= 0 or cache.layer_full(layer):
             return
-        if every:
-            order = list(range(self.spec.num_experts))
-        else:
+        keys = [(layer, e) for e in range(self.spec.num_experts) if (layer, e) not in cache.slot_of]  # id order
+        if not (self._all_routed and room >= len(keys)):
             order = routed_order(self._pregate(layer, x).tolist(), by_count_above=0)  # [E] counts read on the host
-        keys = sorted([(layer, e) for e in order if (layer, e) not in cache.slot_of][:room])
+            keys = sorted([(layer, e) for e in order if (layer, e) not in cache.slot_of][:room])
         if keys:
             n0 = cache.counters.loads
             self.staged += cache.stage(keys, layer)  # one batch
