@@ -20,6 +20,7 @@ from .cachecore_layout import (
     NEVER_PASS,
     NO_REF,
     NPK,
+    O_BIN,
     O_BNOINT,
     O_BPROP,
     O_BREF,
@@ -108,20 +109,10 @@ def _pred_drop(I, k):
 
 
 @_inline
-def _ba_slot(I, F, k):
-    """The per-slot copy of resident key k's fields (the victim reads slots), and its layer's bounds: a new
-    value v of a key's interval (reference pass) joins the layer's top two (bottom two) bounds; the value it
-    replaces stays counted, which only loosens them."""
-    s = I[_u(I[O_SOF] + k)]
-    if s < 0:
-        return
-    b = I[O_PK] + k * NPK
-    q, L = I[_u(I[O_KR] + k)], I[H_L]
-    ref = I[_u(b + PK_REF)]
-    spp = I[_u(b + PK_PPASS)] if I[_u(b + PK_HASPRED)] else NEVER_PASS
-    I[_u(I[O_SREF] + s)] = ref
-    I[_u(I[O_SPP] + s)] = spp
-    I[_u(I[O_SPA] + s)] = I[_u(b + PK_PAHEAD)]
+def _ba_join(I, F, q, ref, spp, iv):
+    """A slot's fields (its key's PK_REF, PK_PPASS, interval EMA: -1 none) join layer rank q's bounds: a new
+    value joins the top two (bottom two) bounds; a value it replaces stays counted, which only loosens them."""
+    L = I[H_L]
     br = I[O_BREF] + q
     if ref < I[_u(br)]:
         I[_u(br + L)] = I[_u(br)]
@@ -130,22 +121,52 @@ def _ba_slot(I, F, k):
         I[_u(br + L)] = ref
     if spp > I[_u(I[O_BPROP] + q)]:
         I[_u(I[O_BPROP] + q)] = spp
-    old = F[_u(I[OF_SIV] + s)]
-    if I[_u(b + PK_HASINT)]:
-        iv = F[_u(I[OF_PKF] + k)]
-        F[_u(I[OF_SIV] + s)] = iv
-        if old < 0.0:
-            I[_u(I[O_BNOINT] + q)] -= 1
-        bi = I[OF_BIV] + q
-        if iv > F[_u(bi)]:
-            F[_u(bi + L)] = F[_u(bi)]
-            F[_u(bi)] = iv
-        elif iv > F[_u(bi + L)]:
-            F[_u(bi + L)] = iv
-    else:
-        F[_u(I[OF_SIV] + s)] = -1.0
-        if old >= 0.0:
-            I[_u(I[O_BNOINT] + q)] += 1
+    if iv < 0.0:
+        I[_u(I[O_BNOINT] + q)] += 1
+        return
+    bi = I[OF_BIV] + q
+    if iv > F[_u(bi)]:
+        F[_u(bi + L)] = F[_u(bi)]
+        F[_u(bi)] = iv
+    elif iv > F[_u(bi + L)]:
+        F[_u(bi + L)] = iv
+
+
+@_inline
+def _ba_slot(I, F, k):
+    """The per-slot copy of resident key k's fields (the victim reads slots), and its layer's bounds: a
+    candidate's new fields join them; a pinned or issued slot leaves them (O_BIN) until `ba_candidate`."""
+    s = I[_u(I[O_SOF] + k)]
+    if s < 0:
+        return
+    b = I[O_PK] + k * NPK
+    q = I[_u(I[O_KR] + k)]
+    ref = I[_u(b + PK_REF)]
+    spp = I[_u(b + PK_PPASS)] if I[_u(b + PK_HASPRED)] else NEVER_PASS
+    iv = F[_u(I[OF_PKF] + k)] if I[_u(b + PK_HASINT)] else -1.0
+    I[_u(I[O_SREF] + s)] = ref
+    I[_u(I[O_SPP] + s)] = spp
+    I[_u(I[O_SPA] + s)] = I[_u(b + PK_PAHEAD)]
+    bin_ = I[O_BIN] + s
+    if I[_u(bin_)] and F[_u(I[OF_SIV] + s)] < 0.0:  # its old value leaves the count of keys without interval
+        I[_u(I[O_BNOINT] + q)] -= 1
+    F[_u(I[OF_SIV] + s)] = iv
+    if I[_u(I[O_PIN] + s)] or I[_u(I[O_PROT] + s)]:  # not a candidate: out of the bounds
+        I[_u(bin_)] = 0
+        return
+    I[_u(bin_)] = 1
+    _ba_join(I, F, q, ref, spp, iv)
+
+
+@_fn
+def ba_candidate(I, F, k):
+    """Resident key k is a candidate again (unpinned, or its prefetch call over): its slot's fields join its
+    layer's bounds if they left them."""
+    s = I[_u(I[O_SOF] + k)]
+    if s < 0 or I[_u(I[O_BIN] + s)] or I[_u(I[O_PIN] + s)] or I[_u(I[O_PROT] + s)]:
+        return
+    I[_u(I[O_BIN] + s)] = 1
+    _ba_join(I, F, I[_u(I[O_KR] + k)], I[_u(I[O_SREF] + s)], I[_u(I[O_SPP] + s)], F[_u(I[OF_SIV] + s)])
 
 
 @_inline
@@ -173,7 +194,6 @@ def ba_insert(I, F, k, pr, prefetched):
     I[_u(I[O_LSL] + q * C + n)] = s
     I[_u(I[O_SPOS] + s)] = n
     I[_u(I[O_LSN] + q)] = n + 1
-    F[_u(I[OF_SIV] + s)] = 0.0  # not counted as a key without interval until `_ba_slot` says so
     I[_u(I[O_PK] + k * NPK + PK_REF)] = I[_u(I[O_SC] + SC_PASS)]
     if prefetched:
         _predict(I, k, pr)
@@ -183,8 +203,12 @@ def ba_insert(I, F, k, pr, prefetched):
 @_fn
 def ba_evict(I, F, k, s):
     """`on_evict`: slot s leaves its layer's list (the list's last takes its place) and its bounds (a key at a
-    bound is the largest (least) there: the second bound takes its place)."""
+    bound is the largest (least) there: the second bound takes its place), if counted there (O_BIN)."""
     q, C, L = I[_u(I[O_KR] + k)], I[H_C], I[H_L]
+    _slot_list_remove(I, q, C, s)
+    if not I[_u(I[O_BIN] + s)]:
+        return
+    I[_u(I[O_BIN] + s)] = 0
     iv, ref, bi, br = F[_u(I[OF_SIV] + s)], I[_u(I[O_SREF] + s)], I[OF_BIV] + q, I[O_BREF] + q
     if iv < 0.0:
         I[_u(I[O_BNOINT] + q)] -= 1
@@ -192,7 +216,6 @@ def ba_evict(I, F, k, s):
         F[_u(bi)] = F[_u(bi + L)]
     if ref == I[_u(br)]:
         I[_u(br)] = I[_u(br + L)]
-    _slot_list_remove(I, q, C, s)
 
 
 @_fn
@@ -284,6 +307,7 @@ def _ba_layers(I, F, pr):
     skey, pin, prot, far, ub, pk = I[O_SKEY], I[O_PIN], I[O_PROT], I[OF_FAR], I[OF_UB], I[O_PK]
     lsl, lsn, bref, bnoint, biv, scan = I[O_LSL], I[O_LSN], I[O_BREF], I[O_BNOINT], I[OF_BIV], I[O_BSCAN]
     bprop, siv, sref, spp, spa, pah = I[O_BPROP], I[OF_SIV], I[O_SREF], I[O_SPP], I[O_SPA], I[OF_PAH]
+    bin_ = I[O_BIN]
     mean = F[I[OF_PGF] + PGF_MEAN]
     p = I[I[O_SC] + SC_PASS]
     pmin = 2.0  # the least calibrated probability, computed when a layer first needs it (2.0: not yet)
@@ -326,8 +350,12 @@ def _ba_layers(I, F, pr):
         iv1, iv2, ref1, ref2, noint, nprop = -1.0, -1.0, NO_REF, NO_REF, 0, NEVER_PASS  # exact bounds again
         for i in range(I[_u(lsn + q)]):
             s = I[_u(lsl + q * C + i)]
+            if I[_u(pin + s)] or I[_u(prot + s)]:  # not a candidate: out of the bounds until `ba_candidate`
+                F[_u(far + s)] = -1.0
+                I[_u(bin_ + s)] = 0
+                continue
             iv, ref, pp = F[_u(siv + s)], I[_u(sref + s)], I[_u(spp + s)]
-            # the top two intervals (-1: none) and the least two references, without branches
+            # the top two intervals (-1: none) and the least two references of the candidates, without branches
             noint += iv < 0.0
             lo = iv if iv < iv1 else iv1
             iv1 = iv if iv > iv1 else iv1
@@ -336,9 +364,6 @@ def _ba_layers(I, F, pr):
             ref1 = ref if ref < ref1 else ref1
             ref2 = hi if hi < ref2 else ref2
             nprop = pp if pp > nprop else nprop
-            if I[_u(pin + s)] or I[_u(prot + s)]:
-                F[_u(far + s)] = -1.0
-                continue
             Ik = iv if iv >= 0.0 else mean  # `expected_next_use`'s arithmetic
             age = float(p - ref)
             Ik = age if age > Ik else Ik

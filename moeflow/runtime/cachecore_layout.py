@@ -167,6 +167,7 @@ NCNT = len(COUNTERS)
     O_BNOINT,  # belady-approx, per layer: how many of its resident keys have no interval EMA [L]
     O_BSCAN,  # belady-approx: the layers a victim search scanned [L]
     O_BPROP,  # belady-approx, per layer: >= the latest pass a resident key was proposed in [L]
+    O_BIN,  # belady-approx, per slot: 1 if counted in its layer's bounds (every candidate is; `cachecore_ba`) [C]
     O_KR,  # each key's layer rank (`key // E`: a lookup, not a division) [K]
     O_BK,  # lfu: count buckets, each (count, first key, last key, previous bucket, next bucket, candidates) [C + 2, 6]
     O_BKF,  # lfu: the free buckets (a stack of PG_NBFREE) [C + 2]
@@ -181,7 +182,7 @@ NCNT = len(COUNTERS)
     OF_UB,  # belady-approx, per layer: the bound of a victim search [L]
     OF_NU,  # next-use's floats: NUF_* scalars and tables, then per key, per layer (`cachecore_nu`)
     NHDR,
-) = range(62)
+) = range(63)
 
 # mechanism scalars (sc)
 SC_TIME, SC_PASS, SC_PSEQ, SC_PHSEQ, SC_GENSEQ, SC_NLOG, SC_NRES, SC_PENDL, NSC = range(9)  # PENDL: `k_call`
@@ -316,6 +317,7 @@ def layout(
         (O_BNOINT, L),
         (O_BSCAN, L),
         (O_BPROP, L),
+        (O_BIN, C),
         (O_KR, K),
         (O_BK, 6 * (C + 2)),
         (O_BKF, C + 2),

@@ -6,7 +6,7 @@ as the cache calls the Python policy's `on_insert`, `on_access`, `on_evict`, `on
 
 from __future__ import annotations
 
-from .cachecore_ba import _see, ba_access, ba_evict, ba_expire, ba_insert, ba_predicted, ba_victim
+from .cachecore_ba import _see, ba_access, ba_candidate, ba_evict, ba_expire, ba_insert, ba_predicted, ba_victim
 from .cachecore_layout import (
     H_K,
     H_KIND,
@@ -48,6 +48,7 @@ from .cachecore_struct import (
     _bk_touch,
     _bk_unlink,
     _hx_first,
+    _hx_insert,
     _hx_remove,
     _hx_set,
     _list_first,
@@ -239,6 +240,15 @@ def pol_predicted(I, F, k, pr):
         ba_predicted(I, F, k, pr)
     elif kind == KIND_NU:
         nu_predicted(I, F, k, pr)
+
+
+@_inline
+def pol_candidate(I, F, k):
+    """Resident key k is a victim candidate again (unpinned, or its prefetch call over)."""
+    if I[H_KIND] == KIND_BA:
+        ba_candidate(I, F, k)
+    else:
+        _hx_insert(I, k)
 
 
 @_fn
