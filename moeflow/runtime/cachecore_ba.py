@@ -53,8 +53,10 @@ from .cachecore_layout import (
     PG_NINTS,
     PG_NPRED,
     PG_NSEEN,
+    PG_PMINOK,
     PGF_EMA,
     PGF_MEAN,
+    PGF_PMIN,
     PK_HASINT,
     PK_HASLU,
     PK_HASPRED,
@@ -93,6 +95,20 @@ def _ahead(I, kr, pr):
     _see(I, pr)
     srank = I[O_SRANK]
     return (I[_u(srank + kr)] - I[_u(srank + pr)] - 1) % I[_u(I[O_PG] + PG_NSEEN)] + 1
+
+
+@_inline
+def _outcome(I, F, a, hit):
+    """`_outcome(ahead, hit)`: calibrated probability a's EMA moves toward hit; the least one (PGF_PMIN) stays
+    exact: lowered with it, or recomputed by the next victim search that needs it if the least one rose."""
+    ema, x, pm = F[_u(I[OF_PGF] + PGF_EMA)], I[OF_PAH] + a, I[OF_PGF] + PGF_PMIN
+    old = F[_u(x)]
+    v = (1.0 - ema) * old + ema * hit
+    F[_u(x)] = v
+    if v < F[_u(pm)]:
+        F[_u(pm)] = v
+    elif old == F[_u(pm)]:
+        I[_u(I[O_PG] + PG_PMINOK)] = 0
 
 
 @_inline
@@ -253,9 +269,8 @@ def ba_access(I, F, k):
     if I[_u(b + PK_HASPRED)]:
         pp, ahead = I[_u(b + PK_PPASS)], I[_u(b + PK_PAHEAD)]
         _pred_drop(I, k)
-        if pp == p:  # `_outcome(ahead, True)`
-            a = I[OF_PAH] + ahead
-            F[_u(a)] = (1.0 - ema) * F[_u(a)] + ema * 1.0
+        if pp == p:
+            _outcome(I, F, ahead, 1.0)
     _ba_slot(I, F, k)
 
 
@@ -270,16 +285,15 @@ def ba_expire(I, F, p, rr):
     """Proposals of an earlier pass, or (rr >= 0) of a layer before rank rr of this pass, were wasted (their
     layer ran without them)."""
     pg, pl, srank = I[O_PG], I[O_PLIST], I[O_SRANK]
-    ema = F[_u(I[OF_PGF] + PGF_EMA)]
     i = 0
     while i < I[_u(pg + PG_NPRED)]:
         k = I[_u(pl + i)]
         pp = I[_u(I[O_PK] + k * NPK + PK_PPASS)]
         if pp < p or (rr >= 0 and pp == p and I[_u(srank + I[_u(I[O_KR] + k)])] < rr):
-            a = I[OF_PAH] + I[_u(I[O_PK] + k * NPK + PK_PAHEAD)]
+            a = I[_u(I[O_PK] + k * NPK + PK_PAHEAD)]
             _pred_drop(I, k)
             _ba_slot(I, F, k)
-            F[_u(a)] = (1.0 - ema) * F[_u(a)] + ema * 0.0  # `_outcome(ahead, False)`
+            _outcome(I, F, a, 0.0)
         else:
             i += 1
 
@@ -296,6 +310,19 @@ def _far(I, F, s, pr, p, L, mean):
     Ik = 1.0 if 1.0 > Ik else Ik
     p1 = F[_u(I[OF_PAH] + I[_u(I[O_SPA] + s)])] if I[_u(I[O_SPP] + s)] == p and d < L else 1.0 / Ik
     return d + (1.0 - p1) * L * Ik
+
+
+@_inline
+def _pmin(I, F):
+    """The least calibrated probability (PGF_PMIN, recomputed if stale)."""
+    pm = I[OF_PGF] + PGF_PMIN
+    if not I[_u(I[O_PG] + PG_PMINOK)]:
+        pah, v = I[OF_PAH], 1.0
+        for a in range(I[H_L] + 2):
+            v = F[_u(pah + a)] if F[_u(pah + a)] < v else v
+        F[_u(pm)] = v
+        I[_u(I[O_PG] + PG_PMINOK)] = 1
+    return F[_u(pm)]
 
 
 @_fn
@@ -326,9 +353,7 @@ def _ba_layers(I, F, pr):
         e = Im - 1.0
         if I[_u(bprop + q)] >= p and d < L:
             if pmin > 1.0:
-                pmin = 1.0
-                for a in range(L + 2):
-                    pmin = F[_u(pah + a)] if F[_u(pah + a)] < pmin else pmin
+                pmin = _pmin(I, F)
             if (1.0 - pmin) * Im > e:
                 e = (1.0 - pmin) * Im
         F[_u(ub + q)] = d + L * e + 1e-9 * (1.0 + d + L * Im)

@@ -212,9 +212,10 @@ SC_TIME, SC_PASS, SC_PSEQ, SC_PHSEQ, SC_GENSEQ, SC_NLOG, SC_NRES, SC_PENDL, NSC 
     NPK,
 ) = range(22)
 # policy scalars (pg)
-PG_TICK, PG_HSIZE, PG_LSPASS, PG_STEP, PG_NSEEN, PG_NINTS, PG_NPRED, PG_NBFREE, NPG = range(9)
+PG_TICK, PG_HSIZE, PG_LSPASS, PG_STEP, PG_NSEEN, PG_NINTS, PG_NPRED, PG_NBFREE, PG_PMINOK, NPG = range(10)
 # policy float scalars (pgf)
-PGF_MEAN, PGF_EMA, PGF_PRIOR, NPGF = range(4)
+PGF_MEAN, PGF_EMA, PGF_PRIOR, PGF_PMIN, NPGF = range(5)  # PMIN: belady-approx's least calibrated probability
+# (the least of OF_PAH) while PG_PMINOK
 # next-use (`moeflow.policies.next_use.NextUse`), integers at I[O_NU]: scalars, then used_pass [K], prop_pass [K]
 # (-1: none), the running layer's per-expert bucket, recent, proposed, resident [4, E], per layer: its row sum is
 # stale, the pass of its last run, covered by proposals, its victim-search terms are stale [4, L]
