@@ -1,7 +1,7 @@
 """The compiled cache core's state layout: the jit decorators, the constants that name every section and
 column, and the host-side builders of the arrays the kernels read (`layout`, `views`, `pack_stream`,
 `replay_scratch`, `belady_tables`). The kernels themselves: `cachecore` (its overview), `cachecore_struct`,
-`cachecore_policy`, `cachecore_ba`, `cachecore_mech`, `cachecore_replay`.
+`cachecore_policy`, `cachecore_ba`, `cachecore_bav`, `cachecore_mech`, `cachecore_replay`.
 
 Kernels are compiled once per machine (`cache=True`: next to these files, or numba's user-wide cache when that
 is read-only; with neither, once per process). numba stamps a cached kernel with its own file only, while a
@@ -167,7 +167,7 @@ NCNT = len(COUNTERS)
     O_BNOINT,  # belady-approx, per layer: how many of its resident keys have no interval EMA [L]
     O_BSCAN,  # belady-approx: the layers a victim search scanned [L]
     O_BPROP,  # belady-approx, per layer: >= the latest pass a resident key was proposed in [L]
-    O_BIN,  # belady-approx, per slot: 1 if counted in its layer's bounds (every candidate is; `cachecore_ba`) [C]
+    O_BIN,  # belady-approx, per slot: 1 if counted in its layer's bounds (every candidate is; `cachecore_bav`) [C]
     O_KR,  # each key's layer rank (`key // E`: a lookup, not a division) [K]
     O_BK,  # lfu: count buckets, each (count, first key, last key, previous bucket, next bucket, candidates) [C + 2, 6]
     O_BKF,  # lfu: the free buckets (a stack of PG_NBFREE) [C + 2]

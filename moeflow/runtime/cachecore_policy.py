@@ -1,12 +1,14 @@
-"""The eviction policies' events in the compiled cache core (lru, lfu, least-stale, Belady's MIN here;
-belady-approx in `cachecore_ba`, next-use in `cachecore_nu`): `pol_*` dispatch on the policy kind in the header,
-as the cache calls the Python policy's `on_insert`, `on_access`, `on_evict`, `on_predicted`, `on_pass_start`, `on_layer_start` and
-`victim` (`moeflow.policies.eviction`, `least_stale`, `belady_approx`, `next_use`, `moeflow.sim.belady.Belady`).
+"""The eviction policies' events in the compiled cache core (lru, lfu, least-stale, Belady's MIN here; belady-approx
+in `cachecore_ba` and `cachecore_bav`, next-use in `cachecore_nu`): `pol_*` dispatch on the policy kind in the
+header, as the cache calls the Python policy's `on_insert`, `on_access`, `on_evict`, `on_predicted`,
+`on_pass_start`, `on_layer_start` and `victim` (`moeflow.policies.eviction`, `least_stale`, `belady_approx`,
+`next_use`, `moeflow.sim.belady.Belady`).
 """
 
 from __future__ import annotations
 
-from .cachecore_ba import _see, ba_access, ba_candidate, ba_evict, ba_expire, ba_insert, ba_predicted, ba_victim
+from .cachecore_ba import _see, ba_access, ba_candidate, ba_evict, ba_expire, ba_insert, ba_predicted
+from .cachecore_bav import ba_victim
 from .cachecore_layout import (
     H_K,
     H_KIND,
