@@ -134,6 +134,20 @@ def _ba_join(I, F, q, ref, spp, iv):
 
 
 @_inline
+def _ba_leave(I, F, q, s):
+    """Slot s's fields leave layer rank q's bounds (a value at a bound is the largest (least) there: the second
+    bound takes its place)."""
+    L = I[H_L]
+    iv, ref, bi, br = F[_u(I[OF_SIV] + s)], I[_u(I[O_SREF] + s)], I[OF_BIV] + q, I[O_BREF] + q
+    if iv < 0.0:
+        I[_u(I[O_BNOINT] + q)] -= 1
+    elif iv == F[_u(bi)]:
+        F[_u(bi)] = F[_u(bi + L)]
+    if ref == I[_u(br)]:
+        I[_u(br)] = I[_u(br + L)]
+
+
+@_inline
 def _ba_slot(I, F, k):
     """The per-slot copy of resident key k's fields (the victim reads slots), and its layer's bounds: a
     candidate's new fields join them; a pinned or issued slot leaves them (O_BIN) until `ba_candidate`."""
@@ -145,12 +159,12 @@ def _ba_slot(I, F, k):
     ref = I[_u(b + PK_REF)]
     spp = I[_u(b + PK_PPASS)] if I[_u(b + PK_HASPRED)] else NEVER_PASS
     iv = F[_u(I[OF_PKF] + k)] if I[_u(b + PK_HASINT)] else -1.0
+    bin_ = I[O_BIN] + s
+    if I[_u(bin_)]:  # its old values leave the bounds
+        _ba_leave(I, F, q, s)
     I[_u(I[O_SREF] + s)] = ref
     I[_u(I[O_SPP] + s)] = spp
     I[_u(I[O_SPA] + s)] = I[_u(b + PK_PAHEAD)]
-    bin_ = I[O_BIN] + s
-    if I[_u(bin_)] and F[_u(I[OF_SIV] + s)] < 0.0:  # its old value leaves the count of keys without interval
-        I[_u(I[O_BNOINT] + q)] -= 1
     F[_u(I[OF_SIV] + s)] = iv
     if I[_u(I[O_PIN] + s)] or I[_u(I[O_PROT] + s)]:  # not a candidate: out of the bounds
         I[_u(bin_)] = 0
@@ -205,18 +219,12 @@ def ba_insert(I, F, k, pr, prefetched):
 def ba_evict(I, F, k, s):
     """`on_evict`: slot s leaves its layer's list (the list's last takes its place) and its bounds (a key at a
     bound is the largest (least) there: the second bound takes its place), if counted there (O_BIN)."""
-    q, C, L = I[_u(I[O_KR] + k)], I[H_C], I[H_L]
+    q, C = I[_u(I[O_KR] + k)], I[H_C]
     _slot_list_remove(I, q, C, s)
     if not I[_u(I[O_BIN] + s)]:
         return
     I[_u(I[O_BIN] + s)] = 0
-    iv, ref, bi, br = F[_u(I[OF_SIV] + s)], I[_u(I[O_SREF] + s)], I[OF_BIV] + q, I[O_BREF] + q
-    if iv < 0.0:
-        I[_u(I[O_BNOINT] + q)] -= 1
-    elif iv == F[_u(bi)]:
-        F[_u(bi)] = F[_u(bi + L)]
-    if ref == I[_u(br)]:
-        I[_u(br)] = I[_u(br + L)]
+    _ba_leave(I, F, q, s)
 
 
 @_fn

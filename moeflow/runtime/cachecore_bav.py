@@ -12,9 +12,12 @@ found less 1e-9: no unscanned slot can be the victim or tie with it.
 The bounds count candidates only (O_BIN, per slot): a pinned or just-issued slot leaves them when its key's
 fields change or a scan meets it, and joins them again when it is a candidate again (`ba_candidate`, from the
 mechanism's release and the end of a prefetch call); its fields would otherwise keep the running layer's bound
-high although none of its slots can be the victim. With pregate (olmoe-deep, 25%, `benchmarks/sim_speed.py`'s
-replay) a victim search scans 1.21 layers and 13.7 slots instead of 1.94 and 26.2 (prefetch none: 1.36 / 16.4
-instead of 1.50 / 18.3); bounds exact over the candidates at every search would scan 1.00 / 11.3.
+high although none of its slots can be the victim. A key's changed fields first leave the bounds (`_ba_leave`, as
+at an eviction: a value at a bound hands it the second bound) and then join them, so accessing a layer's
+stalest key does not leave its old reference as the layer's bound. With pregate (olmoe-deep, 25%,
+`benchmarks/sim_speed.py`'s replay) a victim search scans 1.06 layers and 12.1 slots (1.94 / 26.2 with every
+slot in the bounds and values left in place; 1.21 / 13.7 with candidates only); prefetch none: 1.01 / 11.8
+(1.50 / 18.3; 1.36 / 16.4); bounds exact over the candidates at every search would scan 1.00 / 11.3.
 The least calibrated probability (the bound of proposed keys) is kept in PGF_PMIN (`_outcome`, `_pmin`).
 Tried and not kept: each layer's bound kept between searches and recomputed only when its fields, the pass,
 the mean interval (BNOINT) or a proposal (BPROP) made it stale: 2.85 of 12 layers recomputed per pregate search
