@@ -32,6 +32,14 @@ base, `--trace` a 2,787-token GSM8K trace, load 1.7-2.8: two other jobs on the 2
 30.1-31.7 / 19.4, lfu 12.8-13.2 / 7.0-7.2 -> 17.6-18.1 / 9.3-9.4, least-stale 16.4 / 10.4-10.5 -> 23.1-24.2 / 13.4-14.1,
 belady 9.8-10.1 / 7.1-7.2 -> 12.4-12.7 / 9.3-9.6, belady-approx 3.7-3.8 / 2.2 -> 5.1 / 3.1 (pregate still below the 5 M
 target: its victim search, `cachecore_ba._ba_layers`, is about 65% of that replay); same counters in every row.
+Then belady-approx's layer bounds count candidates only (pinned and just-issued slots leave them until they are
+candidates again), a key's old fields leave them before its new ones join, and its least calibrated probability
+is kept, not recomputed per search (`cachecore_bav`): a pregate victim search scans 1.06 layers / 12.1 slots
+instead of 1.94 / 26.2 (`--evictions belady-approx,lru --python-passes 10`, base b219ca1 / new 2d252bd / base /
+new, load 1.0-1.5: another job on one core): belady-approx 5.0-5.2 / 3.0 -> 5.5-5.7 / 3.6-3.7 (pregate still
+below 5 M; perf at 3205546: the search ~58% of that replay, its slot loop ~55% of the search, the per-layer
+bounds ~25%), lru (the load reference, same code) 28.9-31.8 / 18.8-19.9 base, 21.6-28.2 / 16.4-18.5 beside new
+(noisy: 30-32.5 / 19-21 in interleaved runs of the bench's replay); same counters in every row.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ none, `benchmarks/sim_speed.py`'s docstring). Keys are `rank * E + expert` (rank
 
 Modules, one job each: `cachecore_layout` (the constants naming every section, `layout`, `views` and the
 replay's arrays), `cachecore_struct` (record log, key lists, the candidate heap), `cachecore_policy` (the
-policies' events), `cachecore_ba` (belady-approx), `cachecore_nu` (next-use), `cachecore_mech` (the mechanism),
+policies' events), `cachecore_ba` (belady-approx's events), `cachecore_bav` (its victim
+search), `cachecore_nu` (next-use), `cachecore_mech` (the mechanism),
 `cachecore_replay` (the simulator's loop); this module: the runtime's entry point `k_call`, `warm`, and the
 names the rest of moeflow uses.
 """

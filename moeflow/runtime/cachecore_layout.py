@@ -1,7 +1,7 @@
 """The compiled cache core's state layout: the jit decorators, the constants that name every section and
 column, and the host-side builders of the arrays the kernels read (`layout`, `views`, `pack_stream`,
 `replay_scratch`, `belady_tables`). The kernels themselves: `cachecore` (its overview), `cachecore_struct`,
-`cachecore_policy`, `cachecore_ba`, `cachecore_mech`, `cachecore_replay`.
+`cachecore_policy`, `cachecore_ba`, `cachecore_bav`, `cachecore_mech`, `cachecore_replay`.
 
 Kernels are compiled once per machine (`cache=True`: next to these files, or numba's user-wide cache when that
 is read-only; with neither, once per process). numba stamps a cached kernel with its own file only, while a
@@ -167,6 +167,7 @@ NCNT = len(COUNTERS)
     O_BNOINT,  # belady-approx, per layer: how many of its resident keys have no interval EMA [L]
     O_BSCAN,  # belady-approx: the layers a victim search scanned [L]
     O_BPROP,  # belady-approx, per layer: >= the latest pass a resident key was proposed in [L]
+    O_BIN,  # belady-approx, per slot: 1 if counted in its layer's bounds (every candidate is; `cachecore_bav`) [C]
     O_KR,  # each key's layer rank (`key // E`: a lookup, not a division) [K]
     O_BK,  # lfu: count buckets, each (count, first key, last key, previous bucket, next bucket, candidates) [C + 2, 6]
     O_BKF,  # lfu: the free buckets (a stack of PG_NBFREE) [C + 2]
@@ -181,7 +182,7 @@ NCNT = len(COUNTERS)
     OF_UB,  # belady-approx, per layer: the bound of a victim search [L]
     OF_NU,  # next-use's floats: NUF_* scalars and tables, then per key, per layer (`cachecore_nu`)
     NHDR,
-) = range(62)
+) = range(63)
 
 # mechanism scalars (sc)
 SC_TIME, SC_PASS, SC_PSEQ, SC_PHSEQ, SC_GENSEQ, SC_NLOG, SC_NRES, SC_PENDL, NSC = range(9)  # PENDL: `k_call`
@@ -211,9 +212,10 @@ SC_TIME, SC_PASS, SC_PSEQ, SC_PHSEQ, SC_GENSEQ, SC_NLOG, SC_NRES, SC_PENDL, NSC 
     NPK,
 ) = range(22)
 # policy scalars (pg)
-PG_TICK, PG_HSIZE, PG_LSPASS, PG_STEP, PG_NSEEN, PG_NINTS, PG_NPRED, PG_NBFREE, NPG = range(9)
+PG_TICK, PG_HSIZE, PG_LSPASS, PG_STEP, PG_NSEEN, PG_NINTS, PG_NPRED, PG_NBFREE, PG_PMINOK, NPG = range(10)
 # policy float scalars (pgf)
-PGF_MEAN, PGF_EMA, PGF_PRIOR, NPGF = range(4)
+PGF_MEAN, PGF_EMA, PGF_PRIOR, PGF_PMIN, NPGF = range(5)  # PMIN: belady-approx's least calibrated probability
+# (the least of OF_PAH) while PG_PMINOK
 # next-use (`moeflow.policies.next_use.NextUse`), integers at I[O_NU]: scalars, then used_pass [K], prop_pass [K]
 # (-1: none), the running layer's per-expert bucket, recent, proposed, resident [4, E], per layer: its row sum is
 # stale, the pass of its last run, covered by proposals, its victim-search terms are stale [4, L]
@@ -316,6 +318,7 @@ def layout(
         (O_BNOINT, L),
         (O_BSCAN, L),
         (O_BPROP, L),
+        (O_BIN, C),
         (O_KR, K),
         (O_BK, 6 * (C + 2)),
         (O_BKF, C + 2),

@@ -57,8 +57,8 @@ from .cachecore_layout import (
     _inline,
     _u,
 )
-from .cachecore_policy import pol_access, pol_evict, pol_insert, pol_predicted, pol_victim
-from .cachecore_struct import _hx_hold, _hx_insert, _log
+from .cachecore_policy import pol_access, pol_candidate, pol_evict, pol_insert, pol_predicted, pol_victim
+from .cachecore_struct import _hx_hold, _log
 
 
 @_inline
@@ -198,7 +198,7 @@ def _prefetch(I, F, X, pr, keys, n, left, res):
     for i in range(issued):
         s = I[_u(isl + i)]
         I[_u(prot + s)] = 0
-        _hx_insert(I, I[_u(I[O_SKEY] + s)])
+        pol_candidate(I, F, I[_u(I[O_SKEY] + s)])
     res[0] += issued
 
 
@@ -214,7 +214,7 @@ def _release(I, F, slots, n, retain, upgrade):
         if not retain:
             _evict(I, F, s)
             continue
-        _hx_insert(I, k)
+        pol_candidate(I, F, k)
         if upgrade and I[_u(I[O_BITS] + s)] != 0:
             I[_u(I[O_BITS] + s)] = 0
             I[_u(cnt + C_UPGRADES)] += 1

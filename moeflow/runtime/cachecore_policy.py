@@ -1,12 +1,14 @@
-"""The eviction policies' events in the compiled cache core (lru, lfu, least-stale, Belady's MIN here;
-belady-approx in `cachecore_ba`, next-use in `cachecore_nu`): `pol_*` dispatch on the policy kind in the header,
-as the cache calls the Python policy's `on_insert`, `on_access`, `on_evict`, `on_predicted`, `on_pass_start`, `on_layer_start` and
-`victim` (`moeflow.policies.eviction`, `least_stale`, `belady_approx`, `next_use`, `moeflow.sim.belady.Belady`).
+"""The eviction policies' events in the compiled cache core (lru, lfu, least-stale, Belady's MIN here; belady-approx
+in `cachecore_ba` and `cachecore_bav`, next-use in `cachecore_nu`): `pol_*` dispatch on the policy kind in the
+header, as the cache calls the Python policy's `on_insert`, `on_access`, `on_evict`, `on_predicted`,
+`on_pass_start`, `on_layer_start` and `victim` (`moeflow.policies.eviction`, `least_stale`, `belady_approx`,
+`next_use`, `moeflow.sim.belady.Belady`).
 """
 
 from __future__ import annotations
 
-from .cachecore_ba import _see, ba_access, ba_evict, ba_expire, ba_insert, ba_predicted, ba_victim
+from .cachecore_ba import _see, ba_access, ba_candidate, ba_evict, ba_expire, ba_insert, ba_predicted
+from .cachecore_bav import ba_victim
 from .cachecore_layout import (
     H_K,
     H_KIND,
@@ -48,6 +50,7 @@ from .cachecore_struct import (
     _bk_touch,
     _bk_unlink,
     _hx_first,
+    _hx_insert,
     _hx_remove,
     _hx_set,
     _list_first,
@@ -239,6 +242,15 @@ def pol_predicted(I, F, k, pr):
         ba_predicted(I, F, k, pr)
     elif kind == KIND_NU:
         nu_predicted(I, F, k, pr)
+
+
+@_inline
+def pol_candidate(I, F, k):
+    """Resident key k is a victim candidate again (unpinned, or its prefetch call over)."""
+    if I[H_KIND] == KIND_BA:
+        ba_candidate(I, F, k)
+    else:
+        _hx_insert(I, k)
 
 
 @_fn
