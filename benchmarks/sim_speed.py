@@ -31,7 +31,7 @@ them) in the mechanism, the dispatchers, the eviction structures and belady-appr
 base, `--trace` a 2,787-token GSM8K trace, load 1.7-2.8: two other jobs on the 2 cores): lru 21.0-22.0 / 14.5-14.9 ->
 30.1-31.7 / 19.4, lfu 12.8-13.2 / 7.0-7.2 -> 17.6-18.1 / 9.3-9.4, least-stale 16.4 / 10.4-10.5 -> 23.1-24.2 / 13.4-14.1,
 belady 9.8-10.1 / 7.1-7.2 -> 12.4-12.7 / 9.3-9.6, belady-approx 3.7-3.8 / 2.2 -> 5.1 / 3.1 (pregate still below the 5 M
-target: its victim search, `cachecore_ba._ba_layers`, is about 65% of that replay); same counters in every row.
+target: its victim search, `_ba_layers` (now `cachecore_bav`), is about 65% of that replay); same counters in every row.
 Then belady-approx's layer bounds count candidates only (pinned and just-issued slots leave them until they are
 candidates again), a key's old fields leave them before its new ones join, and its least calibrated probability
 is kept, not recomputed per search (`cachecore_bav`): a pregate victim search scans 1.06 layers / 12.1 slots
