@@ -86,7 +86,7 @@ def train(
     forest_samples: int = typer.Option(
         120_000,
         "--forest-samples",
-        help="Training samples for the forest (rows x (layer, S) pairs, subsampled); each tree draws 12,000 of "
+        help="Training samples for the forest (rows x (layer, S) pairs, subsampled); each tree draws 9,000 of "
         "them (all when fewer).",
     ),
     est_epochs: int = typer.Option(

@@ -74,7 +74,7 @@ class TrainConfig:
     forest_min_leaf: int = 8
     forest_max_features: float = 0.064  # part of the features tried per split (at least forest_arrays.MIN_SPLIT_FEATURES)
     forest_max_samples: int = 120_000  # the pool: rows x (layer, S) pairs, subsampled per pair
-    forest_tree_samples: int = 12_000  # each tree's bootstrap draw from the pool (the whole pool when smaller)
+    forest_tree_samples: int = 9_000  # each tree's bootstrap draw from the pool (the whole pool when smaller)
     forest_window: int = 4
     forest_base: str = "none"  # forest learns y - base: none (y itself; best held out) | pregate (top-k; ExpertFlow) | prior
     forest_dim: int = 16
