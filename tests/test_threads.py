@@ -267,3 +267,47 @@ def test_run_settles_the_heap_once_after_the_model_loads(ckpt, capsys, monkeypat
     monkeypatch.setattr(session, "settle_heap", lambda: seen.append("settle") or 0)
     res, _ = _run_json(ckpt, capsys)
     assert res and seen == ["load", "settle"]
+
+
+def test_collect_setup_collects_only_in_a_settled_process():
+    """`collect_setup` runs a full collection (cyclic garbage freed) only once the heap was settled: in a process
+    that never froze its heap (a test suite attaching many engines) it would scan every object each time."""
+    import gc
+    import weakref
+
+    from moeflow.runtime import timing
+
+    class Node:
+        pass
+
+    def garbage() -> weakref.ref:
+        a = Node()
+        a.me = a  # a reference cycle: only a collection frees it
+        return weakref.ref(a)
+
+    gc.disable()  # no automatic collection between the asserts
+    try:
+        ref = garbage()
+        assert gc.get_freeze_count() == 0 and timing.collect_setup() is False and ref() is not None
+        gc.freeze()  # as `settle_heap` leaves a timed process (the suite's autouse fixture unfreezes after)
+        ref = garbage()  # made after the freeze, as a setup step's garbage is
+        assert timing.collect_setup() is True and ref() is None
+    finally:
+        gc.enable()
+
+
+def test_an_engine_collects_its_setup_once_attached(tiny_models, monkeypatch):
+    """`OffloadEngine.attach` asks for `collect_setup` once its policies are bound and its hooks are in place (the
+    binding's garbage collected then, not in the first timed decode steps), once per attach."""
+    from moeflow.runtime import timing
+    from moeflow.runtime.generate import build_engine
+    from moeflow.runtime.link import DirectLink
+
+    model = tiny_models("olmoe")
+    calls: list[bool] = []
+    monkeypatch.setattr(timing, "collect_setup", lambda: calls.append(True) or True)
+    eng = build_engine(model, mode="offload", link=DirectLink(), capacity=8, prefetch="pregate")
+    assert calls == []
+    with eng:
+        assert calls == [True]
+    assert calls == [True]

@@ -255,6 +255,7 @@ class OffloadEngine:
             stack.close()
             raise
         self._stack = stack
+        timing.collect_setup()  # the policies' binding's garbage collected now, not in a timed decode step (settled heap)
 
     def close(self) -> None:
         """Restore the model exactly as it was (experts back on the device, stock implementation)."""

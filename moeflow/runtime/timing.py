@@ -61,3 +61,16 @@ def settle_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def collect_setup() -> bool:
+    """In a process whose heap was settled (`settle_heap`: a timed one), one full collection now, at the end of a
+    setup step (e.g. an engine binding its policies: predictors loaded, numba kernels compiled or loaded): the
+    step's garbage and new long-lived objects otherwise bring the next full collection into a timed decode step (a
+    router-pf decode call of 44-54 ms in a fresh checkout's first `benchmarks/predictors.py` run, against 0.3-1 ms).
+    Cheap there (frozen objects are not scanned); skipped in a process that never settled its heap (a test suite
+    attaching many engines), where it would scan every object each time. Whether it collected."""
+    if not gc.get_freeze_count():
+        return False
+    gc.collect()
+    return True
