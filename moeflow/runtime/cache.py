@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -303,8 +303,8 @@ class ExpertCache(SlotPool, CompiledBridge, CacheDevice):
         n = 0
         for s in stale:
             slot = self.slots[s]
-            key, t = slot.key, slot.ticket
-            if key is None or key[0] != layer or key[1] in need or not slot.prefetched or slot.pinned or t is None:
+            key, t = cast(ExpertKey, slot.key), slot.ticket  # (layer, e) with e not in `need`: `stale` holds no other
+            if not slot.prefetched or slot.pinned or t is None:
                 continue
             if not self.link.cancel(t):
                 continue

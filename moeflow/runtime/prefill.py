@@ -253,14 +253,15 @@ class StagedPrefill:
         if not cache.per_layer:  # one part: the layers the empty slots may reach (each takes at most E)
             layers = layers[: 1 + max(0, -(-(cache.free_room(layers[0]) - E) // E))]
         self._all_routed = self._expects_all_routed(x)
-        every = self._routes_every(x)
+        every = self._routes_every()
         self._stage_predicted(layers[0], x, cache.stage_room(layers[0]))
         if len(layers) > 1:
             self._later = (layers[1:], x, every)
 
-    def _routes_every(self, x: torch.Tensor) -> bool:
-        """A cache of every expert and `_expects_all_routed(x)`: every expert staged, layer by layer, unpredicted."""
-        return self.cache.capacity >= self.spec.total_experts and self._expects_all_routed(x)
+    def _routes_every(self) -> bool:
+        """A cache of every expert and a prefill expected to route them all (`_all_routed`, which `start` sets from
+        `_expects_all_routed`): every expert staged, layer by layer, unpredicted."""
+        return self._all_routed and self.cache.capacity >= self.spec.total_experts
 
     def _expects_all_routed(self, x: torch.Tensor) -> bool:
         """A prefill of `x [...,H]`'s T tokens is expected to route every expert of each layer: E (1 - k/E)^T < 0.5
