@@ -1,7 +1,7 @@
 """Time to first token against its bound: the staged prefill path vs the serial one, on the emulated link.
 
 1. prompts of `--tokens` tokens (default 256), cut from ShareGPT and Alpaca texts concatenated
-   (`--data-dir`, default ../shared/data): consecutive windows, so every prompt is real text;
+   (`--data-dir`, default $MOEFLOW_DATA, else ../shared/data): consecutive windows, so every prompt is real text;
 2. resident TTFT per prompt (the stock model, grouped_mm; the fastest of `--repeats`, and of its runs in step 4,
    one before each prompt's configurations, so the bound and the TTFTs are timed under the same load) and its
    greedy tokens;
@@ -48,7 +48,7 @@ from moeflow.runtime.timing import settle_heap
 PATHS = ("serial", "staged")
 
 
-def make_prompts(tok, data_dir: str, n: int, tokens: int) -> list[torch.Tensor]:
+def make_prompts(tok, data_dir: str | None, n: int, tokens: int) -> list[torch.Tensor]:
     """`n` prompts `[1,tokens]`: consecutive windows of ShareGPT then Alpaca texts, concatenated."""
     texts = [p.text for src in ("sharegpt", "alpaca") for p in load_prompts(src, data_dir, limit=400)]
     ids = tok("\n\n".join(texts), return_tensors="pt").input_ids.reshape(-1)  # [N]
@@ -62,8 +62,8 @@ def main() -> None:
     ap.add_argument("--model", default="models/olmoe-mini", help="model directory (default %(default)s)")
     ap.add_argument(
         "--data-dir",
-        default=str(Path(__file__).resolve().parents[2] / "shared" / "data"),
-        help="data directory of the ShareGPT and Alpaca texts the prompts are cut from (default %(default)s)",
+        default=None,
+        help="data directory of the ShareGPT and Alpaca prompt texts (default: $MOEFLOW_DATA, else ../shared/data)",
     )
     ap.add_argument("--prompts", type=int, default=3, help="prompts (default 3)")
     ap.add_argument("--tokens", type=int, default=256, help="tokens per prompt (default 256)")
