@@ -15,6 +15,12 @@ reads, `engine.host_syncs`, over decode passes), all with `benchmarks/_profile.p
     python benchmarks/engine_overhead.py --model /tmp/olmoe-7b --device cuda
     python benchmarks/engine_overhead.py --shape olmoe-1b-7b-shape --device cuda   # the same, built in memory
 
+Off the CPU, transformers' generate decodes a `grouped_mm` model with `batched_mm` (it switches for the decode
+stage): the JSON's `resident_decode_impl` says which implementation the resident decode steps ran.
+`--host-profile N` prints, to stderr, the N functions with the most own host time (cProfile) in one
+generation of each: on a GPU both decodes are bound by the host (launches and Python), so this is where
+the ratio comes from.
+
 Targets: <= 1.10x resident on the GPU shape, <= 1.05x on CPU. Prints a rich table, then one JSON line.
 """
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -80,6 +87,40 @@ def shape_model(shape: str, device: str, dtype: str):
     return model
 
 
+def decode_impl(model, adapter, ids) -> str:
+    """The experts implementation the stock model's decode steps run: transformers' generate may switch
+    `grouped_mm` to `batched_mm` for decoding off the CPU (the resident reference is then `batched_mm`)."""
+    seen: list[str] = []
+    experts = adapter.experts(adapter.moe_layers[0])
+
+    def hook(module, args):
+        if args[0].shape[0] == 1:  # one row: a decode step
+            seen.append(str(module.config._experts_implementation))
+
+    h = experts.register_forward_pre_hook(hook)
+    try:
+        _tpot(model, ids, None, 2)
+    finally:
+        h.remove()
+    return seen[-1] if seen else "?"
+
+
+def host_profile(resident, offloaded, ids, engine, new: int, top: int) -> None:
+    """cProfile of one generation of `new` tokens of each model: the `top` functions by own time, to stderr."""
+    import cProfile
+    import io
+    import pstats
+
+    for name, model, eng in (("resident", resident, None), ("engine", offloaded, engine)):
+        prof = cProfile.Profile()
+        prof.enable()
+        _tpot(model, ids, eng, new)
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+        print(f"---- host profile: {name}, {new} new tokens (cProfile, by own time)\n{out.getvalue()}", file=sys.stderr)
+
+
 def _tpot(model, ids, engine, new: int) -> float:
     from moeflow.runtime.generate import generate_one
 
@@ -110,6 +151,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32, help="new tokens per timed generation (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=6, help="timed rounds, alternating order (default %(default)s)")
     ap.add_argument("--profile-tokens", type=int, default=6, help="new tokens in the profiled generation (default %(default)s)")
+    ap.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the N functions with the most own host time (cProfile) of one generation of each (default: off)",
+    )
     a = ap.parse_args()
     if a.make_model:
         make_model(a.make_model[0], Path(a.make_model[1]))
@@ -148,6 +196,7 @@ def main() -> None:
     with engine:
         engine.warm()
         _tpot(resident, ids, None, a.new_tokens)  # untimed warm-up of both
+        resident_decode = decode_impl(resident, adapter, ids)
         _tpot(offloaded, ids, engine, a.new_tokens)
         for r in range(a.rounds):
             order = ("resident", "engine") if r % 2 == 0 else ("engine", "resident")
@@ -161,6 +210,8 @@ def main() -> None:
             "engine": profile_counts(offloaded, adapter_off, ids, engine, a.profile_tokens, cuda),
         }
         misses = engine.cache.counters.misses
+        if a.host_profile:
+            host_profile(resident, offloaded, ids, engine, a.new_tokens, a.host_profile)
 
     med = {m: statistics.median(v) for m, v in tpot.items()}
     ratio = med["engine"] / med["resident"]
@@ -188,7 +239,8 @@ def main() -> None:
     target = 1.10 if cuda else 1.05
     console.print(
         f"engine / resident TPOT = {ratio:.3f} (medians; of minima {ratio_min:.3f}, per-round median "
-        f"{paired:.3f}; target <= {target}); misses after warm-up: {misses}"
+        f"{paired:.3f}; target <= {target}); misses after warm-up: {misses}; the resident model decodes with "
+        f"{resident_decode}"
     )
     print(
         json.dumps(
@@ -206,6 +258,7 @@ def main() -> None:
                 "ratio_paired_median": round(paired, 4),
                 "target": target,
                 "misses": misses,
+                "resident_decode_impl": resident_decode,
                 "per_moe_layer_per_decode_step": counts,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             }

@@ -100,6 +100,8 @@ def engine_figure(r: dict[str, Any]) -> tuple[str, str, str]:
     med = r.get("tpot_ms_median") or {}
     ratio = r.get("ratio")
     fig = f"engine/resident {ratio:.2f}x ({_ms(med.get('engine'))} / {_ms(med.get('resident'))})" if ratio else "?"
+    if r.get("resident_decode_impl"):  # transformers may decode the stock model with batched_mm off the CPU
+        fig += f"; resident decodes with {r['resident_decode_impl']}"
     misses = r.get("misses")
     if misses:
         return FAIL, fig, f"{misses} misses with every expert cached"

@@ -64,7 +64,12 @@ def test_steps_become_one_table_and_one_json_line(gc, monkeypatch, capsys, tmp_p
             Path(xml).write_text(JUNIT)
             return 1, "", 2.0
         if script == "engine_overhead.py":
-            line = {"ratio": 1.5, "tpot_ms_median": {"engine": 54.0, "resident": 36.0}, "misses": 0}
+            line = {
+                "ratio": 1.5,
+                "tpot_ms_median": {"engine": 54.0, "resident": 36.0},
+                "misses": 0,
+                "resident_decode_impl": "batched_mm",
+            }
             return 0, "table\n" + json.dumps(line) + "\n", 3.0
         if script == "offload.py":
             runs = [{"run": "on-demand", "tpot_s": 0.08, "exact": True}, {"run": "lru+pregate", "tpot_s": 0.05, "exact": False}]
@@ -87,6 +92,7 @@ def test_steps_become_one_table_and_one_json_line(gc, monkeypatch, capsys, tmp_p
     assert t["status"] == "fail" and (t["result"]["passed"], t["result"]["failed"], t["result"]["skipped"]) == (7, 1, 2)
     assert "tests.test_gpu_paths::test_a" in t["reason"]
     assert by["engine overhead"]["status"] == "ok" and "1.50x" in by["engine overhead"]["figure"]
+    assert "resident decodes with batched_mm" in by["engine overhead"]["figure"]
     assert by["offload cuda link"]["status"] == "fail" and "lru+pregate" in by["offload cuda link"]["reason"]
     assert by["host compute"]["status"] == "timeout"
     assert by["prefill"]["status"] == "ok" and by["prefill"]["figure"] == "TTFT serial 1.90x bound, staged 1.25x bound"

@@ -5,7 +5,8 @@
   `torch._grouped_mm` accepts on CUDA): no gathered grouped call has more groups than the pass routed
   (T*k) or than the layer has experts, and no call reading the weights in place spans more than 1024 slots.
 - One host read per MoE layer per pass; none per layer once every expert is resident (the accesses
-  are replayed at pass end), with the same counters as the non-deferred path.
+  are replayed at pass end), with the same counters as the non-deferred path, and one slot-use marker
+  (`link.record_use`: a CUDA event on a GPU) per replay instead of one per layer.
 """
 
 from __future__ import annotations
@@ -21,6 +22,18 @@ from moeflow.runtime.link import DirectLink
 from moeflow.runtime.step import RouteStep
 
 NEW = 6
+
+
+class MarkerCountingLink(DirectLink):
+    """A direct link that counts the slot-use markers asked of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.markers = 0
+
+    def record_use(self):
+        self.markers += 1
+        return super().record_use()
 
 
 @pytest.fixture(scope="module")
@@ -92,24 +105,27 @@ def test_one_host_read_per_layer_and_deferred_counters(tiny_models, arch, monkey
     ref, _ = generate_one(model, prompt, None, max_new_tokens=NEW, min_new_tokens=NEW)
 
     def run(capacity: int, warm: bool, ev: str):
-        eng = build_engine(model, mode="offload", link=DirectLink(), capacity=capacity, eviction=ev, prefetch="none")
+        link = MarkerCountingLink()
+        eng = build_engine(model, mode="offload", link=link, capacity=capacity, eviction=ev, prefetch="none")
         with eng:
             if warm:
                 eng.warm()
-            s0 = eng.host_syncs
+            s0, k0 = eng.host_syncs, link.markers
             out, m = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
-            return out, m.counters, eng.host_syncs - s0
+            return out, m.counters, eng.host_syncs - s0, link.markers - k0
 
-    passes = NEW  # prefill + NEW-1 decode steps are routed
-    out, _, syncs = run(spec.total_experts // 2, False, "lru")
-    assert torch.equal(out, ref) and syncs == passes * spec.num_moe_layers
+    passes, layers = NEW, spec.num_moe_layers  # prefill + NEW-1 decode steps are routed
+    out, _, syncs, _ = run(spec.total_experts // 2, False, "lru")
+    assert torch.equal(out, ref) and syncs == passes * layers
     for ev in ("lru", "least-stale"):
-        out, fast, syncs = run(spec.total_experts, True, ev)
+        out, fast, syncs, markers = run(spec.total_experts, True, ev)
         assert torch.equal(out, ref) and syncs == passes  # one replay per pass, none per layer
+        assert markers == passes  # one slot-use marker per replay, not one per layer
         monkeypatch.setattr(RouteStep, "can_defer", lambda self, layer, indices: False)
-        out, slow, syncs = run(spec.total_experts, True, ev)
+        out, slow, syncs, markers = run(spec.total_experts, True, ev)
         monkeypatch.undo()
-        assert torch.equal(out, ref) and syncs == passes * spec.num_moe_layers
+        assert torch.equal(out, ref) and syncs == passes * layers
+        assert markers == passes * layers  # each layer's release marks its own slots
         fast.stall_s = slow.stall_s = 0.0
         assert fast == slow
 

@@ -66,6 +66,9 @@ from .store import HostExpertStore
 _priority = attrgetter("priority")
 
 
+RECORD_NOW: Any = object()  # `ExpertCache.release`: record the slot-use marker now (no caller-recorded one)
+
+
 class ExpertCache(SlotPool, CompiledBridge, CacheDevice):
     def __init__(
         self,
@@ -267,9 +270,12 @@ class ExpertCache(SlotPool, CompiledBridge, CacheDevice):
         self.counters.stall_s += stall
         return stall
 
-    def release(self, slots: Sequence[int]) -> None:
-        """The layer's compute that read `slots` has been issued: unpin them (free them if not retaining)."""
-        marker = self.link.record_use()
+    def release(self, slots: Sequence[int], marker: Any = RECORD_NOW) -> None:
+        """The layer's compute that read `slots` has been issued: unpin them (free them if not retaining).
+        `marker`: a `link.record_use()` placed after that compute already (several releases share one); by
+        default one is recorded now."""
+        if marker is RECORD_NOW:
+            marker = self.link.record_use()
         if self.core is not None:
             for s in slots:
                 slot = self.slots[s]

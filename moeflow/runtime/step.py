@@ -193,12 +193,14 @@ class RouteStep:
             return
         deferred, self.deferred = self.deferred, []
         cache = self.cache
-        for (l, _, _), (ids, w) in zip(deferred, self.to_host([(i, w) for _, i, w in deferred])):
+        routings = self.to_host([(i, w) for _, i, w in deferred])
+        marker = cache.link.record_use()  # after every deferred layer's compute: one marker for all their slots
+        for (l, _, _), (ids, w) in zip(deferred, routings):
             experts, scores = needed_experts(ids, w, self.spec.num_experts)
             if self.prefill is not None and self.prefill.prefill:
                 self.prefill.count(l, experts)
             cache.begin_layer(l)
-            cache.release(cache.demand(l, experts, scores))  # all hits: pins nothing past this line
+            cache.release(cache.demand(l, experts, scores), marker)  # all hits: pins nothing past this line
 
     def to_host(self, routings: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Expert ids and gate weights of several routings, copied to the host in ONE transfer (on the CPU, where
