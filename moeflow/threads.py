@@ -8,6 +8,10 @@ In order, the first that applies:
 4. a default from the model's size: 1 thread when its largest per-token matrix, hidden_size x
    expert_intermediate_size (or hidden_size^2), has fewer than `SMALL_MATRIX` = 2^20 weights, else
    every CPU this process may use.
+A count from 3 or 4 above 1 is then capped at the CPUs idle when the command starts (`cap_to_idle`, rounded,
+at least 1): each of torch's parallel regions waits at its end for all its threads, so a thread waiting for a
+core that other work holds stalls the rest (beside one busy loop on 2 cores, a 50-prompt `moeflow trace` at
+the calibration's 2 threads took twice its quiet time). An explicit count (1, 2) is never capped.
 
 Why 2^20: a decode token multiplies each weight matrix by one vector. Below ~1 Mi weights (4 MiB in
 float32) that product takes well under 0.2 ms on one core, the same order as waking and joining an
@@ -23,6 +27,7 @@ time slice stalls every such op at its barrier, which made a 16-token run of the
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +50,7 @@ class ThreadChoice:
     n: int  # torch intra-op threads
     source: str  # "--threads", "MOEFLOW_THREADS", "OMP_NUM_THREADS", "calibration" or "default"
     why: str  # one line for text output
+    idle: float | None = None  # CPUs idle when the count was capped (`cap_to_idle`); None: not measured
 
     def to_dict(self) -> dict[str, Any]:
         """The `--json` fields: `threads`, `threads_source`."""
@@ -60,6 +66,38 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+def idle_cpus(interval: float = 0.1) -> float:
+    """CPUs idle over the next `interval` seconds (Linux's /proc/stat; this process's own counts as idle, as it
+    sleeps meanwhile); without it, usable CPUs minus the 1-minute load average."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]  # cpu user nice system idle iowait irq softirq steal ...
+        return v[3] + v[4], sum(v[:8])
+
+    try:
+        i0, t0 = sample()
+        time.sleep(interval)
+        i1, t1 = sample()
+        n = os.cpu_count() or 1
+        return n * (i1 - i0) / max(1, t1 - t0)
+    except (OSError, ValueError, IndexError):
+        try:
+            return usable_cores() - os.getloadavg()[0]
+        except OSError:
+            return 0.0
+
+
+def cap_to_idle(choice: ThreadChoice, idle: float) -> ThreadChoice:
+    """A calibrated or default count above 1 capped at `idle` CPUs (rounded, at least 1; module docstring); an
+    explicit one (`--threads`, the environment) as it is. The result records `idle`."""
+    if choice.source not in ("calibration", "default") or choice.n <= 1:
+        return choice
+    n = max(1, min(choice.n, int(idle + 0.5)))
+    why = choice.why if n == choice.n else f"{choice.why}; {n} of {choice.n}: {idle:.1f} CPUs idle now"
+    return ThreadChoice(n, choice.source, why, idle)
 
 
 def env_threads(environ: Mapping[str, str] | None = None) -> tuple[int, str] | None:

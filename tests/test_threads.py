@@ -120,14 +120,52 @@ def test_run_reports_and_uses_the_rule(ckpt, tmp_path, capsys, monkeypatch):
     assert "1 thread (default: small model" in err  # the text line
     assert torch.get_num_threads() == before  # restored after the command
     _calibration(tmp_path / "calibration" / "cpu.json", load_model(ckpt)[0], best_threads=2)
+    import moeflow.stages.threads as st
+
+    monkeypatch.setattr(st, "idle_cpus", lambda: 8.0)  # a quiet machine
     res, _ = _run_json(ckpt, capsys)
     assert (res["threads"], res["threads_source"]) == (min(2, _cores()), "calibration")
+    monkeypatch.setattr(st, "idle_cpus", lambda: 1.1)  # another job holds the second core: capped
+    res, err = _run_json(ckpt, capsys)
+    assert (res["threads"], res["threads_source"]) == (1, "calibration")
+    if _cores() >= 2:
+        assert "1 of 2: 1.1 CPUs idle now" in err
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert _run_json(ckpt, capsys)[0]["threads_source"] == "OMP_NUM_THREADS"
     monkeypatch.setenv("MOEFLOW_THREADS", "2")
     assert _run_json(ckpt, capsys)[0]["threads"] == 2
     res, _ = _run_json(ckpt, capsys, "--threads", "1")
     assert (res["threads"], res["threads_source"]) == (1, "--threads")
+
+
+def test_a_calibrated_or_default_count_is_capped_at_the_idle_cpus():
+    from moeflow.threads import ThreadChoice, cap_to_idle
+
+    cal = ThreadChoice(2, "calibration", "fastest measured")
+    assert cap_to_idle(cal, 1.0) == ThreadChoice(1, "calibration", "fastest measured; 1 of 2: 1.0 CPUs idle now", 1.0)
+    assert cap_to_idle(cal, 1.6).n == 2 and cap_to_idle(cal, 1.6).idle == 1.6  # rounded: 1.6 idle CPUs are 2
+    assert cap_to_idle(ThreadChoice(8, "default", "all CPUs"), 2.6).n == 3
+    assert cap_to_idle(ThreadChoice(8, "default", "all CPUs"), 0.1).n == 1  # at least one
+    for explicit in ("--threads", "MOEFLOW_THREADS", "OMP_NUM_THREADS"):  # never capped
+        assert cap_to_idle(ThreadChoice(2, explicit, "asked"), 0.2) == ThreadChoice(2, explicit, "asked")
+    assert cap_to_idle(ThreadChoice(1, "default", "small"), 0.2).idle is None  # one thread: nothing to cap
+
+
+def test_apply_threads_caps_only_what_it_chose(tiny_models, monkeypatch):
+    import moeflow.stages.threads as st
+
+    monkeypatch.delenv("MOEFLOW_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(st, "idle_cpus", lambda: pytest.fail("idle CPUs measured without a count to cap"))
+    model, before = tiny_models("olmoe"), torch.get_num_threads()
+    try:
+        assert st.apply_threads(2, model, look_up=False).n == 2  # --threads: not measured, not capped
+        got = st.apply_threads(None, model, calibration={"best_threads": 2}, cores=2, idle=1.0)
+        assert (got.n, got.source, got.idle, torch.get_num_threads()) == (1, "calibration", 1.0, 1)
+        got = st.apply_threads(None, model, calibration={"best_threads": 2}, cores=2, idle=2.0)
+        assert (got.n, torch.get_num_threads()) == (2, 2)
+    finally:
+        torch.set_num_threads(before)
 
 
 def _cores() -> int:

@@ -8,7 +8,6 @@ sequences the speculative-quality measurement uses.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -20,6 +19,7 @@ import torch
 
 from ..errors import ConfigError
 from ..moe import model_fingerprint
+from ..threads import idle_cpus
 from .base import PREDICTORS
 from .data import RoutingData
 
@@ -90,29 +90,6 @@ def fit_threads(threads: int, source: str, workers: int, idle: float | None = No
 
 
 IDLE_FOR_TWO = 1.5  # idle CPUs (this process's own included, as it waits while measuring) for 2 fits at once
-
-
-def idle_cpus(interval: float = 0.1) -> float:
-    """CPUs idle over the next `interval` seconds (Linux's /proc/stat); without it, usable CPUs minus the 1-minute
-    load average."""
-    from ..threads import usable_cores
-
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]  # cpu user nice system idle iowait irq softirq steal ...
-        return v[3] + v[4], sum(v[:8])
-
-    try:
-        i0, t0 = sample()
-        time.sleep(interval)
-        i1, t1 = sample()
-        n = os.cpu_count() or 1
-        return n * (i1 - i0) / max(1, t1 - t0)
-    except (OSError, ValueError, IndexError):
-        try:
-            return usable_cores() - os.getloadavg()[0]
-        except OSError:
-            return 0.0
 
 
 def can_fork() -> bool:

@@ -1,7 +1,7 @@
 """The thread rule applied to a loaded model (`moeflow.threads` is the rule itself): `apply_threads` resolves
 `--threads`, the environment, the calibration's fastest measured count (`find_thread_calibration`: the
-calibration of this model on this device, as `moeflow calibrate` writes it) or the default, and sets torch's
-intra-op thread count to it."""
+calibration of this model on this device, as `moeflow calibrate` writes it) or the default (those two capped at
+the CPUs idle now), and sets torch's intra-op thread count to it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..threads import CALIBRATION_ROOT, ThreadChoice, env_threads, resolve_threads
+from ..threads import CALIBRATION_ROOT, ThreadChoice, cap_to_idle, env_threads, idle_cpus, resolve_threads
 
 
 def calibration_candidates(device: str, root: str | os.PathLike = CALIBRATION_ROOT) -> list[Path]:
@@ -60,9 +60,11 @@ def apply_threads(
     calibration: Mapping[str, Any] | None = None,
     cores: int | None = None,
     look_up: bool = True,
+    idle: float | None = None,
 ) -> ThreadChoice:
     """Resolve the rule for a loaded `model` on `device` (its spec; `calibration`, else one found by
-    `find_thread_calibration` unless `look_up` is False) and set torch's intra-op thread count to it.
+    `find_thread_calibration` unless `look_up` is False), cap a calibrated or default count above 1 at the
+    CPUs idle now (`idle`, default measured: `idle_cpus`), and set torch's intra-op thread count to it.
     The caller restores the previous count (`moeflow.models.torch_threads`)."""
     import torch
 
@@ -73,5 +75,7 @@ def apply_threads(
     if flag is None and env_threads() is None and look_up:
         cal = find_thread_calibration(model, device, records=(calibration,))
     choice = resolve_threads(flag, cal, spec, cores=cores)
+    if choice.source in ("calibration", "default") and choice.n > 1:
+        choice = cap_to_idle(choice, idle_cpus() if idle is None else idle)
     torch.set_num_threads(choice.n)
     return choice

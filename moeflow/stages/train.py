@@ -199,9 +199,11 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
     steps: dict[str, float] = {}  # seconds of the work no one predictor owns
     model = load_cpu_model(cfg.model)
     threads = apply_threads(cfg.threads, model, "cpu")
-    # the training rule's measure (0.1 s), read once; not needed with --threads nor with --fit-workers 2 (which
-    # keeps the threads: `fit_threads`)
-    idle = idle_cpus() if threads.source != "--threads" and cfg.fit_workers != 2 else None
+    # the training rule's measure (0.1 s), read once (the thread rule's when it capped a count); not needed with
+    # --threads nor with --fit-workers 2 (which keeps the threads: `fit_threads`)
+    idle = None
+    if threads.source != "--threads" and cfg.fit_workers != 2:
+        idle = threads.idle if threads.idle is not None else idle_cpus()
     workers = fit_workers(threads.n, threads.source, idle=idle, requested=cfg.fit_workers) if "forest" in cfg.only else 1
     n = fit_threads(threads.n, threads.source, workers, idle)
     if n != threads.n:
