@@ -19,7 +19,7 @@ from moeflow.moe import get_adapter
 from moeflow.runtime import experts_call
 from moeflow.runtime.generate import build_engine, generate_one
 from moeflow.runtime.link import DirectLink
-from moeflow.runtime.step import RouteStep
+from moeflow.runtime.step import RouteStep, packed_to_host
 
 NEW = 6
 
@@ -156,3 +156,41 @@ def test_more_than_1024_slots_cuda():
                 eng.warm()
                 out, _ = generate_one(model, prompt, eng, max_new_tokens=NEW, min_new_tokens=NEW)
             assert torch.equal(out, ref), f"cuda {dtype} C={capacity}"
+
+
+VIEWS = {"aten::reshape", "aten::view", "aten::_reshape_alias", "aten::unbind", "aten::select", "aten::slice", "aten::alias"}
+
+
+def _aten_ops(fn) -> int:
+    """Top-level aten ops `fn()` runs that are not views (on a GPU each one a kernel launch and its host cost)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(
+        1
+        for e in prof.events()
+        if e.name.startswith("aten::")
+        and e.name not in VIEWS
+        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    )
+
+
+def test_a_pass_replay_reads_its_routings_in_a_constant_number_of_ops():
+    """`packed_to_host` (the device branch of `RouteStep.to_host`, run here on CPU tensors): a pass's deferred
+    routings (one shape, one dtype pair) come back exact (ids long, weights float32, bit for bit) through two stacks
+    and two copies, however many layers; mixed shapes fall back to the float64 pack, with the same values."""
+    g = torch.Generator().manual_seed(0)
+    same = [
+        (torch.randint(0, 64, (1, 8), generator=g), torch.rand(1, 8, generator=g).to(torch.bfloat16)) for _ in range(16)
+    ]  # 16 layers' [T,k] ids and weights
+    mixed = [*same[:3], (torch.randint(0, 64, (2, 8), generator=g), torch.rand(2, 8, generator=g).to(torch.bfloat16))]
+    for routings in (same, mixed, same[:1]):
+        out = packed_to_host(routings)
+        assert len(out) == len(routings)
+        for (i, w), (i0, w0) in zip(out, routings):
+            assert i.dtype == torch.long and w.dtype == torch.float32
+            assert torch.equal(i, i0.reshape(-1)) and torch.equal(w, w0.reshape(-1).float())
+    stacked, packed = _aten_ops(lambda: packed_to_host(same)), _aten_ops(lambda: packed_to_host(mixed))
+    assert stacked <= 8 < 2 * len(same)  # stacks and copies (+ the host-side slices), not 2 conversions per layer
+    assert packed >= 2 * len(mixed)  # the fallback converts each tensor

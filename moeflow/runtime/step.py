@@ -203,19 +203,12 @@ class RouteStep:
             cache.release(cache.demand(l, experts, scores), marker)  # all hits: pins nothing past this line
 
     def to_host(self, routings: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Expert ids and gate weights of several routings, copied to the host in ONE transfer (on the CPU, where
-        they already are: converted, not packed)."""
+        """Expert ids and gate weights of several routings, copied to the host with one wait for the device
+        (`packed_to_host`; on the CPU, where they already are: converted, not packed), counted as one host read."""
         self.counts.host_syncs += 1
         if all(i.device.type == "cpu" and w.device.type == "cpu" for i, w in routings):  # the packed path's values
             return [(i.reshape(-1).to(torch.long, copy=True), w.reshape(-1).to(torch.float32, copy=True)) for i, w in routings]
-        flat = [t.reshape(-1).to(torch.float64) for i, w in routings for t in (i, w)]  # f64: ids and weights exact
-        packed = torch.cat(flat).cpu() if len(flat) > 1 else flat[0].cpu()
-        out, o = [], 0
-        for i, _ in routings:
-            n = i.numel()
-            out.append((packed[o : o + n].long(), packed[o + n : o + 2 * n].float()))  # [S] ids, [S] weights
-            o += 2 * n
-        return out
+        return packed_to_host(routings)
 
     def reroute(self, layer: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The routing policy's choice (weights [T,k], indices [T,k]) from the router's logits [T,E], or None
@@ -284,6 +277,30 @@ class RouteStep:
         if routed.experts is None or routed.scores is None:  # unreachable: only deferred layers lack them
             raise RuntimeError(f"layer {layer}: the router hook recorded no experts for this call")
         return routed
+
+
+def packed_to_host(routings: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Device -> host of several routings (ids [T,k], weights [T,k] each): [(ids [S] long, weights [S] float32)],
+    the values exact. Several routings of one shape and dtypes (a pass's deferred layers) are stacked: ONE stack of
+    the ids and ONE of the weights, each one copy (the second finds the device idle), 4 device ops for any number of
+    layers; otherwise (one routing, or mixed shapes) every tensor goes to float64 (ids and weights exact) and ONE
+    packed copy (2n + 2 ops). Each device op costs the host tens of microseconds on a GPU, where decode is host-bound."""
+    i0, w0 = routings[0]
+    if len(routings) > 1 and all(
+        i.shape == i0.shape and i.dtype == i0.dtype and w.shape == w0.shape and w.dtype == w0.dtype for i, w in routings
+    ):
+        ids_d = torch.stack([i.reshape(-1) for i, _ in routings])  # [n,S] on the device
+        ws_d = torch.stack([w.reshape(-1) for _, w in routings])  # [n,S]
+        ids, ws = ids_d.cpu().long(), ws_d.cpu().float()  # both stacks queued before the first copy waits
+        return list(zip(ids.unbind(0), ws.unbind(0)))  # [S] ids, [S] weights per routing
+    flat = [t.reshape(-1).to(torch.float64) for i, w in routings for t in (i, w)]  # f64: ids and weights exact
+    packed = torch.cat(flat).cpu() if len(flat) > 1 else flat[0].cpu()
+    out, o = [], 0
+    for i, _ in routings:
+        n = i.numel()
+        out.append((packed[o : o + n].long(), packed[o + n : o + 2 * n].float()))  # [S] ids, [S] weights
+        o += 2 * n
+    return out
 
 
 def miss_infos(ids: list[int], weights: list[float], k: int, experts: set[int]) -> dict[int, tuple[int, float, int]]:
