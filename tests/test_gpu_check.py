@@ -163,3 +163,37 @@ def test_host_figure_names_each_bandwidth_and_lossiness(gc):
     assert "fetch 40.00 ms" in fig and "cpu 13.00 ms" in fig and "auto/best 0.94" in fig and "lossy" in fig
     assert "never" not in fig
     assert gc.host_figure({"rows": []})[0] == gc.ERROR
+
+
+COLLECTION_ERROR = """<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests"><testsuite name="pytest"
+errors="1" failures="0" skipped="1" tests="4"><testcase classname="" name="tests.test_layering" time="0.000"><error
+message="collection failure">ImportError while importing test module '/w/tests/test_layering.py'.
+tests/test_layering.py:14: in &lt;module&gt;
+    import grimp
+E   ModuleNotFoundError: No module named 'grimp'</error></testcase><testcase classname="tests.test_gpu_paths"
+name="test_a" time="0.1" /><testcase classname="tests.test_gpu_paths" name="test_b" time="0.1" /><testcase
+classname="tests.test_gpu_paths" name="test_c" time="0.1"><skipped message="needs 2 CUDA devices" /></testcase>
+</testsuite></testsuites>"""
+
+
+def test_a_module_not_collected_is_named_apart_and_the_gpu_tests_still_run(gc, tmp_path):
+    """A GPU machine without a dev package (import-linter's grimp, as on an H100 here): pytest's junit XML holds a
+    collection error; gpu-check names the module and its error apart from failed tests, and asks pytest to go on
+    past it (`--continue-on-collection-errors`), so the gpu tests' own results still come."""
+    xml = tmp_path / "gpu-tests.xml"
+    xml.write_text(COLLECTION_ERROR)
+    n = gc.junit_counts(xml)
+    assert (n["passed"], n["failed"], n["errors"], n["skipped"]) == (2, 0, 1, 1)
+    assert n["failed_tests"] == [] and n["uncollected"] == ["tests.test_layering: ModuleNotFoundError: No module named 'grimp'"]
+    status, fig, why = gc.tests_figure(n)
+    assert status == "fail" and fig == "2 passed, 0 failed, 1 skipped, 1 module not collected"
+    assert why == "not collected: tests.test_layering: ModuleNotFoundError: No module named 'grimp'"
+    cmds: list[list[str]] = []
+
+    def runner(cmd, timeout_s, log):
+        cmds.append(cmd)
+        xml.write_text(COLLECTION_ERROR)
+        return 2, "", 1.0
+
+    check = gc.run_tests("python", 60.0, tmp_path, runner)
+    assert "--continue-on-collection-errors" in cmds[0] and check.status == "fail" and "grimp" in check.reason
