@@ -134,3 +134,77 @@ def test_wide_span_gathers(tiny_models, monkeypatch):
         out, ops, outs = _run(model, adapter, eng, prompt)
     assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(outs, ref_outs))
     assert all(o.count("index_select") == 2 for o in ops)  # up and down weights gathered
+
+
+# ---- a decode step off the CPU: the batched_mm mirror -------------------------------------------------------
+
+
+@pytest.fixture
+def decode_switch_on_cpu(monkeypatch):
+    """What transformers' `generate` does off the CPU, here on the CPU: the stock `grouped_mm` model decodes with
+    `batched_mm` (its `_optimize_model_for_decode` without the device test), and the engine mirrors it (its
+    decision made as on a GPU)."""
+    from contextlib import contextmanager
+
+    from transformers.generation.utils import GenerationMixin
+
+    from moeflow.moe import tx_compat
+
+    if tx_compat.decode_batched() is None:
+        pytest.skip("this transformers has no batched_mm decode switch")
+
+    @contextmanager
+    def switch(self):
+        impls = self.get_experts_implementation()
+        self.set_experts_implementation({k: "batched_mm" if v == "grouped_mm" else v for k, v in impls.items()})
+        try:
+            yield
+        finally:
+            self.set_experts_implementation(impls)
+
+    monkeypatch.setattr(GenerationMixin, "_optimize_model_for_decode", switch)
+    init = experts_call.ExpertsCall.__init__
+
+    def init_as_on_a_gpu(self, **kw):
+        init(self, **kw)
+        self._batched = tx_compat.decode_batched()
+
+    monkeypatch.setattr(experts_call.ExpertsCall, "__init__", init_as_on_a_gpu)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("prefetch", ["none", "pregate"])
+def test_decode_mirrors_batched_mm_bit_for_bit(tiny_models, arch, prefetch, decode_switch_on_cpu):
+    """Every decode-step MoE block of the all-resident engine equals the stock block decoding with `batched_mm` bit
+    for bit (prefill: the grouped call, as the stock prefill), with no sort and no more aten ops than the stock
+    `batched_mm` block when deferred."""
+    model = tiny_models(arch)
+    adapter = get_adapter(model)
+    prompt = _prompt()
+    ref, ref_ops, ref_outs = _run(model, adapter, None, prompt)
+    assert all("bmm" in o for o in ref_ops)  # the stock decode ran batched_mm
+    eng = _all_resident(model, prefetch)
+    with eng:
+        eng.warm()
+        out, ops, outs = _run(model, adapter, eng, prompt)
+        assert eng.cache.counters.misses == 0
+    assert torch.equal(out, ref)
+    assert len(outs) == len(ref_outs) and all(torch.equal(a, b) for a, b in zip(outs, ref_outs))
+    for got, stock in zip(ops, ref_ops):
+        assert "sort" not in got and "_grouped_mm" not in got and got.count("bmm") == stock.count("bmm")
+        if prefetch == "none":  # one more: the slot lookup (`table[ids]`)
+            assert len(got) <= len(stock) + 1, f"{arch}: {len(got)} aten ops > stock batched_mm {len(stock)} + 1: {got}"
+
+
+def test_decode_mirror_over_scattered_slots_bf16(decode_switch_on_cpu):
+    """bf16, half the experts cached: pinned waves over slots reused across layers, decode steps mirrored where all
+    routed experts are resident, the grouped general path elsewhere; tokens as the stock batched_mm decode."""
+    model = tiny_model("olmoe", dtype=torch.bfloat16)
+    adapter = get_adapter(model)
+    prompt = _prompt(24)
+    ref, _, _ = _run(model, adapter, None, prompt)
+    spec = adapter.spec
+    eng = build_engine(model, mode="offload", link=DirectLink(), capacity=spec.total_experts // 2, eviction="lru")
+    with eng:
+        out, _, _ = _run(model, adapter, eng, prompt)
+    assert torch.equal(out, ref)

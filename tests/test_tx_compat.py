@@ -151,13 +151,36 @@ def test_the_signature_the_shim_expects_is_the_installed_one():
     assert tuple(inspect.signature(moe._grouped_linear).parameters) == tx_compat.GROUPED_LINEAR_PARAMS
 
 
+def test_decode_batched_is_the_batched_kernel_where_generate_switches(fresh_check, monkeypatch):
+    """`decode_batched`: transformers' `_batched_linear` where its generate has the decode-stage switch
+    (`_optimize_model_for_decode`); None when either is missing or the kernel's signature changed."""
+    from transformers.generation.utils import GenerationMixin
+    from transformers.integrations import moe
+
+    tx_compat.decode_batched.cache_clear()
+    assert hasattr(GenerationMixin, "_optimize_model_for_decode")  # the installed transformers switches
+    assert tx_compat.decode_batched() is moe._batched_linear
+    assert tuple(inspect.signature(moe._batched_linear).parameters) == tx_compat.BATCHED_LINEAR_PARAMS
+    x, w = torch.randn(3, 4), torch.randn(3, 5, 4)  # [S,in], [S,out,in]
+    assert torch.allclose(tx_compat.decode_batched()(x, w, bias=None, is_transposed=False), torch.einsum("soi,si->so", w, x))
+    for patch in (
+        lambda: monkeypatch.delattr(GenerationMixin, "_optimize_model_for_decode"),
+        lambda: monkeypatch.setattr(moe, "_batched_linear", lambda input, weight, bias=None: input),
+    ):
+        patch()
+        tx_compat.decode_batched.cache_clear()
+        assert tx_compat.decode_batched() is None
+        monkeypatch.undo()
+    tx_compat.decode_batched.cache_clear()
+
+
 def test_only_the_shim_touches_transformers_private_moe_internals():
     offenders = []
     for p in (REPO / "moeflow").rglob("*.py"):
         if p.name == "tx_compat.py":
             continue
         text = p.read_text()
-        for needle in ("_grouped_linear", "_global_mapping", "integrations.moe", "ALL_EXPERTS_FUNCTIONS"):
+        for needle in ("_grouped_linear", "_batched_linear", "_global_mapping", "integrations.moe", "ALL_EXPERTS_FUNCTIONS"):
             if needle in text:
                 offenders.append(f"{p.relative_to(REPO)}: {needle}")
     assert offenders == []

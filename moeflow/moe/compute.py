@@ -221,6 +221,37 @@ def routed_experts_forward(
     return combine(out, perm, top_k_weights.reshape(-1), T, k, hidden.dtype)
 
 
+def entry_batched_forward(
+    module: Any,
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    table: torch.Tensor,
+    weights: Mapping[str, torch.Tensor],
+    batched_linear: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """One experts call as transformers' `batched_mm` computes it, each row's expert weights gathered from its entry
+    `table [E]` of `weights` (a slot) instead of the module's parameters: the same ops on the same values, so
+    bit-identical to `batched_mm` (what transformers' `generate` decodes a `grouped_mm` model with off the CPU).
+    No sort, no offsets, rows stay in (token, slot) order. `batched_linear`: transformers' batched kernel
+    (`tx_compat.decode_batched`). hidden [T,H] -> [T,H]."""
+    T, H = hidden.shape
+    k = top_k_index.size(-1)
+    x = hidden.repeat_interleave(k, dim=0)  # [S,H] each token k times
+    w = top_k_weights.reshape(-1)  # [S]
+    entries = table[top_k_index.reshape(-1)]  # [S] each row's slot
+    up = "gate_up_proj" if module.has_gate else "up_proj"
+    bias = weights[up + "_bias"][entries] if module.has_bias else None  # [S, 2I] or [S, I]
+    proj = batched_linear(x, weights[up][entries], bias=bias, is_transposed=module.is_transposed)  # [S, 2I] or [S, I]
+    proj = module._apply_gate(proj) if module.has_gate else module.act_fn(proj)  # [S, I]
+    bias = weights["down_proj_bias"][entries] if module.has_bias else None  # [S, H]
+    proj = batched_linear(proj, weights["down_proj"][entries], bias=bias, is_transposed=module.is_transposed)  # [S, H]
+    if module.has_post_expert_norm:
+        proj = module.post_expert_norm(proj)
+    out = (proj * w.unsqueeze(-1)).view(T, k, H).sum(dim=1)  # [T,H] (promoted dtype, as stock)
+    return out.to(hidden.dtype)
+
+
 def entry_sorted_forward(
     module: Any,
     hidden: torch.Tensor,

@@ -5,6 +5,9 @@ on its own slot buffer, and plugs itself in as an experts implementation. For th
 private parts of `transformers.integrations.moe` that may change in any release:
 - `_grouped_linear(input [S,in], weight [G,out,in] (or [G,in,out] transposed), offs [G] int32,
   bias=[S,out] | None, is_transposed=False) -> [S,out]`: rows offs[g-1]:offs[g] use weight g;
+- `_batched_linear(input [S,in], weight [S,out,in] (or [S,in,out]), bias=[S,out] | None, is_transposed)`, the
+  `batched_mm` implementation's kernel, which transformers' `generate` uses for the decode stage of a `grouped_mm`
+  model off the CPU (`decode_batched`; optional: without it the engine keeps its grouped call);
 - `ALL_EXPERTS_FUNCTIONS`: the experts-implementation registry (`register(name, fn)`,
   `_global_mapping` name -> fn);
 - on an experts module: `has_gate`, `has_bias`, `is_transposed`, `has_post_expert_norm`, and
@@ -109,6 +112,28 @@ def grouped_linear(
 ) -> torch.Tensor:
     """transformers' `_grouped_linear`: rows offs[g-1]:offs[g] of input [S,in] times expert g's weight -> [S,out]."""
     return _checked()._grouped_linear(input, weight, offs, bias=bias, is_transposed=is_transposed)
+
+
+BATCHED_LINEAR_PARAMS = ("input", "weight", "bias", "is_transposed")
+
+
+@functools.cache
+def decode_batched() -> Callable[..., Any] | None:
+    """transformers' `_batched_linear` when its `generate` switches a `grouped_mm` model to `batched_mm` for the
+    decode stage off the CPU (`GenerationMixin._optimize_model_for_decode`, transformers >= 5.2x): the resident
+    reference's decode there gathers each row's expert weights and runs `bmm`. None when either is missing or
+    changed (the engine then keeps its sorted grouped call everywhere)."""
+    moe = _checked()
+    try:
+        from transformers.generation.utils import GenerationMixin
+    except ImportError:
+        return None
+    fn = getattr(moe, "_batched_linear", None)
+    if not callable(fn) or not hasattr(GenerationMixin, "_optimize_model_for_decode"):
+        return None
+    if tuple(inspect.signature(fn).parameters) != BATCHED_LINEAR_PARAMS:
+        return None
+    return fn
 
 
 def registered_experts(name: str) -> Callable[..., Any] | None:
