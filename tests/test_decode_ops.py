@@ -208,3 +208,19 @@ def test_decode_mirror_over_scattered_slots_bf16(decode_switch_on_cpu):
     with eng:
         out, _, _ = _run(model, adapter, eng, prompt)
     assert torch.equal(out, ref)
+
+
+def test_decode_mirror_gathers_at_most_its_cap(tiny_models, decode_switch_on_cpu, monkeypatch):
+    """Above `BATCHED_GATHER_MAX` bytes of gathered weights a decode call keeps the in-place sorted grouped call
+    (no weights gathered), still exact in tokens."""
+    model = tiny_models("olmoe")
+    adapter = get_adapter(model)
+    prompt = _prompt()
+    ref, _, _ = _run(model, adapter, None, prompt)
+    monkeypatch.setattr(experts_call, "BATCHED_GATHER_MAX", adapter.spec.top_k * adapter.spec.expert_bytes - 1)
+    eng = _all_resident(model, "none")
+    with eng:
+        eng.warm()
+        out, ops, _ = _run(model, adapter, eng, prompt)
+    assert torch.equal(out, ref)
+    assert all("bmm" not in o and "_grouped_mm" in o for o in ops)

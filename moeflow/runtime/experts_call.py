@@ -11,7 +11,8 @@ transformers' experts interface calls under the `moeflow` implementation (throug
    slot through the device table, ONE grouped call per projection over the span with the weights read in place
    (never gathered), the stock combine. A decode step off the CPU, where transformers' `generate` decodes the
    stock model with `batched_mm`, mirrors that instead (`entry_batched_forward`: each row's weights gathered from
-   its slot, `bmm`; any span);
+   its slot, `bmm`; any span) while the gathered weights stay under `BATCHED_GATHER_MAX` (256 MiB: the
+   OLMoE-1B-7B shape's top-8 gather 100 MB; a Mixtral expert alone is 336 MiB);
 3. otherwise `moeflow.moe.compute.routed_experts_forward`: the stock sort; then per wave the wait for its own slots
    only (`cache.wait` / `demand_wave`, booked as non-compute time), `grouped_experts` over the rows of the
    wave with each expert's weights gathered from its slot through the cache's device table
@@ -53,6 +54,8 @@ from .passstats import EngineCounts, PassAccount
 from .step import Routed, RouteStep
 from .store import HostExpertStore
 
+BATCHED_GATHER_MAX = 256 << 20  # bytes of expert weights a mirrored batched_mm decode call may gather (T*k rows)
+
 Wave = tuple[list[int] | None, Any]  # (experts, their pinned slots | their scores to demand | None: deferred)
 
 
@@ -85,6 +88,7 @@ class ExpertsCall:
         # mirrors it (`entry_batched_forward`, bit-identical to that reference; fewer ops than a sorted grouped call)
         dev = next(iter(cache.views.values())).device if cache.views else None
         self._batched = tx_compat.decode_batched() if dev is not None and dev.type != "cpu" else None
+        self._batched_rows = BATCHED_GATHER_MAX // max(1, store.expert_bytes)  # rows (T*k) it may gather
 
     def forward(
         self, module: nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -155,6 +159,8 @@ class ExpertsCall:
         else:
             return None
         batched = self._batched if self.account.decode else None  # a decode step off the CPU: as the stock decode
+        if batched is not None and top_k_index.numel() > self._batched_rows:
+            batched = None  # its gathered weights would cost more device memory and copy time than the ops it saves
         if span is None or (batched is None and span[1] - span[0] > MAX_GROUPS):
             return None
         if routed.experts is not None and slots is not None:
