@@ -36,7 +36,7 @@ class ExpertLayout:
 
     @property
     def row_bytes(self) -> int:
-        return self.row_numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.row_numel * self.dtype.itemsize  # (no tensor made: read per transfer)
 
     def views(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-parameter views `[N, *shape]` of a `[N, row_numel]` tensor (no copy)."""
