@@ -205,9 +205,40 @@ def test_decode_mirror_over_scattered_slots_bf16(decode_switch_on_cpu):
     ref, _, _ = _run(model, adapter, None, prompt)
     spec = adapter.spec
     eng = build_engine(model, mode="offload", link=DirectLink(), capacity=spec.total_experts // 2, eviction="lru")
-    with eng:
-        out, _, _ = _run(model, adapter, eng, prompt)
+    calls = [0]
+    inner = experts_call.entry_batched_forward
+
+    def spy(*a, **k):
+        calls[0] += 1
+        return inner(*a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(experts_call, "entry_batched_forward", spy)
+        with eng:
+            out, _, _ = _run(model, adapter, eng, prompt)
     assert torch.equal(out, ref)
+    assert calls[0] > 0  # some decode calls found every routed expert resident and were mirrored
+
+
+def test_decode_mirror_only_inside_generates_decode_stage(tiny_models, decode_switch_on_cpu):
+    """The mirror follows transformers' decode stage, not the shape of a pass: a one-token prompt's prefill (one
+    row, outside the stage) keeps the grouped call, as the stock prefill does, and so does a one-token forward
+    outside `generate` (`moeflow quality` streams tokens so): each MoE block equals the stock one bit for bit."""
+    model = tiny_models("olmoe")
+    adapter = get_adapter(model)
+    prompt = _prompt(1)  # [1,1]
+    ref, _, ref_outs = _run(model, adapter, None, prompt)
+    with torch.no_grad():
+        ref_logits = model(prompt).logits
+    eng = _all_resident(model, "none")
+    with eng:
+        eng.warm()
+        out, _, outs = _run(model, adapter, eng, prompt)
+        with torch.no_grad():
+            logits = model(prompt).logits  # a one-token pass outside generate: not the decode stage
+    assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(outs, ref_outs))
+    assert torch.equal(logits, ref_logits)
+    assert "_optimize_model_for_decode" not in vars(model)  # detached: the stock method again
 
 
 def test_decode_mirror_gathers_at_most_its_cap(tiny_models, decode_switch_on_cpu, monkeypatch):

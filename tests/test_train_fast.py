@@ -333,7 +333,8 @@ def test_forest_fit_is_the_same_with_more_threads(tiny_setup):  # noqa: F811
 
 def test_training_rule_fits_two_at_once_unless_told_one_thread():
     """`--threads 1` keeps training on one core; otherwise two free CPUs fit the forest beside the rest."""
-    from moeflow.predict.train import fit_workers, idle_cpus
+    from moeflow.predict.train import fit_workers
+    from moeflow.threads import idle_cpus
 
     assert fit_workers(1, "--threads", cores=16, idle=16) == 1
     assert fit_workers(2, "--threads", cores=1, idle=0) == 2 and fit_workers(8, "--threads", cores=16, idle=0) == 2

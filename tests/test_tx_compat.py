@@ -151,13 +151,19 @@ def test_the_signature_the_shim_expects_is_the_installed_one():
     assert tuple(inspect.signature(moe._grouped_linear).parameters) == tx_compat.GROUPED_LINEAR_PARAMS
 
 
-def test_decode_batched_is_the_batched_kernel_where_generate_switches(fresh_check, monkeypatch):
+@pytest.fixture
+def fresh_decode_batched():
+    tx_compat.decode_batched.cache_clear()
+    yield
+    tx_compat.decode_batched.cache_clear()
+
+
+def test_decode_batched_is_the_batched_kernel_where_generate_switches(fresh_check, fresh_decode_batched, monkeypatch):
     """`decode_batched`: transformers' `_batched_linear` where its generate has the decode-stage switch
     (`_optimize_model_for_decode`); None when either is missing or the kernel's signature changed."""
     from transformers.generation.utils import GenerationMixin
     from transformers.integrations import moe
 
-    tx_compat.decode_batched.cache_clear()
     assert hasattr(GenerationMixin, "_optimize_model_for_decode")  # the installed transformers switches
     assert tx_compat.decode_batched() is moe._batched_linear
     assert tuple(inspect.signature(moe._batched_linear).parameters) == tx_compat.BATCHED_LINEAR_PARAMS
@@ -171,7 +177,6 @@ def test_decode_batched_is_the_batched_kernel_where_generate_switches(fresh_chec
         tx_compat.decode_batched.cache_clear()
         assert tx_compat.decode_batched() is None
         monkeypatch.undo()
-    tx_compat.decode_batched.cache_clear()
 
 
 def test_only_the_shim_touches_transformers_private_moe_internals():

@@ -7,7 +7,8 @@ private parts of `transformers.integrations.moe` that may change in any release:
   bias=[S,out] | None, is_transposed=False) -> [S,out]`: rows offs[g-1]:offs[g] use weight g;
 - `_batched_linear(input [S,in], weight [S,out,in] (or [S,in,out]), bias=[S,out] | None, is_transposed)`, the
   `batched_mm` implementation's kernel, which transformers' `generate` uses for the decode stage of a `grouped_mm`
-  model off the CPU (`decode_batched`; optional: without it the engine keeps its grouped call);
+  model off the CPU (`decode_batched`; optional: without it the engine keeps its grouped call), and that decode
+  stage itself, `GenerationMixin._optimize_model_for_decode` (`decode_stage` marks it);
 - `ALL_EXPERTS_FUNCTIONS`: the experts-implementation registry (`register(name, fn)`,
   `_global_mapping` name -> fn);
 - on an experts module: `has_gate`, `has_bias`, `is_transposed`, `has_post_expert_norm`, and
@@ -23,9 +24,10 @@ forward keyword, `cache` or the older `past_key_values`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -134,6 +136,34 @@ def decode_batched() -> Callable[..., Any] | None:
     if tuple(inspect.signature(fn).parameters) != BATCHED_LINEAR_PARAMS:
         return None
     return fn
+
+
+@contextlib.contextmanager
+def decode_stage(model: nn.Module, flag: Callable[[bool], None]) -> Iterator[None]:
+    """While attached: `flag(True)` on entering the decode stage of transformers' `generate` on `model` (its
+    `_optimize_model_for_decode` context, where a `grouped_mm` model decodes with `batched_mm` off the CPU) and
+    `flag(False)` on leaving it; the stock context still runs inside. A model without that context: nothing."""
+    stock = getattr(type(model), "_optimize_model_for_decode", None)
+    if stock is None:
+        yield
+        return
+
+    @contextlib.contextmanager
+    def staged() -> Iterator[None]:
+        with stock(model):
+            flag(True)
+            try:
+                yield
+            finally:
+                flag(False)
+
+    object.__setattr__(model, "_optimize_model_for_decode", staged)  # the instance's, over the class method
+    try:
+        yield
+    finally:
+        if model.__dict__.get("_optimize_model_for_decode") is staged:
+            object.__delattr__(model, "_optimize_model_for_decode")
+        flag(False)
 
 
 def registered_experts(name: str) -> Callable[..., Any] | None:

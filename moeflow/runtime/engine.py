@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..moe import RouterEvent, get_adapter, residual_hooks, router_hooks
+from ..moe import RouterEvent, get_adapter, residual_hooks, router_hooks, tx_compat
 from ..moe.experts_impl import check_replaceable, register_experts_impl, use_experts_impl
 from ..policies.base import BindContext, EvictionPolicy, MissPolicy, PrefetchPolicy, PrefetchRequest, RoutingPolicy
 from ..policies.lossy import lossy
@@ -244,6 +244,9 @@ class OffloadEngine:
                 host=host,
             )
             stack.enter_context(use_experts_impl(self.model, self.adapter, IMPL_NAME, self))
+            call = self._call
+            if call.mirrors_batched:  # the all-hit decode call mirrors generate's decode stage (`batched_mm`)
+                stack.enter_context(tx_compat.decode_stage(self.model, lambda on: setattr(call, "decode_stage", on)))
             if prefetching and pf is not None and pf.needs_residual:  # post-attention residual (None without a norm)
                 stack.enter_context(residual_hooks(self.adapter, step.residual.__setitem__, hint=None))
             stack.enter_context(router_hooks(self.adapter, self._on_route))

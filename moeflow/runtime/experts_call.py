@@ -89,6 +89,12 @@ class ExpertsCall:
         dev = next(iter(cache.views.values())).device if cache.views else None
         self._batched = tx_compat.decode_batched() if dev is not None and dev.type != "cpu" else None
         self._batched_rows = BATCHED_GATHER_MAX // max(1, store.expert_bytes)  # rows (T*k) it may gather
+        self.decode_stage = False  # inside generate's decode stage (`tx_compat.decode_stage`, set by the engine)
+
+    @property
+    def mirrors_batched(self) -> bool:
+        """Whether generate's decode stage is mirrored with `batched_mm` (off the CPU, where transformers has it)."""
+        return self._batched is not None
 
     def forward(
         self, module: nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -158,7 +164,7 @@ class ExpertsCall:
             span = (min(slots), max(slots) + 1)
         else:
             return None
-        batched = self._batched if self.account.decode else None  # a decode step off the CPU: as the stock decode
+        batched = self._batched if self.decode_stage else None  # generate's decode stage off the CPU: as stock
         if batched is not None and top_k_index.numel() > self._batched_rows:
             batched = None  # its gathered weights would cost more device memory and copy time than the ops it saves
         if span is None or (batched is None and span[1] - span[0] > MAX_GROUPS):

@@ -34,9 +34,9 @@ from ..predict.train import (
     fit_all,
     fit_threads,
     fit_workers,
-    idle_cpus,
     sequences,
 )
+from ..threads import idle_cpus
 
 __all__ = ["BASELINES", "GPS", "LEARNED", "PLANNERS", "EvalConfig", "TrainConfig", "eval_main", "load_cpu_model", "main"]
 
