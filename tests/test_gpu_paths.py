@@ -43,11 +43,11 @@ def _link(slow: bool = False) -> Link:
     from moeflow.runtime.link import CudaLink
 
     class SlowCudaLink(CudaLink):
-        def _issue(self, t, src, dst, after, demand):
+        def _issue_run(self, ts, src, dst, afters, demand):
             stream = self.demand_stream if demand else self.stream
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(SPIN_CYCLES)
-            super()._issue(t, src, dst, after, demand)
+            super()._issue_run(ts, src, dst, afters, demand)
 
     return SlowCudaLink(_device()) if slow else CudaLink(_device())
 

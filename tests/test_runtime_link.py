@@ -160,6 +160,63 @@ def test_cuda_link_copies_and_orders():
     assert link.bytes == 2 * (1 << 22) and link.busy_s > 0
 
 
+@pytest.mark.gpu
+def test_cuda_link_moves_adjacent_rows_as_one_copy():
+    """`CudaLink.submit_many` of one layer's rows into consecutive slot rows: one copy per run (the tickets share
+    its events), every byte counted once, each ticket's link time its share of the copy's; held prefetches of
+    adjacent rows are issued as runs too, and rows that do not continue stay separate copies."""
+    from moeflow.runtime.link import CudaLink
+
+    dev = torch.device("cuda")
+    link = CudaLink(dev, run_bytes=4 * 1024 * 4)
+    host = torch.randn(8, 1024).pin_memory()  # [E,R]
+    buf = torch.zeros(10, 1024, device=dev)  # [C,R]
+    rows, slots = list(host.unbind(0)), list(buf.unbind(0))
+    items = [(rows[e], slots[e + 1], None) for e in range(8)]
+    ts = link.submit_many(items, demand=True)
+    for t in ts:
+        link.wait(t)
+    link.drain()
+    assert torch.equal(buf[1:9].cpu(), host) and float(buf[0].abs().sum()) == float(buf[9].abs().sum()) == 0.0
+    assert len({id(t.event) for t in ts}) == 2  # 8 rows of 4 KiB, at most 4 per copy
+    assert link.bytes == link.submitted_bytes == host.numel() * 4
+    first = ts[0].start_event.elapsed_time(ts[0].event) / 1e3
+    assert abs(sum(t.busy_s for t in ts[:4]) - first) < 1e-9
+    buf.zero_()
+    scattered = [(rows[e], slots[9 - e], None) for e in range(8)]  # descending slots: nothing continues
+    ts = link.submit_many(scattered, demand=False) + link.submit_many(items[:4], demand=False)
+    link.drain()
+    assert len({id(t.event) for t in ts}) == 8 + 1
+    assert torch.equal(buf[1:5].cpu(), host[:4]) and torch.equal(buf[9].cpu(), host[0])
+    assert link.bytes == link.submitted_bytes == 2 * host.numel() * 4 + 4 * 1024 * 4
+
+
+def test_adjacent_runs_cut_where_rows_stop_continuing():
+    """`adjacent_runs` groups (src, dst) pairs whose sources and destinations each continue the previous one in
+    the same storage (one layer's expert rows into consecutive slot rows), in order, up to `max_bytes`; `joined`
+    is one view over a run, no copy. What `CudaLink` moves as one copy per run."""
+    from moeflow.runtime.link.base import adjacent_runs, continues, joined
+
+    host = torch.arange(8 * 16, dtype=torch.float32).reshape(8, 16)  # [E,R] one layer's rows
+    dev = torch.zeros(10, 16)  # [C,R] slot rows
+    rows, slots = list(host.unbind(0)), list(dev.unbind(0))
+    row_bytes = 16 * 4
+    pairs = [(rows[e], slots[s]) for e, s in [(0, 2), (1, 3), (2, 4), (4, 5), (5, 6), (6, 8), (7, 9)]]
+    assert adjacent_runs(pairs, 1 << 20) == [[0, 1, 2], [3, 4], [5, 6]]  # expert 3 skipped; slot 7 skipped
+    assert adjacent_runs(pairs, 2 * row_bytes) == [[0, 1], [2], [3, 4], [5, 6]]  # at most 2 rows per run
+    assert adjacent_runs(pairs[:1], 0) == [[0]]  # a pair longer than the cap is a run of its own
+    other = torch.zeros(4, 16)  # another storage right after in memory or not: never continued
+    assert not continues(dev[9], other[0]) and not continues(rows[1], rows[0])
+    assert not continues(rows[0], dev[1])  # another storage
+    assert not continues(rows[0], rows[1].to(torch.float64))
+    src = joined([rows[e] for e in (0, 1, 2)])
+    assert src.shape == (48,) and src.data_ptr() == rows[0].data_ptr() and torch.equal(src, host[:3].reshape(-1))
+    dst = joined([slots[s] for s in (2, 3, 4)])
+    dst.copy_(src)  # the run's one copy
+    assert torch.equal(dev[2:5], host[:3]) and float(dev[:2].abs().sum()) == 0.0 and float(dev[5:].abs().sum()) == 0.0
+    assert joined([rows[5]]) is rows[5]
+
+
 def test_a_handed_over_batch_is_waited_for_once():
     """`submit_many` hands a batch to the copying thread with ONE `copied` event: a wait on its last copy waits on
     that event once (not once per copy scheduled before it), and each copy is still due at its own time."""

@@ -4,9 +4,10 @@
 - `EmulatedLink(gbps, latency_s)`: each transfer takes `latency + bytes / bandwidth` of wall time on a
   virtual schedule (one link, `PrioritySchedule`), while a worker thread does the real copy concurrently
   with compute on the main thread, so overlap, stalls and waiting are real wall time.
-- `CudaLink`: side CUDA streams, pinned host rows, non-blocking copies, one event per transfer;
-  the compute stream waits on the slot's event, and a copy into a slot waits (on the GPU) for the
-  event recorded after the last computation that read that slot.
+- `CudaLink`: side CUDA streams, pinned host rows, non-blocking copies, one event per copy (the transfers of
+  adjacent rows handed over together share one copy: `adjacent_runs`); the compute stream waits on the slot's
+  event, and a copy into a slot waits (on the GPU) for the event recorded after the last computation that read
+  that slot.
 
 Misses first (ExpertFlow 3.4: cache-miss resolution has the highest priority in the memory queue):
 `submit(..., demand=True)` is a demand load, `demand=False` a prefetch. On the emulated link (and the
@@ -58,7 +59,10 @@ class Flag:
 class Ticket:
     """One transfer: what the link knows of it (a plain class with slots: one is made per copy)."""
 
-    __slots__ = ("busy_s", "cancelled", "copied", "demand", "done", "due", "error", "event", "nbytes", "start", "start_event")
+    __slots__ = (
+        *("busy_s", "cancelled", "copied", "demand", "done", "due", "error", "event", "nbytes", "share", "start"),
+        "start_event",
+    )
 
     def __init__(
         self,
@@ -79,9 +83,49 @@ class Ticket:
         self.event, self.start_event = event, start_event
         self.busy_s, self.error, self.due, self.copied = busy_s, error, due, copied
         self.start, self.demand, self.cancelled = start, demand, cancelled
+        self.share = 1.0  # CudaLink: this transfer's part of the bytes of the one copy that moved it with others
 
     def __repr__(self) -> str:
         return f"Ticket(nbytes={self.nbytes}, start={self.start}, due={self.due}, demand={self.demand})"
+
+
+def continues(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`b` starts where `a` ends, in the same storage (both contiguous, one dtype, one device): one copy can move
+    both (expert rows of one layer of the host store into consecutive slot rows of the device buffer)."""
+    return (
+        a.dtype == b.dtype
+        and a.device == b.device
+        and a.is_contiguous()
+        and b.is_contiguous()
+        and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )
+
+
+def adjacent_runs(pairs: list[tuple[torch.Tensor, torch.Tensor]], max_bytes: int) -> list[list[int]]:
+    """The indices of `pairs` (src, dst), in order, cut into runs in which each source continues the previous
+    source and each destination the previous destination (`continues`), each run at most `max_bytes` of source
+    (a single pair may be longer): what one copy per run moves."""
+    runs: list[list[int]] = []
+    size = 0
+    for i, (src, dst) in enumerate(pairs):
+        nbytes = src.numel() * src.element_size()
+        if runs and size + nbytes <= max_bytes:
+            ps, pd = pairs[runs[-1][-1]]
+            if continues(ps, src) and continues(pd, dst):
+                runs[-1].append(i)
+                size += nbytes
+                continue
+        runs.append([i])
+        size = nbytes
+    return runs
+
+
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """One 1-D view over tensors each of which `continues` the previous one (no copy)."""
+    if len(parts) == 1:
+        return parts[0]
+    return parts[0].as_strided((sum(p.numel() for p in parts),), (1,))
 
 
 class PrioritySchedule:

@@ -8,7 +8,9 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
-from .base import Link, Ticket
+from .base import Link, Ticket, adjacent_runs, continues, joined
+
+RUN_BYTES = 8 << 20  # at most this much in one copy of adjacent rows (an expert row alone may be longer)
 
 
 class CudaLink(Link):
@@ -20,16 +22,23 @@ class CudaLink(Link):
     (at least one); a demand copy goes to its own stream at once and waits behind at most that window. A held
     prefetch that becomes needed (`promote`, `wait`) is issued as a demand copy, and one withdrawn before it was
     issued (`cancel`) never moves.
+
+    Each copy costs the host several CUDA calls (events, stream switch, the copy itself): tens of microseconds
+    on a busy host, which a prefill of many small experts pays per expert. Transfers handed over together
+    (`submit_many`: a cache batch, e.g. a staged prefill's layer, whose keys ascend with their slots) and held
+    prefetches issued one after another move as ONE copy per run of adjacent rows (`adjacent_runs`, at most
+    `run_bytes`), its events shared, each transfer's link time its share of the run's bytes.
     """
 
     name = "cuda"
 
-    def __init__(self, device: torch.device, window_s: float = 2e-3):
+    def __init__(self, device: torch.device, window_s: float = 2e-3, run_bytes: int = RUN_BYTES):
         super().__init__()
         if not torch.cuda.is_available():
             raise ConfigError("--link cuda needs a CUDA device; use --link emulated:GBPS on CPU")
         self.device = device
         self.window_s = window_s
+        self.run_bytes = run_bytes  # one copy moves adjacent rows up to this many bytes together
         self.stream = torch.cuda.Stream(device=device)  # prefetch copies
         self.demand_stream = torch.cuda.Stream(device=device, priority=-1)  # demand copies
         self._pending: list[Ticket] = []  # issued, not yet accounted
@@ -48,20 +57,30 @@ class CudaLink(Link):
         return per * (issued + sum(h[0].nbytes for h in self._held))
 
     def _issue(self, t: Ticket, src, dst, after, demand: bool) -> None:
-        t.start_event = torch.cuda.Event(enable_timing=True)
-        t.event = torch.cuda.Event(enable_timing=True)
+        self._issue_run([t], src, dst, [after], demand)
+
+    def _issue_run(self, ts: list[Ticket], src, dst, afters: list[Any], demand: bool) -> None:
+        """ONE copy `src -> dst` moving the transfers `ts` (adjacent rows, `joined`), after every marker in
+        `afters` (the last computation reading each slot); its two events shared by `ts`."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         stream = self.demand_stream if demand else self.stream
         with torch.cuda.stream(stream):
-            if after is not None:
-                stream.wait_event(after)  # the last computation reading this slot is done
-            t.start_event.record(stream)
+            waited: list[Any] = []
+            for after in afters:
+                if after is not None and not any(after is w for w in waited):
+                    stream.wait_event(after)  # the last computation reading this slot is done
+                    waited.append(after)
+            start.record(stream)
             dst.copy_(src, non_blocking=True)
-            t.event.record(stream)
+            end.record(stream)
         if len(self._pending) > 1024:
             self._account_done()
-        self._pending.append(t)
-        if not demand:
-            self._inflight.append(t)
+        total = sum(t.nbytes for t in ts) or 1
+        for t in ts:
+            t.start_event, t.event, t.share = start, end, t.nbytes / total
+            self._pending.append(t)
+            if not demand:
+                self._inflight.append(t)
 
     def _pump(self) -> None:
         """Hand held prefetches to the copy stream while the prefetches in flight are under the window."""
@@ -75,14 +94,44 @@ class CudaLink(Link):
                     break
             elif self._inflight and per * sum(t.nbytes for t in self._inflight) >= self.window_s:
                 break
-            t, src, dst, after = self._held.pop(0)
-            self._issue(t, src, dst, after, demand=False)
+            self._issue_held_run()
+
+    def _issue_held_run(self) -> None:
+        """Issue the first held prefetch with the held ones right after it that continue its rows (one copy)."""
+        held = self._held
+        run = [held.pop(0)]
+        size = run[0][0].nbytes
+        while held and size + held[0][0].nbytes <= self.run_bytes:
+            _, src, dst, _ = run[-1]
+            nxt = held[0]
+            if not (continues(src, nxt[1]) and continues(dst, nxt[2])):
+                break
+            run.append(held.pop(0))
+            size += nxt[0].nbytes
+        self._issue_run([h[0] for h in run], joined([h[1] for h in run]), joined([h[2] for h in run]), [h[3] for h in run], False)
 
     def _take_held(self, t: Ticket) -> tuple[Ticket, torch.Tensor, torch.Tensor, Any] | None:
         for i, h in enumerate(self._held):
             if h[0] is t:
                 return self._held.pop(i)
         return None
+
+    def submit_many(self, items: list[tuple[torch.Tensor, torch.Tensor, Any]], *, demand: bool = True) -> list[Ticket]:
+        """`submit` of each `(src, dst, after)`, in order; demand copies of adjacent rows go out as one copy per run
+        (`adjacent_runs`), prefetches are held (and issued in runs by `_pump`)."""
+        ts = []
+        for src, _, _ in items:
+            t = self._submitted(Ticket(src.numel() * src.element_size()))
+            t.demand = demand
+            ts.append(t)
+        if demand:
+            for run in adjacent_runs([(src, dst) for src, dst, _ in items], self.run_bytes):
+                srcs, dsts = joined([items[i][0] for i in run]), joined([items[i][1] for i in run])
+                self._issue_run([ts[i] for i in run], srcs, dsts, [items[i][2] for i in run], demand=True)
+        else:
+            self._held.extend((t, src, dst, after) for t, (src, dst, after) in zip(ts, items))
+        self._pump()
+        return ts
 
     def submit(self, src, dst, *, after=None, demand=True) -> Ticket:
         t = self._submitted(Ticket(src.numel() * src.element_size()))
@@ -119,7 +168,7 @@ class CudaLink(Link):
     def _complete(self, t: Ticket) -> None:
         if t.done.is_set():
             return
-        t.busy_s = t.start_event.elapsed_time(t.event) / 1e3
+        t.busy_s = t.start_event.elapsed_time(t.event) / 1e3 * t.share  # its part of a shared copy
         self._account(t)
 
     def _account_done(self) -> None:
@@ -155,8 +204,7 @@ class CudaLink(Link):
 
     def drain(self) -> None:
         while self._held:
-            t, src, dst, after = self._held.pop(0)
-            self._issue(t, src, dst, after, demand=False)
+            self._issue_held_run()
         for t in self._pending:
             t.event.synchronize()
             self._complete(t)
