@@ -1,0 +1,105 @@
+"""`CudaLink`'s host-side logic on the CPU, with CUDA's events and streams replaced by recording fakes (the copies
+are real CPU copies): runs of adjacent rows as one copy with shared events and shared link time, held prefetches
+issued in runs, cancel / promote of held prefetches, each distinct use marker waited for once. The real device
+behaviour is `tests/test_runtime_link.py::test_cuda_link_moves_adjacent_rows_as_one_copy` (marked gpu)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import pytest
+import torch
+
+
+class FakeEvent:
+    """A CUDA event stand-in: recorded at a tick of a global clock; complete at once, or (`instant` False) only
+    once synchronized."""
+
+    clock = itertools.count()
+    instant = True
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t: int | None = None
+        self.done = False
+
+    def record(self, stream=None) -> None:
+        self.t = next(FakeEvent.clock)
+
+    def query(self) -> bool:
+        return self.t is not None and (FakeEvent.instant or self.done)
+
+    def synchronize(self) -> None:
+        self.done = True
+
+    def elapsed_time(self, end: FakeEvent) -> float:  # milliseconds, as CUDA's
+        assert self.t is not None and end.t is not None
+        return float(end.t - self.t)
+
+
+class FakeStream:
+    def __init__(self, device=None, priority: int = 0) -> None:
+        self.waits: list[FakeEvent] = []
+
+    def wait_event(self, ev: FakeEvent) -> None:
+        self.waits.append(ev)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(FakeEvent, "instant", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    from moeflow.runtime.link import CudaLink
+
+    return CudaLink
+
+
+def test_adjacent_rows_move_as_one_copy_per_run(fake_cuda):
+    link = fake_cuda(torch.device("cpu"), run_bytes=4 * 1024 * 4)
+    host = torch.randn(8, 1024)  # [E,R] one layer's rows
+    buf = torch.zeros(10, 1024)  # [C,R] slot rows
+    rows, slots = list(host.unbind(0)), list(buf.unbind(0))
+    items = [(rows[e], slots[e + 1], None) for e in range(8)]
+    ts = link.submit_many(items, demand=True)
+    for t in ts:
+        link.wait(t)
+    link.drain()
+    assert torch.equal(buf[1:9], host) and float(buf[0].abs().sum()) == float(buf[9].abs().sum()) == 0.0
+    assert len({id(t.event) for t in ts}) == 2  # 8 rows of 4 KiB, at most 4 per copy
+    assert link.bytes == link.submitted_bytes == host.numel() * 4 and link.transfers == 8
+    run = ts[0].start_event.elapsed_time(ts[0].event) / 1e3
+    assert sum(t.busy_s for t in ts[:4]) == pytest.approx(run) and ts[0].busy_s == pytest.approx(run / 4)
+    buf.zero_()
+    scattered = [(rows[e], slots[9 - e], None) for e in range(8)]  # descending slots: nothing continues
+    ts = link.submit_many(scattered, demand=False) + link.submit_many(items[:4], demand=False)
+    link.drain()
+    assert len({id(t.event) for t in ts}) == 8 + 1  # held prefetches: the adjacent four in one copy
+    assert torch.equal(buf[1:5], host[:4]) and torch.equal(buf[9], host[0])
+    assert link.bytes == link.submitted_bytes == 2 * host.numel() * 4 + 4 * 1024 * 4
+
+
+def test_held_prefetches_cancel_promote_and_markers(fake_cuda, monkeypatch):
+    monkeypatch.setattr(FakeEvent, "instant", False)  # copies stay in flight until waited for
+    link = fake_cuda(torch.device("cpu"), window_s=0.0)
+    src = [torch.full((1024,), float(i)) for i in range(6)]
+    dst = [torch.zeros(1024) for _ in range(6)]
+    pf = [link.submit(s, d, demand=False) for s, d in zip(src, dst)]
+    assert len(link._held) == 4  # two issued before anything was measured, the rest held
+    assert link.cancel(pf[-1]) and not link.cancel(pf[0])  # held: withdrawn; issued: cannot
+    link.promote(pf[-2])
+    link.wait(pf[-2])
+    link.drain()
+    assert float(dst[-1].sum()) == 0.0 and all(float(d[0]) == i for i, d in enumerate(dst[:-1]))
+    assert link.bytes == link.submitted_bytes == 5 * 4096
+    link = fake_cuda(torch.device("cpu"))
+    rows, slots = list(torch.randn(3, 16).unbind(0)), list(torch.zeros(4, 16).unbind(0))
+    m1, m2 = FakeEvent(), FakeEvent()
+    m1.record()
+    m2.record()
+    ts = link.submit_many([(rows[0], slots[1], m1), (rows[1], slots[2], m1), (rows[2], slots[3], m2)], demand=True)
+    assert link.demand_stream.waits == [m1, m2] and len({id(t.event) for t in ts}) == 1  # each marker once
+    link.drain()
