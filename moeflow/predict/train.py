@@ -58,10 +58,12 @@ def fit_workers(
     (`in_child`) beside the estimator and the other fits, one after the other with 1. `--threads N` (source
     "--threads") gives min(N, 2): `--threads 1` keeps training on one core. Otherwise (the environment, a
     calibration or the size default: decode's rule, which picks 1 thread for a small model because one decode
-    token's products are too small to split) it is 2 when the process may use 2 CPUs or more and about 2 of them
-    are idle now (`idle`: idle CPUs, default `idle_cpus()`): the two fits are independent, each a whole core's work
-    for seconds, so a second free core halves their wall time; on a machine that other work keeps busy, the two
-    would take turns on one core, each evicting the other's data from its caches, slower than one after the other.
+    token's products are too small to split) it is 2 when the process may use 2 CPUs or more and at least
+    `IDLE_FOR_TWO` of them are idle now (`idle`: idle CPUs, default `idle_cpus()`, this process's own included): the
+    two fits are independent, each a whole core's work for seconds, so a second free core halves their wall time,
+    and beside one busy job on 2 cores (about 1 CPU idle) the two still finish sooner than one after the other
+    (they get two thirds of the machine, not half); on a machine that other work keeps busy, the two would take
+    turns on one core, each evicting the other's data from its caches, slower than one after the other.
     1 where processes cannot be forked (`can_fork`). `requested` (`moeflow train --fit-workers 1|2`) replaces the
     idle-CPU rule; `--threads` and `can_fork` still decide first (the stage refuses `--threads 1` with 2)."""
     from ..threads import usable_cores
@@ -89,7 +91,7 @@ def fit_threads(threads: int, source: str, workers: int, idle: float | None = No
     return max(1, min(threads, int(free + 0.5)))
 
 
-IDLE_FOR_TWO = 1.5  # idle CPUs (this process's own included, as it waits while measuring) for 2 fits at once
+IDLE_FOR_TWO = 0.8  # idle CPUs (this process's own included, as it waits while measuring) for 2 fits at once
 
 
 def can_fork() -> bool:
