@@ -103,3 +103,18 @@ def test_held_prefetches_cancel_promote_and_markers(fake_cuda, monkeypatch):
     ts = link.submit_many([(rows[0], slots[1], m1), (rows[1], slots[2], m1), (rows[2], slots[3], m2)], demand=True)
     assert link.demand_stream.waits == [m1, m2] and len({id(t.event) for t in ts}) == 1  # each marker once
     link.drain()
+
+
+def test_a_held_run_stays_within_the_prefetch_window(fake_cuda, monkeypatch):
+    """Once the link's speed is measured, a run of held prefetches carries no more bytes than the window has room
+    for (a demand copy waits behind at most the window, and what is not issued can still be cancelled)."""
+    monkeypatch.setattr(FakeEvent, "instant", False)  # copies stay in flight until waited for
+    link = fake_cuda(torch.device("cpu"), window_s=2e-3, run_bytes=1 << 20)
+    link._busy_s, link._bytes = 1e-3, 4096  # measured: 1 ms per 4 KiB row, the window holds 2 rows
+    host, buf = torch.randn(8, 1024), torch.zeros(8, 1024)
+    ts = link.submit_many([(host[e], buf[e], None) for e in range(8)], demand=False)
+    assert len(link._held) == 6 and ts[0].event is ts[1].event  # one copy of the 2 rows the window has room for
+    assert link.cancel(ts[-1])  # the rest still held
+    link.drain()
+    assert torch.equal(buf[:7], host[:7]) and float(buf[7].abs().sum()) == 0.0
+    assert len({id(t.event) for t in ts[:7]}) == 2  # after the window's run, the other 5 rows in one copy

@@ -255,3 +255,21 @@ def test_decode_mirror_gathers_at_most_its_cap(tiny_models, decode_switch_on_cpu
         out, ops, _ = _run(model, adapter, eng, prompt)
     assert torch.equal(out, ref)
     assert all("bmm" not in o and "_grouped_mm" in o for o in ops)
+
+
+def test_decode_stage_wrappers_nest_and_unwind(tiny_models):
+    """`tx_compat.decode_stage` on a model that already has one (two engines' worth): both flags follow generate's
+    decode stage, the inner exit restores the outer wrapper and the outer exit the class method."""
+    from moeflow.moe import tx_compat
+
+    model = tiny_models("olmoe")
+    name = "_optimize_model_for_decode"
+    a: list[bool] = []
+    b: list[bool] = []
+    with tx_compat.decode_stage(model, a.append):
+        outer = vars(model)[name]
+        with tx_compat.decode_stage(model, b.append):
+            generate_one(model, _prompt(), None, max_new_tokens=3, min_new_tokens=3)
+        assert vars(model)[name] is outer
+    assert name not in vars(model)
+    assert a[:2] == [True, False] and b[:2] == [True, False]  # entered and left the decode stage once

@@ -701,6 +701,44 @@ def test_cache_batch_schedules_as_one_by_one_and_hands_over_once(tiny_models):
     assert seen[0] == seen[1]
 
 
+def test_cache_cut_hands_a_batchs_copies_over_in_parts(tiny_models):
+    """`cache.cut()` inside a batch hands the copies held so far to the link at once (a staged prefill cuts after
+    each wave, so a link that joins adjacent rows handed over together never joins two waves): two demands with a
+    cut between them reach the link as two `submit_many` calls of their own copies, with the same slots and link
+    schedule as without the cut (one call)."""
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    layer, E = spec.moe_layers[0], spec.num_experts
+    seen = []
+    for cut in (False, True):
+        link = EmulatedLink(1.0, clock=lambda: 0.0, sleep=lambda s: None)  # a still clock: nothing completes
+        sizes: list[int] = []
+        submit_many = link.submit_many
+
+        def spy_many(items, _f=submit_many, _sizes=sizes, **k):
+            _sizes.append(len(items))
+            return _f(items, **k)
+
+        link.submit_many = spy_many  # type: ignore[method-assign]
+        eng = build_engine(model, mode="offload", link=link, capacity=spec.total_experts, eviction="lru", prefetch="none")
+        assert eng is not None
+        with eng:
+            cache = eng.cache
+            cache.begin_pass(1)
+            cache.begin_layer(layer)
+            scores = {e: 0.5 for e in range(E)}
+            with cache.batch():
+                slots = cache.demand(layer, list(range(E // 2)), scores)
+                if cut:
+                    cache.cut()
+                slots += cache.demand(layer, list(range(E // 2, E)), scores)
+            seen.append((slots, [(t.nbytes, t.start, t.due) for t in link._sched.q]))
+            cache.release(slots)
+            link._sched.q.clear()
+        assert sizes == ([E // 2, E - E // 2] if cut else [E])
+    assert seen[0] == seen[1]
+
+
 def test_staged_batch_deals_its_slots_in_key_order(tiny_models):
     """A staged batch whose victims' slots come in descending order (the least recently used expert in the highest
     slot) still puts its keys in ascending slots, so a wave of consecutive experts reads its weights in place; each

@@ -146,6 +146,7 @@ def test_cuda_link_copies_and_orders():
     link = CudaLink(dev)
     src = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
     dst = torch.zeros(1 << 20, device=dev)
+    torch.cuda.synchronize(dev)  # the fill (compute stream) before the link's copy (a side stream)
     t = link.submit(src, dst)
     link.wait(t)
     assert link.ready(t) and torch.equal(dst.cpu(), src)
@@ -171,6 +172,7 @@ def test_cuda_link_moves_adjacent_rows_as_one_copy():
     link = CudaLink(dev, run_bytes=4 * 1024 * 4)
     host = torch.randn(8, 1024).pin_memory()  # [E,R]
     buf = torch.zeros(10, 1024, device=dev)  # [C,R]
+    torch.cuda.synchronize(dev)  # the fill (compute stream) before the link's copies (side streams)
     rows, slots = list(host.unbind(0)), list(buf.unbind(0))
     items = [(rows[e], slots[e + 1], None) for e in range(8)]
     ts = link.submit_many(items, demand=True)
@@ -183,6 +185,7 @@ def test_cuda_link_moves_adjacent_rows_as_one_copy():
     first = ts[0].start_event.elapsed_time(ts[0].event) / 1e3
     assert abs(sum(t.busy_s for t in ts[:4]) - first) < 1e-9
     buf.zero_()
+    torch.cuda.synchronize(dev)
     scattered = [(rows[e], slots[9 - e], None) for e in range(8)]  # descending slots: nothing continues
     ts = link.submit_many(scattered, demand=False) + link.submit_many(items[:4], demand=False)
     link.drain()

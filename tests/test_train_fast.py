@@ -332,7 +332,7 @@ def test_forest_fit_is_the_same_with_more_threads(tiny_setup):  # noqa: F811
 
 
 def test_training_rule_fits_two_at_once_unless_told_one_thread():
-    """`--threads 1` keeps training on one core; otherwise two free CPUs fit the forest beside the rest."""
+    """`--threads 1` keeps training on one core; otherwise a free CPU (`IDLE_FOR_TWO`) fits the forest beside the rest."""
     from moeflow.predict.train import fit_workers
     from moeflow.threads import idle_cpus
 

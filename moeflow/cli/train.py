@@ -100,7 +100,8 @@ def train(
         None,
         "--fit-workers",
         help="Fits at once: 2 fits the forest in a process of its own beside the other fits, 1 fits one after the "
-        "other. Default: 2 when about 2 CPUs are idle when training starts, else 1 (`--threads 1`: 1).",
+        "other. Default: 2 when at least 0.8 CPUs are idle when training starts (beside one busy job on 2 cores "
+        "too), else 1 (`--threads 1`: 1).",
     ),
     force: bool = typer.Option(False, "--force", help="Replace an existing predictor folder at --out."),
     wait: bool = wait_option(),

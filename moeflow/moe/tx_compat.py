@@ -143,26 +143,33 @@ def decode_stage(model: nn.Module, flag: Callable[[bool], None]) -> Iterator[Non
     """While attached: `flag(True)` on entering the decode stage of transformers' `generate` on `model` (its
     `_optimize_model_for_decode` context, where a `grouped_mm` model decodes with `batched_mm` off the CPU) and
     `flag(False)` on leaving it; the stock context still runs inside. A model without that context: nothing."""
-    stock = getattr(type(model), "_optimize_model_for_decode", None)
-    if stock is None:
+    name = "_optimize_model_for_decode"
+    prev = model.__dict__.get(name)  # another attached wrapper (kept and restored), else the class method
+    stock = getattr(type(model), name, None)
+    if prev is None and stock is None:
         yield
         return
 
+    enter: Callable[[], Any] = prev if prev is not None else (lambda: stock(model))  # type: ignore[misc]
+
     @contextlib.contextmanager
     def staged() -> Iterator[None]:
-        with stock(model):
+        with enter():
             flag(True)
             try:
                 yield
             finally:
                 flag(False)
 
-    object.__setattr__(model, "_optimize_model_for_decode", staged)  # the instance's, over the class method
+    object.__setattr__(model, name, staged)  # the instance's, over the class method
     try:
         yield
     finally:
-        if model.__dict__.get("_optimize_model_for_decode") is staged:
-            object.__delattr__(model, "_optimize_model_for_decode")
+        if model.__dict__.get(name) is staged:
+            if prev is None:
+                object.__delattr__(model, name)
+            else:
+                object.__setattr__(model, name, prev)
         flag(False)
 
 

@@ -91,6 +91,13 @@ class CacheDevice(CacheState):
                     if rows and self.table is not None:
                         self._write_table(rows, experts)
 
+    def cut(self) -> None:
+        """Within a `batch`: hand the copies held so far to the link now, so that no later copy of the batch joins
+        them in one link copy (`CudaLink` moves adjacent rows handed over together as ONE copy, ready together: a
+        staged prefill cuts after each wave, so a wave's experts are ready when that wave lands, not the next)."""
+        if self._held:
+            self._hand_over()
+
     def _table_follows(self, r: int, e: int, slot: int) -> None:
         """The table's entry (r, e) follows its key to `slot` (-1: none): within a `batch`, in the batch's one write
         at its end; else now."""

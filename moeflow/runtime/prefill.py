@@ -23,7 +23,9 @@ between is what makes the first token slow. `StagedPrefill` takes over the prefi
    at once, as one batch (pinned, its copies handed to the link together: `Link.batch`; demand copies overtake the
    queued staged ones, so the link copies the layer in wave order);
 2. in the experts call, before wave i waits and computes, the waves after it are demanded as far as the slots
-   allow (wave i+1 always: two waves never pin more than the part holds), so copies run during compute; the
+   allow (wave i+1 always: two waves never pin more than the part holds), each wave's copies handed to the link
+   apart (`cache.cut`: a link joining adjacent rows never makes a wave wait for the next), so copies run during
+   compute; the
    demanded waves right after i whose copies have all landed join its grouped call (up to w experts: `compute`):
    the plan cuts waves for copies still to come, and where compute lags the link (the host's per-call work on a
    small model) they have landed by then, so one call does what several would, with nothing more to wait for;
@@ -399,6 +401,7 @@ class StagedPrefill:
         with self.cache.batch():  # this step's copies handed to the link together
             while ahead < len(waves) and (ahead == must or held + len(waves[ahead]) <= room):
                 pinned[ahead] = self.demand(layer, waves[ahead], scores)
+                self.cache.cut()  # each wave's copies apart: a wave is ready when it lands, not with the next
                 held += len(waves[ahead])
                 ahead += 1
             if ahead == len(waves):

@@ -1,4 +1,5 @@
-"""`CudaLink`: copies from pinned host rows on side CUDA streams, prefetches held on the host within a window."""
+"""`CudaLink`: copies from pinned host rows on side CUDA streams, prefetches held on the host within a window,
+adjacent rows handed over together moved as one copy."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ RUN_BYTES = 8 << 20  # at most this much in one copy of adjacent rows (an expert
 
 
 class CudaLink(Link):
-    """Copies from pinned host rows on side streams; per-transfer events order compute after copies.
+    """Copies from pinned host rows on side streams; per-copy events order compute after copies.
 
     A GPU's copy engines run the copies queued on them in order whatever the streams' priorities, so a demand
     copy submitted behind many prefetches would wait for all of them. Prefetches are therefore held on the host
@@ -46,7 +47,9 @@ class CudaLink(Link):
         self._inflight: list[Ticket] = []  # issued prefetches not seen complete
 
     def transfer_estimate_s(self, nbytes: int) -> float | None:
-        """Mean measured seconds per byte of completed copies x nbytes (None before the first one)."""
+        """Mean measured seconds per byte of completed copies x nbytes (None before the first one). Runs of
+        adjacent rows spread a copy's fixed cost over their bytes, so after many runs this reads a little fast
+        for a single expert's copy."""
         return nbytes * self._busy_s / self._bytes if self._bytes else None
 
     def backlog_s(self) -> float:
@@ -89,19 +92,23 @@ class CudaLink(Link):
         self._inflight = [t for t in self._inflight if not t.event.query()]
         per = self.transfer_estimate_s(1)
         while self._held:
+            inflight = 0.0 if per is None else per * sum(t.nbytes for t in self._inflight)  # link seconds in flight
             if per is None:
                 if len(self._inflight) >= 2:
                     break
-            elif self._inflight and per * sum(t.nbytes for t in self._inflight) >= self.window_s:
+            elif self._inflight and inflight >= self.window_s:
                 break
-            self._issue_held_run()
+            self._issue_held_run(None if per is None else (self.window_s - inflight) / per)  # bytes of room
 
-    def _issue_held_run(self) -> None:
-        """Issue the first held prefetch with the held ones right after it that continue its rows (one copy)."""
+    def _issue_held_run(self, room: float | None = None) -> None:
+        """Issue the first held prefetch with the held ones right after it that continue its rows (one copy), at
+        most `run_bytes` and (`room`) what the prefetch window has room for: a run never carries the window past
+        what one prefetch at a time would."""
         held = self._held
         run = [held.pop(0)]
         size = run[0][0].nbytes
-        while held and size + held[0][0].nbytes <= self.run_bytes:
+        cap = self.run_bytes if room is None else min(self.run_bytes, room)
+        while held and size + held[0][0].nbytes <= cap:
             _, src, dst, _ = run[-1]
             nxt = held[0]
             if not (continues(src, nxt[1]) and continues(dst, nxt[2])):
