@@ -1,7 +1,8 @@
 """`CudaLink`'s host-side logic on the CPU, with CUDA's events and streams replaced by recording fakes (the copies
 are real CPU copies): runs of adjacent rows as one copy with shared events and shared link time, held prefetches
-issued in runs, cancel / promote of held prefetches, each distinct use marker waited for once. The real device
-behaviour is `tests/test_runtime_link.py::test_cuda_link_moves_adjacent_rows_as_one_copy` (marked gpu)."""
+issued in runs, cancel / promote of held prefetches, each distinct use marker waited for once, a held run within
+the prefetch window, and the whole engine over it exact with every byte counted. The real device behaviour is
+`tests/test_runtime_link.py::test_cuda_link_moves_adjacent_rows_as_one_copy` and `tests/test_gpu_paths.py` (gpu)."""
 
 from __future__ import annotations
 
@@ -118,3 +119,40 @@ def test_a_held_run_stays_within_the_prefetch_window(fake_cuda, monkeypatch):
     link.drain()
     assert torch.equal(buf[:7], host[:7]) and float(buf[7].abs().sum()) == 0.0
     assert len({id(t.event) for t in ts[:7]}) == 2  # after the window's run, the other 5 rows in one copy
+
+
+@pytest.mark.parametrize("instant", [True, False])
+def test_an_engine_on_the_fake_cuda_link_is_exact_and_counts_every_byte(fake_cuda, monkeypatch, instant):
+    """The whole engine (staged prefill, decode, prefetch, evictions) over `CudaLink` with the fakes, copies complete
+    at once or only once waited for: greedy tokens equal the resident model's at 25%, 50% and 100% capacity, the
+    link counts exactly the cache's bytes, and a staged cold prefill of every expert moves them in a few copies."""
+    from moeflow.models import tiny_model
+    from moeflow.moe import get_adapter
+    from moeflow.runtime.generate import build_engine, generate_one
+
+    monkeypatch.setattr(FakeEvent, "instant", instant)
+    model = tiny_model("olmoe", num_experts=16, top_k=4)
+    spec = get_adapter(model).spec
+    prompt = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(1))  # [1,P]
+    ref, _ = generate_one(model, prompt, None, max_new_tokens=8, min_new_tokens=8)
+    for capacity in (spec.total_experts // 4, spec.total_experts // 2, spec.total_experts):
+        for prefetch in ("none", "pregate"):
+            link = fake_cuda(torch.device("cpu"))
+            copies = [0]
+            issue = link._issue_run
+
+            def counted(ts, *a, _issue=issue, _copies=copies, **k):
+                _copies[0] += 1
+                return _issue(ts, *a, **k)
+
+            link._issue_run = counted  # type: ignore[method-assign]
+            eng = build_engine(model, mode="offload", link=link, capacity=capacity, eviction="lru", prefetch=prefetch)
+            assert eng is not None
+            with eng:
+                out, _ = generate_one(model, prompt, eng, max_new_tokens=8, min_new_tokens=8)
+                link.drain()
+                c = eng.cache.counters
+            assert torch.equal(out, ref), f"C={capacity} {prefetch}"
+            assert link.bytes == link.submitted_bytes == c.bytes_moved and link.transfers == c.loads
+            if capacity == spec.total_experts and prefetch == "pregate":
+                assert copies[0] * 4 <= c.loads  # a staged cold prefill: the layers' experts in runs
