@@ -226,20 +226,22 @@ def entry_batched_forward(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
-    table: torch.Tensor,
+    table: torch.Tensor | None,
     weights: Mapping[str, torch.Tensor],
     batched_linear: Callable[..., torch.Tensor],
 ) -> torch.Tensor:
     """One experts call as transformers' `batched_mm` computes it, each row's expert weights gathered from its entry
-    `table [E]` of `weights` (a slot) instead of the module's parameters: the same ops on the same values, so
-    bit-identical to `batched_mm` (what transformers' `generate` decodes a `grouped_mm` model with off the CPU).
-    No sort, no offsets, rows stay in (token, slot) order. `batched_linear`: transformers' batched kernel
-    (`tx_compat.decode_batched`). hidden [T,H] -> [T,H]."""
+    `table [E]` of `weights` (a slot; `table` None: `weights` are indexed by expert id, the layer's own stack)
+    instead of the module's parameters: the same ops on the same values, so bit-identical to `batched_mm` (what
+    transformers' `generate` decodes a `grouped_mm` model with off the CPU). No sort, no offsets, rows stay in
+    (token, slot) order. `batched_linear`: transformers' batched kernel (`tx_compat.decode_batched`).
+    hidden [T,H] -> [T,H]."""
     T, H = hidden.shape
     k = top_k_index.size(-1)
     x = hidden.repeat_interleave(k, dim=0)  # [S,H] each token k times
     w = top_k_weights.reshape(-1)  # [S]
-    entries = table[top_k_index.reshape(-1)]  # [S] each row's slot
+    ids = top_k_index.reshape(-1)  # [S]
+    entries = ids if table is None else table[ids]  # [S] each row's entry of `weights`
     up = "gate_up_proj" if module.has_gate else "up_proj"
     bias = weights[up + "_bias"][entries] if module.has_bias else None  # [S, 2I] or [S, I]
     proj = batched_linear(x, weights[up][entries], bias=bias, is_transposed=module.is_transposed)  # [S, 2I] or [S, I]

@@ -84,6 +84,7 @@ class ExpertsCall:
         self._spans = SpanViews(cache.views)  # the slot spans read in place (entries, weight views)
         self._tables: dict[int, torch.Tensor] = {}  # layer -> its row of the device table (a view)
         self._layer_spans: dict[int, tuple[int, tuple[int, int] | None]] = {}  # layer -> (loads then, slot span)
+        self._in_order: dict[int, dict[str, torch.Tensor] | None] = {}  # layer -> its slots' views when slot = lo + e
         # off the CPU, transformers' generate decodes the stock model with `batched_mm`: the all-hit decode call
         # mirrors it (`entry_batched_forward`, bit-identical to that reference; fewer ops than a sorted grouped call)
         dev = next(iter(cache.views.values())).device if cache.views else None
@@ -173,7 +174,11 @@ class ExpertsCall:
             self._demand_wave(layer, routed.experts, slots)  # waits for the wave's slots
         table = self._table(layer)
         if batched is not None:
-            out = entry_batched_forward(module, hidden, top_k_index, top_k_weights, table, self.cache.views, batched)
+            own = self._in_order.get(layer) if routed.experts is None else None  # deferred: `_layer_span` just ran
+            if own is not None:  # the layer's experts in slots lo..lo+E-1 in expert order: its own stacked weights
+                out = entry_batched_forward(module, hidden, top_k_index, top_k_weights, None, own, batched)
+            else:
+                out = entry_batched_forward(module, hidden, top_k_index, top_k_weights, table, self.cache.views, batched)
         else:
             out = entry_sorted_forward(module, hidden, top_k_index, top_k_weights, table, self.cache.views, span, self._spans)
         # out: [T,H]
@@ -202,10 +207,14 @@ class ExpertsCall:
         slot_of = cache.slot_of
         slots = [slot_of.get((layer, e)) for e in range(self.spec.num_experts)]
         span = None
+        own = None
         if all(s is not None for s in slots):
             held = [s for s in slots if s is not None]
             span = (min(held), max(held) + 1)
+            if held == list(range(span[0], span[0] + len(held))):  # slot = lo + e (as `warm` loads them)
+                own = {name: w[span[0] : span[1]] for name, w in cache.views.items()}  # [E, ...] each, views
         self._layer_spans[layer] = (loads, span)
+        self._in_order[layer] = own
         return span
 
     def _compute(
