@@ -151,7 +151,9 @@ class ExpertsCall:
     ) -> torch.Tensor | None:
         """The call with every routed expert's weights read in place from its slot (`entry_sorted_forward`):
         deferred (every expert of the layer in a ready slot) or one pinned wave without host experts nor a
-        hit-first split, when the slots' span is at most `MAX_GROUPS` slots. None: not this case."""
+        hit-first split, when the slots' span is at most `MAX_GROUPS` slots; in generate's decode stage off the
+        CPU the same calls mirror `batched_mm` instead (`entry_batched_forward`, any span, at most
+        `BATCHED_GATHER_MAX` gathered). None: not this case."""
         if routed.cpu or routed.waves is not None:
             return None
         slots = routed.slots
