@@ -34,7 +34,9 @@ cache's `bytes_moved` (every copy the cache issues goes through `submit`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -102,22 +104,28 @@ def continues(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def adjacent_runs(pairs: list[tuple[torch.Tensor, torch.Tensor]], max_bytes: int) -> list[list[int]]:
-    """The indices of `pairs` (src, dst), in order, cut into runs in which each source continues the previous
-    source and each destination the previous destination (`continues`), each run at most `max_bytes` of source
-    (a single pair may be longer): what one copy per run moves."""
-    runs: list[list[int]] = []
-    size = 0
-    for i, (src, dst) in enumerate(pairs):
+def run_length(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], max_bytes: float) -> int:
+    """How many of `pairs` (src, dst), from the first, one copy moves: each source continuing the previous source
+    and each destination the previous destination (`continues`), at most `max_bytes` of source (the first pair
+    always, however long). Stops reading `pairs` at the first that does not join."""
+    n, size, prev = 0, 0, None
+    for src, dst in pairs:
         nbytes = src.numel() * src.element_size()
-        if runs and size + nbytes <= max_bytes:
-            ps, pd = pairs[runs[-1][-1]]
-            if continues(ps, src) and continues(pd, dst):
-                runs[-1].append(i)
-                size += nbytes
-                continue
-        runs.append([i])
-        size = nbytes
+        if prev is not None and (size + nbytes > max_bytes or not (continues(prev[0], src) and continues(prev[1], dst))):
+            break
+        n, size, prev = n + 1, size + nbytes, (src, dst)
+    return n
+
+
+def adjacent_runs(pairs: list[tuple[torch.Tensor, torch.Tensor]], max_bytes: int) -> list[list[int]]:
+    """The indices of `pairs` (src, dst), in order, cut into the runs `run_length` takes: what one copy per run
+    moves."""
+    runs: list[list[int]] = []
+    i = 0
+    while i < len(pairs):
+        n = run_length(itertools.islice(pairs, i, None), max_bytes)
+        runs.append(list(range(i, i + n)))
+        i += n
     return runs
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
-from .base import Link, Ticket, adjacent_runs, continues, joined
+from .base import Link, Ticket, adjacent_runs, joined, run_length
 
 RUN_BYTES = 8 << 20  # at most this much in one copy of adjacent rows (an expert row alone may be longer)
 
@@ -105,16 +105,8 @@ class CudaLink(Link):
         most `run_bytes` and (`room`) what the prefetch window has room for: a run never carries the window past
         what one prefetch at a time would."""
         held = self._held
-        run = [held.pop(0)]
-        size = run[0][0].nbytes
-        cap = self.run_bytes if room is None else min(self.run_bytes, room)
-        while held and size + held[0][0].nbytes <= cap:
-            _, src, dst, _ = run[-1]
-            nxt = held[0]
-            if not (continues(src, nxt[1]) and continues(dst, nxt[2])):
-                break
-            run.append(held.pop(0))
-            size += nxt[0].nbytes
+        n = run_length(((h[1], h[2]) for h in held), self.run_bytes if room is None else min(self.run_bytes, room))
+        run, held[:n] = held[:n], []
         self._issue_run([h[0] for h in run], joined([h[1] for h in run]), joined([h[2] for h in run]), [h[3] for h in run], False)
 
     def _take_held(self, t: Ticket) -> tuple[Ticket, torch.Tensor, torch.Tensor, Any] | None:
