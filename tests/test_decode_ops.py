@@ -181,14 +181,12 @@ def test_decode_mirrors_batched_mm_bit_for_bit(tiny_models, arch, prefetch, in_o
     `batched_mm` block when deferred: the layer's own stacked slots indexed by expert id where its experts sit in
     slots lo..lo+E-1 in order (`in_order`, as `warm` loads them), else each row's slot through the device table."""
     if not in_order:  # as if the slots were dealt in another order: the table path
-        span = experts_call.ExpertsCall._layer_span
+        layout = experts_call.ExpertsCall._layer_layout
 
         def no_order(self, layer):
-            out = span(self, layer)
-            self._in_order[layer] = None
-            return out
+            return layout(self, layer)[0], None
 
-        monkeypatch.setattr(experts_call.ExpertsCall, "_layer_span", no_order)
+        monkeypatch.setattr(experts_call.ExpertsCall, "_layer_layout", no_order)
     model = tiny_models(arch)
     adapter = get_adapter(model)
     prompt = _prompt()

@@ -83,8 +83,8 @@ class ExpertsCall:
         self._host_aranges = Aranges()  # the worker thread's own (the cache is a dict)
         self._spans = SpanViews(cache.views)  # the slot spans read in place (entries, weight views)
         self._tables: dict[int, torch.Tensor] = {}  # layer -> its row of the device table (a view)
-        self._layer_spans: dict[int, tuple[int, tuple[int, int] | None]] = {}  # layer -> (loads then, slot span)
-        self._in_order: dict[int, dict[str, torch.Tensor] | None] = {}  # layer -> its slots' views when slot = lo + e
+        # layer -> (loads then, its slot span, its slots' views when slot = lo + e): `_layer_layout`
+        self._layouts: dict[int, tuple[int, tuple[int, int] | None, dict[str, torch.Tensor] | None]] = {}
         # off the CPU, transformers' generate decodes the stock model with `batched_mm`: the all-hit decode call
         # mirrors it (`entry_batched_forward`, bit-identical to that reference; fewer ops than a sorted grouped call)
         dev = next(iter(cache.views.values())).device if cache.views else None
@@ -157,8 +157,9 @@ class ExpertsCall:
         if routed.cpu or routed.waves is not None:
             return None
         slots = routed.slots
+        own = None  # deferred, the layer's experts in slots lo..lo+E-1 in expert order: its own stacked weights
         if routed.experts is None:  # deferred
-            span = self._layer_span(layer)
+            span, own = self._layer_layout(layer)
         elif (
             slots
             and len(slots) == len(routed.experts)
@@ -175,12 +176,10 @@ class ExpertsCall:
         if routed.experts is not None and slots is not None:
             self._demand_wave(layer, routed.experts, slots)  # waits for the wave's slots
         table = self._table(layer)
-        if batched is not None:
-            own = self._in_order.get(layer) if routed.experts is None else None  # deferred: `_layer_span` just ran
-            if own is not None:  # the layer's experts in slots lo..lo+E-1 in expert order: its own stacked weights
-                out = entry_batched_forward(module, hidden, top_k_index, top_k_weights, None, own, batched)
-            else:
-                out = entry_batched_forward(module, hidden, top_k_index, top_k_weights, table, self.cache.views, batched)
+        if batched is not None and own is not None:  # indexed by expert id, as the stock parameters
+            out = entry_batched_forward(module, hidden, top_k_index, top_k_weights, None, own, batched)
+        elif batched is not None:
+            out = entry_batched_forward(module, hidden, top_k_index, top_k_weights, table, self.cache.views, batched)
         else:
             out = entry_sorted_forward(module, hidden, top_k_index, top_k_weights, table, self.cache.views, span, self._spans)
         # out: [T,H]
@@ -198,14 +197,15 @@ class ExpertsCall:
             t = self._tables[layer] = table[self.cache.rank[layer]]  # [E]
         return t
 
-    def _layer_span(self, layer: int) -> tuple[int, int] | None:
-        """(lowest slot, highest slot + 1) of the layer's experts, every one resident; None if one is not.
-        Found on the host once per slot layout: a slot changes key only through a load (`counters.loads`)."""
+    def _layer_layout(self, layer: int) -> tuple[tuple[int, int] | None, dict[str, torch.Tensor] | None]:
+        """(span, own): (lowest slot, highest slot + 1) of the layer's experts, every one resident, None if one is
+        not; and when each expert e sits in slot lo + e (as `warm` loads them), the slots' views `[E, ...]`, else
+        None. Found on the host once per slot layout: a slot changes key only through a load (`counters.loads`)."""
         cache = self.cache
         loads = cache.counters.loads
-        known = self._layer_spans.get(layer)
+        known = self._layouts.get(layer)
         if known is not None and known[0] == loads:
-            return known[1]
+            return known[1], known[2]
         slot_of = cache.slot_of
         slots = [slot_of.get((layer, e)) for e in range(self.spec.num_experts)]
         span = None
@@ -213,11 +213,10 @@ class ExpertsCall:
         if all(s is not None for s in slots):
             held = [s for s in slots if s is not None]
             span = (min(held), max(held) + 1)
-            if held == list(range(span[0], span[0] + len(held))):  # slot = lo + e (as `warm` loads them)
+            if held == list(range(span[0], span[0] + len(held))):  # slot = lo + e
                 own = {name: w[span[0] : span[1]] for name, w in cache.views.items()}  # [E, ...] each, views
-        self._layer_spans[layer] = (loads, span)
-        self._in_order[layer] = own
-        return span
+        self._layouts[layer] = (loads, span, own)
+        return span, own
 
     def _compute(
         self,
