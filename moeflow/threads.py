@@ -52,6 +52,11 @@ class ThreadChoice:
     why: str  # one line for text output
     idle: float | None = None  # CPUs idle when the count was capped (`cap_to_idle`); None: not measured
 
+    @property
+    def cappable(self) -> bool:
+        """A calibrated or default count above 1: what `cap_to_idle` may lower (explicit counts are the user's)."""
+        return self.source in ("calibration", "default") and self.n > 1
+
     def to_dict(self) -> dict[str, Any]:
         """The `--json` fields: `threads`, `threads_source`."""
         return {"threads": self.n, "threads_source": self.source}
@@ -93,7 +98,7 @@ def idle_cpus(interval: float = 0.1) -> float:
 def cap_to_idle(choice: ThreadChoice, idle: float) -> ThreadChoice:
     """A calibrated or default count above 1 capped at `idle` CPUs (rounded, at least 1; module docstring); an
     explicit one (`--threads`, the environment) as it is. The result records `idle`."""
-    if choice.source not in ("calibration", "default") or choice.n <= 1:
+    if not choice.cappable:
         return choice
     n = max(1, min(choice.n, int(idle + 0.5)))
     why = choice.why if n == choice.n else f"{choice.why}; {n} of {choice.n}: {idle:.1f} CPUs idle now"

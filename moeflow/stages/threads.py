@@ -75,7 +75,7 @@ def apply_threads(
     if flag is None and env_threads() is None and look_up:
         cal = find_thread_calibration(model, device, records=(calibration,))
     choice = resolve_threads(flag, cal, spec, cores=cores)
-    if choice.source in ("calibration", "default") and choice.n > 1:
+    if choice.cappable:  # measured only then (0.1 s)
         choice = cap_to_idle(choice, idle_cpus() if idle is None else idle)
     torch.set_num_threads(choice.n)
     return choice
