@@ -85,13 +85,27 @@ class CountingStream:
 
 
 @contextlib.contextmanager
-def as_on_a_gpu() -> Iterator[None]:
-    """CUDA's events and streams faked, transformers' decode-stage switch applied on the CPU, the engine's router
-    replay on its device branch and its decode call mirroring `batched_mm`; all restored after."""
+def patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Each `(obj, name, value)` set for the block, the previous values restored after."""
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+
+@contextlib.contextmanager
+def decode_switch_on_cpu() -> Iterator[None]:
+    """What transformers' `generate` does off the CPU, on the CPU: a `grouped_mm` model decodes with `batched_mm`
+    (its `_optimize_model_for_decode` without the device test), and the engine's experts call mirrors it (its
+    decision made as on a GPU). Also `tests/test_decode_ops.py`'s fixture."""
     from transformers.generation.utils import GenerationMixin
 
     from moeflow.moe import tx_compat
-    from moeflow.runtime import experts_call, step
+    from moeflow.runtime import experts_call
 
     @contextlib.contextmanager
     def switch(self):
@@ -108,28 +122,33 @@ def as_on_a_gpu() -> Iterator[None]:
         init(self, **kw)
         self._batched = tx_compat.decode_batched()
 
+    with patched(
+        [(GenerationMixin, "_optimize_model_for_decode", switch), (experts_call.ExpertsCall, "__init__", init_as_on_a_gpu)]
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def as_on_a_gpu() -> Iterator[None]:
+    """CUDA's events and streams faked, transformers' decode-stage switch applied on the CPU, the engine's router
+    replay on its device branch and its decode call mirroring `batched_mm` (`decode_switch_on_cpu`); all restored
+    after."""
+    from moeflow.runtime import step
+
     def to_host(self, routings):
         self.counts.host_syncs += 1
         return step.packed_to_host(routings)
 
-    patches = [
+    fakes = [
         (torch.cuda, "is_available", lambda: True),
         (torch.cuda, "Event", CountingEvent),
         (torch.cuda, "Stream", CountingStream),
         (torch.cuda, "stream", lambda s: contextlib.nullcontext()),
         (torch.cuda, "current_stream", lambda device=None: CountingStream()),
-        (GenerationMixin, "_optimize_model_for_decode", switch),
-        (experts_call.ExpertsCall, "__init__", init_as_on_a_gpu),
         (step.RouteStep, "to_host", to_host),
     ]
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
-    try:
-        for obj, name, value in patches:
-            setattr(obj, name, value)
+    with patched(fakes), decode_switch_on_cpu():
         yield
-    finally:
-        for obj, name, value in saved:
-            setattr(obj, name, value)
 
 
 def per_token(model, prompt: torch.Tensor, engine, tokens: int) -> tuple[float, dict[str, float]]:

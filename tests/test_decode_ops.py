@@ -139,37 +139,31 @@ def test_wide_span_gathers(tiny_models, monkeypatch):
 # ---- a decode step off the CPU: the batched_mm mirror -------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def bench():
+    """`benchmarks/decode_ops.py`, loaded as a module: its CPU emulation of a GPU's decode (`decode_switch_on_cpu`,
+    `as_on_a_gpu`) serves these tests too."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "decode_ops.py"
+    spec = importlib.util.spec_from_file_location("decode_ops_bench", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture
-def decode_switch_on_cpu(monkeypatch):
-    """What transformers' `generate` does off the CPU, here on the CPU: the stock `grouped_mm` model decodes with
-    `batched_mm` (its `_optimize_model_for_decode` without the device test), and the engine mirrors it (its
-    decision made as on a GPU)."""
-    from contextlib import contextmanager
-
-    from transformers.generation.utils import GenerationMixin
-
+def decode_switch_on_cpu(bench):
+    """The stock `grouped_mm` model decodes with `batched_mm` on the CPU, as `generate` does off it, and the engine
+    mirrors it (`benchmarks/decode_ops.py:decode_switch_on_cpu`)."""
     from moeflow.moe import tx_compat
 
     if tx_compat.decode_batched() is None:
         pytest.skip("this transformers has no batched_mm decode switch")
-
-    @contextmanager
-    def switch(self):
-        impls = self.get_experts_implementation()
-        self.set_experts_implementation({k: "batched_mm" if v == "grouped_mm" else v for k, v in impls.items()})
-        try:
-            yield
-        finally:
-            self.set_experts_implementation(impls)
-
-    monkeypatch.setattr(GenerationMixin, "_optimize_model_for_decode", switch)
-    init = experts_call.ExpertsCall.__init__
-
-    def init_as_on_a_gpu(self, **kw):
-        init(self, **kw)
-        self._batched = tx_compat.decode_batched()
-
-    monkeypatch.setattr(experts_call.ExpertsCall, "__init__", init_as_on_a_gpu)
+    with bench.decode_switch_on_cpu():
+        yield
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -285,21 +279,14 @@ def test_decode_stage_wrappers_nest_and_unwind(tiny_models):
     assert a[:2] == [True, False] and b[:2] == [True, False]  # entered and left the decode stage once
 
 
-def test_decode_host_work_as_on_a_gpu_stays_near_the_stock_decode(monkeypatch, capsys):
+def test_decode_host_work_as_on_a_gpu_stays_near_the_stock_decode(bench, monkeypatch, capsys):
     """`benchmarks/decode_ops.py` (the ops a GPU would launch, counted on the CPU with CUDA faked): the all-resident
     engine issues at most one more non-view aten op per MoE layer per decode token than the stock `batched_mm`
     decode (the pass's routing read: 4 ops per token), and one CUDA event per token (the replay's marker). Before
     the batched mirror and the stacked replay it was 7.2 more per layer and one event per layer."""
-    import importlib.util
     import json
     import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "decode_ops.py"
-    spec = importlib.util.spec_from_file_location("decode_ops_bench", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     monkeypatch.setattr(sys, "argv", ["decode_ops.py", "--experts", "16", "--top-k", "4", "--layers", "6", "--tokens", "5"])
     bench.main()
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
