@@ -75,12 +75,9 @@ def _all_resident(model, prefetch: str):
     return build_engine(model, mode="offload", link=DirectLink(), capacity=spec.total_experts, eviction="lru", prefetch=prefetch)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("prefetch", ["none", "pregate"])
-def test_all_hit_decode_reads_weights_in_place(tiny_models, arch, prefetch):
-    model = tiny_models(arch)
-    adapter = get_adapter(model)
-    prompt = _prompt()
+def _stock_and_all_resident(model, adapter, prompt, prefetch: str):
+    """The stock run and the warmed all-resident engine's run (no miss), checked equal in tokens and in every MoE
+    block's output: (stock tokens, stock block outputs, stock decode ops, engine decode ops)."""
     ref, ref_ops, ref_outs = _run(model, adapter, None, prompt)
     eng = _all_resident(model, prefetch)
     with eng:
@@ -89,6 +86,15 @@ def test_all_hit_decode_reads_weights_in_place(tiny_models, arch, prefetch):
         assert eng.cache.counters.misses == 0
     assert torch.equal(out, ref)
     assert len(outs) == len(ref_outs) and all(torch.equal(a, b) for a, b in zip(outs, ref_outs))
+    return ref, ref_outs, ref_ops, ops
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("prefetch", ["none", "pregate"])
+def test_all_hit_decode_reads_weights_in_place(tiny_models, arch, prefetch):
+    model = tiny_models(arch)
+    adapter = get_adapter(model)
+    _, _, ref_ops, ops = _stock_and_all_resident(model, adapter, _prompt(), prefetch)
     assert len(ops) == len(ref_ops) == (NEW - 1) * adapter.spec.num_moe_layers
     for got, stock in zip(ops, ref_ops):
         assert "index_select" not in got, f"{arch}+{prefetch}: expert weights gathered: {got}"
@@ -104,13 +110,7 @@ def test_all_hit_bf16_exact(prefetch):
     model = tiny_model("olmoe", dtype=torch.bfloat16)
     adapter = get_adapter(model)
     prompt = _prompt(24)
-    ref, _, ref_outs = _run(model, adapter, None, prompt)
-    eng = _all_resident(model, prefetch)
-    with eng:
-        eng.warm()
-        out, _, outs = _run(model, adapter, eng, prompt)
-    assert torch.equal(out, ref)
-    assert len(outs) == len(ref_outs) and all(torch.equal(a, b) for a, b in zip(outs, ref_outs))
+    ref, ref_outs, _, _ = _stock_and_all_resident(model, adapter, prompt, prefetch)
     spec = adapter.spec
     half = build_engine(
         model, mode="offload", link=DirectLink(), capacity=spec.total_experts // 2, eviction="lru", prefetch=prefetch
@@ -125,14 +125,8 @@ def test_wide_span_gathers(tiny_models, monkeypatch):
     """A span wider than `MAX_GROUPS` slots gathers the weights (as before), still exact."""
     model = tiny_models("olmoe")
     adapter = get_adapter(model)
-    prompt = _prompt()
-    ref, _, ref_outs = _run(model, adapter, None, prompt)
     monkeypatch.setattr(experts_call, "MAX_GROUPS", 1)
-    eng = _all_resident(model, "none")
-    with eng:
-        eng.warm()
-        out, ops, outs = _run(model, adapter, eng, prompt)
-    assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(outs, ref_outs))
+    _, _, _, ops = _stock_and_all_resident(model, adapter, _prompt(), "none")
     assert all(o.count("index_select") == 2 for o in ops)  # up and down weights gathered
 
 
@@ -183,16 +177,8 @@ def test_decode_mirrors_batched_mm_bit_for_bit(tiny_models, arch, prefetch, in_o
         monkeypatch.setattr(experts_call.ExpertsCall, "_layer_layout", no_order)
     model = tiny_models(arch)
     adapter = get_adapter(model)
-    prompt = _prompt()
-    ref, ref_ops, ref_outs = _run(model, adapter, None, prompt)
+    _, _, ref_ops, ops = _stock_and_all_resident(model, adapter, _prompt(), prefetch)
     assert all("bmm" in o for o in ref_ops)  # the stock decode ran batched_mm
-    eng = _all_resident(model, prefetch)
-    with eng:
-        eng.warm()
-        out, ops, outs = _run(model, adapter, eng, prompt)
-        assert eng.cache.counters.misses == 0
-    assert torch.equal(out, ref)
-    assert len(outs) == len(ref_outs) and all(torch.equal(a, b) for a, b in zip(outs, ref_outs))
     for got, stock in zip(ops, ref_ops):
         assert "sort" not in got and "_grouped_mm" not in got and got.count("bmm") == stock.count("bmm")
         if prefetch == "none":  # the table path: one more, the slot lookup (`table[ids]`)
