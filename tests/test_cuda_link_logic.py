@@ -1,8 +1,9 @@
 """`CudaLink`'s host-side logic on the CPU, with CUDA's events and streams replaced by recording fakes (the copies
 are real CPU copies): runs of adjacent rows as one copy with shared events and shared link time, held prefetches
 issued in runs, cancel / promote of held prefetches, each distinct use marker waited for once, a held run within
-the prefetch window, and the whole engine over it exact with every byte counted. The real device behaviour is
-`tests/test_runtime_link.py::test_cuda_link_moves_adjacent_rows_as_one_copy` and `tests/test_gpu_paths.py` (gpu)."""
+the prefetch window, and the whole engine over it exact with every byte counted. The adjacent-rows scenario runs on
+a device too (`test_cuda_link_moves_adjacent_rows_as_one_copy`, gpu); the rest of the device behaviour is
+`tests/test_gpu_paths.py` (gpu)."""
 
 from __future__ import annotations
 
@@ -59,28 +60,48 @@ def fake_cuda(monkeypatch):
     return CudaLink
 
 
-def test_adjacent_rows_move_as_one_copy_per_run(fake_cuda):
-    link = fake_cuda(torch.device("cpu"), run_bytes=4 * 1024 * 4)
-    host = torch.randn(8, 1024)  # [E,R] one layer's rows
-    buf = torch.zeros(10, 1024)  # [C,R] slot rows
+def _adjacent_rows(link, host: torch.Tensor, buf: torch.Tensor, settle) -> None:
+    """On `link` (run_bytes 16 KiB): one layer's rows `host [8,1024]` into consecutive slot rows of `buf [10,1024]`
+    go out as one copy per run (the tickets share its events), every byte counted once, each ticket's link time its
+    share of the copy's; held prefetches of adjacent rows are issued as runs too, and rows that do not continue stay
+    separate copies. `settle()` orders the buffer's fill before the link's copies (a device's streams)."""
+    settle()
     rows, slots = list(host.unbind(0)), list(buf.unbind(0))
     items = [(rows[e], slots[e + 1], None) for e in range(8)]
     ts = link.submit_many(items, demand=True)
     for t in ts:
         link.wait(t)
     link.drain()
-    assert torch.equal(buf[1:9], host) and float(buf[0].abs().sum()) == float(buf[9].abs().sum()) == 0.0
+    assert torch.equal(buf[1:9].cpu(), host) and float(buf[0].abs().sum()) == float(buf[9].abs().sum()) == 0.0
     assert len({id(t.event) for t in ts}) == 2  # 8 rows of 4 KiB, at most 4 per copy
     assert link.bytes == link.submitted_bytes == host.numel() * 4 and link.transfers == 8
     run = ts[0].start_event.elapsed_time(ts[0].event) / 1e3
     assert sum(t.busy_s for t in ts[:4]) == pytest.approx(run) and ts[0].busy_s == pytest.approx(run / 4)
     buf.zero_()
+    settle()
     scattered = [(rows[e], slots[9 - e], None) for e in range(8)]  # descending slots: nothing continues
     ts = link.submit_many(scattered, demand=False) + link.submit_many(items[:4], demand=False)
     link.drain()
     assert len({id(t.event) for t in ts}) == 8 + 1  # held prefetches: the adjacent four in one copy
-    assert torch.equal(buf[1:5], host[:4]) and torch.equal(buf[9], host[0])
+    assert torch.equal(buf[1:5].cpu(), host[:4]) and torch.equal(buf[9].cpu(), host[0])
     assert link.bytes == link.submitted_bytes == 2 * host.numel() * 4 + 4 * 1024 * 4
+
+
+def test_adjacent_rows_move_as_one_copy_per_run(fake_cuda):
+    link = fake_cuda(torch.device("cpu"), run_bytes=4 * 1024 * 4)
+    _adjacent_rows(link, torch.randn(8, 1024), torch.zeros(10, 1024), lambda: None)
+
+
+@pytest.mark.gpu
+def test_cuda_link_moves_adjacent_rows_as_one_copy():
+    """The same scenario on a CUDA device: pinned host rows, a device buffer."""
+    from moeflow.runtime.link import CudaLink
+
+    dev = torch.device("cuda")
+    link = CudaLink(dev, run_bytes=4 * 1024 * 4)
+    _adjacent_rows(
+        link, torch.randn(8, 1024).pin_memory(), torch.zeros(10, 1024, device=dev), lambda: torch.cuda.synchronize(dev)
+    )
 
 
 def test_held_prefetches_cancel_promote_and_markers(fake_cuda, monkeypatch):

@@ -161,39 +161,6 @@ def test_cuda_link_copies_and_orders():
     assert link.bytes == 2 * (1 << 22) and link.busy_s > 0
 
 
-@pytest.mark.gpu
-def test_cuda_link_moves_adjacent_rows_as_one_copy():
-    """`CudaLink.submit_many` of one layer's rows into consecutive slot rows: one copy per run (the tickets share
-    its events), every byte counted once, each ticket's link time its share of the copy's; held prefetches of
-    adjacent rows are issued as runs too, and rows that do not continue stay separate copies."""
-    from moeflow.runtime.link import CudaLink
-
-    dev = torch.device("cuda")
-    link = CudaLink(dev, run_bytes=4 * 1024 * 4)
-    host = torch.randn(8, 1024).pin_memory()  # [E,R]
-    buf = torch.zeros(10, 1024, device=dev)  # [C,R]
-    torch.cuda.synchronize(dev)  # the fill (compute stream) before the link's copies (side streams)
-    rows, slots = list(host.unbind(0)), list(buf.unbind(0))
-    items = [(rows[e], slots[e + 1], None) for e in range(8)]
-    ts = link.submit_many(items, demand=True)
-    for t in ts:
-        link.wait(t)
-    link.drain()
-    assert torch.equal(buf[1:9].cpu(), host) and float(buf[0].abs().sum()) == float(buf[9].abs().sum()) == 0.0
-    assert len({id(t.event) for t in ts}) == 2  # 8 rows of 4 KiB, at most 4 per copy
-    assert link.bytes == link.submitted_bytes == host.numel() * 4
-    first = ts[0].start_event.elapsed_time(ts[0].event) / 1e3
-    assert abs(sum(t.busy_s for t in ts[:4]) - first) < 1e-9
-    buf.zero_()
-    torch.cuda.synchronize(dev)
-    scattered = [(rows[e], slots[9 - e], None) for e in range(8)]  # descending slots: nothing continues
-    ts = link.submit_many(scattered, demand=False) + link.submit_many(items[:4], demand=False)
-    link.drain()
-    assert len({id(t.event) for t in ts}) == 8 + 1
-    assert torch.equal(buf[1:5].cpu(), host[:4]) and torch.equal(buf[9].cpu(), host[0])
-    assert link.bytes == link.submitted_bytes == 2 * host.numel() * 4 + 4 * 1024 * 4
-
-
 def test_adjacent_runs_cut_where_rows_stop_continuing():
     """`adjacent_runs` groups (src, dst) pairs whose sources and destinations each continue the previous one in
     the same storage (one layer's expert rows into consecutive slot rows), in order, up to `max_bytes`; `joined`
