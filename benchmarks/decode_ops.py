@@ -9,7 +9,10 @@ counts them deterministically without a GPU, for a random tiny OLMoE (every size
   replaced by counting fakes (copies are CPU copies), its router replay taking the device branch
   (`step.packed_to_host`) and its all-hit decode call mirroring `batched_mm`, as on a GPU;
 - per decode token: non-view aten ops (a `TorchDispatchMode`: the ops a GPU would launch; views launch nothing)
-  and CUDA event creations / records / stream waits, as the difference of an N-token and a 1-token generation.
+  and CUDA event creations / records / stream waits, as the difference of an N-token and a 1-token generation;
+- a prefill of `--prefill-tokens` random tokens by a cold engine (lru + pregate: the staged prefill) at 25%, 50% and
+  100% capacity: its loads, the link copies that moved them (adjacent rows handed over together go as one copy),
+  non-view aten ops and CUDA events, beside the resident prefill's ops.
 
     .venv/bin/python benchmarks/decode_ops.py                 # 16 MoE layers x 64 experts, top-8
     .venv/bin/python benchmarks/decode_ops.py --experts 8 --top-k 2 --layers 4
@@ -166,6 +169,33 @@ def per_token(model, prompt: torch.Tensor, engine, tokens: int) -> tuple[float, 
     return (many - one) / (tokens - 1), {k: (c_many[k] - c_one[k]) / (tokens - 1) for k in CALLS}
 
 
+def prefill_counts(model, prompt: torch.Tensor, capacity: int) -> dict[str, Any]:
+    """A cold engine's prefill (a 1-token generation) over the faked `CudaLink` at `capacity`, lru + pregate (the
+    staged prefill): the loads, the link copies that moved them (adjacent rows handed over together: one copy),
+    non-view aten ops and CUDA event creations."""
+    from moeflow.runtime.generate import build_engine, generate_one
+    from moeflow.runtime.link import CudaLink
+
+    link = CudaLink(torch.device("cpu"))
+    copies = [0]
+    issue = link._issue_run
+
+    def counted(ts, *args, **kw):
+        copies[0] += 1
+        return issue(ts, *args, **kw)
+
+    link._issue_run = counted  # type: ignore[method-assign]
+    engine = build_engine(model, mode="offload", link=link, capacity=capacity, eviction="lru", prefetch="pregate")
+    with engine:
+        for k in CALLS:
+            CALLS[k] = 0
+        with OpCount() as ops:
+            generate_one(model, prompt, engine, max_new_tokens=1, min_new_tokens=1)
+        link.drain()
+        loads = engine.cache.counters.loads
+    return {"capacity": capacity, "loads": loads, "copies": copies[0], "ops": ops.n, "cuda_events": CALLS["event_new"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=64, help="routed experts per MoE layer (default %(default)s)")
@@ -173,6 +203,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16, help="MoE layers (default %(default)s)")
     ap.add_argument("--tokens", type=int, default=9, help="tokens generated, the first being the prefill's (default %(default)s)")
     ap.add_argument("--prompt-tokens", type=int, default=16, help="random prompt length (default %(default)s)")
+    ap.add_argument(
+        "--prefill-tokens", type=int, default=128, help="random prompt length of the prefill rows (default %(default)s)"
+    )
     a = ap.parse_args()
     if a.tokens < 2:
         ap.error("--tokens must be at least 2 (one decode step after the prefill's token)")
@@ -181,7 +214,7 @@ def main() -> None:
 
     from moeflow.models import tiny_model
     from moeflow.moe import get_adapter
-    from moeflow.runtime.generate import build_engine
+    from moeflow.runtime.generate import build_engine, generate_one
     from moeflow.runtime.link import CudaLink
     from moeflow.tables import FitTable
 
@@ -199,6 +232,11 @@ def main() -> None:
             link.drain()
             offload, eng_calls = per_token(model, prompt, engine, a.tokens)
             misses = engine.cache.counters.misses
+        long = torch.randint(3, 250, (1, a.prefill_tokens), generator=torch.Generator().manual_seed(1))  # [1,P]
+        with OpCount() as res_prefill:
+            generate_one(model, long, None, max_new_tokens=1, min_new_tokens=1)
+        E = spec.total_experts
+        prefill = [prefill_counts(model, long, c) for c in (E // 4, E // 2, E)]
     L = spec.num_moe_layers
     t = FitTable(
         title=f"decode ops as on a GPU: tiny olmoe, {L} MoE layers x {a.experts} experts, top-{a.top_k}, every expert cached"
@@ -210,6 +248,14 @@ def main() -> None:
     console = Console(stderr=True)
     console.print(t)
     console.print(f"engine - resident = {offload - resident:.1f} ops per token ({(offload - resident) / L:.2f} per MoE layer)")
+    t = FitTable(title=f"prefill of {a.prefill_tokens} tokens, cold engine, lru + pregate (resident: {res_prefill.n} ops)")
+    for col in ("capacity", "loads", "link copies", "aten ops", "CUDA events"):
+        t.add_column(col, justify="right")
+    for r in prefill:
+        t.add_row(
+            f"{r['capacity']} ({r['capacity'] / E:.0%})", str(r["loads"]), str(r["copies"]), str(r["ops"]), str(r["cuda_events"])
+        )
+    console.print(t)
     print(
         json.dumps(
             {
@@ -224,6 +270,9 @@ def main() -> None:
                 "ops_ratio": offload / resident,
                 "engine_cuda_calls_per_token": eng_calls,
                 "misses": misses,
+                "prefill_tokens": a.prefill_tokens,
+                "prefill_resident_ops": res_prefill.n,
+                "prefill": prefill,
             }
         )
     )
