@@ -268,8 +268,8 @@ def test_decode_stage_wrappers_nest_and_unwind(tiny_models):
 def test_decode_host_work_as_on_a_gpu_stays_near_the_stock_decode(bench, monkeypatch, capsys):
     """`benchmarks/decode_ops.py` (the ops a GPU would launch, counted on the CPU with CUDA faked): the all-resident
     engine issues at most one more non-view aten op per MoE layer per decode token than the stock `batched_mm`
-    decode (the pass's routing read: 4 ops per token), and one CUDA event per token (the replay's marker). Before
-    the batched mirror and the stacked replay it was 7.2 more per layer and one event per layer."""
+    decode (the pass's routing read: 4 ops per token), and one CUDA event per token (the replay's marker); the
+    sorted grouped call or a replay that packs each routing alone would exceed it."""
     import json
     import sys
 
