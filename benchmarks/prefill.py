@@ -147,7 +147,7 @@ def main() -> None:
                 best[c][i] = min(best[c][i], m.ttft_s or float("inf"))
                 info[c]["exact"] &= bool(torch.equal(out, ref[i]))
                 info[c]["needed"][i] = m.prefill_needed
-                info[c]["xfer"][i] = m.prefill_needed * (link.transfer_estimate_s(m.expert_bytes) or 0.0)
+                info[c]["xfer"][i] = m.prefill_needed * (link.bulk_s(m.expert_bytes) or 0.0)
     wall = time.perf_counter() - t_start
 
     table = Table(title=f"prefill TTFT vs bound — {Path(args.model).name}, {link_label()}, {args.tokens}-token prompts")

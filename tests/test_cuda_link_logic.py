@@ -8,25 +8,26 @@ a device too (`test_cuda_link_moves_adjacent_rows_as_one_copy`, gpu); the rest o
 from __future__ import annotations
 
 import contextlib
-import itertools
 
 import pytest
 import torch
 
 
 class FakeEvent:
-    """A CUDA event stand-in: recorded at a tick of a global clock; complete at once, or (`instant` False) only
-    once synchronized."""
+    """A CUDA event stand-in: each record advances a global clock by `step_ms` (so a copy's two events are `step_ms`
+    apart); complete at once, or (`instant` False) only once synchronized."""
 
-    clock = itertools.count()
+    now = 0.0
+    step_ms = 1.0
     instant = True
 
     def __init__(self, enable_timing: bool = False) -> None:
-        self.t: int | None = None
+        self.t: float | None = None
         self.done = False
 
     def record(self, stream=None) -> None:
-        self.t = next(FakeEvent.clock)
+        FakeEvent.now += FakeEvent.step_ms
+        self.t = FakeEvent.now
 
     def query(self) -> bool:
         return self.t is not None and (FakeEvent.instant or self.done)
@@ -50,6 +51,7 @@ class FakeStream:
 @pytest.fixture
 def fake_cuda(monkeypatch):
     monkeypatch.setattr(FakeEvent, "instant", True)
+    monkeypatch.setattr(FakeEvent, "step_ms", 1.0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
@@ -104,6 +106,51 @@ def test_cuda_link_moves_adjacent_rows_as_one_copy():
     )
 
 
+def test_copy_fit_recovers_latency_and_bandwidth():
+    from moeflow.runtime.link.cuda import CopyFit
+
+    f = CopyFit()
+    assert f.fit() is None
+    for n in (4096, 4096, 16384):  # two single rows, then a run of four moved as one copy (four tickets' shares)
+        for _ in range(n // 4096):
+            f.add(n, 2e-5 + n * 1e-9, weight=4096 / n)
+    a, b = f.fit()  # type: ignore[misc]
+    assert a == pytest.approx(2e-5) and b == pytest.approx(1e-9)
+    one = CopyFit()
+    one.add(4096, 3e-5)
+    one.add(4096, 5e-5)
+    assert one.fit() == pytest.approx((0.0, 8e-5 / 8192))  # one size: the mean seconds per byte, no latency
+
+
+def test_copy_time_is_fitted_per_copy_not_averaged_over_runs(fake_cuda):
+    """Single rows and runs of adjacent rows, each copy taking latency + bytes x seconds per byte: one expert's
+    copy is estimated with its latency (a mean over the bytes of runs read it fast), the TTFT bound's bytes
+    (`bulk_s`) without it, and the link's busy seconds are the copies' own."""
+    link = fake_cuda(torch.device("cpu"), run_bytes=1 << 20)
+    lat_ms, per_ms = 0.05, 1e-5  # per copy; per byte
+    issue = link._issue_run
+
+    def timed(ts, src, dst, afters, demand):  # the fake events of this copy lie lat + bytes x per apart
+        FakeEvent.step_ms = lat_ms + src.numel() * src.element_size() * per_ms
+        issue(ts, src, dst, afters, demand)
+
+    link._issue_run = timed
+    host, buf = torch.randn(16, 1024), torch.zeros(24, 1024)
+    rows, slots = list(host.unbind(0)), list(buf.unbind(0))
+    singles = [(rows[e], slots[2 * e], None) for e in range(4)]  # every other slot: nothing continues
+    runs = [(rows[4 + e], slots[8 + e], None) for e in range(12)]  # one run of 12 adjacent rows
+    link.submit_many(singles, demand=True)
+    link.submit_many(runs, demand=True)
+    link.drain()
+    row = 1024 * 4
+    copies = [lat_ms + row * per_ms] * 4 + [lat_ms + 12 * row * per_ms]
+    assert link.busy_s == pytest.approx(sum(copies) / 1e3)
+    assert link.transfer_estimate_s(row) == pytest.approx((lat_ms + row * per_ms) / 1e3)
+    assert link.bulk_s(row) == pytest.approx(row * per_ms / 1e3)
+    mean = link.busy_s / link.bytes * row  # what a mean per byte over runs and single rows said
+    assert mean < 0.8 * link.transfer_estimate_s(row)
+
+
 def test_held_prefetches_cancel_promote_and_markers(fake_cuda, monkeypatch):
     monkeypatch.setattr(FakeEvent, "instant", False)  # copies stay in flight until waited for
     link = fake_cuda(torch.device("cpu"), window_s=0.0)
@@ -132,7 +179,7 @@ def test_a_held_run_stays_within_the_prefetch_window(fake_cuda, monkeypatch):
     for (a demand copy waits behind at most the window, and what is not issued can still be cancelled)."""
     monkeypatch.setattr(FakeEvent, "instant", False)  # copies stay in flight until waited for
     link = fake_cuda(torch.device("cpu"), window_s=2e-3, run_bytes=1 << 20)
-    link._busy_s, link._bytes = 1e-3, 4096  # measured: 1 ms per 4 KiB row, the window holds 2 rows
+    link._fit.add(4096, 1e-3)  # measured: one copy of a 4 KiB row in 1 ms, the window holds 2 rows
     host, buf = torch.randn(8, 1024), torch.zeros(8, 1024)
     ts = link.submit_many([(host[e], buf[e], None) for e in range(8)], demand=False)
     assert len(link._held) == 6 and ts[0].event is ts[1].event  # one copy of the 2 rows the window has room for

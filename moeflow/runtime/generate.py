@@ -280,8 +280,9 @@ def generate_batch(
 
 
 def expert_link_s(link: Link, expert_bytes: int) -> float | None:
-    """Link seconds of one expert copy: the link's model (emulated), else its measured mean (None: no copy yet)."""
-    est = link.transfer_estimate_s(expert_bytes)
+    """Link seconds of one expert's bytes for the TTFT bound: the link's model (`bulk_s`: emulated, its bandwidth and
+    latency per transfer; CUDA, its fitted seconds per byte), else its measured mean (None: no copy yet)."""
+    est = link.bulk_s(expert_bytes)
     if est is not None:
         return est
     return expert_bytes * link.busy_s / link.bytes if link.bytes else None

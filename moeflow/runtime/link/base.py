@@ -19,8 +19,9 @@ routed expert whose prefetch is still queued). On `CudaLink` demand copies go on
 stream, so they never queue behind prefetch copies already enqueued on the prefetch stream (the copy
 engines may still share bandwidth with a running prefetch copy); a copy enqueued on a CUDA stream cannot
 be withdrawn, so `cancel` returns False there.
-`transfer_estimate_s(nbytes)` (the link's bandwidth model, or the measured mean on CUDA; None where copies
-are synchronous), `backlog_s()` (link seconds still queued) and `clock_s()` are what the prefetch gate
+`transfer_estimate_s(nbytes)` (one transfer: the link's bandwidth model, or on CUDA the fit of its completed copies as
+latency + bytes x seconds per byte; None where copies are synchronous), `bulk_s(nbytes)` (the bytes alone, as moved in
+long copies: the TTFT bound's), `backlog_s()` (link seconds still queued) and `clock_s()` are what the prefetch gate
 (`moeflow.policies.prefetch.PrefetchGate`) reads.
 
 Every link returns a `Ticket` from `submit`; `wait(ticket)` blocks until the slot may be read and
@@ -279,6 +280,11 @@ class Link:
     def transfer_estimate_s(self, nbytes: int) -> float | None:
         """Link seconds one transfer of `nbytes` takes (None: unknown, or copies are synchronous)."""
         return None
+
+    def bulk_s(self, nbytes: int) -> float | None:
+        """Link seconds of `nbytes` moved as part of long copies: the bandwidth alone, without a copy's fixed cost
+        (the TTFT bound's copies). A link that moves every transfer apart: `transfer_estimate_s`."""
+        return self.transfer_estimate_s(nbytes)
 
     def backlog_s(self) -> float:
         """Link seconds of work submitted and not yet complete (estimated where not modelled)."""

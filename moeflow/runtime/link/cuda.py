@@ -14,6 +14,40 @@ from .base import Link, Ticket, adjacent_runs, joined, run_length
 RUN_BYTES = 8 << 20  # at most this much in one copy of adjacent rows (an expert row alone may be longer)
 
 
+class CopyFit:
+    """Seconds of one copy of n bytes, fitted over the completed copies as latency + n x seconds per byte (least
+    squares). A copy that moved several transfers counts once: each of its tickets adds it with its share of the
+    bytes as the weight (the shares of one copy sum to 1)."""
+
+    __slots__ = ("sx", "sxx", "sxy", "sy", "w")
+
+    def __init__(self) -> None:
+        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, nbytes: float, seconds: float, weight: float = 1.0) -> None:
+        """One copy of `nbytes` that took `seconds` (`weight`: the part of it one ticket stands for)."""
+        self.w += weight
+        self.sx += weight * nbytes
+        self.sy += weight * seconds
+        self.sxx += weight * nbytes * nbytes
+        self.sxy += weight * nbytes * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(latency seconds, seconds per byte); None before the first copy. Copies of one size only, or sizes whose
+        fit has no positive slope: no latency and the mean seconds per byte; a negative latency: the line through
+        the origin."""
+        if self.w <= 0.0 or self.sx <= 0.0:
+            return None
+        mx, my = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mx * mx  # spread of the copy sizes, bytes^2
+        if var > 1e-6 * mx * mx:
+            b = (self.sxy / self.w - mx * my) / var
+            if b > 0.0:
+                a = my - b * mx
+                return (a, b) if a >= 0.0 else (0.0, self.sxy / self.sxx)
+        return 0.0, self.sy / self.sx
+
+
 class CudaLink(Link):
     """Copies from pinned host rows on side streams; per-copy events order compute after copies.
 
@@ -29,6 +63,12 @@ class CudaLink(Link):
     (`submit_many`: a cache batch, e.g. a staged prefill's layer, whose keys ascend with their slots) and held
     prefetches issued one after another move as ONE copy per run of adjacent rows (`adjacent_runs`, at most
     `run_bytes`), its events shared, each transfer's link time its share of the run's bytes.
+
+    The link's model is fitted over its completed copies (`CopyFit`): a copy of n bytes takes latency + n x seconds
+    per byte. `transfer_estimate_s(n)` is one copy of n bytes (the prefetch gate's and `auto`'s cost of moving one
+    expert), `bulk_s(n)` the bytes alone (copies in long runs: the TTFT bound); the prefetch window and
+    `backlog_s` count link seconds per byte. A mean over the bytes of runs and single copies alike read fast for
+    one expert's copy, by the fixed cost the runs spread over their rows.
     """
 
     name = "cuda"
@@ -45,15 +85,25 @@ class CudaLink(Link):
         self._pending: list[Ticket] = []  # issued, not yet accounted
         self._held: list[tuple[Ticket, torch.Tensor, torch.Tensor, Any]] = []  # prefetches not issued yet
         self._inflight: list[Ticket] = []  # issued prefetches not seen complete
+        self._fit = CopyFit()  # latency + bytes x seconds per byte of the completed copies
 
     def transfer_estimate_s(self, nbytes: int) -> float | None:
-        """Mean measured seconds per byte of completed copies x nbytes (None before the first one). Runs of
-        adjacent rows spread a copy's fixed cost over their bytes, so after many runs this reads a little fast
-        for a single expert's copy."""
-        return nbytes * self._busy_s / self._bytes if self._bytes else None
+        """Seconds of one copy of `nbytes`: the fitted latency + nbytes x seconds per byte (None before the first
+        copy completed)."""
+        f = self._fit.fit()
+        return None if f is None else f[0] + nbytes * f[1]
+
+    def bulk_s(self, nbytes: int) -> float | None:
+        """Seconds of `nbytes` moved in long copies: the fitted seconds per byte alone (None before the first copy)."""
+        per = self._per_byte_s()
+        return None if per is None else nbytes * per
+
+    def _per_byte_s(self) -> float | None:
+        f = self._fit.fit()
+        return None if f is None else f[1]
 
     def backlog_s(self) -> float:
-        per = self.transfer_estimate_s(1)
+        per = self._per_byte_s()
         if per is None:
             return 0.0
         issued = sum(t.nbytes for t in self._pending if not t.done.is_set() and not t.event.query())
@@ -90,7 +140,7 @@ class CudaLink(Link):
         if not self._held:
             return
         self._inflight = [t for t in self._inflight if not t.event.query()]
-        per = self.transfer_estimate_s(1)
+        per = self._per_byte_s()
         while self._held:
             inflight = 0.0 if per is None else per * sum(t.nbytes for t in self._inflight)  # link seconds in flight
             if per is None:
@@ -167,7 +217,10 @@ class CudaLink(Link):
     def _complete(self, t: Ticket) -> None:
         if t.done.is_set():
             return
-        t.busy_s = t.start_event.elapsed_time(t.event) / 1e3 * t.share  # its part of a shared copy
+        copy_s = t.start_event.elapsed_time(t.event) / 1e3  # the whole copy's, shared by its tickets
+        t.busy_s = copy_s * t.share  # its part of a shared copy
+        if t.share > 0.0:
+            self._fit.add(t.nbytes / t.share, copy_s, t.share)
         self._account(t)
 
     def _account_done(self) -> None:
