@@ -115,11 +115,32 @@ def test_copy_fit_recovers_latency_and_bandwidth():
         for _ in range(n // 4096):
             f.add(n, 2e-5 + n * 1e-9, weight=4096 / n)
     a, b = f.fit()  # type: ignore[misc]
-    assert a == pytest.approx(2e-5) and b == pytest.approx(1e-9)
+    assert a == pytest.approx(2e-5) and b == pytest.approx(1e-9) and f.w == pytest.approx(3)  # three copies
     one = CopyFit()
     one.add(4096, 3e-5)
     one.add(4096, 5e-5)
     assert one.fit() == pytest.approx((0.0, 8e-5 / 8192))  # one size: the mean seconds per byte, no latency
+    flat = CopyFit()  # a larger copy no slower: no positive slope, the mean seconds per byte
+    flat.add(1e3, 1e-3)
+    flat.add(1e8, 1e-4)
+    assert flat.fit() == pytest.approx((0.0, 1.1e-3 / (1e3 + 1e8)))
+    steep = CopyFit()  # a negative intercept: the line through the origin
+    for n, t in ((1e6, 1e-4), (2e6, 3e-4), (3e6, 5e-4)):
+        steep.add(n, t)
+    assert steep.fit() == pytest.approx((0.0, (1e-4 * 1e6 + 3e-4 * 2e6 + 5e-4 * 3e6) / (1e12 + 4e12 + 9e12)))
+    import numpy as np
+
+    rng = np.random.default_rng(0)  # noisy copies of 1 to 8 rows: one weight per copy whatever its tickets
+    noisy, xs, ys = CopyFit(), [], []
+    for rows in rng.integers(1, 9, 40):
+        x = float(rows * 4096)
+        y = 1e-5 + x * 2e-9 + float(rng.normal(0, 2e-6))
+        for _ in range(rows):
+            noisy.add(x, y, weight=1.0 / rows)
+        xs.append(x)
+        ys.append(y)
+    b_ref, a_ref = np.polyfit(xs, ys, 1)
+    assert noisy.fit() == pytest.approx((a_ref, b_ref))
 
 
 def test_copy_time_is_fitted_per_copy_not_averaged_over_runs(fake_cuda):
@@ -147,8 +168,37 @@ def test_copy_time_is_fitted_per_copy_not_averaged_over_runs(fake_cuda):
     assert link.busy_s == pytest.approx(sum(copies) / 1e3)
     assert link.transfer_estimate_s(row) == pytest.approx((lat_ms + row * per_ms) / 1e3)
     assert link.bulk_s(row) == pytest.approx(row * per_ms / 1e3)
+    assert link._fit.w == pytest.approx(5)  # 4 single rows and one run of 12: five copies, each counted once
     mean = link.busy_s / link.bytes * row  # what a mean per byte over runs and single rows said
     assert mean < 0.8 * link.transfer_estimate_s(row)
+
+
+def test_the_ttft_bound_counts_an_experts_bytes_alone(fake_cuda):
+    """`generate`'s TTFT bound prices an expert at the link's seconds per byte (`bulk_s`: a staged prefill's copies
+    move in runs), not at one copy's time with its latency (`transfer_estimate_s`)."""
+    from moeflow.runtime.generate import expert_link_s
+
+    link = fake_cuda(torch.device("cpu"))
+    link._fit.add(4096, 1e-3)
+    link._fit.add(8192, 1.5e-3)  # 0.5 ms per copy, 0.5 ms per 4 KiB
+    assert link.transfer_estimate_s(4096) == pytest.approx(1e-3)
+    assert expert_link_s(link, 4096) == pytest.approx(0.5e-3) == link.bulk_s(4096)
+
+
+def test_the_prefetch_window_counts_each_copys_latency(fake_cuda, monkeypatch):
+    """With copies whose fixed cost dominates (a 4 KiB row: 0.5 ms of latency, 4 us of bytes), the 2 ms window
+    holds about four single-row prefetch copies, not the hundreds the bytes alone would let through; the backlog
+    counts each held prefetch's latency too."""
+    monkeypatch.setattr(FakeEvent, "instant", False)  # copies stay in flight until waited for
+    link = fake_cuda(torch.device("cpu"), window_s=2e-3, run_bytes=1 << 20)
+    link._fit.add(4096, 0.5e-3 + 4e-6)
+    link._fit.add(8192, 0.5e-3 + 8e-6)
+    host, buf = torch.randn(64, 1024), torch.zeros(128, 1024)
+    ts = [link.submit(host[e], buf[2 * e], demand=False) for e in range(64)]  # every other slot: no runs
+    assert 3 <= 64 - len(link._held) <= 4
+    assert link.backlog_s() == pytest.approx(64 * (0.5e-3 + 4e-6), rel=1e-6)
+    link.drain()
+    assert all(t.done.is_set() for t in ts)
 
 
 def test_held_prefetches_cancel_promote_and_markers(fake_cuda, monkeypatch):

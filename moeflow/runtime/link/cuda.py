@@ -66,9 +66,10 @@ class CudaLink(Link):
 
     The link's model is fitted over its completed copies (`CopyFit`): a copy of n bytes takes latency + n x seconds
     per byte. `transfer_estimate_s(n)` is one copy of n bytes (the prefetch gate's and `auto`'s cost of moving one
-    expert), `bulk_s(n)` the bytes alone (copies in long runs: the TTFT bound); the prefetch window and
-    `backlog_s` count link seconds per byte. A mean over the bytes of runs and single copies alike read fast for
-    one expert's copy, by the fixed cost the runs spread over their rows.
+    expert), `bulk_s(n)` the bytes alone (copies in long runs: the staged prefill's TTFT bound); the prefetch window
+    and `backlog_s` count the bytes and each copy's latency once (a held prefetch as a copy of its own). A mean over
+    the bytes of runs and single copies alike read fast for one expert's copy, by the fixed cost the runs spread
+    over their rows.
     """
 
     name = "cuda"
@@ -95,19 +96,36 @@ class CudaLink(Link):
 
     def bulk_s(self, nbytes: int) -> float | None:
         """Seconds of `nbytes` moved in long copies: the fitted seconds per byte alone (None before the first copy)."""
-        per = self._per_byte_s()
-        return None if per is None else nbytes * per
+        f = self._speed()
+        return None if f is None else nbytes * f[1]
 
-    def _per_byte_s(self) -> float | None:
+    def _speed(self) -> tuple[float, float] | None:
+        """(latency s, seconds per byte) of the copies so far; None before the first one, or while every copy
+        measured took no time (nothing to scale the window by)."""
         f = self._fit.fit()
-        return None if f is None else f[1]
+        return f if f is not None and f[1] > 0.0 else None
+
+    @staticmethod
+    def _copies_s(speed: tuple[float, float], ts: Any) -> float:
+        """Link seconds of the transfers `ts`: their bytes, and the latency once per copy (transfers sharing a copy's
+        event count it once; one not issued yet, `event` None, counts it alone)."""
+        a, per = speed
+        seen: set[int] = set()
+        copies = nbytes = 0
+        for t in ts:
+            nbytes += t.nbytes
+            if t.event is None or id(t.event) not in seen:
+                copies += 1
+                if t.event is not None:
+                    seen.add(id(t.event))
+        return copies * a + nbytes * per
 
     def backlog_s(self) -> float:
-        per = self._per_byte_s()
-        if per is None:
+        f = self._speed()
+        if f is None:
             return 0.0
-        issued = sum(t.nbytes for t in self._pending if not t.done.is_set() and not t.event.query())
-        return per * (issued + sum(h[0].nbytes for h in self._held))
+        issued = [t for t in self._pending if not t.done.is_set() and not t.event.query()]
+        return self._copies_s(f, issued) + self._copies_s(f, [h[0] for h in self._held])
 
     def _issue(self, t: Ticket, src, dst, after, demand: bool) -> None:
         self._issue_run([t], src, dst, [after], demand)
@@ -140,15 +158,17 @@ class CudaLink(Link):
         if not self._held:
             return
         self._inflight = [t for t in self._inflight if not t.event.query()]
-        per = self._per_byte_s()
+        f = self._speed()
         while self._held:
-            inflight = 0.0 if per is None else per * sum(t.nbytes for t in self._inflight)  # link seconds in flight
-            if per is None:
+            if f is None:
                 if len(self._inflight) >= 2:
                     break
-            elif self._inflight and inflight >= self.window_s:
+                self._issue_held_run()
+                continue
+            inflight = self._copies_s(f, self._inflight)  # link seconds in flight, each copy's latency once
+            if self._inflight and inflight >= self.window_s:
                 break
-            self._issue_held_run(None if per is None else (self.window_s - inflight) / per)  # bytes of room
+            self._issue_held_run((self.window_s - inflight - f[0]) / f[1])  # bytes of room after the next copy's latency
 
     def _issue_held_run(self, room: float | None = None) -> None:
         """Issue the first held prefetch with the held ones right after it that continue its rows (one copy), at
