@@ -11,6 +11,9 @@ block's input has one row), and returns
   (the prefill pass excluded) / (decode passes x MoE layers); 0 for the stock model. On CPU this is
   `host_syncs` too (no profiler event marks a CPU "sync").
 
+`host_profile(label, run, top)` prints the `top` functions by own host time (cProfile) of `run()` to stderr
+(`engine_overhead.py --host-profile`, `prefill.py --host-profile`).
+
 Scripts in `benchmarks/` import it as `from _profile import profile_counts` (their folder is on sys.path).
 """
 
@@ -104,6 +107,24 @@ def profile_counts(model, adapter, ids, engine, new: int, cuda: bool) -> dict:
     else:  # CPU: the engine's own device->host reads
         out["host_syncs"] = eng_syncs or 0.0
     return out
+
+
+def host_profile(label: str, run: Any, top: int) -> None:
+    """cProfile of `run()`: the `top` functions by own time, to stderr under a `---- host profile: label` line."""
+    import cProfile
+    import io
+    import pstats
+    import sys
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        run()
+    finally:
+        prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    print(f"---- host profile: {label} (cProfile, by own time)\n{out.getvalue()}", file=sys.stderr)
 
 
 def h2d_gbps(nbytes: int, device: Any, reps: int = 20) -> float:  # offload.py and predictors.py

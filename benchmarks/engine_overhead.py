@@ -29,12 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-from _profile import profile_counts  # benchmarks/_profile.py (shared with offload.py)
+from _profile import host_profile, profile_counts  # benchmarks/_profile.py (shared with offload.py)
 
 SHAPES = {  # OlmoeConfig kwargs
     "olmoe-1b-7b-shape": dict(
@@ -105,20 +104,10 @@ def decode_impl(model, adapter, ids) -> str:
     return seen[-1] if seen else "?"
 
 
-def host_profile(resident, offloaded, ids, engine, new: int, top: int) -> None:
+def host_profiles(resident, offloaded, ids, engine, new: int, top: int) -> None:
     """cProfile of one generation of `new` tokens of each model: the `top` functions by own time, to stderr."""
-    import cProfile
-    import io
-    import pstats
-
     for name, model, eng in (("resident", resident, None), ("engine", offloaded, engine)):
-        prof = cProfile.Profile()
-        prof.enable()
-        _tpot(model, ids, eng, new)
-        prof.disable()
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
-        print(f"---- host profile: {name}, {new} new tokens (cProfile, by own time)\n{out.getvalue()}", file=sys.stderr)
+        host_profile(f"{name}, {new} new tokens", lambda m=model, e=eng: _tpot(m, ids, e, new), top)
 
 
 def _tpot(model, ids, engine, new: int) -> float:
@@ -211,7 +200,7 @@ def main() -> None:
         }
         misses = engine.cache.counters.misses
         if a.host_profile:
-            host_profile(resident, offloaded, ids, engine, a.new_tokens, a.host_profile)
+            host_profiles(resident, offloaded, ids, engine, a.new_tokens, a.host_profile)
 
     med = {m: statistics.median(v) for m, v in tpot.items()}
     ratio = med["engine"] / med["resident"]

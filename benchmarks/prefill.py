@@ -23,6 +23,10 @@ Prints a table, then one JSON line (`ttft_bound_ratio`: {path: {capacity: ratio}
 
 `--device cuda` (with `--link cuda`, its default there) copies on the CUDA side streams (`CudaLink`); the bound then
 uses the link's measured seconds per byte.
+
+Where the time goes: `--gbps 1000000` makes every copy land at once, so TTFT ÷ bound is the engine's host work alone;
+`--host-profile N` then prints, to stderr, the N functions with the most own host time (cProfile) in one resident
+prefill of the first prompt and in one cold staged prefill of it at each capacity (the engine's build outside it).
 """
 
 from __future__ import annotations
@@ -80,6 +84,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default %(default)s)")
     ap.add_argument("--device", default="cpu", help="torch device of the model: cpu or cuda[:N] (default cpu)")
     ap.add_argument("--link", choices=("emulated", "cuda"), default=None, help="emulated (default on cpu) or cuda (on cuda)")
+    ap.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the N functions with the most own host time (cProfile) of one resident and one cold staged prefill "
+        "per capacity (default: off)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     console = Console(stderr=True)
@@ -149,6 +161,20 @@ def main() -> None:
                 info[c]["needed"][i] = m.prefill_needed
                 info[c]["xfer"][i] = m.prefill_needed * (link.bulk_s(m.expert_bytes) or 0.0)
     wall = time.perf_counter() - t_start
+    if args.host_profile:
+        from _profile import host_profile  # benchmarks/_profile.py (this script's folder is on sys.path)
+
+        one = prompts[0]
+        host_profile("resident prefill", lambda: generate_one(model, one, None, max_new_tokens=1), args.host_profile)
+        for cap in caps:
+            link = CudaLink(device) if link_kind == "cuda" else EmulatedLink(gbps, args.latency_us * 1e-6)
+            eng = build_engine(
+                model, mode="offload", link=link, capacity=cap, eviction=args.eviction, prefetch=args.prefetch, prefill="staged"
+            )
+            assert eng is not None
+            with eng:
+                run_one = lambda e=eng: generate_one(model, one, e, max_new_tokens=1)  # noqa: E731
+                host_profile(f"cold staged prefill, capacity {cap}", run_one, args.host_profile)
 
     table = Table(title=f"prefill TTFT vs bound — {Path(args.model).name}, {link_label()}, {args.tokens}-token prompts")
     for col in ("capacity", "path", "TTFT ms", "bound ms", "TTFT/bound", "copies", "copy ms", "exact"):
