@@ -239,11 +239,12 @@ def test_a_held_run_stays_within_the_prefetch_window(fake_cuda, monkeypatch):
     assert len({id(t.event) for t in ts[:7]}) == 2  # after the window's run, the other 5 rows in one copy
 
 
-@pytest.mark.parametrize("instant", [True, False])
-def test_an_engine_on_the_fake_cuda_link_is_exact_and_counts_every_byte(fake_cuda, monkeypatch, instant):
+@pytest.mark.parametrize("instant,latency_ms", [(True, None), (False, None), (False, 0.5)])
+def test_an_engine_on_the_fake_cuda_link_is_exact_and_counts_every_byte(fake_cuda, monkeypatch, instant, latency_ms):
     """The whole engine (staged prefill, decode, prefetch, evictions) over `CudaLink` with the fakes, copies complete
-    at once or only once waited for: greedy tokens equal the resident model's at 25%, 50% and 100% capacity, the
-    link counts exactly the cache's bytes, and a staged cold prefill of every expert moves them in a few copies."""
+    at once or only once waited for (and, `latency_ms`, each copy taking that latency plus its bytes, so the prefetch
+    window holds few copies): greedy tokens equal the resident model's at 25%, 50% and 100% capacity, the link counts
+    exactly the cache's bytes, and a staged cold prefill of every expert moves them in a few copies."""
     from moeflow.models import tiny_model
     from moeflow.moe import get_adapter
     from moeflow.runtime.generate import build_engine, generate_one
@@ -259,9 +260,11 @@ def test_an_engine_on_the_fake_cuda_link_is_exact_and_counts_every_byte(fake_cud
             copies = [0]
             issue = link._issue_run
 
-            def counted(ts, *a, _issue=issue, _copies=copies, **k):
+            def counted(ts, src, *a, _issue=issue, _copies=copies, **k):
                 _copies[0] += 1
-                return _issue(ts, *a, **k)
+                if latency_ms is not None:  # this copy's fake events lie latency + bytes x 1 ns/B apart
+                    FakeEvent.step_ms = latency_ms + src.numel() * src.element_size() * 1e-6
+                return _issue(ts, src, *a, **k)
 
             link._issue_run = counted  # type: ignore[method-assign]
             eng = build_engine(model, mode="offload", link=link, capacity=capacity, eviction="lru", prefetch=prefetch)
