@@ -383,7 +383,12 @@ def command_for(kind: str) -> str:
 
 
 # artifact kind -> what messages call one, where the kind itself does not read as a noun ("a moeflow predictors")
-NOUNS = {"predictors": "predictor folder", "run": "`moeflow run` results file", "quality": "`moeflow quality` results file"}
+NOUNS = {
+    "predictors": "predictor folder",
+    "run": "run results file (`moeflow run --out`)",
+    "quality": "quality results file (`moeflow quality --out`)",
+    "run-config": "run configuration (`moeflow tune --out`)",
+}
 
 
 def noun(kind: str, what: str = "") -> str:
@@ -398,12 +403,15 @@ def made_with(meta: dict[str, Any]) -> str | None:
     return str(m) if m else None
 
 
-def another_model(what: str, meta: dict[str, Any], fingerprint: str, fix: str) -> ArtifactError:
-    """The one line for an artifact made with another model than this --model: names that model when recorded."""
+def another_model(what: str, meta: dict[str, Any], fingerprint: str, fix: str, against: str = "this --model") -> ArtifactError:
+    """The one line for an artifact made with another model than this --model (or `against`, where the expected
+    fingerprint comes from, e.g. "the trace's model"): names that model when recorded; `--model` is suggested only
+    against this --model."""
     by = made_with(meta)
+    hint = f"pass --model {by} or " if by and against == "this --model" else ""
     return ArtifactError(
         f"{what} was made for another model{f', {by}' if by else ''} (fingerprint {meta.get('model_fingerprint')}), "
-        f"not this --model (fingerprint {fingerprint}); {f'pass --model {by} or ' if by else ''}{fix}"
+        f"not {against} (fingerprint {fingerprint}); {hint}{fix}"
     )
 
 

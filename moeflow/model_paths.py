@@ -19,8 +19,10 @@ def default_model_path() -> str:
 
 
 def shipped_models() -> list[str]:
-    """The checkpoints that come with the repository (`models/<name>` with a config.json), as --model paths."""
+    """The checkpoints that come with the repository (`models/<name>` with a config.json), as --model paths: relative
+    in the checkout's root, absolute from anywhere else (where `models/<name>` names nothing)."""
     root = Path(__file__).resolve().parent.parent / "models"
     if not root.is_dir():
         return []
-    return [f"models/{d.name}" for d in sorted(root.iterdir()) if (d / "config.json").is_file()]
+    here = Path.cwd().resolve() == root.parent
+    return [f"models/{d.name}" if here else str(d) for d in sorted(root.iterdir()) if (d / "config.json").is_file()]

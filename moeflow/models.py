@@ -88,8 +88,9 @@ def missing_model(path: str | os.PathLike) -> str:
     """The one line for a --model folder that does not exist: the shipped checkpoints and $MOEFLOW_MODEL."""
     shipped = shipped_models()
     ships = f"the repository ships {', '.join(shipped)}; " if shipped else ""
+    what = f"--model {path} is a file, not a model folder" if Path(path).exists() else f"model folder {path} does not exist"
     return (
-        f"model folder {path} does not exist; check the path, or pass --model with a local Hugging Face checkpoint "
+        f"{what}; check the path, or pass --model with a local Hugging Face checkpoint "
         f"folder (config.json + safetensors): {ships}or set MOEFLOW_MODEL"
     )
 

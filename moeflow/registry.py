@@ -104,13 +104,15 @@ class Registry(dict[str, type[Any]]):
             return cls(**options)
         except (TypeError, ValueError) as e:  # a value of the wrong type the signature does not tell
             given = ", ".join(f"{k}={v!r}" for k, v in options.items())
-            why = f" ({e})" if isinstance(e, ValueError) else ""  # a TypeError is Python's wording, not the user's
-            raise ConfigError(
-                f"{self.what} {name!r}: bad option value in {given}{why}; "
+            if isinstance(e, ValueError) and str(e) and not _PY_CONVERSION.match(str(e)):  # the policy's own words
+                raise ConfigError(f"{self.what} {name!r}: bad option value in {given} ({e})") from None
+            raise ConfigError(  # a TypeError, or int()/float() of a word: Python's wording, not the user's
+                f"{self.what} {name!r}: bad option value in {given}; "
                 f"give numbers where numbers are expected, e.g. pregate:overfetch=1.5"
             ) from None
 
 
+_PY_CONVERSION = re.compile(r"invalid literal for |could not convert ")  # int('x') / float('x')
 _NUMBER = re.compile(r"^(int|float)(\s*\|\s*None)?$|^Optional\[(int|float)\]$")
 
 

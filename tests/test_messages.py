@@ -310,3 +310,84 @@ def test_recall_plot_title_is_math_not_raw_tex(tmp_path, monkeypatch):
         MathTextParser("agg").parse(decay[decay.index("$") : decay.rindex("$") + 1])  # valid mathtext
     else:  # plain text: no TeX markup left in it
         assert "\\" not in decay and "^{" not in decay and "exp(-b·S)" in decay
+
+
+# ---- found by a new user's walk through the CLI ----------------------------------------------------------------
+
+
+def test_step_size_beyond_the_model_is_refused_by_simulate_as_by_run(ckpt, trace, capsys):
+    """The tiny model has 3 MoE layers, so S can be 1..2, in `simulate` as in `run` (simulate took S=99 silently)."""
+    one_line_error(["simulate", "-t", trace, "-m", ckpt, "-S", "99", "-f", "pregate"], capsys, "-S 99:", "so S can be 1..2")
+    one_line_error(["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "-S", "99"], capsys, "-S 99:", "so S can be 1..2")
+
+
+def test_run_config_file_with_a_bad_value_or_key_names_the_file(ckpt, tmp_path, capsys):
+    """A hand-edited run configuration: a value of the wrong type and an unknown key are one line naming the file
+    and the option (the first was an internal ValueError, the second silently ignored)."""
+    from moeflow.tune.config import OPTIONS, run_config, write_run_config
+
+    opts = {**dict.fromkeys(OPTIONS), "capacity": "50%", "eviction": "lru", "prefetch": "pregate", "lookahead": 2}
+    for bad, needle in (
+        ({"lookahead": "two"}, "option 'lookahead' must be an integer >= 1 or null, got 'two'"),
+        ({"frobnicate": 1}, "unknown option 'frobnicate'"),
+    ):
+        rec = run_config(str(ckpt), "0123", {**opts}, {})
+        rec["options"].update(bad)
+        path = write_run_config(tmp_path / "c.json", rec)
+        one_line_error(["run", "--config", path, "-p", ckpt.parent / "p.txt"], capsys, f"{path}: ", needle)
+
+
+def test_an_option_value_the_policy_refuses_gives_its_reason_alone(ckpt, capsys):
+    """A value of the right type that the policy refuses: its own reason, not the tail about numbers."""
+    one_line_error(
+        ["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--miss", "fetch-priority:bits=3"],
+        capsys,
+        "bits must be among 8/4/2, got 3",
+        absent=("give numbers",),
+    )
+    one_line_error(["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--miss", "fetch-priority:bits=four"], capsys, "give numbers")
+
+
+def test_eval_refuses_an_unknown_predictor_before_the_model_loads(ckpt, trace, tmp_path, capsys, monkeypatch):
+    """`eval --only bogus` names the choices (it suggested `train --only bogus`, which train refuses), and a
+    missing predictor folder is said before the model loads."""
+    import moeflow.stages.train as st
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded before the inputs were checked")
+
+    monkeypatch.setattr(st, "load_cpu_model", no_load)
+    one_line_error(
+        ["eval", "--predictors", tmp_path, "-t", trace, "-m", ckpt, "--only", "bogus"], capsys, "unknown predictor bogus"
+    )
+    one_line_error(["eval", "--predictors", tmp_path / "none", "-t", trace, "-m", ckpt], capsys, str(tmp_path / "none"))
+
+
+def test_a_size_capacity_is_echoed_with_its_experts(ckpt, capsys):
+    """`-c 1KB` below top-k says what the user typed and the experts it makes, not only "0 experts"."""
+    one_line_error(
+        ["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "-c", "1KB"], capsys, "--capacity 1KB (0 experts of ", "is below top-k=2"
+    )
+
+
+def test_model_path_messages(tmp_path, monkeypatch):
+    """A file given as --model is called a file; outside the checkout the shipped models are named by absolute path."""
+    from moeflow.models import missing_model, shipped_models
+
+    f = tmp_path / "f.txt"
+    f.write_text("x")
+    assert missing_model(f).startswith(f"--model {f} is a file, not a model folder")
+    assert missing_model(tmp_path / "no").startswith(f"model folder {tmp_path / 'no'} does not exist")
+    monkeypatch.chdir(tmp_path)
+    assert shipped_models() and all(
+        m.startswith("/") and m.endswith(("olmoe-deep", "olmoe-mini", "mixtral-mini")) for m in shipped_models()
+    )
+
+
+def test_a_long_load_error_is_cut_at_a_sentence():
+    from moeflow.predict.io import _brief
+
+    long = "Weights only load failed. " + "This file can still be loaded, " * 10
+    assert _brief(long) == "Weights only load failed."
+    assert _brief("word " * 60).endswith(" ...") and len(_brief("word " * 60)) <= 204
+    assert _brief("short\nsecond line") == "short"

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from moeflow.errors import ArtifactError, MoeflowError
@@ -197,10 +198,12 @@ def test_bad_inputs_give_one_line_and_write_nothing(traced, tmp_path, tiny_model
     tiny_models("mixtral").save_pretrained(other_ck)
     cases = {
         "below top-k": (["--budget", str(spec.top_k - 1), "--calibration", str(good)], f"at least {spec.top_k}"),
-        "other model's trace": (["--model", str(other_ck), "--calibration", str(good)], "another model"),
+        # the trace against --model comes first: a calibration is then compared with the trace's model, and says so
+        "other model's trace": (["--model", str(other_ck), "--calibration", str(good)], f"trace at {tr} was made for another"),
         "other model's calibration": (
             ["--calibration", str(_calibration(tmp_path / "c1.json", tr, model_fingerprint="0123"))],
-            "another model",
+            "(fingerprint 0123), not the trace's model",
+            "pass --model",
         ),
         "other device's calibration": (
             ["--calibration", str(_calibration(tmp_path / "c2.json", tr, device="cuda-NVIDIA_H100"))],
@@ -208,13 +211,23 @@ def test_bad_inputs_give_one_line_and_write_nothing(traced, tmp_path, tiny_model
         ),
         "calibration of another link": (["--calibration", str(good), "--link", "emulated:8"], "not 'cpu-emulated-8gbps'"),
         "unreplayable prefetch": (["--calibration", str(good), "-f", "pregate:percentile=80"], "its own history"),
+        "learned prefetch": (  # not run's --prefetch-opt, which tune does not have
+            ["--calibration", str(good), "-f", "forest"],
+            "tune cannot replay prefetch policy 'forest' (it needs the running model",
+            "needs --prefetch-opt",
+        ),
+        "S beyond the model": (["--calibration", str(good), "-S", "99"], f"so S can be 1..{spec.num_moe_layers - 1}"),
+        "cuda without a GPU": (["--calibration", str(good), "--device", "cuda"], "CUDA is not available on this machine"),
     }
-    for name, (args, words) in cases.items():
+    for name, (args, words, *absent) in cases.items():
+        if name == "cuda without a GPU" and torch.cuda.is_available():
+            continue
         out = tmp_path / f"{name.replace(' ', '_')}.json"
         r = _tune(["-t", str(tr), "--model", str(ck), "--out", str(out), *args])
         assert r.exit_code != 0 and isinstance(r.exception, MoeflowError), (name, r.output)
         msg = str(r.exception)
         assert words in msg and "\n" not in msg, (name, msg)
+        assert not any(a in msg for a in absent), (name, msg)
         assert not out.exists() and not out.with_suffix(".png").exists(), name
 
 

@@ -58,8 +58,11 @@ def write_calibration(path: str | os.PathLike, record: dict[str, Any]) -> Path:
     return p
 
 
-def load_calibration(path: str | os.PathLike, model: Any = None, *, fingerprint: str | None = None) -> dict[str, Any]:
-    """Read and check a calibration: kind, schema, and (given a model or fingerprint) the model it was made for."""
+def load_calibration(
+    path: str | os.PathLike, model: Any = None, *, fingerprint: str | None = None, against: str = "this --model"
+) -> dict[str, Any]:
+    """Read and check a calibration: kind, schema, and (given a model or fingerprint) the model it was made for;
+    `against` names where that fingerprint comes from in the message (e.g. "the trace's model")."""
     p = Path(path)
     if not p.is_file():
         raise ArtifactError(f"no calibration at {p}; run `moeflow calibrate` (or pass --calibration FILE)")
@@ -71,5 +74,8 @@ def load_calibration(path: str | os.PathLike, model: Any = None, *, fingerprint:
     if fingerprint is not None and rec.get("model_fingerprint") != fingerprint:
         from ..artifacts import another_model
 
-        raise another_model(f"calibration {p}", rec, fingerprint, "re-run `moeflow calibrate` with this --model")
+        if against == "this --model":
+            raise another_model(f"calibration {p}", rec, fingerprint, "re-run `moeflow calibrate` with this --model")
+        fix = f"re-run `moeflow calibrate` with {against} or pass its calibration"
+        raise another_model(f"calibration {p}", rec, fingerprint, fix, against=against)
     return rec

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import typer
 
+from ..registry import DEFAULT_EVICTION
 from .app import app
 from .common import (
     capacity_option,
@@ -48,7 +49,7 @@ def quality(
     ),
     capacity: list[str] | None = capacity_option("25%"),
     per_layer_cache: bool = typer.Option(False, "--per-layer-cache", help="Split the slots evenly between MoE layers."),
-    eviction: list[str] | None = eviction_option(),
+    eviction: list[str] | None = eviction_option(DEFAULT_EVICTION),
     eviction_opt: list[str] | None = policy_opt_option("eviction"),
     prefetch: list[str] | None = prefetch_option("pregate"),
     prefetch_opt: list[str] | None = policy_opt_option("prefetch"),
@@ -114,7 +115,7 @@ def quality(
         modes=modes,
         capacities=split_list(capacity) or ("25%",),
         per_layer_cache=per_layer_cache,
-        evictions=split_list(eviction) or ("lru",),
+        evictions=split_list(eviction) or (DEFAULT_EVICTION,),
         prefetches=split_list(prefetch) or ("pregate",),
         eviction_opts=parse_opts(eviction_opt or ()),
         prefetch_opts=parse_opts(prefetch_opt or ()),

@@ -39,12 +39,21 @@ def artifact_file(path: Path) -> Iterator[None]:
     except MoeflowError:
         raise
     except Exception as e:
-        why = (
-            "it is missing"
-            if isinstance(e, FileNotFoundError)
-            else f"it is corrupt: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-        )
+        why = "it is missing" if isinstance(e, FileNotFoundError) else f"it is corrupt: {type(e).__name__}: {_brief(str(e))}"
         raise ArtifactError(f"cannot load {path} ({why}); re-run `moeflow train`") from e
+
+
+def _brief(text: str, n: int = 200) -> str:
+    """The first line of an error's text, at most `n` characters: cut after its last whole sentence within them,
+    else at a word, marked with an ellipsis (a library's long explanation, not half a sentence)."""
+    line = (text.strip().splitlines() or [""])[0]
+    if len(line) <= n:
+        return line
+    head = line[:n]
+    end = head.rfind(". ")
+    if end > 0:
+        return head[: end + 1]
+    return head.rsplit(" ", 1)[0] + " ..."
 
 
 def read_json_file(path: Path) -> dict[str, Any]:

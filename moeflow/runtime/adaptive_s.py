@@ -350,13 +350,20 @@ def requested_step_size(flag: int | None, calib: dict[str, Any] | None, num_moe_
     calibrated S (a calibration made with other settings) is clamped and the source says so."""
     hi = max(1, num_moe_layers - 1)
     if flag is not None:
-        if flag > hi:
-            raise ConfigError(f"-S {flag}: {model} has {num_moe_layers} MoE layers, so S can be 1..{hi}")
+        check_step_size(flag, num_moe_layers, model)
         return flag, "-S"
     s = int((calib or {}).get("initial_s") or 0)
     if not s:
         return 1, "default"
     return (hi, f"calibration's S={s} clamped to {hi}") if s > hi else (s, "calibration")
+
+
+def check_step_size(s: int, num_moe_layers: int, model: str) -> None:
+    """Refuse a step size S given on the command line that `model`'s MoE layers cannot have: S prefetches S MoE
+    layers ahead, so it can be 1..num_moe_layers - 1 (one line; `run`, `simulate` and `tune` alike)."""
+    hi = max(1, num_moe_layers - 1)
+    if not 1 <= s <= hi:
+        raise ConfigError(f"-S {s}: {model} has {num_moe_layers} MoE layers, so S can be 1..{hi}")
 
 
 def predictor_horizon(prefetcher: Any) -> int | None:

@@ -105,23 +105,33 @@ class CacheCounters:
         return dataclasses.asdict(self)
 
 
-def check_capacity(spec: Any, capacity: int, *, per_layer: bool = False) -> None:
+def check_capacity(
+    spec: Any, capacity: int, *, per_layer: bool = False, given: str | None = None, expert_bytes: int | None = None
+) -> None:
     """Refuse a cache of `capacity` experts below top-k (per layer with `per_layer`) or above all routed experts.
+    `given`: the --capacity text it came from, echoed when it was not an expert count (a size: with `expert_bytes`,
+    one expert's size).
 
     `moeflow run` calls it for every capacity of a sweep before the first run; the cache calls it again."""
     C, need = capacity, spec.top_k
+    if given is None or given.strip() == str(C):
+        shown = str(C)
+    else:
+        each = f" of {expert_bytes / 2**20:.3g} MiB each" if expert_bytes else ""
+        shown = f"{given.strip()} ({C} experts{each})"
     if per_layer:
         per = C // spec.num_moe_layers
         if per < need:
             raise ConfigError(
-                f"--capacity {C} with --per-layer-cache gives {per} slots per layer, below top-k={need}; "
+                f"--capacity {shown} with --per-layer-cache gives {per} slots per layer, below top-k={need}; "
                 f"use at least {need * spec.num_moe_layers} experts"
             )
     elif C < need:
         raise ConfigError(
-            f"--capacity {C} experts is below top-k={need}, the experts one decode token needs per layer; use at least {need}"
+            f"--capacity {shown if shown != str(C) else f'{C} experts'} is below top-k={need}, the experts one decode "
+            f"token needs per layer; use at least {need}"
         )
     if C > spec.total_experts:
         raise ConfigError(
-            f"--capacity {C} exceeds the model's {spec.total_experts} routed experts; use at most {spec.total_experts} (100%)"
+            f"--capacity {shown} exceeds the model's {spec.total_experts} routed experts; use at most {spec.total_experts} (100%)"
         )

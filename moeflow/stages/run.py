@@ -123,14 +123,14 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
         ses.s_source,
         ses.prompts,
     )
-    if cal is None:
-        console.print(
-            f"[bold yellow]WARNING: no calibration at {cal_path}: step size S defaults to 1 "
-            f"(run `moeflow calibrate` for this device and link).[/]"
-        )
     runs = plan_runs(cfg)
     caps = check_runs(cfg, model, runs)
     encoded = encode_prompts(cfg, model, tok, prompts)
+    if cal is None:  # once the inputs passed their checks (an error stays one line); on stderr, beside the table
+        Console(stderr=True).print(
+            f"[bold yellow]WARNING: no calibration at {cal_path}: step size S defaults to 1 "
+            f"(run `moeflow calibrate` for this device and link).[/]"
+        )
     planner, plans = None, {}
     if cfg.plan is not None:  # CasMoE: one plan per prompt, made before any run decodes it
         from ..plan.run import RunPlanner

@@ -195,7 +195,7 @@ def check_runs(cfg: RunConfig, model: Any, runs: list[dict[str, Any]]) -> dict[s
         eb = expert_bytes_of(model)
         for c in cfg.capacities:
             caps[c] = parse_capacity(c, total_experts=spec.total_experts, expert_bytes=eb)
-            check_capacity(spec, caps[c], per_layer=cfg.per_layer_cache)
+            check_capacity(spec, caps[c], per_layer=cfg.per_layer_cache, given=c, expert_bytes=eb)
         for text in cfg.prefetches:
             pol = build_policy(PREFETCH, text, cfg.prefetch_opts)
             if isinstance(pol, LearnedPrefetch):

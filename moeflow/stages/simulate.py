@@ -211,7 +211,11 @@ def _lookahead(cfg: SimulateConfig, tr: Any, prefetches: tuple[str, ...]) -> tup
     """(S, where it came from): --lookahead, else the calibration `moeflow run` reads on the CPU for this link
     (`--calibration FILE`, `calibration/cpu.json`, `calibration/cpu-emulated-<X>gbps.json`), else 1. The
     calibration is read only when a prefetch policy proposes something (S means nothing to `none`)."""
+    from ..runtime.adaptive_s import check_step_size
+
+    L = tr.spec.num_moe_layers
     if cfg.lookahead is not None:
+        check_step_size(cfg.lookahead, L, f"the trace's model ({tr.path})")
         return cfg.lookahead, "--lookahead"
     names = [parse_policy(p)[0] for p in prefetches]
     classes = [PREFETCH.get(n) for n in names]
@@ -228,6 +232,9 @@ def _lookahead(cfg: SimulateConfig, tr: Any, prefetches: tuple[str, ...]) -> tup
     s = cal.get("initial_s")
     if isinstance(s, bool) or not isinstance(s, int) or s < 1:
         raise ConfigError(f"calibration {path} has step size S = {s!r}; re-run `moeflow calibrate` or pass --lookahead")
+    hi = max(1, L - 1)
+    if s > hi:  # a calibration made with other settings: clamped, as `moeflow run` does
+        return hi, f"calibration {path}'s S={s} clamped to {hi}"
     return s, f"calibration {path}"
 
 

@@ -185,6 +185,19 @@ def _check(cfg: TrainConfig) -> None:
     if cfg.fit_workers == 2 and cfg.threads == 1:  # the user's flags (the stage later sets threads to the fits' own)
         raise ConfigError("--fit-workers 2 runs two fits at once, which --threads 1 forbids; drop one of them")
     check_out(cfg.out, kind=KIND, inputs=(cfg.trace, cfg.model), force=cfg.force)
+    _check_inputs(cfg.trace, cfg.model)
+
+
+def _check_inputs(trace: str, model: str) -> None:
+    """The trace's meta and the model folder, read before the model loads (seconds): a missing or corrupt trace
+    or a missing model is one line at once. The shards are checked as they are read."""
+    from ..trace import Trace
+
+    if not Path(model).is_dir():
+        from ..models import missing_model
+
+        raise ArtifactError(missing_model(model))
+    Trace(trace)
 
 
 def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack | None = None) -> dict[str, Any]:
@@ -336,11 +349,13 @@ def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from ..predict.io import load_predictors, read_predictor_meta
     from .threads import apply_threads
 
+    check_names(cfg.only)  # before the model loads: an unknown name, a missing folder or trace, at once
+    meta = read_predictor_meta(cfg.predictors)
+    _check_inputs(cfg.trace, cfg.model)
     model = load_cpu_model(cfg.model)
     threads = apply_threads(cfg.threads, model, "cpu")
     if console is not None:
         console.print(f"[dim]threads: {threads.describe()}[/]")
-    meta = read_predictor_meta(cfg.predictors)
     names = list(cfg.only) if cfg.only else list(meta.get("predictors", []))
     data = from_trace(cfg.trace)
     check_trace_model(data, model, cfg.trace)

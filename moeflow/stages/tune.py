@@ -53,9 +53,12 @@ class TuneConfig:
         for s in self.s_values or ():
             if s < 1:
                 raise ConfigError(f"--lookahead values must be >= 1 (got {s})")
+        from ..tune.search import refuse_unreplayable
+
         for e in self.evictions or ():
             build_policy(EVICTION, e)
         for p in self.prefetches or ():
+            refuse_unreplayable(p)  # before building it: a learned one would ask for run's --prefetch-opt
             build_policy(PREFETCH, p)
         if self.evictions == () or self.prefetches == ():
             raise ConfigError("--eviction and --prefetch need at least one value each")
@@ -103,7 +106,7 @@ def read_calibration(cfg: TuneConfig, tr: Any) -> tuple[dict[str, Any], str, str
         raise ConfigError(
             f"tune predicts TPOT from a calibration and found none at {path}; run `moeflow calibrate{hint}` or pass --calibration"
         )
-    cal = load_calibration(path, fingerprint=tr.fingerprint)
+    cal = load_calibration(path, fingerprint=tr.fingerprint, against="the trace's model")
     got = str(cal.get("device", ""))
     same = got == want if cfg.link else (got == device_name(cfg.device) or got.startswith(device_name(cfg.device) + "-emulated-"))
     if not same:
@@ -127,9 +130,12 @@ def read_calibration(cfg: TuneConfig, tr: Any) -> tuple[dict[str, Any], str, str
 def main(cfg: TuneConfig) -> dict[str, Any]:
     """Search, rank, write the run configuration and the plot; the result (`ranked` best first)."""
     t_start = time.perf_counter()
+    from ..checks import check_device
     from ..outputs import check_out
+    from ..runtime.adaptive_s import check_step_size
     from ..trace import Trace
 
+    check_device(cfg.device)
     if cfg.out:
         check_out(cfg.out, kind="run-config", inputs=(cfg.trace, cfg.calibration), force=cfg.force, file=True)
         if cfg.plot and plot_path(cfg.out).exists() and not cfg.force:
@@ -137,6 +143,14 @@ def main(cfg: TuneConfig) -> dict[str, Any]:
     tr = Trace(cfg.trace)
     spec = tr.spec
     capacity = budget_slots(cfg.budget, spec)
+    for s in cfg.s_values or ():
+        check_step_size(s, spec.num_moe_layers, f"the trace's model ({cfg.trace})")
+    model = None
+    if cfg.model is not None:  # the trace must be of --model: said before any calibration is compared with either
+        from ..models import load_model
+
+        model, _ = load_model(cfg.model)
+        tr.check_model(model)
     cal, cal_path, link, run_link = read_calibration(cfg, tr)
     from ..runtime.link import parse_link
 
@@ -189,8 +203,9 @@ def main(cfg: TuneConfig) -> dict[str, Any]:
         from .simulate import _router_predictor
 
         model_path = cfg.model or _traced_model(tr) or default_model_path()
-        model, _ = load_model(model_path)
-        tr.check_model(model)
+        if model is None:
+            model, _ = load_model(model_path)
+            tr.check_model(model)
         predict = _router_predictor(get_adapter(model))
     model_path = model_path or _traced_model(tr) or str(tr.meta.get("model", ""))
     from ..progress import progress

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import new_meta, write_json_atomic
+from ..artifacts import new_meta, noun, write_json_atomic
 from ..errors import ArtifactError
 
 KIND = "run-config"
@@ -46,7 +47,7 @@ def read_run_config(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(rec, dict) or rec.get("kind") != KIND:
         got = rec.get("kind") if isinstance(rec, dict) else None
         raise ArtifactError(
-            f"{p} is not a run configuration (it holds {f'a moeflow {got}' if got else 'no moeflow kind'}); "
+            f"{p} is not a run configuration (it holds {f'a moeflow {noun(got)}' if got else 'no moeflow kind'}); "
             f"pass the file `moeflow tune --out` wrote"
         )
     if rec.get("schema") != SCHEMA:
@@ -54,4 +55,35 @@ def read_run_config(path: str | os.PathLike) -> dict[str, Any]:
     opts = rec.get("options")
     if not isinstance(opts, dict) or any(k not in opts for k in OPTIONS) or not rec.get("model_fingerprint"):
         raise ArtifactError(f"{p} lacks the options or model of a run configuration; re-run `moeflow tune --out {p}`")
+    unknown = sorted(k for k in opts if k not in OPTIONS)
+    if unknown:
+        raise ArtifactError(
+            f"{p}: unknown option {', '.join(map(repr, unknown))} (a run configuration holds {', '.join(OPTIONS)}); "
+            f"fix the file or re-run `moeflow tune --out {p}`"
+        )
+    for key, v in opts.items():
+        fits, want = _CHECKS[key]
+        if not fits(v):
+            raise ArtifactError(f"{p}: option {key!r} must be {want}, got {v!r}; fix the file or re-run `moeflow tune --out {p}`")
     return rec
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _text(v: Any) -> bool:
+    return v is None or isinstance(v, str)
+
+
+# what each option may hold (null: the flag's default; for lookahead and calibration, the calibration's)
+_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "capacity": (lambda v: _text(v) or _int(v), 'a capacity (96, "25%", "1GiB") or null'),
+    "eviction": (_text, "a policy string or null"),
+    "prefetch": (_text, "a policy string or null"),
+    "lookahead": (lambda v: v is None or (_int(v) and v >= 1), "an integer >= 1 or null"),
+    "adaptive_s": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
+    "miss": (_text, "a policy string or null"),
+    "link": (_text, "a link string or null"),
+    "calibration": (_text, "a file path or null"),
+}

@@ -79,6 +79,22 @@ def uses_s(prefetch: str) -> bool:
     return bool(pol.proposes) and pol.lookahead is None
 
 
+def refuse_unreplayable(text: str) -> None:
+    """ConfigError for a prefetch policy `text` (`name[:k=v,...]`) tune cannot replay: a learned one (it needs the
+    running model) or pre-gate with a percentile threshold (it follows its own history)."""
+    name, opts = policy_args(text)
+    cls = PREFETCH.get(name)
+    if cls is not None and (cls.needs_model or cls.needs_residual):
+        raise ConfigError(
+            f"tune cannot replay prefetch policy {text!r} (it needs the running model; measure it with "
+            f"`moeflow run -f {name}:predictors=DIR`); use none, pregate[:overfetch=X|mass=P] or all-next-layer"
+        )
+    if name == "pregate" and "percentile" in opts:
+        raise ConfigError(
+            f"tune cannot replay {text!r} (its threshold follows its own history); use pregate:overfetch=X or mass=P"
+        )
+
+
 def space(
     num_moe_layers: int,
     *,
@@ -96,17 +112,7 @@ def space(
     for text in evictions:
         build_policy(EVICTION, text)
     for text in prefetches:
-        name, opts = policy_args(text)
-        cls = PREFETCH.get(name)
-        if cls is not None and (cls.needs_model or cls.needs_residual):
-            raise ConfigError(
-                f"tune cannot replay prefetch policy {text!r} (it needs the running model); "
-                f"use none, pregate[:overfetch=X|mass=P] or all-next-layer"
-            )
-        if name == "pregate" and "percentile" in opts:
-            raise ConfigError(
-                f"tune cannot replay {text!r} (its threshold follows its own history); use pregate:overfetch=X or mass=P"
-            )
+        refuse_unreplayable(text)
     for text in misses:
         if policy_args(text)[0] != "fetch":
             raise ConfigError(f"tune replays miss policy fetch only (got {text!r}); the simulator does not model the others")
