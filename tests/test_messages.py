@@ -391,3 +391,21 @@ def test_a_long_load_error_is_cut_at_a_sentence():
     assert _brief(long) == "Weights only load failed."
     assert _brief("word " * 60).endswith(" ...") and len(_brief("word " * 60)) <= 204
     assert _brief("short\nsecond line") == "short"
+
+
+def test_a_refused_value_from_a_config_file_says_it_came_from_the_file(ckpt, tmp_path, capsys):
+    """A capacity below top-k written in a --config file: the line names the file (the user typed no --capacity);
+    typed on the command line, the same value is the flag's."""
+    from moeflow.models import load_model
+    from moeflow.moe import model_fingerprint
+    from moeflow.tune.config import OPTIONS, run_config, write_run_config
+
+    fp = model_fingerprint(load_model(ckpt, tokenizer=False)[0])
+    opts = {**dict.fromkeys(OPTIONS), "capacity": "1", "eviction": "lru", "prefetch": "pregate"}
+    path = write_run_config(tmp_path / "c.json", run_config(str(ckpt), fp, opts, {}))
+    one_line_error(
+        ["run", "--config", path, "-p", ckpt.parent / "p.txt"], capsys, "is below top-k", f"(the 'capacity' of --config {path})"
+    )
+    one_line_error(
+        ["run", "--config", path, "-p", ckpt.parent / "p.txt", "-c", "1"], capsys, "is below top-k", absent=("of --config",)
+    )

@@ -215,12 +215,17 @@ def run(
         plan=plan,
         plan_opts=parse_opts(plan_opt or ()),
     )
+    from ..stages.run_config import naming_config_file
+
+    keys: tuple[str, ...] = ()
     if config:
-        from ..stages.run_config import apply_config_file
+        from ..stages.run_config import applied_keys, apply_config_file
 
         # the flags on the command line (typer may carry its own click: its ParameterSource is compared by name)
         given = {
             p for p in ctx.params if getattr(ctx.get_parameter_source(p), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")
         }
         kw = apply_config_file(config, kw, given)
-    main(RunConfig(**kw))
+        keys = applied_keys(config, given)
+    with naming_config_file(config, keys):  # a refused value the file set says it came from the file
+        main(RunConfig(**kw))

@@ -9,6 +9,8 @@ loads and before the first generation."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -237,6 +239,41 @@ def apply_config_file(path: str, kw: dict[str, Any], given: set[str]) -> dict[st
     out["config"] = str(path)
     out["config_fingerprint"] = str(rec["model_fingerprint"])
     return out
+
+
+# run configuration key -> the words a refusal of its value starts from (the flag it stands for)
+_CONFIG_WORDS = {
+    "capacity": ("--capacity",),
+    "eviction": ("eviction policy", "--eviction"),
+    "prefetch": ("prefetch policy", "--prefetch"),
+    "lookahead": ("-S ", "--lookahead"),
+    "miss": ("miss policy", "--miss"),
+    "link": ("--link", "link"),
+    "calibration": ("calibration",),
+}
+
+
+def applied_keys(path: str, given: set[str]) -> tuple[str, ...]:
+    """The run configuration keys whose value (not null) the --config file at `path` sets when the `moeflow run`
+    parameters in `given` were typed."""
+    from ..tune.config import read_run_config
+
+    opts = read_run_config(path)["options"]
+    return tuple(k for k, (_, params) in CONFIG_FIELDS.items() if opts[k] is not None and not given.intersection(params))
+
+
+@contextmanager
+def naming_config_file(path: str | None, keys: tuple[str, ...]) -> Iterator[None]:
+    """A refusal of a value the --config file at `path` set (`keys`, `applied_keys`) says so: the message names
+    the flag the value stands for, and the user typed none of them."""
+    try:
+        yield
+    except ConfigError as e:
+        msg = str(e)
+        hit = next((k for k in keys if any(w in msg for w in _CONFIG_WORDS[k])), None) if path else None
+        if hit is None:
+            raise
+        raise ConfigError(f"{msg} (the {hit!r} of --config {path})") from e
 
 
 def check_config_model(cfg: RunConfig, model: Any) -> None:
