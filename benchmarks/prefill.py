@@ -26,7 +26,8 @@ uses the link's measured seconds per byte.
 
 Where the time goes: `--gbps 1000000` makes every copy land at once, so TTFT ÷ bound is the engine's host work alone;
 `--host-profile N` then prints, to stderr, the N functions with the most own host time (cProfile) in one resident
-prefill of the first prompt and in one cold staged prefill of it at each capacity (the engine's build outside it).
+prefill of the first prompt and in one cold staged prefill of it at each capacity (the engine's build outside it;
+cProfile sees the calling thread only, so the emulated link's copying thread is not in it).
 """
 
 from __future__ import annotations

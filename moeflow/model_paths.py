@@ -24,5 +24,8 @@ def shipped_models() -> list[str]:
     root = Path(__file__).resolve().parent.parent / "models"
     if not root.is_dir():
         return []
-    here = Path.cwd().resolve() == root.parent
+    try:
+        here = Path.cwd().resolve() == root.parent
+    except OSError:  # the working directory was removed
+        here = False
     return [f"models/{d.name}" if here else str(d) for d in sorted(root.iterdir()) if (d / "config.json").is_file()]

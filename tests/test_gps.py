@@ -218,6 +218,11 @@ def test_train_only_gps_then_eval(small_trace, capsys, tmp_path):
         main(["eval", "--predictors", str(out), "--trace", str(small_trace), "--json"])
     assert e.value.code == 0
     assert "lstm" in json.loads(capsys.readouterr().out)["gps"]["token_to_expert"]
+    with pytest.raises(SystemExit) as e:  # --only gps: the suite alone (it was asked of the layer-ahead predictors)
+        main(["eval", "--predictors", str(out), "--trace", str(small_trace), "--only", "gps", "--json"])
+    assert e.value.code == 0
+    got = json.loads(capsys.readouterr().out)
+    assert "lstm" in got["gps"]["token_to_expert"] and not got["results"]
 
 
 def test_gps_sweep_repeats_no_point(small_trace, capsys):

@@ -162,9 +162,12 @@ def test_a_bad_option_value_is_named_without_python_words(tmp_path, capsys):
         EVICTION.create("lru2", high_fraction="x")
 
 
-def test_a_missing_model_names_the_shipped_ones(capsys, tmp_path):
+def test_a_missing_model_names_the_shipped_ones(capsys, tmp_path, monkeypatch):
+    from pathlib import Path
+
     from moeflow.models import shipped_models
 
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)  # the checkout's root: relative names
     assert "models/olmoe-deep" in shipped_models()
     for argv in (["run", "-m", tmp_path / "nosuch", "--prompt", "x"], ["ep", "-m", tmp_path / "nosuch", "--prompt", "x"]):
         one_line_error(

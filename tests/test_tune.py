@@ -196,8 +196,18 @@ def test_bad_inputs_give_one_line_and_write_nothing(traced, tmp_path, tiny_model
     good = _calibration(tmp_path / "cal.json", tr)
     other_ck = tmp_path / "other"
     tiny_models("mixtral").save_pretrained(other_ck)
+    from moeflow.models import load_model
+    from moeflow.moe import model_fingerprint
+
+    other_fp = model_fingerprint(load_model(other_ck, tokenizer=False)[0])
+    other_cal = _calibration(tmp_path / "c_other.json", tr, model_fingerprint=other_fp)
     cases = {
         "below top-k": (["--budget", str(spec.top_k - 1), "--calibration", str(good)], f"at least {spec.top_k}"),
+        # --model's own calibration beside a trace of another model: the trace is what is wrong, said first
+        "other model's trace, its calibration": (
+            ["--model", str(other_ck), "--calibration", str(other_cal)],
+            f"trace at {tr} was made for another",
+        ),
         # the trace against --model comes first: a calibration is then compared with the trace's model, and says so
         "other model's trace": (["--model", str(other_ck), "--calibration", str(good)], f"trace at {tr} was made for another"),
         "other model's calibration": (

@@ -126,8 +126,9 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
     runs = plan_runs(cfg)
     caps = check_runs(cfg, model, runs)
     encoded = encode_prompts(cfg, model, tok, prompts)
-    if cal is None:  # once the inputs passed their checks (an error stays one line); on stderr, beside the table
-        Console(stderr=True).print(
+    if cal is None and not console.quiet:  # once the inputs passed their checks (an error stays one line)
+        warn = Console(stderr=True) if console.file is sys.stdout else console  # beside the table: on stderr
+        warn.print(
             f"[bold yellow]WARNING: no calibration at {cal_path}: step size S defaults to 1 "
             f"(run `moeflow calibrate` for this device and link).[/]"
         )

@@ -228,7 +228,7 @@ def _lookahead(cfg: SimulateConfig, tr: Any, prefetches: tuple[str, ...]) -> tup
         if cfg.calibration:
             raise ConfigError(f"calibration file {path} does not exist; run `moeflow calibrate` or drop --calibration")
         return 1, f"no calibration at {path}"
-    cal = load_calibration(path, fingerprint=tr.fingerprint)
+    cal = load_calibration(path, fingerprint=tr.fingerprint, against="the trace's model")
     s = cal.get("initial_s")
     if isinstance(s, bool) or not isinstance(s, int) or s < 1:
         raise ConfigError(f"calibration {path} has step size S = {s!r}; re-run `moeflow calibrate` or pass --lookahead")
@@ -263,7 +263,7 @@ def _time_models(cfg: SimulateConfig, tr: Any, prefetches: tuple[str, ...]) -> d
     path = _calibration_file(cfg)
     if not path.is_file():
         raise ConfigError(f"--calibrated-time needs a calibration at {path}; run `moeflow calibrate` or pass --calibration")
-    cal = load_calibration(path, fingerprint=tr.fingerprint)
+    cal = load_calibration(path, fingerprint=tr.fingerprint, against="the trace's model")
     if not isinstance(cal.get("engine_time"), dict):
         raise ConfigError(f"calibration {path} has no engine_time; re-run `moeflow calibrate` to measure it")
     if not cfg.link.strip().lower().startswith("emulated") or cal.get("link_timing") is None:

@@ -356,7 +356,8 @@ def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     threads = apply_threads(cfg.threads, model, "cpu")
     if console is not None:
         console.print(f"[dim]threads: {threads.describe()}[/]")
-    names = list(cfg.only) if cfg.only else list(meta.get("predictors", []))
+    # the layer-ahead predictors; CasMoE's planner (eam, eap) and MoE-GPS's suite (gps) are scored apart below
+    names = [n for n in (cfg.only or meta.get("predictors", [])) if n not in PLANNERS and n not in GPS]
     data = from_trace(cfg.trace)
     check_trace_model(data, model, cfg.trace)
     skipped = []
