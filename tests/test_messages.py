@@ -412,3 +412,12 @@ def test_a_refused_value_from_a_config_file_says_it_came_from_the_file(ckpt, tmp
     one_line_error(
         ["run", "--config", path, "-p", ckpt.parent / "p.txt", "-c", "1"], capsys, "is below top-k", absent=("of --config",)
     )
+
+
+def test_a_flag_given_with_nothing_in_it_is_refused(ckpt, capsys):
+    """`-e ''` (an empty shell variable) was silently the default eviction; a flag given empty is refused."""
+    from moeflow.policies.parse import split_list
+
+    assert split_list(None, "--eviction") == () and split_list(["lru,", "lfu"], "--eviction") == ("lru", "lfu")
+    one_line_error(["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "-e", ""], capsys, "--eviction '' names nothing")
+    one_line_error(["simulate", "-t", ckpt, "-c", ","], capsys, "--capacity ',' names nothing")

@@ -98,9 +98,9 @@ def quality(
     from ..stages.quality_config import QualityConfig
     from ..stages.run_config import RunConfig
 
-    misses = split_list(miss) or ("fetch",)
-    routings = split_list(routing) or ("standard",)
-    modes = tuple(m for m in split_list(mode) if m != "resident") or ("offload",)
+    misses = split_list(miss, "--miss") or ("fetch",)
+    routings = split_list(routing, "--routing") or ("standard",)
+    modes = tuple(m for m in split_list(mode, "--mode") if m != "resident") or ("offload",)
     run = RunConfig(
         model=model,
         prompts=prompts if not prompt or prompts != "alpaca" else None,
@@ -113,10 +113,10 @@ def quality(
         min_new_tokens=max_new_tokens,
         max_prompt_tokens=max_prompt_tokens,
         modes=modes,
-        capacities=split_list(capacity) or ("25%",),
+        capacities=split_list(capacity, "--capacity") or ("25%",),
         per_layer_cache=per_layer_cache,
-        evictions=split_list(eviction) or (DEFAULT_EVICTION,),
-        prefetches=split_list(prefetch) or ("pregate",),
+        evictions=split_list(eviction, "--eviction") or (DEFAULT_EVICTION,),
+        prefetches=split_list(prefetch, "--prefetch") or ("pregate",),
         eviction_opts=parse_opts(eviction_opt or ()),
         prefetch_opts=parse_opts(prefetch_opt or ()),
         link=link,

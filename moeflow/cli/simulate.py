@@ -124,9 +124,9 @@ def simulate_cmd(
 
     cfg = SimulateConfig(
         trace=trace,
-        capacities=split_list(capacity) or ("25%",),
-        evictions=split_list(eviction) or (DEFAULT_EVICTION,),
-        prefetches=split_list(alias(prefetch, prefetch_p, "--prefetch/-f", "-p")) or None,
+        capacities=split_list(capacity, "--capacity") or ("25%",),
+        evictions=split_list(eviction, "--eviction") or (DEFAULT_EVICTION,),
+        prefetches=split_list(alias(prefetch, prefetch_p, "--prefetch/-f", "-p"), "--prefetch") or None,
         eviction_opts=parse_opts(eviction_opt or ()),
         prefetch_opts=parse_opts(prefetch_opt or ()),
         lookahead=lookahead,

@@ -94,11 +94,12 @@ def parse_capacity(spec: str, *, total_experts: int, expert_bytes: int | None, f
     raise ConfigError(f"{flag} {spec!r} not understood; use experts (48), a percentage (25%) or a size (64MB, 1.5GiB)")
 
 
-def split_list(values: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+def split_list(values: str | list[str] | tuple[str, ...] | None, flag: str | None = None) -> tuple[str, ...]:
     """Repeated flags and comma lists -> values: `["lru,lfu", "fld"]` -> `("lru", "lfu", "fld")`.
 
     A piece `key=value` without a `:` continues the policy before it, so
-    `pregate:overfetch=1.5,mass=0.9,lru` -> `("pregate:overfetch=1.5,mass=0.9", "lru")`."""
+    `pregate:overfetch=1.5,mass=0.9,lru` -> `("pregate:overfetch=1.5,mass=0.9", "lru")`. With `flag` (the
+    option's name), a flag given with nothing in it (`-e ''`, `-c ,`) is refused: it is not the default."""
     if values is None:
         return ()
     items = [values] if isinstance(values, str) else list(values)
@@ -111,6 +112,8 @@ def split_list(values: str | list[str] | tuple[str, ...] | None) -> tuple[str, .
                 out[-1] += "," + piece
             else:
                 out.append(piece)
+    if flag is not None and not out and items:
+        raise ConfigError(f"{flag} {' '.join(items)!r} names nothing; give a value or drop {flag}")
     return tuple(out)
 
 
