@@ -118,12 +118,17 @@ def main() -> None:
         ref.append(out)
         res_ttft.append(best)
 
-    def run(path: str, cap: int, ids: torch.Tensor, gbps: float | None):
+    def engine(path: str, cap: int, gbps: float | None):
+        """A fresh engine (a cold cache) on a fresh link, not attached yet; and the link."""
         link: Link = CudaLink(device) if link_kind == "cuda" else EmulatedLink(gbps, args.latency_us * 1e-6)
         eng = build_engine(
             model, mode="offload", link=link, capacity=cap, eviction=args.eviction, prefetch=args.prefetch, prefill=path
         )
         assert eng is not None
+        return eng, link
+
+    def run(path: str, cap: int, ids: torch.Tensor, gbps: float | None):
+        eng, link = engine(path, cap, gbps)
         with eng:
             out, m = generate_one(model, ids, eng, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
         return out, m, link
@@ -168,11 +173,7 @@ def main() -> None:
         one = prompts[0]
         host_profile("resident prefill", lambda: generate_one(model, one, None, max_new_tokens=1), args.host_profile)
         for cap in caps:
-            link = CudaLink(device) if link_kind == "cuda" else EmulatedLink(gbps, args.latency_us * 1e-6)
-            eng = build_engine(
-                model, mode="offload", link=link, capacity=cap, eviction=args.eviction, prefetch=args.prefetch, prefill="staged"
-            )
-            assert eng is not None
+            eng, _ = engine("staged", cap, gbps)
             with eng:
                 run_one = lambda e=eng: generate_one(model, one, e, max_new_tokens=1)  # noqa: E731
                 host_profile(f"cold staged prefill, capacity {cap}", run_one, args.host_profile)

@@ -24,3 +24,16 @@ class UnsupportedModelError(MoeflowError):
 
 class ConfigError(MoeflowError):
     """Flags or a config value that cannot work (capacity below top-k, unknown policy, ...)."""
+
+
+def brief(text: str, n: int = 200) -> str:
+    """The first line of an error's text, at most `n` characters: cut after its last whole sentence within them,
+    else at a word, marked with an ellipsis (a library's long explanation, not half a sentence)."""
+    line = (text.strip().splitlines() or [""])[0]
+    if len(line) <= n:
+        return line
+    head = line[:n]
+    end = head.rfind(". ")
+    if end > 0:
+        return head[: end + 1]
+    return head.rsplit(" ", 1)[0] + " ..."

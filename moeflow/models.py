@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .errors import ArtifactError, ConfigError, MoeflowError, UnsupportedModelError
+from .errors import ArtifactError, ConfigError, MoeflowError, UnsupportedModelError, brief
 from .model_paths import DEFAULT_MODEL as DEFAULT_MODEL  # re-exported: the CLI reads them from the torch-free module
 from .model_paths import default_model_path as default_model_path
 from .model_paths import shipped_models as shipped_models
@@ -146,7 +146,7 @@ def load_model(
 
 
 def _first_line(e: BaseException) -> str:
-    return (str(e).splitlines() or [type(e).__name__])[0][:200]
+    return brief(str(e)) or type(e).__name__
 
 
 def check_weights(folder: str | os.PathLike) -> None:

@@ -388,12 +388,12 @@ def test_model_path_messages(tmp_path, monkeypatch):
 
 
 def test_a_long_load_error_is_cut_at_a_sentence():
-    from moeflow.predict.io import _brief
+    from moeflow.errors import brief
 
     long = "Weights only load failed. " + "This file can still be loaded, " * 10
-    assert _brief(long) == "Weights only load failed."
-    assert _brief("word " * 60).endswith(" ...") and len(_brief("word " * 60)) <= 204
-    assert _brief("short\nsecond line") == "short"
+    assert brief(long) == "Weights only load failed."
+    assert brief("word " * 60).endswith(" ...") and len(brief("word " * 60)) <= 204
+    assert brief("short\nsecond line") == "short"
 
 
 def test_a_refused_value_from_a_config_file_says_it_came_from_the_file(ckpt, tmp_path, capsys):

@@ -74,8 +74,6 @@ def load_calibration(
     if fingerprint is not None and rec.get("model_fingerprint") != fingerprint:
         from ..artifacts import another_model
 
-        if against == "this --model":
-            raise another_model(f"calibration {p}", rec, fingerprint, "re-run `moeflow calibrate` with this --model")
-        fix = f"re-run `moeflow calibrate` with {against} or pass its calibration"
+        fix = f"re-run `moeflow calibrate` with {against}" + ("" if against == "this --model" else " or pass its calibration")
         raise another_model(f"calibration {p}", rec, fingerprint, fix, against=against)
     return rec

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..artifacts import another_model, atomic_dir, check_fingerprint, made_with, new_meta, read_meta, write_json_atomic
-from ..errors import ArtifactError, MoeflowError
+from ..errors import ArtifactError, MoeflowError, brief
 from ..moe import model_fingerprint
 from .base import PREDICTORS
 
@@ -39,21 +39,8 @@ def artifact_file(path: Path) -> Iterator[None]:
     except MoeflowError:
         raise
     except Exception as e:
-        why = "it is missing" if isinstance(e, FileNotFoundError) else f"it is corrupt: {type(e).__name__}: {_brief(str(e))}"
+        why = "it is missing" if isinstance(e, FileNotFoundError) else f"it is corrupt: {type(e).__name__}: {brief(str(e))}"
         raise ArtifactError(f"cannot load {path} ({why}); re-run `moeflow train`") from e
-
-
-def _brief(text: str, n: int = 200) -> str:
-    """The first line of an error's text, at most `n` characters: cut after its last whole sentence within them,
-    else at a word, marked with an ellipsis (a library's long explanation, not half a sentence)."""
-    line = (text.strip().splitlines() or [""])[0]
-    if len(line) <= n:
-        return line
-    head = line[:n]
-    end = head.rfind(". ")
-    if end > 0:
-        return head[: end + 1]
-    return head.rsplit(" ", 1)[0] + " ..."
 
 
 def read_json_file(path: Path) -> dict[str, Any]:

@@ -114,11 +114,9 @@ def check_capacity(
 
     `moeflow run` calls it for every capacity of a sweep before the first run; the cache calls it again."""
     C, need = capacity, spec.top_k
-    if given is None or given.strip() == str(C):
-        shown = str(C)
-    else:
-        each = f" of {expert_bytes / 2**20:.3g} MiB each" if expert_bytes else ""
-        shown = f"{given.strip()} ({C} experts{each})"
+    plain = given is None or given.strip() == str(C)  # an expert count as typed: shown as it is
+    each = f" of {expert_bytes / 2**20:.3g} MiB each" if expert_bytes else ""
+    shown = str(C) if plain else f"{(given or '').strip()} ({C} experts{each})"
     if per_layer:
         per = C // spec.num_moe_layers
         if per < need:
@@ -128,7 +126,7 @@ def check_capacity(
             )
     elif C < need:
         raise ConfigError(
-            f"--capacity {shown if shown != str(C) else f'{C} experts'} is below top-k={need}, the experts one decode "
+            f"--capacity {f'{C} experts' if plain else shown} is below top-k={need}, the experts one decode "
             f"token needs per layer; use at least {need}"
         )
     if C > spec.total_experts:

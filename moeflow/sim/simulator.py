@@ -220,6 +220,13 @@ def _resolve(registry, spec: Any, what: str) -> tuple[Any, str, bool]:
     return spec, str(spec.name), False
 
 
+def replayable(name: str) -> bool:
+    """Whether the simulator can replay prefetch policy `name`: not one that needs the running model (a learned
+    prefetcher reads the post-attention residual and binds to the model; only `moeflow run` has them)."""
+    cls = PREFETCH.get(name)
+    return cls is None or not (cls.needs_model or cls.needs_residual)
+
+
 def simulate(
     acc: AccessTrace,
     capacity: int,

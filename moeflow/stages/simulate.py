@@ -9,13 +9,7 @@ from ..errors import ConfigError
 from ..policies import DEFAULT_EVICTION, EVICTION, PREFETCH, parse_policy
 from ..policies.lossy import Lossy, lossy
 from ..policies.parse import build_policy, parse_capacity, policy_args
-
-
-def replayable(name: str) -> bool:
-    """Whether the simulator can replay prefetch policy `name`: not one that needs the running model (a learned
-    prefetcher reads the post-attention residual and binds to the model; only `moeflow run` has them)."""
-    cls = PREFETCH.get(name)
-    return cls is None or not (cls.needs_model or cls.needs_residual)
+from ..sim.simulator import replayable
 
 
 def replayable_prefetchers() -> tuple[str, ...]:

@@ -144,10 +144,7 @@ class EvalConfig:
 def load_cpu_model(path: str) -> torch.nn.Module:
     from ..models import load_model
 
-    if not Path(path).is_dir():
-        from ..models import missing_model
-
-        raise ArtifactError(missing_model(path))
+    _check_model_dir(path)
     model, _ = load_model(path, dtype="float32", device="cpu", tokenizer=False)
     return model
 
@@ -193,11 +190,16 @@ def _check_inputs(trace: str, model: str) -> None:
     or a missing model is one line at once. The shards are checked as they are read."""
     from ..trace import Trace
 
-    if not Path(model).is_dir():
+    _check_model_dir(model)
+    Trace(trace)
+
+
+def _check_model_dir(path: str) -> None:
+    """A missing model folder in one line, before transformers' import (which `load_model` pays first)."""
+    if not Path(path).is_dir():
         from ..models import missing_model
 
-        raise ArtifactError(missing_model(model))
-    Trace(trace)
+        raise ArtifactError(missing_model(path))
 
 
 def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack | None = None) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from ..policies.lossy import lossy
 from ..policies.parse import build_policy, policy_args
 from ..sim.access import AccessTrace
 from ..sim.link import ModelledLink
-from ..sim.simulator import belady, simulate
+from ..sim.simulator import belady, replayable, simulate
 from ..sim.timemodel import TimeModel
 from .replay import AdaptiveS, PregateTable, TablePrefetch
 
@@ -83,8 +83,7 @@ def refuse_unreplayable(text: str) -> None:
     """ConfigError for a prefetch policy `text` (`name[:k=v,...]`) tune cannot replay: a learned one (it needs the
     running model) or pre-gate with a percentile threshold (it follows its own history)."""
     name, opts = policy_args(text)
-    cls = PREFETCH.get(name)
-    if cls is not None and (cls.needs_model or cls.needs_residual):
+    if not replayable(name):
         raise ConfigError(
             f"tune cannot replay prefetch policy {text!r} (it needs the running model; measure it with "
             f"`moeflow run -f {name}:predictors=DIR`); use none, pregate[:overfetch=X|mass=P] or all-next-layer"

@@ -203,14 +203,7 @@ class CudaLink(Link):
         return ts
 
     def submit(self, src, dst, *, after=None, demand=True) -> Ticket:
-        t = self._submitted(Ticket(src.numel() * src.element_size()))
-        t.demand = demand
-        if demand:
-            self._issue(t, src, dst, after, demand=True)
-        else:
-            self._held.append((t, src, dst, after))
-        self._pump()
-        return t
+        return self.submit_many([(src, dst, after)], demand=demand)[0]
 
     def cancel(self, t: Ticket) -> bool:
         if self._take_held(t) is None:
