@@ -24,6 +24,11 @@ Prints a table, then one JSON line (`ttft_bound_ratio`: {path: {capacity: ratio}
 `--device cuda` (with `--link cuda`, its default there) copies on the CUDA side streams (`CudaLink`); the bound then
 uses the link's measured seconds per byte.
 
+`--warm` adds the path `staged-warm`: each prompt generated twice on one engine and the second prefill timed, so
+the cache holds what the first one left (everything at 100%). Its bound counts only the experts not resident at
+its start, so against `staged` it splits the cold cache's work (every expert acquired, staged and copied) from
+the rest of the staged path's host work (the experts call by waves, the router hook).
+
 Where the time goes: `--gbps 1000000` makes every copy land at once, so TTFT ÷ bound is the engine's host work alone;
 `--host-profile N` then prints, to stderr, the N functions with the most own host time (cProfile) in one resident
 prefill of the first prompt and in one cold staged prefill of it at each capacity (the engine's build outside it;
@@ -40,7 +45,6 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from moeflow.data.prompts import load_prompts
 from moeflow.models import load_model
@@ -49,6 +53,7 @@ from moeflow.policies.parse import parse_capacity
 from moeflow.runtime.generate import build_engine, generate_one
 from moeflow.runtime.link import CudaLink, EmulatedLink, Link
 from moeflow.runtime.timing import settle_heap
+from moeflow.tables import FitTable
 
 PATHS = ("serial", "staged")
 
@@ -85,6 +90,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default %(default)s)")
     ap.add_argument("--device", default="cpu", help="torch device of the model: cpu or cuda[:N] (default cpu)")
     ap.add_argument("--link", choices=("emulated", "cuda"), default=None, help="emulated (default on cpu) or cuda (on cuda)")
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="also time a warm staged prefill: the same prompt's second prefill on one engine (path staged-warm)",
+    )
     ap.add_argument(
         "--host-profile",
         type=int,
@@ -128,9 +138,11 @@ def main() -> None:
         return eng, link
 
     def run(path: str, cap: int, ids: torch.Tensor, gbps: float | None):
-        eng, link = engine(path, cap, gbps)
+        """One generation on a fresh engine; `staged-warm`: the second of two on one engine (the first untimed)."""
+        eng, link = engine(path.removesuffix("-warm"), cap, gbps)
         with eng:
-            out, m = generate_one(model, ids, eng, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+            for _ in range(2 if path.endswith("-warm") else 1):
+                out, m = generate_one(model, ids, eng, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
         return out, m, link
 
     gbps = args.gbps
@@ -147,7 +159,8 @@ def main() -> None:
         f"{args.eviction}+{args.prefetch}; {args.repeats} repeats, {args.threads} thread(s)[/]"
     )
 
-    configs = [(path, cap) for cap in caps for path in PATHS]
+    paths = (*PATHS, "staged-warm") if args.warm else PATHS
+    configs = [(path, cap) for cap in caps for path in paths]
     for path, cap in configs:  # untimed warm-up of each configuration (compiled kernels, caches)
         run(path, cap, prompts[0], gbps)
     best: dict[tuple[str, int], list[float]] = {c: [float("inf")] * len(prompts) for c in configs}
@@ -178,10 +191,10 @@ def main() -> None:
                 run_one = lambda e=eng: generate_one(model, one, e, max_new_tokens=1)  # noqa: E731
                 host_profile(f"cold staged prefill, capacity {cap}", run_one, args.host_profile)
 
-    table = Table(title=f"prefill TTFT vs bound — {Path(args.model).name}, {link_label()}, {args.tokens}-token prompts")
+    table = FitTable(key=2, title=f"prefill TTFT vs bound — {Path(args.model).name}, {link_label()}, {args.tokens}-token prompts")
     for col in ("capacity", "path", "TTFT ms", "bound ms", "TTFT/bound", "copies", "copy ms", "exact"):
         table.add_column(col)
-    ratios: dict[str, dict[str, float]] = {p: {} for p in PATHS}
+    ratios: dict[str, dict[str, float]] = {p: {} for p in paths}
     exact = True
     for path, cap in configs:
         bounds = [max(r, x) for r, x in zip(res_ttft, info[(path, cap)]["xfer"])]

@@ -56,13 +56,13 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
 
 from moeflow.models import load_model  # noqa: E402
 from moeflow.moe import get_adapter  # noqa: E402
 from moeflow.policies.parse import parse_capacity  # noqa: E402
 from moeflow.sim import AccessTrace, from_trace, simulate  # noqa: E402
 from moeflow.sim.belady import Belady  # noqa: E402
+from moeflow.tables import FitTable  # noqa: E402
 from moeflow.trace import Trace  # noqa: E402
 
 EVICTIONS = ("lru", "lfu", "least-stale", "belady-approx", "belady", "next-use")
@@ -149,9 +149,9 @@ def main() -> None:
             )
             r = rows[-1]
             r["speedup"] = r["accesses_per_cpu_s"] / r["python_accesses_per_cpu_s"] if r["python_accesses_per_cpu_s"] else 0.0
-    table = Table(title=f"replay speed, {args.trace}, capacity {capacity} ({args.capacity}), compiled x{args.repeat}")
+    table = FitTable(key=2, title=f"replay speed, {args.trace}, capacity {capacity} ({args.capacity}), compiled x{args.repeat}")
     for col in ("eviction", "prefetch", "accesses", "seconds", "M acc/s", "M acc/cpu-s", "Python M acc/s", "speed-up", "same"):
-        table.add_column(col, justify="left" if col in ("eviction", "prefetch") else "right")
+        table.add_column(col)
     for r in rows:
         table.add_row(
             r["eviction"],
@@ -164,7 +164,7 @@ def main() -> None:
             f"{r['speedup']:.0f}x",
             "yes" if r["same_counters"] else "NO",
         )
-    console = Console(width=max(120, Console().width))
+    console = Console()
     console.print(table)
     console.print(
         f"compiled kernels ready in {first_call_s:.1f} s (first call: compile, or load numba's cache); "

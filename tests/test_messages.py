@@ -421,3 +421,24 @@ def test_a_flag_given_with_nothing_in_it_is_refused(ckpt, capsys):
     assert split_list(None, "--eviction") == () and split_list(["lru,", "lfu"], "--eviction") == ("lru", "lfu")
     one_line_error(["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "-e", ""], capsys, "--eviction '' names nothing")
     one_line_error(["simulate", "-t", ckpt, "-c", ","], capsys, "--capacity ',' names nothing")
+
+
+def test_cache_flags_for_runs_without_a_cache_are_refused(ckpt, capsys):
+    """`--mode resident -c 25%` ran the stock model and ignored the capacity; a cache or policy flag typed for
+    modes that keep no cache is one line. With offload among the modes, or left at its default, it is not."""
+    p = ckpt.parent / "p.txt"
+    one_line_error(["run", "-m", ckpt, "-p", p, "--mode", "resident", "-c", "25%"], capsys, "--capacity sets the cache")
+    one_line_error(
+        ["run", "-m", ckpt, "-p", p, "--mode", "resident,on-demand", "--sweep", "-e", "lru", "--adaptive-s"],
+        capsys,
+        "--adaptive-s, --eviction set the cache",
+        "drop them",
+    )
+    code, _, err = cli(["run", "-m", ckpt, "-p", p, "--mode", "resident", "--max-new-tokens", "1", "--json"], capsys)
+    assert code == 0, err
+    code, _, err = cli(
+        ["run", "-m", ckpt, "-p", p, "--mode", "resident,offload", "--sweep", "-c", "4", "--max-new-tokens", "1", "--json"],
+        capsys,
+    )
+    assert code == 0, err
+    one_line_error(["quality", "-m", ckpt, "--prompt", "hi", "--mode", "on-demand", "-c", "4"], capsys, "--capacity sets")

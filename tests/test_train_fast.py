@@ -706,3 +706,28 @@ def test_train_runs_numpy_blas_with_its_threads(tiny_setup, tmp_path, monkeypatc
         main(cfg)
         assert blas() == {2}
     assert seen == [{1}]
+
+
+def test_max_s_above_the_models_layers_is_lowered_to_what_it_has(tiny_setup, tmp_path):  # noqa: F811
+    """S counts MoE layers ahead: a 4-layer model has S = 1..3. `--max-s 9` fits and reports S up to 3, with a
+    line that says so; the default 4 is lowered without one (it is the default, not the user's number)."""
+    import io
+
+    from rich.console import Console
+
+    from moeflow.stages.train import EvalConfig, TrainConfig, within_model
+
+    _, trace, _ = tiny_setup
+    model = str(trace.parent / "model")
+    base = ["--trace", str(trace), "--model", model, "--only", "forest", "--forest-trees", "2", "--forest-samples", "500"]
+    code, out, log = _train([*base, "--threads", "1", "--max-s", "9", "--out", str(tmp_path / "p"), "--json"])
+    assert code == 0, log
+    rep = json.loads(out.strip().splitlines()[-1])
+    assert rep["max_s"] == 3 and "--max-s 9: the trace's model has 4 MoE layers, so S goes up to 3" in log
+    assert max(int(s) for s in rep["by_s"]["forest"]) == 3
+    buf = io.StringIO()
+    console = Console(file=buf, width=200)
+    assert within_model(TrainConfig(trace="t", out="o", model="m"), 4, console).max_s == 3
+    assert within_model(EvalConfig(predictors="p", trace="t", model="m", max_s=2), 4, console).max_s == 2
+    assert within_model(EvalConfig(predictors="p", trace="t", model="m", max_s=5), 1, console).max_s == 1
+    assert buf.getvalue().count("--max-s") == 1  # the 5 only: the default 4 and a 2 that fits say nothing

@@ -221,3 +221,9 @@ def alias(new: T | None, old: T | None, new_flag: str, old_flag: str) -> T | Non
 
 def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, default=str) + "\n")
+
+
+def given_flags(ctx: Any) -> set[str]:
+    """The parameters typed on the command line (not left at their default); typer may carry its own click, so
+    its ParameterSource is compared by name."""
+    return {p for p in ctx.params if getattr(ctx.get_parameter_source(p), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}

@@ -14,6 +14,7 @@ from .common import (
     device_option,
     dtype_option,
     eviction_option,
+    given_flags,
     json_option,
     lookahead_option,
     max_new_tokens_option,
@@ -31,6 +32,7 @@ from .common import (
 
 @app.command("quality")
 def quality(
+    ctx: typer.Context,
     model: str = model_option(),
     prompts: str | None = typer.Option(
         "alpaca", "--prompts", "-p", help="Prompts for greedy agreement (file or set name, as `run`). Default alpaca."
@@ -96,11 +98,12 @@ def quality(
     from ..policies.parse import parse_opts, split_list
     from ..stages.quality import main
     from ..stages.quality_config import QualityConfig
-    from ..stages.run_config import RunConfig
+    from ..stages.run_config import RunConfig, check_offload_flags
 
     misses = split_list(miss, "--miss") or ("fetch",)
     routings = split_list(routing, "--routing") or ("standard",)
     modes = tuple(m for m in split_list(mode, "--mode") if m != "resident") or ("offload",)
+    check_offload_flags(modes, given_flags(ctx))
     run = RunConfig(
         model=model,
         prompts=prompts if not prompt or prompts != "alpaca" else None,

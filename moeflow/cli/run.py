@@ -17,6 +17,7 @@ from .common import (
     dtype_option,
     eviction_option,
     force_option,
+    given_flags,
     hidden_alias,
     json_option,
     limit_option,
@@ -215,16 +216,14 @@ def run(
         plan=plan,
         plan_opts=parse_opts(plan_opt or ()),
     )
-    from ..stages.run_config import naming_config_file
+    from ..stages.run_config import check_offload_flags, naming_config_file
 
     keys: tuple[str, ...] = ()
+    given = given_flags(ctx)
+    check_offload_flags(kw["modes"], given)
     if config:
         from ..stages.run_config import applied_keys, apply_config_file
 
-        # the flags on the command line (typer may carry its own click: its ParameterSource is compared by name)
-        given = {
-            p for p in ctx.params if getattr(ctx.get_parameter_source(p), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")
-        }
         kw = apply_config_file(config, kw, given)
         keys = applied_keys(config, given)
     with naming_config_file(config, keys):  # a refused value the file set says it came from the file

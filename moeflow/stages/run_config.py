@@ -215,6 +215,33 @@ CONFIG_FIELDS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+OFFLOAD_FLAGS = {  # `moeflow run`'s parameters that only an offload run reads (its cache and policies) -> their flag
+    "capacity": "--capacity",
+    "cache_capacity": "--capacity",
+    "per_layer_cache": "--per-layer-cache",
+    "eviction": "--eviction",
+    "eviction_opt": "--eviction-opt",
+    "prefetch": "--prefetch",
+    "prefetch_opt": "--prefetch-opt",
+    "lookahead": "--lookahead",
+    "adaptive_s": "--adaptive-s",
+}
+
+
+def check_offload_flags(modes: tuple[str, ...], given: set[str]) -> None:
+    """A cache or policy flag typed on the command line (`given`: parameter names) for runs that have no cache
+    (--mode resident / on-demand only) is one line, not silently ignored."""
+    if "offload" in modes:
+        return
+    flags = sorted({OFFLOAD_FLAGS[p] for p in given if p in OFFLOAD_FLAGS})
+    if flags:
+        one = len(flags) == 1
+        raise ConfigError(
+            f"{', '.join(flags)} set{'s' if one else ''} the cache of --mode offload only, and --mode {','.join(modes)} "
+            f"has no cache; drop {'it' if one else 'them'}, or add offload to --mode (with --sweep)"
+        )
+
+
 def apply_config_file(path: str, kw: dict[str, Any], given: set[str]) -> dict[str, Any]:
     """`kw` (RunConfig keyword arguments from the flags) with the run configuration file at `path` applied
     (`moeflow.tune.config`): each of its options, and its model, unless one of the `moeflow run` parameters that

@@ -41,6 +41,9 @@ from ..threads import idle_cpus
 __all__ = ["BASELINES", "GPS", "LEARNED", "PLANNERS", "EvalConfig", "TrainConfig", "eval_main", "load_cpu_model", "main"]
 
 
+DEFAULT_MAX_S = 4  # `--max-s`'s default: S = 1..4 MoE layers ahead, fewer where the model has fewer (`within_model`)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     trace: str
@@ -49,7 +52,7 @@ class TrainConfig:
     only: tuple[str, ...] = LEARNED  # learned predictors to fit (pregate and baselines always come along)
     holdout: float = 0.2  # fraction of prompts held out for evaluation
     seed: int = 0
-    max_s: int = 4  # largest step S fitted and evaluated
+    max_s: int = DEFAULT_MAX_S  # largest step S fitted and evaluated (`within_model` lowers it to L-1)
     mass: float = 0.8  # cumulative score mass of the evaluated prefetch set
     threads: int | None = None  # torch threads and forest jobs (None: moeflow.threads' rule)
     fit_workers: int | None = None  # fits at once, 1 or 2 (None: the idle-CPU rule, `predict.train.fit_workers`)
@@ -122,7 +125,7 @@ class EvalConfig:
     trace: str
     model: str
     only: tuple[str, ...] = ()
-    max_s: int = 4
+    max_s: int = DEFAULT_MAX_S  # lowered to L-1 by `within_model`
     mass: float = 0.8
     window: int = 4
     plan_eps: float = 0.3  # CasMoE cascade gate threshold
@@ -156,7 +159,7 @@ def main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
     from ..locks import out_lock
     from ..models import torch_threads
 
-    _check(cfg)
+    cfg = _check(cfg, console)
     with (
         out_lock(cfg.out, wait=cfg.wait, command="moeflow train", check=lambda: _check(cfg)),
         torch_threads(cfg.threads),
@@ -173,8 +176,9 @@ def blas_threads(n: int) -> Any:
     return threadpool_limits(limits=n, user_api="blas")
 
 
-def _check(cfg: TrainConfig) -> None:
-    """Before any work: the predictor names, --fit-workers 2 against --threads 1, --out (`outputs.check_out`)."""
+def _check(cfg: TrainConfig, console: Any = None) -> TrainConfig:
+    """Before any work: the predictor names, --fit-workers 2 against --threads 1, --out (`outputs.check_out`), the
+    inputs; `cfg` with --max-s within the trace's model (`within_model`)."""
     from ..outputs import check_out
     from ..predict.io import KIND
 
@@ -182,16 +186,28 @@ def _check(cfg: TrainConfig) -> None:
     if cfg.fit_workers == 2 and cfg.threads == 1:  # the user's flags (the stage later sets threads to the fits' own)
         raise ConfigError("--fit-workers 2 runs two fits at once, which --threads 1 forbids; drop one of them")
     check_out(cfg.out, kind=KIND, inputs=(cfg.trace, cfg.model), force=cfg.force)
-    _check_inputs(cfg.trace, cfg.model)
+    return within_model(cfg, _check_inputs(cfg.trace, cfg.model), console)
 
 
-def _check_inputs(trace: str, model: str) -> None:
+def _check_inputs(trace: str, model: str) -> int:
     """The trace's meta and the model folder, read before the model loads (seconds): a missing or corrupt trace
-    or a missing model is one line at once. The shards are checked as they are read."""
+    or a missing model is one line at once. The shards are checked as they are read. The trace's MoE layers."""
     from ..trace import Trace
 
     _check_model_dir(model)
-    Trace(trace)
+    return Trace(trace).spec.num_moe_layers
+
+
+def within_model(cfg: Any, layers: int, console: Any = None) -> Any:
+    """`cfg` (a `TrainConfig` or `EvalConfig`) with `max_s` at most `layers - 1` (at least 1): S counts MoE layers
+    ahead, so a model of L MoE layers has S = 1 .. L-1, and the default 4 is more than a 4-layer model has. A
+    --max-s the user chose above that is lowered with a line on `console`; the report's `max_s` is the one used."""
+    top = max(1, layers - 1)
+    if cfg.max_s <= top:
+        return cfg
+    if console is not None and cfg.max_s != DEFAULT_MAX_S:
+        console.print(f"[dim]--max-s {cfg.max_s}: the trace's model has {layers} MoE layers, so S goes up to {top}[/]")
+    return dataclasses.replace(cfg, max_s=top)
 
 
 def _check_model_dir(path: str) -> None:
@@ -353,7 +369,7 @@ def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
 
     check_names(cfg.only)  # before the model loads: an unknown name, a missing folder or trace, at once
     meta = read_predictor_meta(cfg.predictors)
-    _check_inputs(cfg.trace, cfg.model)
+    cfg = within_model(cfg, _check_inputs(cfg.trace, cfg.model), console)
     model = load_cpu_model(cfg.model)
     threads = apply_threads(cfg.threads, model, "cpu")
     if console is not None:
