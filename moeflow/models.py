@@ -242,6 +242,15 @@ _COMMON = dict(
 )
 
 
+_DEEPSEEK_V3_LIKE = ("glm4_moe", "glm4_moe_lite", "dots1", "exaone_moe", "solar_open")
+_MLA = dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+
+
+def _moe(top_k: int, **names: Any) -> dict[str, Any]:
+    """A routed-expert block of intermediate size 32 beside a dense MLP of 64, with the family's own names."""
+    return dict(num_experts_per_tok=top_k, moe_intermediate_size=32, intermediate_size=64, **names)
+
+
 def tiny_config(arch: str, *, num_experts: int = 8, top_k: int = 2, **over: Any):
     """A small but real config of architecture `arch` (transformers `model_type`)."""
     from transformers import AutoConfig
@@ -305,6 +314,29 @@ def tiny_config(arch: str, *, num_experts: int = 8, top_k: int = 2, **over: Any)
         c.update(num_local_experts=num_experts, num_experts_per_tok=top_k, intermediate_size=32)
     elif arch == "phimoe":
         c.update(num_local_experts=num_experts, num_experts_per_tok=2, intermediate_size=32)
+    elif arch in _DEEPSEEK_V3_LIKE:  # DeepSeek-V3's router and a shared expert; the first layer dense
+        c.update(n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1)
+        if arch == "exaone_moe":
+            c.update(_moe(top_k, num_experts=num_experts, num_shared_experts=1), head_dim=16, sliding_window=32)
+            c.update(layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        else:
+            c.update(_moe(top_k, n_routed_experts=num_experts, n_shared_experts=1))
+        if arch == "glm4_moe_lite":  # multi-head latent attention, as deepseek_v3 / v2
+            c.update(_MLA)
+        elif arch != "exaone_moe":
+            c.update(head_dim=16)
+        if arch in ("glm4_moe_lite", "exaone_moe"):
+            c.update(mlp_layer_types=["dense", "sparse", "sparse"])
+        if arch == "dots1":
+            c.update(layer_types=["full_attention"] * 3)
+    elif arch == "deepseek_v2":  # softmax scores, group-limited greedy top-k
+        c.update(_moe(top_k, n_routed_experts=num_experts, n_shared_experts=1, first_k_dense_replace=1))
+        c.update(_MLA, n_group=2, topk_group=1, topk_method="group_limited_greedy", routed_scaling_factor=2.5, head_dim=8)
+    elif arch == "qwen3_next":  # gated delta-net (linear attention) and full attention layers, gated shared expert
+        c.update(_moe(top_k, num_experts=num_experts, shared_expert_intermediate_size=32, norm_topk_prob=True))
+        c.update(decoder_sparse_step=1, mlp_only_layers=[], head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16)
+        c.update(linear_num_key_heads=2, linear_num_value_heads=4)
+        c.update(layer_types=["linear_attention", "full_attention", "linear_attention"])
     else:
         raise UnsupportedModelError(f"no tiny config for {arch!r}")
     c.update(over)

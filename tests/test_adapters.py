@@ -81,6 +81,17 @@ def _deepseek_v3(row: list[float], correction: list[float]) -> dict[int, float]:
     return {i: 2.5 * s[i] / sum(s[j] for j in idx) for i in idx}
 
 
+def _deepseek_v2(row: list[float]) -> dict[int, float]:
+    """Softmax scores; 2 groups of 4 experts scored by their best score, the best group kept; its top-2 scores,
+    not normalised, times 2.5 (`group_limited_greedy`)."""
+    p = _softmax(row)
+    best = max([range(0, 4), range(4, 8)], key=lambda g: max(p[i] for i in g))
+    return {i: 2.5 * p[i] for i in sorted(best, key=lambda i: -p[i])[:2]}
+
+
+DEEPSEEK_V3_RULE = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "exaone_moe", "solar_open")
+
+
 def _as_dict(w: torch.Tensor, i: torch.Tensor) -> dict[int, float]:
     return dict(zip(i.reshape(-1).tolist(), w.reshape(-1).float().tolist()))
 
@@ -96,8 +107,14 @@ def test_scoring_rule_matches_hand_computation(arch, tiny_models):
             want = _softmax_then_top2(row, norm=True)
         elif arch in ("gpt_oss", "granitemoe"):
             want = _top2_then_softmax(row)
-        elif arch == "deepseek_v3":
+        elif arch == "qwen3_next":  # norm_topk_prob=True
+            want = _softmax_then_top2(row, norm=True)
+        elif arch in DEEPSEEK_V3_RULE:
             want = _deepseek_v3(row, ad.router(l).e_score_correction_bias.tolist())
+        elif arch == "deepseek_v2":
+            if row is ROW2:  # experts 1-3 tie inside the kept group: checked below
+                continue
+            want = _deepseek_v2(row)
         else:  # phimoe's sparsemixer (eval): the argmax, weighted by a softmax over the logits within 2 * 0.01
             # (relative) of it; then the same for the runner-up with the winner removed. Far apart: weights 1.
             want = {1: 1.0, 2: 1.0} if row is ROW else {0: 1.0, 4: 1.0}
@@ -106,8 +123,11 @@ def test_scoring_rule_matches_hand_computation(arch, tiny_models):
     if arch == "phimoe":
         near = torch.tensor([[3.0, 2.99, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0]])  # (3 - 2.99) / 3 < 0.02
         assert _as_dict(*ad.select(l, near)) == pytest.approx({0: 1 / (1 + math.exp(-0.01)), 1: 1.0}, rel=1e-6)
-    if arch == "deepseek_v3":
+    if arch in DEEPSEEK_V3_RULE:
         assert set(_as_dict(*ad.select(l, torch.tensor([ROW2])))) == {4, 5}
+    if arch == "deepseek_v2":  # a group's score is its best single one: the first half, so not expert 4 (which a
+        got = _as_dict(*ad.select(l, torch.tensor([ROW2])))  # greedy top-2 would take); its runner-up is a tie
+        assert 0 in got and 4 not in got and got[0] == pytest.approx(2.5 * _softmax(ROW2)[0], rel=1e-6)
 
 
 def test_selection_bias_steers_indices_not_weights(tiny_models):
@@ -144,7 +164,7 @@ def test_unsupported_architecture_is_refused():
     )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(UnsupportedModelError, match="supported architectures: deepseek_v3, gpt_oss"):
+    with pytest.raises(UnsupportedModelError, match="supported architectures: deepseek_v2, deepseek_v3, dots1"):
         get_adapter(model)
 
 
@@ -158,3 +178,20 @@ def test_adapter_of_an_offloaded_model_says_why(tiny_models):
         with pytest.raises(UnsupportedModelError, match="offloaded by a moeflow engine"):
             get_adapter(model)
     assert get_adapter(model).spec.num_experts == 8  # restored on close
+
+
+def test_deepseek_v2_greedy_top_k_is_bit_identical_too():
+    """DeepSeek-V2-Lite routes `greedy` (top-k of every expert), the larger V2 `group_limited_greedy` (the matrix's
+    tiny config); both give the router's own weights and indices."""
+    from moeflow.models import tiny_model
+
+    model = tiny_model("deepseek_v2", topk_method="greedy")
+    ad = get_adapter(model)
+    tap = RouterTap(ad)
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), tap.attach():
+        model(ids)
+    for layer, (ev,) in tap.events.items():
+        w, i = ad.select(layer, ev.logits)
+        assert torch.equal(i, ev.indices) and torch.equal(w, ev.weights)
+    assert _as_dict(*ad.select(ad.moe_layers[0], torch.tensor([ROW2])))[4] > 0  # greedy: not limited to a group

@@ -86,6 +86,31 @@ def select_deepseek_v3(router, logits, bias=None):
     return w * router.routed_scaling_factor, idx
 
 
+def select_deepseek_v2(router, logits, bias=None):
+    """DeepSeek-V2: fp32 softmax scores, top-k over all experts (`greedy`) or over the `topk_group` groups of best
+    single score (`group_limited_greedy`, the other groups' scores zeroed), no norm, routed scaling."""
+    scores = logits.float().softmax(dim=-1, dtype=torch.float32)  # [T,E]
+    choice = scores if bias is None else scores + bias.to(scores)
+    if router.topk_method == "group_limited_greedy":
+        E, G = router.num_experts, router.num_group
+        group_scores = choice.view(-1, G, E // G).max(dim=-1).values  # [T,G]
+        group_idx = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+        scores = scores.masked_fill(~score_mask.bool(), 0.0)
+        choice = choice.masked_fill(~score_mask.bool(), 0.0 if bias is None else float("-inf"))
+    elif router.topk_method != "greedy":
+        raise UnsupportedModelError(
+            f"DeepSeek-V2 topk_method {router.topk_method!r} is not supported (greedy, group_limited_greedy)"
+        )
+    if bias is None:
+        w, idx = torch.topk(scores, k=router.top_k, dim=-1, sorted=False)
+    else:
+        idx = torch.topk(choice, k=router.top_k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, idx)
+    return w * router.routed_scaling_factor, idx
+
+
 def select_phimoe(router, logits, bias=None):
     """PhiMoE's sparsemixer (eval mode), called from transformers itself."""
     from transformers.models.phimoe.modeling_phimoe import sparsemixer
@@ -119,6 +144,14 @@ ARCHS: dict[str, ArchInfo] = {
         ArchInfo("gpt_oss", "mlp", "router", select_topk_then_softmax, None),
         ArchInfo("granitemoe", "block_sparse_moe", "router", select_granitemoe, None),
         ArchInfo("phimoe", "mlp", "router", select_phimoe, None),
+        # the same rules in other families (each tested like the ones above: tests/conftest.py ARCHS)
+        ArchInfo("deepseek_v2", "mlp", "gate", select_deepseek_v2, "shared_experts"),
+        ArchInfo("glm4_moe", "mlp", "gate", select_deepseek_v3, "shared_experts"),
+        ArchInfo("glm4_moe_lite", "mlp", "gate", select_deepseek_v3, "shared_experts"),
+        ArchInfo("dots1", "mlp", "gate", select_deepseek_v3, "shared_experts"),
+        ArchInfo("exaone_moe", "mlp", "gate", select_deepseek_v3, "shared_experts"),
+        ArchInfo("solar_open", "mlp", "gate", select_deepseek_v3, "shared_experts"),
+        ArchInfo("qwen3_next", "mlp", "gate", select_olmoe, "shared_expert", linear_logits=True),
     ]
 }
 
