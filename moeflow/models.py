@@ -109,7 +109,7 @@ def load_model(
     Raises MoeflowError with a one-line fix when the folder is missing or not an MoE model.
     """
     skip_transformers_hqq()
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .moe import get_adapter
 
@@ -118,10 +118,7 @@ def load_model(
         raise MoeflowError(missing_model(path))
     if not (p / "config.json").is_file():
         raise ArtifactError(f"{p / 'config.json'} is missing; pass --model a folder written by save_pretrained")
-    try:
-        config = AutoConfig.from_pretrained(p)
-    except (ValueError, OSError, TypeError, KeyError) as e:
-        raise ArtifactError(f"cannot read {p / 'config.json'}: {_first_line(e)}; fix or re-save the checkpoint") from e
+    config = read_config(p)
     from .moe.adapters import ARCHS, SUPPORTED
 
     if config.model_type not in ARCHS:
@@ -145,8 +142,41 @@ def load_model(
     return model, tok
 
 
+def read_config(folder: str | os.PathLike) -> Any:
+    """`AutoConfig.from_pretrained(folder)`, or one ArtifactError line with transformers' own reason (`load_model`,
+    `moeflow ep`'s spec)."""
+    from transformers import AutoConfig
+
+    p = Path(folder)
+    try:
+        return AutoConfig.from_pretrained(p)
+    except _config_errors() as e:
+        raise ArtifactError(
+            f"transformers could not read {p / 'config.json'}: {_first_line(e)}; fix or re-save the checkpoint"
+        ) from e
+
+
+def _config_errors() -> tuple[type[Exception], ...]:
+    """What `AutoConfig.from_pretrained` raises for a config.json it cannot read: ValueError, OSError, TypeError,
+    KeyError, and huggingface_hub's strict dataclass validation (a transformers config class's
+    `validate_architecture`, a field of the wrong type)."""
+    errors: tuple[type[Exception], ...] = (ValueError, OSError, TypeError, KeyError)
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: its configs raise the others
+        return errors
+    return (*errors, StrictDataclassError)
+
+
 def _first_line(e: BaseException) -> str:
-    return brief(str(e)) or type(e).__name__
+    """The error's first meaningful line, at most 200 characters (`errors.brief`), without a trailing period. A
+    first line that only introduces its cause (ends in ":", the error raised from another) gives way to the
+    cause's: huggingface_hub's "Class validation error for validator 'validate_architecture':" is followed by
+    the config's own "The hidden size (8) is not a multiple of the number of attention heads (32)"."""
+    text = brief(str(e))
+    if text.endswith(":") and e.__cause__ is not None:
+        return _first_line(e.__cause__)
+    return (text[:-1] if text.endswith(".") and not text.endswith("...") else text) or type(e).__name__
 
 
 def check_weights(folder: str | os.PathLike) -> None:

@@ -442,3 +442,17 @@ def test_cache_flags_for_runs_without_a_cache_are_refused(ckpt, capsys):
     )
     assert code == 0, err
     one_line_error(["quality", "-m", ckpt, "--prompt", "hi", "--mode", "on-demand", "-c", "4"], capsys, "--capacity sets")
+
+
+def test_no_calibration_warning_only_where_s_is_used_and_with_the_command(ckpt, tmp_path, monkeypatch, capsys):
+    """The missing-calibration warning names the exact `moeflow calibrate` command for this model and link, and
+    is not printed for runs that read no step size (resident, on-demand, prefetch none, an -S given)."""
+    monkeypatch.chdir(tmp_path)  # no calibration/ here
+    base = ["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--max-new-tokens", "1", "--no-warmup", "--threads", "1"]
+    code, _, err = cli([*base, "--link", "emulated:2,10", "-c", "4"], capsys)
+    assert code == 0, err
+    assert "WARNING: no calibration at" in err
+    assert f"moeflow calibrate --model {ckpt} --link-gbps 2 --link-latency-us 10" in " ".join(err.split())
+    for quiet in (["--mode", "resident"], ["--mode", "on-demand"], ["-f", "none", "-c", "4"], ["-S", "1", "-c", "4"]):
+        code, _, err = cli([*base, "--link", "emulated:2", *quiet], capsys)
+        assert code == 0 and "WARNING" not in err, (quiet, err)

@@ -219,5 +219,5 @@ def test_cli_lossy_run_json(tmp_path):
     assert res.exit_code == 0, res.output
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")][-1]
     run = json.loads(line)["runs"][0]
-    assert run["metrics"]["lossy"] is True
+    assert run["metrics"]["lossy"] is True and run["lossy"] is True  # at the run's level too, as quality's
     assert run["lossy_reasons"] == ["miss policy drop changes the output", "routing policy cache-aware changes the output"]

@@ -85,3 +85,14 @@ def test_kv_cache_keyword_matches_the_model(tiny_models):
         steps = [model(input_ids=ids[:, i : i + 1], use_cache=True, **kw).logits[0, -1] for i in range(4)]  # 4 x [V]
         full = model(input_ids=ids).logits[0]  # [4,V]
     torch.testing.assert_close(torch.stack(steps), full, rtol=1e-4, atol=1e-4)
+
+
+def test_the_planner_embedder_loads_without_the_weights_bar(capsys):
+    """CasMoE's EAM embedder (sentence-transformers over MiniLM) loads its weights through transformers, whose
+    "Loading weights" bar showed in `train --only eam`, `eval` and `run --plan casmoe`."""
+    from moeflow.plan.eam import Embedder
+
+    capsys.readouterr()
+    assert Embedder().dim > 0
+    out, err = capsys.readouterr()
+    assert "Loading weights" not in out + err, err

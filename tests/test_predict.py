@@ -560,6 +560,16 @@ def test_decay_fit_reports_a_degenerate_fit_instead_of_its_numbers():
     text = con.export_text()
     row = next(line for line in text.splitlines() if "degenerate fit*" in line)
     assert "forest" in row and not re.findall(r"\d\.\d", row) and "(forest: c at its bound 0)" in " ".join(text.split())
+    assert "a fit needs recall at 3 distinct S" not in text  # 4 S were measured: that footnote would mislead
+    # no fit at all (the quickstart's case): one line with the reasons, grouped, instead of a table of dashes
+    rep["fit"] = {"pregate": None, "forest": None}
+    rep["fit_status"] = {"pregate": "degenerate: a at its bound 0", "forest": "degenerate: a at its bound 0"}
+    con = Console(record=True, width=200)
+    for t in tables(rep):
+        con.print(t)
+    text = " ".join(con.export_text().split())
+    assert "degenerate fit*" not in text and "No fit of recall against S" in text
+    assert "pregate, forest: a at its bound 0" in text and "3 distinct S" not in text
 
 
 def test_evaluate_gives_no_numbers_for_a_degenerate_fit(fitted_tiny):

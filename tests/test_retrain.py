@@ -93,7 +93,8 @@ def test_retrain_twice_is_unchanged_and_reads_promoted(tmp_path, checkpoint, cap
     meta = read_predictor_meta(pred)  # what `moeflow run` / `eval` read: through the symlink
     assert meta["retrain"]["fingerprint"] == st["fingerprint"]
     code, out = run(cfg, capsys)
-    assert code == 0 and "unchanged" in out, out
+    assert code == 0 and "unchanged" in out and "trained on these inputs" in " ".join(out.split()), out
+    assert "vs current -" not in out  # the first version had none to compare with: not printed as "-"
     assert status(tmp_path)["outcome"] == "unchanged" and pred.resolve().name == st["version"]
     # new prompts: traced (appended), trained, compared with the current version, promoted; keep = 3 versions
     versions = [st["version"]]
@@ -182,7 +183,7 @@ def test_worse_model_is_not_promoted(tmp_path, checkpoint, capsys):
     assert st["outcome"] == "rejected" and st["figures"]["new"] is not None and st["figures"]["current"] is not None
     assert pred.resolve() == before and st["version"] == before.name
     code, out = run(cfg, capsys)  # the same data and margin again: nothing to redo
-    assert code == 0 and "unchanged" in out, out
+    assert code == 0 and "unchanged" in out and "rejected a candidate of these same inputs" in " ".join(out.split()), out
 
 
 def test_corrupt_trace_is_failed_logged_and_keeps_promoted(tmp_path, checkpoint, capsys):
@@ -215,3 +216,15 @@ def test_config_without_a_scored_predictor_is_one_line(tmp_path, checkpoint, cap
     errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
     assert code == 2 and len(errors) == 1 and "layer-ahead predictor" in errors[0], out
     assert not (tmp_path / "trace").exists() and not (tmp_path / "pred").exists()
+
+
+def test_a_model_path_that_names_no_folder_says_which_key_to_fix(tmp_path, checkpoint, capsys):
+    """`model = "models/olmoe"` (relative: from the config's folder) names nothing: the line names the file's
+    `model =` (retrain has no --model flag) and the folder it resolved to, before any work."""
+    cfg = setup(tmp_path, checkpoint)
+    cfg.write_text(cfg.read_text().replace(f'model = "{checkpoint}"', 'model = "models/olmoe"'))
+    code, out = run(cfg, capsys)
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1, out
+    assert "set `model =`" in errors[0] and str(tmp_path / "models" / "olmoe") in errors[0] and "--model" not in errors[0]
+    assert not (tmp_path / "trace").exists()

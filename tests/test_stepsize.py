@@ -122,6 +122,7 @@ def test_requested_step_size_refuses_s_beyond_the_model():
     with pytest.raises(ConfigError, match=r"^-S 20: olmoe-deep has 12 MoE layers, so S can be 1\.\.11$"):
         requested_step_size(20, None, 12, "olmoe-deep")
     assert requested_step_size(11, {"initial_s": 3}, 12, "m") == (11, "-S")
+    assert requested_step_size(2, None, 12, "m", "--config t.json") == (2, "--config t.json")  # the file's S
     assert requested_step_size(None, {"initial_s": 3}, 12, "m") == (3, "calibration")
     assert requested_step_size(None, {"initial_s": 15}, 12, "m") == (11, "calibration's S=15 clamped to 11")
     assert requested_step_size(None, None, 12, "m") == (1, "default")

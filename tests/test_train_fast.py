@@ -731,3 +731,20 @@ def test_max_s_above_the_models_layers_is_lowered_to_what_it_has(tiny_setup, tmp
     assert within_model(EvalConfig(predictors="p", trace="t", model="m", max_s=2), 4, console).max_s == 2
     assert within_model(EvalConfig(predictors="p", trace="t", model="m", max_s=5), 1, console).max_s == 1
     assert buf.getvalue().count("--max-s") == 1  # the 5 only: the default 4 and a 2 that fits say nothing
+
+
+def test_eval_above_the_trained_s_says_so_and_reports_the_s_it_scored(default_train, tiny_setup):  # noqa: F811
+    """Predictors trained with --max-s 2 are scored up to S = 2 whatever `eval --max-s` says (they predict no
+    further): a line says so, and the JSON's `max_s` is 2, not the 3 asked for."""
+    from typer.testing import CliRunner
+
+    from moeflow.cli.app import _register, app
+
+    root, _, _ = default_train
+    _, trace, _ = tiny_setup
+    _register()
+    args = ["eval", "--predictors", str(root / "fast-json"), "--trace", str(trace), "--model", str(root / "model")]
+    r = CliRunner().invoke(app, [*args, "--only", "forest", "--max-s", "3", "--threads", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rep["max_s"] == 2 and "--max-s 3: the predictors were trained for S <= 2" in r.output

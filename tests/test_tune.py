@@ -165,12 +165,14 @@ def test_tune_ranks_writes_a_config_and_run_applies_it_with_flags_winning(traced
         best["adaptive_s"],
     )
     assert cfg.calibration == str(cal.resolve()) and cfg.config_fingerprint == rec["model_fingerprint"]
+    assert {"capacity", "eviction", "prefetch", "link"} <= set(cfg.config_keys)  # what the file set (S's source)
     other = "lfu" if best["eviction"] == "lru" else "lru"
     b = CliRunner().invoke(_app(), ["run", "--config", str(out), "--prompt", "hi", "-e", other, "-c", "10", "--link", "direct"])
     assert b.exit_code == 0, b.output
     cfg = seen[-1]
     assert (cfg.evictions, cfg.capacities, cfg.link) == ((other,), ("10",), "direct")
     assert cfg.prefetches == (best["prefetch"],)  # not given: the file's
+    assert "prefetch" in cfg.config_keys and not {"eviction", "capacity", "link"} & set(cfg.config_keys)
 
 
 def test_run_config_of_another_model_is_refused(tiny_models, tmp_path):

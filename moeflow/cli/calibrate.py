@@ -13,6 +13,7 @@ from .common import (
     force_option,
     json_option,
     model_option,
+    no_progress_option,
     print_json,
     threads_option,
     wait_option,
@@ -166,6 +167,7 @@ def calibrate_cmd(
         "Time decode compute at this count only. Default: $MOEFLOW_THREADS or $OMP_NUM_THREADS if set, else at "
         "1, 2, 4, ... up to the usable CPUs; the fastest is recorded as best_threads, the default of every command."
     ),
+    no_progress: bool = no_progress_option(),
     as_json: bool = json_option(),
 ) -> None:
     """Measure host->device bandwidth, decode compute per layer and per expert; compute ExpertFlow's step size S."""
@@ -185,7 +187,7 @@ def calibrate_cmd(
         regime=regime,
         out=out,
         write=not no_write,
-        progress=not as_json,
+        progress=not no_progress and not as_json,
         force=force,
         threads=threads,
         wait=wait,

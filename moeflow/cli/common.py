@@ -10,6 +10,7 @@
 | cache size | `--capacity/-c` (run, simulate) | run `--cache-capacity` |
 | eviction / prefetch | `--eviction/-e`, `--prefetch/-f` (run, simulate) | simulate `-p` |
 | step size S | `--lookahead/-S` (run, simulate) | |
+| no progress display | `--no-progress` (trace, train, calibrate, run, simulate, tune: the commands that draw it) | |
 
 `-p` means prompts and nothing else. A hidden alias still works and prints a one-line note on stderr.
 """
@@ -49,6 +50,16 @@ def device_option() -> Any:
 
 def json_option() -> Any:
     return typer.Option(False, "--json", help="Print results as one JSON object on stdout (for scripts).")
+
+
+def no_progress_option() -> Any:
+    """`--no-progress`, on every command that draws progress (`moeflow.progress`): the stage's config gets
+    `progress=not no_progress` (and `False` where the command's `--json` silences it too)."""
+    return typer.Option(
+        False,
+        "--no-progress",
+        help="No progress display: neither the bar on a terminal nor the plain progress lines on stderr otherwise.",
+    )
 
 
 def threads_option(help: str | None = None) -> Any:

@@ -82,7 +82,7 @@ def quality(
         "own text); --plan-opt mode=preload (exact) | restricted (LOSSY).",
     ),
     plan_opt: list[str] | None = typer.Option(
-        None, "--plan-opt", help="key=value of --plan (repeatable): predictors, mode, eps, k, mass, renorm."
+        None, "--plan-opt", help="key=value of --plan (repeatable): predictors, mode, eps, k, mass, renorm, update, buffer."
     ),
     threads: int | None = threads_option(),
     dtype: str = dtype_option(),

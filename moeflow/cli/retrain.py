@@ -35,6 +35,8 @@ def retrain(
 
     console.print(
         f"{rec['outcome']}: version {rec.get('version') or '-'}, {rec.get('prompts_added', 0)} prompts added, "
-        f"recall@k (S=1) new {fmt(f.get('new'))} vs current {fmt(f.get('current'))} (margin {cfg.margin})"
+        f"recall@k (S=1) new {fmt(f.get('new'))}"
+        + (f" vs current {fmt(f.get('current'))}" if f.get("current") is not None else "")
+        + f" (margin {cfg.margin})"
         + (f"; {rec['message']}" if rec.get("message") else "")
     )

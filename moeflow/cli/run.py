@@ -26,6 +26,7 @@ from .common import (
     max_prompt_tokens_option,
     miss_option,
     model_option,
+    no_progress_option,
     policy_opt_option,
     prefetch_option,
     prompt_option,
@@ -107,6 +108,7 @@ def run(
     ),
     force: bool = force_option("`moeflow run` JSONL"),
     wait: bool = wait_option(),
+    no_progress: bool = no_progress_option(),
     as_json: bool = json_option(),
     adaptive_s: bool = typer.Option(
         False,
@@ -151,7 +153,7 @@ def run(
         "--plan-opt predictors=DIR mode=preload (exact) | restricted (LOSSY) eps=0.3 k=N | mass=0.8.",
     ),
     plan_opt: list[str] | None = typer.Option(
-        None, "--plan-opt", help="key=value of --plan (repeatable): predictors, mode, eps, k, mass, renorm."
+        None, "--plan-opt", help="key=value of --plan (repeatable): predictors, mode, eps, k, mass, renorm, update, buffer."
     ),
     sweep: bool = typer.Option(
         False,
@@ -205,6 +207,7 @@ def run(
         force=force,
         wait=wait,
         json=as_json,
+        progress=not no_progress,
         sweep=sweep,
         threads=threads,
         adaptive_s=adaptive_s,

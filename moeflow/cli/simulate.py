@@ -17,6 +17,7 @@ from .common import (
     limit_option,
     lookahead_option,
     model_option,
+    no_progress_option,
     policy_opt_option,
     prefetch_option,
     print_json,
@@ -37,7 +38,7 @@ def table(res: dict[str, Any]) -> Any:
         + f"; {res['accesses_per_s'] / 1e6:.2f} M accesses/s",
         key=2,
         caption="C: cache capacity in experts; policies: eviction+prefetch; coll. misses: experts evicted earlier in "
-        "the same pass; xfers /tok: copies per token; pf prec / recall: prefetch precision and recall"
+        "the same pass; xfers /tok: copies per token; pf prec / recall: prefetch precision (-: nothing prefetched) and recall"
         + ("; stall s: seconds waiting for copies on the modelled link" if stall else "; link instant: no stall")
         + (f"; TPOT ms: predicted time per decode pass ({res.get('time_model')})" if tpot else ""),
     )
@@ -52,9 +53,9 @@ def table(res: dict[str, Any]) -> Any:
             f"{r['hit_rate']:.3f}",
             str(r["collisions"]),
             f"{r['loads_per_token']:.2f}",
-            f"{r['prefetch_precision']:.2f}",
+            f"{r['prefetch_precision']:.2f}" if r["prefetch_loads"] else "-",  # nothing prefetched: as `moeflow run`
             f"{r['prefetch_recall']:.2f}",
-            *([f"{r['stall_s']:.4f}"] if stall else []),
+            *([f"{r['stall_s']:.3f}"] if stall else []),
             *([f"{r['predicted_tpot_s'] * 1e3:.3f}" if r.get("predicted_tpot_s") is not None else "-"] if tpot else []),
         )
     return t
@@ -114,6 +115,7 @@ def simulate_cmd(
         "(`predicted_tpot_s`). Needs a calibration from `moeflow calibrate` of this "
         "moeflow version (--calibration, else the default file for --link).",
     ),
+    no_progress: bool = no_progress_option(),
     as_json: bool = json_option(),
 ) -> None:
     """Replay a routing trace through the runtime's expert cache (no weights): hit rate, collision misses, transfers
@@ -135,7 +137,7 @@ def simulate_cmd(
         max_prompts=alias(limit, max_prompts, "--limit/-n", "--max-prompts"),
         model=model,
         belady=not no_belady,
-        progress=not as_json,
+        progress=not no_progress and not as_json,
         link=link,
         layer_time_us=layer_time_us,
         calibrated_time=calibrated_time,

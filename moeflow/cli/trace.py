@@ -17,6 +17,7 @@ from .common import (
     max_new_tokens_option,
     max_prompt_tokens_option,
     model_option,
+    no_progress_option,
     print_json,
     split_option,
     threads_option,
@@ -105,7 +106,7 @@ def trace_cmd(
     threads: int | None = threads_option(),
     summary: str | None = typer.Option(None, "--summary", hidden=True, help="Old spelling of `moeflow inspect DIR`."),
     phase: str | None = typer.Option(None, "--phase", hidden=True, help="With --summary: prefill or decode."),
-    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
+    no_progress: bool = no_progress_option(),
     wait: bool = wait_option(),
     as_json: bool = json_option(),
 ) -> None:

@@ -8,7 +8,15 @@ import typer
 from rich.console import Console
 
 from .app import app
-from .common import hidden_required_alias, json_option, model_option, print_json, threads_option, wait_option
+from .common import (
+    hidden_required_alias,
+    json_option,
+    model_option,
+    no_progress_option,
+    print_json,
+    threads_option,
+    wait_option,
+)
 
 
 def _print_report(report: dict, console: Console) -> None:
@@ -107,6 +115,7 @@ def train(
     ),
     force: bool = typer.Option(False, "--force", help="Replace an existing predictor folder at --out."),
     wait: bool = wait_option(),
+    no_progress: bool = no_progress_option(),
     as_json: bool = json_option(),
 ) -> None:
     """Fit layer-ahead expert predictors on a trace, evaluate them on held-out prompts, save a predictor folder."""
@@ -128,6 +137,7 @@ def train(
         fit_workers=fit_workers,
         force=force,
         wait=wait,
+        progress=not no_progress,
         **plan_overrides(plan_opt),
     )
     console = Console(stderr=as_json)

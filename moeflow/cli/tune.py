@@ -7,7 +7,7 @@ from typing import Any
 import typer
 
 from .app import app
-from .common import device_option, force_option, json_option, limit_option, print_json
+from .common import device_option, force_option, json_option, limit_option, no_progress_option, print_json
 
 TOP = 15  # rows of the printed ranking (--json: all)
 
@@ -120,6 +120,7 @@ def tune_cmd(
     ),
     limit: int | None = limit_option("prompts of the trace (the first ones)"),
     plot: bool = typer.Option(True, "--plot/--no-plot", help="Write the plot beside --out (default on)."),
+    no_progress: bool = no_progress_option(),
     as_json: bool = json_option(),
 ) -> None:
     """Search the exact configurations the simulator replays (eviction x prefetch x step size S, fixed and adaptive,
@@ -144,7 +145,7 @@ def tune_cmd(
         exhaustive=exhaustive,
         max_prompts=limit,
         plot=plot,
-        progress=not as_json,
+        progress=not no_progress and not as_json,
     )
     res = main(cfg)
     if as_json:

@@ -48,7 +48,10 @@ class Embedder:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from sentence_transformers import SentenceTransformer
 
-        self.model = SentenceTransformer(self.path, device=device, local_files_only=True)
+        from ..models import quiet_loading
+
+        with quiet_loading():  # no "Loading weights" bar from transformers
+            self.model = SentenceTransformer(self.path, device=device, local_files_only=True)
         get_dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
         self.dim = int(get_dim() or 0)
         self.name = Path(self.path).name if Path(self.path).name != "model" else Path(self.path).parent.name

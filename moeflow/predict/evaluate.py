@@ -372,17 +372,29 @@ def tables(report: dict[str, Any]) -> list:
             )
     status = report.get("fit_status") or {}
     why = {n: st.removeprefix("degenerate: ") for n, st in status.items() if st.startswith("degenerate")}
-    caption = "a fit needs recall at 3 distinct S (--max-s 3 or more, and more MoE layers than S)"
+    few = "a fit needs recall at 3 distinct S (--max-s 3 or more, and more MoE layers than S)"
+    if not any(f is not None for f in report["fit"].values()):  # no fit to show: one line saying why, not a table
+        from rich.text import Text
+
+        by_why: dict[str, list[str]] = {}
+        for n, w in why.items():
+            by_why.setdefault(w, []).append(n)
+        said = [f"{', '.join(ns)}: {w}" for w, ns in by_why.items()]
+        if any(st.startswith("too few") for st in status.values()):
+            said.append(few)
+        return [t1, Text(f"No fit of recall against S as a·exp(-b·S) + c: {'; '.join(said) or few}."), *_decode_table(report)]
+    caption = few if any(st.startswith("too few") for st in status.values()) else ""
     if why:
         caption += (
-            "; * degenerate: the points do not determine c, so no c is given ("
+            ("; " if caption else "")
+            + "* degenerate: the points do not determine c, so no c is given ("
             + "; ".join(f"{n}: {w}" for n, w in why.items())
             + ")"
         )
     t2 = FitTable(
         f"recall@k against step S fitted as a·exp(-b·S) + c, {sample} (this model); "
         "c: the recall far ahead; vs pregate: c minus pregate's c",
-        caption=caption,
+        caption=caption or None,
     )
     for c_ in ("predictor", "a", "b", "c", "vs pregate", "fit rmse", "S values"):
         t2.add_column(c_)
@@ -404,19 +416,25 @@ def tables(report: dict[str, Any]) -> list:
             f"{f['rmse']:.4f}",
             str(f["distinct_S"]),
         )
-    out = [t1, t2]
+    return [t1, t2, *_decode_table(report)]
+
+
+def _decode_table(report: dict[str, Any]) -> list:
+    """The decode tokens' mean recall@k by S (a table), when the report has them."""
+    from ..tables import FitTable
+
     dec = report.get("decode_by_s")
-    if dec:
-        t4 = FitTable("decode tokens only: mean recall@k by step S (a batch-1 decode step's prefetch)")
-        ss = sorted({int(s) for v in dec.values() for s in v})
-        t4.add_column("predictor")
-        for s in ss:
-            t4.add_column(f"S={s}")
-        for name, v in dec.items():
-            by_step = {int(k): x for k, x in v.items()}
-            t4.add_row(name, *[f"{by_step[s]:.3f}" if s in by_step else "" for s in ss])
-        out.append(t4)
-    return out
+    if not dec:
+        return []
+    t4 = FitTable("decode tokens only: mean recall@k by step S (a batch-1 decode step's prefetch)")
+    ss = sorted({int(s) for v in dec.values() for s in v})
+    t4.add_column("predictor")
+    for s in ss:
+        t4.add_column(f"S={s}")
+    for name, v in dec.items():
+        by_step = {int(k): x for k, x in v.items()}
+        t4.add_row(name, *[f"{by_step[s]:.3f}" if s in by_step else "" for s in ss])
+    return [t4]
 
 
 def preload_plot() -> None:

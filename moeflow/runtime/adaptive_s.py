@@ -344,14 +344,17 @@ class StepSizeController:
         )
 
 
-def requested_step_size(flag: int | None, calib: dict[str, Any] | None, num_moe_layers: int, model: str) -> tuple[int, str]:
-    """(step size S, where it came from): `-S`, else the calibration's `initial_s`, else 1. S prefetches S
-    MoE layers ahead, so it can be 1..num_moe_layers - 1: a larger `-S` is refused (ConfigError), a larger
-    calibrated S (a calibration made with other settings) is clamped and the source says so."""
+def requested_step_size(
+    flag: int | None, calib: dict[str, Any] | None, num_moe_layers: int, model: str, given_by: str = "-S"
+) -> tuple[int, str]:
+    """(step size S, where it came from): `-S` (or what `given_by` names: a --config file that set it), else the
+    calibration's `initial_s`, else 1. S prefetches S MoE layers ahead, so it can be 1..num_moe_layers - 1: a
+    larger `-S` is refused (ConfigError), a larger calibrated S (a calibration made with other settings) is
+    clamped and the source says so."""
     hi = max(1, num_moe_layers - 1)
     if flag is not None:
         check_step_size(flag, num_moe_layers, model)
-        return flag, "-S"
+        return flag, given_by
     s = int((calib or {}).get("initial_s") or 0)
     if not s:
         return 1, "default"

@@ -90,18 +90,15 @@ def _backend(cfg: EPConfig) -> str:
 
 def _spec(cfg: EPConfig) -> Any:
     """The model's MoESpec from its config alone (no weights): for checks before any worker starts."""
-    from transformers import AutoConfig
-
+    from ..models import missing_model, read_config
     from ..moe.adapters import ARCHS, SUPPORTED, spec_from_config
 
     p = Path(cfg.run.model)
     if not p.is_dir():
-        from ..models import missing_model
-
         raise MoeflowError(missing_model(p))
     if not (p / "config.json").is_file():
         raise MoeflowError(f"model folder {p} has no config.json; pass --model a local Hugging Face checkpoint folder")
-    config = AutoConfig.from_pretrained(p)
+    config = read_config(p)  # transformers' reason in one line for a config.json it cannot read
     if config.model_type not in ARCHS:
         raise MoeflowError(f"model type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
     return spec_from_config(config)
@@ -379,7 +376,7 @@ def print_report(res: dict[str, Any], *, as_json: bool) -> None:
 
     from ..tables import FitTable
 
-    console = Console(stderr=as_json, width=None if (sys.stderr if as_json else sys.stdout).isatty() else 160)
+    console = Console(stderr=as_json)  # a terminal's width, else 80 or $COLUMNS (FitTables wrap to it)
     ident = res["identical_to_single_process"]
     for run in res["runs"]:
         t = FitTable(

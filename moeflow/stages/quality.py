@@ -102,8 +102,7 @@ def main(cfg: QualityConfig, console: Console | None = None) -> dict[str, Any]:
     per-token NLLs `ppl_token_nll`, left out of --json)."""
     cfg.preflight()
     if console is None:
-        stream = sys.stderr if cfg.run.json else sys.stdout
-        console = Console(stderr=cfg.run.json, width=None if stream.isatty() else 180)
+        console = Console(stderr=cfg.run.json)  # a terminal's width, else 80 or $COLUMNS (FitTables wrap to it)
     from ..models import torch_threads
 
     with torch_threads(cfg.run.threads):

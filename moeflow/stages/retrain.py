@@ -9,7 +9,7 @@ by the next write once its pid is gone) and promotion is `atomic_dir`'s one syml
 
 The config, `retrain.toml`: what `moeflow retrain` traces, trains, compares and where it records the outcome.
 
-    model = "models/olmoe"            # checkpoint folder (with its tokenizer)
+    model = "/abs/path/models/olmoe-deep"  # checkpoint folder with its tokenizer (relative: from this file's folder)
     trace = "traces/live"             # trace folder, appended to
     predictors = "predictors/live"    # predictor folder (a symlink to the promoted version)
     only = ["pregate", "forest"]      # predictors to train; the promotion score is their mean recall@k at S=1
@@ -61,7 +61,7 @@ _TOP = {"model", "trace", "predictors", "only", "holdout", "seed", "margin", "ke
 _TABLES = {"trace_options", "train_options"}
 _SOURCE = {"source", "limit", "split", "column"}
 _TRACE_FIXED = {"model", "prompts", "out", "limit", "split", "column", "data_dir", "progress", "wait"}
-_TRAIN_FIXED = {"trace", "out", "model", "only", "holdout", "seed", "force", "wait"}
+_TRAIN_FIXED = {"trace", "out", "model", "only", "holdout", "seed", "force", "wait", "progress"}
 
 
 @dataclass(frozen=True)
@@ -174,9 +174,19 @@ def load_config(path: str | Path) -> RetrainConfig:
     only = raw.get("only", ["pregate"])
     if isinstance(only, str):
         only = [only]
+    model = _path(base, raw["model"], "model")
+    if not Path(model).is_dir():  # one line naming the file's key (retrain has no --model flag)
+        from ..model_paths import shipped_models
+
+        ships = ", ".join(str(Path(m).resolve()) for m in shipped_models())
+        raise ConfigError(
+            f"retrain config {p}: model = {raw['model']!r} is {model}, not a model folder; set `model =` to a checkpoint "
+            f"folder with its tokenizer (a relative path is taken from the config's folder)"
+            + (f"; the repository ships {ships}" if ships else "")
+        )
     try:
         return RetrainConfig(
-            model=_path(base, raw["model"], "model"),
+            model=model,
             trace=_path(base, raw["trace"], "trace"),
             predictors=_path(base, raw["predictors"], "predictors"),
             prompts=tuple(sources),
@@ -350,13 +360,19 @@ def _run(cfg: RetrainConfig, rec: dict[str, Any], console: Any) -> None:
         with contextlib.suppress(ArtifactError):
             cur_meta = read_predictor_meta(final)
     last = _last_status(cfg)
-    if (cur_meta.get("retrain") or {}).get("fingerprint") == fp or (
+    promoted_these = (cur_meta.get("retrain") or {}).get("fingerprint") == fp
+    if promoted_these or (
         last.get("outcome") == "rejected"
         and last.get("fingerprint") == fp
         and last.get("figures", {}).get("margin") == cfg.margin
     ):
         rec["outcome"] = "unchanged"
         rec["figures"] = (cur_meta.get("retrain") or {}).get("figures") or last.get("figures")
+        rec["message"] = (
+            "the current version was trained on these inputs (its figures: when it was promoted)"
+            if promoted_these
+            else "the last run rejected a candidate of these same inputs (its figures)"
+        )
         return
 
     # train a candidate inside the versions folder, as a writer's tmp-<ns>-<pid> (cleaned up once we are gone)

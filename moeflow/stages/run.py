@@ -103,13 +103,28 @@ def main(cfg: RunConfig, console: Console | None = None) -> list[dict[str, Any]]
     """Run `cfg`; return one dict per run (its metrics and `outputs`: each prompt's generated text)."""
     cfg.preflight()
     if console is None:
-        stream = sys.stderr if cfg.json else sys.stdout
-        console = Console(stderr=cfg.json, width=None if stream.isatty() else 160)
+        console = Console(stderr=cfg.json)  # a terminal's width, else 80 or $COLUMNS (FitTables wrap to it)
     from ..locks import out_lock
     from ..models import torch_threads
 
     with out_lock(cfg.out, wait=cfg.wait, command="moeflow run", check=cfg.preflight), torch_threads(cfg.threads):
         return _main(cfg, console)
+
+
+def calibrate_command(cfg: RunConfig, link_spec: str) -> str:
+    """The `moeflow calibrate` command that writes the calibration `cfg` looks for (its model, device and link)."""
+    from ..model_paths import default_model_path
+    from ..runtime.link import parse_link
+
+    kind, gbps, lat = parse_link(link_spec)
+    cmd = "moeflow calibrate"
+    if cfg.model != default_model_path():
+        cmd += f" --model {cfg.model}"
+    if cfg.device != "cpu":
+        cmd += f" --device {cfg.device}"
+    if kind == "emulated":
+        cmd += f" --link-gbps {gbps:g}" + (f" --link-latency-us {lat * 1e6:g}" if lat else "")
+    return cmd
 
 
 def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
@@ -126,11 +141,13 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
     runs = plan_runs(cfg)
     caps = check_runs(cfg, model, runs)
     encoded = encode_prompts(cfg, model, tok, prompts)
-    if cal is None and not console.quiet:  # once the inputs passed their checks (an error stays one line)
+    uses_s = any(r["mode"] == "offload" and r["prefetch"] != "none" for r in runs)  # S matters (adaptive: its start)
+    if cal is None and cfg.lookahead is None and uses_s and not console.quiet:  # once the inputs passed their checks
         warn = Console(stderr=True) if console.file is sys.stdout else console  # beside the table: on stderr
         warn.print(
-            f"[bold yellow]WARNING: no calibration at {cal_path}: step size S defaults to 1 "
-            f"(run `moeflow calibrate` for this device and link).[/]"
+            f"[bold yellow]WARNING: no calibration at {cal_path}: step size S defaults to 1; run "
+            f"`{calibrate_command(cfg, link_spec)}` (or pass -S).[/]",
+            soft_wrap=True,
         )
     planner, plans = None, {}
     if cfg.plan is not None:  # CasMoE: one plan per prompt, made before any run decodes it
@@ -209,7 +226,7 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                             console.print(f"[yellow]{label}: {s_used['lookahead_note']}[/]")
                         from ..progress import progress
 
-                        with progress("run", console=console) as prog:
+                        with progress("run", enabled=cfg.progress, console=console) as prog:
                             task = prog.add_task(label, total=len(encoded), unit="prompts")
                             for bi, batch in enumerate(batches):
                                 s_rec = _SRecorder(engine)
@@ -285,6 +302,7 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                         "warmup": cfg.warmup,
                         "metrics": total.to_dict(),
                         "ttft_bound_ratio": total.ttft_bound_ratio,
+                        "lossy": lossy_run.lossy,  # as `moeflow quality --json`'s runs (also in `metrics`)
                         "lossy_reasons": list(lossy_run.reasons),
                         "outputs": outputs,
                     }

@@ -58,6 +58,7 @@ class RunConfig:
     threads: int | None = None  # torch intra-op threads (None: the rule of moeflow.threads)
     out: str | None = None  # JSONL: one line per prompt and run
     json: bool = False
+    progress: bool = True  # the progress display (moeflow.progress); --no-progress: False
     sweep: bool = False
     adaptive_s: bool = False  # ExpertFlow's adaptive step size (stall / overfetch counters)
     speculative: bool = False  # LOSSY: run the predicted experts instead of the router's
@@ -72,6 +73,7 @@ class RunConfig:
     plan_opts: tuple[tuple[str, str], ...] = ()  # --plan-opt key=value (predictors, mode, eps, k, mass, renorm, update, buffer)
     config: str | None = None  # --config: the run configuration file (`moeflow tune --out`) applied to these fields
     config_fingerprint: str | None = None  # the model that file was tuned for (checked once the model loads)
+    config_keys: tuple[str, ...] = ()  # the options that file set (`applied_keys`): e.g. S said to come from it
 
     def __post_init__(self) -> None:
         for m in self.modes:
@@ -265,6 +267,7 @@ def apply_config_file(path: str, kw: dict[str, Any], given: set[str]) -> dict[st
         out["model"] = str(rec["model"])
     out["config"] = str(path)
     out["config_fingerprint"] = str(rec["model_fingerprint"])
+    out["config_keys"] = applied_keys(path, given)
     return out
 
 

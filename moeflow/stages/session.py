@@ -62,7 +62,8 @@ def open_session(cfg: RunConfig, command: str) -> Session:
     link_spec = resolve_link(cfg, device)
     cal, cal_path = read_calibration(cfg, model, link_spec)
     threads = apply_threads(cfg.threads, model, cfg.device, calibration=cal)
-    lookahead, s_source = requested_step_size(cfg.lookahead, cal, spec.num_moe_layers, Path(cfg.model).name)
+    flag = f"--config {cfg.config}" if "lookahead" in cfg.config_keys else "-S"
+    lookahead, s_source = requested_step_size(cfg.lookahead, cal, spec.num_moe_layers, Path(cfg.model).name, flag)
     settle_heap()  # no full collection over the loaded model's objects in the middle of a timed decode step
     return Session(model, tok, spec, device, link_spec, cal, cal_path, threads, lookahead, s_source, prompts)
 

@@ -117,8 +117,10 @@ def main(cfg: SimulateConfig) -> dict[str, Any]:
     """Replay the trace (every pass, prompts in order, as `moeflow run` runs them) for every capacity x
     eviction x prefetch, plus Belady per capacity. Each row: the headline metrics over `--phase` passes,
     `decode_counters` (CacheCounters of decode passes, the key and field names of `moeflow run --json`),
-    `counters` (all passes), `accesses_per_s` (replayed accesses / replay seconds), `time_s` and
-    `predicted_tpot_s` (the link's clock per decode pass: `moeflow.sim.timemodel.TimeModel`, from
+    `counters` (all passes), `accesses_per_s` (replayed accesses / the replay's wall seconds `seconds`), `cpu_s`
+    (its CPU seconds, this process), `prepare_s` (the compiled replay's one-time preparation, not in `seconds`;
+    0 for a replay call by call; Belady's rows count it and the next-use precomputation in `seconds` and `cpu_s`),
+    `time_s` and `predicted_tpot_s` (the link's clock per decode pass: `moeflow.sim.timemodel.TimeModel`, from
     `--calibrated-time` or `--layer-time-us`)."""
     import time
 
@@ -170,9 +172,9 @@ def main(cfg: SimulateConfig) -> dict[str, Any]:
             prog.advance(task)
         if cfg.belady:
             for c in caps:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 st = belady(acc, c, **kw, **({} if timing is None else {"timing": timing["none"]}))
-                st.seconds = time.perf_counter() - t0  # next-use precomputation included
+                st.seconds, st.cpu_s = time.perf_counter() - t0, time.process_time() - c0  # next-use precomputation included
                 rows.append({"capacity": c, "eviction": "belady", "prefetch": "none", "lossy": False, **_summary(st, count)})
                 replayed, seconds = replayed + st.replayed_accesses, seconds + st.seconds
                 prog.advance(task)
@@ -313,6 +315,8 @@ def _summary(st, count_phase: int | None = 1) -> dict[str, Any]:
         "counters",
         "replayed_accesses",
         "seconds",
+        "cpu_s",
+        "prepare_s",
         "accesses_per_s",
         "link",
         "time_s",

@@ -151,6 +151,38 @@ def sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+@contextlib.contextmanager
+def _say_what_was_kept(writer: TraceWriter, prompts: Sequence[Prompt], console: Any) -> Iterator[None]:
+    """On Ctrl-C / SIGTERM, once `writer` has kept every whole window of prompts finished before it: a line on
+    `console` saying how many prompts the trace holds now and that the same command resumes."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        note = stopped_note(writer, prompts)
+        if console is not None and note:
+            console.print(note, soft_wrap=True, highlight=False)
+        raise
+
+
+def stopped_note(writer: TraceWriter, prompts: Sequence[Prompt]) -> str | None:
+    """What an interrupted trace kept (`writer` after its exit) and how to go on, as one line; None when the
+    writer never opened the trace (stopped before: nothing changed)."""
+    from rich.markup import escape
+
+    if not writer.meta:
+        return None
+    out = escape(str(writer.out))
+    kept = set(writer.meta.get("prompt_ids") or ())
+    if not kept:
+        return f"[yellow]stopped[/] before a whole window of prompts was traced; {out} holds none: run the same command again"
+    left = sum(p.id not in kept for p in prompts)
+    return (
+        f"[yellow]stopped:[/] {out} kept the {writer.added_prompts} prompts this run finished (whole windows) and holds "
+        f"{len(kept)} in all; {left} of this command's {len(prompts)} prompts are left: run the same command again to "
+        "resume (prompts already in the trace are skipped)"
+    )
+
+
 def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt], cfg: TraceConfig, model: Any) -> list[torch.Tensor]:
     """Token ids [1,S] of each prompt (at most --max-prompt-tokens, the beginning kept); refuses, before any
     work, a --max-prompt-tokens or a prompt + --max-new-tokens beyond the model's maximum position."""
@@ -205,7 +237,12 @@ def run_trace(
         batch_size=cfg.batch_size,
     )
     tokens, gen_tokens, t0 = 0, 0, time.perf_counter()
-    with sigterm_interrupts(), writer, _progress(console, cfg.progress and console is not None) as bar:
+    with (
+        sigterm_interrupts(),
+        _say_what_was_kept(writer, prompts, console),
+        writer,
+        _progress(console, cfg.progress and console is not None) as bar,
+    ):
         if writer.meta["shards"] and writer.meta.get("generation") != gen and console is not None:
             console.print(
                 f"[yellow]note:[/] {cfg.out} was traced with other generation settings "

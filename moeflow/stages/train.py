@@ -96,6 +96,7 @@ class TrainConfig:
     embedder: str = ""  # sentence-transformers model folder for the EAM ("": all-MiniLM-L6-v2)
     force: bool = False  # replace an existing predictor folder at `out`
     wait: bool = False  # wait for another writer of `out` instead of refusing (moeflow.locks.out_lock)
+    progress: bool = True  # the progress display (moeflow.progress) where a console is given; --no-progress: False
 
     def __post_init__(self) -> None:
         for flag, v in (
@@ -253,7 +254,9 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
     columns = (TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn())
     if console is not None and workers > 1:
         console.print("[dim]fits: the forest in a process of its own beside the others (2 at once)[/]")
-    with progress("train", enabled=console is not None, console=console, columns=columns, transient=False) as prog:
+    with progress(
+        "train", enabled=console is not None and cfg.progress, console=console, columns=columns, transient=False
+    ) as prog:
         with _threads_beside_forest(n, workers):
             preds, report, steps["evaluate"] = _fit_and_evaluate(train, held, model, cfg, prog, steps, workers)
     report["fit_seconds"] = {n: round(float(getattr(p, "fit_seconds", 0.0)), 3) for n, p in preds.items()}
@@ -384,6 +387,11 @@ def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         names = [n for n in names if n not in skipped]
     _, preds = load_predictors(cfg.predictors, model, names)
     report = evaluate(preds, data, max_s=cfg.max_s, window=cfg.window, mass=cfg.mass)
+    scored = max((m["S"] for r in report["results"].values() for m in r.values()), default=cfg.max_s)
+    if scored < cfg.max_s:  # each predictor is scored up to the S it was trained for (`max_lookahead`)
+        if console is not None:
+            console.print(f"[dim]--max-s {cfg.max_s}: the predictors were trained for S <= {scored} (train --max-s)[/]")
+        report["max_s"] = scored
     report["skipped_no_hidden"] = skipped
     wanted = set(cfg.only)  # empty: everything the folder holds
     if {"eam", "eap"} & set(meta.get("extra") or []) and (not wanted or wanted & set(PLANNERS)):

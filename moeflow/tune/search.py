@@ -138,6 +138,16 @@ def space(
     return out
 
 
+def sig3(x: float) -> str:
+    """`x` to 3 significant figures, without an exponent or trailing zeros: 0.0599731 -> 0.06, 124.528 -> 125,
+    12345 -> 12300."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    r = float(f"{x:.3g}")
+    text = f"{r:.{max(0, 2 - math.floor(math.log10(abs(r))))}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Time and link of the predicted TPOT (from a calibration, the link possibly from `--link`)."""
@@ -175,7 +185,7 @@ class CostModel:
         )
 
     def describe(self) -> str:
-        link = f"modelled {self.gbps:g} GB/s, {self.latency_s * 1e6:g} us"
+        link = f"modelled {sig3(self.gbps)} GB/s, {sig3(self.latency_s * 1e6)} us"
         if self.engine_time:
             return f"{link}; time model: calibration engine_time"
         return f"{link}; compute {float(self.calibration['compute_per_token_s']) * 1e3:.2f} ms/token (no engine_time)"
