@@ -119,9 +119,9 @@ def load_model(
     if not (p / "config.json").is_file():
         raise ArtifactError(f"{p / 'config.json'} is missing; pass --model a folder written by save_pretrained")
     config = read_config(p)
-    from .moe.adapters import ARCHS, SUPPORTED
+    from .moe.adapters import ARCHS, SUPPORTED, moe_model_type
 
-    if config.model_type not in ARCHS:
+    if moe_model_type(config) not in ARCHS:
         raise UnsupportedModelError(
             f"model type {config.model_type!r} is not supported; supported architectures: {', '.join(SUPPORTED)}"
         )
@@ -362,11 +362,13 @@ def tiny_config(arch: str, *, num_experts: int = 8, top_k: int = 2, **over: Any)
     elif arch == "deepseek_v2":  # softmax scores, group-limited greedy top-k
         c.update(_moe(top_k, n_routed_experts=num_experts, n_shared_experts=1, first_k_dense_replace=1))
         c.update(_MLA, n_group=2, topk_group=1, topk_method="group_limited_greedy", routed_scaling_factor=2.5, head_dim=8)
-    elif arch == "qwen3_next":  # gated delta-net (linear attention) and full attention layers, gated shared expert
-        c.update(_moe(top_k, num_experts=num_experts, shared_expert_intermediate_size=32, norm_topk_prob=True))
-        c.update(decoder_sparse_step=1, mlp_only_layers=[], head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16)
+    elif arch in ("qwen3_next", "qwen3_5_moe_text"):  # gated delta-net and full attention layers, gated shared expert
+        c.update(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=32)
+        c.update(shared_expert_intermediate_size=32, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16)
         c.update(linear_num_key_heads=2, linear_num_value_heads=4)
         c.update(layer_types=["linear_attention", "full_attention", "linear_attention"])
+        if arch == "qwen3_next":
+            c.update(intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     else:
         raise UnsupportedModelError(f"no tiny config for {arch!r}")
     c.update(over)

@@ -107,7 +107,7 @@ def test_scoring_rule_matches_hand_computation(arch, tiny_models):
             want = _softmax_then_top2(row, norm=True)
         elif arch in ("gpt_oss", "granitemoe"):
             want = _top2_then_softmax(row)
-        elif arch == "qwen3_next":  # norm_topk_prob=True
+        elif arch in ("qwen3_next", "qwen3_5_moe_text"):  # norm_topk_prob=True; Qwen3.5 always renormalises
             want = _softmax_then_top2(row, norm=True)
         elif arch in DEEPSEEK_V3_RULE:
             want = _deepseek_v3(row, ad.router(l).e_score_correction_bias.tolist())
@@ -195,3 +195,33 @@ def test_deepseek_v2_greedy_top_k_is_bit_identical_too():
         w, i = ad.select(layer, ev.logits)
         assert torch.equal(i, ev.indices) and torch.equal(w, ev.weights)
     assert _as_dict(*ad.select(ad.moe_layers[0], torch.tensor([ROW2])))[4] > 0  # greedy: not limited to a group
+
+
+def test_a_qwen3_5_moe_checkpoint_loads_as_its_text_model_and_offloads_exactly(tmp_path):
+    """A Qwen3.5-MoE checkpoint is multimodal (`qwen3_5_moe`, a text and a vision config): `--model` loads its text
+    model (`qwen3_5_moe_text`, what `AutoModelForCausalLM` builds from it, with the checkpoint's weights), which
+    moeflow adapts; its spec reads from the config alone too (`moeflow ep`)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from moeflow.models import load_model
+    from moeflow.runtime.generate import build_engine, generate_one
+    from moeflow.runtime.link import DirectLink
+
+    text = tiny_config("qwen3_5_moe_text", num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    text = {k: v for k, v in text.to_dict().items() if k not in ("model_type", "transformers_version")}
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64)
+    cfg = AutoConfig.for_model("qwen3_5_moe", text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    full = AutoModelForImageTextToText.from_config(cfg).eval()
+    full.save_pretrained(tmp_path / "q")
+    model, _ = load_model(tmp_path / "q", dtype="float32", tokenizer=False)
+    ad = get_adapter(model)
+    assert ad.spec.arch == "qwen3_5_moe_text" and ad.spec.num_experts == 8 and ad.spec.num_shared_experts == 1
+    assert spec_from_config(AutoConfig.from_pretrained(tmp_path / "q")) == ad.spec
+    ids = torch.tensor([[5, 77, 120, 33, 201, 9]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, full(input_ids=ids).logits)  # the checkpoint's weights, text only
+    ref, _ = generate_one(model, ids, None, max_new_tokens=6, min_new_tokens=6)
+    with build_engine(model, mode="offload", link=DirectLink(), capacity=2, eviction="lru", prefetch="pregate") as eng:
+        out, _ = generate_one(model, ids, eng, max_new_tokens=6, min_new_tokens=6)
+    assert torch.equal(out, ref)

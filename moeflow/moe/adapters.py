@@ -86,6 +86,11 @@ def select_deepseek_v3(router, logits, bias=None):
     return w * router.routed_scaling_factor, idx
 
 
+def select_qwen3_5(router, logits, bias=None):
+    """Qwen3.5-MoE: the OLMoE rule with the top-k weights always renormalised (cast to the logits' dtype)."""
+    return _softmax_topk(router, logits, bias, always_norm=True, cast=True)
+
+
 def select_deepseek_v2(router, logits, bias=None):
     """DeepSeek-V2: fp32 softmax scores, top-k over all experts (`greedy`) or over the `topk_group` groups of best
     single score (`group_limited_greedy`, the other groups' scores zeroed), no norm, routed scaling."""
@@ -152,10 +157,24 @@ ARCHS: dict[str, ArchInfo] = {
         ArchInfo("exaone_moe", "mlp", "gate", select_deepseek_v3, "shared_experts"),
         ArchInfo("solar_open", "mlp", "gate", select_deepseek_v3, "shared_experts"),
         ArchInfo("qwen3_next", "mlp", "gate", select_olmoe, "shared_expert", linear_logits=True),
+        # Qwen3.5-MoE's text model (a `qwen3_5_moe` checkpoint loads as it: `moe_model_type`)
+        ArchInfo("qwen3_5_moe_text", "mlp", "gate", select_qwen3_5, "shared_expert", linear_logits=True),
     ]
 }
 
 SUPPORTED = tuple(sorted(ARCHS))
+
+
+def moe_model_type(config: Any) -> str:
+    """The `model_type` moeflow adapts for a checkpoint's config: its own, or, for a multimodal checkpoint whose
+    text model is a supported family (Qwen3.5-MoE: `qwen3_5_moe` holds a `qwen3_5_moe_text`), the text model's,
+    which is what `AutoModelForCausalLM` loads from it."""
+    mt = getattr(config, "model_type", None)
+    if mt in ARCHS:
+        return str(mt)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    tmt = getattr(text, "model_type", None)
+    return str(tmt) if tmt in ARCHS else str(mt)
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -91,7 +91,7 @@ def _backend(cfg: EPConfig) -> str:
 def _spec(cfg: EPConfig) -> Any:
     """The model's MoESpec from its config alone (no weights): for checks before any worker starts."""
     from ..models import missing_model, read_config
-    from ..moe.adapters import ARCHS, SUPPORTED, spec_from_config
+    from ..moe.adapters import ARCHS, SUPPORTED, moe_model_type, spec_from_config
 
     p = Path(cfg.run.model)
     if not p.is_dir():
@@ -99,7 +99,7 @@ def _spec(cfg: EPConfig) -> Any:
     if not (p / "config.json").is_file():
         raise MoeflowError(f"model folder {p} has no config.json; pass --model a local Hugging Face checkpoint folder")
     config = read_config(p)  # transformers' reason in one line for a config.json it cannot read
-    if config.model_type not in ARCHS:
+    if moe_model_type(config) not in ARCHS:
         raise MoeflowError(f"model type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
     return spec_from_config(config)
 
