@@ -344,7 +344,8 @@ def tiny_config(arch: str, *, num_experts: int = 8, top_k: int = 2, **over: Any)
         c.update(num_local_experts=num_experts, num_experts_per_tok=top_k, intermediate_size=32)
     elif arch == "phimoe":
         c.update(num_local_experts=num_experts, num_experts_per_tok=2, intermediate_size=32)
-    elif arch in _DEEPSEEK_V3_LIKE:  # DeepSeek-V3's router and a shared expert; the first layer dense
+    elif arch in _DEEPSEEK_V3_LIKE:  # DeepSeek-V3's router and a shared expert; the first layer dense where the family
+        # has one (first_k_dense_replace: glm4_moe, dots1; mlp_layer_types: exaone_moe, glm4_moe_lite); solar_open: all MoE
         c.update(n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1)
         if arch == "exaone_moe":
             c.update(_moe(top_k, num_experts=num_experts, num_shared_experts=1), head_dim=16, sliding_window=32)

@@ -144,6 +144,35 @@ def test_dense_first_layers_and_shared_experts():
     assert spec_from_config(tiny_config("deepseek_v3")).num_shared_experts == 1
     assert spec_from_config(tiny_config("qwen2_moe")).moe_layers == (1, 2)
     assert spec_from_config(tiny_config("qwen3_moe")).num_shared_experts == 0
+    for arch in ("glm4_moe", "glm4_moe_lite", "dots1", "exaone_moe", "deepseek_v2"):  # the first layer dense
+        assert spec_from_config(tiny_config(arch)).moe_layers == (1, 2), arch
+    assert spec_from_config(tiny_config("solar_open")).moe_layers == (0, 1, 2)  # no dense layer in this family
+    # EXAONE-MoE names its shared experts num_shared_experts (DeepSeek's n_shared_experts elsewhere)
+    assert spec_from_config(tiny_config("exaone_moe", num_shared_experts=2)).num_shared_experts == 2
+    assert spec_from_config(tiny_config("glm4_moe", n_shared_experts=2)).num_shared_experts == 2
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "phimoe"])  # phimoe's sparsemixer takes no bias
+def test_a_selection_bias_chooses_its_expert_and_a_zero_bias_changes_nothing(arch, tiny_models):
+    """Cache-aware routing adds a bias to the selection scores: +100 on expert 3 puts it in every row's choice
+    (a group-limited rule keeps its group), and a zero bias gives exactly the unbiased result."""
+    ad = get_adapter(tiny_models(arch))
+    l = ad.moe_layers[0]
+    logits = torch.randn(6, 8, generator=torch.Generator().manual_seed(3))
+    w0, i0 = ad.select(l, logits)
+    wz, iz = ad.select(l, logits, torch.zeros(8))
+    assert torch.equal(i0.sort(-1).values, iz.sort(-1).values) and torch.allclose(w0.sum(-1), wz.sum(-1))
+    bias = torch.zeros(8)
+    bias[3] = 100.0
+    w, i = ad.select(l, logits, bias)
+    assert (i == 3).any(dim=-1).all() and torch.isfinite(w).all() and (w > 0).all()
+
+
+def test_an_unknown_deepseek_v2_topk_method_is_refused_when_the_model_loads():
+    from moeflow.models import tiny_model
+
+    with pytest.raises(UnsupportedModelError, match="topk_method 'noaux_tc' is not supported"):
+        get_adapter(tiny_model("deepseek_v2", topk_method="noaux_tc"))
 
 
 def test_bias_steers_selection(tiny_models):

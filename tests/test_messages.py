@@ -427,11 +427,13 @@ def test_cache_flags_for_runs_without_a_cache_are_refused(ckpt, capsys):
     """`--mode resident -c 25%` ran the stock model and ignored the capacity; a cache or policy flag typed for
     modes that keep no cache is one line. With offload among the modes, or left at its default, it is not."""
     p = ckpt.parent / "p.txt"
-    one_line_error(["run", "-m", ckpt, "-p", p, "--mode", "resident", "-c", "25%"], capsys, "--capacity sets the cache")
+    one_line_error(["run", "-m", ckpt, "-p", p, "--mode", "resident", "-c", "25%"], capsys, "--capacity applies to --mode")
+    one_line_error(["run", "-m", ckpt, "-p", p, "--mode", "on-demand", "--miss", "drop"], capsys, "--miss applies to")
+    one_line_error(["run", "-m", ckpt, "-p", p, "--mode", "ofload", "-c", "25%"], capsys, "--mode 'ofload' unknown")
     one_line_error(
         ["run", "-m", ckpt, "-p", p, "--mode", "resident,on-demand", "--sweep", "-e", "lru", "--adaptive-s"],
         capsys,
-        "--adaptive-s, --eviction set the cache",
+        "--adaptive-s, --eviction apply to --mode offload only",
         "drop them",
     )
     code, _, err = cli(["run", "-m", ckpt, "-p", p, "--mode", "resident", "--max-new-tokens", "1", "--json"], capsys)
@@ -441,7 +443,7 @@ def test_cache_flags_for_runs_without_a_cache_are_refused(ckpt, capsys):
         capsys,
     )
     assert code == 0, err
-    one_line_error(["quality", "-m", ckpt, "--prompt", "hi", "--mode", "on-demand", "-c", "4"], capsys, "--capacity sets")
+    one_line_error(["quality", "-m", ckpt, "--prompt", "hi", "--mode", "on-demand", "-c", "4"], capsys, "--capacity applies")
 
 
 def test_no_calibration_warning_only_where_s_is_used_and_with_the_command(ckpt, tmp_path, monkeypatch, capsys):

@@ -729,8 +729,11 @@ def test_max_s_above_the_models_layers_is_lowered_to_what_it_has(tiny_setup, tmp
     console = Console(file=buf, width=200)
     assert within_model(TrainConfig(trace="t", out="o", model="m"), 4, console).max_s == 3
     assert within_model(EvalConfig(predictors="p", trace="t", model="m", max_s=2), 4, console).max_s == 2
+    assert within_model(EvalConfig(predictors="p", trace="t", model="m", max_s=5), 3, console).max_s == 2
+    assert within_model(TrainConfig(trace="t", out="o", model="m", max_s=4), 4, console).max_s == 3  # typed: said
     assert within_model(EvalConfig(predictors="p", trace="t", model="m", max_s=5), 1, console).max_s == 1
-    assert buf.getvalue().count("--max-s") == 1  # the 5 only: the default 4 and a 2 that fits say nothing
+    said = buf.getvalue()
+    assert said.count("--max-s") == 2 and "--max-s 4:" in said  # the typed 5 and 4; not the default, the 2, 1 layer
 
 
 def test_eval_above_the_trained_s_says_so_and_reports_the_s_it_scored(default_train, tiny_setup):  # noqa: F811
@@ -748,3 +751,5 @@ def test_eval_above_the_trained_s_says_so_and_reports_the_s_it_scored(default_tr
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     assert rep["max_s"] == 2 and "--max-s 3: the predictors were trained for S <= 2" in r.output
+    r = CliRunner().invoke(app, [*args, "--only", "forest", "--threads", "1", "--json"])  # --max-s not typed: no line
+    assert r.exit_code == 0 and json.loads(r.stdout.strip().splitlines()[-1])["max_s"] == 2 and "--max-s" not in r.output

@@ -225,9 +225,9 @@ def run(
     given = given_flags(ctx)
     check_offload_flags(kw["modes"], given)
     if config:
-        from ..stages.run_config import applied_keys, apply_config_file
+        from ..stages.run_config import apply_config_file
 
         kw = apply_config_file(config, kw, given)
-        keys = applied_keys(config, given)
+        keys = kw["config_keys"]
     with naming_config_file(config, keys):  # a refused value the file set says it came from the file
         main(RunConfig(**kw))

@@ -89,8 +89,12 @@ def train(
     model: str = model_option(),
     holdout: float = typer.Option(0.2, "--holdout", help="Fraction of the trace's prompts held out for evaluation."),
     seed: int = typer.Option(0, "--seed", help="Seed of the split, the random token embedding and the fits."),
-    max_s: int = typer.Option(
-        4, "--max-s", help="Largest step S (MoE layers ahead) to fit and evaluate; at most the model's MoE layers - 1."
+    max_s: int | None = typer.Option(
+        None,
+        "--max-s",
+        help="Largest step S (MoE layers ahead) to fit and evaluate: at most the model's MoE layers - 1. "
+        "Default 4, or the model's MoE layers - 1 where fewer.",
+        show_default=False,
     ),
     forest_trees: int = typer.Option(24, "--forest-trees", help="Random-forest trees."),
     forest_samples: int = typer.Option(
@@ -163,8 +167,12 @@ def eval_(
     trace: Path = typer.Option(..., "--trace", "-t", help="Held-out trace folder (prompts not used for training)."),
     only: list[str] | None = typer.Option(None, "--only", help="Predictor(s) to evaluate (default: all in the folder)."),
     model: str = model_option(),
-    max_s: int = typer.Option(
-        4, "--max-s", help="Largest step S (MoE layers ahead) to evaluate; at most the model's MoE layers - 1."
+    max_s: int | None = typer.Option(
+        None,
+        "--max-s",
+        help="Largest step S (MoE layers ahead) to evaluate: at most the model's MoE layers - 1 and the S the "
+        "predictors were trained for. Default 4, or fewer where the model or the predictors have fewer.",
+        show_default=False,
     ),
     mass: float = typer.Option(0.8, "--mass", help="Cumulative score mass of the prefetch set for precision."),
     speculative: bool = typer.Option(

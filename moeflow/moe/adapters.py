@@ -198,6 +198,9 @@ class Adapter:
         self.moe_layers = tuple(i for i, layer in enumerate(self.layers) if self._is_moe(layer))
         if not self.moe_layers:
             raise UnsupportedModelError(f"{mt} model has no MoE layers (num_experts=0?)")
+        method = getattr(self.router(self.moe_layers[0]), "topk_method", None)
+        if self.info.select is select_deepseek_v2 and method not in ("greedy", "group_limited_greedy"):
+            raise UnsupportedModelError(f"DeepSeek-V2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
         self.spec = self._read_spec()
 
     def _is_moe(self, layer: nn.Module) -> bool:
@@ -257,7 +260,7 @@ class Adapter:
         block = self.moe_block(first)
         shared = 0
         if self.info.shared_attr and getattr(block, self.info.shared_attr, None) is not None:
-            shared = int(getattr(cfg, "n_shared_experts", None) or 1)
+            shared = int(getattr(cfg, "n_shared_experts", None) or getattr(cfg, "num_shared_experts", None) or 1)
         return MoESpec(
             arch=self.info.model_type,
             num_layers=len(self.layers),

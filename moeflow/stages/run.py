@@ -113,15 +113,17 @@ def main(cfg: RunConfig, console: Console | None = None) -> list[dict[str, Any]]
 
 def calibrate_command(cfg: RunConfig, link_spec: str) -> str:
     """The `moeflow calibrate` command that writes the calibration `cfg` looks for (its model, device and link)."""
+    import shlex
+
     from ..model_paths import default_model_path
     from ..runtime.link import parse_link
 
     kind, gbps, lat = parse_link(link_spec)
     cmd = "moeflow calibrate"
     if cfg.model != default_model_path():
-        cmd += f" --model {cfg.model}"
+        cmd += f" --model {shlex.quote(cfg.model)}"
     if cfg.device != "cpu":
-        cmd += f" --device {cfg.device}"
+        cmd += f" --device {shlex.quote(cfg.device)}"
     if kind == "emulated":
         cmd += f" --link-gbps {gbps:g}" + (f" --link-latency-us {lat * 1e6:g}" if lat else "")
     return cmd

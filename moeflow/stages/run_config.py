@@ -227,20 +227,26 @@ OFFLOAD_FLAGS = {  # `moeflow run`'s parameters that only an offload run reads (
     "prefetch_opt": "--prefetch-opt",
     "lookahead": "--lookahead",
     "adaptive_s": "--adaptive-s",
+    "miss": "--miss",  # on-demand fetches every miss, resident has none
+    "miss_opt": "--miss-opt",
+    "routing": "--routing",  # both route as the model does
+    "routing_opt": "--routing-opt",
+    "prefill": "--prefill",
 }
 
 
 def check_offload_flags(modes: tuple[str, ...], given: set[str]) -> None:
     """A cache or policy flag typed on the command line (`given`: parameter names) for runs that have no cache
-    (--mode resident / on-demand only) is one line, not silently ignored."""
-    if "offload" in modes:
+    (--mode resident / on-demand only) is one line, not silently ignored. An unknown mode is left to
+    `RunConfig`'s own line."""
+    if "offload" in modes or not set(modes) <= set(MODES):
         return
     flags = sorted({OFFLOAD_FLAGS[p] for p in given if p in OFFLOAD_FLAGS})
     if flags:
         one = len(flags) == 1
         raise ConfigError(
-            f"{', '.join(flags)} set{'s' if one else ''} the cache of --mode offload only, and --mode {','.join(modes)} "
-            f"has no cache; drop {'it' if one else 'them'}, or add offload to --mode (with --sweep)"
+            f"{', '.join(flags)} appl{'ies' if one else 'y'} to --mode offload only, and --mode {','.join(modes)} "
+            f"runs none; drop {'it' if one else 'them'}, or add offload to --mode (with --sweep)"
         )
 
 

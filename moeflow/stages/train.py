@@ -52,7 +52,7 @@ class TrainConfig:
     only: tuple[str, ...] = LEARNED  # learned predictors to fit (pregate and baselines always come along)
     holdout: float = 0.2  # fraction of prompts held out for evaluation
     seed: int = 0
-    max_s: int = DEFAULT_MAX_S  # largest step S fitted and evaluated (`within_model` lowers it to L-1)
+    max_s: int | None = None  # largest step S fitted and evaluated (None: DEFAULT_MAX_S; `within_model` resolves)
     mass: float = 0.8  # cumulative score mass of the evaluated prefetch set
     threads: int | None = None  # torch threads and forest jobs (None: moeflow.threads' rule)
     fit_workers: int | None = None  # fits at once, 1 or 2 (None: the idle-CPU rule, `predict.train.fit_workers`)
@@ -100,7 +100,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for flag, v in (
-            ("--max-s", self.max_s),
+            ("--max-s", 1 if self.max_s is None else self.max_s),
             ("--threads", 1 if self.threads is None else self.threads),
             ("--forest-trees", self.forest_trees),
             ("--forest-samples", self.forest_max_samples),
@@ -126,7 +126,7 @@ class EvalConfig:
     trace: str
     model: str
     only: tuple[str, ...] = ()
-    max_s: int = DEFAULT_MAX_S  # lowered to L-1 by `within_model`
+    max_s: int | None = None  # None: DEFAULT_MAX_S; `within_model` resolves it against the model
     mass: float = 0.8
     window: int = 4
     plan_eps: float = 0.3  # CasMoE cascade gate threshold
@@ -138,7 +138,11 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1 (got {self.threads})")
-        for flag, v in (("--max-s", self.max_s), ("--spec-sequences", self.spec_sequences), ("window", self.window)):
+        for flag, v in (
+            ("--max-s", 1 if self.max_s is None else self.max_s),
+            ("--spec-sequences", self.spec_sequences),
+            ("window", self.window),
+        ):
             if v < 1:
                 raise ConfigError(f"{flag} must be >= 1 (got {v})")
         if not 0.0 < self.mass <= 1.0:
@@ -199,14 +203,23 @@ def _check_inputs(trace: str, model: str) -> int:
     return Trace(trace).spec.num_moe_layers
 
 
+def resolved(cfg: Any) -> int:
+    """`cfg.max_s` once `within_model` has resolved it (an int)."""
+    if cfg.max_s is None:
+        raise RuntimeError("max_s is resolved by within_model before the fits")  # a caller skipped the checks
+    return int(cfg.max_s)
+
+
 def within_model(cfg: Any, layers: int, console: Any = None) -> Any:
-    """`cfg` (a `TrainConfig` or `EvalConfig`) with `max_s` at most `layers - 1` (at least 1): S counts MoE layers
-    ahead, so a model of L MoE layers has S = 1 .. L-1, and the default 4 is more than a 4-layer model has. A
-    --max-s the user chose above that is lowered with a line on `console`; the report's `max_s` is the one used."""
+    """`cfg` (a `TrainConfig` or `EvalConfig`) with its `max_s` resolved: S counts MoE layers ahead, so a model of L
+    MoE layers has S = 1 .. L-1. No --max-s (None): DEFAULT_MAX_S, or L-1 where fewer; one the user typed above L-1
+    is lowered with a line on `console`. A model of one MoE layer has no layer ahead: S stays 1 (no pair to fit)."""
     top = max(1, layers - 1)
+    if cfg.max_s is None:
+        return dataclasses.replace(cfg, max_s=min(DEFAULT_MAX_S, top))
     if cfg.max_s <= top:
         return cfg
-    if console is not None and cfg.max_s != DEFAULT_MAX_S:
+    if console is not None and layers >= 2:  # one MoE layer: no S at all, and no line saying one
         console.print(f"[dim]--max-s {cfg.max_s}: the trace's model has {layers} MoE layers, so S goes up to {top}[/]")
     return dataclasses.replace(cfg, max_s=top)
 
@@ -319,8 +332,9 @@ def _fit_and_evaluate(
     from ..predict.evaluate import preload_plot, score, summarize
     from ..predict.train import fitted_names
 
-    kw: dict[str, Any] = {"max_s": cfg.max_s, "window": cfg.forest_window, "mass": cfg.mass}
-    total = len(held.rank_pairs(cfg.max_s)) * len(fitted_names(cfg.only, train.has_hidden))
+    max_s = resolved(cfg)
+    kw: dict[str, Any] = {"max_s": max_s, "window": cfg.forest_window, "mass": cfg.mass}
+    total = len(held.rank_pairs(max_s)) * len(fitted_names(cfg.only, train.has_hidden))
     task: list[Any] = []
     started: list[float] = []
 
@@ -336,7 +350,7 @@ def _fit_and_evaluate(
     if task:
         prog.update(task[0], completed=total)
     results, decode = got[0]
-    report = summarize(results, decode, held, np.arange(held.n), max_s=cfg.max_s, mass=cfg.mass)
+    report = summarize(results, decode, held, np.arange(held.n), max_s=max_s, mass=cfg.mass)
     return preds, report, time.perf_counter() - (started[0] if started else time.perf_counter())
 
 
@@ -372,6 +386,7 @@ def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
 
     check_names(cfg.only)  # before the model loads: an unknown name, a missing folder or trace, at once
     meta = read_predictor_meta(cfg.predictors)
+    asked = cfg.max_s  # None: not typed
     cfg = within_model(cfg, _check_inputs(cfg.trace, cfg.model), console)
     model = load_cpu_model(cfg.model)
     threads = apply_threads(cfg.threads, model, "cpu")
@@ -386,11 +401,12 @@ def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         skipped = [n for n in names if PREDICTORS[n].needs_hidden]
         names = [n for n in names if n not in skipped]
     _, preds = load_predictors(cfg.predictors, model, names)
-    report = evaluate(preds, data, max_s=cfg.max_s, window=cfg.window, mass=cfg.mass)
-    scored = max((m["S"] for r in report["results"].values() for m in r.values()), default=cfg.max_s)
-    if scored < cfg.max_s:  # each predictor is scored up to the S it was trained for (`max_lookahead`)
-        if console is not None:
-            console.print(f"[dim]--max-s {cfg.max_s}: the predictors were trained for S <= {scored} (train --max-s)[/]")
+    max_s = resolved(cfg)
+    report = evaluate(preds, data, max_s=max_s, window=cfg.window, mass=cfg.mass)
+    scored = max((m["S"] for r in report["results"].values() for m in r.values()), default=max_s)
+    if scored < max_s:  # each predictor is scored up to the S it was trained for (`max_lookahead`)
+        if console is not None and asked is not None:
+            console.print(f"[dim]--max-s {max_s}: the predictors were trained for S <= {scored} (train --max-s)[/]")
         report["max_s"] = scored
     report["skipped_no_hidden"] = skipped
     wanted = set(cfg.only)  # empty: everything the folder holds

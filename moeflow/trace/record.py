@@ -2,7 +2,7 @@
 
 `RoutingRecorder` hooks every MoE router (and, with hidden states, the decoder layer's
 `post_attention_layernorm`, whose input is the residual stream after the attention add; verified
-for all 8 supported architectures in tests/test_trace.py) and keeps what one prompt's `generate`
+for every supported architecture in tests/test_trace.py) and keeps what one prompt's `generate`
 routes; `trace_one` / `trace_batch` run the generation and return the rows that `TraceWriter`
 (`writer.py`) appends to a trace folder.
 """
