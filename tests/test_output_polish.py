@@ -15,7 +15,6 @@ from rich.console import Console
 from moeflow.cli.app import _register, main
 from moeflow.errors import ConfigError
 from tests.test_predict import tiny_setup  # noqa: F401  (a tiny OLMoE checkpoint and a trace of it with router inputs)
-from tests.test_trace import tiny_tokenizer
 
 _register()
 
@@ -209,22 +208,16 @@ def test_tune_cost_model_title_has_three_significant_figures():
 # ---- an interrupted trace says what it kept -----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tiny_models):
-    d = tmp_path_factory.mktemp("ckpt") / "olmoe-tiny"
-    tiny_models("olmoe").save_pretrained(d)
-    tiny_tokenizer().save_pretrained(d)
-    return d
-
-
-def test_trace_stopped_by_sigterm_says_how_many_prompts_it_holds(checkpoint, tmp_path, monkeypatch, capsys):
+def test_trace_stopped_by_sigterm_says_how_many_prompts_it_holds(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """SIGTERM at the third prompt: the trace keeps the whole windows before it, and the line says how many prompts
+    it holds and that the same command resumes."""
     import moeflow.stages.trace as trace_mod
     from moeflow.cli.app import Terminated
 
     prompts = tmp_path / "p.txt"
     prompts.write_text("one two\nthree four\nfive six\nseven eight\n")
     out = tmp_path / "tr"
-    argv = ["trace", "-m", str(checkpoint), "-p", str(prompts), "-o", str(out), "--max-new-tokens", "2", "-b", "1"]
+    argv = ["trace", "-m", str(tiny_checkpoint), "-p", str(prompts), "-o", str(out), "--max-new-tokens", "2", "-b", "1"]
     real, calls = trace_mod.trace_one, []
 
     def stopped_at_third(*a, **k):
