@@ -458,3 +458,26 @@ def test_no_calibration_warning_only_where_s_is_used_and_with_the_command(ckpt, 
     for quiet in (["--mode", "resident"], ["--mode", "on-demand"], ["-f", "none", "-c", "4"], ["-S", "1", "-c", "4"]):
         code, _, err = cli([*base, "--link", "emulated:2", *quiet], capsys)
         assert code == 0 and "WARNING" not in err, (quiet, err)
+
+
+def test_help_gives_an_80_column_terminal_a_readable_help_column(ckpt, capsys):
+    """A setting on by default has one name in --help (`--no-warmup`), not a `--warmup/--no-warmup` pair that
+    widened the short-flag column and left 80 columns a help column of about 20 characters; `--warmup` still
+    parses (a no-op: it is the default)."""
+    from typer.testing import CliRunner
+
+    from moeflow.cli.app import _register, app
+
+    _register()
+    for cmd in ("run", "quality", "ep", "tune"):
+        text = CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "80"}, terminal_width=80).output
+        assert not re.search(r"--[a-z-]+ +--no-", text), cmd  # no on/off pair in the option column
+        row = next(line for line in text.splitlines() if re.match(r"│ (\* +)?--", line))  # "*": a required option
+        help_text = re.split(r"\s{2,}", row.strip("│ *").strip())[-1]
+        assert row.index(help_text) <= 45, (cmd, row)  # the help column starts before column 45 (it was 54)
+    p = ckpt.parent / "p.txt"
+    for flags, want in ((["--warmup"], True), (["--no-warmup"], False), ([], True)):
+        code, out, err = cli(
+            ["run", "-m", ckpt, "-p", p, "--mode", "resident", "--max-new-tokens", "1", *flags, "--json"], capsys
+        )
+        assert code == 0 and json.loads(out)["runs"][0]["warmup"] is want, (flags, err)

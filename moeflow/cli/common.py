@@ -52,6 +52,18 @@ def json_option() -> Any:
     return typer.Option(False, "--json", help="Print results as one JSON object on stdout (for scripts).")
 
 
+def off_switch(name: str, help: str) -> Any:
+    """`--no-NAME` for a setting that is on by default (the parameter is True when it was given). One name per
+    option: a `--NAME/--no-NAME` pair would widen the short-flag column of --help and leave an 80-column terminal a
+    help column of about 20 characters. `--NAME` itself is still accepted (`on_switch`: it is the default)."""
+    return typer.Option(False, f"--no-{name}", help=help, show_default=False)
+
+
+def on_switch(name: str) -> Any:
+    """The hidden `--NAME` of an `off_switch` (a no-op: on is the default), so scripts that spell it keep working."""
+    return typer.Option(False, f"--{name}", hidden=True)
+
+
 def no_progress_option() -> Any:
     """`--no-progress`, on every command that draws progress (`moeflow.progress`): the stage's config gets
     `progress=not no_progress` (and `False` where the command's `--json` silences it too)."""

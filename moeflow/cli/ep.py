@@ -18,6 +18,8 @@ from .common import (
     max_new_tokens_option,
     max_prompt_tokens_option,
     model_option,
+    off_switch,
+    on_switch,
     prompt_option,
     split_option,
     threads_option,
@@ -55,11 +57,13 @@ def ep(
     backend: str = typer.Option(
         "auto", "--backend", help="torch.distributed backend: auto (nccl on cuda, gloo on cpu), gloo, nccl."
     ),
-    compare: bool = typer.Option(
-        True, "--compare/--no-compare", help="Rank 0 also runs the single-process model and compares token ids (default on)."
+    no_compare: bool = off_switch(
+        "compare", "Rank 0 does not run the single-process model to compare token ids (it does by default)."
     ),
+    _compare: bool = on_switch("compare"),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds a collective may wait for the other ranks."),
-    warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="One untimed short generation per placement first."),
+    no_warmup: bool = off_switch("warmup", "Skip the untimed short generation per placement (done by default)."),
+    _warmup: bool = on_switch("warmup"),
     threads: int | None = threads_option(
         "Per rank. Default: $MOEFLOW_THREADS, else $OMP_NUM_THREADS, else 1 for a small model (hidden x expert "
         "size < 2^20) and the usable CPUs divided by the ranks on this machine otherwise."
@@ -97,8 +101,8 @@ def ep(
         world_size=alias(world_size, world_size_n, "--world-size", "-N"),
         placements=tuple(placement or ("contiguous",)),
         backend=backend,
-        compare=compare,
+        compare=not no_compare,
         timeout_s=timeout,
-        warmup=warmup,
+        warmup=not no_warmup,
     )
     main(cfg)

@@ -21,6 +21,8 @@ from .common import (
     max_prompt_tokens_option,
     miss_option,
     model_option,
+    off_switch,
+    on_switch,
     policy_opt_option,
     prefetch_option,
     prompt_option,
@@ -87,7 +89,8 @@ def quality(
     threads: int | None = threads_option(),
     dtype: str = dtype_option(),
     device: str = device_option(),
-    warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="One untimed short generation per run first."),
+    no_warmup: bool = off_switch("warmup", "Skip the untimed short generation that precedes each run (done by default)."),
+    _warmup: bool = on_switch("warmup"),
     as_json: bool = json_option(),
     sweep: bool = typer.Option(
         False, "--sweep", help="Every combination of --mode, --capacity, --eviction, --prefetch, --miss, --routing."
@@ -131,7 +134,7 @@ def quality(
         sweep=sweep,
         threads=threads,
         speculative=speculative,
-        warmup=warmup,
+        warmup=not no_warmup,
         plan=plan,
         plan_opts=parse_opts(plan_opt or ()),
     )

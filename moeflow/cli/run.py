@@ -27,6 +27,8 @@ from .common import (
     miss_option,
     model_option,
     no_progress_option,
+    off_switch,
+    on_switch,
     policy_opt_option,
     prefetch_option,
     prompt_option,
@@ -130,9 +132,8 @@ def run(
         "-b",
         help="Decode this many prompts together (left-padded); greedy output per prompt as at batch size 1.",
     ),
-    warmup: bool = typer.Option(
-        True, "--warmup/--no-warmup", help="One untimed short generation per run before the timed one (default on)."
-    ),
+    no_warmup: bool = off_switch("warmup", "Skip the untimed short generation that precedes each timed run (done by default)."),
+    _warmup: bool = on_switch("warmup"),
     prefill: str = typer.Option(
         "staged",
         "--prefill",
@@ -213,7 +214,7 @@ def run(
         adaptive_s=adaptive_s,
         speculative=speculative,
         batch_size=batch_size,
-        warmup=warmup,
+        warmup=not no_warmup,
         prefill=prefill,
         experts_impl=experts_impl,
         plan=plan,

@@ -7,7 +7,16 @@ from typing import Any
 import typer
 
 from .app import app
-from .common import device_option, force_option, json_option, limit_option, no_progress_option, print_json
+from .common import (
+    device_option,
+    force_option,
+    json_option,
+    limit_option,
+    no_progress_option,
+    off_switch,
+    on_switch,
+    print_json,
+)
 
 TOP = 15  # rows of the printed ranking (--json: all)
 
@@ -112,14 +121,16 @@ def tune_cmd(
         help="Fixed step sizes S to search for prefetch policies that follow S (repeat). Default 1, 2, 4, 8 and the "
         "calibration's S, those below the MoE layers.",
     ),
-    adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive", help="Also search the adaptive S (default on)."),
+    no_adaptive: bool = off_switch("adaptive", "Leave the adaptive S out of the search (searched by default)."),
+    _adaptive: bool = on_switch("adaptive"),
     exhaustive: bool = typer.Option(
         False,
         "--exhaustive",
         help="Replay every configuration on the whole trace (default: successive halving over prompt prefixes).",
     ),
     limit: int | None = limit_option("prompts of the trace (the first ones)"),
-    plot: bool = typer.Option(True, "--plot/--no-plot", help="Write the plot beside --out (default on)."),
+    no_plot: bool = off_switch("plot", "Write no plot beside --out (one is written by default)."),
+    _plot: bool = on_switch("plot"),
     no_progress: bool = no_progress_option(),
     as_json: bool = json_option(),
 ) -> None:
@@ -141,10 +152,10 @@ def tune_cmd(
         evictions=split_list(eviction, "--eviction") or None,
         prefetches=split_list(prefetch, "--prefetch") or None,
         s_values=tuple(lookahead) if lookahead else None,
-        adaptive=adaptive,
+        adaptive=not no_adaptive,
         exhaustive=exhaustive,
         max_prompts=limit,
-        plot=plot,
+        plot=not no_plot,
         progress=not no_progress and not as_json,
     )
     res = main(cfg)
