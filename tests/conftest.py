@@ -14,7 +14,17 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
 ARCHS = (
     *("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoe", "phimoe"),
-    *("deepseek_v2", "glm4_moe", "glm4_moe_lite", "dots1", "exaone_moe", "solar_open", "qwen3_next", "qwen3_5_moe_text"),
+    *(
+        "deepseek_v2",
+        "glm4_moe",
+        "glm4_moe_lite",
+        "dots1",
+        "exaone_moe",
+        "solar_open",
+        "qwen3_next",
+        "qwen3_5_moe_text",
+        "ernie4_5_moe",
+    ),
 )
 
 

@@ -89,6 +89,13 @@ def _deepseek_v2(row: list[float]) -> dict[int, float]:
     return {i: 2.5 * p[i] for i in sorted(best, key=lambda i: -p[i])[:2]}
 
 
+def _ernie4_5(row: list[float], correction: list[float]) -> dict[int, float]:
+    """Softmax probabilities; the top-2 of probability plus correction bias; their probabilities renormalised."""
+    p = _softmax(row)
+    idx = _top2([a + b for a, b in zip(p, correction)])
+    return {i: p[i] / sum(p[j] for j in idx) for i in idx}
+
+
 DEEPSEEK_V3_RULE = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "exaone_moe", "solar_open")
 
 
@@ -111,6 +118,8 @@ def test_scoring_rule_matches_hand_computation(arch, tiny_models):
             want = _softmax_then_top2(row, norm=True)
         elif arch in DEEPSEEK_V3_RULE:
             want = _deepseek_v3(row, ad.router(l).e_score_correction_bias.tolist())
+        elif arch == "ernie4_5_moe":
+            want = _ernie4_5(row, ad.router(l).moe_statics.e_score_correction_bias.squeeze().tolist())
         elif arch == "deepseek_v2":
             if row is ROW2:  # experts 1-3 tie inside the kept group: checked below
                 continue
@@ -144,12 +153,13 @@ def test_dense_first_layers_and_shared_experts():
     assert spec_from_config(tiny_config("deepseek_v3")).num_shared_experts == 1
     assert spec_from_config(tiny_config("qwen2_moe")).moe_layers == (1, 2)
     assert spec_from_config(tiny_config("qwen3_moe")).num_shared_experts == 0
-    for arch in ("glm4_moe", "glm4_moe_lite", "dots1", "exaone_moe", "deepseek_v2"):  # the first layer dense
+    for arch in ("glm4_moe", "glm4_moe_lite", "dots1", "exaone_moe", "deepseek_v2", "ernie4_5_moe"):  # 1st layer dense
         assert spec_from_config(tiny_config(arch)).moe_layers == (1, 2), arch
     assert spec_from_config(tiny_config("solar_open")).moe_layers == (0, 1, 2)  # no dense layer in this family
     # EXAONE-MoE names its shared experts num_shared_experts (DeepSeek's n_shared_experts elsewhere)
     assert spec_from_config(tiny_config("exaone_moe", num_shared_experts=2)).num_shared_experts == 2
     assert spec_from_config(tiny_config("glm4_moe", n_shared_experts=2)).num_shared_experts == 2
+    assert spec_from_config(tiny_config("ernie4_5_moe", moe_num_shared_experts=2)).num_shared_experts == 2
 
 
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a != "phimoe"])  # phimoe's sparsemixer takes no bias
@@ -253,4 +263,28 @@ def test_a_qwen3_5_moe_checkpoint_loads_as_its_text_model_and_offloads_exactly(t
     ref, _ = generate_one(model, ids, None, max_new_tokens=6, min_new_tokens=6)
     with build_engine(model, mode="offload", link=DirectLink(), capacity=2, eviction="lru", prefetch="pregate") as eng:
         out, _ = generate_one(model, ids, eng, max_new_tokens=6, min_new_tokens=6)
+    assert torch.equal(out, ref)
+
+
+def test_a_router_that_casts_its_weights_to_its_input_dtype_is_matched_in_bf16():
+    """ERNIE-4.5-MoE's router computes in fp32 and casts the weights to its input's dtype: in a bf16 model the
+    adapter's weights are bf16 and equal to the router's (`ArchInfo.weights_in_input_dtype`), and offloaded greedy
+    generation stays token-identical."""
+    from moeflow.models import tiny_model
+    from moeflow.runtime.generate import build_engine, generate_one
+    from moeflow.runtime.link import DirectLink
+
+    model = tiny_model("ernie4_5_moe", dtype=torch.bfloat16)
+    ad = get_adapter(model)
+    tap = RouterTap(ad)
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), tap.attach():
+        model(ids)
+    for layer, (ev,) in tap.events.items():
+        w, i = ad.select(layer, ev.logits)
+        assert w.dtype == ev.weights.dtype == torch.bfloat16 and torch.equal(w, ev.weights) and torch.equal(i, ev.indices)
+    prompt = ids[:1, :6]
+    ref, _ = generate_one(model, prompt, None, max_new_tokens=6, min_new_tokens=6)
+    with build_engine(model, mode="offload", link=DirectLink(), capacity=2, eviction="lru", prefetch="pregate") as eng:
+        out, _ = generate_one(model, prompt, eng, max_new_tokens=6, min_new_tokens=6)
     assert torch.equal(out, ref)

@@ -69,7 +69,17 @@ ROUTER_AT = {
     "granitemoe": ("block_sparse_moe", "router"),
     "phimoe": ("mlp", "router"),
     **dict.fromkeys(
-        ("deepseek_v2", "glm4_moe", "glm4_moe_lite", "dots1", "exaone_moe", "solar_open", "qwen3_next", "qwen3_5_moe_text"),
+        (
+            "deepseek_v2",
+            "glm4_moe",
+            "glm4_moe_lite",
+            "dots1",
+            "exaone_moe",
+            "solar_open",
+            "qwen3_next",
+            "qwen3_5_moe_text",
+            "ernie4_5_moe",
+        ),
         ("mlp", "gate"),
     ),
 }

@@ -91,6 +91,19 @@ def select_qwen3_5(router, logits, bias=None):
     return _softmax_topk(router, logits, bias, always_norm=True, cast=True)
 
 
+def select_ernie4_5(router, logits, bias=None):
+    """ERNIE-4.5-MoE: fp32 softmax; top-k of the probabilities plus the correction bias (`moe_statics`); the chosen
+    probabilities renormalised (the sum clamped at `norm_min`). The router then casts them to its input's dtype:
+    `ArchInfo.weights_in_input_dtype` (`Adapter.select`)."""
+    probs = F.softmax(logits.float(), dim=1, dtype=torch.float)  # [T,E]
+    choice = probs + router.moe_statics.e_score_correction_bias.squeeze()
+    if bias is not None:
+        choice = choice + bias.to(choice)
+    idx = torch.topk(choice, router.top_k, dim=-1)[1]  # [T,k]
+    w = torch.gather(probs, dim=-1, index=idx)
+    return w / torch.clamp(w.sum(dim=-1, keepdim=True), min=router.norm_min), idx
+
+
 def select_deepseek_v2(router, logits, bias=None):
     """DeepSeek-V2: fp32 softmax scores, top-k over all experts (`greedy`) or over the `topk_group` groups of best
     single score (`group_limited_greedy`, the other groups' scores zeroed), no norm, routed scaling."""
@@ -136,6 +149,7 @@ class ArchInfo:
     select: SelectFn
     shared_attr: str | None  # shared expert(s) module on the block, if any
     linear_logits: bool = False  # the router's logits are `F.linear(x [T,H], router.weight)` (no bias, no cast)
+    weights_in_input_dtype: bool = False  # the router casts its weights to its input's dtype (the experts')
 
 
 ARCHS: dict[str, ArchInfo] = {
@@ -159,6 +173,7 @@ ARCHS: dict[str, ArchInfo] = {
         ArchInfo("qwen3_next", "mlp", "gate", select_olmoe, "shared_expert", linear_logits=True),
         # Qwen3.5-MoE's text model (a `qwen3_5_moe` checkpoint loads as it: `moe_model_type`)
         ArchInfo("qwen3_5_moe_text", "mlp", "gate", select_qwen3_5, "shared_expert", linear_logits=True),
+        ArchInfo("ernie4_5_moe", "mlp", "gate", select_ernie4_5, "shared_experts", weights_in_input_dtype=True),
     ]
 }
 
@@ -224,7 +239,8 @@ class Adapter:
     # -- scoring --
     def select(self, layer: int, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T,k], indices [T,k]) from router logits [T,E], exactly as layer `layer` routes."""
-        return self.info.select(self.router(layer), logits, bias)
+        w, idx = self.info.select(self.router(layer), logits, bias)
+        return (w.to(self.experts_dtype) if self.info.weights_in_input_dtype else w), idx
 
     def router_logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Router logits [T,E] of layer `layer` for router inputs x [T,H] (or [B,S,H]). A linear router's
@@ -249,6 +265,7 @@ class Adapter:
                 f"layer {first}'s experts hold no stacked [E, ...] weights (offloaded by a moeflow engine?); "
                 f"build the adapter before attaching the engine, or close the engine first"
             )
+        self.experts_dtype = per_expert[0].dtype  # the router's input dtype too (`weights_in_input_dtype`)
         params = sum(p[0].numel() for p in per_expert)
         nbytes = sum(p[0].numel() * p.element_size() for p in per_expert)
         inter = (
@@ -260,7 +277,8 @@ class Adapter:
         block = self.moe_block(first)
         shared = 0
         if self.info.shared_attr and getattr(block, self.info.shared_attr, None) is not None:
-            shared = int(getattr(cfg, "n_shared_experts", None) or getattr(cfg, "num_shared_experts", None) or 1)
+            names = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+            shared = int(next((getattr(cfg, n) for n in names if getattr(cfg, n, None)), 1))
         return MoESpec(
             arch=self.info.model_type,
             num_layers=len(self.layers),
