@@ -363,6 +363,8 @@ def tiny_config(arch: str, *, num_experts: int = 8, top_k: int = 2, **over: Any)
     elif arch == "deepseek_v2":  # softmax scores, group-limited greedy top-k
         c.update(_moe(top_k, n_routed_experts=num_experts, n_shared_experts=1, first_k_dense_replace=1))
         c.update(_MLA, n_group=2, topk_group=1, topk_method="group_limited_greedy", routed_scaling_factor=2.5, head_dim=8)
+    elif arch == "hunyuan_v1_moe":  # the router's weight in `gate.wg`; a shared MLP beside the experts
+        c.update(num_experts=num_experts, moe_topk=top_k, intermediate_size=32, head_dim=16)
     elif arch == "ernie4_5_moe":  # the first layer dense; a correction bias in the router's `moe_statics`
         c.update(moe_num_experts=num_experts, moe_k=top_k, moe_intermediate_size=32, intermediate_size=64, head_dim=16)
         c.update(moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1)
@@ -392,7 +394,7 @@ def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, 
     with torch.no_grad():
         for l in ad.moe_layers:
             r: Any = ad.router(l)
-            r.weight.normal_(0.0, 0.5)
+            ad.router_weight(l).normal_(0.0, 0.5)
             if getattr(r, "bias", None) is not None and isinstance(r.bias, torch.Tensor):
                 r.bias.normal_(0.0, 0.1)
             if hasattr(r, "e_score_correction_bias"):

@@ -24,6 +24,7 @@ ARCHS = (
         "qwen3_next",
         "qwen3_5_moe_text",
         "ernie4_5_moe",
+        "hunyuan_v1_moe",
     ),
 )
 

@@ -114,7 +114,7 @@ def test_scoring_rule_matches_hand_computation(arch, tiny_models):
             want = _softmax_then_top2(row, norm=True)
         elif arch in ("gpt_oss", "granitemoe"):
             want = _top2_then_softmax(row)
-        elif arch in ("qwen3_next", "qwen3_5_moe_text"):  # norm_topk_prob=True; Qwen3.5 always renormalises
+        elif arch in ("qwen3_next", "qwen3_5_moe_text", "hunyuan_v1_moe"):  # renormalised top-k
             want = _softmax_then_top2(row, norm=True)
         elif arch in DEEPSEEK_V3_RULE:
             want = _deepseek_v3(row, ad.router(l).e_score_correction_bias.tolist())
@@ -288,3 +288,21 @@ def test_a_router_that_casts_its_weights_to_its_input_dtype_is_matched_in_bf16()
     with build_engine(model, mode="offload", link=DirectLink(), capacity=2, eviction="lru", prefetch="pregate") as eng:
         out, _ = generate_one(model, prompt, eng, max_new_tokens=6, min_new_tokens=6)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_learned_predictors_run_time_ops_read_every_familys_router(arch, tiny_models):
+    """`moeflow.predict.fast.LayerOps` (the learned prefetchers' run-time path) reads each router's weight where the
+    family keeps it (`Adapter.router_weight`: HunYuan's is `gate.wg.weight`) and gives its logits and selection."""
+    from moeflow.predict.fast import LayerOps
+
+    ad = get_adapter(tiny_models(arch))
+    ops = LayerOps(ad, list(ad.moe_layers))
+    x = torch.randn(5, ad.spec.hidden_size, generator=torch.Generator().manual_seed(4))
+    for l in ad.moe_layers:
+        with torch.no_grad():
+            want = ad.router_logits(l, x.to(ad.router_weight(l).dtype)).float().numpy()
+        got = ops.logits(l, x.numpy())
+        assert got.shape == want.shape and abs(got - want).max() <= 1e-4 * max(1.0, abs(want).max()), arch
+        _, ids = ops.select(l, got)
+        assert ids.shape == (5, ad.spec.top_k)

@@ -79,6 +79,7 @@ ROUTER_AT = {
             "qwen3_next",
             "qwen3_5_moe_text",
             "ernie4_5_moe",
+            "hunyuan_v1_moe",
         ),
         ("mlp", "gate"),
     ),

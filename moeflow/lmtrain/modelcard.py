@@ -88,7 +88,7 @@ def collect_decode(
 
 def pregate_recall(ad, data: dict, src: int, dst: int) -> float:
     """Router `dst` applied to layer `src`'s router input vs layer `dst`'s actual top-k."""
-    x = data[src]["x"].to(ad.router(dst).weight.dtype)  # [T,H]
+    x = data[src]["x"].to(ad.router_weight(dst).dtype)  # [T,H]
     with torch.no_grad():
         _, pred = ad.select(dst, ad.router_logits(dst, x))  # [T,k]
     return recall_at_k(pred.numpy(), data[dst]["indices"].numpy())

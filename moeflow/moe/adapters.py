@@ -150,6 +150,7 @@ class ArchInfo:
     shared_attr: str | None  # shared expert(s) module on the block, if any
     linear_logits: bool = False  # the router's logits are `F.linear(x [T,H], router.weight)` (no bias, no cast)
     weights_in_input_dtype: bool = False  # the router casts its weights to its input's dtype (the experts')
+    router_weight: str = "weight"  # the router's [E,H] weight, as an attribute path from the router
 
 
 ARCHS: dict[str, ArchInfo] = {
@@ -174,6 +175,7 @@ ARCHS: dict[str, ArchInfo] = {
         # Qwen3.5-MoE's text model (a `qwen3_5_moe` checkpoint loads as it: `moe_model_type`)
         ArchInfo("qwen3_5_moe_text", "mlp", "gate", select_qwen3_5, "shared_expert", linear_logits=True),
         ArchInfo("ernie4_5_moe", "mlp", "gate", select_ernie4_5, "shared_experts", weights_in_input_dtype=True),
+        ArchInfo("hunyuan_v1_moe", "mlp", "gate", select_qwen3_5, "shared_mlp", router_weight="wg.weight"),
     ]
 }
 
@@ -229,6 +231,13 @@ class Adapter:
     def router(self, layer: int) -> nn.Module:
         return getattr(self.moe_block(layer), self.info.router_attr)
 
+    def router_weight(self, layer: int) -> torch.Tensor:
+        """The router's weight [E,H] (where the family keeps it: `ArchInfo.router_weight`)."""
+        obj: Any = self.router(layer)
+        for name in self.info.router_weight.split("."):
+            obj = getattr(obj, name)
+        return cast(torch.Tensor, obj)
+
     def experts(self, layer: int) -> nn.Module:
         return cast(nn.Module, self.moe_block(layer).experts)
 
@@ -249,7 +258,7 @@ class Adapter:
         wants logits discards (the staged prefill's pre-gate: half the host time of the router's forward)."""
         router = self.router(layer)
         if self.info.linear_logits:
-            w = cast(torch.Tensor, router.weight)  # [E,H]
+            w = self.router_weight(layer)  # [E,H]
             return F.linear(x.reshape(-1, w.shape[-1]), w)  # [T,E]
         return router(x)[0]
 
@@ -322,6 +331,6 @@ def model_fingerprint(model: nn.Module) -> str:
     ad = get_adapter(model)
     h = hashlib.sha256()
     for l in ad.moe_layers:
-        w = cast(torch.Tensor, ad.router(l).weight).detach().float().cpu().contiguous()
+        w = ad.router_weight(l).detach().float().cpu().contiguous()
         h.update(w.numpy().tobytes())
     return config_fingerprint(model.config, h.digest())

@@ -87,7 +87,7 @@ class Substitute(MissPolicy):
     def bind(self, ctx: BindContext) -> None:
         ad = ctx.adapter
         for l in ad.moe_layers:
-            w = torch.as_tensor(ad.router(l).weight).detach().float().cpu()  # [E,H]
+            w = ad.router_weight(l).detach().float().cpu()  # [E,H]
             self.sim[l] = similarity(w)
 
     def on_miss(self, key: ExpertKey, pos: Position, info: MissInfo | None = None) -> MissAction:

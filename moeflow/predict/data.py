@@ -176,7 +176,7 @@ class SourceBatch:
 
     def router_logits(self, adapter, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Router logits [T,E] of `layer` for x [T,H], in the router's dtype."""
-        x = x.to(adapter.router(layer).weight.dtype)
+        x = x.to(adapter.router_weight(layer).dtype)
         return (self.route or adapter.router_logits)(layer, x)
 
     @property

@@ -113,7 +113,7 @@ class LayerOps:
             self.nw[l] = (np32(w), float(eps)) if isinstance(w, torch.Tensor) and eps is not None else None
             if self.nw[l] is not None and not _close(self.norm(l, x.numpy()), self._norm_module(l, x.numpy())):
                 self.nw[l] = None
-            rw = getattr(router, "weight", None)
+            rw = adapter.router_weight(l)  # [E,H], where the family keeps it
             has_bias = getattr(router, "bias", None) is not None
             self.rw[l] = np.ascontiguousarray(np32(rw).T) if isinstance(rw, torch.Tensor) and not has_bias else None
             if self.rw[l] is not None and not _close(self.logits(l, x.numpy()), self._logits_module(l, x.numpy())):
@@ -145,7 +145,7 @@ class LayerOps:
 
     @torch.no_grad()
     def _logits_module(self, l: int, x: np.ndarray) -> np.ndarray:
-        p = self.routers[l].weight
+        p = self.adapter.router_weight(l)
         return np32(self.routers[l].forward(torch.from_numpy(x).to(p.device, p.dtype))[0])
 
     def norm(self, l: int, h: np.ndarray) -> np.ndarray:
@@ -175,7 +175,7 @@ class LayerOps:
         return (w / np.add.reduce(w, -1, keepdims=True) if norm else w), ids
 
     def _select_module(self, l: int, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        p = self.routers[l].weight
+        p = self.adapter.router_weight(l)
         w, ids = self.adapter.select(l, torch.from_numpy(logits).to(p.device, p.dtype))
         return np32(w), ids.cpu().numpy()
 
