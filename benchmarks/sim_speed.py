@@ -74,7 +74,7 @@ def router_predictor(model: Any):
     ad = get_adapter(model)
 
     def predict(layer: int, x: torch.Tensor) -> torch.Tensor:
-        w = next(ad.router(layer).parameters())
+        w = ad.router_weight(layer)
         with torch.no_grad():
             return ad.router_logits(layer, x.to(w.dtype))
 

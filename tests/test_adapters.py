@@ -306,3 +306,12 @@ def test_the_learned_predictors_run_time_ops_read_every_familys_router(arch, tin
         assert got.shape == want.shape and abs(got - want).max() <= 1e-4 * max(1.0, abs(want).max()), arch
         _, ids = ops.select(l, got)
         assert ids.shape == (5, ad.spec.top_k)
+
+
+def test_a_different_top_k_per_layer_is_refused():
+    """HunYuan accepts a per-layer `moe_topk` list; MoESpec holds one top-k (capacity checks, prefetch sets, the
+    trace's columns), so such a model is refused in one line instead of being read with its first layer's k."""
+    from moeflow.models import tiny_model
+
+    with pytest.raises(UnsupportedModelError, match=r"different top-k per layer \(2, 3\)"):
+        get_adapter(tiny_model("hunyuan_v1_moe", moe_topk=[2, 3, 2]))

@@ -481,3 +481,9 @@ def test_help_gives_an_80_column_terminal_a_readable_help_column(ckpt, capsys):
             ["run", "-m", ckpt, "-p", p, "--mode", "resident", "--max-new-tokens", "1", *flags, "--json"], capsys
         )
         assert code == 0 and json.loads(out)["runs"][0]["warmup"] is want, (flags, err)
+
+
+def test_both_spellings_of_a_switch_are_one_line(ckpt, capsys):
+    """`--no-warmup --warmup` went by the last flag when they were one option; as two they contradict: one line."""
+    code, _, err = cli(["run", "-m", ckpt, "--prompt", "hi", "--no-warmup", "--warmup"], capsys)
+    assert code == 2 and "--warmup and --no-warmup contradict each other" in " ".join(err.split()), err

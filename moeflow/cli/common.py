@@ -60,8 +60,17 @@ def off_switch(name: str, help: str) -> Any:
 
 
 def on_switch(name: str) -> Any:
-    """The hidden `--NAME` of an `off_switch` (a no-op: on is the default), so scripts that spell it keep working."""
+    """The hidden `--NAME` of an `off_switch` (on is the default), so scripts that spell it keep working; `switched`
+    reads the pair."""
     return typer.Option(False, f"--{name}", hidden=True)
+
+
+def switched(name: str, off: bool, on: bool) -> bool:
+    """The setting of an `off_switch` / `on_switch` pair: on unless `--no-NAME`; both given is one line (they were
+    one `--NAME/--no-NAME` flag where the last one won, which two parameters cannot tell)."""
+    if off and on:
+        raise typer.BadParameter(f"--{name} and --no-{name} contradict each other; give one", param_hint=f"--no-{name}")
+    return not off
 
 
 def no_progress_option() -> Any:

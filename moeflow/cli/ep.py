@@ -22,6 +22,7 @@ from .common import (
     on_switch,
     prompt_option,
     split_option,
+    switched,
     threads_option,
 )
 
@@ -101,8 +102,8 @@ def ep(
         world_size=alias(world_size, world_size_n, "--world-size", "-N"),
         placements=tuple(placement or ("contiguous",)),
         backend=backend,
-        compare=not no_compare,
+        compare=switched("compare", no_compare, _compare),
         timeout_s=timeout,
-        warmup=not no_warmup,
+        warmup=switched("warmup", no_warmup, _warmup),
     )
     main(cfg)

@@ -28,6 +28,7 @@ from .common import (
     prompt_option,
     routing_option,
     split_option,
+    switched,
     threads_option,
 )
 
@@ -134,7 +135,7 @@ def quality(
         sweep=sweep,
         threads=threads,
         speculative=speculative,
-        warmup=not no_warmup,
+        warmup=switched("warmup", no_warmup, _warmup),
         plan=plan,
         plan_opts=parse_opts(plan_opt or ()),
     )

@@ -34,6 +34,7 @@ from .common import (
     prompt_option,
     routing_option,
     split_option,
+    switched,
     threads_option,
     wait_option,
 )
@@ -214,7 +215,7 @@ def run(
         adaptive_s=adaptive_s,
         speculative=speculative,
         batch_size=batch_size,
-        warmup=not no_warmup,
+        warmup=switched("warmup", no_warmup, _warmup),
         prefill=prefill,
         experts_impl=experts_impl,
         plan=plan,

@@ -16,6 +16,7 @@ from .common import (
     off_switch,
     on_switch,
     print_json,
+    switched,
 )
 
 TOP = 15  # rows of the printed ranking (--json: all)
@@ -152,10 +153,10 @@ def tune_cmd(
         evictions=split_list(eviction, "--eviction") or None,
         prefetches=split_list(prefetch, "--prefetch") or None,
         s_values=tuple(lookahead) if lookahead else None,
-        adaptive=not no_adaptive,
+        adaptive=switched("adaptive", no_adaptive, _adaptive),
         exhaustive=exhaustive,
         max_prompts=limit,
-        plot=not no_plot,
+        plot=switched("plot", no_plot, _plot),
         progress=not no_progress and not as_json,
     )
     res = main(cfg)

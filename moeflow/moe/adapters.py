@@ -148,7 +148,7 @@ class ArchInfo:
     router_attr: str  # the router on the MoE block
     select: SelectFn
     shared_attr: str | None  # shared expert(s) module on the block, if any
-    linear_logits: bool = False  # the router's logits are `F.linear(x [T,H], router.weight)` (no bias, no cast)
+    linear_logits: bool = False  # the router's logits are `F.linear(x [T,H], its weight)` (no bias, no cast)
     weights_in_input_dtype: bool = False  # the router casts its weights to its input's dtype (the experts')
     router_weight: str = "weight"  # the router's [E,H] weight, as an attribute path from the router
 
@@ -215,6 +215,11 @@ class Adapter:
         self.moe_layers = tuple(i for i, layer in enumerate(self.layers) if self._is_moe(layer))
         if not self.moe_layers:
             raise UnsupportedModelError(f"{mt} model has no MoE layers (num_experts=0?)")
+        ks = sorted({int(cast(int, self.router(l).top_k)) for l in self.moe_layers})
+        if len(ks) > 1:  # MoESpec has one top-k (capacity checks, prefetch sets, the trace's columns)
+            raise UnsupportedModelError(
+                f"{mt} model routes a different top-k per layer ({', '.join(map(str, ks))}); moeflow needs one"
+            )
         method = getattr(self.router(self.moe_layers[0]), "topk_method", None)
         if self.info.select is select_deepseek_v2 and method not in ("greedy", "group_limited_greedy"):
             raise UnsupportedModelError(f"DeepSeek-V2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
@@ -237,6 +242,14 @@ class Adapter:
         for name in self.info.router_weight.split("."):
             obj = getattr(obj, name)
         return cast(torch.Tensor, obj)
+
+    def router_bias(self, layer: int) -> torch.Tensor | None:
+        """The bias beside the router's weight (`router_weight`'s module's `bias`), or None."""
+        obj: Any = self.router(layer)
+        for name in self.info.router_weight.split(".")[:-1]:
+            obj = getattr(obj, name)
+        bias = getattr(obj, "bias", None)
+        return bias if isinstance(bias, torch.Tensor) else None
 
     def experts(self, layer: int) -> nn.Module:
         return cast(nn.Module, self.moe_block(layer).experts)

@@ -114,7 +114,7 @@ class LayerOps:
             if self.nw[l] is not None and not _close(self.norm(l, x.numpy()), self._norm_module(l, x.numpy())):
                 self.nw[l] = None
             rw = adapter.router_weight(l)  # [E,H], where the family keeps it
-            has_bias = getattr(router, "bias", None) is not None
+            has_bias = getattr(router, "bias", None) is not None or adapter.router_bias(l) is not None
             self.rw[l] = np.ascontiguousarray(np32(rw).T) if isinstance(rw, torch.Tensor) and not has_bias else None
             if self.rw[l] is not None and not _close(self.logits(l, x.numpy()), self._logits_module(l, x.numpy())):
                 self.rw[l] = None

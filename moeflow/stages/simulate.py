@@ -284,7 +284,7 @@ def _router_predictor(adapter: Any):
     import torch
 
     def predict(layer: int, x: Any) -> Any:
-        w = next(adapter.router(layer).parameters())
+        w = adapter.router_weight(layer)
         with torch.no_grad():
             return adapter.router_logits(layer, x.to(w.dtype))
 
