@@ -14,12 +14,12 @@ from moeflow.moe import RouterTap, get_adapter, spec_from_config
 from .conftest import ARCHS
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_select_is_bit_identical_to_router(arch, tiny_models):
-    model = tiny_models(arch)
+def assert_select_is_the_routers(model, seed: int = 1) -> torch.Tensor:
+    """Every MoE layer's `select` on the router's own logits gives its weights (same dtype) and indices, and
+    `router_logits` its logits, on one forward of random ids [2,16] (returned)."""
     ad = get_adapter(model)
     tap = RouterTap(ad)
-    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad(), tap.attach():
         model(ids)
     assert set(tap.events) == set(ad.moe_layers)
@@ -28,6 +28,12 @@ def test_select_is_bit_identical_to_router(arch, tiny_models):
         assert torch.equal(i, ev.indices) and torch.equal(w, ev.weights)
         assert w.dtype == ev.weights.dtype
         assert torch.equal(ad.router_logits(layer, ev.x).reshape(ev.logits.shape), ev.logits)
+    return ids
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_select_is_bit_identical_to_router(arch, tiny_models):
+    assert_select_is_the_routers(tiny_models(arch))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -225,14 +231,8 @@ def test_deepseek_v2_greedy_top_k_is_bit_identical_too():
     from moeflow.models import tiny_model
 
     model = tiny_model("deepseek_v2", topk_method="greedy")
+    assert_select_is_the_routers(model, seed=2)
     ad = get_adapter(model)
-    tap = RouterTap(ad)
-    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad(), tap.attach():
-        model(ids)
-    for layer, (ev,) in tap.events.items():
-        w, i = ad.select(layer, ev.logits)
-        assert torch.equal(i, ev.indices) and torch.equal(w, ev.weights)
     assert _as_dict(*ad.select(ad.moe_layers[0], torch.tensor([ROW2])))[4] > 0  # greedy: not limited to a group
 
 
@@ -275,14 +275,8 @@ def test_a_router_that_casts_its_weights_to_its_input_dtype_is_matched_in_bf16()
     from moeflow.runtime.link import DirectLink
 
     model = tiny_model("ernie4_5_moe", dtype=torch.bfloat16)
-    ad = get_adapter(model)
-    tap = RouterTap(ad)
-    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), tap.attach():
-        model(ids)
-    for layer, (ev,) in tap.events.items():
-        w, i = ad.select(layer, ev.logits)
-        assert w.dtype == ev.weights.dtype == torch.bfloat16 and torch.equal(w, ev.weights) and torch.equal(i, ev.indices)
+    ids = assert_select_is_the_routers(model)  # the weights' dtype included
+    assert get_adapter(model).select(1, torch.zeros(1, 8))[0].dtype == torch.bfloat16
     prompt = ids[:1, :6]
     ref, _ = generate_one(model, prompt, None, max_new_tokens=6, min_new_tokens=6)
     with build_engine(model, mode="offload", link=DirectLink(), capacity=2, eviction="lru", prefetch="pregate") as eng:

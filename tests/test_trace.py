@@ -60,29 +60,10 @@ def cfg(out, **kw) -> TraceConfig:
 # Where each family keeps its router (decoder layer attribute, router attribute): written out here, not taken
 # from moeflow's adapters, so that the hooks below observe the routers independently of moeflow's own hooks.
 ROUTER_AT = {
-    "olmoe": ("mlp", "gate"),
-    "mixtral": ("mlp", "gate"),
-    "qwen2_moe": ("mlp", "gate"),
-    "qwen3_moe": ("mlp", "gate"),
-    "deepseek_v3": ("mlp", "gate"),
+    **dict.fromkeys(ARCHS, ("mlp", "gate")),  # most families; the others below
     "gpt_oss": ("mlp", "router"),
     "granitemoe": ("block_sparse_moe", "router"),
     "phimoe": ("mlp", "router"),
-    **dict.fromkeys(
-        (
-            "deepseek_v2",
-            "glm4_moe",
-            "glm4_moe_lite",
-            "dots1",
-            "exaone_moe",
-            "solar_open",
-            "qwen3_next",
-            "qwen3_5_moe_text",
-            "ernie4_5_moe",
-            "hunyuan_v1_moe",
-        ),
-        ("mlp", "gate"),
-    ),
 }
 
 
