@@ -395,8 +395,9 @@ def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, 
         for l in ad.moe_layers:
             r: Any = ad.router(l)
             ad.router_weight(l).normal_(0.0, 0.5)
-            if getattr(r, "bias", None) is not None and isinstance(r.bias, torch.Tensor):
-                r.bias.normal_(0.0, 0.1)
+            bias = ad.router_bias(l)
+            if bias is not None:
+                bias.normal_(0.0, 0.1)
             if hasattr(r, "e_score_correction_bias"):
                 r.e_score_correction_bias.normal_(0.0, 0.1)
             if hasattr(r, "moe_statics"):  # ERNIE-4.5 keeps its correction bias there

@@ -104,6 +104,9 @@ def select_ernie4_5(router, logits, bias=None):
     return w / torch.clamp(w.sum(dim=-1, keepdim=True), min=router.norm_min), idx
 
 
+DEEPSEEK_V2_METHODS = ("greedy", "group_limited_greedy")  # the `topk_method`s `select_deepseek_v2` reproduces
+
+
 def select_deepseek_v2(router, logits, bias=None):
     """DeepSeek-V2: fp32 softmax scores, top-k over all experts (`greedy`) or over the `topk_group` groups of best
     single score (`group_limited_greedy`, the other groups' scores zeroed), no norm, routed scaling."""
@@ -117,11 +120,7 @@ def select_deepseek_v2(router, logits, bias=None):
         score_mask = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
         scores = scores.masked_fill(~score_mask.bool(), 0.0)
         choice = choice.masked_fill(~score_mask.bool(), 0.0 if bias is None else float("-inf"))
-    elif router.topk_method != "greedy":
-        raise UnsupportedModelError(
-            f"DeepSeek-V2 topk_method {router.topk_method!r} is not supported (greedy, group_limited_greedy)"
-        )
-    if bias is None:
+    if bias is None:  # `greedy` or the group-limited scores (any other method is refused by `Adapter`)
         w, idx = torch.topk(scores, k=router.top_k, dim=-1, sorted=False)
     else:
         idx = torch.topk(choice, k=router.top_k, dim=-1, sorted=False)[1]
@@ -210,6 +209,7 @@ class Adapter:
         if mt not in ARCHS:
             raise UnsupportedModelError(f"model type {mt!r} is not supported; supported architectures: {', '.join(SUPPORTED)}")
         self.info = ARCHS[mt]
+        self._weight_path = tuple(self.info.router_weight.split("."))  # split once: `router_logits` is on a hot path
         self.model = model
         self.layers = _decoder_layers(model)
         self.moe_layers = tuple(i for i, layer in enumerate(self.layers) if self._is_moe(layer))
@@ -221,8 +221,8 @@ class Adapter:
                 f"{mt} model routes a different top-k per layer ({', '.join(map(str, ks))}); moeflow needs one"
             )
         method = getattr(self.router(self.moe_layers[0]), "topk_method", None)
-        if self.info.select is select_deepseek_v2 and method not in ("greedy", "group_limited_greedy"):
-            raise UnsupportedModelError(f"DeepSeek-V2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+        if self.info.select is select_deepseek_v2 and method not in DEEPSEEK_V2_METHODS:
+            raise UnsupportedModelError(f"DeepSeek-V2 topk_method {method!r} is not supported ({', '.join(DEEPSEEK_V2_METHODS)})")
         self.spec = self._read_spec()
 
     def _is_moe(self, layer: nn.Module) -> bool:
@@ -236,19 +236,20 @@ class Adapter:
     def router(self, layer: int) -> nn.Module:
         return getattr(self.moe_block(layer), self.info.router_attr)
 
+    def _weight_holder(self, layer: int) -> Any:
+        """The module that holds the router's weight (the router itself, or e.g. HunYuan's `gate.wg`)."""
+        obj: Any = self.router(layer)
+        for name in self._weight_path[:-1]:
+            obj = getattr(obj, name)
+        return obj
+
     def router_weight(self, layer: int) -> torch.Tensor:
         """The router's weight [E,H] (where the family keeps it: `ArchInfo.router_weight`)."""
-        obj: Any = self.router(layer)
-        for name in self.info.router_weight.split("."):
-            obj = getattr(obj, name)
-        return cast(torch.Tensor, obj)
+        return cast(torch.Tensor, getattr(self._weight_holder(layer), self._weight_path[-1]))
 
     def router_bias(self, layer: int) -> torch.Tensor | None:
         """The bias beside the router's weight (`router_weight`'s module's `bias`), or None."""
-        obj: Any = self.router(layer)
-        for name in self.info.router_weight.split(".")[:-1]:
-            obj = getattr(obj, name)
-        bias = getattr(obj, "bias", None)
+        bias = getattr(self._weight_holder(layer), "bias", None)
         return bias if isinstance(bias, torch.Tensor) else None
 
     def experts(self, layer: int) -> nn.Module:

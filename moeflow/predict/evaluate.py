@@ -373,6 +373,7 @@ def tables(report: dict[str, Any]) -> list:
     status = report.get("fit_status") or {}
     why = {n: st.removeprefix("degenerate: ") for n, st in status.items() if st.startswith("degenerate")}
     few = "a fit needs recall at 3 distinct S (--max-s 3 or more, and more MoE layers than S)"
+    too_few = any(st.startswith("too few") for st in status.values())
     if not any(f is not None for f in report["fit"].values()):  # no fit to show: one line saying why, not a table
         from rich.text import Text
 
@@ -380,10 +381,10 @@ def tables(report: dict[str, Any]) -> list:
         for n, w in why.items():
             by_why.setdefault(w, []).append(n)
         said = [f"{', '.join(ns)}: {w}" for w, ns in by_why.items()]
-        if any(st.startswith("too few") for st in status.values()):
+        if too_few:
             said.append(few)
         return [t1, Text(f"No fit of recall against S as a·exp(-b·S) + c: {'; '.join(said) or few}."), *_decode_table(report)]
-    caption = few if any(st.startswith("too few") for st in status.values()) else ""
+    caption = few if too_few else ""
     if why:
         caption += (
             ("; " if caption else "")

@@ -107,14 +107,14 @@ class LayerOps:
         self.sel: dict[int, bool | None] = {}  # layer -> numpy softmax-top-k (True: renormalised) or None: the adapter's
         g = torch.Generator().manual_seed(0)
         for l in layers:
-            norm, router = self.norms[l], self.routers[l]
+            norm = self.norms[l]
             w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
             x = torch.randn(3, adapter.spec.hidden_size, generator=g) * 2.0  # [3,H]
             self.nw[l] = (np32(w), float(eps)) if isinstance(w, torch.Tensor) and eps is not None else None
             if self.nw[l] is not None and not _close(self.norm(l, x.numpy()), self._norm_module(l, x.numpy())):
                 self.nw[l] = None
             rw = adapter.router_weight(l)  # [E,H], where the family keeps it
-            has_bias = getattr(router, "bias", None) is not None or adapter.router_bias(l) is not None
+            has_bias = adapter.router_bias(l) is not None
             self.rw[l] = np.ascontiguousarray(np32(rw).T) if isinstance(rw, torch.Tensor) and not has_bias else None
             if self.rw[l] is not None and not _close(self.logits(l, x.numpy()), self._logits_module(l, x.numpy())):
                 self.rw[l] = None

@@ -273,7 +273,7 @@ def apply_config_file(path: str, kw: dict[str, Any], given: set[str]) -> dict[st
         out["model"] = str(rec["model"])
     out["config"] = str(path)
     out["config_fingerprint"] = str(rec["model_fingerprint"])
-    out["config_keys"] = applied_keys(path, given)
+    out["config_keys"] = applied_keys(rec["options"], given)
     return out
 
 
@@ -289,12 +289,9 @@ _CONFIG_WORDS = {
 }
 
 
-def applied_keys(path: str, given: set[str]) -> tuple[str, ...]:
-    """The run configuration keys whose value (not null) the --config file at `path` sets when the `moeflow run`
+def applied_keys(opts: dict[str, Any], given: set[str]) -> tuple[str, ...]:
+    """The run configuration keys whose value (not null) a --config file's `opts` sets when the `moeflow run`
     parameters in `given` were typed."""
-    from ..tune.config import read_run_config
-
-    opts = read_run_config(path)["options"]
     return tuple(k for k, (_, params) in CONFIG_FIELDS.items() if opts[k] is not None and not given.intersection(params))
 
 
