@@ -219,7 +219,7 @@ def main() -> None:
                 f"{r['collision_rate']:.3f}",
                 str(r["misses"]),
                 f"{r['loads_per_token']:.2f}",
-                f"{r['prefetch_precision']:.2f}",
+                "-" if r["prefetch_precision"] is None else f"{r['prefetch_precision']:.2f}",  # nothing prefetched
                 f"{r['prefetch_recall']:.2f}",
                 " ".join(f"{h:.2f}" for h in r["hit_rate_per_layer"]),
             )

@@ -137,6 +137,8 @@ def test_pregate_replay_precision_recall(tiny_acc):
     assert 0 < st.prefetch_precision <= 1
     none = simulate(dec, cap, "lru")
     assert st.hits >= none.hits
+    assert none.prefetch_loads == 0 and none.prefetch_precision is None  # nothing prefetched: no precision, not 0
+    assert none.to_dict()["prefetch_precision"] is None
     with pytest.raises(ConfigError, match="predict_logits"):
         simulate(dec, cap, "lru", "pregate")
 

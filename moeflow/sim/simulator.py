@@ -117,8 +117,9 @@ class SimStats:
         return self.loads / self.tokens if self.tokens else 0.0
 
     @property
-    def prefetch_precision(self) -> float:
-        return (self.prefetch_used - self.prefetch_used_prior) / self.prefetch_loads if self.prefetch_loads else 0.0
+    def prefetch_precision(self) -> float | None:
+        """Prefetched copies used / prefetched copies; None when nothing was prefetched (as `RunMetrics`)."""
+        return (self.prefetch_used - self.prefetch_used_prior) / self.prefetch_loads if self.prefetch_loads else None
 
     @property
     def prefetch_recall(self) -> float:
