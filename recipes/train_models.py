@@ -5,7 +5,7 @@
     .venv/bin/python recipes/train_models.py --tiny --out /tmp/models          # seconds-long smoke run
     .venv/bin/python recipes/train_models.py --card-only                         # rewrite the model cards
 
-Without --only, both models train at the same time in two processes (each with --threads threads).
+Without --only, every model trains at the same time, each in a process of its own (each with --threads threads).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def parse(argv=None) -> argparse.Namespace:
         help="shared data folder (default: ../shared/data beside the repo)",
     )
     p.add_argument("--out", default=str(REPO / "models"), help="parent folder of the model folders (default: models)")
-    p.add_argument("--only", choices=NAMES, help="train one model only (default: both, concurrently)")
+    p.add_argument("--only", choices=NAMES, help="train one model only (default: all of them, concurrently)")
     p.add_argument(
         "--minutes",
         type=float,

@@ -125,6 +125,29 @@ def test_every_policy_has_a_section():
     assert not missing, f"docs/policies.md has no section for: {', '.join(missing)}"
 
 
+def test_policy_table_labels_what_run_labels_lossy():
+    """The generated table's output column says what `moeflow run` says of each policy with its default options
+    (`moeflow.policies.lossy`), on a CPU device and on another one."""
+    from moeflow.cli.docs import policy_table
+    from moeflow.policies import EVICTION, MISS, PREFETCH, ROUTING
+    from moeflow.policies.lossy import lossy
+
+    rows = {}
+    for line in policy_table().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[(cells[0], cells[1].split("`")[1])] = cells[-1]
+    for reg in (EVICTION, PREFETCH):
+        assert all(rows[(reg.kind, n)] == "exact (timing only)" for n in reg)
+    for reg, kw in ((MISS, "miss"), (ROUTING, "routing")):
+        for name in reg:
+            p = reg.create(name)
+            on_cpu, elsewhere = (lossy(device_type=d, **{kw: p}).lossy for d in ("cpu", "cuda"))
+            want = "LOSSY" if on_cpu else "exact on CPU, LOSSY on other devices" if elsewhere else "exact"
+            assert rows[(reg.kind, name)] == want, (reg.kind, name, rows[(reg.kind, name)])
+    assert rows[("miss", "drop")] == "LOSSY" and rows[("miss", "fetch")] == "exact"
+    assert rows[("miss", "cpu")].startswith("exact on CPU")
+
+
 def test_readme_is_a_front_door():
     text = (REPO / "README.md").read_text()
     assert len(text.splitlines()) <= 200

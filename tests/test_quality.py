@@ -126,6 +126,19 @@ def test_quality_refuses_bad_input(ckpt, capsys):
     assert "--speculative needs" in capsys.readouterr().err
 
 
+def test_policy_opt_flags_reach_the_policies(ckpt, capsys):
+    """--routing-opt / --miss-opt as in `moeflow run`: cache-aware with lambda=0 keeps the router's choice (exact,
+    bit-identical), an inline option wins over the flag's, and a policy that takes no such option is one line."""
+    assert _run(_args(ckpt, "--routing", "cache-aware", "--routing-opt", "lambda=0")) == 0
+    runs = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"]
+    assert runs[1]["routing"] == "cache-aware" and runs[1]["lossy"] is False and runs[1]["agreement"] == 1.0
+    assert _run(_args(ckpt, "--routing", "cache-aware:lambda=0.5", "--routing-opt", "lambda=0")) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"][1]["lossy"] is True
+    assert _run(_args(ckpt, "--miss", "fetch", "--miss-opt", "min_rank=2")) == 2
+    err = capsys.readouterr().err
+    assert "'fetch' has no option 'min_rank'" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("mode", ["preload", "restricted"])
 def test_casmoe_plan_modes_scored(ckpt, capsys, monkeypatch, tmp_path, mode):
     """`--plan casmoe` as `run` (the stand-in planner of test_plan_run): preload is an exact row, restricted a

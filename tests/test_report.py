@@ -222,3 +222,21 @@ def test_quick_recipe_writes_a_report(tmp_path):
     assert paired >= 2
     assert list(out.glob("*.png")) and (out / "commands.sh").read_text().count("moeflow ") >= 3
     assert json.loads((out / "environment.json").read_text())["git_commit"]
+
+
+def test_train_and_eval_steps_pass_the_recipes_model(tmp_path, monkeypatch):
+    """`make reproduce-<paper> MODEL=...`: a train or eval step without --model would load the default model and
+    refuse the trace the recipe made with MODEL."""
+    from recipes.reproduce import common
+
+    r = _recipe(tmp_path, model="models/olmoe-mini")
+    calls: list[list[str]] = []
+    monkeypatch.setattr(r, "moeflow", lambda name, *args, **kw: calls.append([str(a) for a in args]) or {})
+    monkeypatch.setattr(r, "require", lambda value, name: value)
+    common.predictors(r, tmp_path / "trace")
+    assert calls and calls[0][0] == "train"
+    assert "--model" in calls[0] and calls[0][calls[0].index("--model") + 1] == "models/olmoe-mini"
+    for path in sorted((REPO / "recipes" / "reproduce").glob("*.py")):  # every other train / eval step names it too
+        for line in path.read_text().splitlines():
+            if '"train", "--' in line or '"eval", "--' in line:
+                assert '"--model", r.model' in line, f"{path.name}: {line.strip()}"

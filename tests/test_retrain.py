@@ -184,6 +184,7 @@ def test_worse_model_is_not_promoted(tmp_path, checkpoint, capsys):
     assert pred.resolve() == before and st["version"] == before.name
     code, out = run(cfg, capsys)  # the same data and margin again: nothing to redo
     assert code == 0 and "unchanged" in out and "rejected a candidate of these same inputs" in " ".join(out.split()), out
+    assert status(tmp_path)["figures"] == st["figures"]  # "its figures": the rejected candidate's, not the promoted one's
 
 
 def test_corrupt_trace_is_failed_logged_and_keeps_promoted(tmp_path, checkpoint, capsys):

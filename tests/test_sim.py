@@ -618,3 +618,14 @@ def test_simulate_cli_calibrated_time_predicts_tpot(traced, tmp_path):
     write_calibration(old, {k: v for k, v in json.loads(cal.read_text()).items() if k != "engine_time"})
     bad = CliRunner().invoke(app, [*base[:-2], "--calibration", str(old), "--calibrated-time"])
     assert bad.exit_code != 0 and isinstance(bad.exception, MoeflowError) and "no engine_time" in str(bad.exception)
+
+
+@pytest.mark.parametrize("miss", ["drop", "substitute", "cpu", "auto"])
+def test_a_router_hook_miss_policy_is_refused_not_replayed_as_fetch(tiny_acc, miss):
+    """drop / substitute / cpu / auto act in the engine's router hook; asked info-less by the cache they would answer
+    fetch, and the row would be fetch's counters under their name."""
+    _, acc = tiny_acc
+    cap = 2 * acc.top_k * len(acc.moe_layers)
+    with pytest.raises(ConfigError, match=rf"miss policy '{miss}' acts in the engine's router hook.*moeflow run"):
+        simulate(acc, cap, "lru", miss=miss)
+    assert simulate(acc, cap, "lru", miss="fetch-lowest-bit").loads > 0  # a cache-level one still replays

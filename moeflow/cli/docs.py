@@ -153,10 +153,19 @@ def policy_table() -> str:
                 if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"
             ]
             opts = ", ".join(f"`{p.name}={p.default}`" if p.default is not p.empty else f"`{p.name}`" for p in params)
-            exact = getattr(cls, "exact", None)
-            kind = "exact (timing only)" if exact is None else "exact" if exact is True else "LOSSY"
-            lines.append(f"| {reg.kind} | [`{name}`](#{name}) | {_cell(opts) or '-'} | {kind} |")
+            lines.append(f"| {reg.kind} | [`{name}`](#{name}) | {_cell(opts) or '-'} | {_output(reg.kind, cls)} |")
     return "\n".join(lines)
+
+
+def _output(kind: str, cls: Any) -> str:
+    """The policy table's output column from the class's declared capabilities (`moeflow.policies.lossy` reads
+    the same ones at run time): evictions and prefetches only move bytes; a miss or routing policy is LOSSY when
+    it declares `changes_output` (with its default options), exact on a CPU device only when it `needs_host`."""
+    if kind in ("eviction", "prefetch"):
+        return "exact (timing only)"
+    if cls.changes_output:
+        return "LOSSY"
+    return "exact on CPU, LOSSY on other devices" if getattr(cls, "needs_host", False) else "exact"
 
 
 def models_table() -> str:

@@ -59,7 +59,9 @@ def quality(
     prefetch: list[str] | None = prefetch_option("pregate"),
     prefetch_opt: list[str] | None = policy_opt_option("prefetch"),
     miss: list[str] | None = miss_option(many=True),
+    miss_opt: list[str] | None = policy_opt_option("miss"),
     routing: list[str] | None = routing_option(many=True),
+    routing_opt: list[str] | None = policy_opt_option("routing"),
     speculative: bool = typer.Option(
         False, "--speculative", help="LOSSY: run the experts a learned prefetcher predicted (as `run --speculative`)."
     ),
@@ -126,6 +128,10 @@ def quality(
         prefetches=split_list(prefetch, "--prefetch") or ("pregate",),
         eviction_opts=parse_opts(eviction_opt or ()),
         prefetch_opts=parse_opts(prefetch_opt or ()),
+        miss=misses[0],  # each (miss, routing) of the sweep is checked with the --*-opt pairs (`run_config_for`)
+        routing=routings[0],
+        miss_opts=parse_opts(miss_opt or ()),
+        routing_opts=parse_opts(routing_opt or ()),
         link=link,
         lookahead=lookahead,
         calibration=calibration,

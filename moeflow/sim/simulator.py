@@ -262,6 +262,12 @@ def simulate(
         ev, ev_name, _ = _resolve(EVICTION, eviction, "eviction")
     pf, pf_name, pf_fresh = _resolve(PREFETCH, prefetch, "prefetch")
     ms, _, _ = _resolve(MISS, miss, "miss")
+    if ms.needs_routing:  # asked info-less by the cache, it would answer fetch: a row that only looks like it
+        cache_level = ", ".join(n for n in MISS if not MISS[n].needs_routing)
+        raise ConfigError(
+            f"miss policy {ms.name!r} acts in the engine's router hook, which a replay without the model does not run; "
+            f"the simulator replays {cache_level}: measure {ms.name!r} with moeflow run or moeflow quality"
+        )
     if type(ms) is Fetch:
         ms = None  # the built-in exact policy: stateless, always 'fetch' (what the cache does without one)
     prefetching = pf.proposes

@@ -25,7 +25,7 @@ import torch
 from rich.console import Console
 
 from ..policies.lossy import device_type
-from ..policies.parse import parse_policy
+from ..policies.parse import policy_args
 from ..quality import measure
 from ..runtime.generate import generate_batch
 from ..runtime.link import make_link
@@ -90,8 +90,8 @@ def make_engine(
 ) -> Any:
     """`build_engine` for one run, with the miss / routing policies' inline options (a restricted CasMoE plan's
     routing on offload runs, as `moeflow run`)."""
-    miss_name, miss_opts = parse_policy(run["miss"] or "fetch")
-    rt_name, rt_opts = parse_policy(run["routing"] or "standard")
+    miss_name, miss_opts = policy_args(run["miss"] or "fetch", cfg.miss_opts)  # inline options win, as `run`
+    rt_name, rt_opts = policy_args(run["routing"] or "standard", cfg.routing_opts)
     if planner is not None and planner.spec.lossy and run["mode"] == "offload":
         rt_name, rt_opts = "plan-restricted", {"renorm": planner.spec.renorm}
     return engine_for(cfg, model, run, capacity, link, lookahead, miss_name, miss_opts, rt_name, rt_opts)
@@ -157,7 +157,7 @@ def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
     for run in runs:
         capacity = caps.get(run["capacity"]) if run["mode"] == "offload" else None
         name = label(run, capacity, spec.total_experts, rc)
-        run_rc = run_config_for(rc, run["miss"] or "fetch", run["routing"] or "standard")
+        run_rc = run_config_for(rc, run["miss"] or rc.miss, run["routing"] or rc.routing)  # resident: rc's own
         spec_rc = run_rc if run["speculative"] else dataclasses.replace(run_rc, speculative=False)
         if rc.warmup:
             warm_up(

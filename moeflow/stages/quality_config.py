@@ -32,15 +32,13 @@ def is_lossy(run: RunConfig, miss: str, routing: str, device_type: str, r: dict[
 
 
 def run_config_for(run: RunConfig, miss: str, routing: str) -> RunConfig:
-    """`run` with this miss / routing policy; inline options go to RunConfig's `miss_opts` / `routing_opts`
-    where it has them (RunConfig checks the names either way)."""
-    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    """`run` with this miss / routing policy; its inline options join RunConfig's `miss_opts` / `routing_opts`
+    (`--miss-opt` / `--routing-opt`), winning over them as in `moeflow run`."""
     kw: dict[str, Any] = {}
-    for key, text in (("miss", miss), ("routing", routing)):
+    for key, text, given in (("miss", miss, run.miss_opts), ("routing", routing, run.routing_opts)):
         name, opts = parse_policy(text)
         kw[key] = name
-        if opts and f"{key}_opts" in fields:
-            kw[f"{key}_opts"] = tuple((k, str(v)) for k, v in opts.items())
+        kw[f"{key}_opts"] = tuple({**dict(given), **{k: str(v) for k, v in opts.items()}}.items())
     return dataclasses.replace(run, **kw)
 
 

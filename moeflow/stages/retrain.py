@@ -367,7 +367,8 @@ def _run(cfg: RetrainConfig, rec: dict[str, Any], console: Any) -> None:
         and last.get("figures", {}).get("margin") == cfg.margin
     ):
         rec["outcome"] = "unchanged"
-        rec["figures"] = (cur_meta.get("retrain") or {}).get("figures") or last.get("figures")
+        # the figures the message names: the promoted version's, or the rejected candidate's (not the current one's)
+        rec["figures"] = ((cur_meta.get("retrain") or {}).get("figures") if promoted_these else None) or last.get("figures")
         rec["message"] = (
             "the current version was trained on these inputs (its figures: when it was promoted)"
             if promoted_these

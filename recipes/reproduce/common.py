@@ -40,7 +40,7 @@ def predictors(r: Recipe, tr: Path, *, max_s: int | None = None) -> Path:
     for S = 1..4 (QUICK) or 1..6 (full: enough steps for ExpertFlow's fit of accuracy against S)."""
     max_s = max_s if max_s is not None else r.pick(4, 6)
     out = r.work / f"predictors-{tr.name}"
-    args = ["train", "--trace", tr, "--out", out, "--force", "--max-s", max_s, "--threads", r.threads]
+    args = ["train", "--model", r.model, "--trace", tr, "--out", out, "--force", "--max-s", max_s, "--threads", r.threads]
     r.require(r.moeflow("train", *args, produces=out, after=[tr]), "train")
     return out
 

@@ -580,7 +580,9 @@ def main(r: Recipe) -> None:
             evals[s] = None
             r.missing(f"Table 2 / Fig. 8 on {s}", f"the held-out trace failed (raw/trace-{s}.log)")
             continue
-        evals[s] = r.moeflow(f"eval-{s}", "eval", "--predictors", pred, "--trace", held, "--max-s", max(S_VALUES), *only)
+        evals[s] = r.moeflow(
+            f"eval-{s}", "eval", "--model", r.model, "--predictors", pred, "--trace", held, "--max-s", max(S_VALUES), *only
+        )
         if evals[s] is None:
             r.missing(f"Table 2 / Fig. 8 on {s}", f"the predictor evaluation failed (raw/eval-{s}.log)")
 

@@ -85,7 +85,8 @@ def _skew_steps(r: Recipe, traces: dict[str, Path]) -> tuple[dict[str, Any], dic
         insp[ds] = r.moeflow(f"inspect-{ds}", "inspect", tr, "--phase", "prefill")
     for ds in [d for d in r.pick(["mmlu"], list(DATASETS)) if d in traces]:
         pred = r.scratch / f"gps-predictors-{ds}"
-        args = ["train", "--only", "gps", "--trace", traces[ds], "--out", pred, "--force", "--threads", r.threads]
+        args = ["train", "--model", r.model, "--only", "gps", "--trace", traces[ds], "--out", pred, "--force"]
+        args += ["--threads", r.threads]
         fits[ds] = r.moeflow(f"train-gps-{ds}", *args)
     return insp, fits
 
