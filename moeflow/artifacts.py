@@ -388,6 +388,7 @@ NOUNS = {
     "run": "run results file (`moeflow run --out`)",
     "quality": "quality results file (`moeflow quality --out`)",
     "run-config": "run configuration (`moeflow tune --out`)",
+    "plot": "plot (`tune`, `gps --plot`)",
 }
 
 
@@ -462,11 +463,16 @@ def check_fingerprint(meta: dict[str, Any], fingerprint: str, what: str, folder:
 # -- --out checks -----------------------------------------------------------------------------------
 
 
+PLOT_METADATA = {"Software": "moeflow"}  # the PNG text chunk every moeflow plot carries (`savefig(metadata=...)`)
+_PNG = b"\x89PNG\r\n\x1a\n"
+
+
 def artifact_kind(path: str | os.PathLike) -> str | None:
     """The moeflow kind held at `path`, or None if it is not a moeflow artifact.
 
     A folder: its `meta.json`'s "kind". A file: the "kind" of the JSON object it holds, or of the
-    JSON object on its first line (a JSONL file such as `moeflow run --out`'s results).
+    JSON object on its first line (a JSONL file such as `moeflow run --out`'s results); "plot" for a PNG
+    whose header carries `PLOT_METADATA` (what `tune` and `gps --plot` write).
     """
     p = Path(path)
     if p.is_dir():
@@ -475,6 +481,9 @@ def artifact_kind(path: str | os.PathLike) -> str | None:
         return None
     try:
         with open(p, "rb") as f:
+            if f.read(len(_PNG)) == _PNG:
+                return "plot" if b"Software\x00moeflow" in f.read(4096) else None
+            f.seek(0)
             first = f.readline(1 << 20)
             rec: Any = None
             with contextlib.suppress(ValueError):

@@ -116,7 +116,9 @@ def check_out(
         return out  # new (or a dangling link: nothing to lose)
     what = "file" if file else "folder"
     if file and out.is_dir():
-        raise ConfigError(f"{flag} {out} is a folder; pass a file path (e.g. {out / (kind + '.json')})")
+        raise ConfigError(
+            f"{flag} {out} is a folder; pass a file path (e.g. {out / (kind + ('.png' if kind == 'plot' else '.json'))})"
+        )
     if not file and not out.is_dir():
         raise ConfigError(f"{flag} {out} is a file; pass a folder path")
     if not file and not reuse and os.path.ismount(out):

@@ -423,3 +423,17 @@ def test_the_run_stage_does_not_import_the_cli():
         mods = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         mods += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         assert not [m for m in mods if "cli" in m.split(".")], (name, mods)
+
+
+def test_square_brackets_are_text_not_markup(ckpt, tmp_path, capsys):
+    """A prompt like `[INST] ... [/INST]` and a path or message holding brackets are printed as they are: rich's
+    markup parser raised on `[/INST]` (a traceback after the generation, the --out file never written)."""
+    prompts = tmp_path / "inst.txt"
+    prompts.write_text("[INST] the king said [/INST]\n")
+    out = tmp_path / "gen.jsonl"
+    args = ["run", "-m", ckpt, "-p", prompts, "--max-new-tokens", "2", "--threads", "1", "--no-warmup", "--no-progress"]
+    code, stdout, err = cli([*args, "--out", out], capsys)
+    assert code == 0, err
+    assert "[INST] the king said [/INST]" in stdout and json.loads(out.read_text().splitlines()[0])["prompt"]
+    one_line_error(["inspect", tmp_path / "a[/x]b"], capsys, "a[/x]b does not exist")
+    one_line_error(["inspect", tmp_path / "[bold]"], capsys, "[bold] does not exist")

@@ -172,6 +172,20 @@ def test_cli_gps_json_shape(small_trace, capsys, tmp_path):
         assert {"attention", "ffn", "comm", "overhead", "total", "saving"} <= set(r)
     assert res["system"]["gpus"] == 4 and res["system"]["link"]["bw"] == 32e9
     assert png.stat().st_size > 1000
+    args = ["gps", "--trace", str(small_trace), "--seq-len", "64", "--skew", "1.5", "--max-batches", "1", "--json"]
+    with pytest.raises(SystemExit) as e:  # its own plot is replaced
+        main([*args, "--plot", str(png)])
+    assert e.value.code == 0
+    capsys.readouterr()
+    mine = tmp_path / "mine.png"
+    mine.write_text("not a plot")
+    for plot, words in ((mine, "not a moeflow plot"), (small_trace / "x.png", "inside the input")):
+        with pytest.raises(SystemExit) as e:
+            main([*args, "--plot", str(plot)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err
+    assert mine.read_text() == "not a plot" and not (small_trace / "x.png").exists()
 
 
 @pytest.mark.parametrize(

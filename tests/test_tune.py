@@ -241,6 +241,20 @@ def test_bad_inputs_give_one_line_and_write_nothing(traced, tmp_path, tiny_model
         assert words in msg and "\n" not in msg, (name, msg)
         assert not any(a in msg for a in absent), (name, msg)
         assert not out.exists() and not out.with_suffix(".png").exists(), name
+    # the plot beside --out: never --out itself, never a file or folder that is not a moeflow plot (even with --force)
+    base = ["-t", str(tr), "--model", str(ck), "--calibration", str(good), "--force"]
+    mine = tmp_path / "notes.png"
+    mine.write_text("my notes")
+    (tmp_path / "dir.png").mkdir()
+    for out, words in (
+        (tmp_path / "cfg.png", "would be replaced by its own plot"),
+        (tmp_path / "notes.json", "not a moeflow plot"),
+        (tmp_path / "dir.json", "is a folder"),
+    ):
+        r = _tune([*base, "--out", str(out)])
+        assert r.exit_code != 0 and words in str(r.exception) and "\n" not in str(r.exception), (out, r.output)
+        assert not out.exists() or out.is_dir()
+    assert mine.read_text() == "my notes"
 
 
 def test_table_replay_is_pregates_replay(traced):  # noqa: F811

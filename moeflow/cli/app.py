@@ -144,10 +144,12 @@ def _register() -> None:
 
 
 def fail(message: str, code: int = 2) -> None:
-    """Print one red line to stderr and exit with `code`."""
+    """Print one red line to stderr and exit with `code`. The message is printed as it is: a path, a prompt or a
+    TOML table it quotes may hold square brackets, which are not markup."""
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {message}", soft_wrap=True, markup=True)
+    Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, markup=True)
     raise SystemExit(code)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..artifacts import PLOT_METADATA, atomic_write
 from ..errors import ArtifactError, ConfigError
 from ..gps.simulator import (
     GPUS,
@@ -142,6 +143,10 @@ def load_input(cfg: GPSConfig) -> tuple[SweepInput, Any]:
 
 
 def main(cfg: GPSConfig) -> dict[str, Any]:
+    if cfg.plot:  # before any work: a moeflow plot there is replaced; anything else, a folder or an input is not
+        from ..outputs import check_out
+
+        check_out(cfg.plot, kind="plot", inputs=(cfg.trace, cfg.predictors), force=True, file=True, flag="--plot")
     inp, tr = load_input(cfg)
     spec = tr.spec
     gpu = measure_this_machine() if cfg.gpu == "this" else GPUS[cfg.gpu]
@@ -262,7 +267,8 @@ def plot(res: dict[str, Any], path: str) -> None:
     )
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    with atomic_write(path, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=110, metadata=PLOT_METADATA)  # marks it moeflow's (`artifact_kind`)
     plt.close(fig)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from ..artifacts import atomic_write
 from ..policies.parse import policy_args
@@ -276,7 +277,10 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                                     if fh is not None:
                                         fh.write(json.dumps(rec, default=str) + "\n")
                                     if not cfg.sweep and not cfg.json:
-                                        console.print(f"[bold]{pid}[/] {text[:80]!r}\n[green]{gen}[/]")
+                                        # the prompt and the text as they are: square brackets are not markup
+                                        console.print(
+                                            f"[bold]{escape(str(pid))}[/] {escape(repr(text[:80]))}\n[green]{escape(gen)}[/]"
+                                        )
                                     if planned is not None and not cfg.json:
                                         pl = outputs[-1]["plan"]
                                         console.print(

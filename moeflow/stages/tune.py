@@ -138,8 +138,16 @@ def main(cfg: TuneConfig) -> dict[str, Any]:
     check_device(cfg.device)
     if cfg.out:
         check_out(cfg.out, kind="run-config", inputs=(cfg.trace, cfg.calibration), force=cfg.force, file=True)
-        if cfg.plot and plot_path(cfg.out).exists() and not cfg.force:
-            raise ConfigError(f"the plot {plot_path(cfg.out)} exists; pass --force to replace it or --no-plot")
+        if cfg.plot:  # beside --out: never --out itself, nor a file or folder that is not a moeflow plot
+            if plot_path(cfg.out).resolve() == Path(cfg.out).resolve():
+                raise ConfigError(f"--out {cfg.out} would be replaced by its own plot; name the run configuration .json")
+            try:
+                check_out(
+                    plot_path(cfg.out), kind="plot", inputs=(cfg.trace, cfg.calibration), force=cfg.force, file=True,
+                    flag="the plot",
+                )  # fmt: skip
+            except ConfigError as e:  # its name follows --out's
+                raise ConfigError(f"{e} (its name follows --out's; or pass --no-plot)") from None
     tr = Trace(cfg.trace)
     spec = tr.spec
     capacity = budget_slots(cfg.budget, spec)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import atomic_write
+from ..artifacts import PLOT_METADATA, atomic_write
 
 
 def plot_ranking(ranked: list[dict[str, Any]], bound_tpot_s: float, path: str | Path, *, title: str = "", top: int = 30) -> Path:
@@ -27,6 +27,6 @@ def plot_ranking(ranked: list[dict[str, Any]], bound_tpot_s: float, path: str | 
     fig.tight_layout()
     p = Path(path)
     with atomic_write(p, "wb") as fh:
-        fig.savefig(fh, format="png", dpi=100)
+        fig.savefig(fh, format="png", dpi=100, metadata=PLOT_METADATA)  # marks it moeflow's (`artifact_kind`)
     plt.close(fig)
     return p
