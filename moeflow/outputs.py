@@ -89,6 +89,9 @@ def check_out(
     folder artifact that is not appended to, a mount point (it cannot be replaced by the new folder).
     Returns `out` as a Path.
     """
+    ext = ".png" if kind == "plot" else ".json"
+    if file and str(out).endswith(("/", os.sep)):  # Path() drops the slash: the file would take the folder's name
+        raise ConfigError(f"{flag} {out} names a folder (it ends with /); pass a file path (e.g. {out}{kind}{ext})")
     out = Path(out).expanduser()
     lexical = Path(os.path.abspath(out))
     if lexical == lexical.parent:
@@ -116,9 +119,7 @@ def check_out(
         return out  # new (or a dangling link: nothing to lose)
     what = "file" if file else "folder"
     if file and out.is_dir():
-        raise ConfigError(
-            f"{flag} {out} is a folder; pass a file path (e.g. {out / (kind + ('.png' if kind == 'plot' else '.json'))})"
-        )
+        raise ConfigError(f"{flag} {out} is a folder; pass a file path (e.g. {out / (kind + ext)})")
     if not file and not out.is_dir():
         raise ConfigError(f"{flag} {out} is a file; pass a folder path")
     if not file and not reuse and os.path.ismount(out):

@@ -142,6 +142,9 @@ def test_out_directory_refused_before_the_work(ckpt, tmp_path, capsys, no_load):
     d = tmp_path / "adir"
     d.mkdir()
     one_line_error(["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--out", d], capsys, f"--out {d}", "file")
+    new = f"{tmp_path / 'newdir'}/"  # a folder to be: a file named newdir would be written
+    one_line_error(["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--out", new], capsys, "names a folder (it ends with /)")
+    assert not (tmp_path / "newdir").exists()
 
 
 def test_calibrate_out_directory_refused_before_measuring(ckpt, tmp_path, capsys, monkeypatch):
@@ -184,7 +187,17 @@ def test_calibration_with_step_size_below_one_is_refused_when_read(ckpt, tmp_pat
     one_line_error(
         ["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--calibration", cal], capsys, "step size S = 0", "integer >= 1"
     )
+    # another device's calibration (its S and link were measured there), a non-positive bandwidth: refused as tune does
+    for change, words in (({"device": "cuda-NVIDIA_H100"}, "of device 'cuda-NVIDIA_H100', not 'cpu'"),
+                          ({"bandwidth_bytes_per_s": -5.0}, "no positive bandwidth_bytes_per_s")):  # fmt: skip
+        cal.write_text(json.dumps({**rec, "initial_s": 1, **change}))
+        one_line_error(["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--calibration", cal], capsys, words)
     assert calls == []
+    monkeypatch.undo()
+    cal.write_text(json.dumps({**rec, "initial_s": 1, "device": "cpu-emulated-2gbps"}))  # this device, an emulated link
+    args = ["run", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--calibration", cal, "--no-warmup", "--max-new-tokens", "2"]
+    code, _, err = cli(args, capsys)
+    assert code == 0, err
 
 
 # ---- item 5: a sweep checks every value before the first run -----------------------------------------
@@ -437,3 +450,16 @@ def test_square_brackets_are_text_not_markup(ckpt, tmp_path, capsys):
     assert "[INST] the king said [/INST]" in stdout and json.loads(out.read_text().splitlines()[0])["prompt"]
     one_line_error(["inspect", tmp_path / "a[/x]b"], capsys, "a[/x]b does not exist")
     one_line_error(["inspect", tmp_path / "[bold]"], capsys, "[bold] does not exist")
+
+
+def test_simulate_without_model_uses_the_traces_model(ckpt, tmp_path, capsys, monkeypatch):
+    """No --model: pregate's routers come from the checkpoint the trace was made with (as tune), not from the
+    default model, which refused every trace of another model."""
+    tr = tmp_path / "tr"
+    code, _, err = cli(["trace", "-m", ckpt, "-p", ckpt.parent / "p.txt", "--max-new-tokens", "3", "--record-hidden",
+                        "--threads", "1", "--no-progress", "--out", tr], capsys)  # fmt: skip
+    assert code == 0, err
+    monkeypatch.delenv("MOEFLOW_MODEL", raising=False)
+    code, out, err = cli(["simulate", "--trace", tr, "-c", "50%", "-f", "pregate", "--json", "--no-progress"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["rows"]

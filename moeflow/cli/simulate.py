@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import typer
@@ -12,6 +13,7 @@ from .common import (
     alias,
     capacity_option,
     eviction_option,
+    given_flags,
     hidden_alias,
     json_option,
     limit_option,
@@ -69,6 +71,7 @@ def render(res: dict[str, Any]) -> None:
 
 @app.command("simulate")
 def simulate_cmd(
+    ctx: typer.Context,
     trace: str = typer.Option(
         ..., "--trace", "-t", help="Trace folder written by `moeflow trace` (with --record-hidden for --prefetch pregate)."
     ),
@@ -120,7 +123,8 @@ def simulate_cmd(
 ) -> None:
     """Replay a routing trace through the runtime's expert cache (no weights): hit rate, collision misses, transfers
     per token; `--json` rows carry `decode_counters` with the fields of `moeflow run --json`. The defaults are
-    `moeflow run`'s; the model (--model) is loaded only for pregate, whose routers it applies."""
+    `moeflow run`'s; the model (--model; default: the one the trace was made with, where its folder exists) is
+    loaded only for pregate, whose routers it applies."""
     from ..policies.parse import parse_opts, split_list
     from ..stages.simulate import SimulateConfig, main
 
@@ -135,7 +139,7 @@ def simulate_cmd(
         calibration=calibration,
         phase=phase,
         max_prompts=alias(limit, max_prompts, "--limit/-n", "--max-prompts"),
-        model=model,
+        model=model if "model" in given_flags(ctx) or os.environ.get("MOEFLOW_MODEL") else None,  # None: the trace's
         belady=not no_belady,
         progress=not no_progress and not as_json,
         link=link,

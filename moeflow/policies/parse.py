@@ -128,7 +128,20 @@ def build_policy(registry: Any, text: str, opts: tuple[tuple[str, str], ...] = (
     """The policy `text` (`name[:k=v,...]`, plus `opts`) from `registry`: one line for an unknown name,
     an unknown option or a bad option value (`pregate:overfetch=abc`)."""
     name, kw = policy_args(text, opts)
-    return registry.create(name, **kw)
+    try:
+        return registry.create(name, **kw)
+    except ConfigError as e:
+        import inspect
+
+        head = str(e).split(";")[0]
+        others = {p for n in registry for p in inspect.signature(registry[n]).parameters}  # options some policy takes
+        flagged = [k for k in sorted(set(opts_dict(opts)) - set(parse_policy(text)[1])) if f"'{k}'" in head and k in others]
+        if "has no option" not in head or not flagged:
+            raise
+        # a --X-opt pair goes to every policy of the kind; one meant for another of them goes inline
+        k = flagged[0]
+        raise ConfigError(f"{e} (--{registry.kind}-opt applies to every {registry.kind} policy given; for one only, "
+                          f"write it inline: NAME:{k}=...)") from None  # fmt: skip
 
 
 def check_capacity_syntax(spec: str) -> None:

@@ -129,6 +129,15 @@ def read_calibration(cfg: RunConfig, model: Any, link_spec: str) -> tuple[dict[s
         return None, str(path)
     cal = load_calibration(path, model)
     check_step_size(cal, path)
+    got, here = str(cal.get("device") or ""), device_name(cfg.device)
+    if got and got != here and not got.startswith(here + "-emulated-"):  # its S and link were measured elsewhere
+        raise ConfigError(
+            f"calibration {path} is of device {got!r}, not {here!r}; run `moeflow calibrate` on this device or pass its file"
+        )
+    for k in ("bandwidth_bytes_per_s", "layer_time_s"):  # what S and the adaptive controller are computed from
+        v = cal.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v <= 0):
+            raise ArtifactError(f"calibration {path} has no positive {k}; re-run `moeflow calibrate`")
     return cal, str(path)
 
 

@@ -38,7 +38,7 @@ class SimulateConfig:
     lookahead: int | None = None  # step size S handed to prefetchers; None: the calibration's, else 1
     phase: str = "decode"  # decode | prefill | all: whose counters the rows' headline metrics count (all passes replay)
     max_prompts: int | None = None  # --limit: replay only the first N prompts
-    model: str | None = None  # needed for pregate (routers) and checked against the trace; None: the default model
+    model: str | None = None  # needed for pregate (routers) and checked against the trace; None: the trace's, else the default
     calibration: str | None = None  # calibration JSON giving S (None: calibration/<device>.json as `moeflow run`)
     belady: bool = True
     progress: bool = True
@@ -145,7 +145,7 @@ def main(cfg: SimulateConfig) -> dict[str, Any]:
         from ..models import default_model_path, load_model
         from ..moe import get_adapter
 
-        model, _ = load_model(cfg.model or default_model_path())
+        model, _ = load_model(cfg.model or tr.model_folder() or default_model_path())  # no --model: the trace's
         tr.check_model(model)
         predict = _router_predictor(get_adapter(model))
     count = {"decode": 1, "prefill": 0, "all": None}[cfg.phase]

@@ -210,12 +210,12 @@ def main(cfg: TuneConfig) -> dict[str, Any]:
         from ..moe import get_adapter
         from .simulate import _router_predictor
 
-        model_path = cfg.model or _traced_model(tr) or default_model_path()
+        model_path = cfg.model or tr.model_folder() or default_model_path()
         if model is None:
             model, _ = load_model(model_path)
             tr.check_model(model)
         predict = _router_predictor(get_adapter(model))
-    model_path = model_path or _traced_model(tr) or str(tr.meta.get("model", ""))
+    model_path = model_path or tr.model_folder() or str(tr.meta.get("model", ""))
     from ..progress import progress
     from ..sim.access import from_trace
 
@@ -295,8 +295,3 @@ def _routered(prefetch: str) -> bool:
 
     cls = PREFETCH.get(policy_args(prefetch)[0])
     return cls is not None and bool(cls.needs_router_input)
-
-
-def _traced_model(tr: Any) -> str | None:
-    m = tr.meta.get("model")
-    return str(m) if m and Path(str(m)).is_dir() else None

@@ -301,6 +301,12 @@ class Trace:
             raise ConfigError(f"phase must be 'prefill' or 'decode', not {phase!r}")
         return self._phase == (1 if phase == "decode" else 0)
 
+    def model_folder(self) -> str | None:
+        """The checkpoint folder this trace was recorded with, where it still exists (what a stage that was given
+        no --model loads); None otherwise."""
+        m = self.meta.get("model")
+        return str(m) if m and Path(str(m)).is_dir() else None
+
     def check_model(self, model: Any) -> None:
         """Raise ArtifactError if `model` is not the model this trace was recorded with."""
         from ..artifacts import another_model

@@ -43,7 +43,10 @@ def read_run_config(path: str | os.PathLike) -> dict[str, Any]:
     try:
         rec = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{p} is not valid JSON ({e}); re-write it with `moeflow tune --out {p}`") from e
+        raise ArtifactError(
+            f"{p} is not valid JSON ({e}); write a new one with `moeflow tune --out NEW.json` "
+            "(tune never replaces a file that is not a run configuration)"
+        ) from e
     if not isinstance(rec, dict) or rec.get("kind") != KIND:
         got = rec.get("kind") if isinstance(rec, dict) else None
         raise ArtifactError(
@@ -54,17 +57,19 @@ def read_run_config(path: str | os.PathLike) -> dict[str, Any]:
         raise ArtifactError(f"{p} has run-config schema {rec.get('schema')}, this moeflow reads {SCHEMA}; re-run `moeflow tune`")
     opts = rec.get("options")
     if not isinstance(opts, dict) or any(k not in opts for k in OPTIONS) or not rec.get("model_fingerprint"):
-        raise ArtifactError(f"{p} lacks the options or model of a run configuration; re-run `moeflow tune --out {p}`")
+        raise ArtifactError(f"{p} lacks the options or model of a run configuration; re-run `moeflow tune --out {p} --force`")
     unknown = sorted(k for k in opts if k not in OPTIONS)
     if unknown:
         raise ArtifactError(
             f"{p}: unknown option {', '.join(map(repr, unknown))} (a run configuration holds {', '.join(OPTIONS)}); "
-            f"fix the file or re-run `moeflow tune --out {p}`"
+            f"fix the file or re-run `moeflow tune --out {p} --force`"
         )
     for key, v in opts.items():
         fits, want = _CHECKS[key]
         if not fits(v):
-            raise ArtifactError(f"{p}: option {key!r} must be {want}, got {v!r}; fix the file or re-run `moeflow tune --out {p}`")
+            raise ArtifactError(
+                f"{p}: option {key!r} must be {want}, got {v!r}; fix the file or re-run `moeflow tune --out {p} --force`"
+            )
     return rec
 
 
