@@ -89,6 +89,10 @@ def missing_model(path: str | os.PathLike) -> str:
     shipped = shipped_models()
     ships = f"the repository ships {', '.join(shipped)}; " if shipped else ""
     what = f"--model {path} is a file, not a model folder" if Path(path).exists() else f"model folder {path} does not exist"
+    if os.environ.get("MOEFLOW_MODEL") and str(path) == os.environ["MOEFLOW_MODEL"]:  # no --model: the variable's
+        what = f"$MOEFLOW_MODEL names {path}, which " + (
+            "is a file, not a model folder" if Path(path).exists() else "does not exist"
+        )
     return (
         f"{what}; check the path, or pass --model with a local Hugging Face checkpoint "
         f"folder (config.json + safetensors): {ships}or set MOEFLOW_MODEL"

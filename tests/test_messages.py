@@ -381,6 +381,9 @@ def test_model_path_messages(tmp_path, monkeypatch):
     f.write_text("x")
     assert missing_model(f).startswith(f"--model {f} is a file, not a model folder")
     assert missing_model(tmp_path / "no").startswith(f"model folder {tmp_path / 'no'} does not exist")
+    monkeypatch.setenv("MOEFLOW_MODEL", str(tmp_path / "no"))  # the path came from the variable, not from --model
+    assert missing_model(str(tmp_path / "no")).startswith(f"$MOEFLOW_MODEL names {tmp_path / 'no'}, which does not exist")
+    monkeypatch.delenv("MOEFLOW_MODEL")
     monkeypatch.chdir(tmp_path)
     assert shipped_models() and all(
         m.startswith("/") and m.endswith(("olmoe-deep", "olmoe-mini", "mixtral-mini")) for m in shipped_models()

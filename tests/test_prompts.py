@@ -202,3 +202,16 @@ def test_hf_dataset_name_autodetects_field(monkeypatch):
     with pytest.raises(MoeflowError, match="cannot load Hugging Face dataset 'someone/qa'") as e:
         load_prompts("someone/qa")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", [5, None, 2.5])
+def test_a_prompt_field_that_holds_no_text_says_so(tmp_path, value):
+    """`{"prompt": 5}`: the field is there, so "not a field" (with --column) and "none of its fields is a prompt
+    field" (without) both contradicted the file; the message says what the field holds."""
+    from moeflow.data.prompts import read_texts
+
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": value}) + "\n")
+    for column in (None, "prompt"):
+        with pytest.raises(ConfigError, match=r"its field 'prompt' holds no text .*a prompt is a string"):
+            list(read_texts(f, column))

@@ -124,6 +124,9 @@ def test_quality_refuses_bad_input(ckpt, capsys):
     assert "--text" in err and len(err.strip().splitlines()) == 1
     assert _run(_args(ckpt, "--speculative")) == 2
     assert "--speculative needs" in capsys.readouterr().err
+    for mode in ("resident", "bogus"):  # resident is always the reference: it was accepted and ignored
+        assert _run(_args(ckpt, "--mode", mode)) == 2
+        assert f"--mode '{mode}': quality compares offload and/or on-demand" in capsys.readouterr().err
 
 
 def test_policy_opt_flags_reach_the_policies(ckpt, capsys):

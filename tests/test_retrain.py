@@ -229,3 +229,13 @@ def test_a_model_path_that_names_no_folder_says_which_key_to_fix(tmp_path, check
     assert code == 2 and len(errors) == 1, out
     assert "set `model =`" in errors[0] and str(tmp_path / "models" / "olmoe") in errors[0] and "--model" not in errors[0]
     assert not (tmp_path / "trace").exists()
+
+
+def test_hidden_state_predictors_without_record_hidden_are_refused_before_tracing(tmp_path, checkpoint, capsys):
+    """pregate needs the trace's hidden states: said from the config, before a prompt is traced (a trace without
+    them would be left behind, and the next run with record_hidden = true refused to append to it)."""
+    cfg = setup(tmp_path, checkpoint)
+    cfg.write_text(cfg.read_text().replace("record_hidden = true\n", ""))
+    code, out = run(cfg, capsys)
+    assert code == 2 and "set record_hidden = true under [trace_options]" in out and "pregate" in out, out
+    assert not (tmp_path / "trace").exists() and not (tmp_path / ".pred.versions").exists()

@@ -101,6 +101,7 @@ def quality(
 ) -> None:
     """Perplexity, greedy agreement and task accuracy of each configuration against `resident`, beside its
     TPOT and bytes per token; lossy configurations are labelled LOSSY."""
+    from ..errors import ConfigError
     from ..policies.parse import parse_opts, split_list
     from ..stages.quality import main
     from ..stages.quality_config import QualityConfig
@@ -108,7 +109,10 @@ def quality(
 
     misses = split_list(miss, "--miss") or ("fetch",)
     routings = split_list(routing, "--routing") or ("standard",)
-    modes = tuple(m for m in split_list(mode, "--mode") if m != "resident") or ("offload",)
+    modes = split_list(mode, "--mode") or ("offload",)
+    bad = [m for m in modes if m not in ("offload", "on-demand")]
+    if bad:  # resident is the reference, always run: naming it would change nothing
+        raise ConfigError(f"--mode {bad[0]!r}: quality compares offload and/or on-demand with the resident model it always runs")
     check_offload_flags(modes, given_flags(ctx))
     run = RunConfig(
         model=model,

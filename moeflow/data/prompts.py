@@ -260,16 +260,24 @@ def _texts_of(records: Iterable[Any], column: str | None, where: str) -> Iterato
     """The prompt texts of `records`; a `column` no record has, or records without any known prompt
     field, raise one line naming the fields there are."""
     fields: list[str] = []
+    first: dict[str, Any] = {}  # the first record's values (what a field that holds no text holds)
     found = False
     for rec in records:
         if isinstance(rec, dict) and not fields:
-            fields = [str(k) for k in rec]
+            fields, first = [str(k) for k in rec], {str(k): v for k, v in rec.items()}
         t = record_text(rec, column)
         if t is not None:
             found = True
         if t:
             yield t
     if not found and fields:
+        named = [column] if column is not None else [c for c in PROMPT_COLUMNS if c in fields]
+        if named and named[0] in fields:  # the field is there, but not as text (a number, null, a list)
+            raise ConfigError(
+                f"no prompts found in {where}: its field {named[0]!r} holds no text (the first record's: "
+                f"{repr(first.get(named[0]))[:40]}); a prompt is a string"
+                + ("" if column is not None else "; or pass --column NAME")
+            )
         if column is not None:
             raise ConfigError(f"--column {column!r} is not a field of {where}; its fields: {', '.join(fields)}")
         raise MoeflowError(

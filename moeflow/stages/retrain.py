@@ -102,6 +102,14 @@ class RetrainConfig:
             raise ConfigError(f"retrain config `holdout` must be in (0, 1), got {self.holdout}")
         if self.keep < 2:
             raise ConfigError(f"retrain config `keep` must be >= 2 (the current and the previous version), got {self.keep}")
+        from ..predict.base import PREDICTORS  # registered on import (moeflow.predict)
+
+        hidden = [n for n in self.only if n in PREDICTORS and PREDICTORS[n].needs_hidden]
+        if hidden and not self.trace_options.get("record_hidden"):  # said before any prompt is traced
+            raise ConfigError(
+                f"retrain config `only` has {', '.join(hidden)}, which need the trace's hidden states: "
+                "set record_hidden = true under [trace_options]"
+            )
 
     def fingerprint_fields(self) -> dict[str, Any]:
         """What shapes the trained predictors besides the trace and the model (not log/status/keep/margin)."""
