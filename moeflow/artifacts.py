@@ -427,7 +427,10 @@ def read_record(path: str | os.PathLike, kind: str, schema: int) -> dict[str, An
     try:
         rec = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{p} is corrupt (not valid JSON: {e}); delete it and re-run `moeflow {command_for(kind)}`") from e
+        gone = f"the folder {p.parent}" if p.name == META else "it"  # a folder's data is useless without its meta.json
+        raise ArtifactError(
+            f"{p} is corrupt (not valid JSON: {e}); delete {gone} and re-run `moeflow {command_for(kind)}`"
+        ) from e
     got = rec.get("kind") if isinstance(rec, dict) else None
     if got != kind:
         held = f"a moeflow {noun(got)}" if isinstance(got, str) else "no moeflow kind"

@@ -345,6 +345,6 @@ def test_prompt_tokens_and_engine_rounds_flags():
 
     cfg = build_config(model="m", prompt_tokens=40, engine_rounds=5)
     assert (cfg.prompt_tokens, cfg.engine_rounds) == (40, 5)
-    for bad in ({"prompt_tokens": 0}, {"engine_rounds": 0}):
-        with pytest.raises(ConfigError, match="--prompt-tokens and --engine-rounds must be >= 1"):
+    for bad, flag in (({"prompt_tokens": 0}, "--prompt-tokens"), ({"engine_rounds": 0}, "--engine-rounds")):
+        with pytest.raises(ConfigError, match=rf"^{flag} must be >= 1 \(got 0\)$"):  # the one flag, its value
             CalibrateConfig(model="m", **bad)

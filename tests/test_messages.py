@@ -94,14 +94,13 @@ def test_simulate_refuses_a_learned_prefetcher_in_words(ckpt, tmp_path, capsys):
 
 
 def test_simulate_has_run_defaults(capsys, monkeypatch):
-    from moeflow.models import default_model_path
 
     seen = {}
     monkeypatch.setattr("moeflow.stages.simulate.main", lambda cfg: seen.update(cfg=cfg) or {"rows": []})
     code, _, err = cli(["simulate", "-t", "T", "--json"], capsys)
     assert code == 0, err
     cfg = seen["cfg"]
-    assert cfg.capacities == ("25%",) and cfg.evictions == ("next-use",) and cfg.model == default_model_path()
+    assert cfg.capacities == ("25%",) and cfg.evictions == ("next-use",) and cfg.model is None  # the trace's
     assert cfg.prefetches is None and cfg.lookahead is None  # pregate where the trace allows it; the calibration's S
     text = help_text(capsys, "simulate")
     assert "Default 25%, as `moeflow run`" in text and "Default pregate, as `moeflow run`" in text
@@ -117,10 +116,17 @@ def test_simulate_defaults_resolved_from_the_trace(ckpt, trace, capsys, tmp_path
     assert res["rows"][0]["capacity"] == round(0.25 * res["total_experts"])
 
 
-def test_simulate_pregate_uses_the_default_model(ckpt, trace, capsys):
-    """No "needs --model": the default model is loaded; not the traced one here, which the line names."""
+def test_simulate_pregate_uses_the_traces_model(ckpt, trace, capsys, monkeypatch):
+    """No "needs --model": without --model the model the trace was made with is loaded (the default model refused
+    every trace of another one); another --model is refused in a line that names the traced one."""
+    monkeypatch.delenv("MOEFLOW_MODEL", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "-t", str(trace), "-f", "pregate", "--no-progress"])
+    assert e.value.code in (0, None), capsys.readouterr().err
+    from moeflow.models import default_model_path
+
     one_line_error(
-        ["simulate", "-t", trace, "-f", "pregate"],
+        ["simulate", "-t", trace, "-f", "pregate", "-m", default_model_path()],
         capsys,
         f"was made for another model, {ckpt}",
         f"pass --model {ckpt}",

@@ -1,6 +1,6 @@
 """Calibration: bandwidth sweep, per-layer compute timing, ExpertFlow's initial step size S, named regimes."""
 
-from .io import calibration_path, device_name, load_calibration, write_calibration
+from .io import calibration_path, device_name, load_calibration, missing_calibration, write_calibration
 from .stepsize import copy_share, copy_share_bandwidth, initial_step_size, parse_regime, regime_bandwidth, specmd_bandwidth
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "device_name",
     "initial_step_size",
     "load_calibration",
+    "missing_calibration",
     "parse_regime",
     "regime_bandwidth",
     "specmd_bandwidth",

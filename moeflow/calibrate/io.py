@@ -38,6 +38,12 @@ def device_name(device: str, link_gbps: float | None = None) -> str:
     return name
 
 
+def missing_calibration(path: str | os.PathLike) -> str:
+    """The one line for a --calibration that names no file: a folder is called one."""
+    what = "is a folder, not a calibration file" if Path(path).is_dir() else "does not exist"
+    return f"calibration file {path} {what}; run `moeflow calibrate` or drop --calibration"
+
+
 def calibration_path(device: str, root: str | os.PathLike = "calibration") -> Path:
     """Where `moeflow calibrate` writes (and `moeflow run` looks for) the calibration of `device`.
 

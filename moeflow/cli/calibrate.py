@@ -41,7 +41,11 @@ def build_config(
     wait: bool = False,
 ) -> Any:
     """The flag -> config mapping (kept separate so it can be tested without measuring)."""
+    from ..errors import ConfigError
     from ..stages.calibrate import CalibrateConfig
+
+    if out is not None and not write:
+        raise ConfigError("--no-write writes nothing: drop --out, or drop --no-write")
 
     return CalibrateConfig(
         model=model,

@@ -57,8 +57,12 @@ class CalibrateConfig:
             raise ConfigError(f"--link-latency-us must be >= 0 (got {self.link_latency_s * 1e6})")
         if self.link_gbps is not None and not self.device.startswith("cpu"):
             raise ConfigError("--link-gbps emulates a link on CPU; drop it or use --device cpu")
-        if min(self.repeats, self.decode_steps, self.prompt_tokens, self.engine_rounds) < 1:
-            raise ConfigError("--repeats, --decode-steps, --prompt-tokens and --engine-rounds must be >= 1")
+        for flag, v in (("--repeats", self.repeats), ("--decode-steps", self.decode_steps),
+                        ("--prompt-tokens", self.prompt_tokens), ("--engine-rounds", self.engine_rounds)):  # fmt: skip
+            if v < 1:
+                raise ConfigError(f"{flag} must be >= 1 (got {v})")
+        if self.link_latency_s and self.link_gbps is None:
+            raise ConfigError("--link-latency-us is the emulated link's: give --link-gbps too, or drop it")
         if not self.sizes_kib or min(self.sizes_kib) < 1:
             raise ConfigError("--sizes must be positive KiB values")
         from ..calibrate.stepsize import parse_regime

@@ -62,8 +62,10 @@ class GPSConfig:
             raise ConfigError(f"--model-shape must be one of {', '.join((*SHAPES, 'trace'))} (got {self.model_shape!r})")
         if self.gpu not in (*GPUS, "this"):
             raise ConfigError(f"--gpu must be one of {', '.join((*GPUS, 'this'))} (got {self.gpu!r})")
-        if self.seq_len < 1 or self.max_batches < 1 or self.redundant < 0:
-            raise ConfigError("--seq-len and --max-batches must be >= 1 and --redundant >= 0")
+        for flag, v, least in (("--seq-len", self.seq_len, 1), ("--max-batches", self.max_batches, 1),
+                               ("--redundant", self.redundant, 0)):  # fmt: skip
+            if v < least:
+                raise ConfigError(f"{flag} must be >= {least} (got {v})")
         if self.link_gbps is not None and not self.link_gbps > 0:
             raise ConfigError(f"--link-gbps must be > 0 (got {self.link_gbps})")
         if self.link_latency_us is not None and self.link_latency_us < 0:

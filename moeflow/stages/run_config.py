@@ -108,6 +108,8 @@ class RunConfig:
             raise ConfigError("several modes / capacities / evictions / prefetches need --sweep")
         if not self.prompts and not self.prompt:
             raise ConfigError("give --prompts FILE|NAME or --prompt TEXT")
+        if any(not p.strip() for p in self.prompt):  # a model generates from nothing but its BOS token
+            raise ConfigError("--prompt is empty: give the text to generate from")
         self._check_policies()
         self._check_plan()
         if self.speculative and (set(self.modes) != {"offload"} or not all(_speculates(p) for p in self.prefetches)):

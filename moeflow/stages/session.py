@@ -116,7 +116,7 @@ def read_calibration(cfg: RunConfig, model: Any, link_spec: str) -> tuple[dict[s
     """(calibration or None, path looked at): `--calibration FILE`, else what `moeflow calibrate` writes for
     this device and link (`calibration/cpu.json`, `calibration/cpu-emulated-2gbps.json`, `calibration/cuda-....json`).
     A calibration made for another model is refused (moeflow.calibrate.load_calibration checks the fingerprint)."""
-    from ..calibrate import calibration_path, device_name, load_calibration
+    from ..calibrate import calibration_path, device_name, load_calibration, missing_calibration
 
     kind, gbps, _ = parse_link(link_spec)
     if cfg.calibration:
@@ -125,7 +125,7 @@ def read_calibration(cfg: RunConfig, model: Any, link_spec: str) -> tuple[dict[s
         path = calibration_path(device_name(cfg.device, gbps if kind == "emulated" else None))
     if not path.is_file():
         if cfg.calibration:
-            raise MoeflowError(f"calibration file {path} does not exist; run `moeflow calibrate` or drop --calibration")
+            raise MoeflowError(missing_calibration(path))
         return None, str(path)
     cal = load_calibration(path, model)
     check_step_size(cal, path)

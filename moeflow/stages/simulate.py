@@ -217,12 +217,12 @@ def _lookahead(cfg: SimulateConfig, tr: Any, prefetches: tuple[str, ...]) -> tup
     classes = [PREFETCH.get(n) for n in names]
     if all(cls is not None and not cls.proposes for cls in classes):
         return 1, "no prefetch"
-    from ..calibrate import load_calibration
+    from ..calibrate import load_calibration, missing_calibration
 
     path = _calibration_file(cfg)
     if not path.is_file():
         if cfg.calibration:
-            raise ConfigError(f"calibration file {path} does not exist; run `moeflow calibrate` or drop --calibration")
+            raise ConfigError(missing_calibration(path))
         return 1, f"no calibration at {path}"
     cal = load_calibration(path, fingerprint=tr.fingerprint, against="the trace's model")
     s = cal.get("initial_s")

@@ -64,6 +64,8 @@ class TraceConfig:
             )
         if self.hidden_dtype not in ("float16", "float32"):
             raise ConfigError(f"--hidden-dtype must be float16 or float32 (got {self.hidden_dtype!r})")
+        if self.hidden_dtype != "float16" and not self.record_hidden:  # meta.json would say float32, storing none
+            raise ConfigError("--hidden-dtype is how hidden states are stored: add --record-hidden, or drop it")
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
         if self.batch_size < 1:

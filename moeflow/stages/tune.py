@@ -85,7 +85,7 @@ def read_calibration(cfg: TuneConfig, tr: Any) -> tuple[dict[str, Any], str, str
     for): `--calibration`, else the file `moeflow run` reads for this device and link. The modelled link is
     `--link`, else the calibration's measured bandwidth and latency. Refused: none found, another model's,
     another device's."""
-    from ..calibrate import calibration_path, device_name, load_calibration
+    from ..calibrate import calibration_path, device_name, load_calibration, missing_calibration
     from ..runtime.link import parse_link
 
     gbps = parse_link(cfg.link)[1] if cfg.link else None
@@ -101,7 +101,7 @@ def read_calibration(cfg: TuneConfig, tr: Any) -> tuple[dict[str, Any], str, str
             raise ConfigError(f"several calibrations of {want} ({names}); pick one with --calibration or --link emulated:GBPS")
     if not path.is_file():
         if cfg.calibration:
-            raise ConfigError(f"calibration file {path} does not exist; run `moeflow calibrate` or drop --calibration")
+            raise ConfigError(missing_calibration(path))
         hint = f" --link-gbps {gbps:g}" if gbps else ""
         raise ConfigError(
             f"tune predicts TPOT from a calibration and found none at {path}; run `moeflow calibrate{hint}` or pass --calibration"
