@@ -473,6 +473,7 @@ def test_simulate_without_model_uses_the_traces_model(ckpt, tmp_path, capsys, mo
         (["calibrate", "-m", "{ckpt}", "--link-latency-us", "5"], "give --link-gbps too"),
         (["calibrate", "-m", "{ckpt}", "--out", "{tmp}/c.json", "--no-write"], "--no-write writes nothing"),
         (["calibrate", "-m", "{ckpt}", "--decode-steps", "0"], "--decode-steps must be >= 1 (got 0)"),
+        (["run", "-m", "{ckpt}", "--prompt", "hi", "--adaptive-s", "-f", "none"], "--adaptive-s adapts the prefetch step"),
     ],
 )
 def test_flags_that_contradict_each_other_are_one_line_before_loading(ckpt, tmp_path, capsys, no_load, argv, words):
@@ -482,3 +483,12 @@ def test_flags_that_contradict_each_other_are_one_line_before_loading(ckpt, tmp_
     args = [subs.get(a, a.replace("{tmp}", str(tmp_path))) for a in argv]
     one_line_error(args, capsys, words)
     assert not any(tmp_path.iterdir())
+
+
+def test_debug_shows_the_traceback_and_keeps_the_exit_code(tmp_path, capsys, monkeypatch):
+    """MOEFLOW_DEBUG=1 adds the traceback; a script still sees exit 2 for bad input (it saw 1)."""
+    monkeypatch.setenv("MOEFLOW_DEBUG", "1")
+    code, _, err = cli(["inspect", tmp_path / "nothing"], capsys)
+    assert code == 2 and "Traceback (most recent call last)" in err and "ArtifactError" in err, err
+    code, _, err = cli(["run", "--no-such-flag"], capsys)
+    assert code == 2 and "Traceback" in err, err

@@ -18,6 +18,7 @@ import functools
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -196,15 +197,17 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         _say("interrupted", 130)
     except MoeflowError as e:
-        if debug:
-            raise
+        if debug:  # the traceback, and the exit code a script sees without it
+            traceback.print_exc()
+            raise SystemExit(e.exit_code) from None
         fail(_one_line(str(e)), e.exit_code)
     except ClickException as e:
         if type(e).__name__ == "NoArgsIsHelpError":  # `moeflow` alone: the help, as click prints it
             e.show()
             raise SystemExit(e.exit_code) from None
         if debug:
-            raise
+            traceback.print_exc()
+            raise SystemExit(e.exit_code) from None
         hint = f"; see `{e.ctx.command_path} --help`" if getattr(e, "ctx", None) is not None else ""
         text = _no_such_option(e) if type(e).__name__ == "NoSuchOption" else e.format_message()
         fail(_one_line(text).rstrip(".") + hint, e.exit_code)

@@ -112,6 +112,8 @@ class RunConfig:
             raise ConfigError("--prompt is empty: give the text to generate from")
         self._check_policies()
         self._check_plan()
+        if self.adaptive_s and "offload" in self.modes and not any(_proposes(p) for p in self.prefetches):
+            raise ConfigError("--adaptive-s adapts the prefetch step size S: give a prefetch policy (-f pregate, ...) or drop it")
         if self.speculative and (set(self.modes) != {"offload"} or not all(_speculates(p) for p in self.prefetches)):
             raise ConfigError(
                 "--speculative needs --mode offload --prefetch router-pf|estimator|hybrid "
@@ -328,6 +330,14 @@ def check_config_model(cfg: RunConfig, model: Any) -> None:
         except ArtifactError:
             meta = {"model_fingerprint": cfg.config_fingerprint}
         raise another_model(f"run configuration {cfg.config}", meta, fp, "re-run `moeflow tune` with this --model")
+
+
+def _proposes(prefetch: str) -> bool:
+    """Whether prefetch policy `prefetch` (`name[:k=v,...]`) ever proposes a copy (not `none`)."""
+    from ..policies import PREFETCH
+
+    name = policy_args(prefetch)[0]
+    return name in PREFETCH and PREFETCH[name].proposes
 
 
 def _speculates(prefetch: str) -> bool:
