@@ -45,7 +45,7 @@ def test_quality_prints_no_transformers_noise(ckpt, capsys):
 
     args = ["quality", "-m", str(ckpt), "--prompts", str(ckpt.parent / "p.txt"), "--max-new-tokens", "2"]
     args += ["--max-prompt-tokens", "32", "--text", str(ckpt.parent / "text.txt"), "--ppl-tokens", "8", "--ppl-windows", "1"]
-    args += ["--task", "none", "--mode", "resident", "--no-warmup", "--threads", "1", "--json"]
+    args += ["--task", "none", "--mode", "on-demand", "--no-warmup", "--threads", "1", "--json"]
     log = _Records()
     tx_log = logging.getLogger("transformers")
     tx_log.addHandler(log)

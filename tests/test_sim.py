@@ -285,8 +285,12 @@ def test_simulate_cli_on_a_trace(traced):
     assert res["accesses_per_s"] > 0 and all(x["accesses_per_s"] > 0 for x in res["rows"])
     b = next(x for x in res["rows"] if (x["capacity"], x["eviction"]) == (3, "belady"))
     assert all(b["hits"] >= x["hits"] for x in res["rows"] if x["capacity"] == 3 and x["prefetch"] == "none")
-    # without --model pregate uses the default model, as every command: not the traced one, said in one line
-    bad = CliRunner().invoke(app, ["simulate", "--trace", str(tr), "-p", "pregate"])
+    # without --model pregate uses the model the trace was made with; another --model is one line naming it
+    ok = CliRunner(env={"MOEFLOW_MODEL": ""}).invoke(app, ["simulate", "--trace", str(tr), "-p", "pregate", "--json"])
+    assert ok.exit_code == 0, ok.output
+    from moeflow.models import default_model_path
+
+    bad = CliRunner().invoke(app, ["simulate", "--trace", str(tr), "-p", "pregate", "-m", default_model_path()])
     assert bad.exit_code != 0 and isinstance(bad.exception, MoeflowError), bad.exception  # not a traceback
     assert f"pass --model {ck}" in str(bad.exception)
 
