@@ -239,3 +239,13 @@ def test_hidden_state_predictors_without_record_hidden_are_refused_before_tracin
     code, out = run(cfg, capsys)
     assert code == 2 and "set record_hidden = true under [trace_options]" in out and "pregate" in out, out
     assert not (tmp_path / "trace").exists() and not (tmp_path / ".pred.versions").exists()
+
+
+def test_a_bad_option_value_names_the_config_key_not_a_flag(tmp_path, checkpoint, capsys):
+    """[trace_options] max_new_tokens = -2 was refused as "--max-new-tokens must be >= 1", a flag retrain does not
+    have, and only once tracing began; now when the config is read, under its own key."""
+    cfg = setup(tmp_path, checkpoint)
+    cfg.write_text(cfg.read_text().replace("max_new_tokens = 3", "max_new_tokens = -2"))
+    code, out = run(cfg, capsys)
+    assert code == 2 and "retrain config [trace_options]: max_new_tokens must be >= 1 (got -2)" in out, out
+    assert "--max-new-tokens" not in out and not (tmp_path / "trace").exists()

@@ -44,6 +44,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import tomllib
@@ -136,10 +137,20 @@ def _path(base: Path, v: Any, key: str) -> str:
 
 
 def _check_fields(table: dict[str, Any], cls: type, fixed: set[str], where: str) -> dict[str, Any]:
+    """The table's keys are `cls`'s fields; their values are checked now, by `cls` itself (with placeholders for
+    what the config sets elsewhere), and a refusal names the table's key, not the command-line flag it stands for."""
     names = {f.name for f in dataclasses.fields(cls)} - fixed
     bad = sorted(set(table) - names)
     if bad:
         raise ConfigError(f"retrain config [{where}] has unknown key(s) {', '.join(bad)}; allowed: {', '.join(sorted(names))}")
+    try:
+        required = [f.name for f in dataclasses.fields(cls) if f.name in ("model", "prompts", "out", "trace")]
+        cls(**{n: "-" for n in required}, **table)  # its __post_init__ checks
+    except ConfigError as e:  # `--max-new-tokens must be >= 1` -> `max_new_tokens must be >= 1`
+        said = re.sub(r"--([a-z][a-z0-9-]*)", lambda m: m.group(1).replace("-", "_"), str(e))
+        raise ConfigError(f"retrain config [{where}]: {said}") from None
+    except (TypeError, ValueError):  # a value of the wrong type: said where the config is built
+        pass
     return dict(table)
 
 
