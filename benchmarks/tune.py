@@ -113,6 +113,7 @@ def main() -> None:
     s_values = [int(s) for s in a.s_values.split(",")]
     t0 = time.perf_counter()
     cfg_file = work / "tuned.json"
+    cfg_file.with_suffix(".png").unlink(missing_ok=True)  # this folder's own plot (one from before plots were marked too)
     tune_args = ["tune", "-t", trace, "--model", a.model, "--calibration", a.calibration, "--link", link]
     tune_args += ["--budget", a.budget, "-e", a.evictions, "-f", a.prefetches, "--exhaustive", "--out", str(cfg_file)]
     tune_args += [x for s in s_values for x in ("-S", str(s))] + ["--force", "--json"]

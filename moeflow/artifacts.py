@@ -485,7 +485,8 @@ def artifact_kind(path: str | os.PathLike) -> str | None:
     try:
         with open(p, "rb") as f:
             if f.read(len(_PNG)) == _PNG:
-                return "plot" if b"Software\x00moeflow" in f.read(4096) else None
+                mark = b"\x00".join(x.encode() for x in next(iter(PLOT_METADATA.items())))  # a tEXt chunk's key\0value
+                return "plot" if mark in f.read(4096) else None
             f.seek(0)
             first = f.readline(1 << 20)
             rec: Any = None

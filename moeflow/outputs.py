@@ -89,7 +89,7 @@ def check_out(
     folder artifact that is not appended to, a mount point (it cannot be replaced by the new folder).
     Returns `out` as a Path.
     """
-    ext = ".png" if kind == "plot" else ".json"
+    ext = {"plot": ".png", "run": ".jsonl", "quality": ".jsonl"}.get(kind, ".json")
     if file and str(out).endswith(("/", os.sep)):  # Path() drops the slash: the file would take the folder's name
         raise ConfigError(f"{flag} {out} names a folder (it ends with /); pass a file path (e.g. {out}{kind}{ext})")
     out = Path(out).expanduser()

@@ -450,6 +450,9 @@ def test_square_brackets_are_text_not_markup(ckpt, tmp_path, capsys):
     assert "[INST] the king said [/INST]" in stdout and json.loads(out.read_text().splitlines()[0])["prompt"]
     one_line_error(["inspect", tmp_path / "a[/x]b"], capsys, "a[/x]b does not exist")
     one_line_error(["inspect", tmp_path / "[bold]"], capsys, "[bold] does not exist")
+    tr = tmp_path / "t[/b]"  # the line after the work names the artifact as it is
+    code, stdout, err = cli(["trace", "-m", ckpt, "-p", prompts, "--max-new-tokens", "1", "--no-progress", "--out", tr], capsys)
+    assert code == 0 and str(tr) in " ".join((stdout + err).split()).replace(" ", ""), err
 
 
 def test_simulate_without_model_uses_the_traces_model(ckpt, tmp_path, capsys, monkeypatch):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..artifacts import read_record, write_json_atomic
-from ..errors import ArtifactError
+from ..errors import ArtifactError, ConfigError
 
 KIND = "calibration"
 SCHEMA = 1
@@ -42,6 +42,28 @@ def missing_calibration(path: str | os.PathLike) -> str:
     """The one line for a --calibration that names no file: a folder is called one."""
     what = "is a folder, not a calibration file" if Path(path).is_dir() else "does not exist"
     return f"calibration file {path} {what}; run `moeflow calibrate` or drop --calibration"
+
+
+def check_calibration(
+    cal: dict[str, Any], path: str | os.PathLike, device: str, *, exact: str | None = None, required: tuple[str, ...] = ()
+) -> None:
+    """Refuse (one line) a calibration measured elsewhere or holding a non-positive time or bandwidth.
+
+    Its device must be `exact` (`cpu-emulated-2gbps`: that device and link) when given, else `device`'s name or one
+    of its emulated links. `bandwidth_bytes_per_s`, `layer_time_s` and the `required` keys must be positive numbers
+    where present; the `required` ones must be present."""
+    got, here = str(cal.get("device") or ""), device_name(device)
+    same = got == exact if exact is not None else (not got or got == here or got.startswith(here + "-emulated-"))
+    if not same:
+        want = exact if exact is not None else here
+        raise ConfigError(
+            f"calibration {path} is of device {got!r}, not {want!r}; run `moeflow calibrate` on this device"
+            + (" and link" if exact is not None and exact != here else "") + " or pass its file"
+        )  # fmt: skip
+    for k in dict.fromkeys(("bandwidth_bytes_per_s", "layer_time_s", *required)):
+        v = cal.get(k)
+        if (v is None and k in required) or (v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v <= 0)):
+            raise ArtifactError(f"calibration {path} has no positive {k}; re-run `moeflow calibrate`")
 
 
 def calibration_path(device: str, root: str | os.PathLike = "calibration") -> Path:

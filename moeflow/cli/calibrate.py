@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 from .app import app
 from .common import (
@@ -114,7 +115,7 @@ def render(rec: dict[str, Any]) -> None:
             )
         con.print(g)
     if rec.get("path"):
-        con.print(f"wrote {rec['path']}")
+        con.print(f"wrote {escape(str(rec['path']))}")  # a path is text, not markup
 
 
 @app.command("calibrate")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import typer
@@ -13,12 +12,10 @@ from .common import (
     alias,
     capacity_option,
     eviction_option,
-    given_flags,
     hidden_alias,
     json_option,
     limit_option,
     lookahead_option,
-    model_option,
     no_progress_option,
     policy_opt_option,
     prefetch_option,
@@ -71,7 +68,6 @@ def render(res: dict[str, Any]) -> None:
 
 @app.command("simulate")
 def simulate_cmd(
-    ctx: typer.Context,
     trace: str = typer.Option(
         ..., "--trace", "-t", help="Trace folder written by `moeflow trace` (with --record-hidden for --prefetch pregate)."
     ),
@@ -96,7 +92,13 @@ def simulate_cmd(
     phase: str = typer.Option("decode", "--phase", help="decode, prefill or all passes of the trace."),
     limit: int | None = limit_option("prompts of the trace (the first ones)"),
     max_prompts: int | None = hidden_alias("--max-prompts"),
-    model: str = model_option(),
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        "-m",
+        help="The traced checkpoint, for pregate's routers (default: the model the trace records, else "
+        "models/olmoe-deep or $MOEFLOW_MODEL).",
+    ),
     no_belady: bool = typer.Option(False, "--no-belady", help="Skip Belady's MIN (the demand-paging optimum)."),
     link: str = typer.Option(
         "instant",
@@ -139,7 +141,7 @@ def simulate_cmd(
         calibration=calibration,
         phase=phase,
         max_prompts=alias(limit, max_prompts, "--limit/-n", "--max-prompts"),
-        model=model if "model" in given_flags(ctx) or os.environ.get("MOEFLOW_MODEL") else None,  # None: the trace's
+        model=model,  # None: the trace's, else the default (as tune)
         belady=not no_belady,
         progress=not no_progress and not as_json,
         link=link,

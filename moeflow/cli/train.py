@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from .app import app
 from .common import (
@@ -157,7 +158,7 @@ def train(
         h = report["hybrid"]
         on = ", ".join(h["estimator_on"]) or "none"
         console.print(f"hybrid: the estimator on (layer+S) {on}, router-pf elsewhere (threshold {h['threshold']:.3f})")
-    console.print(f"wrote [bold]{out}[/] (meta.json, one folder per predictor, recall.png)")
+    console.print(f"wrote [bold]{escape(str(out))}[/] (meta.json, one folder per predictor, recall.png)")
 
 
 @app.command("eval")

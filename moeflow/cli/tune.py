@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 from .app import app
 from .common import (
@@ -55,11 +56,12 @@ def render(res: dict[str, Any]) -> None:
     con = Console()
     con.print(table(res))
     for n in res["notes"]:
-        con.print(f"[yellow]{n}[/]")
+        con.print(f"[yellow]{escape(n)}[/]")
     if res["out"]:
-        con.print(f"run configuration: {res['out']} (`moeflow run --config {res['out']} --prompts ...`)")
+        out = escape(str(res["out"]))  # a path is text, not markup
+        con.print(f"run configuration: {out} (`moeflow run --config {out} --prompts ...`)")
     if res["plot"]:
-        con.print(f"plot: {res['plot']}")
+        con.print(f"plot: {escape(str(res['plot']))}")
 
 
 @app.command("tune")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.markup import escape
 
 from ..artifacts import PLOT_METADATA, atomic_write
 from ..errors import ArtifactError, ConfigError
@@ -328,7 +329,7 @@ def render(res: dict[str, Any], console: Any) -> None:
         console.print(t2)
     console.print(f"recommended: [bold]{STRATEGY_NAMES[res['recommended']]}[/] — {res['recommendation']}")
     if "plot" in res:
-        console.print(f"wrote {res['plot']}")
+        console.print(f"wrote {escape(str(res['plot']))}")  # a path is text, not markup
 
 
 __all__ = ["GPSConfig", "main", "plot", "render"]

@@ -116,7 +116,7 @@ def read_calibration(cfg: RunConfig, model: Any, link_spec: str) -> tuple[dict[s
     """(calibration or None, path looked at): `--calibration FILE`, else what `moeflow calibrate` writes for
     this device and link (`calibration/cpu.json`, `calibration/cpu-emulated-2gbps.json`, `calibration/cuda-....json`).
     A calibration made for another model is refused (moeflow.calibrate.load_calibration checks the fingerprint)."""
-    from ..calibrate import calibration_path, device_name, load_calibration, missing_calibration
+    from ..calibrate import calibration_path, check_calibration, device_name, load_calibration, missing_calibration
 
     kind, gbps, _ = parse_link(link_spec)
     if cfg.calibration:
@@ -129,15 +129,7 @@ def read_calibration(cfg: RunConfig, model: Any, link_spec: str) -> tuple[dict[s
         return None, str(path)
     cal = load_calibration(path, model)
     check_step_size(cal, path)
-    got, here = str(cal.get("device") or ""), device_name(cfg.device)
-    if got and got != here and not got.startswith(here + "-emulated-"):  # its S and link were measured elsewhere
-        raise ConfigError(
-            f"calibration {path} is of device {got!r}, not {here!r}; run `moeflow calibrate` on this device or pass its file"
-        )
-    for k in ("bandwidth_bytes_per_s", "layer_time_s"):  # what S and the adaptive controller are computed from
-        v = cal.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v <= 0):
-            raise ArtifactError(f"calibration {path} has no positive {k}; re-run `moeflow calibrate`")
+    check_calibration(cal, path, cfg.device)  # measured here, with positive times and bandwidth
     return cal, str(path)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.markup import escape
 
 from ..artifacts import META
 from ..data import Prompt, load_prompts
@@ -347,7 +348,7 @@ def main(cfg: TraceConfig, console: Any = None, json_out: bool = False) -> dict[
     else:
         console.print(
             f"traced {res['prompts_added']} prompts ({res['prompts_skipped']} already in the trace), "
-            f"{res['tokens_added']} tokens at {res['tokens_per_s']} tok/s -> {res['out']} "
+            f"{res['tokens_added']} tokens at {res['tokens_per_s']} tok/s -> {escape(str(res['out']))} "
             f"({res['trace_prompts']} prompts, {res['trace_tokens']} tokens in all); {threads.describe()}"
         )
     return res

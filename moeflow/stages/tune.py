@@ -85,7 +85,7 @@ def read_calibration(cfg: TuneConfig, tr: Any) -> tuple[dict[str, Any], str, str
     for): `--calibration`, else the file `moeflow run` reads for this device and link. The modelled link is
     `--link`, else the calibration's measured bandwidth and latency. Refused: none found, another model's,
     another device's."""
-    from ..calibrate import calibration_path, device_name, load_calibration, missing_calibration
+    from ..calibrate import calibration_path, check_calibration, device_name, load_calibration, missing_calibration
     from ..runtime.link import parse_link
 
     gbps = parse_link(cfg.link)[1] if cfg.link else None
@@ -107,18 +107,8 @@ def read_calibration(cfg: TuneConfig, tr: Any) -> tuple[dict[str, Any], str, str
             f"tune predicts TPOT from a calibration and found none at {path}; run `moeflow calibrate{hint}` or pass --calibration"
         )
     cal = load_calibration(path, fingerprint=tr.fingerprint, against="the trace's model")
-    got = str(cal.get("device", ""))
-    same = got == want if cfg.link else (got == device_name(cfg.device) or got.startswith(device_name(cfg.device) + "-emulated-"))
-    if not same:
-        raise ConfigError(
-            f"calibration {path} is of device {got!r}, not {want!r}; run `moeflow calibrate` on this device"
-            + (" and link" if cfg.link else "")
-            + " or pass its file"
-        )
-    for k in ("compute_per_token_s", "layer_time_s", "bandwidth_bytes_per_s"):
-        v = cal.get(k)
-        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
-            raise ConfigError(f"calibration {path} has no positive {k}; re-run `moeflow calibrate`")
+    need = ("compute_per_token_s", "layer_time_s", "bandwidth_bytes_per_s")  # the time model reads them all
+    check_calibration(cal, path, cfg.device, exact=want if cfg.link else None, required=need)
     if cfg.link:
         return cal, str(path), cfg.link, cfg.link
     bw = float(cal.get("fitted_bandwidth_bytes_per_s") or cal["bandwidth_bytes_per_s"])

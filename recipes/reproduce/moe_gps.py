@@ -190,6 +190,7 @@ def _gps_runs(r: Recipe, traces: dict[str, Path]) -> tuple[dict[str, Any], dict[
     if "mmlu" in traces:
         for name, flags in SYSTEMS:
             png = r.scratch / f"fig2-mmlu-{name}.png"
+            png.unlink(missing_ok=True)  # the recipe's own (one from before plots were marked: gps would refuse it)
             data = r.moeflow(f"gps-mmlu-{name}", "gps", "--trace", traces["mmlu"], *flags, *common, *sweep, "--plot", png)
             by_system[name] = data
             if data is not None:
