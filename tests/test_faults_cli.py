@@ -495,3 +495,11 @@ def test_debug_shows_the_traceback_and_keeps_the_exit_code(tmp_path, capsys, mon
     assert code == 2 and "Traceback (most recent call last)" in err and "ArtifactError" in err, err
     code, _, err = cli(["run", "--no-such-flag"], capsys)
     assert code == 2 and "Traceback" in err, err
+
+
+def test_capacity_and_step_size_are_checked_before_the_weights_load(ckpt, capsys, no_load):
+    """The checkpoint's config decides them (top-k, MoE layers): a large model's load no longer comes first."""
+    p = ckpt.parent / "p.txt"
+    one_line_error(["run", "-m", ckpt, "-p", p, "-c", "1"], capsys, "below top-k=2")
+    one_line_error(["run", "-m", ckpt, "-p", p, "-c", "100"], capsys, "--capacity")
+    one_line_error(["run", "-m", ckpt, "-p", p, "-S", "9"], capsys, "-S")

@@ -54,6 +54,7 @@ def open_session(cfg: RunConfig, command: str) -> Session:
 
     device = torch.device(cfg.device)
     prompts = read_prompts(cfg)
+    check_before_load(cfg)
     model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, experts_implementation="grouped_mm")
     check_config_model(cfg, model)  # a --config file tuned for another model, before its calibration is read
     if tok is None:
@@ -66,6 +67,32 @@ def open_session(cfg: RunConfig, command: str) -> Session:
     lookahead, s_source = requested_step_size(cfg.lookahead, cal, spec.num_moe_layers, Path(cfg.model).name, flag)
     settle_heap()  # no full collection over the loaded model's objects in the middle of a timed decode step
     return Session(model, tok, spec, device, link_spec, cal, cal_path, threads, lookahead, s_source, prompts)
+
+
+def check_before_load(cfg: RunConfig) -> None:
+    """What the checkpoint's config alone decides, before its weights load (seconds to minutes for a large one):
+    `-S` against its MoE layers, and each capacity given as experts or a percentage against top-k .. all experts
+    (a size in bytes needs the loaded experts: `check_runs`). The MoE shape comes from the model built on the meta
+    device; where that fails, the same checks run after the load."""
+    from ..models import read_config
+    from ..moe import spec_from_config
+    from ..runtime.adaptive_s import check_step_size
+    from ..runtime.cache import check_capacity
+
+    try:
+        spec = spec_from_config(read_config(cfg.model))
+    except Exception:  # load_model says what is wrong with the checkpoint, in one line
+        return
+    if cfg.lookahead is not None:
+        check_step_size(cfg.lookahead, spec.num_moe_layers, Path(cfg.model).name)
+    if "offload" not in cfg.modes:
+        return
+    for c in cfg.capacities:
+        try:
+            n = parse_capacity(c, total_experts=spec.total_experts, expert_bytes=None)
+        except ConfigError:  # a size in bytes: checked once the experts' bytes are known
+            continue
+        check_capacity(spec, n, per_layer=cfg.per_layer_cache, given=c)
 
 
 def warm_up(
