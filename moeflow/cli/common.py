@@ -40,6 +40,17 @@ def model_option() -> Any:
     )
 
 
+def traced_model_option() -> Any:
+    """`--model` of a command that replays a trace (simulate, tune): None leaves it to the trace's own checkpoint."""
+    return typer.Option(
+        None,
+        "--model",
+        "-m",
+        help="The traced checkpoint, for pregate's routers (default: the model the trace records, else "
+        "models/olmoe-deep or $MOEFLOW_MODEL).",
+    )
+
+
 def dtype_option() -> Any:
     return typer.Option("auto", "--dtype", help="auto (float32 on CPU, checkpoint dtype on CUDA), float32, bfloat16, float16.")
 

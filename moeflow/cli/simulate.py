@@ -20,6 +20,7 @@ from .common import (
     policy_opt_option,
     prefetch_option,
     print_json,
+    traced_model_option,
 )
 
 
@@ -92,13 +93,7 @@ def simulate_cmd(
     phase: str = typer.Option("decode", "--phase", help="decode, prefill or all passes of the trace."),
     limit: int | None = limit_option("prompts of the trace (the first ones)"),
     max_prompts: int | None = hidden_alias("--max-prompts"),
-    model: str | None = typer.Option(
-        None,
-        "--model",
-        "-m",
-        help="The traced checkpoint, for pregate's routers (default: the model the trace records, else "
-        "models/olmoe-deep or $MOEFLOW_MODEL).",
-    ),
+    model: str | None = traced_model_option(),
     no_belady: bool = typer.Option(False, "--no-belady", help="Skip Belady's MIN (the demand-paging optimum)."),
     link: str = typer.Option(
         "instant",

@@ -18,6 +18,7 @@ from .common import (
     on_switch,
     print_json,
     switched,
+    traced_model_option,
 )
 
 TOP = 15  # rows of the printed ranking (--json: all)
@@ -90,13 +91,7 @@ def tune_cmd(
         "calibration's measured bandwidth and latency, and the calibration's link in the written configuration.",
     ),
     device: str = device_option(),
-    model: str | None = typer.Option(
-        None,
-        "--model",
-        "-m",
-        help="The traced checkpoint, for pregate's routers (default: the model the trace records, else "
-        "models/olmoe-deep or $MOEFLOW_MODEL).",
-    ),
+    model: str | None = traced_model_option(),
     out: str | None = typer.Option(
         None,
         "--out",

@@ -77,22 +77,35 @@ def check_before_load(cfg: RunConfig) -> None:
     from ..models import read_config
     from ..moe import spec_from_config
     from ..runtime.adaptive_s import check_step_size
-    from ..runtime.cache import check_capacity
 
+    offload = "offload" in cfg.modes
+    if cfg.lookahead is None and not offload:  # nothing the config decides: no model built
+        return
     try:
         spec = spec_from_config(read_config(cfg.model))
     except Exception:  # load_model says what is wrong with the checkpoint, in one line
         return
     if cfg.lookahead is not None:
         check_step_size(cfg.lookahead, spec.num_moe_layers, Path(cfg.model).name)
-    if "offload" not in cfg.modes:
-        return
+    if offload:
+        check_capacities(cfg, spec, None)
+
+
+def check_capacities(cfg: RunConfig, spec: Any, expert_bytes: int | None) -> dict[str, int]:
+    """Capacity spec -> experts for every capacity of `cfg`, each checked against `spec` (top-k .. all experts);
+    without `expert_bytes` a size in bytes is left out (checked once the experts' bytes are known)."""
+    from ..runtime.cache import check_capacity
+
+    caps: dict[str, int] = {}
     for c in cfg.capacities:
         try:
-            n = parse_capacity(c, total_experts=spec.total_experts, expert_bytes=None)
-        except ConfigError:  # a size in bytes: checked once the experts' bytes are known
-            continue
-        check_capacity(spec, n, per_layer=cfg.per_layer_cache, given=c)
+            caps[c] = parse_capacity(c, total_experts=spec.total_experts, expert_bytes=expert_bytes)
+        except ConfigError:
+            if expert_bytes is not None:
+                raise
+            continue  # a size in bytes, before the load
+        check_capacity(spec, caps[c], per_layer=cfg.per_layer_cache, given=c, expert_bytes=expert_bytes)
+    return caps
 
 
 def warm_up(
@@ -216,15 +229,11 @@ def check_runs(cfg: RunConfig, model: Any, runs: list[dict[str, Any]]) -> dict[s
     Returns capacity spec -> experts."""
     from ..policies import PREFETCH
     from ..policies.learned import LearnedPrefetch
-    from ..runtime.cache import check_capacity
 
     spec = get_adapter(model).spec
     caps: dict[str, int] = {}
     if any(r["mode"] == "offload" for r in runs):
-        eb = expert_bytes_of(model)
-        for c in cfg.capacities:
-            caps[c] = parse_capacity(c, total_experts=spec.total_experts, expert_bytes=eb)
-            check_capacity(spec, caps[c], per_layer=cfg.per_layer_cache, given=c, expert_bytes=eb)
+        caps = check_capacities(cfg, spec, expert_bytes_of(model))
         for text in cfg.prefetches:
             pol = build_policy(PREFETCH, text, cfg.prefetch_opts)
             if isinstance(pol, LearnedPrefetch):
