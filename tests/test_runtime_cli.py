@@ -103,3 +103,37 @@ def test_warm_up_runs_on_a_fast_link_but_the_timed_run_on_the_requested_one(ckpt
     assert seen["warm"] == [f"emulated:{session.WARM_UP_GBPS:g}"]
     assert seen["timed"] == ["emulated:0.5"]
     assert session.warm_up_link("direct") == "direct"
+
+
+def test_resident_check_flags_a_resident_run_slower_than_its_probe():
+    from moeflow.stages.run import RESIDENT_SLACK, resident_check
+
+    assert resident_check(0.010, 0.010) is None
+    assert resident_check(RESIDENT_SLACK * 0.010, 0.010) is None  # at the slack: agrees
+    assert resident_check(None, 0.010) is None and resident_check(0.010, None) is None
+    why = resident_check(0.127, 0.042)
+    assert why is not None and "127.0 ms/token" in why and "3.0x" in why and "42.0 ms/pass" in why
+
+
+def test_run_warns_when_the_resident_run_is_slower_than_its_probe(ckpt, monkeypatch, capsys):
+    """A resident run far slower than the experts-implementation probe timed moments before (seen on an H100:
+    127 ms/token against a 42 ms/pass probe) makes every TTFT bound and ratio to resident wrong: said, not hidden."""
+    import moeflow.stages.run as run_stage
+
+    real = run_stage.fastest_experts_impl
+
+    def probe(model, ids):
+        name, times = real(model, ids)
+        return name, {k: v / 1000 for k, v in times.items()}  # a probe 1000x faster than the run will be
+
+    args = ["run", "-m", str(ckpt), "--prompts", str(ckpt.parent / "p.txt"), "--max-new-tokens", "6"]
+    args += ["--min-new-tokens", "6", "--mode", "resident", "--threads", "1", "--json"]
+    assert _run(args) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"][0]
+    assert res["experts_impl_probe_s"] > 0  # (whether a real probe agrees with its run depends on the load: not asserted)
+
+    monkeypatch.setattr(run_stage, "fastest_experts_impl", probe)
+    assert _run(args) == 0
+    cap = capsys.readouterr()
+    res = json.loads(cap.out.strip().splitlines()[-1])["runs"][0]
+    assert "resident_warning" in res and "WARNING: the resident run decoded at" in cap.err

@@ -67,11 +67,12 @@ def adaptive_summary(s_history: list[int]) -> dict[str, Any] | None:
     return {"min": min(s_history), "max": max(s_history), "mean": sum(s_history) / len(s_history), "passes": len(s_history)}
 
 
-def _pick_impl(cfg: RunConfig, model: Any, batch: list[tuple[str, str, Any]], console: Console) -> str:
-    """`--experts-impl` for the resident run; `auto`: time decode passes of the first prompt (repeated to the
-    batch size: decode-shaped) with batched_mm and grouped_mm, after a warm-up of each, and keep the faster."""
+def _pick_impl(cfg: RunConfig, model: Any, batch: list[tuple[str, str, Any]], console: Console) -> tuple[str, float | None]:
+    """`--experts-impl` for the resident run and the decode pass time the probe measured for it (None: not probed);
+    `auto`: time decode passes of the first prompt (repeated to the batch size: decode-shaped) with batched_mm and
+    grouped_mm, after a warm-up of each, and keep the faster."""
     if cfg.experts_impl != "auto":
-        return cfg.experts_impl
+        return cfg.experts_impl, None
     ids = batch[0][2].expand(cfg.batch_size, -1)  # [B,P]
     name, times = fastest_experts_impl(model, ids)
     console.print(
@@ -79,7 +80,23 @@ def _pick_impl(cfg: RunConfig, model: Any, batch: list[tuple[str, str, Any]], co
         + ", ".join(f"{k} {v * 1e3:.2f} ms/pass" for k, v in times.items())
         + f" -> {name}[/]"
     )
-    return name
+    return name, times[name]
+
+
+RESIDENT_SLACK = 1.5  # a resident decode slower than this x its own probe's pass time is reported as unreliable
+
+
+def resident_check(tpot_s: float | None, probe_s: float | None) -> str | None:
+    """One warning line when the resident run decoded more than `RESIDENT_SLACK` x slower per pass than the
+    experts-implementation probe timed the same model moments before (`_pick_impl`): every run's TTFT bound and
+    `x resident` divide by that run, so they are off by as much. None when the two agree or nothing was probed."""
+    if tpot_s is None or probe_s is None or probe_s <= 0 or tpot_s <= RESIDENT_SLACK * probe_s:
+        return None
+    return (
+        f"the resident run decoded at {tpot_s * 1e3:.1f} ms/token, {tpot_s / probe_s:.1f}x the {probe_s * 1e3:.1f} ms/pass "
+        "its experts-implementation probe measured just before: the TTFT bounds and ratios to resident rest on it; "
+        "re-run on a quiet machine, or compare with benchmarks/engine_overhead.py"
+    )
 
 
 def _resident_bounds(
@@ -169,6 +186,7 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
     gen_kw: dict[str, Any] = dict(min_new_tokens=cfg.min_new_tokens, temperature=cfg.temperature, seed=cfg.seed, eos_token_id=eos)
     warm_new = min(4, cfg.max_new_tokens)
     resident_impl: str | None = None
+    resident_probe_s: float | None = None  # the probe's decode pass time of the resident implementation
 
     def make_engine(run: dict[str, Any], capacity: int | None, link: Any) -> Any:
         miss_name, miss_opts = policy_args(cfg.miss, cfg.miss_opts)
@@ -196,7 +214,7 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                 impl = None
                 if run["mode"] == "resident":  # the stock model with its fastest stock experts implementation
                     if resident_impl is None:
-                        resident_impl = _pick_impl(cfg, model, batches[0], console)
+                        resident_impl, resident_probe_s = _pick_impl(cfg, model, batches[0], console)
                     model.set_experts_implementation(resident_impl)
                     impl = resident_impl
                 else:  # the engine replaces grouped_mm (and is bit-exact to it)
@@ -326,6 +344,15 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
         model.set_experts_implementation("grouped_mm")
     _resident_bounds(rows, run_batches, results, resident_ttft)
     console.print(metrics_table(rows, title=f"moeflow run — {Path(cfg.model).name}, {link_spec}"))
+    for total, res in zip(rows, results):
+        if res["mode"] == "resident" and resident_probe_s is not None:
+            res["experts_impl_probe_s"] = resident_probe_s
+            why = resident_check(total.tpot_s, resident_probe_s)
+            if why is not None:
+                res["resident_warning"] = why
+                if not console.quiet:
+                    warn = Console(stderr=True) if console.file is sys.stdout else console  # beside the table: on stderr
+                    warn.print(f"[bold yellow]WARNING: {escape(why)}[/]", soft_wrap=True)
     if planner is not None:
         sm = planner.summary(list(plans.values()))
         console.print(
