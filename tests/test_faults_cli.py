@@ -474,6 +474,7 @@ def test_simulate_without_model_uses_the_traces_model(ckpt, tmp_path, capsys, mo
         (["run", "-m", "{ckpt}", "--prompt", "  "], "--prompt is empty"),
         (["trace", "-m", "{ckpt}", "-p", "{prompts}", "--hidden-dtype", "float32", "--out", "{tmp}/t"], "add --record-hidden"),
         (["calibrate", "-m", "{ckpt}", "--link-latency-us", "5"], "give --link-gbps too"),
+        (["trace", "-m", "{ckpt}", "-p", "{prompts}", "--top-p", "0.9", "--out", "{tmp}/t"], "add --temperature > 0"),
         (["calibrate", "-m", "{ckpt}", "--out", "{tmp}/c.json", "--no-write"], "--no-write writes nothing"),
         (["calibrate", "-m", "{ckpt}", "--decode-steps", "0"], "--decode-steps must be >= 1 (got 0)"),
         (["run", "-m", "{ckpt}", "--prompt", "hi", "--adaptive-s", "-f", "none"], "--adaptive-s adapts the prefetch step"),
@@ -481,7 +482,8 @@ def test_simulate_without_model_uses_the_traces_model(ckpt, tmp_path, capsys, mo
 )
 def test_flags_that_contradict_each_other_are_one_line_before_loading(ckpt, tmp_path, capsys, no_load, argv, words):
     """Accepted silently before: an empty prompt generated from nothing, --hidden-dtype without hidden states was
-    recorded in meta.json, a latency without an emulated link and --out with --no-write did nothing."""
+    recorded in meta.json, a latency without an emulated link and --out with --no-write did nothing, --top-p
+    without --temperature traced greedy tokens."""
     subs = {"{ckpt}": str(ckpt), "{prompts}": str(ckpt.parent / "p.txt"), "{tmp}": str(tmp_path)}
     args = [subs.get(a, a.replace("{tmp}", str(tmp_path))) for a in argv]
     one_line_error(args, capsys, words)

@@ -83,7 +83,7 @@ def trace_cmd(
         "so `moeflow simulate --prefetch pregate` predicts exactly what `moeflow run` does).",
     ),
     temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature; 0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temperature > 0)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1] (needs --temperature > 0 below 1)."),
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="1.0 = off."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed (per prompt: seed + hash of the prompt)."),
     max_prompt_tokens: int = max_prompt_tokens_option("Truncate longer prompts to this many tokens (the beginning is kept)."),

@@ -77,6 +77,8 @@ class TraceConfig:
             raise ConfigError(f"--temperature must be >= 0 (0 = greedy; got {self.temperature})")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        if self.top_p < 1 and self.temperature == 0:  # greedy decoding never draws: the mass would be ignored
+            raise ConfigError(f"--top-p {self.top_p:g} samples: add --temperature > 0 (0 is greedy), or drop --top-p")
         if self.repetition_penalty <= 0:
             raise ConfigError(f"--repetition-penalty must be > 0 (got {self.repetition_penalty})")
         if self.max_prompt_tokens < 1:
