@@ -106,9 +106,12 @@ def load_model(
     device: str = "cpu",
     experts_implementation: str | None = None,
     tokenizer: bool = True,
+    experts_device: str | None = None,
 ):
     """(model, tokenizer) from a local Hugging Face checkpoint folder, in eval mode (tokenizer None with
-    `tokenizer=False`: `moeflow train` needs none).
+    `tokenizer=False`: `moeflow train` needs none). `experts_device` (e.g. "cpu" beside a CUDA `device`): the
+    routed experts' stacked weights stay there and everything else goes to `device` (`place_model`), so a model
+    whose experts do not fit in device memory loads; only an offload engine can then run it.
 
     Raises MoeflowError with a one-line fix when the folder is missing or not an MoE model.
     """
@@ -140,10 +143,40 @@ def load_model(
             model: Any = AutoModelForCausalLM.from_pretrained(p, **kw)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise ArtifactError(f"cannot load the weights in {p}: {_first_line(e)}; re-save or re-download the checkpoint") from e
-    model = model.to(device).eval()
+    model = place_model(model, device, experts_device).eval()
     tok = AutoTokenizer.from_pretrained(p) if tokenizer and _has_tokenizer(p) else None
     get_adapter(model)  # fail early on a checkpoint without MoE layers
     return model, tok
+
+
+def place_model(model: Any, device: str, experts_device: str | None = None) -> Any:
+    """`model.to(device)`, except, with an `experts_device` other than `device`, each MoE layer's stacked
+    routed-expert tensors (`Adapter.per_expert_params`: `gate_up_proj`, `down_proj`, ...), which go to
+    `experts_device` without ever being on `device` (they are swapped for empty tensors while the rest moves).
+    Shared experts, routers, attention and embeddings go to `device`. Returns the model."""
+    if experts_device is None or torch.device(experts_device) == torch.device(device):
+        return model.to(device)
+    from .moe import get_adapter
+
+    adapter = get_adapter(model)
+    held: dict[tuple[int, str], torch.Tensor] = {}  # (layer, parameter name) -> its stacked tensor [E, ...]
+    for layer in adapter.spec.moe_layers:
+        for name, prm in adapter.per_expert_params(layer).items():
+            held[layer, name] = prm.data
+            prm.data = torch.empty(0, dtype=prm.dtype, device=prm.device)
+    model.to(device)
+    for (layer, name), data in held.items():  # a new Parameter: `.data` cannot change a tensor's type (meta -> cpu)
+        module = adapter.experts(layer)
+        setattr(module, name, torch.nn.Parameter(data.to(experts_device), requires_grad=getattr(module, name).requires_grad))
+    return model
+
+
+def weights_bytes(folder: str | os.PathLike) -> int:
+    """Bytes of the checkpoint's weight files (safetensors, else pytorch_model*.bin): what loading it whole takes in
+    its own dtype."""
+    p = Path(folder)
+    files = list(p.glob("*.safetensors")) or list(p.glob("pytorch_model*.bin"))
+    return sum(f.stat().st_size for f in files)
 
 
 def read_config(folder: str | os.PathLike) -> Any:

@@ -142,6 +142,14 @@ def run(
         "and, with a prefetch policy, the next layer's predicted experts copied during compute) or serial "
         "(one wave after another). Default staged.",
     ),
+    load_experts: str = typer.Option(
+        "auto",
+        "--load-experts",
+        help="Where the routed experts' weights load: device (the whole model on --device first; an engine moves "
+        "them to host memory), host (they never reach the device: a model whose experts do not fit there; no "
+        "--mode resident), or auto: host when the checkpoint exceeds 90% of the device's free memory, else device. "
+        "On a CPU device both are host memory.",
+    ),
     experts_impl: str = typer.Option(
         "auto",
         "--experts-impl",
@@ -217,6 +225,7 @@ def run(
         batch_size=batch_size,
         warmup=switched("warmup", no_warmup, _warmup),
         prefill=prefill,
+        load_experts=load_experts,
         experts_impl=experts_impl,
         plan=plan,
         plan_opts=parse_opts(plan_opt or ()),

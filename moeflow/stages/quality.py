@@ -111,7 +111,7 @@ def main(cfg: QualityConfig, console: Console | None = None) -> dict[str, Any]:
 
 def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
     rc = cfg.run
-    ses = open_session(rc, "moeflow quality")
+    ses = open_session(rc, "moeflow quality", resident=True)  # its reference is the stock model
     model, tok, spec, device, link_spec = ses.model, ses.tok, ses.spec, ses.device, ses.link_spec
     cal, cal_path, threads, lookahead, prompts = ses.cal, ses.cal_path, ses.threads, ses.lookahead, ses.prompts
     runs = plan(cfg)

@@ -148,7 +148,7 @@ def calibrate_command(cfg: RunConfig, link_spec: str) -> str:
 
 
 def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
-    ses = open_session(cfg, "moeflow run")
+    ses = open_session(cfg, "moeflow run", resident="resident" in cfg.modes)
     model, tok, spec, device, link_spec = ses.model, ses.tok, ses.spec, ses.device, ses.link_spec
     cal, cal_path, threads, lookahead, s_source, prompts = (
         ses.cal,
@@ -181,6 +181,8 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
         f"{spec.total_experts} routed experts; link {link_spec}; S={lookahead} ({s_source}); {len(prompts)} prompt(s); "
         f"{threads.describe()}[/]"
     )
+    if ses.experts == "host":
+        console.print(f"[dim]routed experts loaded in host memory, never on {cfg.device} ({escape(ses.experts_why)})[/]")
 
     batches = [encoded[i : i + cfg.batch_size] for i in range(0, len(encoded), cfg.batch_size)]
     gen_kw: dict[str, Any] = dict(min_new_tokens=cfg.min_new_tokens, temperature=cfg.temperature, seed=cfg.seed, eos_token_id=eos)
@@ -369,6 +371,7 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
         payload: dict[str, Any] = {
             "model": cfg.model,
             "calibration": cal_path if cal else None,
+            "experts_loaded": ses.experts,  # "device" (the whole model loaded there first) or "host" (--load-experts)
             **threads.to_dict(),
             "runs": results,
         }

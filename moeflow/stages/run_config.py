@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ..policies.lossy import Lossy
 
 MODES = ("offload", "resident", "on-demand")
+LOAD_EXPERTS = ("auto", "device", "host")  # where the routed experts' weights load (`session.experts_placement`)
 EXPERTS_IMPLS = ("auto", "batched_mm", "grouped_mm")  # resident's stock experts implementation (auto: measured)
 PREFILL_PATHS = ("staged", "serial")  # moeflow.runtime.prefill.PREFILL_PATHS (no runtime import for the flags)
 
@@ -68,6 +69,7 @@ class RunConfig:
     batch_size: int = 1  # prompts decoded together (left-padded)
     warmup: bool = True  # one untimed short generation per run before the timed one
     prefill: str = "staged"  # prefill path of engine runs: staged | serial (moeflow.runtime.prefill)
+    load_experts: str = "auto"  # auto | device | host: where the routed experts load (host: never on the device)
     experts_impl: str = "auto"  # resident: auto (fastest of batched_mm / grouped_mm, measured) or a name
     plan: str | None = None  # --plan casmoe: CasMoE's prompt-level plan (moeflow.plan.run)
     plan_opts: tuple[tuple[str, str], ...] = ()  # --plan-opt key=value (predictors, mode, eps, k, mass, renorm, update, buffer)
@@ -96,6 +98,12 @@ class RunConfig:
             raise ConfigError(f"--lookahead must be >= 1 (got {self.lookahead})")
         if self.batch_size < 1:
             raise ConfigError(f"--batch-size must be >= 1 (got {self.batch_size})")
+        if self.load_experts not in LOAD_EXPERTS:
+            raise ConfigError(f"--load-experts {self.load_experts!r} unknown; use one of {', '.join(LOAD_EXPERTS)}")
+        if self.load_experts == "host" and "resident" in self.modes and not self.device.startswith("cpu"):
+            raise ConfigError(
+                "--mode resident runs the stock model with every expert on the device: drop it, or --load-experts host"
+            )
         if self.prefill not in PREFILL_PATHS:
             raise ConfigError(f"--prefill {self.prefill!r} unknown; use one of {', '.join(PREFILL_PATHS)}")
         if self.experts_impl not in EXPERTS_IMPLS:

@@ -45,17 +45,27 @@ class Session:
     lookahead: int  # the step size S asked for (-S, the calibration's, or 1)
     s_source: str  # where S comes from
     prompts: list[tuple[str, str]]  # (id, text)
+    experts: str = "device"  # where the routed experts loaded: "device" (with the model) or "host" (never on it)
+    experts_why: str = ""  # why (`experts_placement`)
 
 
-def open_session(cfg: RunConfig, command: str) -> Session:
+def open_session(cfg: RunConfig, command: str, *, resident: bool) -> Session:
     """Read the prompts, load the model and tokenizer (`command` needs one: refused without), resolve the link,
-    read the calibration, apply the thread rule (`moeflow.threads`) and resolve the step size S."""
+    read the calibration, apply the thread rule (`moeflow.threads`) and resolve the step size S. `resident`: a run
+    of the stock model follows (every expert must then load on the device)."""
     from ..models import load_model
 
     device = torch.device(cfg.device)
     prompts = read_prompts(cfg)
     check_before_load(cfg)
-    model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, experts_implementation="grouped_mm")
+    experts, experts_why = placement_for(cfg, command, resident)
+    model, tok = load_model(
+        cfg.model,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        experts_implementation="grouped_mm",
+        experts_device="cpu" if experts == "host" else None,
+    )
     check_config_model(cfg, model)  # a --config file tuned for another model, before its calibration is read
     if tok is None:
         raise MoeflowError(f"{cfg.model} has no tokenizer files; `{command}` needs one to encode prompts")
@@ -66,7 +76,55 @@ def open_session(cfg: RunConfig, command: str) -> Session:
     flag = f"--config {cfg.config}" if "lookahead" in cfg.config_keys else "-S"
     lookahead, s_source = requested_step_size(cfg.lookahead, cal, spec.num_moe_layers, Path(cfg.model).name, flag)
     settle_heap()  # no full collection over the loaded model's objects in the middle of a timed decode step
-    return Session(model, tok, spec, device, link_spec, cal, cal_path, threads, lookahead, s_source, prompts)
+    return Session(
+        model, tok, spec, device, link_spec, cal, cal_path, threads, lookahead, s_source, prompts, experts, experts_why
+    )
+
+
+FIT_SHARE = 0.9  # `--load-experts auto` loads the whole checkpoint on the device up to this share of its free memory
+
+
+def experts_placement(
+    requested: str, device_type: str, weights: int | None, free: int | None, resident: bool, command: str = "moeflow run"
+) -> tuple[str, str]:
+    """Where the routed experts load, and why: "device" (the whole model on the device; an engine then moves the
+    experts to host memory and back when it closes) or "host" (they never reach the device: a model whose experts
+    do not fit there). On a CPU device both are host memory: "device". `auto`: "host" when the checkpoint's
+    `weights` bytes exceed `FIT_SHARE` of the device's `free` bytes. A resident run needs "device": refused
+    (ConfigError) where the experts must stay on the host."""
+    if device_type == "cpu":
+        return "device", ""
+    if requested == "device":
+        return "device", "--load-experts device"
+    if requested == "host":
+        return "host", "--load-experts host"
+    if weights is None or free is None or weights <= FIT_SHARE * free:
+        return "device", ""
+    gib = 1 << 30
+    why = f"the checkpoint's {weights / gib:.1f} GiB exceed {FIT_SHARE:.0%} of the {free / gib:.1f} GiB free on the device"
+    if resident:
+        what = "--mode resident" if command == "moeflow run" else f"`{command}`'s stock-model reference"
+        raise ConfigError(f"{why}: {what} needs every expert there; drop it, or use a device with more free memory")
+    return "host", why
+
+
+def placement_for(cfg: RunConfig, command: str, resident: bool) -> tuple[str, str]:
+    """`experts_placement` for this config: the checkpoint's size (in the dtype it loads in) and the device's free
+    memory measured now, before the weights load."""
+    device = torch.device(cfg.device)
+    if device.type == "cpu" or cfg.load_experts != "auto":
+        return experts_placement(cfg.load_experts, device.type, None, None, resident, command)
+    from ..models import read_config, resolve_dtype, weights_bytes
+
+    weights = weights_bytes(cfg.model)
+    target = resolve_dtype(cfg.dtype, cfg.device)
+    saved = getattr(read_config(cfg.model), "dtype", None)
+    if isinstance(saved, str):
+        saved = getattr(torch, saved, None)
+    if isinstance(target, torch.dtype) and isinstance(saved, torch.dtype):  # loaded in another dtype than saved
+        weights = weights * target.itemsize // saved.itemsize
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    return experts_placement(cfg.load_experts, device.type, weights, free, resident, command)
 
 
 def check_before_load(cfg: RunConfig) -> None:
