@@ -171,12 +171,22 @@ def place_model(model: Any, device: str, experts_device: str | None = None) -> A
     return model
 
 
-def weights_bytes(folder: str | os.PathLike) -> int:
-    """Bytes of the checkpoint's weight files (safetensors, else pytorch_model*.bin): what loading it whole takes in
-    its own dtype."""
+def weights_bytes(folder: str | os.PathLike) -> int | None:
+    """Bytes of the checkpoint's weight files (those `model.safetensors.index.json` lists, else every safetensors
+    file, else pytorch_model*.bin): what loading it whole takes in its own dtype. None where that is unknown: no
+    readable weights, or a quantized checkpoint (`quantization_config`: larger once loaded than on disk)."""
     p = Path(folder)
-    files = list(p.glob("*.safetensors")) or list(p.glob("pytorch_model*.bin"))
-    return sum(f.stat().st_size for f in files)
+    try:
+        if "quantization_config" in json.loads((p / "config.json").read_text()):
+            return None
+        index = p / "model.safetensors.index.json"
+        if index.is_file():
+            files = [p / n for n in set(json.loads(index.read_text())["weight_map"].values())]
+        else:
+            files = list(p.glob("*.safetensors")) or list(p.glob("pytorch_model*.bin"))
+        return sum(f.stat().st_size for f in files) or None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def read_config(folder: str | os.PathLike) -> Any:

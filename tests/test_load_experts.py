@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from moeflow.errors import ConfigError
-from moeflow.models import place_model, tiny_model
+from moeflow.models import place_model, tiny_model, weights_bytes
 from moeflow.moe import get_adapter
+from moeflow.moe.adapters import SUPPORTED
 from moeflow.stages.run_config import RunConfig
 from moeflow.stages.session import FIT_SHARE, experts_placement
 
@@ -22,7 +23,7 @@ def _expert_ids(model) -> set[int]:
     return {id(p) for l in ad.spec.moe_layers for p in ad.per_expert_params(l).values()}
 
 
-@pytest.mark.parametrize("arch", ["olmoe", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", SUPPORTED)
 def test_place_model_keeps_the_routed_experts_off_the_device(arch):
     """Everything but the stacked routed experts goes to the device (meta here, as a stand-in for CUDA); the
     experts go to `experts_device` with their values, and never pass through the device."""
@@ -64,12 +65,94 @@ def test_experts_placement_rule():
         experts_placement("auto", "cuda", 90 * GIB, 80 * GIB, True, "moeflow quality")
 
 
+def test_an_explicit_host_with_a_stock_model_run_is_refused():
+    with pytest.raises(ConfigError, match="--mode resident runs the stock model"):
+        experts_placement("host", "cuda", None, None, True)
+    with pytest.raises(ConfigError, match="moeflow quality`'s stock-model reference runs the stock model"):
+        experts_placement("host", "cuda", None, None, True, "moeflow quality")
+
+
+def _fake_cuda(monkeypatch, free: int) -> None:
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+
+
+def test_placement_for_measures_the_checkpoint_against_free_memory(tiny_checkpoint, tmp_path, monkeypatch):
+    """auto, on a (faked) CUDA device: the weight files' bytes in the dtype they load in against the free memory."""
+    from moeflow.stages.session import placement_for
+
+    size = weights_bytes(tiny_checkpoint)  # a float32 checkpoint
+    assert size and size > 0
+
+    def where(free: int, **kw) -> str:
+        _fake_cuda(monkeypatch, free)
+        cfg = RunConfig(**{"model": str(tiny_checkpoint), "prompt": ("x",), "device": "cuda", **kw})
+        return placement_for(cfg, "moeflow run", False)[0]
+
+    assert where(2 * size) == "device" and where(size) == "host"
+    assert where(size, dtype="bfloat16") == "device"  # loaded in half the bytes it is saved in
+    assert where(size, load_experts="device") == "device" and where(100 * size, load_experts="host") == "host"
+    with pytest.raises(ConfigError, match="--mode resident needs every expert there"):
+        _fake_cuda(monkeypatch, size)
+        placement_for(RunConfig(model=str(tiny_checkpoint), prompt=("x",), device="cuda"), "moeflow run", True)
+    # a folder that is not a checkpoint: the whole model is asked for, and load_model says what is wrong
+    assert where(1, model=str(tmp_path / "nope")) == "device"
+
+
+def test_weights_bytes_counts_the_indexed_files_and_not_a_quantized_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "olmoe"}))
+    (tmp_path / "a.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / "consolidated.safetensors").write_bytes(b"x" * 1000)  # a copy beside the shards, not listed
+    assert weights_bytes(tmp_path) == 1100
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "a.safetensors"}}))
+    assert weights_bytes(tmp_path) == 100
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "olmoe", "quantization_config": {"bits": 4}}))
+    assert weights_bytes(tmp_path) is None  # larger once loaded than on disk: unknown
+    assert weights_bytes(tmp_path / "nope") is None
+
+
+def test_closing_an_engine_leaves_host_experts_in_its_rows_not_in_a_second_copy():
+    """Experts that live in host memory beside a CUDA device are given back as views of the store's (pinned) rows:
+    a copy held them twice in host memory when the engine closed. The model computes the same after a second round."""
+    from moeflow.runtime.store import HostExpertStore
+
+    model = tiny_model("olmoe")
+    ad = get_adapter(model)
+    before = {(l, n): p.detach().clone() for l in ad.spec.moe_layers for n, p in ad.per_expert_params(l).items()}
+    ids = torch.tensor([[5, 9, 33, 2]])
+    with torch.no_grad():
+        ref = model(ids).logits
+    for pinned in (True, False):  # pin: the CUDA engine's store (rows not pinned here: no CUDA runtime)
+        store = HostExpertStore(ad, pin=pinned)
+        store.offload()
+        ptrs = {l: rows.untyped_storage().data_ptr() for l, rows in store.rows.items()}
+        store.restore()
+        for l in ad.spec.moe_layers:
+            for n, p in ad.per_expert_params(l).items():
+                assert torch.equal(p.detach(), before[l, n])
+                shared = p.untyped_storage().data_ptr() == ptrs[l]
+                assert shared == pinned, (pinned, l, n)  # pinned: views of the rows; else contiguous copies
+                assert p.is_contiguous() or pinned
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref)
+
+
 def test_run_config_refuses_host_experts_with_a_resident_run():
     with pytest.raises(ConfigError, match="--mode resident runs the stock model"):
         RunConfig(model="m", prompt=("x",), device="cuda", load_experts="host", modes=("resident", "offload"), sweep=True)
     with pytest.raises(ConfigError, match="--load-experts 'gpu' unknown"):
         RunConfig(model="m", prompt=("x",), load_experts="gpu")
     RunConfig(model="m", prompt=("x",), device="cpu", load_experts="host", modes=("resident",))  # one memory on a CPU: accepted
+
+
+def test_the_cli_passes_load_experts_to_the_run(monkeypatch):
+    import moeflow.stages.run as run_stage
+    from moeflow.cli.app import main
+
+    seen = {}
+    monkeypatch.setattr(run_stage, "main", lambda cfg: seen.setdefault("cfg", cfg))
+    with pytest.raises(SystemExit) as e:
+        main(["run", "-m", "m", "--prompt", "x", "--load-experts", "host"])
+    assert e.value.code in (0, None) and seen["cfg"].load_experts == "host"
 
 
 def test_run_with_load_experts_on_cpu_reports_where_they_loaded(ckpt_with, capsys):

@@ -121,13 +121,16 @@ class HostExpertStore:
         return sum(p.numel() for params in self._params.values() for p in params.values())
 
     def restore(self) -> None:
-        """Put the stacked parameters back on their device, bit for bit."""
+        """Put the stacked parameters back on their device, bit for bit. Parameters that lived in host memory beside
+        a CUDA device (`moeflow run --load-experts host`) become views of the pinned rows, not copies: a copy would
+        hold the experts twice in host memory when the engine closes (pinned blocks stay in torch's host cache)."""
         if not self.offloaded:
             return
         for l, params in self._params.items():
             views = self.layout.views(self.rows[l])
+            in_place = self.pin and self._device[l].type == "cpu"  # host experts of a CUDA engine: keep the rows
             for name, p in params.items():
-                p.data = views[name].to(self._device[l], copy=True).contiguous()
+                p.data = views[name] if in_place else views[name].to(self._device[l], copy=True).contiguous()
         self.rows.clear()
         self.row_views.clear()
         self._params.clear()

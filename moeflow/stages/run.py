@@ -83,7 +83,7 @@ def _pick_impl(cfg: RunConfig, model: Any, batch: list[tuple[str, str, Any]], co
     return name, times[name]
 
 
-RESIDENT_SLACK = 1.5  # a resident decode slower than this x its own probe's pass time is reported as unreliable
+RESIDENT_SLACK = 2.0  # a resident decode slower than this x its own probe's pass time is reported as unreliable
 
 
 def resident_check(tpot_s: float | None, probe_s: float | None) -> str | None:
@@ -164,11 +164,12 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
     uses_s = any(r["mode"] == "offload" and r["prefetch"] != "none" for r in runs)  # S matters (adaptive: its start)
     if cal is None and cfg.lookahead is None and uses_s and not console.quiet:  # once the inputs passed their checks
         warn = Console(stderr=True) if console.file is sys.stdout else console  # beside the table: on stderr
-        warn.print(
-            f"[bold yellow]WARNING: no calibration at {cal_path}: step size S defaults to 1; run "
-            f"`{calibrate_command(cfg, link_spec)}` (or pass -S).[/]",
-            soft_wrap=True,
+        fix = (  # calibrate loads the whole model on the device: not where the experts had to stay on the host
+            "pass -S (`moeflow calibrate` needs the whole model on the device)"
+            if ses.experts == "host"
+            else f"run `{calibrate_command(cfg, link_spec)}` (or pass -S)"
         )
+        warn.print(f"[bold yellow]WARNING: no calibration at {cal_path}: step size S defaults to 1; {fix}.[/]", soft_wrap=True)
     planner, plans = None, {}
     if cfg.plan is not None:  # CasMoE: one plan per prompt, made before any run decodes it
         from ..plan.run import RunPlanner

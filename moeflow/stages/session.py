@@ -97,6 +97,9 @@ def experts_placement(
     if requested == "device":
         return "device", "--load-experts device"
     if requested == "host":
+        if resident:
+            what = "--mode resident" if command == "moeflow run" else f"`{command}`'s stock-model reference"
+            raise ConfigError(f"{what} runs the stock model with every expert on the device: not with --load-experts host")
         return "host", "--load-experts host"
     if weights is None or free is None or weights <= FIT_SHARE * free:
         return "device", ""
@@ -116,13 +119,17 @@ def placement_for(cfg: RunConfig, command: str, resident: bool) -> tuple[str, st
         return experts_placement(cfg.load_experts, device.type, None, None, resident, command)
     from ..models import read_config, resolve_dtype, weights_bytes
 
-    weights = weights_bytes(cfg.model)
-    target = resolve_dtype(cfg.dtype, cfg.device)
-    saved = getattr(read_config(cfg.model), "dtype", None)
-    if isinstance(saved, str):
-        saved = getattr(torch, saved, None)
-    if isinstance(target, torch.dtype) and isinstance(saved, torch.dtype):  # loaded in another dtype than saved
-        weights = weights * target.itemsize // saved.itemsize
+    weights = weights_bytes(cfg.model)  # None: unknown (no folder, a quantized checkpoint): the whole model loads
+    if weights is not None:
+        target = resolve_dtype(cfg.dtype, cfg.device)
+        try:
+            saved = getattr(read_config(cfg.model), "dtype", None)
+        except ArtifactError:  # load_model says what is wrong with the checkpoint, in one line
+            saved = None
+        if isinstance(saved, str):
+            saved = getattr(torch, saved, None)
+        if isinstance(target, torch.dtype) and isinstance(saved, torch.dtype):  # loaded in another dtype than saved
+            weights = weights * target.itemsize // saved.itemsize
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     return experts_placement(cfg.load_experts, device.type, weights, free, resident, command)
 
