@@ -3,6 +3,7 @@ loads with them in host memory only (`models.place_model`), chosen by `session.e
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -192,3 +193,55 @@ def test_experts_loaded_on_host_offload_is_token_identical_on_cuda(tiny_checkpoi
             out, _ = generate_one(model, ids, eng, max_new_tokens=8, min_new_tokens=8)
         assert torch.equal(out, ref), (cap, out.tolist(), ref.tolist())
     assert all(p.device.type == "cpu" for l in ad.spec.moe_layers for p in ad.per_expert_params(l).values())
+
+
+def test_a_trace_through_the_offload_engine_records_what_the_stock_model_routes(tiny_checkpoint, tmp_path):
+    """`moeflow trace` with host-loaded experts runs through an offload engine (`host_engine`: a 25% cache, lru,
+    no prefetch): its records (tokens, experts, weights, router probabilities, hidden states) equal those of the
+    model traced whole with grouped_mm, the numerics the engine is exact to. On CPU here; the same engine on CUDA."""
+    import numpy as np
+
+    from moeflow.data import Prompt
+    from moeflow.models import load_model
+    from moeflow.stages.trace import TraceConfig, host_engine, run_trace
+    from moeflow.trace.reader import Trace
+
+    prompts = [Prompt(id=f"p{i}", text=t, source="t") for i, t in enumerate(["the king said", "to be or not to be"])]
+    model, tok = load_model(tiny_checkpoint, experts_implementation="grouped_mm")
+    adapter = get_adapter(model)  # built before the engine takes the experts out (as `moeflow trace` does)
+    traces = []
+    for name, engine in (("whole", False), ("engine", True)):
+        cfg = TraceConfig(model=str(tiny_checkpoint), prompts="-", out=str(tmp_path / name), max_new_tokens=6,
+                          batch_size=2, record_hidden=True, hidden_dtype="float32", progress=False)  # fmt: skip
+        with host_engine(model, cfg) if engine else contextlib.nullcontext() as eng:
+            run_trace(model, tok, prompts, cfg, adapter=adapter)
+            if engine:
+                assert eng.cache.counters.misses > 0  # the engine computed the experts (2 of 8 per layer cached)
+        traces.append(Trace(tmp_path / name))
+    whole, through = traces
+    assert whole.num_tokens == through.num_tokens > 0
+    for k, v in whole.tokens().items():
+        assert np.array_equal(v, through.tokens()[k]), k
+    for layer in get_adapter(model).spec.moe_layers:
+        a, b = whole.layer(layer), through.layer(layer)
+        assert a and set(a) == set(b)
+        for k in a:
+            assert np.array_equal(a[k], b[k]), (layer, k)
+
+
+def test_trace_cli_runs_through_the_engine_where_the_experts_stay_on_the_host(ckpt_with, tmp_path, monkeypatch, capsys):
+    """The command's host branch (taken on CUDA when the experts do not fit; forced here on CPU): loaded with the
+    engine's numerics, traced through `host_engine`, said in the JSON."""
+    import moeflow.stages.session as session
+    from moeflow.cli.app import main
+    from moeflow.trace.reader import Trace
+
+    monkeypatch.setattr(session, "placement_for", lambda cfg, command, resident: ("host", "forced by the test"))
+    ckpt = ckpt_with(p_txt="the king said\nto be or not\n")
+    out = tmp_path / "tr"
+    args = ["trace", "-m", str(ckpt), "-p", str(ckpt.parent / "p.txt"), "--max-new-tokens", "3", "-c", "50%"]
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--threads", "1", "--json", "--out", str(out)])
+    assert e.value.code in (0, None)
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["experts_loaded"] == "host" and res["prompts_added"] == 2 and Trace(out).num_tokens > 0

@@ -103,6 +103,20 @@ def trace_cmd(
         "(and meta.json) is written each time this many are buffered. "
         "Default: about 256 MiB of records.",
     ),
+    load_experts: str = typer.Option(
+        "auto",
+        "--load-experts",
+        help="Where the routed experts' weights load: device (the whole model on --device), host (they never reach "
+        "it: the trace runs through an exact offload engine of --capacity slots), or auto: host when the checkpoint "
+        "exceeds 90% of the device's free memory. On a CPU device both are host memory.",
+    ),
+    capacity: str = typer.Option(
+        "25%",
+        "--capacity",
+        "-c",
+        help="With host-loaded experts: the engine's device expert slots (N experts, P% of all routed experts, "
+        "or a size such as 8GB). Default 25%.",
+    ),
     threads: int | None = threads_option(),
     summary: str | None = typer.Option(None, "--summary", hidden=True, help="Old spelling of `moeflow inspect DIR`."),
     phase: str | None = typer.Option(None, "--phase", hidden=True, help="With --summary: prefill or decode."),
@@ -138,6 +152,8 @@ def trace_cmd(
         dtype=dtype,
         device=device,
         shard_size=shard_size,
+        load_experts=load_experts,
+        capacity=capacity,
         threads=threads,
         progress=not no_progress and not as_json,
         wait=wait,

@@ -336,13 +336,14 @@ def spec_from_config(config: Any) -> MoESpec:
     return Adapter(model).spec
 
 
-def model_fingerprint(model: nn.Module) -> str:
-    """Config plus router weights: differs between checkpoints that route differently."""
+def model_fingerprint(model: nn.Module, adapter: Adapter | None = None) -> str:
+    """Config plus router weights: differs between checkpoints that route differently. `adapter`: one built before
+    an engine offloaded the experts (an adapter cannot be built while they are out)."""
     import hashlib
 
     from ..artifacts import config_fingerprint
 
-    ad = get_adapter(model)
+    ad = adapter if adapter is not None else get_adapter(model)
     h = hashlib.sha256()
     for l in ad.moe_layers:
         w = ad.router_weight(l).detach().float().cpu().contiguous()

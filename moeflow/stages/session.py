@@ -111,9 +111,9 @@ def experts_placement(
     return "host", why
 
 
-def placement_for(cfg: RunConfig, command: str, resident: bool) -> tuple[str, str]:
-    """`experts_placement` for this config: the checkpoint's size (in the dtype it loads in) and the device's free
-    memory measured now, before the weights load."""
+def placement_for(cfg: Any, command: str, resident: bool) -> tuple[str, str]:
+    """`experts_placement` for a config with `model`, `dtype`, `device` and `load_experts` (run's, trace's): the
+    checkpoint's size (in the dtype it loads in) and the device's free memory measured now, before the load."""
     device = torch.device(cfg.device)
     if device.type == "cpu" or cfg.load_experts != "auto":
         return experts_placement(cfg.load_experts, device.type, None, None, resident, command)

@@ -57,8 +57,15 @@ class TraceConfig:
     threads: int | None = None  # torch intra-op threads (None: the rule of moeflow.threads)
     progress: bool = True
     wait: bool = False  # wait for another writer of `out` instead of refusing (moeflow.locks.out_lock)
+    load_experts: str = "auto"  # auto | device | host: where the routed experts load (as `moeflow run --load-experts`)
+    capacity: str = "25%"  # with host-loaded experts: the device expert slots of the engine the trace runs through
 
     def __post_init__(self) -> None:
+        from .run_config import LOAD_EXPERTS, check_capacity_syntax
+
+        if self.load_experts not in LOAD_EXPERTS:
+            raise ConfigError(f"--load-experts {self.load_experts!r} unknown; use one of {', '.join(LOAD_EXPERTS)}")
+        check_capacity_syntax(self.capacity)
         if not self.prompts or not self.out:
             raise ConfigError(
                 "moeflow trace needs --prompts and --out; see `moeflow trace --help` (`moeflow inspect DIR` summarises a trace)"
@@ -215,12 +222,19 @@ def sort_window(cfg: TraceConfig, spec: dict[str, Any]) -> int:
 
 
 def run_trace(
-    model: torch.nn.Module, tokenizer: Any, prompts: Sequence[Prompt], cfg: TraceConfig, console: Any = None
+    model: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[Prompt],
+    cfg: TraceConfig,
+    console: Any = None,
+    *,
+    adapter: Any = None,
 ) -> dict[str, Any]:
-    """Trace `prompts` through `model` into `cfg.out` (appending; prompts already there are skipped).
+    """Trace `prompts` through `model` into `cfg.out` (appending; prompts already there are skipped). `adapter`: the
+    model's, built before an engine attached (`host_engine`: the experts are out of the model while it runs).
 
     An interrupt (Ctrl-C, SIGTERM, any error) keeps every prompt finished so far in the trace."""
-    adapter = get_adapter(model)
+    adapter = adapter if adapter is not None else get_adapter(model)
     gen = cfg.generation()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     gen_kw = generation_kwargs(gen, pad if pad is not None else getattr(model.config, "eos_token_id", None))
@@ -228,7 +242,7 @@ def run_trace(
     device = next(model.parameters()).device
     writer = TraceWriter(
         cfg.out,
-        fingerprint=model_fingerprint(model),
+        fingerprint=model_fingerprint(model, adapter),
         spec=adapter.spec.to_dict(),
         record_hidden=cfg.record_hidden,
         generation=gen,
@@ -324,12 +338,34 @@ def check_trace_out(cfg: TraceConfig) -> None:
     check_out(out, kind=KIND, inputs=(cfg.model, src), reuse=True)
 
 
+@contextlib.contextmanager
+def host_engine(model: Any, cfg: TraceConfig) -> Iterator[Any]:
+    """An offload engine over `model` for its trace: `cfg.capacity` device slots, lru, no prefetch, the device's
+    own link, standard routing and fetched misses, so the routing and the tokens are those of the stock model with
+    `grouped_mm` (the engine is exact to it). For experts loaded in host memory only (`--load-experts host`)."""
+    from ..policies.parse import parse_capacity
+    from ..runtime.cache import check_capacity
+    from ..runtime.generate import build_engine
+    from ..runtime.link import make_link
+
+    spec = get_adapter(model).spec
+    device = next(model.parameters()).device
+    cap = parse_capacity(cfg.capacity, total_experts=spec.total_experts, expert_bytes=spec.expert_bytes)
+    check_capacity(spec, cap, given=cfg.capacity, expert_bytes=spec.expert_bytes)
+    link = make_link("cuda" if device.type == "cuda" else "direct", device)
+    eng = build_engine(model, mode="offload", link=link, capacity=cap, eviction="lru", prefetch="none")
+    assert eng is not None  # an offload mode always has an engine
+    with eng:
+        yield eng
+
+
 def main(cfg: TraceConfig, console: Any = None, json_out: bool = False) -> dict[str, Any]:
     """Load `cfg.model` and `cfg.prompts`, trace, print a result line (or JSON)."""
     from rich.console import Console
 
     from ..locks import out_lock
     from ..models import load_model, torch_threads
+    from .session import placement_for
     from .threads import apply_threads
 
     console = console or Console(stderr=True)
@@ -340,11 +376,25 @@ def main(cfg: TraceConfig, console: Any = None, json_out: bool = False) -> dict[
         torch_threads(cfg.threads),
     ):
         prompts = load_prompts(cfg.prompts, data_dir=cfg.data_dir, limit=cfg.limit, split=cfg.split, column=cfg.column)
-        model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+        experts, why = placement_for(cfg, "moeflow trace", False)
+        if experts == "host":  # the experts never reach the device: the trace runs through an exact offload engine
+            model, tok = load_model(
+                cfg.model, dtype=cfg.dtype, device=cfg.device, experts_implementation="grouped_mm", experts_device="cpu"
+            )
+        else:
+            model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
         if tok is None:
             raise MoeflowError(f"{cfg.model} has no tokenizer (tokenizer.json); save one beside the checkpoint")
         threads = apply_threads(cfg.threads, model, cfg.device)
-        res = {**run_trace(model, tok, prompts, cfg, console), **threads.to_dict()}
+        adapter = get_adapter(model)  # before an engine takes the experts out
+        with host_engine(model, cfg) if experts == "host" else contextlib.nullcontext():
+            if experts == "host":
+                console.print(f"[dim]routed experts in host memory ({escape(why)}); tracing through a {cfg.capacity} cache[/]")
+            res = {
+                **run_trace(model, tok, prompts, cfg, console, adapter=adapter),
+                **threads.to_dict(),
+                "experts_loaded": experts,
+            }
     if json_out:
         print(json.dumps(res))
     else:
