@@ -245,3 +245,18 @@ def test_trace_cli_runs_through_the_engine_where_the_experts_stay_on_the_host(ck
     assert e.value.code in (0, None)
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["experts_loaded"] == "host" and res["prompts_added"] == 2 and Trace(out).num_tokens > 0
+
+
+def test_trace_checks_its_engine_capacity_before_the_weights_load(ckpt_with, tmp_path, monkeypatch, capsys):
+    import moeflow.stages.session as session
+    from moeflow.cli.app import main
+
+    def refuse(*a, **k):
+        raise AssertionError("the model loaded before --capacity was checked")
+
+    monkeypatch.setattr(session, "placement_for", lambda cfg, command, resident: ("host", "forced by the test"))
+    monkeypatch.setattr("moeflow.models.load_model", refuse)
+    ckpt = ckpt_with(p_txt="the king said\n")
+    with pytest.raises(SystemExit) as e:
+        main(["trace", "-m", str(ckpt), "-p", str(ckpt.parent / "p.txt"), "-c", "1", "--out", str(tmp_path / "tr")])
+    assert e.value.code == 2 and "below top-k=2" in capsys.readouterr().err

@@ -338,6 +338,22 @@ def check_trace_out(cfg: TraceConfig) -> None:
     check_out(out, kind=KIND, inputs=(cfg.model, src), reuse=True)
 
 
+def check_capacity_before_load(cfg: TraceConfig) -> None:
+    """`--capacity` in experts or percent against the checkpoint's config (top-k .. all experts), before its weights
+    load (a size in bytes waits for the loaded experts; a config the meta device cannot build: load_model says)."""
+    from ..models import read_config
+    from ..moe import spec_from_config
+    from ..policies.parse import parse_capacity
+    from ..runtime.cache import check_capacity
+
+    try:
+        spec = spec_from_config(read_config(cfg.model))
+        cap = parse_capacity(cfg.capacity, total_experts=spec.total_experts, expert_bytes=None)
+    except Exception:
+        return
+    check_capacity(spec, cap, given=cfg.capacity)
+
+
 @contextlib.contextmanager
 def host_engine(model: Any, cfg: TraceConfig) -> Iterator[Any]:
     """An offload engine over `model` for its trace: `cfg.capacity` device slots, lru, no prefetch, the device's
@@ -378,6 +394,7 @@ def main(cfg: TraceConfig, console: Any = None, json_out: bool = False) -> dict[
         prompts = load_prompts(cfg.prompts, data_dir=cfg.data_dir, limit=cfg.limit, split=cfg.split, column=cfg.column)
         experts, why = placement_for(cfg, "moeflow trace", False)
         if experts == "host":  # the experts never reach the device: the trace runs through an exact offload engine
+            check_capacity_before_load(cfg)
             model, tok = load_model(
                 cfg.model, dtype=cfg.dtype, device=cfg.device, experts_implementation="grouped_mm", experts_device="cpu"
             )
