@@ -137,6 +137,38 @@ def test_closing_an_engine_leaves_host_experts_in_its_rows_not_in_a_second_copy(
         assert torch.equal(model(ids).logits, ref)
 
 
+def test_the_next_engine_takes_the_rows_a_closed_one_left_without_copying():
+    """Host-loaded experts left as views of a closed engine's rows are taken as they are by the next engine's store
+    (no second copy of every expert, no second pinning: a sweep's runs and warm-ups each attach an engine); rows
+    the parameters are not views of (the first engine, a CPU device's contiguous copies) are copied as before."""
+    from moeflow.runtime.store import HostExpertStore
+
+    model = tiny_model("olmoe")
+    ad = get_adapter(model)
+    before = {(l, n): p.detach().clone() for l in ad.spec.moe_layers for n, p in ad.per_expert_params(l).items()}
+    first = HostExpertStore(ad, pin=True)
+    first.offload()
+    ptrs = {l: rows.untyped_storage().data_ptr() for l, rows in first.rows.items()}
+    first.restore()
+    second = HostExpertStore(ad, pin=True)
+    second.offload()
+    assert {l: rows.untyped_storage().data_ptr() for l, rows in second.rows.items()} == ptrs  # taken, not copied
+    for l in ad.spec.moe_layers:
+        for n in ad.per_expert_params(l):
+            assert torch.equal(second.layout.views(second.rows[l])[n], before[l, n])
+    second.restore()
+    third = HostExpertStore(ad, pin=False)  # a CPU engine: restore copies, so the next one copies too
+    third.offload()
+    third.restore()
+    fourth = HostExpertStore(ad, pin=False)
+    assert all(fourth._rows_of(ad.per_expert_params(l)) is None for l in ad.spec.moe_layers)  # contiguous copies
+    fourth.offload()
+    fourth.restore()
+    for l in ad.spec.moe_layers:
+        for n, p in ad.per_expert_params(l).items():
+            assert torch.equal(p.detach(), before[l, n]) and p.is_contiguous()
+
+
 def test_run_config_refuses_host_experts_with_a_resident_run():
     with pytest.raises(ConfigError, match="--mode resident runs the stock model"):
         RunConfig(model="m", prompt=("x",), device="cuda", load_experts="host", modes=("resident", "offload"), sweep=True)

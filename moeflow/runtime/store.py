@@ -95,7 +95,8 @@ class HostExpertStore:
         dequantize_row(self.compact_layout[bits], self.landing(slot_row, bits), self.layout, slot_row)
 
     def offload(self) -> None:
-        """Copy every layer's stacked experts into host rows and free them on the device."""
+        """Copy every layer's stacked experts into host rows and free them on the device (rows an earlier store left
+        the parameters in are taken as they are: `_rows_of`)."""
         if self.offloaded:
             return
         E = self.spec.num_experts
@@ -103,18 +104,41 @@ class HostExpertStore:
             params = self.adapter.per_expert_params(l)
             if set(params) != {p.name for p in self.layout.params}:
                 raise ConfigError(f"layer {l} has expert parameters {sorted(params)}, unlike the first MoE layer")
-            host = torch.zeros(E, self.layout.row_numel, dtype=self.layout.dtype)  # [E,R]
-            views = self.layout.views(host)
-            with torch.no_grad():
-                for name, p in params.items():
-                    views[name].copy_(p.detach().to("cpu"))
-            self.rows[l] = _pin(host) if self.pin else host
+            host = self._rows_of(params)  # [E,R]: the rows an earlier engine left the parameters in, or None
+            if host is None:
+                host = torch.zeros(E, self.layout.row_numel, dtype=self.layout.dtype)  # [E,R]
+                views = self.layout.views(host)
+                with torch.no_grad():
+                    for name, p in params.items():
+                        views[name].copy_(p.detach().to("cpu"))
+            self.rows[l] = _pin(host) if self.pin and not host.is_pinned() else host
             self.row_views[l] = list(self.rows[l].unbind(0))  # [R] each: a copy's source, no view made per copy
             self._params[l] = dict(params)
             self._device[l] = next(iter(params.values())).device
             for p in params.values():  # free the device copy; keep the Parameter object
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.offloaded = True
+
+    def _rows_of(self, params: dict[str, torch.nn.Parameter]) -> torch.Tensor | None:
+        """The `[E, R]` host rows `params` are views of, laid out as this store's rows, when an earlier store's
+        `restore` left them so (host-loaded experts beside a CUDA device): the next engine takes them as they are
+        instead of copying every expert again (and pinning the copy). None otherwise (a copy is made)."""
+        first = next(iter(params.values()))
+        if first.device.type != "cpu":
+            return None
+        E, R = self.spec.num_experts, self.layout.row_numel
+        storage = first.untyped_storage()
+        if storage.nbytes() != E * R * first.element_size():
+            return None
+        rows = torch.empty(0, dtype=self.layout.dtype).set_(storage, 0, (E, R), (R, 1))  # [E,R] over that storage
+        views = self.layout.views(rows)
+        for name, p in params.items():
+            v = views[name]
+            if p.untyped_storage().data_ptr() != storage.data_ptr() or p.data_ptr() != v.data_ptr():
+                return None
+            if p.shape != v.shape or p.stride() != v.stride() or p.dtype != v.dtype:
+                return None
+        return rows
 
     def device_numel(self) -> int:
         """Elements the offloaded stacked parameters still hold on their device (0 while offloaded)."""
