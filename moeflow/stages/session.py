@@ -92,13 +92,13 @@ def experts_placement(
     do not fit there). On a CPU device both are host memory: "device". `auto`: "host" when the checkpoint's
     `weights` bytes exceed `FIT_SHARE` of the device's `free` bytes. A resident run needs "device": refused
     (ConfigError) where the experts must stay on the host."""
+    what = "--mode resident" if command == "moeflow run" else f"`{command}`'s stock-model reference"  # a resident run
     if device_type == "cpu":
         return "device", ""
     if requested == "device":
         return "device", "--load-experts device"
     if requested == "host":
         if resident:
-            what = "--mode resident" if command == "moeflow run" else f"`{command}`'s stock-model reference"
             raise ConfigError(f"{what} runs the stock model with every expert on the device: not with --load-experts host")
         return "host", "--load-experts host"
     if weights is None or free is None or weights <= FIT_SHARE * free:
@@ -106,7 +106,6 @@ def experts_placement(
     gib = 1 << 30
     why = f"the checkpoint's {weights / gib:.1f} GiB exceed {FIT_SHARE:.0%} of the {free / gib:.1f} GiB free on the device"
     if resident:
-        what = "--mode resident" if command == "moeflow run" else f"`{command}`'s stock-model reference"
         raise ConfigError(f"{why}: {what} needs every expert there; drop it, or use a device with more free memory")
     return "host", why
 
