@@ -88,11 +88,11 @@ def missing_model(path: str | os.PathLike) -> str:
     """The one line for a --model folder that does not exist: the shipped checkpoints and $MOEFLOW_MODEL."""
     shipped = shipped_models()
     ships = f"the repository ships {', '.join(shipped)}; " if shipped else ""
-    what = f"--model {path} is a file, not a model folder" if Path(path).exists() else f"model folder {path} does not exist"
+    exists = Path(path).exists()
     if os.environ.get("MOEFLOW_MODEL") and str(path) == os.environ["MOEFLOW_MODEL"]:  # no --model: the variable's
-        what = f"$MOEFLOW_MODEL names {path}, which " + (
-            "is a file, not a model folder" if Path(path).exists() else "does not exist"
-        )
+        what = f"$MOEFLOW_MODEL names {path}, which " + ("is a file, not a model folder" if exists else "does not exist")
+    else:
+        what = f"--model {path} is a file, not a model folder" if exists else f"model folder {path} does not exist"
     return (
         f"{what}; check the path, or pass --model with a local Hugging Face checkpoint "
         f"folder (config.json + safetensors): {ships}or set MOEFLOW_MODEL"
@@ -179,13 +179,9 @@ def weights_bytes(folder: str | os.PathLike) -> int | None:
     try:
         if "quantization_config" in json.loads((p / "config.json").read_text()):
             return None
-        index = p / "model.safetensors.index.json"
-        if index.is_file():
-            files = [p / n for n in set(json.loads(index.read_text())["weight_map"].values())]
-        else:
-            files = list(p.glob("*.safetensors")) or list(p.glob("pytorch_model*.bin"))
+        files = _safetensors_files(p) or list(p.glob("pytorch_model*.bin"))
         return sum(f.stat().st_size for f in files) or None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, TypeError, ArtifactError):
         return None
 
 
@@ -226,19 +222,24 @@ def _first_line(e: BaseException) -> str:
     return (text[:-1] if text.endswith(".") and not text.endswith("...") else text) or type(e).__name__
 
 
+def _safetensors_files(p: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its `model.safetensors.index.json` lists (present or not), else
+    every one in the folder. A corrupt index is one ArtifactError line."""
+    index = p / "model.safetensors.index.json"
+    if not index.is_file():
+        return sorted(p.glob("*.safetensors"))
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ArtifactError(f"{index} is corrupt ({_first_line(e)}); re-save or re-download the checkpoint") from e
+    return [p / n for n in names]
+
+
 def check_weights(folder: str | os.PathLike) -> None:
     """Refuse, with one ArtifactError line naming the file, a checkpoint whose safetensors files are
     missing (also those its `model.safetensors.index.json` lists), truncated or have a corrupt header."""
     p = Path(folder)
-    index = p / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ArtifactError(f"{index} is corrupt ({_first_line(e)}); re-save or re-download the checkpoint") from e
-        files = [p / n for n in names]
-    else:
-        files = sorted(p.glob("*.safetensors"))
+    files = _safetensors_files(p)
     if not files and not any(p.glob("pytorch_model*.bin")):
         raise ArtifactError(f"{p} has no weights (model.safetensors); pass --model a folder written by save_pretrained")
     for f in files:

@@ -1,5 +1,5 @@
 """Where the routed experts load (`moeflow run --load-experts`): a model whose experts do not fit in device memory
-loads with them in host memory only (`models.place_model`), chosen by `session.experts_placement`."""
+loads with them in host memory only (`models.place_model`), chosen by `run_config.experts_placement`."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from moeflow.errors import ConfigError
 from moeflow.models import place_model, tiny_model, weights_bytes
 from moeflow.moe import get_adapter
 from moeflow.moe.adapters import SUPPORTED
-from moeflow.stages.run_config import RunConfig
-from moeflow.stages.session import FIT_SHARE, experts_placement
+from moeflow.stages.run_config import FIT_SHARE, RunConfig, experts_placement
 
 GIB = 1 << 30
 

@@ -162,8 +162,8 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
     caps = check_runs(cfg, model, runs)
     encoded = encode_prompts(cfg, model, tok, prompts)
     uses_s = any(r["mode"] == "offload" and r["prefetch"] != "none" for r in runs)  # S matters (adaptive: its start)
+    warn = Console(stderr=True) if console.file is sys.stdout else console  # warnings: beside the table, on stderr
     if cal is None and cfg.lookahead is None and uses_s and not console.quiet:  # once the inputs passed their checks
-        warn = Console(stderr=True) if console.file is sys.stdout else console  # beside the table: on stderr
         fix = (  # calibrate loads the whole model on the device: not where the experts had to stay on the host
             "pass -S (`moeflow calibrate` needs the whole model on the device)"
             if ses.experts == "host"
@@ -354,7 +354,6 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
             if why is not None:
                 res["resident_warning"] = why
                 if not console.quiet:
-                    warn = Console(stderr=True) if console.file is sys.stdout else console  # beside the table: on stderr
                     warn.print(f"[bold yellow]WARNING: {escape(why)}[/]", soft_wrap=True)
     if planner is not None:
         sm = planner.summary(list(plans.values()))

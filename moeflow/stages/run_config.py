@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ..policies.lossy import Lossy
 
 MODES = ("offload", "resident", "on-demand")
-LOAD_EXPERTS = ("auto", "device", "host")  # where the routed experts' weights load (`session.experts_placement`)
+LOAD_EXPERTS = ("auto", "device", "host")  # where the routed experts' weights load (`experts_placement`)
 EXPERTS_IMPLS = ("auto", "batched_mm", "grouped_mm")  # resident's stock experts implementation (auto: measured)
 PREFILL_PATHS = ("staged", "serial")  # moeflow.runtime.prefill.PREFILL_PATHS (no runtime import for the flags)
 
@@ -100,10 +100,8 @@ class RunConfig:
             raise ConfigError(f"--batch-size must be >= 1 (got {self.batch_size})")
         if self.load_experts not in LOAD_EXPERTS:
             raise ConfigError(f"--load-experts {self.load_experts!r} unknown; use one of {', '.join(LOAD_EXPERTS)}")
-        if self.load_experts == "host" and "resident" in self.modes and not self.device.startswith("cpu"):
-            raise ConfigError(
-                "--mode resident runs the stock model with every expert on the device: drop it, or --load-experts host"
-            )
+        if self.load_experts == "host":  # a resident run beside it: refused here, by the rule the load follows
+            experts_placement("host", self.device.split(":")[0], None, None, "resident" in self.modes)
         if self.prefill not in PREFILL_PATHS:
             raise ConfigError(f"--prefill {self.prefill!r} unknown; use one of {', '.join(PREFILL_PATHS)}")
         if self.experts_impl not in EXPERTS_IMPLS:
@@ -338,6 +336,35 @@ def check_config_model(cfg: RunConfig, model: Any) -> None:
         except ArtifactError:
             meta = {"model_fingerprint": cfg.config_fingerprint}
         raise another_model(f"run configuration {cfg.config}", meta, fp, "re-run `moeflow tune` with this --model")
+
+
+FIT_SHARE = 0.9  # `--load-experts auto` loads the whole checkpoint on the device up to this share of its free memory
+
+
+def experts_placement(
+    requested: str, device_type: str, weights: int | None, free: int | None, resident: bool, command: str = "moeflow run"
+) -> tuple[str, str]:
+    """Where the routed experts load, and why: "device" (the whole model on the device; an engine then moves the
+    experts to host memory and back when it closes) or "host" (they never reach the device: a model whose experts
+    do not fit there). On a CPU device both are host memory: "device". `auto`: "host" when the checkpoint's
+    `weights` bytes exceed `FIT_SHARE` of the device's `free` bytes. A resident run needs "device": refused
+    (ConfigError) where the experts must stay on the host."""
+    what = "--mode resident" if command == "moeflow run" else f"`{command}`'s stock-model reference"  # a resident run
+    if device_type == "cpu":
+        return "device", ""
+    if requested == "device":
+        return "device", "--load-experts device"
+    if requested == "host":
+        if resident:
+            raise ConfigError(f"{what} runs the stock model with every expert on the device: not with --load-experts host")
+        return "host", "--load-experts host"
+    if weights is None or free is None or weights <= FIT_SHARE * free:
+        return "device", ""
+    gib = 1 << 30
+    why = f"the checkpoint's {weights / gib:.1f} GiB exceed {FIT_SHARE:.0%} of the {free / gib:.1f} GiB free on the device"
+    if resident:
+        raise ConfigError(f"{why}: {what} needs every expert there; drop it, or use a device with more free memory")
+    return "host", why
 
 
 def _proposes(prefetch: str) -> bool:

@@ -26,7 +26,7 @@ from ..runtime.adaptive_s import requested_step_size
 from ..runtime.generate import build_engine, generate_batch
 from ..runtime.link import make_link, parse_link
 from ..runtime.timing import settle_heap
-from .run_config import RunConfig, check_config_model
+from .run_config import RunConfig, check_config_model, experts_placement
 from .threads import apply_threads
 
 
@@ -81,35 +81,6 @@ def open_session(cfg: RunConfig, command: str, *, resident: bool) -> Session:
     )
 
 
-FIT_SHARE = 0.9  # `--load-experts auto` loads the whole checkpoint on the device up to this share of its free memory
-
-
-def experts_placement(
-    requested: str, device_type: str, weights: int | None, free: int | None, resident: bool, command: str = "moeflow run"
-) -> tuple[str, str]:
-    """Where the routed experts load, and why: "device" (the whole model on the device; an engine then moves the
-    experts to host memory and back when it closes) or "host" (they never reach the device: a model whose experts
-    do not fit there). On a CPU device both are host memory: "device". `auto`: "host" when the checkpoint's
-    `weights` bytes exceed `FIT_SHARE` of the device's `free` bytes. A resident run needs "device": refused
-    (ConfigError) where the experts must stay on the host."""
-    what = "--mode resident" if command == "moeflow run" else f"`{command}`'s stock-model reference"  # a resident run
-    if device_type == "cpu":
-        return "device", ""
-    if requested == "device":
-        return "device", "--load-experts device"
-    if requested == "host":
-        if resident:
-            raise ConfigError(f"{what} runs the stock model with every expert on the device: not with --load-experts host")
-        return "host", "--load-experts host"
-    if weights is None or free is None or weights <= FIT_SHARE * free:
-        return "device", ""
-    gib = 1 << 30
-    why = f"the checkpoint's {weights / gib:.1f} GiB exceed {FIT_SHARE:.0%} of the {free / gib:.1f} GiB free on the device"
-    if resident:
-        raise ConfigError(f"{why}: {what} needs every expert there; drop it, or use a device with more free memory")
-    return "host", why
-
-
 def placement_for(cfg: Any, command: str, resident: bool) -> tuple[str, str]:
     """`experts_placement` for a config with `model`, `dtype`, `device` and `load_experts` (run's, trace's): the
     checkpoint's size (in the dtype it loads in) and the device's free memory measured now, before the load."""
@@ -138,37 +109,48 @@ def check_before_load(cfg: RunConfig) -> None:
     `-S` against its MoE layers, and each capacity given as experts or a percentage against top-k .. all experts
     (a size in bytes needs the loaded experts: `check_runs`). The MoE shape comes from the model built on the meta
     device; where that fails, the same checks run after the load."""
-    from ..models import read_config
-    from ..moe import spec_from_config
     from ..runtime.adaptive_s import check_step_size
 
     offload = "offload" in cfg.modes
     if cfg.lookahead is None and not offload:  # nothing the config decides: no model built
         return
-    try:
-        spec = spec_from_config(read_config(cfg.model))
-    except Exception:  # load_model says what is wrong with the checkpoint, in one line
+    spec = spec_before_load(cfg.model)
+    if spec is None:
         return
     if cfg.lookahead is not None:
         check_step_size(cfg.lookahead, spec.num_moe_layers, Path(cfg.model).name)
     if offload:
-        check_capacities(cfg, spec, None)
+        check_capacities(cfg.capacities, spec, None, per_layer=cfg.per_layer_cache)
 
 
-def check_capacities(cfg: RunConfig, spec: Any, expert_bytes: int | None) -> dict[str, int]:
-    """Capacity spec -> experts for every capacity of `cfg`, each checked against `spec` (top-k .. all experts);
-    without `expert_bytes` a size in bytes is left out (checked once the experts' bytes are known)."""
+def spec_before_load(model: str) -> Any:
+    """The checkpoint's MoE shape from its config alone (the model built on the meta device, no weights read), or
+    None where that fails (load_model then says what is wrong with the checkpoint, in one line)."""
+    from ..models import read_config
+    from ..moe import spec_from_config
+
+    try:
+        return spec_from_config(read_config(model))
+    except Exception:
+        return None
+
+
+def check_capacities(
+    capacities: tuple[str, ...], spec: Any, expert_bytes: int | None, *, per_layer: bool = False
+) -> dict[str, int]:
+    """Capacity spec -> experts for every capacity, each checked against `spec` (top-k .. all experts, per layer
+    with `per_layer`); without `expert_bytes` a size in bytes is left out (checked once the experts' bytes are known)."""
     from ..runtime.cache import check_capacity
 
     caps: dict[str, int] = {}
-    for c in cfg.capacities:
+    for c in capacities:
         try:
             caps[c] = parse_capacity(c, total_experts=spec.total_experts, expert_bytes=expert_bytes)
         except ConfigError:
             if expert_bytes is not None:
                 raise
             continue  # a size in bytes, before the load
-        check_capacity(spec, caps[c], per_layer=cfg.per_layer_cache, given=c, expert_bytes=expert_bytes)
+        check_capacity(spec, caps[c], per_layer=per_layer, given=c, expert_bytes=expert_bytes)
     return caps
 
 
@@ -297,7 +279,7 @@ def check_runs(cfg: RunConfig, model: Any, runs: list[dict[str, Any]]) -> dict[s
     spec = get_adapter(model).spec
     caps: dict[str, int] = {}
     if any(r["mode"] == "offload" for r in runs):
-        caps = check_capacities(cfg, spec, expert_bytes_of(model))
+        caps = check_capacities(cfg.capacities, spec, expert_bytes_of(model), per_layer=cfg.per_layer_cache)
         for text in cfg.prefetches:
             pol = build_policy(PREFETCH, text, cfg.prefetch_opts)
             if isinstance(pol, LearnedPrefetch):

@@ -338,36 +338,18 @@ def check_trace_out(cfg: TraceConfig) -> None:
     check_out(out, kind=KIND, inputs=(cfg.model, src), reuse=True)
 
 
-def check_capacity_before_load(cfg: TraceConfig) -> None:
-    """`--capacity` in experts or percent against the checkpoint's config (top-k .. all experts), before its weights
-    load (a size in bytes waits for the loaded experts; a config the meta device cannot build: load_model says)."""
-    from ..models import read_config
-    from ..moe import spec_from_config
-    from ..policies.parse import parse_capacity
-    from ..runtime.cache import check_capacity
-
-    try:
-        spec = spec_from_config(read_config(cfg.model))
-        cap = parse_capacity(cfg.capacity, total_experts=spec.total_experts, expert_bytes=None)
-    except Exception:
-        return
-    check_capacity(spec, cap, given=cfg.capacity)
-
-
 @contextlib.contextmanager
 def host_engine(model: Any, cfg: TraceConfig) -> Iterator[Any]:
     """An offload engine over `model` for its trace: `cfg.capacity` device slots, lru, no prefetch, the device's
     own link, standard routing and fetched misses, so the routing and the tokens are those of the stock model with
     `grouped_mm` (the engine is exact to it). For experts loaded in host memory only (`--load-experts host`)."""
-    from ..policies.parse import parse_capacity
-    from ..runtime.cache import check_capacity
     from ..runtime.generate import build_engine
     from ..runtime.link import make_link
+    from .session import check_capacities
 
     spec = get_adapter(model).spec
     device = next(model.parameters()).device
-    cap = parse_capacity(cfg.capacity, total_experts=spec.total_experts, expert_bytes=spec.expert_bytes)
-    check_capacity(spec, cap, given=cfg.capacity, expert_bytes=spec.expert_bytes)
+    cap = check_capacities((cfg.capacity,), spec, spec.expert_bytes)[cfg.capacity]
     link = make_link("cuda" if device.type == "cuda" else "direct", device)
     eng = build_engine(model, mode="offload", link=link, capacity=cap, eviction="lru", prefetch="none")
     assert eng is not None  # an offload mode always has an engine
@@ -381,7 +363,7 @@ def main(cfg: TraceConfig, console: Any = None, json_out: bool = False) -> dict[
 
     from ..locks import out_lock
     from ..models import load_model, torch_threads
-    from .session import placement_for
+    from .session import check_capacities, placement_for, spec_before_load
     from .threads import apply_threads
 
     console = console or Console(stderr=True)
@@ -393,13 +375,13 @@ def main(cfg: TraceConfig, console: Any = None, json_out: bool = False) -> dict[
     ):
         prompts = load_prompts(cfg.prompts, data_dir=cfg.data_dir, limit=cfg.limit, split=cfg.split, column=cfg.column)
         experts, why = placement_for(cfg, "moeflow trace", False)
-        if experts == "host":  # the experts never reach the device: the trace runs through an exact offload engine
-            check_capacity_before_load(cfg)
-            model, tok = load_model(
-                cfg.model, dtype=cfg.dtype, device=cfg.device, experts_implementation="grouped_mm", experts_device="cpu"
-            )
-        else:
-            model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+        host: dict[str, Any] = {}  # load_model's arguments where the experts never reach the device
+        if experts == "host":  # the trace runs through an exact offload engine (`host_engine`), checked before the load
+            spec = spec_before_load(cfg.model)
+            if spec is not None:
+                check_capacities((cfg.capacity,), spec, None)
+            host = {"experts_implementation": "grouped_mm", "experts_device": "cpu"}
+        model, tok = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, **host)
         if tok is None:
             raise MoeflowError(f"{cfg.model} has no tokenizer (tokenizer.json); save one beside the checkpoint")
         threads = apply_threads(cfg.threads, model, cfg.device)
