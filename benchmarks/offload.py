@@ -226,7 +226,8 @@ def main() -> None:
     eb = layout.row_bytes
 
     # 1. resident: the faster stock experts implementation (measured), TPOT, per-layer decode compute
-    impl, impl_s = fastest_experts_impl(model, prompts[0])
+    probe = fastest_experts_impl(model, prompts[0], new_tokens=args.new_tokens)
+    impl, impl_s = probe.name, probe.decode_s
     run_prompts(model, prompts[:1], None, args, "warm-up", new_tokens=4)
     # the fastest of `--resident-runs` runs: one slow phase of the machine (on a GPU a resident decode step was seen to
     # take 5 ms and then 37 ms for a second in one process) must not set the bound every engine run is measured by

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -146,10 +147,46 @@ def test_link_bytes_count_copies_in_flight_at_the_end(tiny_models, prompts):
 
 def test_fastest_experts_impl(tiny_models, prompts):
     model = tiny_models("olmoe")
-    name, times = fastest_experts_impl(model, prompts[0], steps=2, rounds=1)
+    probe = fastest_experts_impl(model, prompts[0], steps=2, rounds=1, new_tokens=8)
     try:
-        assert name in ("batched_mm", "grouped_mm") and set(times) == {"batched_mm", "grouped_mm"}
-        assert model.config._experts_implementation == name and times[name] == min(times.values())
+        assert probe.name in ("batched_mm", "grouped_mm")
+        assert set(probe.decode_s) == set(probe.prefill_s) == {"batched_mm", "grouped_mm"}
+        assert all(v > 0 for v in [*probe.decode_s.values(), *probe.prefill_s.values()])
+        cost = {k: probe.prefill_s[k] + 8 * probe.decode_s[k] for k in probe.decode_s}
+        assert model.config._experts_implementation == probe.name and cost[probe.name] == min(cost.values())
+    finally:
+        model.set_experts_implementation("grouped_mm")
+
+
+def test_fastest_experts_impl_counts_the_prefill(tiny_models, prompts, monkeypatch):
+    """The kept implementation is the cheaper generation, prefill included: on CUDA transformers decodes with
+    batched_mm whichever is set, so the two decode alike, while batched_mm's prefill copies every routed expert
+    per prompt token (on an H100: 306 ms TTFT against 35 ms). A probe that looked at decode passes alone kept it."""
+    import moeflow.runtime.generate as gen
+
+    model = tiny_models("olmoe")
+    real = gen._generate
+
+    def slow_batched_prefill(m, ids, **kw):  # batched_mm: a prefill 200 ms slower; grouped_mm: decode passes 10 ms slower
+        impl = m.config._experts_implementation
+
+        def delay(mod, args, kwargs):
+            prefill = kwargs["input_ids"].shape[1] > 1
+            time.sleep((0.2 if prefill else 0.0) if impl == "batched_mm" else (0.0 if prefill else 0.01))
+
+        hook = m.register_forward_pre_hook(delay, with_kwargs=True)
+        try:
+            return real(m, ids, **kw)
+        finally:
+            hook.remove()
+
+    monkeypatch.setattr(gen, "_generate", slow_batched_prefill)
+    try:
+        short = fastest_experts_impl(model, prompts[0], steps=2, rounds=1, new_tokens=2)
+        assert short.name == "grouped_mm" and short.prefill_s["batched_mm"] > short.prefill_s["grouped_mm"] + 0.1
+        assert short.decode_s["batched_mm"] < short.decode_s["grouped_mm"]
+        long = fastest_experts_impl(model, prompts[0], steps=2, rounds=1, new_tokens=1000)  # decode passes dominate
+        assert long.name == "batched_mm"
     finally:
         model.set_experts_implementation("grouped_mm")
 
@@ -194,3 +231,29 @@ def test_run_batch_size_and_warmup(ckpt, capsys):
         assert m["throughput_tok_s"] > 0
     assert b1w["runs"][0]["experts_impl"] in ("batched_mm", "grouped_mm")
     assert b2["runs"][0]["experts_impl"] == "grouped_mm" and b2["runs"][1]["experts_impl"] is None
+
+
+def test_generation_runs_without_cudnn_attention(tiny_models, prompts, monkeypatch):
+    """cuDNN's attention plans every new sequence length on the host (on an H100 a decode step at a new length took
+    63 ms, 21 ms at a length seen before): moeflow's generations, timed or traced, run with the other backends, and
+    the setting is restored after."""
+    from moeflow.runtime.generate import generate_exactly
+    from moeflow.trace.record import RoutingRecorder, trace_one
+
+    model = tiny_models("olmoe")
+    seen: list[bool] = []
+    real = type(model).generate
+
+    def spy(self, *a, **kw):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(type(model), "generate", spy)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    generate_one(model, prompts[0], None, max_new_tokens=2)
+    generate_exactly(model, prompts[0], 2)
+    fastest_experts_impl(model, prompts[0], steps=1, rounds=1)
+    model.set_experts_implementation("grouped_mm")
+    trace_one(model, RoutingRecorder(get_adapter(model)), prompts[0], {"max_new_tokens": 2, "do_sample": False})
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored

@@ -122,9 +122,9 @@ def test_run_warns_when_the_resident_run_is_slower_than_its_probe(ckpt, monkeypa
 
     real = run_stage.fastest_experts_impl
 
-    def probe(model, ids):
-        name, times = real(model, ids)
-        return name, {k: v / 1000 for k, v in times.items()}  # a probe 1000x faster than the run will be
+    def probe(model, ids, **kw):
+        p = real(model, ids, **kw)
+        return p._replace(decode_s={k: v / 1000 for k, v in p.decode_s.items()})  # a probe 1000x faster than the run
 
     args = ["run", "-m", str(ckpt), "--prompts", str(ckpt.parent / "p.txt"), "--max-new-tokens", "6"]
     args += ["--min-new-tokens", "6", "--mode", "resident", "--threads", "1", "--json"]

@@ -153,8 +153,9 @@ def run(
     experts_impl: str = typer.Option(
         "auto",
         "--experts-impl",
-        help="Stock experts implementation of --mode resident: auto (batched_mm or grouped_mm, "
-        "whichever a short timed probe finds faster), batched_mm or grouped_mm.",
+        help="Stock experts implementation of --mode resident: auto (batched_mm or grouped_mm, whichever a short "
+        "timed probe of the first prompt finds cheaper for its prefill + --max-new-tokens decode passes), "
+        "batched_mm or grouped_mm.",
     ),
     plan: str | None = typer.Option(
         None,

@@ -69,18 +69,18 @@ def adaptive_summary(s_history: list[int]) -> dict[str, Any] | None:
 
 def _pick_impl(cfg: RunConfig, model: Any, batch: list[tuple[str, str, Any]], console: Console) -> tuple[str, float | None]:
     """`--experts-impl` for the resident run and the decode pass time the probe measured for it (None: not probed);
-    `auto`: time decode passes of the first prompt (repeated to the batch size: decode-shaped) with batched_mm and
-    grouped_mm, after a warm-up of each, and keep the faster."""
+    `auto`: time the prefill and decode passes of the first prompt (repeated to the batch size) with batched_mm and
+    grouped_mm, after a warm-up of each, and keep the one whose prefill + --max-new-tokens decode passes cost least."""
     if cfg.experts_impl != "auto":
         return cfg.experts_impl, None
     ids = batch[0][2].expand(cfg.batch_size, -1)  # [B,P]
-    name, times = fastest_experts_impl(model, ids)
+    probe = fastest_experts_impl(model, ids, new_tokens=cfg.max_new_tokens)
     console.print(
         "[dim]resident experts implementation: "
-        + ", ".join(f"{k} {v * 1e3:.2f} ms/pass" for k, v in times.items())
-        + f" -> {name}[/]"
+        + ", ".join(f"{k} {probe.prefill_s[k] * 1e3:.1f} ms prefill + {v * 1e3:.2f} ms/pass" for k, v in probe.decode_s.items())
+        + f" -> {probe.name}[/]"
     )
-    return name, times[name]
+    return probe.name, probe.decode_s[probe.name]
 
 
 RESIDENT_SLACK = 2.0  # a resident decode slower than this x its own probe's pass time is reported as unreliable

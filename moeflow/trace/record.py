@@ -17,6 +17,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from ..models import no_cudnn_attention
 from ..moe import Adapter, RouterEvent, residual_hooks, router_hooks
 from .format import (
     column,
@@ -125,7 +126,7 @@ def trace_one(
     if seed is not None:
         torch.manual_seed(seed)
     recorder.clear()
-    with torch.no_grad(), recorder.attach():
+    with torch.no_grad(), recorder.attach(), no_cudnn_attention():  # the attention `moeflow run` decodes with
         seq = cast(Any, model).generate(input_ids, attention_mask=torch.ones_like(input_ids), **gen_kwargs)[0]  # [S+G]
     rows = recorder.take()
     n = next(iter(rows.values())).shape[0]
@@ -205,7 +206,7 @@ def trace_batch(
         kw.pop("top_k", None)
         kw.update(do_sample=False, logits_processor=LogitsProcessorList([RowSampler(gen, seeds, device)]))
     recorder.clear()
-    with torch.no_grad(), recorder.attach():
+    with torch.no_grad(), recorder.attach(), no_cudnn_attention():
         seq = cast(Any, model).generate(input_ids, attention_mask=mask, **kw).cpu()  # [B,S+G]
     G = seq.shape[1] - S
     passes = recorder.routed_rows()
