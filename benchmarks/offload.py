@@ -225,7 +225,7 @@ def main() -> None:
     layout = ExpertLayout.of({n: p.detach() for n, p in ad.per_expert_params(spec.moe_layers[0]).items()})
     eb = layout.row_bytes
 
-    # 1. resident: the faster stock experts implementation (measured), TPOT, per-layer decode compute
+    # 1. resident: the cheaper stock experts implementation for these generations (measured), TPOT, per-layer decode compute
     probe = fastest_experts_impl(model, prompts[0], new_tokens=args.new_tokens)
     impl, impl_s = probe.name, probe.decode_s
     run_prompts(model, prompts[:1], None, args, "warm-up", new_tokens=4)
@@ -264,7 +264,7 @@ def main() -> None:
         f"{od_bytes_per_token / bw * 1e3:.2f} ms/token"
         + (f" = {args.copy_share:.2f} of on-demand TPOT (bandwidth-bound)" if args.link == "emulated" and not args.gbps else "")
         + f"; cache C={capacity} ({100 * capacity / spec.total_experts:.0f}%); resident experts: {impl} "
-        f"({', '.join(f'{k} {v * 1e3:.2f} ms' for k, v in impl_s.items())})"
+        f"({', '.join(f'{k} {probe.prefill_s[k] * 1e3:.1f} ms prefill + {v * 1e3:.2f} ms/pass' for k, v in impl_s.items())})"
     )
 
     def bound(loads_per_pass: list[dict[int, int]]) -> float:
@@ -406,6 +406,7 @@ def main() -> None:
         "link": args.link,
         "resident_experts_impl": impl,
         "resident_impl_probe_s": impl_s,
+        "resident_impl_probe_prefill_s": probe.prefill_s,
         "resident_tpot_s": resident.tpot_s,
         "resident_tpot_runs_s": [r[0].tpot_s for r in res_runs],
         "resident_per_moe_layer_per_decode_step": resident_counts,

@@ -43,7 +43,7 @@ def main() -> None:
     from rich.console import Console
 
     from moeflow.data import load_prompts
-    from moeflow.models import default_model_path, load_model
+    from moeflow.models import default_model_path, load_model, no_cudnn_attention
     from moeflow.moe import get_adapter, model_fingerprint
     from moeflow.tables import FitTable
     from moeflow.trace.record import RoutingRecorder, generation_kwargs, trace_one
@@ -64,7 +64,7 @@ def main() -> None:
     rows: dict[bool, list] = {False: [], True: []}
 
     def plain(ids):
-        with torch.no_grad():
+        with torch.no_grad(), no_cudnn_attention():  # as trace_one generates
             return model.generate(ids, attention_mask=torch.ones_like(ids), **kw)[0]
 
     def traced(ids, hidden):

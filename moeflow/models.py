@@ -49,17 +49,20 @@ def torch_threads(n: int | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def no_cudnn_attention() -> Iterator[None]:
-    """Run the block with every scaled-dot-product-attention backend but cuDNN's; restore the choice after.
+    """Run the block with PyTorch's cuDNN attention backend off (`torch.backends.cuda.enable_cudnn_sdp`); restore
+    the flag after. The other backends stay as the caller set them.
 
     cuDNN's attention builds an execution plan for every sequence length it has not seen, on the host: on an H100
     (torch 2.11, OLMoE-1B-7B shape, bf16) about 2.4 ms per attention call, so a decode step at a new length took
     63 ms where the same step at a length seen before took 21 ms, and every generation decodes through lengths
     it has not seen. Flash and memory-efficient attention have no such cost. On the CPU nothing changes (cuDNN is a
-    CUDA backend)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([b for b in SDPBackend.__members__.values() if b not in (SDPBackend.CUDNN_ATTENTION, SDPBackend.ERROR)]):
+    CUDA backend). The flag is the process's: threads that generate at once see it together."""
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
         yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
 
 
 def skip_transformers_hqq() -> None:

@@ -155,6 +155,20 @@ def test_steps_that_cannot_run_are_skip_rows(gc, monkeypatch, capsys, tmp_path):
     assert rc == 1 and res["checks"][1]["status"] == "error"
 
 
+def test_offload_figure_checks_the_resident_run_against_its_probe(gc):
+    """A resident decode 3x slower than the probe that picked its implementation (an H100 run before moeflow turned
+    cuDNN's attention off: 127 ms/token against a 42 ms/pass probe) makes every ratio to resident wrong: a fail row."""
+    from moeflow.stages.run import RESIDENT_SLACK
+
+    assert gc.RESIDENT_SLACK == RESIDENT_SLACK
+    line = {"runs": [{"run": "lru+none", "tpot_s": 0.03, "exact": True}], "resident_experts_impl": "grouped_mm"}
+    ok = gc.offload_figure({**line, "resident_tpot_s": 0.0195, "resident_impl_probe_s": {"grouped_mm": 0.0189}})
+    assert ok[0] == gc.OK and "resident/probe 1.03" in ok[1]
+    bad = gc.offload_figure({**line, "resident_tpot_s": 0.127, "resident_impl_probe_s": {"grouped_mm": 0.042}})
+    assert bad[0] == gc.FAIL and "resident/probe 3.02" in bad[1] and "3.0x slower" in bad[2]
+    assert gc.offload_figure(line)[0] == gc.OK  # an older JSON line without the probe: no check
+
+
 def test_host_figure_names_each_bandwidth_and_lossiness(gc):
     """One bandwidth (a real CUDA link) has no crossover: the figure gives each policy's TPOT, not "never beats"."""
     row = {"gbps": 5.6, "tpot_fetch_s": 0.04, "tpot_cpu_s": 0.013, "tpot_auto_s": 0.012, "auto_over_best": 0.94}

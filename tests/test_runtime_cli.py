@@ -123,6 +123,7 @@ def test_run_warns_when_the_resident_run_is_slower_than_its_probe(ckpt, monkeypa
     real = run_stage.fastest_experts_impl
 
     def probe(model, ids, **kw):
+        assert kw == {"new_tokens": 6}  # the run's --max-new-tokens: the generation the pick is for
         p = real(model, ids, **kw)
         return p._replace(decode_s={k: v / 1000 for k, v in p.decode_s.items()})  # a probe 1000x faster than the run
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, MoeflowError
+from ..models import no_cudnn_attention
 from ..moe.tx_compat import kv_cache_kwargs
 
 LETTERS = "ABCDEFGH"
@@ -96,7 +97,7 @@ def stream_nll(
         cache = kv_cache_kwargs(model)  # filled in place by each forward
         preds = []
         nlls: list[float] = []
-        with around(wi) if around is not None else nullcontext():
+        with around(wi) if around is not None else nullcontext(), no_cudnn_attention():  # one new length per pass
             for i in range(w.shape[1] - 1):
                 out = model(input_ids=w[:, i : i + 1], use_cache=True, **cache)
                 logp = torch.log_softmax(out.logits[0, -1].double(), -1)

@@ -346,11 +346,11 @@ def fastest_experts_impl(
 ) -> ImplProbe:
     """Time the prefill of `input_ids [B,P]` and `steps` decode passes of a greedy generate with each stock experts
     implementation (after one untimed warm-up generate of each; `rounds` rounds in alternating order, the minimum
-    of each phase kept) and switch the model to the one whose generation of `new_tokens` (default `steps`) tokens
-    costs least: prefill + new_tokens x decode pass. Both phases count: on CUDA transformers' generate decodes
-    with `batched_mm` whichever is set, so the two decode alike there, while `batched_mm` copies every routed
-    expert's weights for every prompt token in the prefill (on an H100 at the OLMoE-1B-7B shape, a 256-token
-    prompt: 306 ms TTFT and 36.6 GiB peak memory against about 35 ms and 12.7 GiB with `grouped_mm`)."""
+    of each phase kept) and switch the model to the one `pick_impl` prefers for a generation of `new_tokens`
+    (default `steps`) tokens. Both phases count: on CUDA transformers' generate decodes with `batched_mm` whichever
+    is set, so the two decode alike there, while `batched_mm` copies every routed expert's weights for every prompt
+    token in the prefill (on an H100 at the OLMoE-1B-7B shape, a 256-token prompt: 305.7 ms prefill and 36.6 GiB
+    peak memory against 23.5 ms and 12.7 GiB with `grouped_mm`)."""
     ids = input_ids.to(next(model.parameters()).device)
     kw: dict[str, Any] = dict(
         max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False, attention_mask=torch.ones_like(ids)
@@ -368,6 +368,8 @@ def fastest_experts_impl(
     def timed(impl: str) -> tuple[float, float]:
         model.set_experts_implementation(impl)
         clock = PassClock(model)
+        if ids.device.type == "cuda":
+            torch.cuda.synchronize()  # nothing earlier in the prefill's time
         try:
             t0 = time.perf_counter()
             with torch.no_grad():
@@ -383,7 +385,24 @@ def fastest_experts_impl(
         for impl in candidates if r % 2 == 0 else tuple(reversed(candidates)):
             p, d = timed(impl)
             prefill[impl], decode[impl] = min(prefill.get(impl, p), p), min(decode.get(impl, d), d)
-    n = steps if new_tokens is None else new_tokens
-    name = min(decode, key=lambda k: prefill[k] + n * decode[k])
+    name = pick_impl(prefill, decode, steps + 1 if new_tokens is None else new_tokens)
     model.set_experts_implementation(name)
     return ImplProbe(name, decode, prefill)
+
+
+DECODE_TIE = 0.05  # decode pass times within this fraction of the fastest count as equal (timing noise)
+
+
+def pick_impl(prefill_s: dict[str, float], decode_s: dict[str, float], new_tokens: int, tie: float = DECODE_TIE) -> str:
+    """The implementation whose generation of `new_tokens` tokens costs least: its prefill + (new_tokens - 1) decode
+    passes, a decode pass within `tie` of the fastest counting as the fastest's. Without the tie a noise-level
+    difference times many tokens would outweigh a prefill gap (on CUDA both decode with `batched_mm`, so their
+    decode difference is noise, and `batched_mm`'s prefill is 13x `grouped_mm`'s at 256 tokens)."""
+    fastest = min(decode_s.values())
+    passes = max(0, new_tokens - 1)
+
+    def cost(k: str) -> float:
+        d = fastest if decode_s[k] <= fastest * (1 + tie) else decode_s[k]
+        return prefill_s[k] + passes * d
+
+    return min(decode_s, key=cost)

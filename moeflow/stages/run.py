@@ -70,7 +70,8 @@ def adaptive_summary(s_history: list[int]) -> dict[str, Any] | None:
 def _pick_impl(cfg: RunConfig, model: Any, batch: list[tuple[str, str, Any]], console: Console) -> tuple[str, float | None]:
     """`--experts-impl` for the resident run and the decode pass time the probe measured for it (None: not probed);
     `auto`: time the prefill and decode passes of the first prompt (repeated to the batch size) with batched_mm and
-    grouped_mm, after a warm-up of each, and keep the one whose prefill + --max-new-tokens decode passes cost least."""
+    grouped_mm, after a warm-up of each, and keep the one whose generation of --max-new-tokens tokens costs least
+    (`pick_impl`)."""
     if cfg.experts_impl != "auto":
         return cfg.experts_impl, None
     ids = batch[0][2].expand(cfg.batch_size, -1)  # [B,P]
