@@ -347,10 +347,10 @@ def fastest_experts_impl(
     """Time the prefill of `input_ids [B,P]` and `steps` decode passes of a greedy generate with each stock experts
     implementation (after one untimed warm-up generate of each; `rounds` rounds in alternating order, the minimum
     of each phase kept) and switch the model to the one `pick_impl` prefers for a generation of `new_tokens`
-    (default `steps`) tokens. Both phases count: on CUDA transformers' generate decodes with `batched_mm` whichever
-    is set, so the two decode alike there, while `batched_mm` copies every routed expert's weights for every prompt
-    token in the prefill (on an H100 at the OLMoE-1B-7B shape, a 256-token prompt: 305.7 ms prefill and 36.6 GiB
-    peak memory against 23.5 ms and 12.7 GiB with `grouped_mm`)."""
+    tokens (default: the probe's own, `steps` + 1). Both phases count: on CUDA transformers' generate decodes with
+    `batched_mm` whichever is set, so the two decode alike there, while `batched_mm` copies every routed expert's
+    weights for every prompt token in the prefill (on an H100 at the OLMoE-1B-7B shape, a 256-token prompt: 305.7 ms
+    prefill and 36.6 GiB peak memory against 23.5 ms and 12.7 GiB with `grouped_mm`)."""
     ids = input_ids.to(next(model.parameters()).device)
     kw: dict[str, Any] = dict(
         max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False, attention_mask=torch.ones_like(ids)
