@@ -154,8 +154,8 @@ def run(
         "auto",
         "--experts-impl",
         help="Stock experts implementation of --mode resident: auto (batched_mm or grouped_mm, whichever a short "
-        "timed probe of the first prompt finds cheaper for its prefill + --max-new-tokens decode passes), "
-        "batched_mm or grouped_mm.",
+        "timed probe of the first prompt finds cheaper for a generation of --max-new-tokens tokens, its prefill "
+        "included), batched_mm or grouped_mm.",
     ),
     plan: str | None = typer.Option(
         None,
