@@ -128,14 +128,13 @@ def offload_figure(r: dict[str, Any]) -> tuple[str, str, str]:
     if inexact:
         return FAIL, fig, f"not token-identical to resident: {', '.join(inexact)}"
     probe = (r.get("resident_impl_probe_s") or {}).get(r.get("resident_experts_impl"))
-    if res and probe:  # the resident decode against the probe that picked its implementation (as `moeflow run` checks)
+    if res and probe:  # the resident decode against the probe that picked its implementation: `moeflow run`'s rule
+        from moeflow.stages.run import resident_check
+
         fig += f"; resident/probe {res / probe:.2f}"
-        if res > RESIDENT_SLACK * probe:
+        if resident_check(res, probe) is not None:
             return FAIL, fig, f"the resident run decoded {res / probe:.1f}x slower than its probe: every ratio to it is off"
     return OK, fig, ""
-
-
-RESIDENT_SLACK = 2.0  # as `moeflow.stages.run.RESIDENT_SLACK` (this script imports no torch before it needs to)
 
 
 def host_figure(r: dict[str, Any]) -> tuple[str, str, str]:

@@ -160,8 +160,10 @@ def test_offload_figure_checks_the_resident_run_against_its_probe(gc):
     cuDNN's attention off: 127 ms/token against a 42 ms/pass probe) makes every ratio to resident wrong: a fail row."""
     from moeflow.stages.run import RESIDENT_SLACK
 
-    assert gc.RESIDENT_SLACK == RESIDENT_SLACK
     line = {"runs": [{"run": "lru+none", "tpot_s": 0.03, "exact": True}], "resident_experts_impl": "grouped_mm"}
+    at = {"resident_impl_probe_s": {"grouped_mm": 0.01}}  # `moeflow run`'s slack is the row's: at it ok, past it a fail
+    assert gc.offload_figure({**line, **at, "resident_tpot_s": 0.01 * RESIDENT_SLACK})[0] == gc.OK
+    assert gc.offload_figure({**line, **at, "resident_tpot_s": 0.0101 * RESIDENT_SLACK})[0] == gc.FAIL
     ok = gc.offload_figure({**line, "resident_tpot_s": 0.0195, "resident_impl_probe_s": {"grouped_mm": 0.0189}})
     assert ok[0] == gc.OK and "resident/probe 1.03" in ok[1]
     bad = gc.offload_figure({**line, "resident_tpot_s": 0.127, "resident_impl_probe_s": {"grouped_mm": 0.042}})
