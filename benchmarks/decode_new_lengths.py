@@ -48,6 +48,12 @@ def main() -> None:
     a = ap.parse_args()
     if a.shape and a.model:
         ap.error("give --model or --shape, not both")
+    try:
+        lengths = [int(x) for x in a.lengths.split(",")]
+    except ValueError:
+        ap.error(f"--lengths takes prompt lengths in tokens, comma-separated (got {a.lengths!r})")
+    if min(lengths) < 4 or a.new_tokens < 2 or a.offset < 0:
+        ap.error("--lengths must be >= 4 tokens, --new-tokens >= 2 and --offset >= 0")
 
     from rich.console import Console
     from transformers import AutoTokenizer
@@ -58,8 +64,9 @@ def main() -> None:
     from moeflow.tables import FitTable
 
     torch.set_num_threads(a.threads)
-    lengths = [int(x) for x in a.lengths.split(",")]
     if a.shape:
+        if a.shape not in shape_names():
+            ap.error(f"--shape must be one of {', '.join(shape_names())} (got {a.shape!r})")
         sys.path.insert(0, str(Path(__file__).parent))
         from engine_overhead import shape_model
 
@@ -125,5 +132,18 @@ def main() -> None:
     }))  # fmt: skip
 
 
+def shape_names() -> tuple[str, ...]:
+    """The random-weight shapes `engine_overhead.py` builds."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from engine_overhead import SHAPES
+
+    return tuple(SHAPES)
+
+
 if __name__ == "__main__":
-    main()
+    from moeflow.errors import MoeflowError
+
+    try:
+        main()
+    except MoeflowError as e:  # a missing model or data directory: moeflow's one line, exit 1
+        raise SystemExit(f"decode_new_lengths.py: {e}") from None
