@@ -37,6 +37,7 @@ issued, no stale cancellation), side by side with `lru+none` and `on-demand`.
 
     .venv/bin/python benchmarks/offload.py --model models/olmoe-mini
     .venv/bin/python benchmarks/offload.py --model DIR --device cuda --link cuda   # the real PCIe link
+    .venv/bin/python benchmarks/offload.py --shape olmoe-1b-7b-shape --device cuda --link cuda   # built in memory
 
 `--device cuda --link cuda`: copies on the CUDA side stream (`CudaLink`), bandwidth = pinned host->device
 copies of one expert row measured here (or `--gbps`), no emulation. Every configuration gets an untimed
@@ -45,7 +46,9 @@ implementation (batched_mm / grouped_mm, measured; exactness is checked against 
 Hit rate, prefetch precision/recall, transfers per token and collision misses are over decode passes.
 Per MoE layer per decode step: the engine's host synchronizations (`engine.host_syncs`), and from
 torch.profiler (`benchmarks/_profile.py`, one extra profiled generation per configuration) kernel
-launches on CUDA, top-level aten ops on CPU.
+launches on CUDA, top-level aten ops on CPU. `--host-profile N` prints to stderr, for the resident model and
+each offload configuration, the N functions with the most own host time (cProfile) in one generation: on a GPU,
+the time a device synchronization waits shows under the call that synchronizes.
 Prints a rich table, then one JSON line.
 """
 
@@ -60,7 +63,7 @@ import sys
 import time
 
 import torch
-from _profile import engine_syncs_per_decode_layer, h2d_gbps, profile_counts  # benchmarks/_profile.py
+from _profile import engine_syncs_per_decode_layer, h2d_gbps, host_profile, profile_counts  # benchmarks/_profile.py
 from rich.console import Console
 
 from moeflow.calibrate import copy_share_bandwidth
@@ -147,9 +150,18 @@ def run_prompts(model, prompts, engine, args, label, new_tokens=None):
     return RunMetrics.total(ms, label), outs, decode_loads
 
 
+def _one(model, ids, engine, args) -> None:
+    """One greedy generation of `--profile-tokens` tokens (`--host-profile`)."""
+    generate_one(model, ids, engine, max_new_tokens=args.profile_tokens, min_new_tokens=args.profile_tokens)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="model directory (required)")
+    ap.add_argument("--model", default=None, help="model directory (this or --shape is required)")
+    ap.add_argument(
+        "--shape", default=None, help="instead of --model: a random-weight OLMoE shape built in memory (engine_overhead.py's)"
+    )
+    ap.add_argument("--tokenizer", default="models/olmoe-mini", help="tokenizer folder with --shape (default %(default)s)")
     ap.add_argument(
         "--prompts", default="gsm8k", help="prompt file or set name (moeflow.data.load_prompts) (default %(default)s)"
     )
@@ -206,6 +218,14 @@ def main() -> None:
     )
     ap.add_argument("--adaptive-s", action="store_true", help="add lru+pregate at fixed S=1..3 and adaptive S (default off)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled generations (faster; default: profiled)")
+    ap.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print to stderr the N functions with the most own host time (cProfile) in one generation of "
+        "--profile-tokens tokens, resident and each offload configuration (default 0: none)",
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -214,12 +234,22 @@ def main() -> None:
     cuda = device.type == "cuda"
     if args.link == "cuda" and not cuda:
         ap.error("--link cuda needs --device cuda")
-    model, tok = load_model(args.model, dtype=args.dtype, device=args.device, experts_implementation="grouped_mm")
+    if (args.model is None) == (args.shape is None):
+        ap.error("give --model DIR or --shape NAME (one of them)")
+    if args.shape:
+        from engine_overhead import SHAPES, shape_model  # benchmarks/engine_overhead.py
+        from transformers import AutoTokenizer
+
+        if args.shape not in SHAPES:
+            ap.error(f"--shape must be one of {', '.join(SHAPES)} (got {args.shape!r})")
+        model, tok = shape_model(args.shape, args.device, args.dtype), AutoTokenizer.from_pretrained(args.tokenizer)
+    else:
+        model, tok = load_model(args.model, dtype=args.dtype, device=args.device, experts_implementation="grouped_mm")
     settle_heap()  # as `moeflow run`: no full gc collection over the model's objects mid-step
     ad = get_adapter(model)
     spec = ad.spec
     prompts = [
-        tok(p.text, return_tensors="pt").input_ids[:, : args.max_prompt_tokens]
+        tok(p.text, return_tensors="pt").input_ids[:, : args.max_prompt_tokens] % model.config.vocab_size  # --shape's vocab
         for p in load_prompts(args.prompts, limit=args.limit)
     ]
     layout = ExpertLayout.of({n: p.detach() for n, p in ad.per_expert_params(spec.moe_layers[0]).items()})
@@ -244,6 +274,9 @@ def main() -> None:
         if args.no_profile
         else profile_counts(model, ad, prompts[0], None, args.profile_tokens, cuda)
     )
+    if args.host_profile:
+        one = functools.partial(_one, model, prompts[0], None, args)
+        host_profile(f"resident, {args.profile_tokens} new tokens", one, args.host_profile)
     decode_passes = [p for i, p in enumerate(passes) if i % args.new_tokens != 0]
     compute_l = {i: statistics.mean(p[i] for p in decode_passes) for i in range(spec.num_layers)}
     layers_s = sum(compute_l.values())
@@ -357,6 +390,9 @@ def main() -> None:
                     if args.no_profile
                     else profile_counts(model, ad, prompts[0], eng, args.profile_tokens, cuda)  # after the timed run
                 )
+                if args.host_profile and mode == "offload":
+                    one = functools.partial(_one, model, prompts[0], eng, args)
+                    host_profile(f"{label}, {args.profile_tokens} new tokens", one, args.host_profile)
         counts["engine_host_syncs"] = syncs  # of the timed run
         counts["predictor_s_per_token"] = pred_per_token
         exact = all(torch.equal(a, b) for a, b in zip(outs, ref_out))
@@ -396,7 +432,7 @@ def main() -> None:
         "ref" if impl == "grouped_mm" else "-",
     )
     result = {
-        "model": args.model,
+        "model": args.model or f"random {args.shape}",
         "arch": spec.arch,
         "capacity": capacity,
         "gbps": bw / 1e9,

@@ -105,12 +105,13 @@ class HostExpertStore:
             if set(params) != {p.name for p in self.layout.params}:
                 raise ConfigError(f"layer {l} has expert parameters {sorted(params)}, unlike the first MoE layer")
             host = self._rows_of(params)  # [E,R]: the rows an earlier engine left the parameters in, or None
-            if host is None:
-                host = torch.zeros(E, self.layout.row_numel, dtype=self.layout.dtype)  # [E,R]
+            if host is None:  # pinned from the start where it will be pinned: one copy from the device, no second
+                pinned = self.pin and torch.cuda.is_available()
+                host = torch.zeros(E, self.layout.row_numel, dtype=self.layout.dtype, pin_memory=pinned)  # [E,R]
                 views = self.layout.views(host)
                 with torch.no_grad():
                     for name, p in params.items():
-                        views[name].copy_(p.detach().to("cpu"))
+                        views[name].copy_(p.detach())  # device (or host) -> these rows, no staging copy
             self.rows[l] = _pin(host) if self.pin and not host.is_pinned() else host
             self.row_views[l] = list(self.rows[l].unbind(0))  # [R] each: a copy's source, no view made per copy
             self._params[l] = dict(params)
