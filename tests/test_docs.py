@@ -210,7 +210,7 @@ def bad_script_flags(text: str) -> list[str]:
                 if not re.search(r"add_argument\(\s*(\"-\w\",\s*)?\"" + re.escape(flag) + '"', source):
                     bad.append(f"{m.group(1)} has no {flag}: {line.strip()}")
             takes_model = re.search(r"add_argument\(\s*\"--model\"", source)
-            if takes_model and rest.strip() and not {"--model", "--help", "--make-model"} & set(flags):
+            if takes_model and rest.strip() and not {"--model", "--shape", "--help", "--make-model"} & set(flags):
                 bad.append(f"{m.group(1)} without --model (say which model): {line.strip()}")
     return bad
 
