@@ -291,3 +291,30 @@ def test_trace_checks_its_engine_capacity_before_the_weights_load(ckpt_with, tmp
     with pytest.raises(SystemExit) as e:
         main(["trace", "-m", str(ckpt), "-p", str(ckpt.parent / "p.txt"), "-c", "1", "--out", str(tmp_path / "tr")])
     assert e.value.code == 2 and "below top-k=2" in capsys.readouterr().err
+
+
+def test_experts_stay_in_pageable_memory_where_page_locking_fails():
+    """Page-locking many GB fails on some hosts (WSL2, capped containers): the store keeps pageable rows, says why
+    once (`pin_error`), and the experts come back bit for bit. Here there is no CUDA runtime, so pinning fails."""
+    from moeflow.runtime.store import HostExpertStore
+
+    model = tiny_model("olmoe")
+    ad = get_adapter(model)
+    before = {(l, n): p.detach().clone() for l in ad.spec.moe_layers for n, p in ad.per_expert_params(l).items()}
+    store = HostExpertStore(ad, pin=True)
+    assert store.pin_error is None
+    store.offload()
+    assert store.pin_error is not None and "could not be page-locked" in store.pin_error
+    assert "pageable" in store.pin_error and "\n" not in store.pin_error
+    assert len(store.rows) == ad.spec.num_moe_layers
+    store.quantize([4])  # the compact copies: pageable too, no second failure raised
+    assert set(store.compact[4]) == set(ad.spec.moe_layers)
+    store.restore()
+    for l in ad.spec.moe_layers:
+        for n, p in ad.per_expert_params(l).items():
+            assert torch.equal(p.detach(), before[l, n])
+    assert HostExpertStore(ad, pin=False).pin_error is None
+    cpu_store = HostExpertStore(ad, pin=False)
+    cpu_store.offload()
+    assert cpu_store.pin_error is None  # a CPU engine asks for no page-locked memory
+    cpu_store.restore()

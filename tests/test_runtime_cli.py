@@ -138,3 +138,28 @@ def test_run_warns_when_the_resident_run_is_slower_than_its_probe(ckpt, monkeypa
     cap = capsys.readouterr()
     res = json.loads(cap.out.strip().splitlines()[-1])["runs"][0]
     assert "resident_warning" in res and "WARNING: the resident run decoded at" in cap.err
+
+
+def test_run_warns_when_the_host_rows_could_not_be_page_locked(ckpt, monkeypatch, capsys):
+    """A CUDA engine whose store could not page-lock the experts still runs (pageable copies, slower): the run says
+    so on stderr, once, and its JSON has `host_memory: pageable` (no CUDA runtime here, so pinning fails)."""
+    import moeflow.runtime.engine as engine_mod
+    from moeflow.runtime.store import HostExpertStore
+
+    monkeypatch.setattr(engine_mod, "HostExpertStore", lambda adapter, pin: HostExpertStore(adapter, pin=True))
+    args = ["run", "-m", str(ckpt), "--prompts", str(ckpt.parent / "p.txt"), "--max-new-tokens", "4", "--threads", "1"]
+    args += ["--sweep", "--mode", "resident,offload", "-c", "50%", "-e", "lru", "-f", "none", "--json"]
+    assert _run(args) == 0
+    cap = capsys.readouterr()
+    runs = json.loads(cap.out.strip().splitlines()[-1])["runs"]
+    assert [r["host_memory"] for r in runs] == [None, "pageable"]
+    assert cap.err.count("could not be page-locked") == 1 and "WARNING:" in cap.err
+
+
+def test_a_cpu_run_reports_no_host_memory_kind(ckpt, capsys):
+    args = ["run", "-m", str(ckpt), "--prompts", str(ckpt.parent / "p.txt"), "--max-new-tokens", "3", "--threads", "1"]
+    args += ["-c", "50%", "-e", "lru", "-f", "none", "--json"]
+    assert _run(args) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out.strip().splitlines()[-1])["runs"][0]["host_memory"] is None
+    assert "page-locked" not in cap.err

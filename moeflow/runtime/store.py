@@ -2,7 +2,9 @@
 
 `HostExpertStore` keeps, per MoE layer, a `[E, row_numel]` host tensor whose row e is expert e, in the
 flat row layout of `moeflow.moe.layout.ExpertLayout` (every per-expert parameter at a 64-byte aligned offset).
-On a CUDA target the rows are pinned so copies can run asynchronously on a side stream.
+On a CUDA target the rows are pinned so copies can run asynchronously on a side stream; where the host cannot
+page-lock that much memory (WSL2, a capped container) they stay pageable and `pin_error` says why (`moeflow run`
+prints it as a warning and its JSON has `host_memory`).
 
 `offload(model)` moves the stacked parameters into the store and replaces them on the device by
 empty tensors (the memory is really freed); `restore()` puts them back bit for bit.
@@ -25,11 +27,14 @@ from ..moe.layout import ALIGN_BYTES, ExpertLayout, ParamSlice  # noqa: F401  (i
 from ..quant import FULL, CompactLayout, dequantize_row, quantize_rows
 
 
-def _pin(t: torch.Tensor) -> torch.Tensor:
-    """Pinned copy when a CUDA runtime is there (pin_memory() raises on CPU-only torch)."""
-    if not torch.cuda.is_available():
-        return t
-    return t.pin_memory()
+def pin_failure(err: BaseException) -> str:
+    """One line for a host allocation that could not be page-locked (the store then keeps pageable rows)."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (
+        f"host memory for the experts could not be page-locked ({first}); they stay in pageable memory, so every "
+        "copy to the device is staged and synchronous (slower). Free host memory, or raise the page-locked limit "
+        "(WSL2 and some containers cap it)"
+    )
 
 
 class HostExpertStore:
@@ -48,6 +53,17 @@ class HostExpertStore:
         self.offloaded = False
         self.compact: dict[int, dict[int, torch.Tensor]] = {}  # bits -> layer -> [E, compact bytes] uint8
         self.compact_layout: dict[int, CompactLayout] = {}
+        self.pin_error: str | None = None  # why the rows are pageable although `pin` asked for pinned ones (`pin_failure`)
+
+    def _pinned(self, t: torch.Tensor | None = None, shape: tuple[int, ...] = (), dtype: torch.dtype | None = None):
+        """`t` pinned (or, without `t`, zeros of `shape` and `dtype` allocated pinned) where `pin` asks for it; pageable
+        when page-locking fails (`pin_error` says why; no later allocation tries again). `pin` is a CUDA engine's."""
+        if self.pin and self.pin_error is None:
+            try:
+                return torch.zeros(shape, dtype=dtype, pin_memory=True) if t is None else t.pin_memory()
+            except RuntimeError as err:  # cudaHostAlloc refused (too much to page-lock here), or no CUDA runtime
+                self.pin_error = pin_failure(err)
+        return torch.zeros(shape, dtype=dtype) if t is None else t
 
     @property
     def expert_bytes(self) -> int:
@@ -74,7 +90,7 @@ class HostExpertStore:
             self.compact[b] = {}
             for l, rows in self.rows.items():
                 q = quantize_rows(self.layout, rows, b, optimize=optimize)
-                self.compact[b][l] = _pin(q) if self.pin else q
+                self.compact[b][l] = self._pinned(q)
 
     def expert_bytes_at(self, bits: int) -> int:
         """Bytes one transfer of an expert at `bits` moves (`FULL`: the full row)."""
@@ -106,13 +122,14 @@ class HostExpertStore:
                 raise ConfigError(f"layer {l} has expert parameters {sorted(params)}, unlike the first MoE layer")
             host = self._rows_of(params)  # [E,R]: the rows an earlier engine left the parameters in, or None
             if host is None:  # pinned from the start where it will be pinned: one copy from the device, no second
-                pinned = self.pin and torch.cuda.is_available()
-                host = torch.zeros(E, self.layout.row_numel, dtype=self.layout.dtype, pin_memory=pinned)  # [E,R]
+                host = self._pinned(shape=(E, self.layout.row_numel), dtype=self.layout.dtype)  # [E,R]
                 views = self.layout.views(host)
                 with torch.no_grad():
                     for name, p in params.items():
                         views[name].copy_(p.detach())  # device (or host) -> these rows, no staging copy
-            self.rows[l] = _pin(host) if self.pin and not host.is_pinned() else host
+            elif self.pin and not host.is_pinned():
+                host = self._pinned(host)
+            self.rows[l] = host
             self.row_views[l] = list(self.rows[l].unbind(0))  # [R] each: a copy's source, no view made per copy
             self._params[l] = dict(params)
             self._device[l] = next(iter(params.values())).device

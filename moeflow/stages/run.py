@@ -148,6 +148,14 @@ def calibrate_command(cfg: RunConfig, link_spec: str) -> str:
     return cmd
 
 
+def host_memory(engine: Any) -> str | None:
+    """Where an engine on a CUDA device keeps the experts' host rows: "pinned", or "pageable" where page-locking
+    failed (`HostExpertStore.pin_error`, a warning); None without an engine or on a CPU device (nothing to lock)."""
+    if engine is None or not engine.store.pin:
+        return None
+    return "pageable" if engine.store.pin_error is not None else "pinned"
+
+
 def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
     ses = open_session(cfg, "moeflow run", resident="resident" in cfg.modes)
     model, tok, spec, device, link_spec = ses.model, ses.tok, ses.spec, ses.device, ses.link_spec
@@ -191,6 +199,7 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
     warm_new = min(4, cfg.max_new_tokens)
     resident_impl: str | None = None
     resident_probe_s: float | None = None  # the probe's decode pass time of the resident implementation
+    pin_errors: dict[str, str] = {}  # why the host rows stayed pageable (`HostExpertStore.pin_error`) -> first run
 
     def make_engine(run: dict[str, Any], capacity: int | None, link: Any) -> Any:
         miss_name, miss_opts = policy_args(cfg.miss, cfg.miss_opts)
@@ -313,6 +322,8 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                 finally:
                     if engine is None:
                         link.close()
+                    elif engine.store.pin_error is not None:
+                        pin_errors.setdefault(engine.store.pin_error, label)
                 total = RunMetrics.total(per_batch, label=label)
                 total.experts_impl = impl
                 total.lossy = lossy_run.lossy
@@ -327,6 +338,7 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                         **s_used,
                         "batch_size": cfg.batch_size,
                         "experts_impl": impl,
+                        "host_memory": host_memory(engine),
                         "warmup": cfg.warmup,
                         "metrics": total.to_dict(),
                         "ttft_bound_ratio": total.ttft_bound_ratio,
@@ -356,6 +368,9 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                 res["resident_warning"] = why
                 if not console.quiet:
                     warn.print(f"[bold yellow]WARNING: {escape(why)}[/]", soft_wrap=True)
+    for why, first in pin_errors.items():
+        if not console.quiet:
+            warn.print(f"[bold yellow]WARNING: {escape(first)}: {escape(why)}.[/]", soft_wrap=True)
     if planner is not None:
         sm = planner.summary(list(plans.values()))
         console.print(
