@@ -342,7 +342,7 @@ def router_state(adapter: Adapter, layer: int) -> list[tuple[str, torch.Tensor]]
     by name. Other buffers stay out: a router may keep running statistics that change as it runs."""
     router = adapter.router(layer)
     weight = adapter.router_weight(layer)
-    named: dict[str, torch.Tensor] = {n: t for n, t in router.named_parameters() if t is not weight}
+    named = {n: t for n, t in router.named_parameters() if t is not weight}
     named.update({n: t for n, t in router.named_buffers() if "bias" in n.rsplit(".", 1)[-1]})
     return [("weight", weight), *sorted(named.items(), key=lambda kv: kv[0])]
 
