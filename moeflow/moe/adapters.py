@@ -336,21 +336,9 @@ def spec_from_config(config: Any) -> MoESpec:
     return Adapter(model).spec
 
 
-def router_state(adapter: Adapter, layer: int) -> list[tuple[str, torch.Tensor]]:
-    """What a layer's routing depends on besides the config: its router's weight, then the router module's other
-    parameters (a linear bias, ERNIE's `moe_statics`) and its bias buffers (DeepSeek-V3's `e_score_correction_bias`),
-    by name. Other buffers stay out: a router may keep running statistics that change as it runs."""
-    router = adapter.router(layer)
-    weight = adapter.router_weight(layer)
-    named = {n: t for n, t in router.named_parameters() if t is not weight}
-    named.update({n: t for n, t in router.named_buffers() if "bias" in n.rsplit(".", 1)[-1]})
-    return [("weight", weight), *sorted(named.items(), key=lambda kv: kv[0])]
-
-
 def model_fingerprint(model: nn.Module, adapter: Adapter | None = None) -> str:
-    """Config plus router state (`router_state`): differs between checkpoints that route differently. A router
-    holding its weight only hashes as it did before the rest counted. `adapter`: one built before an engine
-    offloaded the experts (an adapter cannot be built while they are out)."""
+    """Config plus router weights: differs between checkpoints that route differently. `adapter`: one built before
+    an engine offloaded the experts (an adapter cannot be built while they are out)."""
     import hashlib
 
     from ..artifacts import config_fingerprint
@@ -358,8 +346,6 @@ def model_fingerprint(model: nn.Module, adapter: Adapter | None = None) -> str:
     ad = adapter if adapter is not None else get_adapter(model)
     h = hashlib.sha256()
     for l in ad.moe_layers:
-        for i, (name, t) in enumerate(router_state(ad, l)):
-            if i:  # the name too, so a value cannot pass for another parameter's
-                h.update(name.encode())
-            h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+        w = ad.router_weight(l).detach().float().cpu().contiguous()
+        h.update(w.numpy().tobytes())
     return config_fingerprint(model.config, h.digest())
