@@ -47,7 +47,7 @@ Hit rate, prefetch precision/recall, transfers per token and collision misses ar
 Per MoE layer per decode step: the engine's host synchronizations (`engine.host_syncs`), and from
 torch.profiler (`benchmarks/_profile.py`, one extra profiled generation per configuration) kernel
 launches on CUDA, top-level aten ops on CPU. `--host-profile N` prints to stderr, for the resident model and
-each offload configuration, the N functions with the most own host time (cProfile) in one generation: on a GPU,
+each engine configuration, the N functions with the most own host time (cProfile) in one generation: on a GPU,
 the time a device synchronization waits shows under the call that synchronizes.
 Prints a rich table, then one JSON line.
 """
@@ -61,9 +61,11 @@ import math
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from _profile import engine_syncs_per_decode_layer, h2d_gbps, host_profile, profile_counts  # benchmarks/_profile.py
+from engine_overhead import SHAPES  # benchmarks/engine_overhead.py: the random-weight shapes of --shape
 from rich.console import Console
 
 from moeflow.calibrate import copy_share_bandwidth
@@ -78,6 +80,8 @@ from moeflow.runtime.metrics import RunMetrics
 from moeflow.runtime.store import ExpertLayout
 from moeflow.runtime.timing import settle_heap
 from moeflow.tables import FitTable
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def layer_timer(adapter, cuda: bool = False):
@@ -159,9 +163,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model directory (this or --shape is required)")
     ap.add_argument(
-        "--shape", default=None, help="instead of --model: a random-weight OLMoE shape built in memory (engine_overhead.py's)"
+        "--shape",
+        default=None,
+        choices=tuple(SHAPES),
+        help="instead of --model: a random-weight OLMoE shape built in memory (engine_overhead.py's)",
     )
-    ap.add_argument("--tokenizer", default="models/olmoe-mini", help="tokenizer folder with --shape (default %(default)s)")
+    ap.add_argument(
+        "--tokenizer", default=str(REPO / "models" / "olmoe-mini"), help="tokenizer folder with --shape (default: olmoe-mini's)"
+    )
     ap.add_argument(
         "--prompts", default="gsm8k", help="prompt file or set name (moeflow.data.load_prompts) (default %(default)s)"
     )
@@ -224,7 +233,7 @@ def main() -> None:
         default=0,
         metavar="N",
         help="print to stderr the N functions with the most own host time (cProfile) in one generation of "
-        "--profile-tokens tokens, resident and each offload configuration (default 0: none)",
+        "--profile-tokens tokens, resident and each engine configuration (default 0: none)",
     )
     args = ap.parse_args()
 
@@ -237,19 +246,18 @@ def main() -> None:
     if (args.model is None) == (args.shape is None):
         ap.error("give --model DIR or --shape NAME (one of them)")
     if args.shape:
-        from engine_overhead import SHAPES, shape_model  # benchmarks/engine_overhead.py
+        from engine_overhead import shape_model  # benchmarks/engine_overhead.py
         from transformers import AutoTokenizer
 
-        if args.shape not in SHAPES:
-            ap.error(f"--shape must be one of {', '.join(SHAPES)} (got {args.shape!r})")
         model, tok = shape_model(args.shape, args.device, args.dtype), AutoTokenizer.from_pretrained(args.tokenizer)
     else:
         model, tok = load_model(args.model, dtype=args.dtype, device=args.device, experts_implementation="grouped_mm")
     settle_heap()  # as `moeflow run`: no full gc collection over the model's objects mid-step
     ad = get_adapter(model)
     spec = ad.spec
+    vocab = model.config.vocab_size if args.shape else torch.iinfo(torch.int64).max  # --shape: the tokenizer's ids folded in
     prompts = [
-        tok(p.text, return_tensors="pt").input_ids[:, : args.max_prompt_tokens] % model.config.vocab_size  # --shape's vocab
+        tok(p.text, return_tensors="pt").input_ids[:, : args.max_prompt_tokens] % vocab
         for p in load_prompts(args.prompts, limit=args.limit)
     ]
     layout = ExpertLayout.of({n: p.detach() for n, p in ad.per_expert_params(spec.moe_layers[0]).items()})
@@ -390,7 +398,7 @@ def main() -> None:
                     if args.no_profile
                     else profile_counts(model, ad, prompts[0], eng, args.profile_tokens, cuda)  # after the timed run
                 )
-                if args.host_profile and mode == "offload":
+                if args.host_profile:  # after the timed run (and with adaptive S detached, as the profiled counts)
                     one = functools.partial(_one, model, prompts[0], eng, args)
                     host_profile(f"{label}, {args.profile_tokens} new tokens", one, args.host_profile)
         counts["engine_host_syncs"] = syncs  # of the timed run

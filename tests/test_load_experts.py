@@ -293,11 +293,23 @@ def test_trace_checks_its_engine_capacity_before_the_weights_load(ckpt_with, tmp
     assert e.value.code == 2 and "below top-k=2" in capsys.readouterr().err
 
 
-def test_experts_stay_in_pageable_memory_where_page_locking_fails():
+def refuse_page_locking(monkeypatch) -> None:
+    """Every page-locked allocation of the store fails, as cudaHostAlloc does where the host cannot lock that much."""
+    import moeflow.runtime.store as store_mod
+
+    def refuse(*a, **k):
+        raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+
+    monkeypatch.setattr(store_mod, "_alloc_pinned", refuse)
+    monkeypatch.setattr(store_mod, "_pin_copy", refuse)
+
+
+def test_experts_stay_in_pageable_memory_where_page_locking_fails(monkeypatch):
     """Page-locking many GB fails on some hosts (WSL2, capped containers): the store keeps pageable rows, says why
-    once (`pin_error`), and the experts come back bit for bit. Here there is no CUDA runtime, so pinning fails."""
+    once (`pin_error`), and the experts come back bit for bit."""
     from moeflow.runtime.store import HostExpertStore
 
+    refuse_page_locking(monkeypatch)
     model = tiny_model("olmoe")
     ad = get_adapter(model)
     before = {(l, n): p.detach().clone() for l in ad.spec.moe_layers for n, p in ad.per_expert_params(l).items()}
@@ -305,6 +317,7 @@ def test_experts_stay_in_pageable_memory_where_page_locking_fails():
     assert store.pin_error is None
     store.offload()
     assert store.pin_error is not None and "could not be page-locked" in store.pin_error
+    assert "cudaHostAlloc" in store.pin_error  # the allocator's own words, first line
     assert "pageable" in store.pin_error and "\n" not in store.pin_error
     assert len(store.rows) == ad.spec.num_moe_layers
     store.quantize([4])  # the compact copies: pageable too, no second failure raised
@@ -318,3 +331,31 @@ def test_experts_stay_in_pageable_memory_where_page_locking_fails():
     cpu_store.offload()
     assert cpu_store.pin_error is None  # a CPU engine asks for no page-locked memory
     cpu_store.restore()
+
+
+@pytest.mark.gpu
+def test_pageable_host_rows_still_give_the_resident_tokens_on_cuda(tiny_checkpoint, monkeypatch):
+    """Where page-locking fails, a CUDA engine copies from pageable rows (staged by the driver): slower, and the
+    tokens are still those of the model loaded whole; the experts come back to the device bit for bit."""
+    from moeflow.models import load_model
+    from moeflow.runtime.generate import build_engine, generate_one
+    from moeflow.runtime.link import CudaLink
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    refuse_page_locking(monkeypatch)
+    ids = torch.randint(3, 150, (1, 6), generator=torch.Generator().manual_seed(4))  # [1,P]
+    model, _ = load_model(tiny_checkpoint, device="cuda", experts_implementation="grouped_mm")
+    ref, _ = generate_one(model, ids, None, max_new_tokens=8, min_new_tokens=8)
+    ad = get_adapter(model)
+    before = {(l, n): p.detach().clone() for l in ad.spec.moe_layers for n, p in ad.per_expert_params(l).items()}
+    eng = build_engine(
+        model, mode="offload", link=CudaLink(torch.device("cuda")), capacity=ad.spec.top_k * len(ad.spec.moe_layers)
+    )
+    with eng:
+        out, _ = generate_one(model, ids, eng, max_new_tokens=8, min_new_tokens=8)
+        assert eng.store.pin_error is not None and not any(r.is_pinned() for r in eng.store.rows.values())
+    assert torch.equal(out, ref), (out.tolist(), ref.tolist())
+    for l in ad.spec.moe_layers:
+        for n, p in ad.per_expert_params(l).items():
+            assert p.device.type == "cuda" and torch.equal(p.detach(), before[l, n])

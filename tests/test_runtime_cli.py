@@ -142,10 +142,13 @@ def test_run_warns_when_the_resident_run_is_slower_than_its_probe(ckpt, monkeypa
 
 def test_run_warns_when_the_host_rows_could_not_be_page_locked(ckpt, monkeypatch, capsys):
     """A CUDA engine whose store could not page-lock the experts still runs (pageable copies, slower): the run says
-    so on stderr, once, and its JSON has `host_memory: pageable` (no CUDA runtime here, so pinning fails)."""
+    so on stderr, once, and its JSON has `host_memory: pageable` (a CPU engine made to ask for pinned rows here)."""
     import moeflow.runtime.engine as engine_mod
     from moeflow.runtime.store import HostExpertStore
 
+    from .test_load_experts import refuse_page_locking
+
+    refuse_page_locking(monkeypatch)
     monkeypatch.setattr(engine_mod, "HostExpertStore", lambda adapter, pin: HostExpertStore(adapter, pin=True))
     args = ["run", "-m", str(ckpt), "--prompts", str(ckpt.parent / "p.txt"), "--max-new-tokens", "4", "--threads", "1"]
     args += ["--sweep", "--mode", "resident,offload", "-c", "50%", "-e", "lru", "-f", "none", "--json"]

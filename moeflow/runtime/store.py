@@ -27,13 +27,23 @@ from ..moe.layout import ALIGN_BYTES, ExpertLayout, ParamSlice  # noqa: F401  (i
 from ..quant import FULL, CompactLayout, dequantize_row, quantize_rows
 
 
+def _alloc_pinned(shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
+    """Zeros of `shape` in page-locked host memory (raises RuntimeError where the host cannot lock that much)."""
+    return torch.zeros(shape, dtype=dtype, pin_memory=True)
+
+
+def _pin_copy(t: torch.Tensor) -> torch.Tensor:
+    """A page-locked copy of `t` (raises RuntimeError where the host cannot lock that much)."""
+    return t.pin_memory()
+
+
 def pin_failure(err: BaseException) -> str:
     """One line for a host allocation that could not be page-locked (the store then keeps pageable rows)."""
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return (
         f"host memory for the experts could not be page-locked ({first}); they stay in pageable memory, so every "
-        "copy to the device is staged and synchronous (slower). Free host memory, or raise the page-locked limit "
-        "(WSL2 and some containers cap it)"
+        "copy to the device is staged and synchronous (slower than a calibration measured with pinned copies). "
+        "Free host memory, or raise the page-locked limit (WSL2 and some containers cap it)"
     )
 
 
@@ -60,7 +70,7 @@ class HostExpertStore:
         when page-locking fails (`pin_error` says why; no later allocation tries again). `pin` is a CUDA engine's."""
         if self.pin and self.pin_error is None:
             try:
-                return torch.zeros(shape, dtype=dtype, pin_memory=True) if t is None else t.pin_memory()
+                return _alloc_pinned(shape, dtype) if t is None else _pin_copy(t)
             except RuntimeError as err:  # cudaHostAlloc refused (too much to page-lock here), or no CUDA runtime
                 self.pin_error = pin_failure(err)
         return torch.zeros(shape, dtype=dtype) if t is None else t
@@ -126,7 +136,11 @@ class HostExpertStore:
                 views = self.layout.views(host)
                 with torch.no_grad():
                     for name, p in params.items():
-                        views[name].copy_(p.detach())  # device (or host) -> these rows, no staging copy
+                        if p.device.type == "cpu":
+                            views[name].copy_(p.detach())  # one strided host copy
+                        else:  # per expert: contiguous on both sides, so the device copies straight into the rows
+                            for e, row in enumerate(views[name].unbind(0)):  # (a strided view would be staged first)
+                                row.copy_(p.detach()[e])
             elif self.pin and not host.is_pinned():
                 host = self._pinned(host)
             self.rows[l] = host
@@ -164,8 +178,9 @@ class HostExpertStore:
 
     def restore(self) -> None:
         """Put the stacked parameters back on their device, bit for bit. Parameters that lived in host memory beside
-        a CUDA device (`moeflow run --load-experts host`) become views of the pinned rows, not copies: a copy would
-        hold the experts twice in host memory when the engine closes (pinned blocks stay in torch's host cache)."""
+        a CUDA device (`moeflow run --load-experts host`) become views of the rows (pinned unless page-locking failed),
+        not copies: a copy would hold the experts twice in host memory when the engine closes (pinned blocks stay in
+        torch's host cache)."""
         if not self.offloaded:
             return
         for l, params in self._params.items():

@@ -199,7 +199,7 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
     warm_new = min(4, cfg.max_new_tokens)
     resident_impl: str | None = None
     resident_probe_s: float | None = None  # the probe's decode pass time of the resident implementation
-    pin_errors: dict[str, str] = {}  # why the host rows stayed pageable (`HostExpertStore.pin_error`) -> first run
+    pin_errors: set[str] = set()  # why host rows stayed pageable (`HostExpertStore.pin_error`), each said once
 
     def make_engine(run: dict[str, Any], capacity: int | None, link: Any) -> Any:
         miss_name, miss_opts = policy_args(cfg.miss, cfg.miss_opts)
@@ -322,8 +322,11 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                 finally:
                     if engine is None:
                         link.close()
-                    elif engine.store.pin_error is not None:
-                        pin_errors.setdefault(engine.store.pin_error, label)
+                    elif engine.store.pin_error is not None and engine.store.pin_error not in pin_errors:
+                        pin_errors.add(engine.store.pin_error)  # said once, when first met (a later run may fail)
+                        if not console.quiet:
+                            pinned = f"{label}: {engine.store.pin_error}"
+                            warn.print(f"[bold yellow]WARNING: {escape(pinned)}.[/]", soft_wrap=True)
                 total = RunMetrics.total(per_batch, label=label)
                 total.experts_impl = impl
                 total.lossy = lossy_run.lossy
@@ -368,9 +371,6 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                 res["resident_warning"] = why
                 if not console.quiet:
                     warn.print(f"[bold yellow]WARNING: {escape(why)}[/]", soft_wrap=True)
-    for why, first in pin_errors.items():
-        if not console.quiet:
-            warn.print(f"[bold yellow]WARNING: {escape(first)}: {escape(why)}.[/]", soft_wrap=True)
     if planner is not None:
         sm = planner.summary(list(plans.values()))
         console.print(
