@@ -246,3 +246,20 @@ def test_fidelity_recommends_nothing_inside_the_noise():
     tight = {"config": "fetch-priority", "lossy": True, "ppl_delta_pct": 0.2, "dppl_ci95": [0.1, 0.6], "tpot_gain_pct": 5.0}
     assert fid.recommend([noisy], 1.0) is None
     assert fid.recommend([noisy, tight], 1.0) is tight
+
+
+def test_quality_warns_when_the_host_rows_could_not_be_page_locked(ckpt, capsys, monkeypatch):
+    """As `moeflow run`: a CUDA engine whose store could not page-lock the experts still runs, its speed column is
+    slower for it, and the report says so once; each run's JSON has `host_memory` (a CPU engine made to ask here)."""
+    import moeflow.runtime.engine as engine_mod
+    from moeflow.runtime.store import HostExpertStore
+
+    from .test_load_experts import refuse_page_locking
+
+    refuse_page_locking(monkeypatch)
+    monkeypatch.setattr(engine_mod, "HostExpertStore", lambda adapter, pin: HostExpertStore(adapter, pin=True))
+    assert _run(_args(ckpt, "--sweep", "--mode", "offload,on-demand", "-c", "50%")) == 0
+    out = capsys.readouterr()
+    runs = json.loads(out.out.strip().splitlines()[-1])["runs"]
+    assert [r["host_memory"] for r in runs] == [None, "pageable", "pageable"]
+    assert out.err.count("could not be page-locked") == 1

@@ -36,11 +36,13 @@ from .session import (
     check_runs,
     encode_prompts,
     engine_for,
+    host_memory,
     open_session,
     plan_runs,
     run_hooks,
     run_label,
     warm_up,
+    warn_pageable,
 )
 
 RESULT_KIND = "quality"
@@ -151,6 +153,7 @@ def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
     )
 
     results: list[dict[str, Any]] = []
+    pin_errors: set[str] = set()  # why host rows stayed pageable (`HostExpertStore.pin_error`), each said once
     ref_outs: list[torch.Tensor] = []
     ref_score: measure.StreamScore | None = None
     model.set_experts_implementation("grouped_mm")  # the engine is bit-exact to it: resident's numerics
@@ -206,6 +209,7 @@ def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
         finally:
             if engine is None:
                 link.close()
+            warn_pageable(engine, name, pin_errors, console)  # slower copies: the speed column is affected
         total = RunMetrics.total(per, label=name)
         if run["mode"] == "resident":
             ref_outs, ref_score = outs, score
@@ -230,6 +234,7 @@ def _main(cfg: QualityConfig, console: Console) -> dict[str, Any]:
                 **run,
                 "capacity_experts": capacity,
                 "link": link.describe(),
+                "host_memory": host_memory(engine),
                 "ppl": score.ppl,
                 "ppl_tokens": score.tokens,
                 "ppl_delta_pct": delta,

@@ -30,12 +30,14 @@ from .session import (
     encode_prompts,
     engine_for,
     expert_bytes_of,
+    host_memory,
     open_session,
     plan_runs,
     run_hooks,
     run_label,
     use_step_size,
     warm_up,
+    warn_pageable,
 )
 
 RESULT_KIND = "run"  # the "kind" of every `--out` JSONL line (moeflow.outputs.check_out recognises it)
@@ -146,14 +148,6 @@ def calibrate_command(cfg: RunConfig, link_spec: str) -> str:
     if kind == "emulated":
         cmd += f" --link-gbps {gbps:g}" + (f" --link-latency-us {lat * 1e6:g}" if lat else "")
     return cmd
-
-
-def host_memory(engine: Any) -> str | None:
-    """Where an engine on a CUDA device keeps the experts' host rows: "pinned", or "pageable" where page-locking
-    failed (`HostExpertStore.pin_error`, a warning); None without an engine or on a CPU device (nothing to lock)."""
-    if engine is None or not engine.store.pin:
-        return None
-    return "pageable" if engine.store.pin_error is not None else "pinned"
 
 
 def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
@@ -322,11 +316,7 @@ def _main(cfg: RunConfig, console: Console) -> list[dict[str, Any]]:
                 finally:
                     if engine is None:
                         link.close()
-                    elif engine.store.pin_error is not None and engine.store.pin_error not in pin_errors:
-                        pin_errors.add(engine.store.pin_error)  # said once, when first met (a later run may fail)
-                        if not console.quiet:
-                            pinned = f"{label}: {engine.store.pin_error}"
-                            warn.print(f"[bold yellow]WARNING: {escape(pinned)}.[/]", soft_wrap=True)
+                    warn_pageable(engine, label, pin_errors, warn)  # when first met: a later run may fail
                 total = RunMetrics.total(per_batch, label=label)
                 total.experts_impl = impl
                 total.lossy = lossy_run.lossy

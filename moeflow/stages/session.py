@@ -81,6 +81,27 @@ def open_session(cfg: RunConfig, command: str, *, resident: bool) -> Session:
     )
 
 
+def host_memory(engine: Any) -> str | None:
+    """Where an engine on a CUDA device keeps the experts' host rows: "pinned", or "pageable" where page-locking
+    failed (`HostExpertStore.pin_error`, a warning); None without an engine or on a CPU device (nothing to lock)."""
+    if engine is None or not engine.store.pin:
+        return None
+    return "pageable" if engine.store.pin_error is not None else "pinned"
+
+
+def warn_pageable(engine: Any, label: str, seen: set[str], warn: Any) -> None:
+    """Print, on `warn` (a rich Console), one warning per distinct reason an engine's host rows stayed pageable
+    (`HostExpertStore.pin_error`), when first met: copies from pageable memory are slower, so the run's speed is."""
+    why = None if engine is None else engine.store.pin_error
+    if why is None or why in seen:
+        return
+    seen.add(why)
+    if not warn.quiet:
+        from rich.markup import escape
+
+        warn.print(f"[bold yellow]WARNING: {escape(label)}: {escape(why)}.[/]", soft_wrap=True)
+
+
 def placement_for(cfg: Any, command: str, resident: bool) -> tuple[str, str]:
     """`experts_placement` for a config with `model`, `dtype`, `device` and `load_experts` (run's, trace's): the
     checkpoint's size (in the dtype it loads in) and the device's free memory measured now, before the load."""
