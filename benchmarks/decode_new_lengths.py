@@ -56,25 +56,18 @@ def main() -> None:
         ap.error("--lengths must be >= 4 tokens, --new-tokens >= 2 and --offset >= 0")
 
     from rich.console import Console
-    from transformers import AutoTokenizer
 
     from moeflow.data.prompts import load_prompts
-    from moeflow.models import load_model
     from moeflow.runtime.generate import PassClock, generate_batch
     from moeflow.tables import FitTable
 
     torch.set_num_threads(a.threads)
-    if a.shape:
-        if a.shape not in shape_names():
-            ap.error(f"--shape must be one of {', '.join(shape_names())} (got {a.shape!r})")
-        sys.path.insert(0, str(Path(__file__).parent))
-        from engine_overhead import shape_model
+    if a.shape and a.shape not in shape_names():
+        ap.error(f"--shape must be one of {', '.join(shape_names())} (got {a.shape!r})")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from engine_overhead import model_and_tokenizer  # benchmarks/engine_overhead.py
 
-        model, tok = shape_model(a.shape, a.device, a.dtype), AutoTokenizer.from_pretrained(a.tokenizer)
-        name = f"random {a.shape}"
-    else:
-        name = a.model or "models/olmoe-mini"
-        model, tok = load_model(name, dtype=a.dtype, device=a.device, experts_implementation="grouped_mm")
+    model, tok, name = model_and_tokenizer(a.model or "models/olmoe-mini", a.shape, a.tokenizer, a.device, a.dtype)
     vocab = model.config.vocab_size
     text = "\n\n".join(p.text for p in load_prompts("sharegpt", a.data_dir, limit=20))
     need = max(lengths) + a.offset

@@ -86,6 +86,20 @@ def shape_model(shape: str, device: str, dtype: str):
     return model
 
 
+def model_and_tokenizer(model_dir: str | None, shape: str | None, tokenizer: str, device: str, dtype: str):
+    """(model, tokenizer, name): `shape`'s random-weight model (`shape_model`) with the tokenizer folder `tokenizer`,
+    or else the checkpoint `model_dir` with its own (grouped_mm experts); name is what a report calls it. For the
+    benchmarks that take `--model DIR` or `--shape NAME` (offload.py, decode_new_lengths.py)."""
+    if shape:
+        from transformers import AutoTokenizer
+
+        return shape_model(shape, device, dtype), AutoTokenizer.from_pretrained(tokenizer), f"random {shape}"
+    from moeflow.models import load_model
+
+    model, tok = load_model(model_dir, dtype=dtype, device=device, experts_implementation="grouped_mm")
+    return model, tok, model_dir
+
+
 def decode_impl(model, adapter, ids) -> str:
     """The experts implementation the stock model's decode steps run: transformers' generate may switch
     `grouped_mm` to `batched_mm` for decoding off the CPU (the resident reference is then `batched_mm`)."""

@@ -65,12 +65,11 @@ from pathlib import Path
 
 import torch
 from _profile import engine_syncs_per_decode_layer, h2d_gbps, host_profile, profile_counts  # benchmarks/_profile.py
-from engine_overhead import SHAPES  # benchmarks/engine_overhead.py: the random-weight shapes of --shape
+from engine_overhead import SHAPES, model_and_tokenizer  # benchmarks/engine_overhead.py: --shape's random models
 from rich.console import Console
 
 from moeflow.calibrate import copy_share_bandwidth
 from moeflow.data.prompts import load_prompts
-from moeflow.models import load_model
 from moeflow.moe import get_adapter
 from moeflow.policies import EVICTION
 from moeflow.policies.parse import parse_capacity, parse_policy
@@ -245,21 +244,16 @@ def main() -> None:
         ap.error("--link cuda needs --device cuda")
     if (args.model is None) == (args.shape is None):
         ap.error("give --model DIR or --shape NAME (one of them)")
-    if args.shape:
-        from engine_overhead import shape_model  # benchmarks/engine_overhead.py
-        from transformers import AutoTokenizer
-
-        model, tok = shape_model(args.shape, args.device, args.dtype), AutoTokenizer.from_pretrained(args.tokenizer)
-    else:
-        model, tok = load_model(args.model, dtype=args.dtype, device=args.device, experts_implementation="grouped_mm")
+    model, tok, model_name = model_and_tokenizer(args.model, args.shape, args.tokenizer, args.device, args.dtype)
     settle_heap()  # as `moeflow run`: no full gc collection over the model's objects mid-step
     ad = get_adapter(model)
     spec = ad.spec
-    vocab = model.config.vocab_size if args.shape else torch.iinfo(torch.int64).max  # --shape: the tokenizer's ids folded in
     prompts = [
-        tok(p.text, return_tensors="pt").input_ids[:, : args.max_prompt_tokens] % vocab
+        tok(p.text, return_tensors="pt").input_ids[:, : args.max_prompt_tokens]
         for p in load_prompts(args.prompts, limit=args.limit)
     ]
+    if args.shape:  # a random shape's vocabulary may be smaller than its tokenizer's: the ids folded into it
+        prompts = [ids % model.config.vocab_size for ids in prompts]
     layout = ExpertLayout.of({n: p.detach() for n, p in ad.per_expert_params(spec.moe_layers[0]).items()})
     eb = layout.row_bytes
 
@@ -440,7 +434,7 @@ def main() -> None:
         "ref" if impl == "grouped_mm" else "-",
     )
     result = {
-        "model": args.model or f"random {args.shape}",
+        "model": model_name,
         "arch": spec.arch,
         "capacity": capacity,
         "gbps": bw / 1e9,
