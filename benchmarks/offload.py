@@ -158,6 +158,23 @@ def _one(model, ids, engine, args) -> None:
     generate_one(model, ids, engine, max_new_tokens=args.profile_tokens, min_new_tokens=args.profile_tokens)
 
 
+def run_plan(misses, evictions, prefetches, adaptive_layers=None) -> list[tuple]:
+    """The runs, in order, as (mode, eviction, prefetch, prefetch options, lookahead, adaptive, miss): on-demand,
+    every miss x prefetch x eviction, then the comparison rows `lru+pregate (gate=off)` and `lru+none` once each
+    (not again when the user's runs have them), and with `adaptive_layers` (the model's MoE layers) lru+pregate at
+    S = 2, 3 and adaptive."""
+    off = {"gate": "off", "cancel": "off"}
+    plan = [("on-demand", None, None, None, 1, False, "fetch")]
+    plan += [("offload", ev, pf, None, 1, False, ms) for ms in misses for pf in prefetches for ev in evictions]
+    for extra in (("offload", "lru", "pregate", off, 1, False, "fetch"), ("offload", "lru", "none", None, 1, False, "fetch")):
+        if extra not in plan:
+            plan.append(extra)
+    if adaptive_layers is not None:
+        plan += [("offload", "lru", "pregate", None, s, False, "fetch") for s in (2, 3) if s < adaptive_layers]
+        plan += [("offload", "lru", "pregate", None, 1, True, "fetch")]
+    return plan
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model directory (this or --shape is required)")
@@ -332,14 +349,8 @@ def main() -> None:
     # 3. runs: (mode, eviction, prefetch, prefetch options, lookahead, adaptive, miss)
     misses = [m.strip() for m in (args.miss or "fetch").split(",") if m.strip()]
     evictions = [e.strip().replace(";", ",") for e in args.policies.split(",")] if args.policies else sorted(EVICTION)
-    off = {"gate": "off", "cancel": "off"}
     prefetches = [p.strip().replace(";", ",") for p in args.prefetch.split(",") if p.strip()]
-    plan = [("on-demand", None, None, None, 1, False, "fetch")]
-    plan += [("offload", ev, pf, None, 1, False, ms) for ms in misses for pf in prefetches for ev in evictions]
-    plan += [("offload", "lru", "pregate", off, 1, False, "fetch"), ("offload", "lru", "none", None, 1, False, "fetch")]
-    if args.adaptive_s:
-        plan += [("offload", "lru", "pregate", None, s, False, "fetch") for s in (2, 3) if s < spec.num_moe_layers]
-        plan += [("offload", "lru", "pregate", None, 1, True, "fetch")]
+    plan = run_plan(misses, evictions, prefetches, spec.num_moe_layers if args.adaptive_s else None)
     rows = []
 
     def make_engine(mode, ev, pf, opts, s, miss):

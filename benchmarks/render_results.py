@@ -133,7 +133,7 @@ def _measured_on(doc: dict[str, Any]) -> str:
         f"({env.get('cpu_affinity') or env.get('cpu_cores')} cores, load {_f(load, '.1f')} when it started; "
         f"device {env.get('gpu') if _on_gpu(doc) else env.get('device', 'cpu')}), torch {env.get('torch', '?')}, "
         f"transformers {env.get('transformers', '?')}; "
-        f"the command took {doc.get('seconds', 0) / 60:.1f} min."
+        f"the command took {doc.get('seconds', 0) / 60:.1f} min." + (f" Note: {env['git_note']}." if env.get("git_note") else "")
     )
 
 

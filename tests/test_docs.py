@@ -88,6 +88,14 @@ def test_a_changed_result_changes_its_page():
     assert rr.render(doc) != page
 
 
+def test_a_hand_note_on_the_environment_shows_on_the_page():
+    """A result whose recorded commit needs a word (e.g. a device copy without the large models) says it."""
+    rr = _render_results()
+    doc = json.loads((REPO / "benchmarks" / "results" / "least-stale.json").read_text())
+    doc["environment"]["git_note"] = "the tree sent lacked models/olmoe-deep"
+    assert "Note: the tree sent lacked models/olmoe-deep." in rr.render(doc)
+
+
 def test_a_fidelity_result_recommends_only_with_intervals():
     """The recommendation shows only when the attached rows carry Δppl intervals (the recorded result does)."""
     rr = _render_results()
