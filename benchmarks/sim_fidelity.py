@@ -108,14 +108,14 @@ def calibrate(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 
 def measure(
-    args: argparse.Namespace, cal: Path, lookaheads: list[int], got: dict[tuple[int, str, str, int], dict[str, Any]]
+    args: argparse.Namespace, cal: Path, lookaheads: list[int], got: dict[tuple[int, str, str, int, str], dict[str, Any]]
 ) -> None:
-    """One `moeflow run` sweep with calibration `cal`, added to `got`: (capacity experts, eviction, prefetch, S) ->
-    {"tpots", "stalls": one per sweep, "hits", "accesses"}."""
+    """One `moeflow run` sweep with calibration `cal`, added to `got`: (capacity experts, eviction, prefetch, S, miss)
+    -> {"tpots", "stalls": one per sweep, "hits", "accesses"}."""
     from moeflow.stages.run import main as run_main
     from moeflow.stages.run_config import RunConfig
 
-    for s in lookaheads:
+    for miss, s in [(m, s) for m in args.miss for s in lookaheads]:
         cfg = RunConfig(
             model=args.model,
             prompts=args.prompts,
@@ -130,9 +130,10 @@ def measure(
             calibration=str(cal),
             threads=args.threads,
             sweep=True,
+            miss=miss,
         )
         for r in run_main(cfg, console=Console(file=io.StringIO())):
-            key = (int(r["capacity_experts"]), r["eviction"], r["prefetch"], s if r["prefetch"] != "none" else 0)
+            key = (int(r["capacity_experts"]), r["eviction"], r["prefetch"], s if r["prefetch"] != "none" else 0, miss)
             m = r["metrics"]
             row = got.setdefault(key, {"tpots": []})
             row["tpots"].append(m["tpot_s"])
@@ -143,7 +144,7 @@ def measure(
 def predict(
     args: argparse.Namespace, trace_dir: Path, cal: Path, cal_rec: dict[str, Any], lookaheads: list[int], calibrated: bool
 ) -> dict[tuple[int, str, str, int], dict[str, Any]]:
-    """(capacity experts, eviction, prefetch, S) -> the simulator's row (`predicted_tpot_s`, `decode_counters`)."""
+    """(capacity experts, eviction, prefetch, S, miss) -> the simulator's row (`predicted_tpot_s`, `decode_counters`)."""
     from moeflow.stages.simulate import SimulateConfig
     from moeflow.stages.simulate import main as simulate_main
 
@@ -162,9 +163,10 @@ def predict(
             link=args.link,
             layer_time_us=0.0 if calibrated else cal_rec["layer_time_s"] * 1e6,
             calibrated_time=calibrated,
+            misses=tuple(args.miss) if calibrated else ("fetch",),  # the baseline (T_l only) has no host term
         )
         for r in simulate_main(cfg)["rows"]:
-            got[(int(r["capacity"]), r["eviction"], r["prefetch"], s if r["prefetch"] != "none" else 0)] = r
+            got[(int(r["capacity"]), r["eviction"], r["prefetch"], s if r["prefetch"] != "none" else 0, r["miss"])] = r
     return got
 
 
@@ -183,6 +185,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="device expert slots, comma list: N experts, P%% of routed experts or a size (default %(default)s)",
     )
     ap.add_argument("--eviction", default="lru,least-stale", help="eviction policies, comma list (default %(default)s)")
+    ap.add_argument(
+        "--miss",
+        default="fetch",
+        help="miss policies, comma list: fetch, cpu (the host computes a miss; its time is the calibration's "
+        "host_miss_s) (default %(default)s)",
+    )
     ap.add_argument(
         "--lookahead",
         default="1,2",
@@ -218,6 +226,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.decode_steps = args.decode_steps or args.max_new_tokens
     args.capacity = [c.strip() for c in args.capacity.split(",") if c.strip()]
     args.eviction = [e.strip() for e in args.eviction.split(",") if e.strip()]
+    args.miss = [m.strip() for m in args.miss.split(",") if m.strip()]
+    if not set(args.miss) <= {"fetch", "cpu"}:
+        ap.error("--miss takes fetch and cpu (the miss policies the simulator replays)")
     lookaheads = sorted({int(s) for s in args.lookahead.split(",") if s.strip()})
     if not args.link.startswith("emulated:") or args.repeats < 1 or not lookaheads or min(lookaheads) < 1:
         ap.error("--link must be emulated:GBPS[,LATENCY_US]; --repeats and every --lookahead >= 1")
@@ -228,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         say("[dim]tracing ...[/]")
         trace(args, work / "trace")
         args.prompt_tokens = prompt_tokens(work / "trace")  # calibrate decodes from the runs' KV length
-        meas: dict[tuple[int, str, str, int], dict[str, Any]] = {}
+        meas: dict[tuple[int, str, str, int, str], dict[str, Any]] = {}
         preds: list[tuple[dict[str, Any], dict[str, Any]]] = []
         cal_recs = []
         for i in range(args.repeats):  # each sweep after its own calibration: both see the load of the same minutes
@@ -246,8 +257,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
     load["end"] = list(os.getloadavg())
     rows = []
-    for key in sorted(meas, key=lambda k: (k[0], k[1], k[2], k[3])):
-        c, ev, pf, s = key
+    for key in sorted(meas, key=lambda k: (k[4] != "fetch", k[0], k[1], k[2], k[3])):
+        c, ev, pf, s, miss = key
+        base = key if miss == "fetch" else None  # T_l alone models no host-computed miss
         m, f = meas[key], preds[0][1][key]
         m["tpot_s"], m["stall_s"] = statistics.median(m["tpots"]), statistics.median(m["stalls"])
         pred_tpots = [p[1][key]["predicted_tpot_s"] for p in preds]
@@ -261,10 +273,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "eviction": ev,
                 "prefetch": pf,
                 "lookahead": s or None,
+                "miss": miss,
                 "measured_tpot_s": m["tpot_s"],
                 "measured_tpots": m["tpots"],
                 "spread": (max(m["tpots"]) - min(m["tpots"])) / m["tpot_s"],
-                "baseline_tpot_s": statistics.median(p[0][key]["predicted_tpot_s"] for p in preds),
+                "baseline_tpot_s": statistics.median(p[0][base]["predicted_tpot_s"] for p in preds) if base else None,
                 "predicted_tpot_s": statistics.median(pred_tpots),
                 "predicted_tpots": pred_tpots,
                 "measured_hit_rate": m["hits"] / m["accesses"] if m["accesses"] else None,
@@ -276,19 +289,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     steady_rows = [r for r in rows if r["spread"] <= args.steady]
 
-    def figures_of(rs: list[dict[str, Any]]) -> dict[str, Any]:
-        measured = [r["measured_tpot_s"] for r in rs]
-        return {
-            name: {"tpot_mean_abs_error": mean_abs_error(pred, measured), "spearman": spearman(pred, measured)}
-            if len(rs) > 1
+    def fit(pairs: list[tuple[float, float]]) -> dict[str, float] | None:
+        pred, measured = [p for p, _ in pairs], [m for _, m in pairs]
+        return (
+            {"tpot_mean_abs_error": mean_abs_error(pred, measured), "spearman": spearman(pred, measured)}
+            if len(pairs) > 1
             else None
-            for name, pred in (
-                ("calibrated", [r["predicted_tpot_s"] for r in rs]),
-                ("baseline", [r["baseline_tpot_s"] for r in rs]),
-            )
+        )
+
+    def figures_of(rs: list[dict[str, Any]]) -> dict[str, Any]:
+        """calibrated over every row; baseline (T_l alone) over the fetch rows, the only ones it models."""
+        return {
+            "calibrated": fit([(r["predicted_tpot_s"], r["measured_tpot_s"]) for r in rs]),
+            "baseline": fit([(r["baseline_tpot_s"], r["measured_tpot_s"]) for r in rs if r["baseline_tpot_s"] is not None]),
         }
 
     figures = figures_of(rows)
+    by_miss = {m: fit([(r["predicted_tpot_s"], r["measured_tpot_s"]) for r in rows if r["miss"] == m]) for m in args.miss}
     steady = {"max_spread": args.steady, "configurations": len(steady_rows), **figures_of(steady_rows)}
     t = FitTable(
         key=2,
@@ -317,13 +334,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in rows:
         t.add_row(
             str(r["capacity"]),
-            f"{r['eviction']}+{r['prefetch']}",
+            f"{r['eviction']}+{r['prefetch']}" + (f" miss={r['miss']}" if r["miss"] != "fetch" else ""),
             str(r["lookahead"] or "-"),
             f"{r['measured_hit_rate']:.3f}" if r["measured_hit_rate"] is not None else "-",
             f"{r['simulated_hit_rate']:.3f}",
             f"{r['measured_tpot_s'] * 1e3:.2f}",
             f"{100 * r['spread']:.0f}",
-            f"{r['baseline_tpot_s'] * 1e3:.2f}",
+            f"{r['baseline_tpot_s'] * 1e3:.2f}" if r["baseline_tpot_s"] is not None else "-",
             f"{r['predicted_tpot_s'] * 1e3:.2f}",
             f"{100 * (r['predicted_tpot_s'] / r['measured_tpot_s'] - 1):+.1f}",
             f"{r['measured_stall_per_token_s'] * 1e3:.2f}",
@@ -351,8 +368,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "same_hits": sum(r["same_hits"] for r in rows),
         **figures["calibrated"],
         "baseline": figures["baseline"],
+        "by_miss": by_miss,
         "steady": steady,
         "miss_host_s": [(c.get("link_timing") or {}).get("miss_host_s") for c in cal_recs],  # per calibration
+        "host_miss_s": [(c.get("link_timing") or {}).get("host_miss_s") for c in cal_recs],  # miss cpu: per calibration
         "load_average": load,
         "table": str(out / "sim_fidelity.json"),
     }

@@ -6,7 +6,8 @@
 1. a greedy `moeflow trace --record-hidden` of the prompts the runs decode (or `--trace`);
 2. `moeflow tune` on it (`--exhaustive`) over the sweep's space, writing a run configuration;
 3. a measured sweep with `moeflow run` on the emulated link `--gbps` over the same space (eviction x prefetch x
-   S fixed and adaptive, miss fetch), the same prompts and token counts (`--min-new-tokens` = `--max-new-tokens`:
+   S fixed and adaptive x the miss policies tune searched: fetch, and cpu where the calibration measured the host's
+   time per expert), the same prompts and token counts (`--min-new-tokens` = `--max-new-tokens`:
    every run decodes as many tokens), each run after an untimed warm-up, one thread;
 4. tune's pick measured again with `moeflow run --config FILE`.
 Noise: the sweep's runs (one `moeflow run --sweep` per prefetch and S, and the `--config` run) are interleaved
@@ -125,32 +126,39 @@ def main() -> None:
     run = ["run", *common, "--min-new-tokens", str(a.max_new_tokens), "--link", link, "--calibration", a.calibration]
     run += ["--threads", str(a.threads), "-c", cap, "--json"]
     # one measurement job per prefetch set and S (a `run --sweep` over the evictions), and tune's pick via --config
-    jobs: list[tuple[str, list[str], int | None, bool]] = []
+    jobs: list[tuple[str, list[str], int | None, bool, str]] = []
     prefetches = a.prefetches.split(",")
-    if "none" in prefetches:
-        jobs.append(("none", [*run, "--sweep", "-e", a.evictions, "-f", "none"], None, False))
-    pf = [p for p in prefetches if p != "none"]
-    if pf:
-        for s in sorted({r["lookahead"] for r in tuned["ranked"] if r["lookahead"] is not None}):  # with the calibration's S
-            jobs.append((f"S{s}", [*run, "--sweep", "-e", a.evictions, "-f", ",".join(pf), "-S", str(s)], s, False))
-        jobs.append(("adaptive", [*run, "--sweep", "-e", a.evictions, "-f", ",".join(pf), "--adaptive-s"], None, True))
+    misses = sorted({r["miss"] for r in tuned["ranked"]})  # tune's miss dimension (cpu: a CPU calibration with it)
+    for m in misses:
+        sfx, mrun = ("" if m == "fetch" else f"-{m}"), [*run, "--miss", m]
+        if "none" in prefetches:
+            jobs.append((f"none{sfx}", [*mrun, "--sweep", "-e", a.evictions, "-f", "none"], None, False, m))
+        pf = [p for p in prefetches if p != "none"]
+        if pf:
+            for s in sorted({r["lookahead"] for r in tuned["ranked"] if r["lookahead"] is not None}):  # with the calibration's S
+                args = [*mrun, "--sweep", "-e", a.evictions, "-f", ",".join(pf), "-S", str(s)]
+                jobs.append((f"S{s}{sfx}", args, s, False, m))
+            jobs.append(
+                (f"adaptive{sfx}", [*mrun, "--sweep", "-e", a.evictions, "-f", ",".join(pf), "--adaptive-s"], None, True, m)
+            )
     conf = ["run", *common, "--min-new-tokens", str(a.max_new_tokens), "--threads", str(a.threads)]
-    jobs.append(("config", [*conf, "--config", str(cfg_file), "--json"], None, False))
+    jobs.append(("config", [*conf, "--config", str(cfg_file), "--json"], None, False, ""))
 
     def key(r: dict[str, Any]) -> tuple[Any, ...]:
-        return (r["eviction"], r["prefetch"], r["lookahead"] if r["prefetch"] != "none" else None, bool(r["adaptive_s"]))
+        s = r["lookahead"] if r["prefetch"] != "none" else None
+        return (r["eviction"], r["prefetch"], s, bool(r["adaptive_s"]), r.get("miss", "fetch"))
 
     tpots: dict[tuple[Any, ...], list[float]] = {}
     pick_tpots: list[float] = []
     for rnd in range(a.rounds):
         for i in range(len(jobs)):
-            name, args, s, adaptive = jobs[(i + rnd) % len(jobs)]  # round-robin, each round one job later
+            name, args, s, adaptive, m = jobs[(i + rnd) % len(jobs)]  # round-robin, each round one job later
             res = last_json(sh(args, keep=work / f"{name}-r{rnd}.out"))
             if name == "config":
                 pick_tpots.append(res["runs"][0]["metrics"]["tpot_s"])
                 continue
             for r in res["runs"]:
-                row = {"eviction": r["eviction"], "prefetch": r["prefetch"], "lookahead": s, "adaptive_s": adaptive}
+                row = {"eviction": r["eviction"], "prefetch": r["prefetch"], "lookahead": s, "adaptive_s": adaptive, "miss": m}
                 tpots.setdefault(key(row), []).append(r["metrics"]["tpot_s"])
 
     def summary(ts: list[float]) -> dict[str, float]:
@@ -163,14 +171,14 @@ def main() -> None:
     best = min(rows, key=lambda k: rows[k]["median"])
     best_min = min(rows, key=lambda k: rows[k]["min"])
     pick_row = summary(pick_tpots)
-    print(f"{'configuration':34} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'spread':>7} {'predicted ms':>13}")
+    print(f"{'configuration':40} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'spread':>7} {'predicted ms':>13}")
     for k in sorted(rows, key=lambda k: rows[k]["median"]):
         r, p = rows[k], pred.get(k)
-        ev, pf_, s, ad = k
-        label = f"{ev}+{pf_}" + (" S=adaptive" if ad else f" S={s}" if s else "")
+        ev, pf_, s, ad, m = k
+        label = f"{ev}+{pf_}" + (" S=adaptive" if ad else f" S={s}" if s else "") + (f" miss={m}" if m != "fetch" else "")
         mark = " <- tune's pick" if k == pick_key else ""
         print(
-            f"{label:34} {r['median'] * 1e3:10.2f} {r['min'] * 1e3:8.2f} {r['max'] * 1e3:8.2f} {r['spread']:7.1%} "
+            f"{label:40} {r['median'] * 1e3:10.2f} {r['min'] * 1e3:8.2f} {r['max'] * 1e3:8.2f} {r['spread']:7.1%} "
             f"{p * 1e3 if p else float('nan'):13.2f}{mark}"
         )
     print(
@@ -189,7 +197,7 @@ def main() -> None:
         "spread_max": max(spreads),
         "sweep_configs": len(rows),
         "tune_s": tune_s,
-        "space": {"evictions": a.evictions, "prefetches": a.prefetches, "s_values": s_values, "adaptive": True, "miss": "fetch"},
+        "space": {"evictions": a.evictions, "prefetches": a.prefetches, "s_values": s_values, "adaptive": True, "misses": misses},
         "link": link,
         "capacity": tuned["capacity"],
         "prompts": a.limit,

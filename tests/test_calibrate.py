@@ -348,3 +348,38 @@ def test_prompt_tokens_and_engine_rounds_flags():
     for bad, flag in (({"prompt_tokens": 0}, "--prompt-tokens"), ({"engine_rounds": 0}, "--engine-rounds")):
         with pytest.raises(ConfigError, match=rf"^{flag} must be >= 1 \(got 0\)$"):  # the one flag, its value
             CalibrateConfig(model="m", **bad)
+
+
+def test_host_costs_per_host_computed_expert_and_per_split_call():
+    """`host_miss_s`: the router hook's and the rest of the pass's extra seconds (waits for copies and the proposal
+    left out) of a cache nothing fills, per host-computed expert; `host_split_s`: a prefetched cache's extra seconds
+    less its host experts' share, per call that split; none -> 0."""
+    from moeflow.calibrate.engine_time import host_costs
+
+    resident = {"route_s": [1.0, 1.0], "attention_s": [1.0, 1.0], "experts_s": [1.0, 1.0], "token_s": 1.0}
+    alone = {"route_s": [1.5, 1.5], "attention_s": [1.0, 1.0], "experts_s": [3.0, 2.0], "token_s": 1.0}
+    alone.update(wait_s=1.0, predict_s=[9.0, 9.0], host_misses=2.0)  # 1 s of route + 3 - 1 s of the rest
+    split = {"route_s": [1.0, 1.0], "attention_s": [1.0, 1.0], "experts_s": [4.0, 1.0], "token_s": 1.0}
+    split.update(host_misses=1.0, split_calls=0.5)  # 3 s extra: 1.5 s for its host expert, 1.5 s over half a call
+    got = host_costs(resident, alone, split)
+    assert got == pytest.approx({"host_miss_s": 1.5, "host_split_s": 3.0, "host_misses": 2.0, "host_split_calls": 0.5})
+    alone["host_misses"], split["split_calls"] = 0.0, 0.0
+    assert host_costs(resident, alone, split)["host_miss_s"] == 0.0
+    assert host_costs(resident, alone, split)["host_split_s"] == 0.0
+
+
+def test_calibration_on_the_cpu_measures_the_host_miss_cost(tiny_checkpoint, tmp_path):
+    """A CPU calibration with an emulated link times miss policy cpu too: link_timing has host_miss_s (>= 0) and
+    the host-computed experts per pass it was measured over (> 0: the small cache misses)."""
+    from moeflow.calibrate.engine_time import engine_rounds
+    from moeflow.models import load_model
+    from moeflow.moe import get_adapter
+    from moeflow.runtime.link import EmulatedLink
+
+    model, _ = load_model(str(tiny_checkpoint), dtype="float32", device="cpu", tokenizer=False)
+    ad = get_adapter(model)
+    _, copies = engine_rounds(model, ad, 6, "cpu", lambda: EmulatedLink(1.0, 0.0), rounds=1, prompt_len=8)
+    assert copies is not None and copies["host_misses"] > 0 and copies["host_miss_s"] >= 0
+    assert copies["host_split_calls"] > 0 and copies["host_split_s"] >= 0  # prefetches filled the cache: calls split
+    _, none = engine_rounds(model, ad, 6, "cpu", None, rounds=1, prompt_len=8)
+    assert none is None

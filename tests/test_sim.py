@@ -624,12 +624,34 @@ def test_simulate_cli_calibrated_time_predicts_tpot(traced, tmp_path):
     assert bad.exit_code != 0 and isinstance(bad.exception, MoeflowError) and "no engine_time" in str(bad.exception)
 
 
-@pytest.mark.parametrize("miss", ["drop", "substitute", "cpu", "auto"])
+@pytest.mark.parametrize("miss", ["drop", "substitute", "auto"])
 def test_a_router_hook_miss_policy_is_refused_not_replayed_as_fetch(tiny_acc, miss):
-    """drop / substitute / cpu / auto act in the engine's router hook; asked info-less by the cache they would answer
-    fetch, and the row would be fetch's counters under their name."""
+    """drop / substitute / auto act in the engine's router hook; asked info-less by the cache they would answer
+    fetch, and the row would be fetch's counters under their name (cpu is replayed as the hook runs it: below)."""
     _, acc = tiny_acc
     cap = 2 * acc.top_k * len(acc.moe_layers)
     with pytest.raises(ConfigError, match=rf"miss policy '{miss}' acts in the engine's router hook.*moeflow run"):
         simulate(acc, cap, "lru", miss=miss)
     assert simulate(acc, cap, "lru", miss="fetch-lowest-bit").loads > 0  # a cache-level one still replays
+
+
+def test_the_host_miss_policy_is_replayed_and_timed(tiny_acc):
+    """miss cpu: no demand copy, every miss counted as a host miss (no prefetch: the cache never fills), each
+    adding `host_miss_s` to the clock; a modelled link without `host_miss_s` is refused."""
+    from moeflow.sim.timemodel import TimeModel
+
+    _, acc = tiny_acc
+    cap = 2 * acc.top_k * len(acc.moe_layers)
+    st = simulate(acc, cap, "lru", miss="cpu", count_phase=1)
+    routed = sum(len(s.needed()) for p in acc.passes if p.phase == 1 for s in p.steps)
+    assert st.loads == 0 and st.accesses == 0 and st.host_misses == routed > 0
+    base = TimeModel(experts_s=(1e-3,))
+    timed = [
+        simulate(
+            acc, cap, "lru", miss="cpu", link="emulated:1", timing=TimeModel(experts_s=(1e-3,), host_miss_s=h), count_phase=1
+        )
+        for h in (0.0, 2e-4)
+    ]
+    assert timed[1].time_s - timed[0].time_s == pytest.approx(2e-4 * routed)
+    with pytest.raises(ConfigError, match="host_miss_s"):
+        simulate(acc, cap, "lru", miss="cpu", link="emulated:1", timing=base)

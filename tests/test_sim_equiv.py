@@ -68,7 +68,7 @@ def both(tmp_path_factory, tiny_models):
     sweep += [a for p in PREFETCHES for a in ("-f", p)]
     common = ["--model", str(ck), "--lookahead", "1", "--json"]
     run_args = ["run", "--prompts", str(prompts), "--max-new-tokens", NEW_TOKENS, "--link", "direct", "--miss", "fetch"]
-    run_args += ["--sweep", *sweep, *common]  # fetch: the miss policy the simulator replays (run's CPU default is auto)
+    run_args += ["--sweep", *sweep, *common]  # fetch: the miss policy replayed here (cpu: the test below)
     # the prefill path the simulator replays (the default staged prefill copies in its own order, so the cache it
     # leaves for decode, and hence the decode counters, may differ slightly)
     run = _cli([*run_args, "--prefill", "serial"])
@@ -95,3 +95,39 @@ def test_simulate_and_run_report_identical_decode_counters(both):
         prefetched += want["prefetch_issued"] > 0
     # the comparison is not vacuous: real evictions, collision misses and prefetches
     assert evicted == len(runs) and collided > 0 and prefetched == len(runs) // 2
+
+
+@pytest.fixture(scope="module")
+def host_misses(both, tmp_path_factory):
+    """The same trace run and replayed with miss policy cpu (and run with auto, cpu's choice on a CPU device), lru and
+    least-stale, none and pregate, at the three capacities."""
+    from moeflow.cli.app import _register  # noqa: F401  (registered by `both`)
+
+    d = tmp_path_factory.getbasetemp()
+    ck = next(d.glob("equiv*/ck"))
+    tr, prompts = ck.parent / "trace", ck.parent / "p.txt"
+    sweep = [a for c in CAPACITIES for a in ("-c", c)] + ["-e", "lru", "-e", "least-stale"]
+    sweep += [a for p in PREFETCHES for a in ("-f", p)]
+    common = ["--model", str(ck), "--lookahead", "1", "--json"]
+    run_args = ["run", "--prompts", str(prompts), "--max-new-tokens", NEW_TOKENS, "--link", "direct"]
+    run_args += ["--sweep", *sweep, *common, "--prefill", "serial"]
+    runs = {m: _cli([*run_args, "--miss", m]) for m in ("cpu", "auto")}
+    sim = _cli(["simulate", "--trace", str(tr), "--no-belady", "--miss", "cpu", *sweep, *common])
+    return runs, sim
+
+
+def test_simulate_replays_the_host_miss_policy_as_run_runs_it(host_misses):
+    runs, sim = host_misses
+    got = {(r["capacity"], r["eviction"], r["prefetch"]): r for r in sim["rows"]}
+    assert all(r["miss"] == "cpu" and not r["lossy"] for r in sim["rows"])
+    hosted = 0
+    for m, run in runs.items():
+        assert len(run["runs"]) == len(got) == len(CAPACITIES) * 2 * len(PREFETCHES)
+        for r in run["runs"]:
+            have = got[(r["capacity_experts"], r["eviction"], r["prefetch"])]
+            want = r["metrics"]["decode_counters"]
+            assert {f: have["decode_counters"][f] for f in COMPARED} == {f: want[f] for f in COMPARED}, (m, r["label"])
+            assert {f: have["counters"][f] for f in COMPARED} == {f: r["metrics"]["counters"][f] for f in COMPARED}
+            assert have["decode_counters"]["demand_loads"] == 0  # every miss went to the host
+            hosted += have["host_misses"] > 0
+    assert hosted == 2 * len(got)  # not vacuous: misses the host computed at every capacity

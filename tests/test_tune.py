@@ -386,3 +386,60 @@ def test_tune_finds_the_one_emulated_calibration(traced, tmp_path, monkeypatch):
     with pytest.raises(MoeflowError, match="several calibrations of cpu") as e:
         read_calibration(cfg, tr)
     assert "\n" not in str(e.value)
+
+
+def test_tune_searches_the_host_miss_policy_where_the_calibration_measured_it(traced, tmp_path):  # noqa: F811
+    """On a CPU device with a calibration that measured `host_miss_s`, the miss dimension is fetch and cpu; a cpu
+    row's predicted TPOT is `moeflow simulate --miss cpu --calibrated-time`'s and it has no ratio to the bound
+    (it copies nothing for a miss). Without `host_miss_s`: fetch only, with a note saying why."""
+    from moeflow.trace import Trace
+
+    ck, tr = traced
+    L = Trace(tr).spec.num_moe_layers
+    et = {
+        "attention_s": [1e-4] * L,
+        "route_s": [3e-5] * L,
+        "experts_s": [6e-4] * L,
+        "token_s": 2e-4,
+        "predict_s": {"pregate": [4e-5] * L},
+        "dispatch_s": [2e-4] * L,
+    }
+    lt = {"submit_s": 2e-5, "wake_s": 3e-5, "demand_copy_s": 5e-5, "prefetch_copy_s": 7e-5, "host_miss_s": 4e-4}
+    cal = _calibration(tmp_path / "cal.json", tr, engine_time=et, link_timing=lt)
+    args = ["-t", str(tr), "--calibration", str(cal), "--model", str(ck), "-e", "lru", "-f", "none"]
+    args += ["--budget", "6", "--exhaustive", "--json"]
+    r = _tune(args)
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = {x["label"]: x for x in res["ranked"]}
+    assert set(rows) == {"lru+none", "lru+none miss=cpu"}
+    host = rows["lru+none miss=cpu"]
+    assert host["miss"] == "cpu" and host["ratio_to_bound"] is None and host["host_misses_per_token"] > 0
+    assert host["bytes_per_token"] == 0 and rows["lru+none"]["ratio_to_bound"] >= 1
+    sim_args = ["-t", str(tr), "-c", "6", "-e", "lru", "-f", "none", "--miss", "cpu", "--link", res["link"]]
+    sim_args += ["--calibration", str(cal), "--calibrated-time", "--model", str(ck), "--no-belady", "--json"]
+    sim = CliRunner().invoke(_app(), ["simulate", *sim_args])
+    assert sim.exit_code == 0, sim.output
+    (row,) = json.loads(sim.stdout.strip().splitlines()[-1])["rows"]
+    assert host["predicted_tpot_s"] == pytest.approx(row["predicted_tpot_s"], rel=1e-12)
+    assert row["host_misses"] > 0 and row["miss"] == "cpu" and row["lossy"] is False
+
+    del lt["host_miss_s"]
+    cal = _calibration(tmp_path / "cal2.json", tr, engine_time=et, link_timing=lt)
+    r = _tune(
+        ["-t", str(tr), "--calibration", str(cal), "--model", str(ck), "-e", "lru", "-f", "none", "--budget", "6", "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [x["label"] for x in res["ranked"]] == ["lru+none"]
+    assert any("host_miss_s" in n and "miss cpu not searched" in n for n in res["notes"])
+    sim_args[sim_args.index(str(tmp_path / "cal.json"))] = str(cal)
+    sim = CliRunner().invoke(_app(), ["simulate", *sim_args])
+    assert sim.exit_code != 0 and "host_miss_s" in str(sim.exception or sim.output)
+
+
+def test_simulate_refuses_a_miss_policy_it_does_not_replay(traced):  # noqa: F811
+    _, tr = traced
+    sim = CliRunner().invoke(_app(), ["simulate", "-t", str(tr), "-f", "none", "--miss", "auto", "--json"])
+    assert sim.exit_code != 0
+    assert "simulate replays fetch and cpu" in str(sim.exception or sim.output)

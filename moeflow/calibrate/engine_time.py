@@ -4,9 +4,10 @@ beside the link's (`measure.link_timing`).
 `engine_timing` splits the offload engine's decode pass (every expert resident) into per-layer attention, router
 hook, prefetch proposal, the experts call before its wait (dispatch) and after it, and the rest of the pass
 (`token_s`); `copy_timing` the engine's host time per demand and per prefetch copy it issues on a link, and the
-rest of a pass's per demand copy (a small cache against the resident one); `engine_rounds` times both in
-interleaved rounds (means over a round's passes, medians over rounds). `_EngineClock` takes the marks,
-`split_passes`, `copy_costs` and `wait_lateness` turn them into those figures.
+rest of a pass's per demand copy (a small cache against the resident one); on a CPU device `host_timing` how much
+longer a pass takes per miss the host computes instead (miss policy `cpu`, the same small cache); `engine_rounds`
+times them in interleaved rounds (means over a round's passes, medians over rounds). `_EngineClock` takes the
+marks, `split_passes`, `copy_costs`, `host_costs` and `wait_lateness` turn them into those figures.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..policies.base import CPU
 from .measure import prompt_ids
 
 WARMUP_STEPS = 4  # `_time_engine`'s warm-up run: decode steps before the timed run
@@ -37,6 +39,7 @@ class _EngineClock:
         self._cur: dict[str, Any] | None = None
         self._pred = 0.0
         self._wait: float | None = None
+        self.split_calls = 0  # layer calls with experts in slots and experts the host computes (miss policy cpu)
         route, prefetch, experts, wait = self.step.route, self.step.prefetch, engine.experts_forward, self.cache.wait
 
         def timed_route(ev: Any) -> Any:
@@ -44,6 +47,9 @@ class _EngineClock:
             out = route(ev)
             if self._cur is not None:
                 self._cur["route"].append((ev.layer, t0, time.perf_counter(), self._pred))
+            routed = self.step.pending.get(ev.layer)
+            if routed is not None and routed.cpu and routed.experts:
+                self.split_calls += 1
             return out
 
         def timed_prefetch(*a: Any, **k: Any) -> Any:
@@ -85,9 +91,9 @@ class _EngineClock:
         model = engine.model
         self._hooks = [model.register_forward_pre_hook(self._start), model.register_forward_hook(self._end)]
 
-    def _loads(self) -> tuple[int, int]:
+    def _loads(self) -> tuple[int, int, int, int]:
         c = self.cache.counters
-        return c.demand_loads, c.prefetch_issued
+        return c.demand_loads, c.prefetch_issued, self.engine.miss_counts[CPU], self.split_calls
 
     def _start(self, *a: Any) -> None:
         self._cur = {"start": time.perf_counter(), "route": [], "experts": [], "loads0": self._loads()}
@@ -158,6 +164,9 @@ def split_passes(passes: Sequence[dict[str, Any]], moe_layers: Sequence[int]) ->
     if loads:
         out["demand_loads"] = statistics.fmean(x[0] for x in loads)
         out["prefetch_loads"] = statistics.fmean(x[1] for x in loads)
+        if all(len(x) > 3 for x in loads):
+            out["host_misses"] = statistics.fmean(x[2] for x in loads)
+            out["split_calls"] = statistics.fmean(x[3] for x in loads)
     return out
 
 
@@ -171,6 +180,39 @@ def wait_lateness(waits: Sequence[tuple[float, float, float]]) -> tuple[float, i
     return (extra / slept if slept else 0.0), slept
 
 
+def _per_copy(extra: float, copies: float) -> float:
+    return max(0.0, extra / copies) if copies > 0 else 0.0
+
+
+def _rest(split: dict[str, Any]) -> float:
+    """Host seconds per pass outside the router hook and the proposal, waits for copies left out."""
+    parts = sum(sum(split.get(k) or (0.0,)) for k in ("attention_s", "dispatch_s", "experts_s"))
+    return parts + float(split.get("token_s", 0.0)) - float(split.get("wait_s", 0.0))
+
+
+def host_costs(resident: dict[str, Any], alone: dict[str, Any], split: dict[str, Any]) -> dict[str, float]:
+    """What the host's experts (miss policy `cpu`) cost a pass, from `split_passes` of the same engine against
+    `resident` (every expert resident): a pass's extra host time (the router hook's: the misses found and sent;
+    the rest of the pass's: the experts calls, their join; waits for copies and the proposal left out) is
+    `host_miss_s` x host-computed experts + `host_split_s` x layer calls that split (some experts in slots, the
+    others on the host worker: a hand-off, two threads' kernels beside each other, the join).
+    `alone`: a small cache that nothing fills (no prefetch: every expert computed by the host, no call splits)
+    gives `host_miss_s`; `split`: the same cache filled by prefetches gives `host_split_s` from what is left
+    once its host experts are counted. Each >= 0; 0 where the run had none."""
+
+    def extra(run: dict[str, Any]) -> float:
+        return _rest(run) - _rest(resident) + sum(run["route_s"]) - sum(resident["route_s"])
+
+    per = _per_copy(extra(alone), float(alone.get("host_misses", 0.0)))
+    host, calls = float(split.get("host_misses", 0.0)), float(split.get("split_calls", 0.0))
+    return {
+        "host_miss_s": per,
+        "host_split_s": _per_copy(extra(split) - per * host, calls),
+        "host_misses": float(alone.get("host_misses", 0.0)),
+        "host_split_calls": calls,
+    }
+
+
 def copy_costs(resident: dict[str, Any], loaded: dict[str, Any], prefetch: str) -> dict[str, float]:
     """Host seconds the engine spends per copy it issues, from two `split_passes` of the same engine settings:
     `resident` (every expert resident: no copies) and `loaded` (a small cache on the link: copies every pass).
@@ -181,36 +223,35 @@ def copy_costs(resident: dict[str, Any], loaded: dict[str, Any], prefetch: str) 
     experts call's miss path, copied weights not yet in this core's caches, the link's worker thread beside it).
     Each is 0 where the loaded run issued no such copy or spent no more time."""
 
-    def per_copy(extra: float, copies: float) -> float:
-        return max(0.0, extra / copies) if copies > 0 else 0.0
-
-    def rest(split: dict[str, Any]) -> float:  # host seconds per pass outside the router hook, waits left out
-        parts = sum(sum(split.get(k) or (0.0,)) for k in ("attention_s", "dispatch_s", "experts_s"))
-        return parts + float(split.get("token_s", 0.0)) - float(split.get("wait_s", 0.0))
-
     route = sum(loaded["route_s"]) - sum(resident["route_s"])
     pred = sum(loaded["predict_s"][prefetch]) - sum(resident["predict_s"][prefetch])
     demand = loaded.get("demand_loads", 0.0)
-    out = {"demand_copy_s": per_copy(route, demand), "prefetch_copy_s": per_copy(pred, loaded.get("prefetch_loads", 0.0))}
+    out = {"demand_copy_s": _per_copy(route, demand), "prefetch_copy_s": _per_copy(pred, loaded.get("prefetch_loads", 0.0))}
     if "experts_s" in loaded and "experts_s" in resident:
-        out["miss_host_s"] = per_copy(rest(loaded) - rest(resident), demand)
+        out["miss_host_s"] = _per_copy(_rest(loaded) - _rest(resident), demand)
     return out
 
 
 def _time_engine(
-    model: Any, adapter: Any, ids: torch.Tensor, steps: int, capacity: int, link: Any, prefetch: str
+    model: Any, adapter: Any, ids: torch.Tensor, steps: int, capacity: int, link: Any, prefetch: str, miss: str = "fetch"
 ) -> dict[str, Any]:
-    """`split_passes` of an offload engine (lru, `prefetch` at S = 1, `capacity` experts on `link`) decoding
-    `steps` tokens after `ids` [1,P]: a warm-up run of at most `WARMUP_STEPS` tokens (first calls, the cache's
-    steady state), then the timed run. At full capacity every expert is
+    """`split_passes` of an offload engine (lru, `prefetch` at S = 1, miss policy `miss`, `capacity` experts on
+    `link`) decoding `steps` tokens after `ids` [1,P]: a warm-up run of at most `WARMUP_STEPS` tokens (first calls,
+    the cache's steady state), then the timed run. At full capacity every expert is
     loaded first (`warm`); else the runs start from the cache the engine has and copy as they go."""
-    from ..policies import EVICTION, PREFETCH
+    from ..policies import EVICTION, MISS, PREFETCH
     from ..runtime.engine import OffloadEngine
     from ..runtime.generate import generate_exactly
 
     spec = adapter.spec
     engine = OffloadEngine(
-        model, capacity=capacity, link=link, eviction=EVICTION.create("lru"), prefetch=PREFETCH.create(prefetch), lookahead=1
+        model,
+        capacity=capacity,
+        link=link,
+        eviction=EVICTION.create("lru"),
+        prefetch=PREFETCH.create(prefetch),
+        lookahead=1,
+        miss=None if miss == "fetch" else MISS.create(miss),
     )
     with engine, torch.no_grad():
         if capacity >= spec.total_experts:
@@ -273,6 +314,25 @@ def copy_timing(
     return out
 
 
+def host_timing(
+    model: Any, adapter: Any, steps: int, device: str, new_link: Callable[[], Any], resident: dict[str, Any], prompt_len: int = 16
+) -> dict[str, float]:
+    """`host_costs` of miss policy `cpu` (exact on a CPU device): `copy_timing`'s cache of 10% of the experts, its
+    misses computed by the host worker instead of copied, without prefetch (`alone`) and with the first prefetch
+    policy of `resident` filling it (`split`), each on a fresh link from `new_link`, against `resident`'s times."""
+    spec = adapter.spec
+    capacity = max(spec.top_k, spec.total_experts // 10)
+    ids = prompt_ids(model, device, prompt_len)
+    runs = []
+    for prefetch in ("none", resident["prefetches"][0]):
+        link = new_link()
+        try:
+            runs.append(_time_engine(model, adapter, ids, steps, capacity, link, prefetch, miss="cpu"))
+        finally:
+            link.close()
+    return host_costs(resident, *runs)
+
+
 def median_of(recs: Sequence[Any]) -> Any:
     """Element-wise median of records of one shape (dicts, lists, numbers); other values: the first record's."""
     first = recs[0]
@@ -307,9 +367,12 @@ def engine_rounds(
         if new_link is not None:
             link = new_link()
             try:
-                copies.append(copy_timing(model, adapter, steps, device, link, et, prompt_len))
+                rec = copy_timing(model, adapter, steps, device, link, et, prompt_len)
             finally:
                 link.close()
+            if torch.device(device).type == "cpu":  # miss policy cpu: exact on a CPU device only
+                rec.update(host_timing(model, adapter, steps, device, new_link, et, prompt_len))
+            copies.append(rec)
     out = median_of(times)
     out.update(rounds=len(times), prompt_len=prompt_len)
     return out, (median_of(copies) if copies else None)

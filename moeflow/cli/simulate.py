@@ -40,7 +40,12 @@ def table(res: dict[str, Any]) -> Any:
         caption="C: cache capacity in experts; policies: eviction+prefetch; coll. misses: experts evicted earlier in "
         "the same pass; xfers /tok: copies per token; pf prec / recall: prefetch precision (-: nothing prefetched) and recall"
         + ("; stall s: seconds waiting for copies on the modelled link" if stall else "; link instant: no stall")
-        + (f"; TPOT ms: predicted time per decode pass ({res.get('time_model')})" if tpot else ""),
+        + (f"; TPOT ms: predicted time per decode pass ({res.get('time_model')})" if tpot else "")
+        + (
+            "; miss=cpu: the host computes a missing expert, which is not a cache access (--json host_misses)"
+            if any(r.get("miss", "fetch") != "fetch" for r in res["rows"])
+            else ""
+        ),
     )
     cols = ["C", "policies", "hit rate", "coll. misses", "xfers /tok", "pf prec", "pf recall"]
     cols += (["stall s"] if stall else []) + (["TPOT ms"] if tpot else [])
@@ -49,7 +54,7 @@ def table(res: dict[str, Any]) -> Any:
     for r in res["rows"]:
         t.add_row(
             str(r["capacity"]),
-            f"{r['eviction']}+{r['prefetch']}",
+            f"{r['eviction']}+{r['prefetch']}" + (f" miss={r['miss']}" if r.get("miss", "fetch") != "fetch" else ""),
             f"{r['hit_rate']:.3f}",
             str(r["collisions"]),
             f"{r['loads_per_token']:.2f}",
@@ -115,6 +120,13 @@ def simulate_cmd(
         "(`predicted_tpot_s`). Needs a calibration from `moeflow calibrate` of this "
         "moeflow version (--calibration, else the default file for --link).",
     ),
+    miss: list[str] | None = typer.Option(
+        None,
+        "--miss",
+        help="Miss policies to replay, comma-separated or repeated: fetch (copy the missing expert; default) and cpu "
+        "(the host computes it, as `moeflow run --miss cpu`; its time on a modelled link needs a calibration from a "
+        "CPU device, which measures host_miss_s). On a CPU device `run --miss auto` sends every miss to the host, as cpu.",
+    ),
     no_progress: bool = no_progress_option(),
     as_json: bool = json_option(),
 ) -> None:
@@ -142,6 +154,7 @@ def simulate_cmd(
         link=link,
         layer_time_us=layer_time_us,
         calibrated_time=calibrated_time,
+        misses=split_list(miss, "--miss") or ("fetch",),
     )
     res = main(cfg)
     if as_json:

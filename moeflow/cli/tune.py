@@ -35,7 +35,13 @@ def table(res: dict[str, Any]) -> Any:
         + f"; bound {res['bound_tpot_s'] * 1e3:.2f} ms/token; {res['seconds']:.1f} s",
         key=2,
         caption="predicted on the whole trace, best first (the others were pruned on shorter prefixes: --json "
-        "`pruned`); TPOT ms: predicted decode time per token; MB/tok: bytes copied per token; x bound: TPOT / bound",
+        "`pruned`); TPOT ms: predicted decode time per token; MB/tok: bytes copied per token; x bound: TPOT / bound"
+        + (
+            " (-: miss=cpu computes a miss on the host, copying nothing, so the bound of copies does not hold; its "
+            "hit rate counts the cache's accesses, which host-computed experts are not)"
+            if any(r.get("miss", "fetch") != "fetch" for r in res["ranked"][:TOP])
+            else ""
+        ),
     )
     for c in ("#", "configuration", "TPOT ms", "hit rate", "MB/tok", "x bound"):
         t.add_column(c, justify="right" if c == "#" else None)
@@ -46,7 +52,7 @@ def table(res: dict[str, Any]) -> Any:
             f"{r['predicted_tpot_s'] * 1e3:.2f}",
             f"{r['hit_rate']:.3f}",
             f"{r['bytes_per_token'] / 1e6:.2f}",
-            f"{r['ratio_to_bound']:.2f}",
+            f"{r['ratio_to_bound']:.2f}" if r["ratio_to_bound"] is not None else "-",
         )
     return t
 
@@ -133,8 +139,8 @@ def tune_cmd(
     as_json: bool = json_option(),
 ) -> None:
     """Search the exact configurations the simulator replays (eviction x prefetch x step size S, fixed and adaptive,
-    x miss fetch) at one memory budget, rank them by predicted TPOT, and write the best as a run configuration
-    for `moeflow run --config FILE` (flags given to run still win)."""
+    x miss fetch, and cpu on a CPU device whose calibration timed it) at one memory budget, rank them by predicted
+    TPOT, and write the best as a run configuration for `moeflow run --config FILE` (flags given to run still win)."""
     from ..policies.parse import split_list
     from ..stages.tune import TuneConfig, main
 

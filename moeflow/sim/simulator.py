@@ -49,7 +49,7 @@ import torch
 from ..errors import ConfigError
 from ..policies import EVICTION, MISS, PREFETCH, ExpertKey
 from ..policies.base import PrefetchPolicy
-from ..policies.miss import Fetch
+from ..policies.miss import Cpu, Fetch
 from ..runtime.cache import CacheCounters, ExpertCache, needed_experts, wave_capacity
 from ..runtime.cachecore import warm
 from ..runtime.corecache import ReplayResult, counters_of
@@ -80,6 +80,7 @@ class SimStats:
     proposals: int = 0
     evictions: int = 0
     late: int = 0  # hits whose copy was still in flight (modelled link)
+    host_misses: int = 0  # experts computed on the host instead (miss policy `cpu`; not cache accesses)
     stall_s: float = 0.0  # virtual seconds waited for copies (modelled link)
     max_resident: int = 0
     collisions_per_layer: dict[int, int] = field(default_factory=dict)
@@ -262,24 +263,30 @@ def simulate(
         ev, ev_name, _ = _resolve(EVICTION, eviction, "eviction")
     pf, pf_name, pf_fresh = _resolve(PREFETCH, prefetch, "prefetch")
     ms, _, _ = _resolve(MISS, miss, "miss")
-    if ms.needs_routing:  # asked info-less by the cache, it would answer fetch: a row that only looks like it
-        cache_level = ", ".join(n for n in MISS if not MISS[n].needs_routing)
+    host = type(ms) is Cpu  # every miss computed on the host: the router hook's filter, replayed below
+    if ms.needs_routing and not host:  # asked info-less by the cache, it would answer fetch: a row that only looks like it
+        cache_level = ", ".join([*(n for n in MISS if not MISS[n].needs_routing), "cpu"])
         raise ConfigError(
             f"miss policy {ms.name!r} acts in the engine's router hook, which a replay without the model does not run; "
             f"the simulator replays {cache_level}: measure {ms.name!r} with moeflow run or moeflow quality"
         )
-    if type(ms) is Fetch:
-        ms = None  # the built-in exact policy: stateless, always 'fetch' (what the cache does without one)
+    if type(ms) is Fetch or host:
+        ms = None  # fetch: the built-in exact policy (what the cache does without one); cpu: never reaches the cache
     prefetching = pf.proposes
     spec = _Spec(tuple(acc.moe_layers), acc.num_experts, acc.top_k, int(acc.expert_bytes or 1))
     lk = make_sim_link(link, submit_s=tm.submit_s, wake_s=tm.wake_s, prefetch_submit_s=tm.prefetch_copy_s)
+    if host and tm.host_miss_s is None and not getattr(lk, "instant", False):
+        raise ConfigError(
+            "miss policy cpu on a modelled link needs the host seconds per host-computed expert (link_timing "
+            "host_miss_s), which `moeflow calibrate` measures on a CPU device: re-run it there, or replay fetch"
+        )
     gate = pf.gate if prefetching else None  # the prefetch policy's admission (PrefetchGate)
     cache = ExpertCache(
         None, capacity, link=lk, eviction=ev, per_layer=per_layer, spec=spec, gate=gate, compiled=None if compiled else compiled
     )
     wcap = wave_capacity(cache.part_capacity, cache.expert_bytes)
     st = SimStats(capacity=capacity, eviction=ev_name, prefetch=pf_name, link=lk.describe())
-    whole = cache.core is not None and ms is None and (not prefetching or precomputable(pf))
+    whole = cache.core is not None and ms is None and not host and (not prefetching or precomputable(pf))
     if compiled and not whole:
         raise ValueError(
             f"no compiled replay for eviction {ev_name!r}, prefetch {pf_name!r}, "
@@ -306,17 +313,22 @@ def simulate(
         cast(Any, lk).advance(each * len(acc.passes))  # the simulator's links (sim/link.py) advance
         st.time_s = each * st.passes
     else:
-        _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wcap, count_phase)
+        _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wcap, count_phase, host)
     if check and cache.num_resident() > capacity:
         raise RuntimeError("cache over capacity")
     return st
 
 
-def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wcap, count_phase) -> None:
-    """The cache call by call, in the engine's order, the link's clock advanced by the time model `tm`."""
+def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wcap, count_phase, host=False) -> None:
+    """The cache call by call, in the engine's order, the link's clock advanced by the time model `tm`. `host`
+    (miss policy `cpu`): as the engine's router hook (`moeflow.runtime.step.apply_miss`), a layer's experts
+    without a slot leave its needed list before `route` (the host computes them; the cache never sees them), and
+    each adds `tm.host_miss_s` after the layer's wait, and a call that also has experts in slots `tm.host_split_s`."""
     prefetching = pf.proposes
     pre_s, pred_s, disp_s, post_s = tm.per_layer(len(acc.moe_layers), _ahead(pf, lookahead))
     miss_s = tm.miss_host_s
+    host_s, split_s = tm.host_miss_s or 0.0, tm.host_split_s
+    resident = cache.resident
     clock = lk.clock_s
     last_end = clock()  # the end of the previous pass on the link's clock
     comp = _compile(acc)
@@ -354,6 +366,15 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wc
                 h0, a0, k0 = c.hits, c.accesses, c.collision_misses
             begin_layer(layer)
             d0 = c.demand_loads
+            host_cost = 0.0
+            if host:  # the router hook: experts without a slot go to the host (`apply_miss`)
+                kept = [e for e in experts if resident((layer, e))]
+                n_host = len(experts) - len(kept)
+                if n_host:
+                    host_cost = host_s * n_host + (split_s if kept else 0.0)  # a split call: slots beside the host's
+                    experts, scores = kept, {e: scores[e] for e in kept}
+                    if counted:
+                        st.host_misses += n_host
             advance(pre_s[rank])  # attention, router, the router hook up to the demand copies
             slots = route(layer, experts, scores, wcap, ms)
             if counted:
@@ -377,7 +398,8 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wc
             advance(disp_s[rank])  # the experts call up to its wait: overlaps the copies in flight
             if slots is not None:
                 wait(slots)
-                advance(post_s[rank] + miss_s * (c.demand_loads - d0))  # the rest of the call, its copies' host cost
+                # the rest of the call, its copies' host cost, the host's experts beside it
+                advance(post_s[rank] + miss_s * (c.demand_loads - d0) + host_cost)
                 release(slots)
             else:  # more experts than one wave holds: waves, resident experts first
                 waves = cache.plan_waves(layer, experts, wcap)
@@ -394,6 +416,7 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wc
                             st.proposed_accesses += sum(1 for e in wave if (layer, e) in proposed)
                     advance(post_s[rank] / len(waves) + miss_s * (c.demand_loads - d1))
                     release(s)
+                advance(host_cost)
             if check and cache.num_resident() > cache.capacity:
                 raise RuntimeError("cache over capacity")
         advance(tm.token_s)  # final norm, head, generate's loop until the next pass

@@ -11,7 +11,10 @@ pass (final norm, head, generate's loop). `ModelledLink` adds `submit_s` per dem
 hook's host time per miss: the victim, the slot table, the link's submit), `prefetch_submit_s` per prefetch copy
 and `wake_s` per wait that stalls; `miss_host_s` per demand copy after the layer's wait (the rest of a pass that
 copies runs slower than an all-hit one: the experts call's miss path, weights just copied; a calibrated figure,
-`copy_costs`).
+`copy_costs`); with miss policy `cpu`, after the layer's wait `host_miss_s` per expert the host computes instead of
+copying and `host_split_s` per layer call that splits (experts in slots computed beside experts on the host worker:
+the hand-off, two threads' kernels, the join) (`engine_time.host_costs`, measured on a CPU device, where `cpu` is
+exact).
 `TimeModel.from_calibration` reads what `moeflow calibrate` measured (`engine_time`); `layer_time_s` alone is
 `experts_s` of every layer. `SimStats.time_s` sums, over the counted passes, the clock from the end of the
 previous pass to the end of the pass (as `moeflow run` times decode passes), so `pass_s` is the predicted TPOT
@@ -43,6 +46,8 @@ class TimeModel:
     prefetch_submit_s: float | None = None  # host seconds per prefetch copy (ModelledLink; None: submit_s)
     predict_layer_s: tuple[float, ...] = (0.0,)  # the proposal's seconds per MoE layer it predicts, by that layer's rank
     miss_host_s: float = 0.0  # host seconds per demand copy after the layer's wait (a pass that copies runs slower)
+    host_miss_s: float | None = None  # seconds a pass takes longer per miss computed on the host (`cpu`; None: not measured)
+    host_split_s: float = 0.0  # ... and per layer call that splits (experts in slots beside experts on the host worker)
 
     def __post_init__(self) -> None:
         for name in ("attention_s", "route_s", "predict_s", "dispatch_s", "experts_s", "predict_layer_s"):
@@ -51,6 +56,8 @@ class TimeModel:
                 raise ConfigError(f"time model {name} needs one value >= 0 or one per MoE layer, got {v!r}")
         if min(self.token_s, self.submit_s, self.wake_s, self.prefetch_copy_s, self.miss_host_s) < 0:
             raise ConfigError("time model token_s, submit_s, prefetch_submit_s, wake_s and miss_host_s must be >= 0")
+        if (self.host_miss_s is not None and self.host_miss_s < 0) or self.host_split_s < 0:
+            raise ConfigError("time model host_miss_s and host_split_s must be >= 0")
 
     @property
     def prefetch_copy_s(self) -> float:
@@ -96,6 +103,8 @@ class TimeModel:
             prefetch_submit_s=float(lt.get("prefetch_copy_s", submit)),
             wake_s=float(lt.get("engine_wake_s", lt.get("wake_s", 0.0))),  # measured in the engine, else the link alone
             miss_host_s=float(lt.get("miss_host_s", 0.0)),  # an older calibration: not measured
+            host_miss_s=None if lt.get("host_miss_s") is None else float(lt["host_miss_s"]),  # a CPU device's only
+            host_split_s=float(lt.get("host_split_s", 0.0)),
         )
 
     def per_layer(self, n: int, lookahead: int = 1) -> tuple[list[float], list[float], list[float], list[float]]:

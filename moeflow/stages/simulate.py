@@ -26,6 +26,9 @@ def _refuse_unreplayable(name: str) -> None:
         )
 
 
+SIM_MISSES = ("fetch", "cpu")  # the miss policies the simulator replays (`moeflow.sim.simulator.simulate`)
+
+
 @dataclass(frozen=True)
 class SimulateConfig:
     """The defaults are `moeflow run`'s: 25% of the routed experts, next-use, pregate (none for a trace without router
@@ -47,6 +50,7 @@ class SimulateConfig:
     link: str = "instant"  # instant | emulated:GBPS[,LATENCY_US] (modelled on a virtual clock)
     layer_time_us: float = 0.0  # compute per MoE layer per pass on the modelled link's clock
     calibrated_time: bool = False  # the clock advances by the calibration's engine_time / link_timing (TimeModel)
+    misses: tuple[str, ...] = ("fetch",)  # miss policies replayed: fetch (copy) and cpu (the host computes the miss)
 
     def __post_init__(self) -> None:
         """Check every value before any work: phase, S, each capacity's syntax, each policy with its options
@@ -69,6 +73,13 @@ class SimulateConfig:
         for c in self.capacities:
             if parse_capacity(c, total_experts=1 << 40, expert_bytes=1) < 1:
                 raise ConfigError(f"--capacity {c!r} gives no expert slot; use at least top-k experts (e.g. 8 or 10%)")
+        for m in self.misses:
+            if m not in SIM_MISSES:
+                raise ConfigError(
+                    f"--miss {m!r}: simulate replays {' and '.join(SIM_MISSES)} (on a CPU device auto sends every miss "
+                    "to the host, as cpu; drop, substitute and the low-bit fetches change the output: measure them "
+                    "with moeflow run or moeflow quality)"
+                )
         for e in self.evictions:
             build_policy(EVICTION, e, self.eviction_opts)
         for p in self.prefetches or (("pregate",) if self.prefetch_opts else ()):  # the default's options too
@@ -83,11 +94,13 @@ class SimulateConfig:
         """(name, options) of `text` with --prefetch-opt merged (inline options win)."""
         return policy_args(text, self.prefetch_opts)
 
-    def lossy(self, device_type: str = "cpu", eviction: str | None = None, prefetch: str | None = None) -> Lossy:
-        """Whether a `moeflow run` with this replay's policies (one `eviction` x `prefetch` row; None: all of
-        them) on a `device_type` device can change the model's output: `moeflow.policies.lossy`, the answer
-        run and quality give. Simulate replays the fetch miss policy and the router's routing, so no row
-        depends on the device (its rows are asked for the CPU)."""
+    def lossy(
+        self, device_type: str = "cpu", eviction: str | None = None, prefetch: str | None = None, miss: str = "fetch"
+    ) -> Lossy:
+        """Whether a `moeflow run` with this replay's policies (one `eviction` x `prefetch` x `miss` row; None: every
+        eviction / prefetch) on a `device_type` device can change the model's output: `moeflow.policies.lossy`, the
+        answer run and quality give. Simulate's rows are asked for the CPU, where fetch and cpu are both exact (cpu
+        is lossy on CUDA, whose host kernels sum in another order)."""
         from ..policies import MISS, ROUTING
 
         evictions = [eviction] if eviction is not None else list(self.evictions)
@@ -96,7 +109,7 @@ class SimulateConfig:
             device_type=device_type,
             eviction=[build_policy(EVICTION, t, self.eviction_opts) for t in evictions],
             prefetch=[build_policy(PREFETCH, t, self.prefetch_opts) for t in prefetches],
-            miss=MISS.create("fetch"),
+            miss=MISS.create(miss),
             routing=ROUTING.create("standard"),
         )
 
@@ -158,16 +171,17 @@ def main(cfg: SimulateConfig) -> dict[str, Any]:
     if timing is None:
         kw["layer_time_s"] = cfg.layer_time_us * 1e-6
     rows = []
-    jobs = [(c, e, p) for c in caps for e in cfg.evictions for p in prefetches]
+    jobs = [(c, m, e, p) for c in caps for m in cfg.misses for e in cfg.evictions for p in prefetches]
     replayed, seconds = 0, 0.0
     with progress("simulate", enabled=cfg.progress) as prog:
         task = prog.add_task("simulating", total=len(jobs) + (len(caps) if cfg.belady else 0), unit="configs")
-        for c, e, p in jobs:
+        for c, m, e, p in jobs:
             tkw = {} if timing is None else {"timing": timing[p]}
-            st = simulate(acc, c, cfg.eviction(e), cfg.prefetch(p), lookahead=lookahead, predict_logits=predict, **kw, **tkw)
-            rows.append(
-                {"capacity": c, "eviction": e, "prefetch": p, "lossy": cfg.lossy("cpu", e, p).lossy, **_summary(st, count)}
+            st = simulate(
+                acc, c, cfg.eviction(e), cfg.prefetch(p), miss=m, lookahead=lookahead, predict_logits=predict, **kw, **tkw
             )
+            lossy_row = cfg.lossy("cpu", e, p, m).lossy
+            rows.append({"capacity": c, "eviction": e, "prefetch": p, "miss": m, "lossy": lossy_row, **_summary(st, count)})
             replayed, seconds = replayed + st.replayed_accesses, seconds + st.seconds
             prog.advance(task)
         if cfg.belady:
@@ -175,7 +189,8 @@ def main(cfg: SimulateConfig) -> dict[str, Any]:
                 t0, c0 = time.perf_counter(), time.process_time()
                 st = belady(acc, c, **kw, **({} if timing is None else {"timing": timing["none"]}))
                 st.seconds, st.cpu_s = time.perf_counter() - t0, time.process_time() - c0  # next-use precomputation included
-                rows.append({"capacity": c, "eviction": "belady", "prefetch": "none", "lossy": False, **_summary(st, count)})
+                row = {"capacity": c, "eviction": "belady", "prefetch": "none", "miss": "fetch", "lossy": False}
+                rows.append({**row, **_summary(st, count)})
                 replayed, seconds = replayed + st.replayed_accesses, seconds + st.seconds
                 prog.advance(task)
     counted = [p for p in acc.passes if count is None or p.phase == count]
@@ -311,6 +326,7 @@ def _summary(st, count_phase: int | None = 1) -> dict[str, Any]:
         "max_resident",
         "late",
         "stall_s",
+        "host_misses",
         "decode_counters",
         "counters",
         "replayed_accesses",

@@ -80,6 +80,24 @@ def plot_path(out: str | Path) -> Path:
     return p.with_name(p.stem + ".png")
 
 
+def _misses(cfg: TuneConfig, cal: dict[str, Any], cal_path: Any, notes: list[str]) -> tuple[str, ...]:
+    """The miss dimension: fetch, and cpu on a CPU device whose calibration measured `host_miss_s` (cpu is lossy on
+    CUDA, whose host kernels sum in another order); a CPU calibration without it gets a note."""
+    import torch
+
+    from ..tune.search import HOST_MISS, MISSES
+
+    if torch.device(cfg.device).type != "cpu":
+        return MISSES
+    if not isinstance(cal.get("engine_time"), dict) or (cal.get("link_timing") or {}).get("host_miss_s") is None:
+        notes.append(
+            f"calibration {cal_path} has no host_miss_s (the host's time per expert it computes): miss cpu not "
+            "searched; re-run `moeflow calibrate --link-gbps X` to measure it"
+        )
+        return MISSES
+    return (*MISSES, HOST_MISS)
+
+
 def read_calibration(cfg: TuneConfig, tr: Any) -> tuple[dict[str, Any], str, str, str]:
     """(calibration, its path, the modelled link `emulated:GBPS,LATENCY_US`, the `moeflow run --link` it stands
     for): `--calibration`, else the file `moeflow run` reads for this device and link. The modelled link is
@@ -184,6 +202,7 @@ def main(cfg: TuneConfig) -> dict[str, Any]:
         unmeasured = sorted({n for p in prefetches if (n := policy_args(p)[0]) != "none" and n not in measured})
         if unmeasured:
             notes.append(f"calibration {cal_path} has no predictor time for {', '.join(unmeasured)}: counted as 0")
+    misses = _misses(cfg, cal, cal_path, notes)
     hi = max(1, spec.num_moe_layers - 1)
     cal_s = cal.get("initial_s")
     cands = space(
@@ -193,6 +212,7 @@ def main(cfg: TuneConfig) -> dict[str, Any]:
         s_values=cfg.s_values or S_VALUES,
         calibration_s=min(int(cal_s), hi) if isinstance(cal_s, int) and cal_s >= 1 else None,
         adaptive=cfg.adaptive,
+        misses=misses,
     )
     predict, model_path = None, cfg.model
     if any(_routered(c.prefetch) for c in cands):
@@ -224,7 +244,8 @@ def main(cfg: TuneConfig) -> dict[str, Any]:
         prog.advance(task)
         ranked, pruned, plan = search(ev, cands, exhaustive=cfg.exhaustive, on_replay=lambda: prog.advance(task))
     for r in (*ranked, *pruned):
-        r["ratio_to_bound"] = r["predicted_tpot_s"] / bound["bound_tpot_s"]
+        # the bound counts every miss as a copy: a host-computed miss (miss cpu) copies nothing, so it has none
+        r["ratio_to_bound"] = None if r["miss"] != "fetch" else r["predicted_tpot_s"] / bound["bound_tpot_s"]
     for i, r in enumerate(ranked):
         r["rank"] = i + 1
     best = ranked[0]

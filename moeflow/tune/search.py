@@ -3,8 +3,9 @@
 A candidate is one `moeflow run` configuration at a fixed cache capacity: eviction x prefetch x step size S
 (fixed, or adaptive: the runtime's controller) x miss policy. Only exact policies are searched
 (`moeflow.policies.lossy`), and only what the simulator replays: prefetch `none`, `pregate` (overfetch / mass
-variants) and `all-next-layer` (the learned prefetchers need the running model), miss `fetch` (the other exact
-miss policies, `cpu` and `auto`, act in the engine's router hook, which the simulator does not model).
+variants) and `all-next-layer` (the learned prefetchers need the running model), miss `fetch` and, for a CPU
+device whose calibration measured the host's time per host-computed expert (`host_miss_s`), `cpu` (exact there;
+`auto`, `moeflow run`'s CPU default, sends every miss to the host on a CPU device, so `cpu` is its row).
 
 Predicted TPOT of a candidate (`CostModel`): every pass of the trace is replayed through the runtime's cache on
 the modelled link (`moeflow.sim.link.ModelledLink`: the calibration's bandwidth and latency, or `--link`), whose
@@ -45,7 +46,8 @@ from .replay import AdaptiveS, PregateTable, TablePrefetch
 # the default space (each dimension can be given instead: `moeflow tune -e/-f/-S`)
 EVICTIONS = ("next-use", "lru", "lfu", "least-stale")  # lru2, fld, score, belady-approx on request
 PREFETCHES = ("none", "pregate")  # pregate:overfetch=X | mass=P and all-next-layer on request
-MISSES = ("fetch",)  # the exact miss policies the simulator replays
+MISSES = ("fetch",)  # the default miss dimension; + cpu for a CPU device with host_miss_s (`moeflow tune`)
+HOST_MISS = "cpu"  # the miss policy that computes a miss on the host (exact on a CPU device)
 S_VALUES = (1, 2, 4, 8)  # fixed S tried (those below the MoE layers), plus the calibration's
 
 
@@ -103,9 +105,11 @@ def space(
     calibration_s: int | None = None,
     adaptive: bool = True,
     misses: Sequence[str] = MISSES,
+    device_type: str = "cpu",
 ) -> list[Candidate]:
     """Every candidate: eviction x prefetch x (S in `s_values` and the calibration's, within 1..MoE layers - 1,
-    and adaptive, for a prefetch policy that follows S) x miss. Refuses a lossy or unreplayable policy."""
+    and adaptive, for a prefetch policy that follows S) x miss. Refuses a policy lossy on a `device_type` device
+    or one the simulator does not replay."""
     hi = max(1, num_moe_layers - 1)
     ss = sorted({s for s in (*s_values, *((calibration_s,) if calibration_s else ())) if 1 <= s <= hi})
     for text in evictions:
@@ -113,8 +117,10 @@ def space(
     for text in prefetches:
         refuse_unreplayable(text)
     for text in misses:
-        if policy_args(text)[0] != "fetch":
-            raise ConfigError(f"tune replays miss policy fetch only (got {text!r}); the simulator does not model the others")
+        if policy_args(text)[0] not in ("fetch", HOST_MISS):
+            raise ConfigError(
+                f"tune replays miss policies fetch and cpu only (got {text!r}); the simulator does not model the others"
+            )
     out: list[Candidate] = []
     for miss in misses:
         for ev in evictions:
@@ -127,7 +133,7 @@ def space(
                     out.append(Candidate(ev, pf, None, True, miss))
     for c in out:
         ans = lossy(
-            device_type="cpu",
+            device_type=device_type,
             eviction=[build_policy(EVICTION, c.eviction)],
             prefetch=[build_policy(PREFETCH, c.prefetch)],
             miss=build_policy(MISS, c.miss),
@@ -292,6 +298,7 @@ class Evaluator:
             "prefetch_precision": st.prefetch_precision,
             "prefetch_recall": st.prefetch_recall,
             "late": st.late,
+            "host_misses_per_token": st.host_misses / n,  # miss cpu: experts the host computed (not cache accesses)
             "decode_tokens": st.tokens,
             "prompts": prompts or self.prompts,
             "replay_s": time.perf_counter() - t0,
