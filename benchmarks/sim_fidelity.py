@@ -6,7 +6,8 @@ calibration holds the engine's host times, `engine_time`, and the emulated link'
 `--repeats`; `--prompt-tokens` the traced prompts' mean length, `--decode-steps` `--max-new-tokens` per round,
 `--engine-rounds` interleaved rounds), then for
 every configuration eviction (`--eviction`) x capacity (`--capacity`) x prefetch (`none`, and `pregate` at each
-S of `--lookahead`) measures TPOT with `moeflow run --link emulated:...` (moeflow.stages.run.main, the same
+S of `--lookahead`) x miss (`--miss`: fetch, and cpu, the host computing a miss) measures TPOT with
+`moeflow run --link emulated:...` (moeflow.stages.run.main, the same
 calibration) and predicts it with `moeflow simulate --link emulated:...` on the trace, twice:
 - `baseline`: `--layer-time-us` = the calibration's `layer_time_s` (T_l, the stock decoder layer) and nothing else;
 - `calibrated`: `--calibrated-time` (`moeflow.sim.timemodel.TimeModel.from_calibration`: per MoE layer
@@ -23,11 +24,13 @@ of |predicted - measured| / measured, a fraction) and `spearman` (rank correlati
 scipy.stats.spearmanr) of the calibrated model, and `baseline` with the same two figures for T_l alone;
 `steady` the same figures over the configurations whose measured TPOT moved little between repeats (spread =
 (max - min) / median <= `--steady`: on a loaded machine a TPOT moves by +-20-40%), `miss_host_s` (each
-calibration's host seconds per demand copy beyond the router hook), and `load_average` (the machine's
-1/5/15-minute load at the start and the end).
+calibration's host seconds per demand copy beyond the router hook), `host_miss_s` (per host-computed expert),
+`by_miss` (the calibrated figures per miss policy; the baseline covers the fetch rows only: T_l has no host term),
+and `load_average` (the machine's 1/5/15-minute load at the start and the end).
 
     .venv/bin/python benchmarks/sim_fidelity.py --threads 1
     .venv/bin/python benchmarks/sim_fidelity.py --model models/olmoe-deep --limit 2 --repeats 3 --threads 1
+    .venv/bin/python benchmarks/sim_fidelity.py --model models/olmoe-mini --limit 2 --repeats 3 --threads 1 --miss fetch,cpu
 """
 
 from __future__ import annotations
