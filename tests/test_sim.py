@@ -655,3 +655,25 @@ def test_the_host_miss_policy_is_replayed_and_timed(tiny_acc):
     assert timed[1].time_s - timed[0].time_s == pytest.approx(2e-4 * routed)
     with pytest.raises(ConfigError, match="host_miss_s"):
         simulate(acc, cap, "lru", miss="cpu", link="emulated:1", timing=base)
+    with pytest.raises(ConfigError, match="host_miss_s"):  # a clock without the host's term: not silently 0
+        simulate(acc, cap, "lru", miss="cpu", timing=base)
+
+
+def test_a_split_call_adds_host_split_s(tiny_acc):
+    """With prefetches filling the cache some layer calls have experts in slots and experts on the host: each such
+    call adds `host_split_s` (an instant link: no stall hides it), a whole number of them, fewer than the calls."""
+    from moeflow.sim.timemodel import TimeModel
+
+    _, acc = tiny_acc
+    cap = 2 * acc.top_k * len(acc.moe_layers)
+    split = 1e-3
+
+    def run(h: float):
+        tm = TimeModel(experts_s=(1e-4,), host_miss_s=2e-5, host_split_s=h)
+        return simulate(acc, cap, "lru", "all-next-layer", miss="cpu", timing=tm, count_phase=1)
+
+    base, with_split = run(0.0), run(split)
+    calls = (with_split.time_s - base.time_s) / split
+    steps = sum(len(p.steps) for p in acc.passes if p.phase == 1)
+    assert calls == pytest.approx(round(calls)) and 0 < round(calls) < steps
+    assert base.hits > 0 and base.host_misses > 0 and base.loads > 0  # prefetched experts hit, the rest on the host

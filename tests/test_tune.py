@@ -406,25 +406,33 @@ def test_tune_searches_the_host_miss_policy_where_the_calibration_measured_it(tr
     }
     lt = {"submit_s": 2e-5, "wake_s": 3e-5, "demand_copy_s": 5e-5, "prefetch_copy_s": 7e-5, "host_miss_s": 4e-4}
     cal = _calibration(tmp_path / "cal.json", tr, engine_time=et, link_timing=lt)
-    args = ["-t", str(tr), "--calibration", str(cal), "--model", str(ck), "-e", "lru", "-f", "none"]
-    args += ["--budget", "6", "--exhaustive", "--json"]
+    lt["host_split_s"] = 9e-4
+    cal = _calibration(tmp_path / "cal.json", tr, engine_time=et, link_timing=lt)
+    args = ["-t", str(tr), "--calibration", str(cal), "--model", str(ck), "-e", "lru", "-f", "none,pregate", "-S", "1"]
+    args += ["--no-adaptive", "--budget", "6", "--exhaustive", "--json"]
     r = _tune(args)
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout.strip().splitlines()[-1])
     rows = {x["label"]: x for x in res["ranked"]}
-    assert set(rows) == {"lru+none", "lru+none miss=cpu"}
+    fetch_rows = {"lru+none", "lru+pregate S=1", "lru+pregate S=2"}  # S=2: the calibration's
+    assert set(rows) == fetch_rows | {f"{x} miss=cpu" for x in fetch_rows}
     host = rows["lru+none miss=cpu"]
     assert host["miss"] == "cpu" and host["ratio_to_bound"] is None and host["host_misses_per_token"] > 0
     assert host["bytes_per_token"] == 0 and rows["lru+none"]["ratio_to_bound"] >= 1
-    sim_args = ["-t", str(tr), "-c", "6", "-e", "lru", "-f", "none", "--miss", "cpu", "--link", res["link"]]
-    sim_args += ["--calibration", str(cal), "--calibrated-time", "--model", str(ck), "--no-belady", "--json"]
-    sim = CliRunner().invoke(_app(), ["simulate", *sim_args])
-    assert sim.exit_code == 0, sim.output
-    (row,) = json.loads(sim.stdout.strip().splitlines()[-1])["rows"]
-    assert host["predicted_tpot_s"] == pytest.approx(row["predicted_tpot_s"], rel=1e-12)
-    assert row["host_misses"] > 0 and row["miss"] == "cpu" and row["lossy"] is False
+    assert rows["lru+pregate S=1 miss=cpu"]["bytes_per_token"] > 0  # prefetches fill the cache: calls split
+    for label, pf in (("lru+none miss=cpu", "none"), ("lru+pregate S=1 miss=cpu", "pregate")):
+        sim_args = ["-t", str(tr), "-c", "6", "-e", "lru", "-f", pf, "--miss", "cpu", "--link", res["link"]]
+        sim_args += ["--lookahead", "1", "--calibration", str(cal), "--calibrated-time", "--model", str(ck)]
+        sim = CliRunner().invoke(_app(), ["simulate", *sim_args, "--no-belady", "--json"])
+        assert sim.exit_code == 0, sim.output
+        (row,) = json.loads(sim.stdout.strip().splitlines()[-1])["rows"]
+        assert rows[label]["predicted_tpot_s"] == pytest.approx(row["predicted_tpot_s"], rel=1e-12), label
+        assert row["host_misses"] > 0 and row["miss"] == "cpu" and row["lossy"] is False
+    no_clock = ["-t", str(tr), "-c", "6", "-f", "none", "--miss", "cpu", "--link", res["link"], "--json"]
+    bad = CliRunner().invoke(_app(), ["simulate", *no_clock])
+    assert bad.exit_code != 0 and "--calibrated-time" in str(bad.exception or bad.output)
 
-    del lt["host_miss_s"]
+    del lt["host_miss_s"], lt["host_split_s"]
     cal = _calibration(tmp_path / "cal2.json", tr, engine_time=et, link_timing=lt)
     r = _tune(
         ["-t", str(tr), "--calibration", str(cal), "--model", str(ck), "-e", "lru", "-f", "none", "--budget", "6", "--json"]
@@ -434,7 +442,7 @@ def test_tune_searches_the_host_miss_policy_where_the_calibration_measured_it(tr
     assert [x["label"] for x in res["ranked"]] == ["lru+none"]
     assert any("host_miss_s" in n and "miss cpu not searched" in n for n in res["notes"])
     sim_args[sim_args.index(str(tmp_path / "cal.json"))] = str(cal)
-    sim = CliRunner().invoke(_app(), ["simulate", *sim_args])
+    sim = CliRunner().invoke(_app(), ["simulate", *sim_args, "--no-belady", "--json"])
     assert sim.exit_code != 0 and "host_miss_s" in str(sim.exception or sim.output)
 
 

@@ -125,8 +125,9 @@ def split_passes(passes: Sequence[dict[str, Any]], moe_layers: Sequence[int]) ->
     its proposal), predict (the proposal), dispatch (router hook's end to the experts call's first wait for its
     slots: the MoE block after the router, the rows sorted; 0 for a call that waits for nothing) and experts
     (from that wait, or the router hook's end, to the experts call's end); token: the period less all of them.
-    With the passes' copy counts (`loads0` / `loads1`: demand and prefetch copies issued at the pass's start and
-    end), `demand_loads` and `prefetch_loads` are their means per pass. A pass that did not route and call every
+    With the passes' counts (`loads0` / `loads1`: demand and prefetch copies issued, host-computed experts and
+    split calls at the pass's start and end), `demand_loads`, `prefetch_loads`, `host_misses` and `split_calls` are
+    their means per pass. A pass that did not route and call every
     MoE layer once, in order, is skipped. `wait_s`: the mean seconds per pass spent in the link's waits (a pass's
     `waited`, `_EngineClock`; inside `experts_s`). Means, not medians: they add up to the mean period, which is what TPOT
     is (a pass the scheduler preempted counts in a run's TPOT too, and medians per part would drop it)."""
@@ -358,8 +359,9 @@ def engine_rounds(
     """`engine_timing` and (with `new_link`, a fresh link per round: an engine closes its link) `copy_timing`
     `rounds` times, interleaved (resident, then the small cache, then again), each round's copy costs against its
     own resident split, so both see the same minutes of a shared machine: the element-wise median over the rounds
-    of each (`median_of`; a round the scheduler preempted does not move it). (engine_time with `rounds` and
-    `prompt_len`, the copy record or None)."""
+    of each (`median_of`; a round the scheduler preempted does not move it); on a CPU device each round also times
+    `host_timing` (miss policy cpu) into the copy record. (engine_time with `rounds` and `prompt_len`, the copy
+    record or None)."""
     times, copies = [], []
     for _ in range(max(1, rounds)):
         et = engine_timing(model, adapter, steps, device, prefetches, prompt_len)

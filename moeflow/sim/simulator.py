@@ -275,10 +275,12 @@ def simulate(
     prefetching = pf.proposes
     spec = _Spec(tuple(acc.moe_layers), acc.num_experts, acc.top_k, int(acc.expert_bytes or 1))
     lk = make_sim_link(link, submit_s=tm.submit_s, wake_s=tm.wake_s, prefetch_submit_s=tm.prefetch_copy_s)
-    if host and tm.host_miss_s is None and not getattr(lk, "instant", False):
+    timed = timing is not None or layer_time_s > 0 or not getattr(lk, "instant", False)
+    if host and tm.host_miss_s is None and timed:  # a clock that would leave the host's experts out
         raise ConfigError(
-            "miss policy cpu on a modelled link needs the host seconds per host-computed expert (link_timing "
-            "host_miss_s), which `moeflow calibrate` measures on a CPU device: re-run it there, or replay fetch"
+            "miss policy cpu needs the host seconds per host-computed expert (link_timing host_miss_s) to advance the "
+            "clock: `moeflow simulate --calibrated-time` with a calibration `moeflow calibrate --link-gbps X` made on "
+            "a CPU device (an older one: re-run it), or replay fetch"
         )
     gate = pf.gate if prefetching else None  # the prefetch policy's admission (PrefetchGate)
     cache = ExpertCache(
@@ -290,7 +292,7 @@ def simulate(
     if compiled and not whole:
         raise ValueError(
             f"no compiled replay for eviction {ev_name!r}, prefetch {pf_name!r}, "
-            f"miss {'fetch' if ms is None else type(ms).__name__} on link {lk.describe()!r}"
+            f"miss {'cpu' if host else 'fetch' if ms is None else type(ms).__name__} on link {lk.describe()!r}"
         )
     if whole:
         t0 = time.perf_counter()
@@ -323,7 +325,8 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wc
     """The cache call by call, in the engine's order, the link's clock advanced by the time model `tm`. `host`
     (miss policy `cpu`): as the engine's router hook (`moeflow.runtime.step.apply_miss`), a layer's experts
     without a slot leave its needed list before `route` (the host computes them; the cache never sees them), and
-    each adds `tm.host_miss_s` after the layer's wait, and a call that also has experts in slots `tm.host_split_s`."""
+    each adds `tm.host_miss_s`, and a call that also has experts in slots `tm.host_split_s`, after the layer's wait
+    less what that wait stalled (the engine hands the host worker its job before it waits for its slots)."""
     prefetching = pf.proposes
     pre_s, pred_s, disp_s, post_s = tm.per_layer(len(acc.moe_layers), _ahead(pf, lookahead))
     miss_s = tm.miss_host_s
@@ -397,9 +400,9 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wc
                     prefetch_(reqs, layer)
             advance(disp_s[rank])  # the experts call up to its wait: overlaps the copies in flight
             if slots is not None:
-                wait(slots)
-                # the rest of the call, its copies' host cost, the host's experts beside it
-                advance(post_s[rank] + miss_s * (c.demand_loads - d0) + host_cost)
+                stalled = wait(slots)  # the host worker's job, handed over before this wait, runs meanwhile
+                # the rest of the call, its copies' host cost, what of the host's experts the stall did not hide
+                advance(post_s[rank] + miss_s * (c.demand_loads - d0) + max(0.0, host_cost - stalled))
                 release(slots)
             else:  # more experts than one wave holds: waves, resident experts first
                 waves = cache.plan_waves(layer, experts, wcap)

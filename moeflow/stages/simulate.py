@@ -73,6 +73,11 @@ class SimulateConfig:
         for c in self.capacities:
             if parse_capacity(c, total_experts=1 << 40, expert_bytes=1) < 1:
                 raise ConfigError(f"--capacity {c!r} gives no expert slot; use at least top-k experts (e.g. 8 or 10%)")
+        if "cpu" in self.misses and not self.calibrated_time and (self.layer_time_us or self.link.strip() != "instant"):
+            raise ConfigError(
+                "--miss cpu times the host's experts with the calibration's host_miss_s: add --calibrated-time (a "
+                "calibration from `moeflow calibrate --link-gbps X` on a CPU device), or drop --layer-time-us / --link"
+            )
         for m in self.misses:
             if m not in SIM_MISSES:
                 raise ConfigError(
@@ -278,7 +283,8 @@ def _time_models(cfg: SimulateConfig, tr: Any, prefetches: tuple[str, ...]) -> d
     if not isinstance(cal.get("engine_time"), dict):
         raise ConfigError(f"calibration {path} has no engine_time; re-run `moeflow calibrate` to measure it")
     if not cfg.link.strip().lower().startswith("emulated") or cal.get("link_timing") is None:
-        cal = {**cal, "link_timing": None}  # submit / wake terms belong to the emulated link only
+        host = {k: v for k, v in (cal.get("link_timing") or {}).items() if k in ("host_miss_s", "host_split_s")}
+        cal = {**cal, "link_timing": host or None}  # submit / wake terms belong to the emulated link; host terms do not
     names = {p: parse_policy(p)[0] for p in prefetches}
     measured = (cal["engine_time"].get("predict_s") or {}).keys()
     for n in names.values():

@@ -87,9 +87,9 @@ def _misses(cfg: TuneConfig, cal: dict[str, Any], cal_path: Any, notes: list[str
 
     from ..tune.search import HOST_MISS, MISSES
 
-    if torch.device(cfg.device).type != "cpu":
-        return MISSES
-    if not isinstance(cal.get("engine_time"), dict) or (cal.get("link_timing") or {}).get("host_miss_s") is None:
+    if torch.device(cfg.device).type != "cpu" or not isinstance(cal.get("engine_time"), dict):
+        return MISSES  # no engine_time: its own note says so (the host's time is one of its terms)
+    if (cal.get("link_timing") or {}).get("host_miss_s") is None:
         notes.append(
             f"calibration {cal_path} has no host_miss_s (the host's time per expert it computes): miss cpu not "
             "searched; re-run `moeflow calibrate --link-gbps X` to measure it"
@@ -203,6 +203,8 @@ def main(cfg: TuneConfig) -> dict[str, Any]:
         if unmeasured:
             notes.append(f"calibration {cal_path} has no predictor time for {', '.join(unmeasured)}: counted as 0")
     misses = _misses(cfg, cal, cal_path, notes)
+    import torch
+
     hi = max(1, spec.num_moe_layers - 1)
     cal_s = cal.get("initial_s")
     cands = space(
@@ -213,6 +215,7 @@ def main(cfg: TuneConfig) -> dict[str, Any]:
         calibration_s=min(int(cal_s), hi) if isinstance(cal_s, int) and cal_s >= 1 else None,
         adaptive=cfg.adaptive,
         misses=misses,
+        device_type=torch.device(cfg.device).type,
     )
     predict, model_path = None, cfg.model
     if any(_routered(c.prefetch) for c in cands):
