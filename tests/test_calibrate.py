@@ -384,3 +384,12 @@ def test_calibration_on_the_cpu_measures_the_host_miss_cost(tiny_checkpoint, tmp
     assert copies["host_split_calls"] > 0 and isinstance(copies["host_split_s"], float)  # prefetches filled the cache
     _, none = engine_rounds(model, ad, 6, "cpu", None, rounds=1, prompt_len=8)
     assert none is None
+
+
+def test_the_calibration_table_shows_the_host_terms_when_measured():
+    """`moeflow calibrate`'s table has the cpu miss row only where the calibration measured it."""
+    from moeflow.cli.calibrate import _host_rows
+
+    assert _host_rows({}) == [] and _host_rows({"submit_s": 1e-5}) == []
+    ((label, value),) = _host_rows({"host_miss_s": 8e-5, "host_split_s": 8.4e-4})
+    assert "--miss cpu" in label and value == "+0.080 ms / +0.840 ms"

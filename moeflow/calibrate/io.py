@@ -6,8 +6,10 @@ Top-level fields the runtime reads: `bandwidth_bytes_per_s` (C_s, at the expert 
 the decode time per token at each count timed). A file without `best_threads` (written before it was
 recorded) stays valid: commands then use the default count. `engine_time` (the offload engine's decode pass
 split per MoE layer: `engine_time.engine_timing`) and `link_timing` (the emulated link's `submit_s`, `wake_s`; the
-engine's `demand_copy_s`, `prefetch_copy_s` per copy on it: `engine_time.copy_timing`) are
-what `moeflow simulate --calibrated-time` reads; a file without them stays valid for everything else.
+engine's `demand_copy_s`, `prefetch_copy_s` per copy on it: `engine_time.copy_timing`; on a CPU device
+`host_miss_s` and `host_split_s`, what miss policy cpu costs a pass: `engine_time.host_timing`) are
+what `moeflow simulate --calibrated-time` and `moeflow tune` read; a file without them stays valid for everything
+else (without the host terms, tune searches miss fetch only).
 """
 
 from __future__ import annotations

@@ -69,6 +69,15 @@ def build_config(
     )
 
 
+def _host_rows(lt: dict[str, Any]) -> list[tuple[str, str]]:
+    """The host terms of miss policy cpu (a CPU device with a link), when measured: what `tune` and `simulate`
+    time a host-computed miss with."""
+    if lt.get("host_miss_s") is None:
+        return []
+    per, split = float(lt["host_miss_s"]) * 1e3, float(lt.get("host_split_s", 0.0)) * 1e3
+    return [("--miss cpu: per host expert / split call", f"+{per:.3f} ms / +{split:.3f} ms")]
+
+
 def render(rec: dict[str, Any]) -> None:
     from rich.console import Console
 
@@ -100,6 +109,7 @@ def render(rec: dict[str, Any]) -> None:
         ),
         ("best threads (the commands' default)", f"{rec.get('best_threads')} ({rec.get('threads_source')})"),
         ("experts per layer N_e (top-k)", str(rec["experts_per_layer"])),
+        *_host_rows(rec.get("link_timing") or {}),
         ("S = N_e E_s / (C_s T_l)", f"{rec['s_formula']:.3f} -> {rec['initial_s']}"),
     ]
     for q, v in rows:
