@@ -270,3 +270,21 @@ def test_invalid_config_json_is_one_line_with_transformers_reason(tmp_path, caps
     assert "StrictDataclass" not in err and "validator" not in err
     code, _, err2 = _cli(["ep", "-m", str(d), "--prompt", "hi"], capsys)  # `moeflow ep` reads the config itself
     assert code == 2 and err2.strip().count("\n") == 0 and "transformers could not read" in err2, err2
+
+
+def test_simulate_table_shows_no_hit_rate_for_a_host_only_row():
+    """A miss=cpu row whose cache saw no access (nothing prefetched) has no hit rate, not 0.000."""
+    from moeflow.cli.simulate import table
+
+    base = {"capacity": 4, "eviction": "lru", "prefetch": "none", "collisions": 0, "loads_per_token": 0.0}
+    base.update(prefetch_loads=0, prefetch_precision=None, prefetch_recall=0.0, stall_s=0.0)
+    rows = [
+        {**base, "miss": "fetch", "hit_rate": 0.25, "hits": 1, "misses": 3, "host_misses": 0},
+        {**base, "miss": "cpu", "hit_rate": 0.0, "hits": 0, "misses": 0, "host_misses": 4},
+    ]
+    res = {"trace": "t", "passes": 1, "phase": "decode", "replayed_passes": 1, "tokens": 1, "working_set": 4.0}
+    res.update(total_experts=32, link="instant", accesses_per_s=1e6, rows=rows)
+    text = _render(table(res))
+    host_line = next(line for line in text.splitlines() if "miss=cpu" in line and "lru" in line)
+    assert "0.000" not in host_line and re.search(r"│\s+-\s+│", host_line), host_line
+    assert "0.250" in text and "not a cache access" in text

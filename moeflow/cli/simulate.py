@@ -55,7 +55,7 @@ def table(res: dict[str, Any]) -> Any:
         t.add_row(
             str(r["capacity"]),
             f"{r['eviction']}+{r['prefetch']}" + (f" miss={r['miss']}" if r.get("miss", "fetch") != "fetch" else ""),
-            f"{r['hit_rate']:.3f}",
+            "-" if r.get("host_misses") and not r.get("hits", 0) + r.get("misses", 0) else f"{r['hit_rate']:.3f}",
             str(r["collisions"]),
             f"{r['loads_per_token']:.2f}",
             f"{r['prefetch_precision']:.2f}" if r["prefetch_loads"] else "-",  # nothing prefetched: as `moeflow run`
