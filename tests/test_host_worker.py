@@ -86,6 +86,28 @@ def test_threaded_host_path_identical(tiny_models, prompt, arch):
             assert torch.equal(got[True], got[False])
 
 
+def test_host_worker_shares_the_threads_on_a_cpu_device(tiny_models, prompt):
+    """With the host worker the engine's two compute threads share torch's count while it is attached (each op
+    would otherwise start a team of n threads on the same cores), restored after; the logits stay those of the
+    resident model run at the full count; without a host worker (fetch) the count is left alone."""
+    model = tiny_models("olmoe")
+    spec = get_adapter(model).spec
+    was = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ref_logits = _logits(model, prompt)  # resident, 2 threads
+        cap = max(spec.top_k, spec.total_experts // 4)
+        for miss, threaded, inside in (("cpu", True, 1), ("cpu", False, 2), ("fetch", True, 2)):
+            eng = _engine(model, cap, miss, threaded)
+            with eng:
+                assert torch.get_num_threads() == inside, (miss, threaded)
+                logits = _logits(model, prompt)
+            assert torch.get_num_threads() == 2
+            assert torch.equal(logits, ref_logits), (miss, threaded)
+    finally:
+        torch.set_num_threads(was)
+
+
 def _count_submits(eng) -> list[int]:
     """Spy on the attached engine's host worker: the number of rows of each job handed to it."""
     host = eng.host

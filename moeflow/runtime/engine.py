@@ -233,6 +233,10 @@ class OffloadEngine:
             if self.host_worker and miss is not None and miss.needs_host:  # cpu / auto: host experts on a thread
                 host = HostWorker(self.device, self.counts)
                 stack.callback(host.close)
+                n = torch.get_num_threads()
+                if self.device.type == "cpu" and n > 1:  # two compute threads on the same cores: they share the
+                    torch.set_num_threads(max(1, n // 2))  # count (each op's team of n threads would oversubscribe)
+                    stack.callback(torch.set_num_threads, n)
             self._call = ExpertsCall(
                 step=step,
                 cache=cache,
