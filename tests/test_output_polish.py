@@ -288,3 +288,22 @@ def test_simulate_table_shows_no_hit_rate_for_a_host_only_row():
     host_line = next(line for line in text.splitlines() if "miss=cpu" in line and "lru" in line)
     assert "0.000" not in host_line and re.search(r"│\s+-\s+│", host_line), host_line
     assert "0.250" in text and "not a cache access" in text
+
+
+def test_tune_table_shows_no_hit_rate_for_a_host_only_row():
+    """A miss=cpu candidate whose cache saw no access has `-` for its hit rate, as `moeflow simulate` shows it."""
+    from moeflow.cli.tune import table
+
+    def row(label: str, miss: str, ratio: float | None) -> dict:
+        return {"rank": 1, "label": label, "miss": miss, "predicted_tpot_s": 0.01, "hit_rate": 0.0, "ratio_to_bound": ratio}
+
+    rows = [
+        {**row("lru+none miss=cpu", "cpu", None), "bytes_per_token": 0.0},
+        {**row("lru+none", "fetch", 1.5), "rank": 2, "bytes_per_token": 1e6},
+    ]
+    res = {"trace": "t", "capacity": 4, "total_experts": 32, "budget": "25%", "cost_model": "m", "candidates": 2}
+    res.update(rounds=[{"candidates": 2, "prompts": 1}], bound_tpot_s=0.005, seconds=1.0, ranked=rows)
+    text = _render(table(res))
+    host = next(line for line in text.splitlines() if "miss=cpu" in line and "lru" in line)
+    fetch = next(line for line in text.splitlines() if "lru+none " in line and "miss" not in line)
+    assert "0.000" not in host and "0.000" in fetch, text
