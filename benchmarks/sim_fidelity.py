@@ -230,7 +230,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.capacity = [c.strip() for c in args.capacity.split(",") if c.strip()]
     args.eviction = [e.strip() for e in args.eviction.split(",") if e.strip()]
     args.miss = [m.strip() for m in args.miss.split(",") if m.strip()]
-    if not set(args.miss) <= {"fetch", "cpu"}:
+    from moeflow.sim.simulator import EXACT_MISSES
+
+    if not set(args.miss) <= set(EXACT_MISSES):
         ap.error("--miss takes fetch and cpu (the miss policies the simulator replays)")
     lookaheads = sorted({int(s) for s in args.lookahead.split(",") if s.strip()})
     if not args.link.startswith("emulated:") or args.repeats < 1 or not lookaheads or min(lookaheads) < 1:

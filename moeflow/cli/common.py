@@ -270,3 +270,11 @@ def given_flags(ctx: Any) -> set[str]:
     """The parameters typed on the command line (not left at their default); typer may carry its own click, so
     its ParameterSource is compared by name."""
     return {p for p in ctx.params if getattr(ctx.get_parameter_source(p), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
+
+
+def hit_rate_cell(row: dict[str, Any]) -> str:
+    """A table's hit rate of a simulated row: `-` where the cache saw no access (miss cpu: every access is a hit,
+    the misses go to the host, so a rate of 0 means none), else three decimals."""
+    if row.get("miss", "fetch") != "fetch" and not row["hit_rate"]:
+        return "-"
+    return f"{row['hit_rate']:.3f}"

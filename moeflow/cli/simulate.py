@@ -13,6 +13,7 @@ from .common import (
     capacity_option,
     eviction_option,
     hidden_alias,
+    hit_rate_cell,
     json_option,
     limit_option,
     lookahead_option,
@@ -55,7 +56,7 @@ def table(res: dict[str, Any]) -> Any:
         t.add_row(
             str(r["capacity"]),
             f"{r['eviction']}+{r['prefetch']}" + (f" miss={r['miss']}" if r.get("miss", "fetch") != "fetch" else ""),
-            "-" if r.get("host_misses") and not r.get("hits", 0) + r.get("misses", 0) else f"{r['hit_rate']:.3f}",
+            hit_rate_cell(r),
             str(r["collisions"]),
             f"{r['loads_per_token']:.2f}",
             f"{r['prefetch_precision']:.2f}" if r["prefetch_loads"] else "-",  # nothing prefetched: as `moeflow run`

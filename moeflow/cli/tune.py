@@ -11,6 +11,7 @@ from .app import app
 from .common import (
     device_option,
     force_option,
+    hit_rate_cell,
     json_option,
     limit_option,
     no_progress_option,
@@ -50,8 +51,7 @@ def table(res: dict[str, Any]) -> Any:
             str(r["rank"]),
             r["label"],
             f"{r['predicted_tpot_s'] * 1e3:.2f}",
-            # miss=cpu: every cache access is a hit (misses go to the host); 0 means the cache saw none
-            "-" if r.get("miss", "fetch") != "fetch" and not r["hit_rate"] else f"{r['hit_rate']:.3f}",
+            hit_rate_cell(r),
             f"{r['bytes_per_token'] / 1e6:.2f}",
             f"{r['ratio_to_bound']:.2f}" if r["ratio_to_bound"] is not None else "-",
         )

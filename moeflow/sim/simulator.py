@@ -222,6 +222,9 @@ def _resolve(registry, spec: Any, what: str) -> tuple[Any, str, bool]:
     return spec, str(spec.name), False
 
 
+EXACT_MISSES = ("fetch", "cpu")  # the miss policies replayed here that are exact on a CPU device (tune and simulate's)
+
+
 def replayable(name: str) -> bool:
     """Whether the simulator can replay prefetch policy `name`: not one that needs the running model (a learned
     prefetcher reads the post-attention residual and binds to the model; only `moeflow run` has them)."""

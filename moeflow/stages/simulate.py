@@ -9,7 +9,7 @@ from ..errors import ConfigError
 from ..policies import DEFAULT_EVICTION, EVICTION, PREFETCH, parse_policy
 from ..policies.lossy import Lossy, lossy
 from ..policies.parse import build_policy, parse_capacity, policy_args
-from ..sim.simulator import replayable
+from ..sim.simulator import EXACT_MISSES, replayable
 
 
 def replayable_prefetchers() -> tuple[str, ...]:
@@ -24,9 +24,6 @@ def _refuse_unreplayable(name: str) -> None:
             f"running model; simulate replays {', '.join(replayable_prefetchers())}. Measure {name} with "
             f"`moeflow run -f {name}:predictors=DIR` (its recall: `moeflow eval`)"
         )
-
-
-SIM_MISSES = ("fetch", "cpu")  # the miss policies the simulator replays (`moeflow.sim.simulator.simulate`)
 
 
 @dataclass(frozen=True)
@@ -79,9 +76,9 @@ class SimulateConfig:
                 "calibration from `moeflow calibrate --link-gbps X` on a CPU device), or drop --layer-time-us / --link"
             )
         for m in self.misses:
-            if m not in SIM_MISSES:
+            if m not in EXACT_MISSES:
                 raise ConfigError(
-                    f"--miss {m!r}: simulate replays {' and '.join(SIM_MISSES)} (on a CPU device auto sends every miss "
+                    f"--miss {m!r}: simulate replays {' and '.join(EXACT_MISSES)} (on a CPU device auto sends every miss "
                     "to the host, as cpu; drop, substitute and the low-bit fetches change the output: measure them "
                     "with moeflow run or moeflow quality)"
                 )

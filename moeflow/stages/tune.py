@@ -80,14 +80,12 @@ def plot_path(out: str | Path) -> Path:
     return p.with_name(p.stem + ".png")
 
 
-def _misses(cfg: TuneConfig, cal: dict[str, Any], cal_path: Any, notes: list[str]) -> tuple[str, ...]:
+def _misses(device_type: str, cal: dict[str, Any], cal_path: Any, notes: list[str]) -> tuple[str, ...]:
     """The miss dimension: fetch, and cpu on a CPU device whose calibration measured `host_miss_s` (cpu is lossy on
     CUDA, whose host kernels sum in another order); a CPU calibration without it gets a note."""
-    import torch
-
     from ..tune.search import HOST_MISS, MISSES
 
-    if torch.device(cfg.device).type != "cpu" or not isinstance(cal.get("engine_time"), dict):
+    if device_type != "cpu" or not isinstance(cal.get("engine_time"), dict):
         return MISSES  # no engine_time: its own note says so (the host's time is one of its terms)
     if (cal.get("link_timing") or {}).get("host_miss_s") is None:
         notes.append(
@@ -202,9 +200,10 @@ def main(cfg: TuneConfig) -> dict[str, Any]:
         unmeasured = sorted({n for p in prefetches if (n := policy_args(p)[0]) != "none" and n not in measured})
         if unmeasured:
             notes.append(f"calibration {cal_path} has no predictor time for {', '.join(unmeasured)}: counted as 0")
-    misses = _misses(cfg, cal, cal_path, notes)
     import torch
 
+    device_type = torch.device(cfg.device).type
+    misses = _misses(device_type, cal, cal_path, notes)
     hi = max(1, spec.num_moe_layers - 1)
     cal_s = cal.get("initial_s")
     cands = space(
@@ -215,7 +214,7 @@ def main(cfg: TuneConfig) -> dict[str, Any]:
         calibration_s=min(int(cal_s), hi) if isinstance(cal_s, int) and cal_s >= 1 else None,
         adaptive=cfg.adaptive,
         misses=misses,
-        device_type=torch.device(cfg.device).type,
+        device_type=device_type,
     )
     predict, model_path = None, cfg.model
     if any(_routered(c.prefetch) for c in cands):

@@ -5,7 +5,7 @@ A candidate is one `moeflow run` configuration at a fixed cache capacity: evicti
 (`moeflow.policies.lossy`), and only what the simulator replays: prefetch `none`, `pregate` (overfetch / mass
 variants) and `all-next-layer` (the learned prefetchers need the running model), miss `fetch` and, for a CPU
 device whose calibration measured the host's time per host-computed expert (`host_miss_s`), `cpu` (exact there;
-`auto`, `moeflow run`'s CPU default, sends every miss to the host on a CPU device, so `cpu` is its row).
+`auto` sends every miss to the host on a CPU device, so `cpu` is its row).
 
 Predicted TPOT of a candidate (`CostModel`): every pass of the trace is replayed through the runtime's cache on
 the modelled link (`moeflow.sim.link.ModelledLink`: the calibration's bandwidth and latency, or `--link`), whose
@@ -39,7 +39,7 @@ from ..policies.lossy import lossy
 from ..policies.parse import build_policy, policy_args
 from ..sim.access import AccessTrace
 from ..sim.link import ModelledLink
-from ..sim.simulator import belady, replayable, simulate
+from ..sim.simulator import EXACT_MISSES, belady, replayable, simulate
 from ..sim.timemodel import TimeModel
 from .replay import AdaptiveS, PregateTable, TablePrefetch
 
@@ -117,7 +117,7 @@ def space(
     for text in prefetches:
         refuse_unreplayable(text)
     for text in misses:
-        if policy_args(text)[0] not in ("fetch", HOST_MISS):
+        if policy_args(text)[0] not in EXACT_MISSES:
             raise ConfigError(
                 f"tune replays miss policies fetch and cpu only (got {text!r}); the simulator does not model the others"
             )
