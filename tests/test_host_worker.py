@@ -108,6 +108,30 @@ def test_host_worker_shares_the_threads_on_a_cpu_device(tiny_models, prompt):
         torch.set_num_threads(was)
 
 
+def test_overlapping_engines_share_one_halving(tiny_models):
+    """Two engines with a host worker attached at once and closed first-in first-out: the count is halved once while
+    either is attached and is the original after both (each restoring its own saved count left it halved)."""
+    engines = []
+    for arch in ("olmoe", "gpt_oss"):  # two models, an engine each
+        model = tiny_models(arch)
+        spec = get_adapter(model).spec
+        engines.append(_engine(model, max(spec.top_k, spec.total_experts // 4), "cpu", True))
+    a, b = engines
+    was = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        a.attach()
+        assert torch.get_num_threads() == 2
+        b.attach()
+        assert torch.get_num_threads() == 2
+        a.close()
+        assert torch.get_num_threads() == 2  # b is still attached
+        b.close()
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(was)
+
+
 def _count_submits(eng) -> list[int]:
     """Spy on the attached engine's host worker: the number of rows of each job handed to it."""
     host = eng.host

@@ -659,6 +659,18 @@ def test_the_host_miss_policy_is_replayed_and_timed(tiny_acc):
         simulate(acc, cap, "lru", miss="cpu", timing=base)
 
 
+def test_miss_cpu_needs_a_clock_only_on_a_link_that_takes_time():
+    """`moeflow simulate --miss cpu` without --calibrated-time: accepted on every spelling of a link whose copies
+    take no time (instant, direct, any case), refused on a modelled link or with --layer-time-us."""
+    from moeflow.stages.simulate import SimulateConfig
+
+    for link in ("instant", "direct", "INSTANT", " Direct "):
+        SimulateConfig(trace="t", link=link, misses=("cpu",))
+    for bad in ({"link": "emulated:1"}, {"link": "instant", "layer_time_us": 10.0}):
+        with pytest.raises(ConfigError, match="host_miss_s"):
+            SimulateConfig(trace="t", misses=("cpu",), **bad)
+
+
 def test_a_split_call_adds_host_split_s(tiny_acc):
     """With prefetches filling the cache some layer calls have experts in slots and experts on the host: each such
     call adds `host_split_s` (an instant link: no stall hides it), a whole number of them, fewer than the calls."""

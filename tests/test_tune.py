@@ -432,6 +432,11 @@ def test_tune_searches_the_host_miss_policy_where_the_calibration_measured_it(tr
     bad = CliRunner().invoke(_app(), ["simulate", *no_clock])
     assert bad.exit_code != 0 and "--calibrated-time" in str(bad.exception or bad.output)
 
+    lt["host_miss_s"] = 0.0  # measured within the noise (clamped): searched, with a note
+    cal = _calibration(tmp_path / "cal.json", tr, engine_time=et, link_timing=lt)
+    clamped = json.loads(_tune(args).stdout.strip().splitlines()[-1])
+    assert any(x["miss"] == "cpu" for x in clamped["ranked"]) and any("host_miss_s 0" in n for n in clamped["notes"])
+    assert not any("host_miss_s 0" in n for n in res["notes"])
     del lt["host_miss_s"], lt["host_split_s"]
     cal = _calibration(tmp_path / "cal2.json", tr, engine_time=et, link_timing=lt)
     r = _tune(

@@ -41,7 +41,7 @@ from . import timing
 from .cache import ExpertCache
 from .counters import GATHER_BYTES, MAX_GROUPS, CacheCounters, needed_experts, wave_capacity  # noqa: F401
 from .experts_call import ExpertsCall
-from .host_worker import HostWorker, hidden_share
+from .host_worker import THREAD_SHARE, HostWorker, hidden_share
 from .link import Link
 from .passstats import EngineCounts, Observer, PassAccount, PassStats  # noqa: F401  (PassStats: importable here)
 from .prefill import PREFILL_PATHS, StagedPrefill
@@ -233,10 +233,9 @@ class OffloadEngine:
             if self.host_worker and miss is not None and miss.needs_host:  # cpu / auto: host experts on a thread
                 host = HostWorker(self.device, self.counts)
                 stack.callback(host.close)
-                n = torch.get_num_threads()
-                if self.device.type == "cpu" and n > 1:  # two compute threads on the same cores: they share the
-                    torch.set_num_threads(max(1, n // 2))  # count (each op's team of n threads would oversubscribe)
-                    stack.callback(torch.set_num_threads, n)
+                if self.device.type == "cpu":  # two compute threads on the same cores share torch's count (halved
+                    THREAD_SHARE.enter()  # while any such engine is attached: `host_worker.ThreadShare`)
+                    stack.callback(THREAD_SHARE.leave)
             self._call = ExpertsCall(
                 step=step,
                 cache=cache,

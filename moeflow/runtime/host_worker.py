@@ -25,6 +25,7 @@ device's work is `1 - host_wait_s / host_s` (`hidden_share`).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +35,40 @@ import torch
 from .passstats import EngineCounts
 
 Compute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [N,H], expert ids [N]) on the host -> [N,H]
+
+
+class ThreadShare:
+    """Halving torch's CPU thread count while engines with a host worker are attached on a CPU device (two compute
+    threads on the same cores: each op's team of n threads would oversubscribe them). torch's count is one per
+    process, so the engines share one halving: the first to `enter` saves the count and halves it, the last to
+    `leave` restores it, whatever order they close in (each restoring its own saved count would leave the
+    process at a halved count when two overlapping engines close first-in first-out)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved = 0  # the count before the first `enter` (0: none attached)
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                self._saved = torch.get_num_threads()
+                if self._saved > 1:
+                    torch.set_num_threads(max(1, self._saved // 2))
+            self._users += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            if self._users == 0:  # unbalanced: nothing to restore
+                return
+            self._users -= 1
+            if self._users == 0:
+                if self._saved > 1:
+                    torch.set_num_threads(self._saved)
+                self._saved = 0
+
+
+THREAD_SHARE = ThreadShare()  # torch's thread count is process-wide, and so is its sharing
 
 
 def hidden_share(host_s: float, wait_s: float) -> float | None:

@@ -62,7 +62,7 @@ class SimulateConfig:
             raise ConfigError("--calibrated-time takes the layer times from the calibration; drop --layer-time-us")
         from ..sim.link import make_sim_link
 
-        make_sim_link(self.link)
+        instant = bool(getattr(make_sim_link(self.link), "instant", False))  # instant, direct: copies take no time
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ConfigError(f"--limit must be >= 1 (got {self.max_prompts})")
         if not self.capacities or not self.evictions or self.prefetches == ():
@@ -70,7 +70,7 @@ class SimulateConfig:
         for c in self.capacities:
             if parse_capacity(c, total_experts=1 << 40, expert_bytes=1) < 1:
                 raise ConfigError(f"--capacity {c!r} gives no expert slot; use at least top-k experts (e.g. 8 or 10%)")
-        if "cpu" in self.misses and not self.calibrated_time and (self.layer_time_us or self.link.strip() != "instant"):
+        if "cpu" in self.misses and not self.calibrated_time and (self.layer_time_us or not instant):
             raise ConfigError(
                 "--miss cpu times the host's experts with the calibration's host_miss_s: add --calibrated-time (a "
                 "calibration from `moeflow calibrate --link-gbps X` on a CPU device), or drop --layer-time-us / --link"

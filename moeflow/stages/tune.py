@@ -93,6 +93,11 @@ def _misses(device_type: str, cal: dict[str, Any], cal_path: Any, notes: list[st
             "searched; re-run `moeflow calibrate --link-gbps X` to measure it"
         )
         return MISSES
+    if float(cal["link_timing"]["host_miss_s"]) <= 0.0:  # clamped: a host expert measured no dearer than a resident one
+        notes.append(
+            f"calibration {cal_path} measured host_miss_s 0 (the difference of two pass times, within the machine's "
+            "noise): cpu rows may be predicted too fast; re-run `moeflow calibrate` on a quieter machine"
+        )
     return (*MISSES, HOST_MISS)
 
 
