@@ -22,7 +22,15 @@ The least calibrated probability (the bound of proposed keys) is kept in PGF_PMI
 Tried and not kept: each layer's bound kept between searches and recomputed only when its fields, the pass,
 the mean interval (BNOINT) or a proposal (BPROP) made it stale: 2.85 of 12 layers recomputed per pregate search
 (fields 2.0, proposed layers 1.5, a new pass 0.3), the same layers and slots scanned, and no faster (3.46-3.47 vs
-3.49-3.53 M accesses per CPU second pregate, 4.9-5.0 vs 5.1-5.2 none, interleaved, load 1.3-2.0).
+3.49-3.53 M accesses per CPU second pregate, 4.9-5.0 vs 5.1-5.2 none, interleaved, load 1.3-2.0). Also tried and
+not kept (same replay, `benchmarks/sim_speed.py --model models/olmoe-deep --evictions belady-approx
+--python-passes 10`, quiet host, same counters): the largest bound and the runner-up found while the bounds are
+made, so the first layer needs no scan for the largest and the runner-up ends the loop without a second one:
+slower (4.6-4.9 / 3.1-3.2 M per CPU s, none / pregate, against 5.5 / 3.5 back to back); and a search that resumes
+the last one within a prefetch call (its E values, its pruned slots' bounds and the unscanned layers' bounds kept
+until an event other than evicting its victim or inserting a key that is no candidate): 42% of the pregate
+searches resumed, scanning 0.44 more layers each, but a resumed search still reads its scanned slots again for the
+new largest, the window and its pruned slots, so pregate ran at 3.12 against 3.53 (none 5.54 against 5.30).
 """
 
 from __future__ import annotations
