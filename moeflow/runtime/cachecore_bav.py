@@ -26,7 +26,7 @@ the mean interval (BNOINT) or a proposal (BPROP) made it stale: 2.85 of 12 layer
 not kept (same replay, `benchmarks/sim_speed.py --model models/olmoe-deep --evictions belady-approx
 --python-passes 10`, quiet host, same counters): the largest bound and the runner-up found while the bounds are
 made, so the first layer needs no scan for the largest and the runner-up ends the loop without a second one:
-slower (4.6-4.9 / 3.1-3.2 M per CPU s, none / pregate, against 5.5 / 3.5 back to back); and a search that resumes
+slower (4.7 / 3.0-3.1 M per CPU s, none / pregate, against 4.9-5.4 / 3.3-3.5, alternating); and a search that resumes
 the last one within a prefetch call (its E values, its pruned slots' bounds and the unscanned layers' bounds kept
 until an event other than evicting its victim or inserting a key that is no candidate): 42% of the pregate
 searches resumed, scanning 0.44 more layers each, but a resumed search still reads its scanned slots again for the
