@@ -119,7 +119,8 @@ def space(
     for text in misses:
         if policy_args(text)[0] not in EXACT_MISSES:
             raise ConfigError(
-                f"tune replays miss policies fetch and cpu only (got {text!r}); the simulator does not model the others"
+                f"tune replays miss policies {' and '.join(EXACT_MISSES)} only (got {text!r}); the simulator does not "
+                "model the others"
             )
     out: list[Candidate] = []
     for miss in misses:
