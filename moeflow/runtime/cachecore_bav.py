@@ -28,9 +28,10 @@ not kept (same replay, `benchmarks/sim_speed.py --model models/olmoe-deep --evic
 made, so the first layer needs no scan for the largest and the runner-up ends the loop without a second one:
 slower (4.7 / 3.0-3.1 M per CPU s, none / pregate, against 4.9-5.4 / 3.3-3.5, alternating); and a search that resumes
 the last one within a prefetch call (its E values, its pruned slots' bounds and the unscanned layers' bounds kept
-until an event other than evicting its victim or inserting a key that is no candidate): 42% of the pregate
-searches resumed, scanning 0.44 more layers each, but a resumed search still reads its scanned slots again for the
-new largest, the window and its pruned slots, so pregate ran at 3.12 against 3.53 (none 5.54 against 5.30).
+until an event other than evicting its victim or inserting a key that is no candidate): the searches after a
+call's first resume where no other event came between, but a resumed search still reads its scanned slots again for
+the new largest, the window and its pruned slots, and often scans another layer, so pregate ran at 3.12 against 3.53
+(none 5.54 against 5.30).
 """
 
 from __future__ import annotations
