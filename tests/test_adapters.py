@@ -309,3 +309,33 @@ def test_a_different_top_k_per_layer_is_refused():
 
     with pytest.raises(UnsupportedModelError, match=r"different top-k per layer \(2, 3\)"):
         get_adapter(tiny_model("hunyuan_v1_moe", moe_topk=[2, 3, 2]))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fingerprint_counts_every_tensor_that_routes(arch, tiny_models):
+    """The fingerprint changes with any tensor of a router (weight, bias, DeepSeek-V3's correction bias, ...), and a
+    router holding only its weight hashes as it did before the other tensors counted (artifacts stay valid)."""
+    import copy
+    import hashlib
+
+    from moeflow.artifacts import config_fingerprint
+    from moeflow.moe import model_fingerprint
+
+    model = copy.deepcopy(tiny_models(arch))
+    ad = get_adapter(model)
+    before = model_fingerprint(model)
+    router = ad.router(ad.moe_layers[-1])
+    tensors = dict(router.named_parameters())
+    tensors.update(router.named_buffers())
+    weights_only = hashlib.sha256()
+    for l in ad.moe_layers:
+        weights_only.update(ad.router_weight(l).detach().float().contiguous().numpy().tobytes())
+    assert (before == config_fingerprint(model.config, weights_only.digest())) == (len(tensors) == 1)
+    for name, t in tensors.items():
+        kept = t.detach().clone()
+        with torch.no_grad():
+            t.add_(0.5)
+        assert model_fingerprint(model) != before, name
+        with torch.no_grad():
+            t.copy_(kept)
+        assert model_fingerprint(model) == before

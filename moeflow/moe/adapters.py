@@ -337,8 +337,10 @@ def spec_from_config(config: Any) -> MoESpec:
 
 
 def model_fingerprint(model: nn.Module, adapter: Adapter | None = None) -> str:
-    """Config plus router weights: differs between checkpoints that route differently. `adapter`: one built before
-    an engine offloaded the experts (an adapter cannot be built while they are out)."""
+    """Config plus each MoE layer's routing state: its router weight, then every other tensor of its router module
+    (a bias, DeepSeek-V3's `e_score_correction_bias`, ...; parameters and buffers by name), so it differs between
+    checkpoints that route differently. A router that holds only its weight hashes as before those were counted.
+    `adapter`: one built before an engine offloaded the experts (an adapter cannot be built while they are out)."""
     import hashlib
 
     from ..artifacts import config_fingerprint
@@ -346,6 +348,14 @@ def model_fingerprint(model: nn.Module, adapter: Adapter | None = None) -> str:
     ad = adapter if adapter is not None else get_adapter(model)
     h = hashlib.sha256()
     for l in ad.moe_layers:
-        w = ad.router_weight(l).detach().float().cpu().contiguous()
-        h.update(w.numpy().tobytes())
+        w = ad.router_weight(l)
+        h.update(w.detach().float().cpu().contiguous().numpy().tobytes())
+        router = ad.router(l)
+        rest: dict[str, torch.Tensor] = dict(router.named_parameters())
+        rest.update(router.named_buffers())
+        for name in sorted(rest):
+            t = rest[name]
+            if t is not w:
+                h.update(name.encode())
+                h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
     return config_fingerprint(model.config, h.digest())
