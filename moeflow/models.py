@@ -127,9 +127,11 @@ def load_model(
     experts_device: str | None = None,
 ):
     """(model, tokenizer) from a local Hugging Face checkpoint folder, in eval mode (tokenizer None with
-    `tokenizer=False`: `moeflow train` needs none). `experts_device` (e.g. "cpu" beside a CUDA `device`): the
-    routed experts' stacked weights stay there and everything else goes to `device` (`place_model`), so a model
-    whose experts do not fit in device memory loads; only an offload engine can then run it.
+    `tokenizer=False`: `moeflow train` needs none). `dtype`: `resolve_dtype`'s names, or "checkpoint" for the
+    checkpoint's own dtype on any device (`resolve_dtype`'s "auto" is float32 on the CPU). `experts_device` (e.g.
+    "cpu" beside a CUDA `device`): the routed experts' stacked weights stay there and everything else goes to
+    `device` (`place_model`), so a model whose experts do not fit in device memory loads; only an offload engine can
+    then run it.
 
     Raises MoeflowError with a one-line fix when the folder is missing or not an MoE model.
     """
@@ -150,7 +152,7 @@ def load_model(
         raise UnsupportedModelError(
             f"model type {config.model_type!r} is not supported; supported architectures: {', '.join(SUPPORTED)}"
         )
-    kw: dict[str, Any] = {"dtype": resolve_dtype(dtype, device)}
+    kw: dict[str, Any] = {"dtype": "auto" if dtype == "checkpoint" else resolve_dtype(dtype, device)}
     if experts_implementation:
         kw["experts_implementation"] = experts_implementation
     check_weights(p)
@@ -186,6 +188,34 @@ def place_model(model: Any, device: str, experts_device: str | None = None) -> A
     for (layer, name), data in held.items():  # a new Parameter: `.data` cannot change a tensor's type (meta -> cpu)
         module = adapter.experts(layer)
         setattr(module, name, torch.nn.Parameter(data.to(experts_device), requires_grad=getattr(module, name).requires_grad))
+    return model
+
+
+def load_routing_model(path: str | os.PathLike) -> Any:
+    """The model for the stages that route but never run the experts at scale (`train`, `eval`, `simulate`, `tune`):
+    on the CPU in float32, as `load_model` gives it there, except the routed experts' stacked weights, which keep the
+    checkpoint's dtype (`float_except_experts`): a bf16 checkpoint takes its own size in memory instead of twice it
+    (more while converting). Routers, norms and embeddings, hence the fingerprint and every router output, are those
+    of a float32 load. No tokenizer."""
+    model, _ = load_model(path, dtype="checkpoint", device="cpu", tokenizer=False)
+    return float_except_experts(model)
+
+
+def float_except_experts(model: Any) -> Any:
+    """`model` in float32 except each MoE layer's stacked routed-expert tensors (`Adapter.per_expert_params`), which
+    keep their dtype (set aside while the rest is cast, as `place_model` does). Returns the model."""
+    from .moe import get_adapter
+
+    adapter = get_adapter(model)
+    held: dict[tuple[int, str], torch.Tensor] = {}  # (layer, parameter name) -> its stacked tensor [E, ...]
+    for layer in adapter.spec.moe_layers:
+        for name, prm in adapter.per_expert_params(layer).items():
+            held[layer, name] = prm.data
+            prm.data = torch.empty(0, dtype=prm.dtype, device=prm.device)
+    model.float()
+    for (layer, name), data in held.items():  # a new Parameter: `.data` cannot change a tensor's dtype
+        module = adapter.experts(layer)
+        setattr(module, name, torch.nn.Parameter(data, requires_grad=getattr(module, name).requires_grad))
     return model
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -147,6 +148,30 @@ def test_default_vectors_are_mean_expert_outputs(tiny_setup):
     x = torch.from_numpy(data.layers[l].hidden_in[rows]).float()
     y = ex(x, torch.full((len(rows), 1), e), torch.ones(len(rows), 1))
     torch.testing.assert_close(d[e], y.mean(0), atol=1e-5, rtol=1e-4)
+
+
+def test_train_keeps_a_bf16_checkpoints_experts_narrow_with_the_same_default_vectors(tiny_setup, tmp_path):
+    """`moeflow train` loads the routed experts in the checkpoint's dtype (half the memory of float32 for bf16) and
+    the rest in float32; the default vectors, the one fit that runs the experts, equal a float32 load's."""
+    from moeflow.models import load_model
+    from moeflow.moe import get_adapter, model_fingerprint
+    from moeflow.predict.default_vectors import compute_default_vectors
+    from moeflow.stages.train import load_cpu_model
+
+    model, _, data = tiny_setup
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")  # the fixture's model stays as it is
+    narrow = load_cpu_model(str(tmp_path / "bf16"))
+    full, _ = load_model(str(tmp_path / "bf16"), dtype="float32")  # what train loaded before
+    ad = get_adapter(narrow)
+    experts = {id(p) for l in ad.moe_layers for p in ad.per_expert_params(l).values()}
+    assert experts
+    for p in narrow.parameters():
+        assert p.dtype == (torch.bfloat16 if id(p) in experts else torch.float32)
+    assert model_fingerprint(narrow) == model_fingerprint(full)
+    a, b = compute_default_vectors(narrow, data), compute_default_vectors(full, data)
+    for l in ad.moe_layers:
+        assert torch.equal(a[l], b[l])
+    assert all(p.dtype == torch.bfloat16 for l in ad.moe_layers for p in ad.per_expert_params(l).values())
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,9 @@ from .data import RoutingData, SourceBatch, target_of
 def compute_default_vectors(
     model: torch.nn.Module, data: RoutingData, *, max_tokens: int = 50_000, chunk: int = 4096, progress: Any = None
 ) -> dict[int, torch.Tensor]:
-    """layer -> d [E,H] float32: mean (unweighted) output of each expert over the tokens routed to it."""
+    """layer -> d [E,H] float32: mean (unweighted) output of each expert over the tokens routed to it. Computed in
+    float32 when the rest of the model is: experts kept in a narrower dtype (`stages.train.load_cpu_model`) are cast
+    one layer at a time and cast back after (exact: bf16 -> float32 -> bf16 is the identity)."""
     ad = get_adapter(model)
     spec = ad.spec
     E, H = spec.num_experts, spec.hidden_size
@@ -50,21 +52,36 @@ def compute_default_vectors(
         if a.hidden_in is None:
             raise ArtifactError("default vectors need traced router inputs; re-run `moeflow trace --record-hidden`")
         experts = ad.experts(l)
-        dt = next(experts.parameters()).dtype
-        sums = torch.zeros(E, H, dtype=torch.float64)
-        counts = torch.zeros(E, dtype=torch.float64)
-        for i in range(0, len(rows), chunk):
-            r = rows[i : i + chunk]
-            ids = torch.from_numpy(a.topk_ids[r])  # [T,k]
-            x = torch.from_numpy(a.hidden_in[r]).to(dt).repeat_interleave(ids.shape[1], 0)  # [T*k,H] each token k times
-            e = ids.reshape(-1, 1)  # [T*k,1] one of its routed experts per copy
-            y = experts(x, e, torch.ones(e.shape, dtype=dt))  # [T*k,H] output of expert e
-            sums.index_add_(0, e[:, 0], y.double())
-            counts.index_add_(0, e[:, 0], torch.ones(len(e), dtype=torch.float64))
+        own = next(experts.parameters()).dtype
+        dt = ad.router_weight(l).dtype  # the rest of the model's dtype
+        if own != dt:
+            experts.to(dt)  # this layer only; back below
+        try:
+            sums, counts = _expert_sums(experts, a, rows, chunk, E, H, dt)
+        finally:
+            if own != dt:
+                experts.to(own)
         out[l] = (sums / counts.clamp(min=1)[:, None]).float()  # [E,H]; unseen experts: 0
         if progress is not None:
             progress()
     return out
+
+
+def _expert_sums(
+    experts: torch.nn.Module, a: Any, rows: np.ndarray, chunk: int, E: int, H: int, dt: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum [E,H] float64 of each expert's outputs over the `rows` routed to it, their count [E])."""
+    sums = torch.zeros(E, H, dtype=torch.float64)
+    counts = torch.zeros(E, dtype=torch.float64)
+    for i in range(0, len(rows), chunk):
+        r = rows[i : i + chunk]
+        ids = torch.from_numpy(a.topk_ids[r])  # [T,k]
+        x = torch.from_numpy(a.hidden_in[r]).to(dt).repeat_interleave(ids.shape[1], 0)  # [T*k,H] each token k times
+        e = ids.reshape(-1, 1)  # [T*k,1] one of its routed experts per copy
+        y = experts(x, e, torch.ones(e.shape, dtype=dt))  # [T*k,H] output of expert e
+        sums.index_add_(0, e[:, 0], y.double())
+        counts.index_add_(0, e[:, 0], torch.ones(len(e), dtype=torch.float64))
+    return sums, counts
 
 
 class QuasiHidden:

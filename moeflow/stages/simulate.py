@@ -157,10 +157,10 @@ def main(cfg: SimulateConfig) -> dict[str, Any]:
                 f"--prefetch {parse_policy(needs_router[0])[0]} needs router inputs: re-run `moeflow trace "
                 f"--record-hidden` ({cfg.trace} has none)"
             )
-        from ..models import default_model_path, load_model
+        from ..models import default_model_path, load_routing_model
         from ..moe import get_adapter
 
-        model, _ = load_model(cfg.model or tr.model_folder() or default_model_path())  # no --model: the trace's
+        model = load_routing_model(cfg.model or tr.model_folder() or default_model_path())  # no --model: the trace's
         tr.check_model(model)
         predict = _router_predictor(get_adapter(model))
     count = {"decode": 1, "prefill": 0, "all": None}[cfg.phase]

@@ -149,12 +149,18 @@ class EvalConfig:
             raise ConfigError(f"--mass must be in (0, 1], got {self.mass}")
 
 
-def load_cpu_model(path: str) -> torch.nn.Module:
-    from ..models import load_model
+def load_cpu_model(path: str, *, float_experts: bool = False) -> torch.nn.Module:
+    """The model on the CPU in float32, except (without `float_experts`) the routed experts' stacked weights, which
+    stay in the checkpoint's dtype (`models.load_routing_model`); the default vectors, the only fit that runs the
+    experts, cast one layer at a time (`compute_default_vectors`). `float_experts`: everything in float32, for a
+    forward through the whole model (`eval --speculative`)."""
+    from ..models import load_model, load_routing_model
 
     _check_model_dir(path)
-    model, _ = load_model(path, dtype="float32", device="cpu", tokenizer=False)
-    return model
+    if float_experts:
+        model, _ = load_model(path, dtype="float32", device="cpu", tokenizer=False)
+        return model
+    return load_routing_model(path)
 
 
 def main(cfg: TrainConfig, console: Any = None) -> dict[str, Any]:
@@ -388,7 +394,7 @@ def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     meta = read_predictor_meta(cfg.predictors)
     asked = cfg.max_s  # None: not typed
     cfg = within_model(cfg, _check_inputs(cfg.trace, cfg.model), console)
-    model = load_cpu_model(cfg.model)
+    model = load_cpu_model(cfg.model, float_experts=cfg.speculative)
     threads = apply_threads(cfg.threads, model, "cpu")
     if console is not None:
         console.print(f"[dim]threads: {threads.describe()}[/]")

@@ -166,9 +166,9 @@ def main(cfg: TuneConfig) -> dict[str, Any]:
         check_step_size(s, spec.num_moe_layers, f"the trace's model ({cfg.trace})")
     model = None
     if cfg.model is not None:  # the trace must be of --model: said before any calibration is compared with either
-        from ..models import load_model
+        from ..models import load_routing_model
 
-        model, _ = load_model(cfg.model)
+        model = load_routing_model(cfg.model)
         tr.check_model(model)
     cal, cal_path, link, run_link = read_calibration(cfg, tr)
     from ..runtime.link import parse_link
@@ -223,13 +223,13 @@ def main(cfg: TuneConfig) -> dict[str, Any]:
     )
     predict, model_path = None, cfg.model
     if any(_routered(c.prefetch) for c in cands):
-        from ..models import default_model_path, load_model
+        from ..models import default_model_path, load_routing_model
         from ..moe import get_adapter
         from .simulate import _router_predictor
 
         model_path = cfg.model or tr.model_folder() or default_model_path()
         if model is None:
-            model, _ = load_model(model_path)
+            model = load_routing_model(model_path)
             tr.check_model(model)
         predict = _router_predictor(get_adapter(model))
     model_path = model_path or tr.model_folder() or str(tr.meta.get("model", ""))

@@ -1,0 +1,131 @@
+"""Peak memory and time of the stages that route without running the whole model (`train`, `simulate`) on a bf16
+checkpoint, against a float32 load of the whole model.
+
+1. a bf16 OLMoE-shaped checkpoint of `--layers` layers, each with `--experts` experts (top-8) of hidden size
+   `--hidden` and intermediate size `--intermediate` (default 3 x 64 x 1024 x 1024: 0.63 B parameters, 1.27 GB on
+   disk), random weights and models/olmoe-deep's tokenizer (vocabulary 8192); or `--model`, an existing checkpoint;
+2. `moeflow trace` of `--prompts` ShareGPT prompts with `--record-hidden` (not measured);
+3. each of the following in a process of its own, timed, with its peak resident set (`os.wait4`; the checkpoint's
+   memory-mapped pages count): the whole model loaded in float32 (`load_model(dtype="float32")`, what `train` and
+   `eval` loaded before they kept the experts in the checkpoint's dtype, and `simulate` and `tune` on a CPU);
+   `moeflow train`; `moeflow simulate --prefetch pregate --capacity 25%`.
+
+Prints a table, then one JSON line: `peak_gb` and `seconds` per step, `train_vs_float32_load` and
+`simulate_vs_float32_load` (peak over peak).
+
+    .venv/bin/python benchmarks/load_memory.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_checkpoint(out: Path, layers: int, experts: int, hidden: int, intermediate: int) -> int:
+    """A random bf16 OLMoE checkpoint with olmoe-deep's tokenizer at `out`; its parameter count."""
+    import shutil
+
+    import torch
+
+    from moeflow.models import tiny_model
+
+    heads = max(1, hidden // 128)
+    model = tiny_model(
+        "olmoe",
+        num_experts=experts,
+        top_k=min(8, experts),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        vocab_size=8192,
+    )
+    n = sum(p.numel() for p in model.parameters())
+    model.to(torch.bfloat16).save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "models" / "olmoe-deep" / f, out / f)
+    return n
+
+
+def measured(cmd: list[str]) -> tuple[float, float]:
+    """(wall seconds, peak resident GB) of `cmd` run to completion in a process of its own; a failure exits."""
+    t = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+    _, status, usage = os.wait4(p.pid, 0)
+    took = time.perf_counter() - t
+    err = p.stderr.read().decode() if p.stderr else ""
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
+    return took, usage.ru_maxrss / 1e6  # ru_maxrss: KB on Linux
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="an existing checkpoint instead of the random one")
+    ap.add_argument("--layers", type=int, default=3, help="layers of the random checkpoint (default %(default)s)")
+    ap.add_argument("--experts", type=int, default=64, help="experts per layer (default %(default)s)")
+    ap.add_argument("--hidden", type=int, default=1024, help="hidden size (default %(default)s)")
+    ap.add_argument("--intermediate", type=int, default=1024, help="expert intermediate size (default %(default)s)")
+    ap.add_argument("--prompts", type=int, default=20, help="ShareGPT prompts traced (default %(default)s)")
+    ap.add_argument("--data-dir", default=None, help="data directory (default: $MOEFLOW_DATA or ../shared/data)")
+    a = ap.parse_args()
+
+    from rich.console import Console
+
+    from moeflow.tables import FitTable
+
+    py = sys.executable
+    with tempfile.TemporaryDirectory(prefix="moeflow-loadmem-") as tmp:
+        root = Path(tmp)
+        model = Path(a.model) if a.model else root / "model"
+        params = None if a.model else make_checkpoint(model, a.layers, a.experts, a.hidden, a.intermediate)
+        data = ["--data-dir", a.data_dir] if a.data_dir else []
+        trace = [py, "-m", "moeflow", "trace", "--model", str(model), "--prompts", "sharegpt", "--limit", str(a.prompts)]
+        trace += ["--record-hidden", "--max-new-tokens", "8", "--max-prompt-tokens", "64", "--out", str(root / "trace")]
+        measured([*trace, "--no-progress", *data])
+        load = "from moeflow.models import load_model; load_model(sys.argv[1], dtype='float32', tokenizer=False)"
+        common = ["--model", str(model), "--trace", str(root / "trace")]
+        steps = {
+            "float32 load": [py, "-c", f"import sys; {load}", str(model)],
+            "train": [py, "-m", "moeflow", "train", *common, "--out", str(root / "pred"), "--no-progress"],
+            "simulate": [py, "-m", "moeflow", "simulate", *common, "--prefetch", "pregate", "--capacity", "25%", "--json"],
+        }
+        res = {name: measured(cmd) for name, cmd in steps.items()}
+        disk = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 1e9
+
+    t = FitTable(title=f"Peak memory, checkpoint {disk:.2f} GB on disk (bf16)")
+    t.add_column("step")
+    t.add_column("seconds", justify="right")
+    t.add_column("peak GB", justify="right")
+    t.add_column("÷ float32 load", justify="right")
+    base = res["float32 load"][1]
+    for name, (s, gb) in res.items():
+        t.add_row(name, f"{s:.1f}", f"{gb:.2f}", f"{gb / base:.2f}")
+    Console().print(t)
+    print(
+        json.dumps(
+            {
+                "checkpoint_gb": round(disk, 3),
+                "params": params,
+                "seconds": {n: round(s, 2) for n, (s, _) in res.items()},
+                "peak_gb": {n: round(gb, 3) for n, (_, gb) in res.items()},
+                "train_vs_float32_load": round(res["train"][1] / base, 3),
+                "simulate_vs_float32_load": round(res["simulate"][1] / base, 3),
+                "flags": vars(a),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
