@@ -156,6 +156,8 @@ def load_model(
     if experts_implementation:
         kw["experts_implementation"] = experts_implementation
     check_weights(p)
+    if torch.device(device).type == "cpu":  # everything on the host (a CUDA load's host share: `place_model`)
+        check_host_memory(p, dtype)
     from safetensors import SafetensorError
 
     try:
@@ -231,6 +233,57 @@ def weights_bytes(folder: str | os.PathLike) -> int | None:
         return sum(f.stat().st_size for f in files) or None
     except (OSError, ValueError, TypeError, ArtifactError):
         return None
+
+
+def loaded_bytes(folder: str | os.PathLike, dtype: str, device: str) -> int | None:
+    """Bytes the checkpoint's weights take once loaded in `dtype` (`resolve_dtype`'s names, or "checkpoint") on
+    `device`: `weights_bytes` scaled by the target dtype's size over the saved one's; None where unknown."""
+    weights = weights_bytes(folder)
+    if weights is None or dtype == "checkpoint":
+        return weights
+    target, saved = resolve_dtype(dtype, device), saved_dtype(folder)
+    if isinstance(target, torch.dtype) and saved is not None:  # loaded in another dtype than saved
+        return weights * target.itemsize // saved.itemsize
+    return weights
+
+
+def saved_dtype(folder: str | os.PathLike) -> torch.dtype | None:
+    """The dtype its config.json says the checkpoint was saved in, or None (no dtype, an unreadable config:
+    `load_model` says what is wrong with it, in one line)."""
+    try:
+        saved = getattr(read_config(folder), "dtype", None)
+    except ArtifactError:
+        return None
+    if isinstance(saved, str):
+        saved = getattr(torch, saved, None)
+    return saved if isinstance(saved, torch.dtype) else None
+
+
+def host_available() -> int | None:
+    """Bytes the host can still give a process: MemAvailable plus SwapFree (/proc/meminfo); None where unknown."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return sum(int(fields[k].split()[0]) * 1024 for k in ("MemAvailable", "SwapFree"))
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def check_host_memory(folder: str | os.PathLike, dtype: str) -> None:
+    """Refuses, in one line and before any byte loads, a CPU load whose weights alone exceed what the host has
+    (`host_available`): the kernel would kill the process part way, with no message. Only a certain failure is
+    refused: the load needs more (its conversion, activations)."""
+    need, avail = loaded_bytes(folder, dtype, "cpu"), host_available()
+    if need is None or avail is None or need <= avail:
+        return
+    name = "its own dtype" if dtype == "checkpoint" else str(resolve_dtype(dtype, "cpu")).removeprefix("torch.")
+    own, saved = weights_bytes(folder), saved_dtype(folder)
+    hint = ""
+    if own is not None and saved is not None and own < need:  # the checkpoint is narrower than the dtype it loads in
+        hint = f", or load it in its own dtype ({own / 1e9:.3g} GB: --dtype {str(saved).removeprefix('torch.')})"
+    raise ConfigError(
+        f"{folder} takes {need / 1e9:.3g} GB once loaded in {name}, and this host has {avail / 1e9:.3g} GB available "
+        f"(memory and swap); free memory or use a larger host{hint}"
+    )
 
 
 def read_config(folder: str | os.PathLike) -> Any:

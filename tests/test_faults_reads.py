@@ -13,6 +13,7 @@ import textwrap
 
 import numpy as np
 import pytest
+import torch
 
 from moeflow.cli.app import _register, main
 from moeflow.data import load_prompts, prompt_id
@@ -434,6 +435,34 @@ def test_damaged_checkpoint_gives_one_artifact_line(checkpoint, tmp_path, capsys
     (d / "config.json").unlink()
     with pytest.raises(ArtifactError, match=r"config\.json is missing"):
         load_model(d)
+
+
+def test_a_cpu_load_beyond_the_hosts_memory_gives_one_line_before_loading(checkpoint, tmp_path, capsys, monkeypatch):
+    """A checkpoint whose weights alone exceed the host's memory and swap is refused before a byte loads (the kernel
+    would kill the process part way, with no message); a bf16 checkpoint loaded in float32 is told its own dtype."""
+    import copy
+
+    import moeflow.models as mm
+
+    bf16 = tmp_path / "bf16"
+    copy.deepcopy(mm.load_model(checkpoint, dtype="float32")[0]).to(torch.bfloat16).save_pretrained(bf16)
+    own = mm.weights_bytes(bf16)
+    assert own is not None and mm.loaded_bytes(bf16, "float32", "cpu") == 2 * own
+    assert mm.loaded_bytes(bf16, "checkpoint", "cpu") == own
+    monkeypatch.setattr(mm, "host_available", lambda: own + own // 2)  # its own size fits, twice it does not
+    with pytest.raises(ConfigError, match=r"GB once loaded in float32, and this host has .* own dtype"):
+        mm.load_model(bf16, dtype="float32")
+    mm.load_model(bf16, dtype="checkpoint", tokenizer=False)  # fits: loads
+    mm.load_routing_model(bf16)  # train's and simulate's load: the experts stay bf16
+    monkeypatch.setattr(mm, "host_available", lambda: own // 2)
+    (tmp_path / "p.txt").write_text("hello\n")
+    capsys.readouterr()  # save_pretrained's progress
+    argv = ["trace", "--model", str(checkpoint), "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "o")]
+    code, err = _cli(argv, capsys)
+    assert code == 2 and "this host has" in err and err.count("\n") == 0
+    assert not (tmp_path / "o").exists()
+    monkeypatch.setattr(mm, "host_available", lambda: None)  # unknown (no /proc/meminfo): no refusal
+    mm.load_model(checkpoint, dtype="float32", tokenizer=False)
 
 
 # ---- item 5: lengths beyond the model's positions ------------------------------------------------

@@ -108,19 +108,9 @@ def placement_for(cfg: Any, command: str, resident: bool) -> tuple[str, str]:
     device = torch.device(cfg.device)
     if device.type == "cpu" or cfg.load_experts != "auto":
         return experts_placement(cfg.load_experts, device.type, None, None, resident, command)
-    from ..models import read_config, resolve_dtype, weights_bytes
+    from ..models import loaded_bytes
 
-    weights = weights_bytes(cfg.model)  # None: unknown (no folder, a quantized checkpoint): the whole model loads
-    if weights is not None:
-        target = resolve_dtype(cfg.dtype, cfg.device)
-        try:
-            saved = getattr(read_config(cfg.model), "dtype", None)
-        except ArtifactError:  # load_model says what is wrong with the checkpoint, in one line
-            saved = None
-        if isinstance(saved, str):
-            saved = getattr(torch, saved, None)
-        if isinstance(target, torch.dtype) and isinstance(saved, torch.dtype):  # loaded in another dtype than saved
-            weights = weights * target.itemsize // saved.itemsize
+    weights = loaded_bytes(cfg.model, cfg.dtype, cfg.device)  # None: unknown (no folder, a quantized checkpoint)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     return experts_placement(cfg.load_experts, device.type, weights, free, resident, command)
 
