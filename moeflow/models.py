@@ -156,8 +156,7 @@ def load_model(
     if experts_implementation:
         kw["experts_implementation"] = experts_implementation
     check_weights(p)
-    if torch.device(device).type == "cpu":  # everything on the host (a CUDA load's host share: `place_model`)
-        check_host_memory(p, dtype)
+    check_host_memory(p, dtype, device)
     from safetensors import SafetensorError
 
     try:
@@ -268,14 +267,16 @@ def host_available() -> int | None:
         return None
 
 
-def check_host_memory(folder: str | os.PathLike, dtype: str) -> None:
-    """Refuses, in one line and before any byte loads, a CPU load whose weights alone exceed what the host has
-    (`host_available`): the kernel would kill the process part way, with no message. Only a certain failure is
-    refused: the load needs more (its conversion, activations)."""
-    need, avail = loaded_bytes(folder, dtype, "cpu"), host_available()
+def check_host_memory(folder: str | os.PathLike, dtype: str, device: str) -> None:
+    """Refuses, in one line and before any byte loads, a load whose weights alone exceed what the host has
+    (`host_available`): transformers reads every weight into host memory in the dtype it loads in, also for a CUDA
+    `device` (the model moves there after), and the kernel would kill the process part way, with no message. Only a
+    certain failure is refused: the load needs more (its conversion, activations)."""
+    need, avail = loaded_bytes(folder, dtype, device), host_available()
     if need is None or avail is None or need <= avail:
         return
-    name = "its own dtype" if dtype == "checkpoint" else str(resolve_dtype(dtype, "cpu")).removeprefix("torch.")
+    target = resolve_dtype(dtype, device) if dtype != "checkpoint" else "auto"
+    name = "its own dtype" if target == "auto" else str(target).removeprefix("torch.")
     own, saved = weights_bytes(folder), saved_dtype(folder)
     hint = ""
     if own is not None and saved is not None and own < need:  # the checkpoint is narrower than the dtype it loads in

@@ -454,7 +454,10 @@ def test_a_cpu_load_beyond_the_hosts_memory_gives_one_line_before_loading(checkp
         mm.load_model(bf16, dtype="float32")
     mm.load_model(bf16, dtype="checkpoint", tokenizer=False)  # fits: loads
     mm.load_routing_model(bf16)  # train's and simulate's load: the experts stay bf16
+    mm.check_host_memory(bf16, "auto", "cuda")  # a CUDA load reads its own dtype (bf16) on the host first: fits
     monkeypatch.setattr(mm, "host_available", lambda: own // 2)
+    with pytest.raises(ConfigError, match=r"GB once loaded in its own dtype, .*larger host$"):
+        mm.check_host_memory(bf16, "auto", "cuda")
     (tmp_path / "p.txt").write_text("hello\n")
     capsys.readouterr()  # save_pretrained's progress
     argv = ["trace", "--model", str(checkpoint), "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "o")]
