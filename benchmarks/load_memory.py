@@ -59,13 +59,15 @@ def make_checkpoint(out: Path, layers: int, experts: int, hidden: int, intermedi
 
 def measured(cmd: list[str]) -> tuple[float, float]:
     """(wall seconds, peak resident GB) of `cmd` run to completion in a process of its own; a failure exits."""
-    t = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
-    _, status, usage = os.wait4(p.pid, 0)
-    took = time.perf_counter() - t
-    err = p.stderr.read().decode() if p.stderr else ""
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
+    with tempfile.TemporaryFile() as err:  # a file, not a pipe: a child writing much to stderr never blocks
+        t = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO)
+        _, status, usage = os.wait4(p.pid, 0)
+        took = time.perf_counter() - t
+        p.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4: Popen must not wait again
+        if p.returncode != 0:
+            err.seek(0)
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{err.read().decode(errors='replace')[-2000:]}")
     return took, usage.ru_maxrss / 1e6  # ru_maxrss: KB on Linux
 
 

@@ -27,11 +27,14 @@ DTYPES = {
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype | str:
-    """`auto` means float32 on CPU (fast there) and the checkpoint's own dtype on CUDA."""
+    """`auto` means float32 on CPU (fast there) and the checkpoint's own dtype on CUDA; `checkpoint` the checkpoint's
+    own dtype everywhere (transformers' "auto")."""
     if name == "auto":
         return torch.float32 if device == "cpu" else "auto"
+    if name == "checkpoint":
+        return "auto"
     if name not in DTYPES:
-        raise ConfigError(f"unknown --dtype {name!r}; use one of auto, {', '.join(sorted(DTYPES))}")
+        raise ConfigError(f"unknown --dtype {name!r}; use one of auto, checkpoint, {', '.join(sorted(DTYPES))}")
     return DTYPES[name]
 
 
@@ -127,8 +130,8 @@ def load_model(
     experts_device: str | None = None,
 ):
     """(model, tokenizer) from a local Hugging Face checkpoint folder, in eval mode (tokenizer None with
-    `tokenizer=False`: `moeflow train` needs none). `dtype`: `resolve_dtype`'s names, or "checkpoint" for the
-    checkpoint's own dtype on any device (`resolve_dtype`'s "auto" is float32 on the CPU). `experts_device` (e.g.
+    `tokenizer=False`: `moeflow train` needs none). `dtype`: `resolve_dtype`'s names ("auto" is float32 on the CPU,
+    "checkpoint" the checkpoint's own dtype on any device). `experts_device` (e.g.
     "cpu" beside a CUDA `device`): the routed experts' stacked weights stay there and everything else goes to
     `device` (`place_model`), so a model whose experts do not fit in device memory loads; only an offload engine can
     then run it.
@@ -152,7 +155,7 @@ def load_model(
         raise UnsupportedModelError(
             f"model type {config.model_type!r} is not supported; supported architectures: {', '.join(SUPPORTED)}"
         )
-    kw: dict[str, Any] = {"dtype": "auto" if dtype == "checkpoint" else resolve_dtype(dtype, device)}
+    kw: dict[str, Any] = {"dtype": resolve_dtype(dtype, device)}
     if experts_implementation:
         kw["experts_implementation"] = experts_implementation
     check_weights(p)
@@ -202,9 +205,13 @@ def load_routing_model(path: str | os.PathLike) -> Any:
     return float_except_experts(model)
 
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # the float dtypes `float_except_experts` widens (not fp8 and its scales)
+
+
 def float_except_experts(model: Any) -> Any:
-    """`model` in float32 except each MoE layer's stacked routed-expert tensors (`Adapter.per_expert_params`), which
-    keep their dtype (set aside while the rest is cast, as `place_model` does). Returns the model."""
+    """`model`'s float16 and bfloat16 tensors in float32 except each MoE layer's stacked routed-expert tensors
+    (`Adapter.per_expert_params`), which keep their dtype (set aside while the rest is cast, as `place_model` does).
+    Other dtypes (a quantized checkpoint's fp8 weights and their scales) stay as they are. Returns the model."""
     from .moe import get_adapter
 
     adapter = get_adapter(model)
@@ -213,7 +220,7 @@ def float_except_experts(model: Any) -> Any:
         for name, prm in adapter.per_expert_params(layer).items():
             held[layer, name] = prm.data
             prm.data = torch.empty(0, dtype=prm.dtype, device=prm.device)
-    model.float()
+    model._apply(lambda t: t.float() if t.dtype in HALF_DTYPES else t)  # `Module.float`, for these dtypes only
     for (layer, name), data in held.items():  # a new Parameter: `.data` cannot change a tensor's dtype
         module = adapter.experts(layer)
         setattr(module, name, torch.nn.Parameter(data, requires_grad=getattr(module, name).requires_grad))
@@ -235,10 +242,10 @@ def weights_bytes(folder: str | os.PathLike) -> int | None:
 
 
 def loaded_bytes(folder: str | os.PathLike, dtype: str, device: str) -> int | None:
-    """Bytes the checkpoint's weights take once loaded in `dtype` (`resolve_dtype`'s names, or "checkpoint") on
+    """Bytes the checkpoint's weights take once loaded in `dtype` (`resolve_dtype`'s names) on
     `device`: `weights_bytes` scaled by the target dtype's size over the saved one's; None where unknown."""
     weights = weights_bytes(folder)
-    if weights is None or dtype == "checkpoint":
+    if weights is None:
         return weights
     target, saved = resolve_dtype(dtype, device), saved_dtype(folder)
     if isinstance(target, torch.dtype) and saved is not None:  # loaded in another dtype than saved
@@ -275,12 +282,12 @@ def check_host_memory(folder: str | os.PathLike, dtype: str, device: str) -> Non
     need, avail = loaded_bytes(folder, dtype, device), host_available()
     if need is None or avail is None or need <= avail:
         return
-    target = resolve_dtype(dtype, device) if dtype != "checkpoint" else "auto"
+    target = resolve_dtype(dtype, device)
     name = "its own dtype" if target == "auto" else str(target).removeprefix("torch.")
     own, saved = weights_bytes(folder), saved_dtype(folder)
     hint = ""
     if own is not None and saved is not None and own < need:  # the checkpoint is narrower than the dtype it loads in
-        hint = f", or load it in its own dtype ({own / 1e9:.3g} GB: --dtype {str(saved).removeprefix('torch.')})"
+        hint = f", or load it in its own dtype, {str(saved).removeprefix('torch.')} ({own / 1e9:.3g} GB: `--dtype checkpoint`)"
     raise ConfigError(
         f"{folder} takes {need / 1e9:.3g} GB once loaded in {name}, and this host has {avail / 1e9:.3g} GB available "
         f"(memory and swap); free memory or use a larger host{hint}"

@@ -339,3 +339,24 @@ def test_fingerprint_counts_every_tensor_that_routes(arch, tiny_models):
         with torch.no_grad():
             t.copy_(kept)
         assert model_fingerprint(model) == before
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_routing_load_of_a_bf16_checkpoint_routes_as_its_float32_load(arch, tiny_models, tmp_path):
+    """`models.load_routing_model` (train, eval, simulate, tune: the experts kept in the checkpoint's dtype, the rest
+    float32) gives the router logits, weights (values and dtype) and experts of the whole model loaded in float32."""
+    import copy
+
+    from moeflow.models import load_model, load_routing_model
+
+    copy.deepcopy(tiny_models(arch)).to(torch.bfloat16).save_pretrained(tmp_path)
+    full, _ = load_model(tmp_path, dtype="float32", tokenizer=False)
+    narrow = load_routing_model(tmp_path)
+    a, b = get_adapter(full), get_adapter(narrow)
+    x = torch.randn(16, a.spec.hidden_size, generator=torch.Generator().manual_seed(0))  # [T,H]
+    for layer in a.moe_layers:
+        assert next(iter(b.per_expert_params(layer).values())).dtype == torch.bfloat16
+        la, lb = a.router_logits(layer, x), b.router_logits(layer, x)
+        assert torch.equal(la, lb)
+        (wa, ia), (wb, ib) = a.select(layer, la), b.select(layer, lb)
+        assert torch.equal(ia, ib) and torch.equal(wa, wb) and wa.dtype == wb.dtype

@@ -52,7 +52,9 @@ def traced_model_option() -> Any:
 
 
 def dtype_option() -> Any:
-    return typer.Option("auto", "--dtype", help="auto (float32 on CPU, checkpoint dtype on CUDA), float32, bfloat16, float16.")
+    return typer.Option(
+        "auto", "--dtype", help="auto (float32 on CPU, checkpoint dtype on CUDA), checkpoint, float32, bfloat16, float16."
+    )
 
 
 def device_option() -> Any:

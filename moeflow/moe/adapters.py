@@ -148,7 +148,7 @@ class ArchInfo:
     select: SelectFn
     shared_attr: str | None  # shared expert(s) module on the block, if any
     linear_logits: bool = False  # the router's logits are `F.linear(x [T,H], its weight)` (no bias, no cast)
-    weights_in_input_dtype: bool = False  # the router casts its weights to its input's dtype (the experts')
+    weights_in_input_dtype: bool = False  # the router casts its weights to its input's dtype (the hidden states')
     router_weight: str = "weight"  # the router's [E,H] weight, as an attribute path from the router
 
 
@@ -263,7 +263,7 @@ class Adapter:
     def select(self, layer: int, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T,k], indices [T,k]) from router logits [T,E], exactly as layer `layer` routes."""
         w, idx = self.info.select(self.router(layer), logits, bias)
-        return (w.to(self.experts_dtype) if self.info.weights_in_input_dtype else w), idx
+        return (w.to(self.input_dtype) if self.info.weights_in_input_dtype else w), idx
 
     def router_logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Router logits [T,E] of layer `layer` for router inputs x [T,H] (or [B,S,H]). A linear router's
@@ -288,7 +288,11 @@ class Adapter:
                 f"layer {first}'s experts hold no stacked [E, ...] weights (offloaded by a moeflow engine?); "
                 f"build the adapter before attaching the engine, or close the engine first"
             )
-        self.experts_dtype = per_expert[0].dtype  # the router's input dtype too (`weights_in_input_dtype`)
+        emb = getattr(self.model, "get_input_embeddings", lambda: None)()
+        weight = getattr(emb, "weight", None)
+        # the hidden states' dtype, hence the router's input's (`weights_in_input_dtype`): the embeddings', which is
+        # not the experts' where those keep a narrower one (`models.float_except_experts`)
+        self.input_dtype = weight.dtype if isinstance(weight, torch.Tensor) else per_expert[0].dtype
         params = sum(p[0].numel() for p in per_expert)
         nbytes = sum(p[0].numel() * p.element_size() for p in per_expert)
         inter = (

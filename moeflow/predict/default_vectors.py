@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ArtifactError
+from ..models import HALF_DTYPES
 from ..moe import get_adapter, residual_norm
 from .base import PREDICTORS
 from .data import RoutingData, SourceBatch, target_of
@@ -38,8 +39,8 @@ def compute_default_vectors(
     model: torch.nn.Module, data: RoutingData, *, max_tokens: int = 50_000, chunk: int = 4096, progress: Any = None
 ) -> dict[int, torch.Tensor]:
     """layer -> d [E,H] float32: mean (unweighted) output of each expert over the tokens routed to it. Computed in
-    float32 when the rest of the model is: experts kept in a narrower dtype (`stages.train.load_cpu_model`) are cast
-    one layer at a time and cast back after (exact: bf16 -> float32 -> bf16 is the identity)."""
+    float32 when the rest of the model is: float16 or bfloat16 experts (`stages.train.load_cpu_model` keeps them so)
+    are cast one layer at a time and cast back after (exact: bf16 -> float32 -> bf16 is the identity)."""
     ad = get_adapter(model)
     spec = ad.spec
     E, H = spec.num_experts, spec.hidden_size
@@ -53,13 +54,14 @@ def compute_default_vectors(
             raise ArtifactError("default vectors need traced router inputs; re-run `moeflow trace --record-hidden`")
         experts = ad.experts(l)
         own = next(experts.parameters()).dtype
-        dt = ad.router_weight(l).dtype  # the rest of the model's dtype
-        if own != dt:
+        cast = own in HALF_DTYPES and ad.router_weight(l).dtype == torch.float32  # the rest of the model is float32
+        dt = torch.float32 if cast else own
+        if cast:
             experts.to(dt)  # this layer only; back below
         try:
             sums, counts = _expert_sums(experts, a, rows, chunk, E, H, dt)
         finally:
-            if own != dt:
+            if cast:
                 experts.to(own)
         out[l] = (sums / counts.clamp(min=1)[:, None]).float()  # [E,H]; unseen experts: 0
         if progress is not None:
