@@ -176,10 +176,16 @@ def load_model(
 def place_model(model: Any, device: str, experts_device: str | None = None) -> Any:
     """`model.to(device)`, except, with an `experts_device` other than `device`, each MoE layer's stacked
     routed-expert tensors (`Adapter.per_expert_params`: `gate_up_proj`, `down_proj`, ...), which go to
-    `experts_device` without ever being on `device` (they are swapped for empty tensors while the rest moves).
-    Shared experts, routers, attention and embeddings go to `device`. Returns the model."""
+    `experts_device` without ever being on `device` (`_experts_aside`). Shared experts, routers, attention and
+    embeddings go to `device`. Returns the model."""
     if experts_device is None or torch.device(experts_device) == torch.device(device):
         return model.to(device)
+    return _experts_aside(model, lambda m: m.to(device), lambda t: t.to(experts_device))
+
+
+def _experts_aside(model: Any, apply: Any, put_back: Any) -> Any:
+    """`apply(model)` with each MoE layer's stacked routed-expert tensors set aside (swapped for empty tensors, so
+    `apply` neither moves nor casts them), then `put_back(tensor)` of each as its parameter again. Returns the model."""
     from .moe import get_adapter
 
     adapter = get_adapter(model)
@@ -188,10 +194,10 @@ def place_model(model: Any, device: str, experts_device: str | None = None) -> A
         for name, prm in adapter.per_expert_params(layer).items():
             held[layer, name] = prm.data
             prm.data = torch.empty(0, dtype=prm.dtype, device=prm.device)
-    model.to(device)
-    for (layer, name), data in held.items():  # a new Parameter: `.data` cannot change a tensor's type (meta -> cpu)
+    apply(model)
+    for (layer, name), data in held.items():  # a new Parameter: `.data` cannot change a tensor's type or dtype
         module = adapter.experts(layer)
-        setattr(module, name, torch.nn.Parameter(data.to(experts_device), requires_grad=getattr(module, name).requires_grad))
+        setattr(module, name, torch.nn.Parameter(put_back(data), requires_grad=getattr(module, name).requires_grad))
     return model
 
 
@@ -210,21 +216,14 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)  # the float dtypes `float_except_
 
 def float_except_experts(model: Any) -> Any:
     """`model`'s float16 and bfloat16 tensors in float32 except each MoE layer's stacked routed-expert tensors
-    (`Adapter.per_expert_params`), which keep their dtype (set aside while the rest is cast, as `place_model` does).
-    Other dtypes (a quantized checkpoint's fp8 weights and their scales) stay as they are. Returns the model."""
-    from .moe import get_adapter
+    (`Adapter.per_expert_params`), which keep their dtype (`_experts_aside`). Other dtypes (a quantized checkpoint's
+    fp8 weights and their scales) stay as they are. Returns the model."""
+    return _experts_aside(model, lambda m: m._apply(_widen), lambda t: t)
 
-    adapter = get_adapter(model)
-    held: dict[tuple[int, str], torch.Tensor] = {}  # (layer, parameter name) -> its stacked tensor [E, ...]
-    for layer in adapter.spec.moe_layers:
-        for name, prm in adapter.per_expert_params(layer).items():
-            held[layer, name] = prm.data
-            prm.data = torch.empty(0, dtype=prm.dtype, device=prm.device)
-    model._apply(lambda t: t.float() if t.dtype in HALF_DTYPES else t)  # `Module.float`, for these dtypes only
-    for (layer, name), data in held.items():  # a new Parameter: `.data` cannot change a tensor's dtype
-        module = adapter.experts(layer)
-        setattr(module, name, torch.nn.Parameter(data, requires_grad=getattr(module, name).requires_grad))
-    return model
+
+def _widen(t: torch.Tensor) -> torch.Tensor:
+    """`Module.float`'s cast for float16 and bfloat16 tensors only."""
+    return t.float() if t.dtype in HALF_DTYPES else t
 
 
 def weights_bytes(folder: str | os.PathLike) -> int | None:
