@@ -10,8 +10,14 @@ checkpoint, against a float32 load of the whole model.
    `eval` loaded before they kept the experts in the checkpoint's dtype, and `simulate` and `tune` on a CPU);
    `moeflow train`; `moeflow simulate --prefetch pregate --capacity 25%`.
 
-Prints a table, then one JSON line: `peak_gb` and `seconds` per step, `train_vs_float32_load` and
-`simulate_vs_float32_load` (peak over peak).
+4. a long trace: `--long-model`'s (default models/olmoe-deep) trace of `--prompts` prompts (up to 128 new tokens
+   each), written again and again under new prompt ids until it holds `--long-tokens` tokens (default 400,000:
+   about 2.7 GB on disk for olmoe-deep, mostly hidden states), then `moeflow train` on it with every token loaded
+   (`--max-tokens 0`) and with the default `--max-tokens`, which loads only whole prompts drawn until they hold
+   100,000 tokens (`predict.data.prompt_rows`). `--long-tokens 0` skips this part.
+
+Prints two tables, then one JSON line: `peak_gb` and `seconds` per step, `train_vs_float32_load` and
+`simulate_vs_float32_load` (peak over peak), `long_trace_tokens` and `long_train_default_vs_all` (peak over peak).
 
     .venv/bin/python benchmarks/load_memory.py
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,8 +39,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 def make_checkpoint(out: Path, layers: int, experts: int, hidden: int, intermediate: int) -> int:
     """A random bf16 OLMoE checkpoint with olmoe-deep's tokenizer at `out`; its parameter count."""
-    import shutil
-
     import torch
 
     from moeflow.models import tiny_model
@@ -55,6 +60,37 @@ def make_checkpoint(out: Path, layers: int, experts: int, hidden: int, intermedi
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(REPO / "models" / "olmoe-deep" / f, out / f)
     return n
+
+
+def repeat_trace(src: Path, dst: Path, copies: int) -> int:
+    """`src`'s prompts written `copies` times to a new trace `dst` (prompt ids `{id}~{c}`); its tokens."""
+    import numpy as np
+
+    from moeflow.trace import Trace
+    from moeflow.trace.format import column
+    from moeflow.trace.writer import TraceWriter
+
+    tr = Trace(src)
+    meta = tr.meta
+    toks = tr.tokens()
+    cols = {f: np.asarray(v) for f, v in toks.items() if f != "prompt_id"}  # [N] or [N,w] per column
+    for layer in tr.spec.moe_layers:
+        cols.update({column(f, layer): np.asarray(v) for f, v in tr.layer(layer).items()})
+    pid = np.asarray(toks["prompt_id"])
+    prompts = [(meta["prompt_ids"][int(p)], np.flatnonzero(pid == p)) for p in np.unique(pid)]
+    with TraceWriter(
+        dst,
+        fingerprint=meta["model_fingerprint"],
+        spec=meta["spec"],
+        record_hidden=tr.record_hidden,
+        generation=meta["generation"],
+        prompt_source="repeated",
+        hidden_dtype=meta.get("hidden_dtype", "float16"),
+    ) as w:
+        for c in range(copies):
+            for name, rows in prompts:
+                w.add(f"{name}~{c}", {n: v[rows] for n, v in cols.items()})
+    return int(Trace(dst).num_tokens)
 
 
 def measured(cmd: list[str]) -> tuple[float, float]:
@@ -79,6 +115,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024, help="hidden size (default %(default)s)")
     ap.add_argument("--intermediate", type=int, default=1024, help="expert intermediate size (default %(default)s)")
     ap.add_argument("--prompts", type=int, default=20, help="ShareGPT prompts traced (default %(default)s)")
+    ap.add_argument("--long-model", default="models/olmoe-deep", help="the long trace's model (default %(default)s)")
+    ap.add_argument("--long-tokens", type=int, default=400_000, help="the long trace's tokens (default %(default)s; 0: skip)")
     ap.add_argument("--data-dir", default=None, help="data directory (default: $MOEFLOW_DATA or ../shared/data)")
     a = ap.parse_args()
 
@@ -104,6 +142,19 @@ def main() -> None:
         }
         res = {name: measured(cmd) for name, cmd in steps.items()}
         disk = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 1e9
+        long_res, long_tokens = {}, 0
+        if a.long_tokens > 0:
+            short = [py, "-m", "moeflow", "trace", "--model", a.long_model, "--prompts", "sharegpt", "--limit"]
+            short += [str(a.prompts), "--record-hidden", "--out", str(root / "short"), "--no-progress", *data]
+            measured(short)
+            from moeflow.trace import Trace
+
+            copies = -(-a.long_tokens // int(Trace(root / "short").num_tokens))
+            long_tokens = repeat_trace(root / "short", root / "long", copies)
+            shutil.rmtree(root / "short")
+            train = [py, "-m", "moeflow", "train", "--model", a.long_model, "--trace", str(root / "long"), "--no-progress"]
+            for name, extra in (("train, every token", ["--max-tokens", "0"]), ("train, default --max-tokens", [])):
+                long_res[name] = measured([*train, "--out", str(root / "p"), "--force", *extra])
 
     t = FitTable(title=f"Peak memory, checkpoint {disk:.2f} GB on disk (bf16)")
     t.add_column("step")
@@ -114,6 +165,17 @@ def main() -> None:
     for name, (s, gb) in res.items():
         t.add_row(name, f"{s:.1f}", f"{gb:.2f}", f"{gb / base:.2f}")
     Console().print(t)
+    if long_res:
+        t = FitTable(title=f"train on a long trace ({long_tokens:,} tokens, {a.long_model})")
+        t.add_column("step")
+        t.add_column("seconds", justify="right")
+        t.add_column("peak GB", justify="right")
+        for name, (s, gb) in long_res.items():
+            t.add_row(name, f"{s:.1f}", f"{gb:.2f}")
+        Console().print(t)
+    long_ratio = None
+    if long_res:
+        long_ratio = round(long_res["train, default --max-tokens"][1] / long_res["train, every token"][1], 3)
     print(
         json.dumps(
             {
@@ -123,6 +185,10 @@ def main() -> None:
                 "peak_gb": {n: round(gb, 3) for n, (_, gb) in res.items()},
                 "train_vs_float32_load": round(res["train"][1] / base, 3),
                 "simulate_vs_float32_load": round(res["simulate"][1] / base, 3),
+                "long_trace_tokens": long_tokens,
+                "long_seconds": {n: round(s, 2) for n, (s, _) in long_res.items()},
+                "long_peak_gb": {n: round(gb, 3) for n, (_, gb) in long_res.items()},
+                "long_train_default_vs_all": long_ratio,
                 "flags": vars(a),
             }
         )

@@ -12,13 +12,20 @@ import numpy as np
 import pytest
 import torch
 
-from moeflow.errors import ArtifactError
+from moeflow.errors import ArtifactError, ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def write_trace(
-    model, out: Path, prompts: list[list[int]], *, new_tokens: int = 6, record_hidden: bool = True, ids: str = "p"
+    model,
+    out: Path,
+    prompts: list[list[int]],
+    *,
+    new_tokens: int = 6,
+    record_hidden: bool = True,
+    ids: str = "p",
+    shard_size: int | None = None,
 ) -> Path:
     """A real trace folder (moeflow.trace writer) of greedy generation from token-id prompts (ids `{ids}0`, ...)."""
     from moeflow.moe import get_adapter, model_fingerprint
@@ -45,6 +52,7 @@ def write_trace(
         record_hidden=record_hidden,
         generation=gen,
         prompt_source="test",
+        shard_size=shard_size,
     ) as w:
         for i, p in enumerate(prompts):
             rows, _ = trace_one(model, rec, torch.tensor([p]), kw)
@@ -174,6 +182,47 @@ def test_train_keeps_a_bf16_checkpoints_experts_narrow_with_the_same_default_vec
     assert all(p.dtype == torch.bfloat16 for l in ad.moe_layers for p in ad.per_expert_params(l).values())
 
 
+def test_max_tokens_loads_whole_prompts_drawn_at_random(tiny_setup):
+    """`from_trace(max_tokens=N)` (train's --max-tokens): the rows of whole prompts drawn by the seed until they hold
+    N tokens, the same values as the full load's rows; the whole trace where it holds no more than N."""
+    from moeflow.predict.data import from_trace, prompt_rows
+
+    _, path, full = tiny_setup
+    counts = np.unique(full.prompt_id, return_counts=True)[1]
+    assert prompt_rows(full.prompt_id, full.n, 0) is None and prompt_rows(full.prompt_id, None, 0) is None
+    rows = prompt_rows(full.prompt_id, 50, 3)
+    assert rows is not None and np.array_equal(rows, np.sort(rows))
+    kept = np.unique(full.prompt_id[rows])
+    assert len(rows) == sum(int((full.prompt_id == p).sum()) for p in kept)  # whole prompts
+    assert 50 <= len(rows) < 50 + counts.max() and len(kept) >= 2
+    assert np.array_equal(prompt_rows(full.prompt_id, 50, 3), rows)
+    assert not np.array_equal(prompt_rows(full.prompt_id, 50, 4), rows)  # another seed, other prompts
+    assert len(np.unique(full.prompt_id[prompt_rows(full.prompt_id, 1, 0)])) == 2  # a split needs 2 prompts
+    part = from_trace(str(path), need_hidden=True, max_tokens=50, seed=3)
+    assert part.n == len(rows) and np.array_equal(part.token_id, full.token_id[rows])
+    for l, a in part.layers.items():
+        b = full.layers[l]
+        assert np.array_equal(a.topk_ids, b.topk_ids[rows]) and np.array_equal(a.probs, b.probs[rows])
+        assert np.array_equal(a.hidden_in, b.hidden_in[rows]) and np.array_equal(a.resid, b.resid[rows])
+        assert a.hidden_in.flags.writeable
+
+
+def test_trace_rows_read_across_shards_equal_the_whole_columns(tiny_setup, tmp_path):
+    """`Trace.layer(rows=...)`/`_column(rows=...)` (what `from_trace(max_tokens)` reads): the same values as the whole
+    column's rows, across shard boundaries, for no row and for every row."""
+    from moeflow.trace import Trace
+
+    model = tiny_setup[0]
+    tr = Trace(write_trace(model, tmp_path / "t", structured_prompts(6, 16), new_tokens=4, shard_size=25))
+    assert len(tr.meta["shards"]) >= 3
+    n = tr.num_tokens
+    for rows in (np.array([], np.int64), np.arange(n), np.sort(np.random.default_rng(0).choice(n, 37, replace=False))):
+        for l in tr.spec.moe_layers:
+            whole, part = tr.layer(l), tr.layer(l, rows=rows)
+            for f in whole:
+                assert np.array_equal(part[f], whole[f][rows]) and part[f].dtype == whole[f].dtype, f
+
+
 @pytest.fixture(scope="module")
 def fitted_tiny(tiny_setup):
     """Every predictor (baselines, pregate and all learned ones) fitted on the training prompts of the tiny trace."""
@@ -252,6 +301,30 @@ def test_cli_train_writes_folder_and_report(trained_folder):
     # no temp folders left: only the published version beside the link
     assert [p.name for p in out.parent.iterdir() if p.name.startswith(".pred")] == [".pred.versions"]
     assert [p.name for p in (out.parent / ".pred.versions").iterdir()] == [Path(os.readlink(out)).name]
+
+
+def test_cli_train_max_tokens_trains_on_drawn_prompts_and_says_so(trained_folder, tiny_setup, tmp_path):
+    from typer.testing import CliRunner
+
+    from moeflow.cli.app import app
+
+    _, root, _, rep = trained_folder
+    _, trace, full = tiny_setup
+    assert rep["trace_tokens"] == full.n == rep["train_tokens"] + rep["heldout_tokens"]  # the default: all of it
+    argv = ["train", "--trace", str(trace), "--out", str(tmp_path / "p"), "--model", str(root / "model")]
+    argv += ["--only", "forest", "--forest-trees", "2", "--max-tokens", "60", "--json"]
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 0, r.output
+    small = json.loads(r.stdout.strip().splitlines()[-1])
+    assert small["trace_tokens"] == full.n and 60 <= small["train_tokens"] + small["heldout_tokens"] < full.n
+    ev = ["eval", "--predictors", str(tmp_path / "p"), "--trace", str(trace), "--model", str(root / "model"), "--json"]
+    for extra, n in (([], full.n), (["--max-tokens", "60"], small["train_tokens"] + small["heldout_tokens"])):
+        r = CliRunner().invoke(app, [*ev, *extra])
+        assert r.exit_code == 0, r.output
+        scored = json.loads(r.stdout.strip().splitlines()[-1])
+        assert (scored["scored_tokens"], scored["trace_tokens"]) == (n, full.n)
+    bad = CliRunner().invoke(app, [*argv[:-3], "--max-tokens", "-1"])
+    assert isinstance(bad.exception, ConfigError) and "--max-tokens must be >= 0" in str(bad.exception)
 
 
 def test_save_load_roundtrip_identical(fitted_tiny, tiny_setup, tmp_path):

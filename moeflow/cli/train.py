@@ -89,7 +89,15 @@ def train(
     ),
     model: str = model_option(),
     holdout: float = typer.Option(0.2, "--holdout", help="Fraction of the trace's prompts held out for evaluation."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the split, the random token embedding and the fits."),
+    seed: int = typer.Option(
+        0, "--seed", help="Seed of the split, the prompts --max-tokens draws, the random token embedding and the fits."
+    ),
+    max_tokens: int = typer.Option(
+        100_000,
+        "--max-tokens",
+        help="Traced tokens loaded (train and held out together): from a longer trace, whole prompts drawn at random "
+        "until they hold this many, so its hidden states need not fit in memory; no fit uses more. 0: all.",
+    ),
     max_s: int | None = typer.Option(
         None,
         "--max-s",
@@ -134,6 +142,7 @@ def train(
         only=tuple(only) if only else LEARNED,
         holdout=holdout,
         seed=seed,
+        max_tokens=max_tokens,
         max_s=max_s,
         forest_trees=forest_trees,
         forest_max_samples=forest_samples,
@@ -184,6 +193,12 @@ def eval_(
         "the model's own routing, teacher-forced on the trace's sequences.",
     ),
     spec_sequences: int = typer.Option(24, "--spec-sequences", help="Trace prompts used by --speculative."),
+    max_tokens: int = typer.Option(
+        100_000,
+        "--max-tokens",
+        help="Traced tokens scored: from a longer trace, whole prompts drawn at random (seed 0) until they hold this "
+        "many, so its hidden states need not fit in memory. 0: all.",
+    ),
     plan_opt: list[str] | None = typer.Option(
         None, "--plan-opt", help="CasMoE planner option key=value: eps (cascade gate, 0.3), k (experts per layer scored)."
     ),
@@ -203,6 +218,7 @@ def eval_(
         mass=mass,
         speculative=speculative,
         spec_sequences=spec_sequences,
+        max_tokens=max_tokens,
         **plan_overrides(plan_opt, ("eps", "k")),
         threads=threads,
     )

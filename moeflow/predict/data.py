@@ -111,8 +111,22 @@ def _copy(x: np.ndarray | None) -> np.ndarray | None:
     return None if x is None else np.array(x, copy=True)  # writable (the reader's arrays may be memory-mapped)
 
 
-def from_trace(path: str, *, need_hidden: bool = False) -> RoutingData:
-    """Load a `moeflow trace` folder into memory (numpy arrays)."""
+def prompt_rows(prompt_id: np.ndarray, max_tokens: int | None, seed: int) -> np.ndarray | None:
+    """Rows [n] (in trace order) of whole prompts drawn at random (`seed`) until they hold at least `max_tokens`
+    tokens, and at least 2 prompts (a held-out split needs them); None where the trace holds no more (all rows)."""
+    if max_tokens is None or len(prompt_id) <= max_tokens:
+        return None
+    prompts, counts = np.unique(prompt_id, return_counts=True)
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    n = max(2, int(np.searchsorted(np.cumsum(counts[order]), max_tokens)) + 1)
+    return np.flatnonzero(np.isin(prompt_id, prompts[order[:n]]))
+
+
+def from_trace(path: str, *, need_hidden: bool = False, max_tokens: int | None = None, seed: int = 0) -> RoutingData:
+    """Load a `moeflow trace` folder into memory (numpy arrays). `max_tokens`: where the trace holds more tokens,
+    only the rows of whole prompts drawn at random (`prompt_rows`), read from the memory-mapped shards without
+    touching the other rows (`Trace.layer(rows=...)`), so a long trace's hidden states ([N,H] per MoE layer, twice)
+    need not fit in memory."""
     try:
         from ..trace import Trace
     except ImportError as e:  # the trace stage is not in this checkout
@@ -125,24 +139,27 @@ def from_trace(path: str, *, need_hidden: bool = False) -> RoutingData:
             "(needed by pregate, router-pf, estimator and hybrid) or pass --only forest"
         )
     toks = tr.tokens()
+    rows = prompt_rows(np.asarray(toks["prompt_id"]), max_tokens, seed)  # None: every row
+    pick = slice(None) if rows is None else rows
+    copy = _copy if rows is None else (lambda x: x)  # the reader's `rows` are copies already
     layers: dict[int, LayerArrays] = {}
     for l in spec.moe_layers:
-        la = tr.layer(l)
+        la = tr.layer(l, rows=rows)
         layers[l] = LayerArrays(
             np.asarray(la["topk_ids"]).astype(np.int64),
             np.asarray(la["topk_weights"]).astype(np.float32),
             np.asarray(la["probs"]),
-            _copy(la.get("hidden_in")),
-            _copy(la.get("resid")),
+            copy(la.get("hidden_in")),
+            copy(la.get("resid")),
         )
     meta = tr.meta
     shards = "".join(str(s_.get("sha256", "")) for s_ in meta.get("shards", []))
     return RoutingData(
         spec,
-        np.asarray(toks["prompt_id"]).astype(np.int64),
-        np.asarray(toks["position"]).astype(np.int64),
-        np.asarray(toks["phase"]),
-        np.asarray(toks["token_id"]).astype(np.int64),
+        np.asarray(toks["prompt_id"])[pick].astype(np.int64),
+        np.asarray(toks["position"])[pick].astype(np.int64),
+        np.asarray(toks["phase"])[pick],
+        np.asarray(toks["token_id"])[pick].astype(np.int64),
         layers,
         fingerprint=meta.get("model_fingerprint"),
         source=str(path),

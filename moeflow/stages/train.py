@@ -52,6 +52,7 @@ class TrainConfig:
     only: tuple[str, ...] = LEARNED  # learned predictors to fit (pregate and baselines always come along)
     holdout: float = 0.2  # fraction of prompts held out for evaluation
     seed: int = 0
+    max_tokens: int = 100_000  # traced tokens loaded: beyond it, whole prompts drawn at random (`prompt_rows`); 0: all
     max_s: int | None = None  # largest step S fitted and evaluated (None: DEFAULT_MAX_S; `within_model` resolves)
     mass: float = 0.8  # cumulative score mass of the evaluated prefetch set
     threads: int | None = None  # torch threads and forest jobs (None: moeflow.threads' rule)
@@ -111,6 +112,8 @@ class TrainConfig:
                 raise ConfigError(f"{flag} must be >= 1 (got {v})")
         if not 0.0 < self.holdout < 1.0:
             raise ConfigError(f"--holdout must be in (0, 1), got {self.holdout}")
+        if self.max_tokens < 0:
+            raise ConfigError(f"--max-tokens must be >= 0 (0: every traced token), got {self.max_tokens}")
         if self.fit_workers not in (None, 1, 2):
             raise ConfigError(f"--fit-workers must be 1 or 2 (got {self.fit_workers}); leave it out for the idle-CPU rule")
 
@@ -134,10 +137,13 @@ class EvalConfig:
     speculative: bool = False  # also measure speculative execution's quality cost
     spec_sequences: int = 24  # trace prompts (prompt + generated tokens) used for that
     threads: int | None = None  # torch threads (None: moeflow.threads' rule)
+    max_tokens: int = 100_000  # traced tokens scored: beyond it, whole prompts drawn at random (seed 0); 0: all
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1 (got {self.threads})")
+        if self.max_tokens < 0:
+            raise ConfigError(f"--max-tokens must be >= 0 (0: every traced token), got {self.max_tokens}")
         for flag, v in (
             ("--max-s", 1 if self.max_s is None else self.max_s),
             ("--spec-sequences", self.spec_sequences),
@@ -230,6 +236,12 @@ def within_model(cfg: Any, layers: int, console: Any = None) -> Any:
     return dataclasses.replace(cfg, max_s=top)
 
 
+def _trace_tokens(trace: str) -> int:
+    from ..trace import Trace
+
+    return int(Trace(trace).num_tokens)
+
+
 def _check_model_dir(path: str) -> None:
     """A missing model folder in one line, before transformers' import (which `load_model` pays first)."""
     if not Path(path).is_dir():
@@ -266,7 +278,7 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
         fits = f"; fits: {n} thread(s), {idle:.1f} CPU(s) idle" if n != threads.n and idle is not None else ""
         console.print(f"[dim]threads: {threads.describe()}{fits}[/]")
     need_hidden = any(PREDICTORS[n].needs_hidden for n in cfg.only if n not in PLANNERS and n not in GPS)
-    data = from_trace(cfg.trace, need_hidden=need_hidden)
+    data = from_trace(cfg.trace, need_hidden=need_hidden, max_tokens=cfg.max_tokens or None, seed=cfg.seed)
     check_trace_model(data, model, cfg.trace)
     train, held = data.split(cfg.holdout, cfg.seed)
     steps["load"] = time.perf_counter() - t_start
@@ -281,6 +293,7 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
     report["fit_seconds"] = {n: round(float(getattr(p, "fit_seconds", 0.0)), 3) for n, p in preds.items()}
     per = {n: float(getattr(p, "fit_seconds", 0.0)) for n, p in preds.items()}
     report["train_tokens"], report["heldout_tokens"] = train.n, held.n
+    report["trace_tokens"] = _trace_tokens(cfg.trace)  # more than train + held out: --max-tokens drew prompts
     planners = tuple(n for n in cfg.only if n in PLANNERS)
     savers: dict[str, Any] = {}
     if planners:
@@ -400,7 +413,7 @@ def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         console.print(f"[dim]threads: {threads.describe()}[/]")
     # the layer-ahead predictors; CasMoE's planner (eam, eap) and MoE-GPS's suite (gps) are scored apart below
     names = [n for n in (cfg.only or meta.get("predictors", [])) if n not in PLANNERS and n not in GPS]
-    data = from_trace(cfg.trace)
+    data = from_trace(cfg.trace, max_tokens=cfg.max_tokens or None)
     check_trace_model(data, model, cfg.trace)
     skipped = []
     if not data.has_hidden:
@@ -434,5 +447,6 @@ def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         }
     report.update(sample_overlap(meta, trace_prompt_ids(cfg.trace)))  # in-sample when they saw these prompts
     report["trace_overlap_warning"] = report["heldout"] is False
+    report["scored_tokens"], report["trace_tokens"] = data.n, _trace_tokens(cfg.trace)  # fewer: --max-tokens drew
     report.update(threads.to_dict())
     return report

@@ -241,20 +241,28 @@ class Trace:
         )
 
     # -- reading --
-    def _column(self, name: str) -> np.ndarray:
-        """One column over all shards: [N] or [N,w] (zero-copy when the trace has one shard)."""
+    def _column(self, name: str, rows: np.ndarray | None = None) -> np.ndarray:
+        """One column over all shards: [N] or [N,w] (zero-copy when the trace has one shard); with `rows` (sorted
+        row indices [n]) only those, a copy taken chunk by chunk from the memory-mapped shards, which reads the pages
+        of those rows only."""
         parts = []
+        start = 0  # the chunk's first row
         for t in self._tables:
             if name not in t.column_names:
                 raise KeyError(name)
             for chunk in t.column(name).chunks:
                 if pa.types.is_fixed_size_list(chunk.type):
-                    w = chunk.type.list_size
-                    parts.append(_numpy(chunk.flatten()).reshape(-1, w))
+                    part = _numpy(chunk.flatten()).reshape(-1, chunk.type.list_size)
                 else:
-                    parts.append(_numpy(chunk))
+                    part = _numpy(chunk)
+                if rows is not None:  # this chunk's rows of `rows`, then the next chunk's first row
+                    lo, hi = np.searchsorted(rows, (start, start + len(part)))
+                    part, start = part[rows[lo:hi] - start], start + len(part)
+                parts.append(part)
         if not parts:
             raise KeyError(name)
+        if rows is not None:
+            return np.concatenate(parts)  # a copy even of one part (fancy indexing copies)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def tokens(self) -> dict[str, np.ndarray]:
@@ -267,9 +275,10 @@ class Trace:
     def fields(self) -> tuple[str, ...]:
         return LAYER_FIELDS + (HIDDEN_FIELDS if self.record_hidden else ())
 
-    def layer(self, layer: int, fields: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+    def layer(self, layer: int, fields: Iterable[str] | None = None, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Decoder layer `layer`'s records: `topk_ids` [N,k], `topk_weights` [N,k] f32, `probs` [N,E] f16,
-        and with --record-hidden `hidden_in` [N,H] f16 (router input), `resid` [N,H] f16 (post-attention residual)."""
+        and with --record-hidden `hidden_in` [N,H] f16 (router input), `resid` [N,H] f16 (post-attention residual).
+        `rows` (sorted row indices [n]): those records only, copies that read no other row's pages."""
         if layer not in self.spec.moe_layers:
             raise ArtifactError(f"layer {layer} is not an MoE layer of this trace; MoE layers: {list(self.spec.moe_layers)}")
         fields = tuple(fields) if fields is not None else self.fields
@@ -287,7 +296,7 @@ class Trace:
                 "resid": (H, np.dtype(self.meta.get("hidden_dtype", "float16"))),
             }
             return {f: np.zeros((0, empty[f][0]), empty[f][1]) for f in fields}
-        return {f: self._column(column(f, layer)) for f in fields}
+        return {f: self._column(column(f, layer), rows) for f in fields}
 
     @cached_property
     def _phase(self) -> np.ndarray:
