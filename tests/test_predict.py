@@ -221,6 +221,10 @@ def test_trace_rows_read_across_shards_equal_the_whole_columns(tiny_setup, tmp_p
             whole, part = tr.layer(l), tr.layer(l, rows=rows)
             for f in whole:
                 assert np.array_equal(part[f], whole[f][rows]) and part[f].dtype == whole[f].dtype, f
+    l = tr.spec.moe_layers[0]
+    for bad in (np.array([3, 1]), np.array([-1, 2]), np.array([0, n])):
+        with pytest.raises(ValueError, match="sorted row indices"):
+            tr.layer(l, rows=bad)
 
 
 @pytest.fixture(scope="module")
@@ -318,11 +322,18 @@ def test_cli_train_max_tokens_trains_on_drawn_prompts_and_says_so(trained_folder
     small = json.loads(r.stdout.strip().splitlines()[-1])
     assert small["trace_tokens"] == full.n and 60 <= small["train_tokens"] + small["heldout_tokens"] < full.n
     ev = ["eval", "--predictors", str(tmp_path / "p"), "--trace", str(trace), "--model", str(root / "model"), "--json"]
-    for extra, n in (([], full.n), (["--max-tokens", "60"], small["train_tokens"] + small["heldout_tokens"])):
+    from moeflow.predict.data import prompt_rows
+
+    drawn = len(np.unique(full.prompt_id[prompt_rows(full.prompt_id, 60, 0)]))
+    for extra, n, prompts in (
+        ([], full.n, len(np.unique(full.prompt_id))),
+        (["--max-tokens", "60"], small["train_tokens"] + small["heldout_tokens"], drawn),
+    ):
         r = CliRunner().invoke(app, [*ev, *extra])
         assert r.exit_code == 0, r.output
         scored = json.loads(r.stdout.strip().splitlines()[-1])
         assert (scored["scored_tokens"], scored["trace_tokens"]) == (n, full.n)
+        assert scored["eval_prompts"] == prompts  # the in-sample check counts the scored prompts only
     bad = CliRunner().invoke(app, [*argv[:-3], "--max-tokens", "-1"])
     assert isinstance(bad.exception, ConfigError) and "--max-tokens must be >= 0" in str(bad.exception)
 

@@ -96,7 +96,8 @@ def train(
         100_000,
         "--max-tokens",
         help="Traced tokens loaded (train and held out together): from a longer trace, whole prompts drawn at random "
-        "until they hold this many, so its hidden states need not fit in memory; no fit uses more. 0: all.",
+        "until they hold this many, so its hidden states need not fit in memory (the layer-ahead fits subsample "
+        "fewer; eam, eap and gps see only the drawn prompts). 0: all.",
     ),
     max_s: int | None = typer.Option(
         None,

@@ -54,6 +54,7 @@ class RoutingData:
     fingerprint: str | None = None  # model fingerprint recorded by the trace
     source: str = ""  # where it came from (trace folder)
     trace_fingerprint: str | None = None
+    trace_tokens: int = 0  # tokens of the whole trace it came from (more than `n` where `from_trace` drew prompts)
 
     @property
     def n(self) -> int:
@@ -113,8 +114,9 @@ def _copy(x: np.ndarray | None) -> np.ndarray | None:
 
 def prompt_rows(prompt_id: np.ndarray, max_tokens: int | None, seed: int) -> np.ndarray | None:
     """Rows [n] (in trace order) of whole prompts drawn at random (`seed`) until they hold at least `max_tokens`
-    tokens, and at least 2 prompts (a held-out split needs them); None where the trace holds no more (all rows)."""
-    if max_tokens is None or len(prompt_id) <= max_tokens:
+    tokens, and at least 2 prompts (a held-out split needs them); None (all rows) where the trace holds no more, or
+    `max_tokens` is None or 0."""
+    if not max_tokens or len(prompt_id) <= max_tokens:  # None or 0: every row
         return None
     prompts, counts = np.unique(prompt_id, return_counts=True)
     order = np.random.default_rng(seed).permutation(len(prompts))
@@ -164,6 +166,7 @@ def from_trace(path: str, *, need_hidden: bool = False, max_tokens: int | None =
         fingerprint=meta.get("model_fingerprint"),
         source=str(path),
         trace_fingerprint=hashlib.sha256(shards.encode()).hexdigest()[:16],
+        trace_tokens=len(toks["prompt_id"]),
     )
 
 

@@ -236,12 +236,6 @@ def within_model(cfg: Any, layers: int, console: Any = None) -> Any:
     return dataclasses.replace(cfg, max_s=top)
 
 
-def _trace_tokens(trace: str) -> int:
-    from ..trace import Trace
-
-    return int(Trace(trace).num_tokens)
-
-
 def _check_model_dir(path: str) -> None:
     """A missing model folder in one line, before transformers' import (which `load_model` pays first)."""
     if not Path(path).is_dir():
@@ -293,7 +287,7 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
     report["fit_seconds"] = {n: round(float(getattr(p, "fit_seconds", 0.0)), 3) for n, p in preds.items()}
     per = {n: float(getattr(p, "fit_seconds", 0.0)) for n, p in preds.items()}
     report["train_tokens"], report["heldout_tokens"] = train.n, held.n
-    report["trace_tokens"] = _trace_tokens(cfg.trace)  # more than train + held out: --max-tokens drew prompts
+    report["trace_tokens"] = data.trace_tokens  # more than train + held out: --max-tokens drew prompts
     planners = tuple(n for n in cfg.only if n in PLANNERS)
     savers: dict[str, Any] = {}
     if planners:
@@ -445,8 +439,8 @@ def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         report["speculative"] = {
             n: measure_quality(model, p, seqs) for n, p in preds.items() if n in ("router-pf", "estimator", "hybrid", "pregate")
         }
-    report.update(sample_overlap(meta, trace_prompt_ids(cfg.trace)))  # in-sample when they saw these prompts
+    report.update(sample_overlap(meta, trace_prompt_ids(cfg.trace, data)))  # in-sample when they saw these prompts
     report["trace_overlap_warning"] = report["heldout"] is False
-    report["scored_tokens"], report["trace_tokens"] = data.n, _trace_tokens(cfg.trace)  # fewer: --max-tokens drew
+    report["scored_tokens"], report["trace_tokens"] = data.n, data.trace_tokens  # fewer: --max-tokens drew
     report.update(threads.to_dict())
     return report

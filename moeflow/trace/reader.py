@@ -245,6 +245,13 @@ class Trace:
         """One column over all shards: [N] or [N,w] (zero-copy when the trace has one shard); with `rows` (sorted
         row indices [n]) only those, a copy taken chunk by chunk from the memory-mapped shards, which reads the pages
         of those rows only."""
+        if rows is not None:
+            rows = np.asarray(rows)
+            if rows.size and (
+                rows.dtype.kind not in "iu" or rows[0] < 0 or rows[-1] >= self.num_tokens or (np.diff(rows) < 0).any()
+            ):
+                raise ValueError(f"rows must be sorted row indices in [0, {self.num_tokens})")
+            rows = rows.astype(np.int64, copy=False)
         parts = []
         start = 0  # the chunk's first row
         for t in self._tables:
