@@ -159,7 +159,7 @@ def load_model(
     if experts_implementation:
         kw["experts_implementation"] = experts_implementation
     check_weights(p)
-    check_host_memory(p, dtype, device)
+    check_host_memory(p, dtype, device, config)
     from safetensors import SafetensorError
 
     try:
@@ -240,25 +240,30 @@ def weights_bytes(folder: str | os.PathLike) -> int | None:
         return None
 
 
-def loaded_bytes(folder: str | os.PathLike, dtype: str, device: str) -> int | None:
-    """Bytes the checkpoint's weights take once loaded in `dtype` (`resolve_dtype`'s names) on
-    `device`: `weights_bytes` scaled by the target dtype's size over the saved one's; None where unknown."""
-    weights = weights_bytes(folder)
-    if weights is None:
-        return weights
-    target, saved = resolve_dtype(dtype, device), saved_dtype(folder)
-    if isinstance(target, torch.dtype) and saved is not None:  # loaded in another dtype than saved
+def loaded_bytes(folder: str | os.PathLike, dtype: str, device: str, config: Any = None) -> int | None:
+    """Bytes the checkpoint's weights take once loaded in `dtype` (`resolve_dtype`'s names) on `device`:
+    `weights_bytes` scaled by the target dtype's size over the saved one's; None where unknown. `config`: the
+    checkpoint's config where already read."""
+    return _in_dtype(weights_bytes(folder), dtype, device, saved_dtype(folder, config))
+
+
+def _in_dtype(weights: int | None, dtype: str, device: str, saved: torch.dtype | None) -> int | None:
+    """`weights` bytes saved in `saved` once loaded in `dtype` on `device` (unchanged where either dtype is unknown)."""
+    target = resolve_dtype(dtype, device)
+    if weights is not None and isinstance(target, torch.dtype) and saved is not None:  # loaded in another dtype
         return weights * target.itemsize // saved.itemsize
     return weights
 
 
-def saved_dtype(folder: str | os.PathLike) -> torch.dtype | None:
-    """The dtype its config.json says the checkpoint was saved in, or None (no dtype, an unreadable config:
-    `load_model` says what is wrong with it, in one line)."""
-    try:
-        saved = getattr(read_config(folder), "dtype", None)
-    except ArtifactError:
-        return None
+def saved_dtype(folder: str | os.PathLike, config: Any = None) -> torch.dtype | None:
+    """The dtype its config.json says the checkpoint was saved in (`config`: that config where already read), or
+    None (no dtype, an unreadable config: `load_model` says what is wrong with it, in one line)."""
+    if config is None:
+        try:
+            config = read_config(folder)
+        except ArtifactError:
+            return None
+    saved = getattr(config, "dtype", None)
     if isinstance(saved, str):
         saved = getattr(torch, saved, None)
     return saved if isinstance(saved, torch.dtype) else None
@@ -273,19 +278,19 @@ def host_available() -> int | None:
         return None
 
 
-def check_host_memory(folder: str | os.PathLike, dtype: str, device: str) -> None:
+def check_host_memory(folder: str | os.PathLike, dtype: str, device: str, config: Any = None) -> None:
     """Refuses, in one line and before any byte loads, a load whose weights alone exceed what the host has
     (`host_available`): transformers reads every weight into host memory in the dtype it loads in, also for a CUDA
     `device` (the model moves there after), and the kernel would kill the process part way, with no message. Only a
-    certain failure is refused: the load needs more (its conversion, activations)."""
-    need, avail = loaded_bytes(folder, dtype, device), host_available()
-    if need is None or avail is None or need <= avail:
+    certain failure is refused: the load needs more (its conversion, activations). `config`: as `loaded_bytes`."""
+    own, saved = weights_bytes(folder), saved_dtype(folder, config)
+    need, avail = _in_dtype(own, dtype, device, saved), host_available()
+    if own is None or need is None or avail is None or need <= avail:
         return
     target = resolve_dtype(dtype, device)
     name = "its own dtype" if target == "auto" else str(target).removeprefix("torch.")
-    own, saved = weights_bytes(folder), saved_dtype(folder)
     hint = ""
-    if own is not None and saved is not None and own < need:  # the checkpoint is narrower than the dtype it loads in
+    if saved is not None and own < need:  # the checkpoint is narrower than the dtype it loads in
         hint = f", or load it in its own dtype, {str(saved).removeprefix('torch.')} ({own / 1e9:.3g} GB: `--dtype checkpoint`)"
     raise ConfigError(
         f"{folder} takes {need / 1e9:.3g} GB once loaded in {name}, and this host has {avail / 1e9:.3g} GB available "

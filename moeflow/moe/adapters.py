@@ -349,17 +349,18 @@ def model_fingerprint(model: nn.Module, adapter: Adapter | None = None) -> str:
 
     from ..artifacts import config_fingerprint
 
+    def values(t: torch.Tensor) -> bytes:
+        return t.detach().float().cpu().contiguous().numpy().tobytes()
+
     ad = adapter if adapter is not None else get_adapter(model)
     h = hashlib.sha256()
     for l in ad.moe_layers:
         w = ad.router_weight(l)
-        h.update(w.detach().float().cpu().contiguous().numpy().tobytes())
+        h.update(values(w))
         router = ad.router(l)
         rest: dict[str, torch.Tensor] = dict(router.named_parameters())
         rest.update(router.named_buffers())
         for name in sorted(rest):
-            t = rest[name]
-            if t is not w:
-                h.update(name.encode())
-                h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+            if rest[name] is not w:
+                h.update(name.encode() + values(rest[name]))
     return config_fingerprint(model.config, h.digest())

@@ -125,7 +125,7 @@ def prompt_rows(prompt_id: np.ndarray, max_tokens: int | None, seed: int) -> np.
 
 
 def from_trace(path: str, *, need_hidden: bool = False, max_tokens: int | None = None, seed: int = 0) -> RoutingData:
-    """Load a `moeflow trace` folder into memory (numpy arrays). `max_tokens`: where the trace holds more tokens,
+    """Load a `moeflow trace` folder into memory (numpy arrays). `max_tokens` (None or 0: all): where the trace holds more tokens,
     only the rows of whole prompts drawn at random (`prompt_rows`), read from the memory-mapped shards without
     touching the other rows (`Trace.layer(rows=...)`), so a long trace's hidden states ([N,H] per MoE layer, twice)
     need not fit in memory."""

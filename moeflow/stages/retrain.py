@@ -415,7 +415,7 @@ def _run(cfg: RetrainConfig, rec: dict[str, Any], console: Any) -> None:
         train_main(tcfg)
         # the same held-out prompts for both: predict's split of the current trace by seed
         need_hidden = "pregate" in cfg.only or any(n in cfg.only for n in ("router-pf", "estimator", "hybrid"))
-        data = from_trace(cfg.trace, need_hidden=need_hidden, max_tokens=tcfg.max_tokens or None, seed=cfg.seed)
+        data = from_trace(cfg.trace, need_hidden=need_hidden, max_tokens=tcfg.max_tokens, seed=cfg.seed)
         _, held = data.split(cfg.holdout, cfg.seed)
         emodel = load_cpu_model(cfg.model)
         names = [n for n in cfg.only if n not in PLANNERS and n != "gps"]

@@ -272,7 +272,7 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
         fits = f"; fits: {n} thread(s), {idle:.1f} CPU(s) idle" if n != threads.n and idle is not None else ""
         console.print(f"[dim]threads: {threads.describe()}{fits}[/]")
     need_hidden = any(PREDICTORS[n].needs_hidden for n in cfg.only if n not in PLANNERS and n not in GPS)
-    data = from_trace(cfg.trace, need_hidden=need_hidden, max_tokens=cfg.max_tokens or None, seed=cfg.seed)
+    data = from_trace(cfg.trace, need_hidden=need_hidden, max_tokens=cfg.max_tokens, seed=cfg.seed)
     check_trace_model(data, model, cfg.trace)
     train, held = data.split(cfg.holdout, cfg.seed)
     trace_fingerprint, trace_tokens = data.trace_fingerprint, data.trace_tokens
@@ -409,7 +409,7 @@ def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         console.print(f"[dim]threads: {threads.describe()}[/]")
     # the layer-ahead predictors; CasMoE's planner (eam, eap) and MoE-GPS's suite (gps) are scored apart below
     names = [n for n in (cfg.only or meta.get("predictors", [])) if n not in PLANNERS and n not in GPS]
-    data = from_trace(cfg.trace, max_tokens=cfg.max_tokens or None)
+    data = from_trace(cfg.trace, max_tokens=cfg.max_tokens)
     check_trace_model(data, model, cfg.trace)
     skipped = []
     if not data.has_hidden:

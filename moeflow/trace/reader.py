@@ -268,9 +268,7 @@ class Trace:
                 parts.append(part)
         if not parts:
             raise KeyError(name)
-        if rows is not None:
-            return np.concatenate(parts)  # a copy even of one part (fancy indexing copies)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)  # with `rows`, one part is a copy already
 
     def tokens(self) -> dict[str, np.ndarray]:
         """`prompt_id` (index into `trace.prompt_ids`), `position`, `phase` (0 prefill, 1 decode), `token_id`: [N]."""
