@@ -8,9 +8,11 @@ hands about half of their rows to the worker and computes the rest itself meanwh
 whichever `SplitChoice` measured faster; the hand-off costs two thread switches and the GIL serializes the Python
 around small kernels, so splitting pays only with a free core and kernels large enough):
 - CPU device: the job runs the same `grouped_experts` kernel over the host store's rows on the worker
-  thread (torch releases the GIL inside its kernels; each thread runs its kernels with the process's
-  intra-op threads, so with `--threads 1` the two threads each run single-threaded kernels). The rows, their
-  grouping and the kernel are those of the serial path: the result is bit-identical.
+  thread (torch releases the GIL inside its kernels). Only at one torch thread (`OffloadEngine._worker_is_exact`):
+  the two threads each run single-threaded kernels, the count the resident model runs at; at several the host
+  experts run serially on the calling thread (sharing the count between two threads would change, on some CPUs,
+  the last bits of every other op). The rows, their grouping and the kernel are those of the serial path: the
+  result is bit-identical.
 - CUDA device: the rows go to pinned host memory on a side stream (after an event recorded on the compute
   stream), the worker waits for that copy, computes, and copies the result back to the device on the side
   stream (`non_blocking`); `join` makes the compute stream wait on the side stream's event before the
@@ -25,7 +27,6 @@ device's work is `1 - host_wait_s / host_s` (`hidden_share`).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,40 +36,6 @@ import torch
 from .passstats import EngineCounts
 
 Compute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [N,H], expert ids [N]) on the host -> [N,H]
-
-
-class ThreadShare:
-    """Halving torch's CPU thread count while engines with a host worker are attached on a CPU device (two compute
-    threads on the same cores: each op's team of n threads would oversubscribe them). torch's count is one per
-    process, so the engines share one halving: the first to `enter` saves the count and halves it, the last to
-    `leave` restores it, whatever order they close in (each restoring its own saved count would leave the
-    process at a halved count when two overlapping engines close first-in first-out)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
-        self._saved = 0  # the count before the first `enter` (0: none attached)
-
-    def enter(self) -> None:
-        with self._lock:
-            if self._users == 0:
-                self._saved = torch.get_num_threads()
-                if self._saved > 1:
-                    torch.set_num_threads(max(1, self._saved // 2))
-            self._users += 1
-
-    def leave(self) -> None:
-        with self._lock:
-            if self._users == 0:  # unbalanced: nothing to restore
-                return
-            self._users -= 1
-            if self._users == 0:
-                if self._saved > 1:
-                    torch.set_num_threads(self._saved)
-                self._saved = 0
-
-
-THREAD_SHARE = ThreadShare()  # torch's thread count is process-wide, and so is its sharing
 
 
 def hidden_share(host_s: float, wait_s: float) -> float | None:
