@@ -13,6 +13,14 @@ from .errors import ConfigError
 P = TypeVar("P")
 
 DEFAULT_EVICTION = "next-use"  # `moeflow run`'s and `moeflow simulate`'s eviction: fewest transfers on held-out prompts
+DEFAULT_MISS = "fetch"  # every command's miss policy: copy the missing expert in
+
+
+def host_miss(row: Mapping[str, Any]) -> bool:
+    """Whether a `simulate` or `tune` result row sends its misses to the host (`miss` other than the default fetch):
+    such a row copies no missed expert, so a hit rate of 0 means no miss and the bound of copies does not apply."""
+    return row.get("miss", DEFAULT_MISS) != DEFAULT_MISS
+
 
 _P = "moeflow.policies."
 

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import typer
 
 from ..model_paths import default_model_path
-from ..registry import BUILTIN, LEARNED_PREFETCH
+from ..registry import BUILTIN, LEARNED_PREFETCH, host_miss
 
 T = TypeVar("T")
 
@@ -277,6 +277,6 @@ def given_flags(ctx: Any) -> set[str]:
 def hit_rate_cell(row: dict[str, Any]) -> str:
     """A table's hit rate of a simulated row: `-` where the cache saw no access (miss cpu: every access is a hit,
     the misses go to the host, so a rate of 0 means none), else three decimals."""
-    if row.get("miss", "fetch") != "fetch" and not row["hit_rate"]:
+    if host_miss(row) and not row["hit_rate"]:
         return "-"
     return f"{row['hit_rate']:.3f}"

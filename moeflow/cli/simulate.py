@@ -6,7 +6,7 @@ from typing import Any
 
 import typer
 
-from ..registry import DEFAULT_EVICTION
+from ..registry import DEFAULT_EVICTION, host_miss
 from .app import app
 from .common import (
     alias,
@@ -44,7 +44,7 @@ def table(res: dict[str, Any]) -> Any:
         + (f"; TPOT ms: predicted time per decode pass ({res.get('time_model')})" if tpot else "")
         + (
             "; miss=cpu: the host computes a missing expert, which is not a cache access (--json host_misses)"
-            if any(r.get("miss", "fetch") != "fetch" for r in res["rows"])
+            if any(host_miss(r) for r in res["rows"])
             else ""
         ),
     )
@@ -55,7 +55,7 @@ def table(res: dict[str, Any]) -> Any:
     for r in res["rows"]:
         t.add_row(
             str(r["capacity"]),
-            f"{r['eviction']}+{r['prefetch']}" + (f" miss={r['miss']}" if r.get("miss", "fetch") != "fetch" else ""),
+            f"{r['eviction']}+{r['prefetch']}" + (f" miss={r['miss']}" if host_miss(r) else ""),
             hit_rate_cell(r),
             str(r["collisions"]),
             f"{r['loads_per_token']:.2f}",

@@ -7,6 +7,7 @@ from typing import Any
 import typer
 from rich.markup import escape
 
+from ..registry import host_miss
 from .app import app
 from .common import (
     device_option,
@@ -40,7 +41,7 @@ def table(res: dict[str, Any]) -> Any:
         + (
             " (-: miss=cpu computes a miss on the host, copying nothing, so the bound of copies does not hold; its "
             "hit rate counts the cache's accesses, which host-computed experts are not)"
-            if any(r.get("miss", "fetch") != "fetch" for r in res["ranked"][:TOP])
+            if any(host_miss(r) for r in res["ranked"][:TOP])
             else ""
         ),
     )

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ..artifacts import PLOT_METADATA, atomic_write
+from ..registry import host_miss
 
 
 def plot_ranking(ranked: list[dict[str, Any]], bound_tpot_s: float, path: str | Path, *, title: str = "", top: int = 30) -> Path:
@@ -18,7 +19,7 @@ def plot_ranking(ranked: list[dict[str, Any]], bound_tpot_s: float, path: str | 
     rows = ranked[:top]
     fig, ax = plt.subplots(figsize=(8, 1.2 + 0.28 * len(rows)))
     y = list(range(len(rows)))[::-1]
-    host = [r.get("miss", "fetch") != "fetch" for r in rows]  # miss=cpu: the bound of copies does not hold for it
+    host = [host_miss(r) for r in rows]  # miss=cpu: the bound of copies does not hold for it
     ax.barh(y, [r["predicted_tpot_s"] * 1e3 for r in rows], color=["tab:green" if h else "tab:blue" for h in host])
     ax.set_yticks(y, [r["label"] for r in rows], fontsize=8)
     bound = f"bound {bound_tpot_s * 1e3:.1f} ms" + (" (copying every miss)" if any(host) else "")
