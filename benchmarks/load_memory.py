@@ -5,8 +5,10 @@ checkpoint, against a float32 load of the whole model.
    `--hidden` and intermediate size `--intermediate` (default 3 x 64 x 1024 x 1024: 0.63 B parameters, 1.27 GB on
    disk), random weights and models/olmoe-deep's tokenizer (vocabulary 8192); or `--model`, an existing checkpoint;
 2. `moeflow trace` of `--prompts` ShareGPT prompts with `--record-hidden` (not measured);
-3. each of the following in a process of its own, timed, with its peak resident set (`os.wait4`; the checkpoint's
-   memory-mapped pages count): the whole model loaded in float32 (`load_model(dtype="float32")`, what `train` and
+3. each of the following in a process of its own, timed, with its peak resident set (`os.wait4`; the touched pages of
+   the memory-mapped checkpoint and trace shards count, clean pages the kernel can drop) and its peak anonymous
+   memory (RssAnon polled every 50 ms: what the process allocated; train's forked forest process is not in it):
+   the whole model loaded in float32 (`load_model(dtype="float32")`, what `train` and
    `eval` loaded before they kept the experts in the checkpoint's dtype, and `simulate` and `tune` on a CPU);
    `moeflow train`; `moeflow simulate --prefetch pregate --capacity 25%`.
 
@@ -14,10 +16,12 @@ checkpoint, against a float32 load of the whole model.
    each), written again and again under new prompt ids until it holds `--long-tokens` tokens (default 400,000:
    about 2.7 GB on disk for olmoe-deep, mostly hidden states), then `moeflow train` on it with every token loaded
    (`--max-tokens 0`) and with the default `--max-tokens`, which loads only whole prompts drawn until they hold
-   100,000 tokens (`predict.data.prompt_rows`). `--long-tokens 0` skips this part.
+   100,000 tokens (`predict.data.prompt_rows`; fewer on a host without the memory for them). `--long-tokens 0`
+   skips this part.
 
-Prints two tables, then one JSON line: `peak_gb` and `seconds` per step, `train_vs_float32_load` and
-`simulate_vs_float32_load` (peak over peak), `long_trace_tokens` and `long_train_default_vs_all` (peak over peak).
+Prints two tables, then one JSON line: `peak_gb`, `peak_anon_gb` and `seconds` per step (`long_...` for part 4),
+`train_vs_float32_load` and `simulate_vs_float32_load` (peak over peak), `long_trace_tokens` and
+`long_train_default_vs_all` (peak over peak).
 
     .venv/bin/python benchmarks/load_memory.py
 """
@@ -31,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -93,18 +98,41 @@ def repeat_trace(src: Path, dst: Path, copies: int) -> int:
     return int(Trace(dst).num_tokens)
 
 
-def measured(cmd: list[str]) -> tuple[float, float]:
-    """(wall seconds, peak resident GB) of `cmd` run to completion in a process of its own; a failure exits."""
+def _anon_bytes(pid: int) -> int:
+    """Process `pid`'s resident anonymous memory (RssAnon: no file-backed pages); 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("RssAnon:")), 0)
+    except OSError:
+        return 0
+
+
+def measured(cmd: list[str]) -> tuple[float, float, float]:
+    """(wall seconds, peak resident GB, peak anonymous GB) of `cmd` run to completion in a process of its own; a
+    failure exits. Peak resident: `os.wait4`'s, which counts the memory-mapped pages a process touched (the
+    checkpoint's, the trace's shards: clean pages the kernel can drop). Peak anonymous: the process's own RssAnon,
+    polled every 50 ms (what it allocated; a forked child, such as train's forest, is not counted)."""
     with tempfile.TemporaryFile() as err:  # a file, not a pipe: a child writing much to stderr never blocks
         t = time.perf_counter()
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO)
+        peak, stop = [0], threading.Event()
+
+        def poll() -> None:
+            while not stop.is_set():
+                peak[0] = max(peak[0], _anon_bytes(p.pid))
+                stop.wait(0.05)
+
+        watcher = threading.Thread(target=poll, daemon=True)
+        watcher.start()
         _, status, usage = os.wait4(p.pid, 0)
         took = time.perf_counter() - t
+        stop.set()
+        watcher.join()
         p.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4: Popen must not wait again
         if p.returncode != 0:
             err.seek(0)
             raise SystemExit(f"{' '.join(cmd)} failed:\n{err.read().decode(errors='replace')[-2000:]}")
-    return took, usage.ru_maxrss / 1e6  # ru_maxrss: KB on Linux
+    return took, usage.ru_maxrss / 1e6, peak[0] / 1e9  # ru_maxrss: KB on Linux
 
 
 def main() -> None:
@@ -161,18 +189,21 @@ def main() -> None:
     t.add_column("seconds", justify="right")
     t.add_column("peak GB", justify="right")
     t.add_column("÷ float32 load", justify="right")
+    t.add_column("anon GB", justify="right")
     base = res["float32 load"][1]
-    for name, (s, gb) in res.items():
-        t.add_row(name, f"{s:.1f}", f"{gb:.2f}", f"{gb / base:.2f}")
+    for name, (s, gb, anon) in res.items():
+        t.add_row(name, f"{s:.1f}", f"{gb:.2f}", f"{gb / base:.2f}", f"{anon:.2f}")
     Console().print(t)
     if long_res:
         t = FitTable(title=f"train on a long trace ({long_tokens:,} tokens, {a.long_model})")
         t.add_column("step")
         t.add_column("seconds", justify="right")
         t.add_column("peak GB", justify="right")
-        for name, (s, gb) in long_res.items():
-            t.add_row(name, f"{s:.1f}", f"{gb:.2f}")
+        t.add_column("anon GB", justify="right")
+        for name, (s, gb, anon) in long_res.items():
+            t.add_row(name, f"{s:.1f}", f"{gb:.2f}", f"{anon:.2f}")
         Console().print(t)
+    Console().print("peak: resident set, the touched pages of the checkpoint and trace files included; anon: the process's own")
     long_ratio = None
     if long_res:
         long_ratio = round(long_res["train, default --max-tokens"][1] / long_res["train, every token"][1], 3)
@@ -181,13 +212,15 @@ def main() -> None:
             {
                 "checkpoint_gb": round(disk, 3),
                 "params": params,
-                "seconds": {n: round(s, 2) for n, (s, _) in res.items()},
-                "peak_gb": {n: round(gb, 3) for n, (_, gb) in res.items()},
+                "seconds": {n: round(r[0], 2) for n, r in res.items()},
+                "peak_gb": {n: round(r[1], 3) for n, r in res.items()},
+                "peak_anon_gb": {n: round(r[2], 3) for n, r in res.items()},
                 "train_vs_float32_load": round(res["train"][1] / base, 3),
                 "simulate_vs_float32_load": round(res["simulate"][1] / base, 3),
                 "long_trace_tokens": long_tokens,
-                "long_seconds": {n: round(s, 2) for n, (s, _) in long_res.items()},
-                "long_peak_gb": {n: round(gb, 3) for n, (_, gb) in long_res.items()},
+                "long_seconds": {n: round(r[0], 2) for n, r in long_res.items()},
+                "long_peak_gb": {n: round(r[1], 3) for n, r in long_res.items()},
+                "long_peak_anon_gb": {n: round(r[2], 3) for n, r in long_res.items()},
                 "long_train_default_vs_all": long_ratio,
                 "flags": vars(a),
             }

@@ -51,13 +51,14 @@ from moeflow.runtime.timing import settle_heap  # noqa: E402
 
 
 def heldout_prompts(pred_dir: Path, n: int) -> list[torch.Tensor]:
-    from moeflow.predict.data import from_trace
+    from moeflow.predict.data import split_from_trace
     from moeflow.predict.io import read_predictor_meta
 
     meta = read_predictor_meta(pred_dir)
     cfg = meta["config"]
-    data = from_trace(meta["trace"]["path"])
-    _, held = data.split(cfg.get("holdout", 0.2), cfg.get("seed", 0))
+    _, held = split_from_trace(  # train's own split of the tokens it loaded (older folders: every token)
+        meta["trace"]["path"], cfg.get("holdout", 0.2), cfg.get("seed", 0), max_tokens=cfg.get("max_tokens", 0)
+    )
     out = []
     for pid in np.unique(held.prompt_id)[:n]:
         rows = np.flatnonzero((held.prompt_id == pid) & (held.phase == 0))
@@ -136,13 +137,14 @@ def runtime_recall(model, pred_dir: Path, names: list[str], rows_max: int = 4000
     """Held-out recall@k by S of the run-time path (`predictor.runner()`: every S of a source layer in one
     call, what the policies run) on the decode tokens of the predictor folder's held-out prompts."""
     from moeflow.moe.sets import recall_at_k
-    from moeflow.predict.data import batch_from_rows, from_trace, target_of
+    from moeflow.predict.data import batch_from_rows, split_from_trace, target_of
     from moeflow.predict.io import load_predictors, read_predictor_meta
 
     meta = read_predictor_meta(pred_dir)
     cfg = meta["config"]
-    data = from_trace(meta["trace"]["path"])
-    _, held = data.split(cfg.get("holdout", 0.2), cfg.get("seed", 0))
+    _, held = split_from_trace(  # train's own split of the tokens it loaded (older folders: every token)
+        meta["trace"]["path"], cfg.get("holdout", 0.2), cfg.get("seed", 0), max_tokens=cfg.get("max_tokens", 0)
+    )
     _, preds = load_predictors(pred_dir, model, names)
     ml, spec = held.spec.moe_layers, held.spec
     ctx = held.context(4)

@@ -207,6 +207,73 @@ def test_max_tokens_loads_whole_prompts_drawn_at_random(tiny_setup):
         assert a.hidden_in.flags.writeable
 
 
+def test_split_from_trace_reads_the_parts_a_split_load_would(tiny_setup):
+    """`split_from_trace` (train's and retrain's load): the same train and held-out parts, array for array, as a whole
+    load split afterwards (which held the rows twice), with and without --max-tokens; `context(window, rows)` is the
+    whole context's rows."""
+    from moeflow.predict.data import from_trace, split_from_trace
+
+    _, path, full = tiny_setup
+    for kw, whole in (({}, full), ({"max_tokens": 50, "seed": 3}, from_trace(str(path), max_tokens=50, seed=3))):
+        seed = kw.get("seed", 0)
+        want = whole.split(0.3, seed)
+        got = split_from_trace(str(path), 0.3, seed, need_hidden=True, max_tokens=kw.get("max_tokens"))
+        for a, b in zip(got, want):
+            assert a.n == b.n and a.trace_tokens == b.trace_tokens == full.n
+            for f in ("prompt_id", "position", "phase", "token_id"):
+                assert np.array_equal(getattr(a, f), getattr(b, f)) and getattr(a, f).dtype == getattr(b, f).dtype, f
+            for l in full.layers:
+                for f in ("topk_ids", "topk_weights", "probs", "hidden_in", "resid"):
+                    x, y = getattr(a.layers[l], f), getattr(b.layers[l], f)
+                    assert np.array_equal(x, y) and x.dtype == y.dtype, f
+        assert np.intersect1d(got[0].prompt_id, got[1].prompt_id).size == 0
+    rows = np.array([0, 3, 17, full.n - 1])
+    for w in (1, 3):
+        assert np.array_equal(full.context(w, rows), full.context(w)[rows])
+
+
+def test_tokens_to_load_lowers_the_default_and_refuses_what_cannot_fit(tiny_setup, tmp_path, monkeypatch):
+    """`--max-tokens`' default (100,000) drops to the tokens whose loaded arrays take half of the host's available
+    memory, with a line; a typed value is kept, told where it takes more than half, refused in one line where the
+    rows alone exceed the host; no line where the host's memory is unknown. Through the CLI: the JSON says what was
+    loaded, and the refusal leaves no --out."""
+    from typer.testing import CliRunner
+
+    import moeflow.models as mm
+    from moeflow.cli.app import _register, app
+    from moeflow.predict.data import token_bytes
+    from moeflow.stages.train import tokens_to_load
+    from moeflow.trace import Trace
+
+    _, path, full = tiny_setup
+    tr = Trace(path)
+    per = token_bytes(tr)
+    H, L = tr.spec.hidden_size, tr.spec.num_moe_layers
+    assert per == L * (tr.spec.top_k * 12 + tr.spec.num_experts * 2 + 2 * H * 2) + 25  # float16 hidden states
+    assert per * full.n >= sum(a.nbytes for a in (full.prompt_id, full.position, full.token_id))
+    monkeypatch.setattr(mm, "host_available", lambda: None)
+    assert tokens_to_load(str(path), None) == (100_000, None)
+    monkeypatch.setattr(mm, "host_available", lambda: 120 * per)  # half of it holds 60 tokens
+    n, line = tokens_to_load(str(path), None)
+    assert n == 60 and line is not None and "loading 60 tokens" in line
+    assert tokens_to_load(str(path), 50) == (50, None)  # typed, within half
+    n, line = tokens_to_load(str(path), 100)  # typed, above half, within all
+    assert n == 100 and line is not None and "may run short" in line
+    with pytest.raises(ConfigError, match=r"--max-tokens 0: .* pass --max-tokens 60 or fewer"):
+        tokens_to_load(str(path), 0)  # every token: more than the host
+    monkeypatch.setattr(mm, "check_host_memory", lambda *a, **k: None)  # the model's own check reads the same stub
+    _register()
+    root = path.parent
+    argv = ["train", "--trace", str(path), "--model", str(root / "model"), "--only", "forest", "--forest-trees", "2"]
+    r = CliRunner().invoke(app, [*argv, "--out", str(tmp_path / "p"), "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rep["max_tokens"] == 60 and 60 <= rep["train_tokens"] + rep["heldout_tokens"] < full.n
+    assert json.loads((tmp_path / "p" / "meta.json").read_text())["config"]["max_tokens"] == 60
+    r = CliRunner().invoke(app, [*argv, "--out", str(tmp_path / "q"), "--max-tokens", "0"])
+    assert r.exit_code != 0 and isinstance(r.exception, ConfigError) and not (tmp_path / "q").exists()
+
+
 def test_trace_rows_read_across_shards_equal_the_whole_columns(tiny_setup, tmp_path):
     """`Trace.layer(rows=...)`/`_column(rows=...)` (what `from_trace(max_tokens)` reads): the same values as the whole
     column's rows, across shard boundaries, for no row and for every row."""

@@ -92,12 +92,14 @@ def train(
     seed: int = typer.Option(
         0, "--seed", help="Seed of the split, the prompts --max-tokens draws, the random token embedding and the fits."
     ),
-    max_tokens: int = typer.Option(
-        100_000,
+    max_tokens: int | None = typer.Option(
+        None,
         "--max-tokens",
         help="Traced tokens loaded (train and held out together): from a longer trace, whole prompts drawn at random "
         "until they hold this many, so its hidden states need not fit in memory (the layer-ahead fits subsample "
-        "fewer; eam, eap and gps see only the drawn prompts). 0: all.",
+        "fewer; eam, eap and gps see only the drawn prompts). 0: all. Default 100,000, or fewer where their arrays "
+        "would take more than half of the memory the host has left once the model is loaded (a line says how many).",
+        show_default=False,
     ),
     max_s: int | None = typer.Option(
         None,
@@ -194,11 +196,13 @@ def eval_(
         "the model's own routing, teacher-forced on the trace's sequences.",
     ),
     spec_sequences: int = typer.Option(24, "--spec-sequences", help="Trace prompts used by --speculative."),
-    max_tokens: int = typer.Option(
-        100_000,
+    max_tokens: int | None = typer.Option(
+        None,
         "--max-tokens",
         help="Traced tokens scored: from a longer trace, whole prompts drawn at random (seed 0) until they hold this "
-        "many, so its hidden states need not fit in memory. 0: all.",
+        "many, so its hidden states need not fit in memory. 0: all. Default 100,000, or fewer where their arrays "
+        "would take more than half of the memory the host has left once the model is loaded (a line says how many).",
+        show_default=False,
     ),
     plan_opt: list[str] | None = typer.Option(
         None, "--plan-opt", help="CasMoE planner option key=value: eps (cascade gate, 0.3), k (experts per layer scored)."

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,29 +76,40 @@ class RoutingData:
         )
 
     def split(self, holdout: float, seed: int) -> tuple[RoutingData, RoutingData]:
-        """(train, held-out) by whole prompts: no prompt has tokens on both sides."""
-        prompts = np.unique(self.prompt_id)
-        if len(prompts) < 2:
-            raise ArtifactError(f"the trace has {len(prompts)} prompt(s); a held-out split needs at least 2 (trace more prompts)")
-        rng = np.random.default_rng(seed)
-        n_out = min(len(prompts) - 1, max(1, round(holdout * len(prompts))))
-        out = set(rng.choice(prompts, size=n_out, replace=False).tolist())
-        mask = np.isin(self.prompt_id, list(out))
-        return self.take(np.flatnonzero(~mask)), self.take(np.flatnonzero(mask))
+        """(train, held-out) by whole prompts: no prompt has tokens on both sides (`split_rows`); copies."""
+        train, held = split_rows(self.prompt_id, holdout, seed)
+        return self.take(train), self.take(held)
 
-    def context(self, window: int) -> np.ndarray:
-        """[N,window] token ids of the last `window` tokens of each record's prompt (this one last; -1 pad)."""
-        ctx = np.full((self.n, window), -1, dtype=np.int64)
-        ctx[:, -1] = self.token_id
+    def context(self, window: int, rows: np.ndarray | None = None) -> np.ndarray:
+        """[n,window] token ids of the last `window` tokens of each record's prompt (this one last; -1 pad), for
+        `rows` (default every record)."""
+        pid, pos = (self.prompt_id, self.position) if rows is None else (self.prompt_id[rows], self.position[rows])
+        ctx = np.full((len(pid), window), -1, dtype=np.int64)
+        ctx[:, -1] = self.token_id if rows is None else self.token_id[rows]
+        if window < 2:
+            return ctx
         key = {(int(p), int(q)): int(t) for p, q, t in zip(self.prompt_id, self.position, self.token_id)}
         for j in range(1, window):
-            ctx[:, window - 1 - j] = [key.get((int(p), int(q) - j), -1) for p, q in zip(self.prompt_id, self.position)]
+            ctx[:, window - 1 - j] = [key.get((int(p), int(q) - j), -1) for p, q in zip(pid, pos)]
         return ctx
 
     def rank_pairs(self, max_s: int) -> list[tuple[int, int]]:
         """(source layer, S) for every S in 1..max_s that stays inside the model."""
         ml = self.spec.moe_layers
         return [(ml[r], s) for s in range(1, max_s + 1) for r in range(len(ml) - s)]
+
+
+def split_rows(prompt_id: np.ndarray, holdout: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train rows, held-out rows), each sorted, of records with prompt ids `prompt_id` [N], split by whole prompts:
+    `holdout` of the prompts (at least 1, and at least 1 left to train on) drawn with `seed`."""
+    prompts = np.unique(prompt_id)
+    if len(prompts) < 2:
+        raise ArtifactError(f"the trace has {len(prompts)} prompt(s); a held-out split needs at least 2 (trace more prompts)")
+    rng = np.random.default_rng(seed)
+    n_out = min(len(prompts) - 1, max(1, round(holdout * len(prompts))))
+    out = set(rng.choice(prompts, size=n_out, replace=False).tolist())
+    mask = np.isin(prompt_id, list(out))
+    return np.flatnonzero(~mask), np.flatnonzero(mask)
 
 
 def target_of(spec: MoESpec, source: int, s: int) -> int:
@@ -129,19 +141,52 @@ def from_trace(path: str, *, need_hidden: bool = False, max_tokens: int | None =
     only the rows of whole prompts drawn at random (`prompt_rows`), read from the memory-mapped shards without
     touching the other rows (`Trace.layer(rows=...)`), so a long trace's hidden states ([N,H] per MoE layer, twice)
     need not fit in memory."""
+    tr, toks = _open(path, need_hidden)
+    return _read(tr, toks, path, prompt_rows(np.asarray(toks["prompt_id"]), max_tokens, seed))
+
+
+def split_from_trace(
+    path: str, holdout: float, seed: int, *, need_hidden: bool = False, max_tokens: int | None = None
+) -> tuple[RoutingData, RoutingData]:
+    """`from_trace(path, ...).split(holdout, seed)`, the same two parts, each read from the trace's shards on its
+    own: the loaded rows are never held twice (the whole load and its two copies)."""
+    tr, toks = _open(path, need_hidden)
+    pid = np.asarray(toks["prompt_id"])
+    rows = prompt_rows(pid, max_tokens, seed)
+    rows = np.arange(len(pid)) if rows is None else rows
+    train, held = split_rows(pid[rows], holdout, seed)
+    return _read(tr, toks, path, rows[train]), _read(tr, toks, path, rows[held])
+
+
+def token_bytes(tr: Any) -> int:
+    """Bytes one token of trace `tr` takes once loaded (`_read`'s arrays): per MoE layer its top-k ids (int64) and
+    weights (float32), its router probabilities (float16) and, where recorded, its two hidden states ([H] each, in the
+    trace's dtype); its prompt id, position and token id (int64) and phase (int8)."""
+    spec = tr.spec
+    per_layer = spec.top_k * (8 + 4) + spec.num_experts * 2
+    if tr.record_hidden:
+        per_layer += 2 * spec.hidden_size * np.dtype(tr.meta.get("hidden_dtype", "float16")).itemsize
+    return spec.num_moe_layers * per_layer + 3 * 8 + 1
+
+
+def _open(path: str, need_hidden: bool) -> tuple[Any, dict[str, np.ndarray]]:
+    """(the trace at `path`, its token columns); refuses a trace without hidden states where they are needed."""
     try:
         from ..trace import Trace
     except ImportError as e:  # the trace stage is not in this checkout
         raise ArtifactError(f"cannot read traces: moeflow.trace.Trace is missing ({e})") from e
     tr = Trace(path)
-    spec = tr.spec
     if need_hidden and not tr.record_hidden:
         raise ArtifactError(
             f"trace {path} has no hidden states; re-run `moeflow trace --record-hidden` "
             "(needed by pregate, router-pf, estimator and hybrid) or pass --only forest"
         )
-    toks = tr.tokens()
-    rows = prompt_rows(np.asarray(toks["prompt_id"]), max_tokens, seed)  # None: every row
+    return tr, tr.tokens()
+
+
+def _read(tr: Any, toks: dict[str, np.ndarray], path: str, rows: np.ndarray | None) -> RoutingData:
+    """The records `rows` (sorted; None: every one) of trace `tr` as numpy arrays of their own."""
+    spec = tr.spec
     pick = slice(None) if rows is None else rows
     copy = _copy if rows is None else (lambda x: x)  # the reader's `rows` are copies already
     layers: dict[int, LayerArrays] = {}

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from ..errors import ArtifactError
 from .base import PREDICTORS
-from .data import RoutingData, SourceBatch, batch_from_rows, iter_chunks, target_of
+from .data import RoutingData, SourceBatch, batch_from_rows, iter_chunks, split_rows, target_of
 from .default_vectors import QuasiHidden, compute_default_vectors, load_dvec, save_dvec
 from .estimator_net import EstimatorFeatures, EstimatorNet
 
@@ -127,7 +127,7 @@ class Estimator:
             g = self.feat.gates(ids, wr, torch.full((n,), r))  # [N,L*E]
             ug.append(torch.cat([torch.from_numpy(_hidden(data, ml[r])[rows]).float(), g], 1).half())
         tgt = torch.tensor([ml.index(target_of(spec, l, s)) for l, s in self.pairs])  # [P]
-        ctx = torch.from_numpy(data.context(max(1, self.context))[rows])
+        ctx = torch.from_numpy(data.context(max(1, self.context), rows))
         return {
             "q": torch.stack([by_src[src][s - 1] for src, s in self.pairs]),  # [P,N,H] f16
             "ug": torch.stack(ug),  # [R,N,H+L*E] f16: router input and gate history per source rank
@@ -193,22 +193,23 @@ class Estimator:
         self.pairs = data.rank_pairs(cfg.max_s)
         spec = data.spec
         P = len(self.pairs)
+        # the rows of the fitting part and of the validation prompts (`data`'s rows: no copies of its arrays)
+        fit_rows: np.ndarray = np.arange(data.n)
+        val_rows: np.ndarray | None = None
         if len(np.unique(data.prompt_id)) >= 2:
-            fit_part, val = data.split(cfg.hybrid_val, cfg.seed + 1)
-        else:  # one prompt: no validation, every epoch is trained
-            fit_part, val = data, None
+            fit_rows, val_rows = split_rows(data.prompt_id, cfg.hybrid_val, cfg.seed + 1)
         rng = np.random.default_rng(cfg.seed)
-        rows = np.arange(fit_part.n)
+        rows = np.arange(len(fit_rows))
         per_row = max(1, cfg.est_max_samples // max(1, P))  # samples = rows x pairs
         if len(rows) > min(cfg.est_max_tokens, per_row):
             rows = np.sort(rng.choice(rows, min(cfg.est_max_tokens, per_row), replace=False))
-        c = self._parts(fit_part, rows)
+        c = self._parts(data, fit_rows[rows])
         cv = None
-        if val is not None:
-            vrows = np.arange(val.n)
+        if val_rows is not None:
+            vrows = np.arange(len(val_rows))
             if len(vrows) > per_row:
                 vrows = np.sort(rng.choice(vrows, per_row, replace=False))
-            cv = self._parts(val, vrows)
+            cv = self._parts(data, val_rows[vrows])
         N = len(rows)
         torch.manual_seed(cfg.seed)
         self.net = EstimatorNet(self.feat.dim, spec.num_experts, P, self.m, self.n, self.blocks)
@@ -260,7 +261,7 @@ class Estimator:
         if best[1] is not None:
             self.net.load_state_dict(best[1])
         self.val_recall = None if best[2] is None else {pr: float(v) for pr, v in zip(self.pairs, best[2])}
-        self.val_prompts = None if val is None else np.unique(val.prompt_id)
+        self.val_prompts = None if val_rows is None else np.unique(data.prompt_id[val_rows])
         self.net.eval()
         if progress is not None:
             progress(1.0)

@@ -16,7 +16,7 @@ import torch
 
 from ..moe.sets import recall_at_k
 from .base import PREDICTORS
-from .data import RoutingData, SourceBatch, batch_from_rows, target_of
+from .data import RoutingData, SourceBatch, batch_from_rows, split_rows, target_of
 from .default_vectors import RouterPF, compute_default_vectors
 from .estimator import Estimator
 
@@ -58,12 +58,12 @@ class Hybrid:
         (`Estimator.fit`'s: `cfg.hybrid_val` of them, seed `cfg.seed + 1`). Reuses `estimator` when it was
         fitted on `data` (its validation prompts are this split's), else fits one; reuses `router_pf` when it
         holds these default vectors."""
-        _, val = data.split(cfg.hybrid_val, cfg.seed + 1)
+        _, val_rows = split_rows(data.prompt_id, cfg.hybrid_val, cfg.seed + 1)  # `Estimator.fit`'s validation prompts
         dvec = dvec if dvec is not None else compute_default_vectors(model, data, max_tokens=cfg.dv_max_tokens)
         if router_pf is None or router_pf.dvec is not dvec or router_pf.max_lookahead < cfg.max_s:
             router_pf = RouterPF(model, dvec, cfg.max_s)
         self.router_pf = router_pf
-        vp = np.unique(val.prompt_id)
+        vp = np.unique(data.prompt_id[val_rows])
         if (
             estimator is None
             or estimator.val_recall is None
@@ -82,11 +82,12 @@ class Hybrid:
         pairs = data.rank_pairs(cfg.max_s)
         for src in sorted({l for l, _ in pairs}):  # Router-PF: one chain per source layer serves every S
             smax = max(s for l, s in pairs if l == src)
-            b = batch_from_rows(val, src, np.arange(val.n))
+            b = batch_from_rows(data, src, val_rows)
             for s, q in enumerate(qh.chain(b, smax), start=1):
                 tgt = target_of(data.spec, src, s)
                 scores = torch.softmax(b.router_logits(qh.adapter, tgt, q).float(), -1)  # [T,E] = RouterPF.predict
-                rec[(src, s)] = (_recall(scores, torch.from_numpy(val.layers[tgt].topk_ids)), estimator.val_recall[(src, s)])
+                truth = torch.from_numpy(data.layers[tgt].topk_ids[val_rows])  # [T,k]
+                rec[(src, s)] = (_recall(scores, truth), estimator.val_recall[(src, s)])
         best = (-1.0, 0.0)
         for thr in [*sorted({0.0, *[r for r, _ in rec.values()]}), 1.01]:
             mean = float(np.mean([e if r < thr else r for r, e in rec.values()]))

@@ -346,7 +346,7 @@ def retrain(cfg: RetrainConfig, console: Any = None) -> dict[str, Any]:
 def _run(cfg: RetrainConfig, rec: dict[str, Any], console: Any) -> None:
     from ..models import load_model, torch_threads
     from ..moe import model_fingerprint
-    from ..predict.data import from_trace
+    from ..predict.data import split_from_trace
     from ..predict.io import KIND, read_predictor_meta
     from ..predict.train import PLANNERS, check_names
     from .threads import apply_threads
@@ -412,11 +412,11 @@ def _run(cfg: RetrainConfig, rec: dict[str, Any], console: Any) -> None:
             force=True,
             **cfg.train_options,
         )
-        train_main(tcfg)
-        # the same held-out prompts for both: predict's split of the current trace by seed
+        trained = train_main(tcfg)
+        # the same held-out prompts for both: predict's split of the current trace by seed, of the tokens train loaded
         need_hidden = "pregate" in cfg.only or any(n in cfg.only for n in ("router-pf", "estimator", "hybrid"))
-        data = from_trace(cfg.trace, need_hidden=need_hidden, max_tokens=tcfg.max_tokens, seed=cfg.seed)
-        _, held = data.split(cfg.holdout, cfg.seed)
+        mt = trained["max_tokens"]
+        _, held = split_from_trace(cfg.trace, cfg.holdout, cfg.seed, need_hidden=need_hidden, max_tokens=mt)
         emodel = load_cpu_model(cfg.model)
         names = [n for n in cfg.only if n not in PLANNERS and n != "gps"]
         new = _score(cand, names, emodel, held, tcfg.forest_window)

@@ -23,7 +23,7 @@ import torch
 from ..errors import ArtifactError, ConfigError
 from ..moe import model_fingerprint
 from ..predict.base import PREDICTORS
-from ..predict.data import from_trace
+from ..predict.data import from_trace, split_from_trace
 from ..predict.train import (
     BASELINES,
     GPS,
@@ -42,6 +42,8 @@ __all__ = ["BASELINES", "GPS", "LEARNED", "PLANNERS", "EvalConfig", "TrainConfig
 
 
 DEFAULT_MAX_S = 4  # `--max-s`'s default: S = 1..4 MoE layers ahead, fewer where the model has fewer (`within_model`)
+DEFAULT_MAX_TOKENS = 100_000  # `--max-tokens`'s default, lowered where the host cannot hold it (`tokens_to_load`)
+LOAD_SHARE = 0.5  # of the memory available once the model is loaded: what the default lets the loaded rows take
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,9 @@ class TrainConfig:
     only: tuple[str, ...] = LEARNED  # learned predictors to fit (pregate and baselines always come along)
     holdout: float = 0.2  # fraction of prompts held out for evaluation
     seed: int = 0
-    max_tokens: int = 100_000  # traced tokens loaded: beyond it, whole prompts drawn at random (`prompt_rows`); 0: all
+    # traced tokens loaded: beyond it, whole prompts drawn at random (`prompt_rows`); 0: all; None: DEFAULT_MAX_TOKENS,
+    # or fewer where the host cannot hold them (`tokens_to_load`, which `_main` resolves it by)
+    max_tokens: int | None = None
     max_s: int | None = None  # largest step S fitted and evaluated (None: DEFAULT_MAX_S; `within_model` resolves)
     mass: float = 0.8  # cumulative score mass of the evaluated prefetch set
     threads: int | None = None  # torch threads and forest jobs (None: moeflow.threads' rule)
@@ -112,7 +116,7 @@ class TrainConfig:
                 raise ConfigError(f"{flag} must be >= 1 (got {v})")
         if not 0.0 < self.holdout < 1.0:
             raise ConfigError(f"--holdout must be in (0, 1), got {self.holdout}")
-        if self.max_tokens < 0:
+        if self.max_tokens is not None and self.max_tokens < 0:
             raise ConfigError(f"--max-tokens must be >= 0 (0: every traced token), got {self.max_tokens}")
         if self.fit_workers not in (None, 1, 2):
             raise ConfigError(f"--fit-workers must be 1 or 2 (got {self.fit_workers}); leave it out for the idle-CPU rule")
@@ -137,12 +141,12 @@ class EvalConfig:
     speculative: bool = False  # also measure speculative execution's quality cost
     spec_sequences: int = 24  # trace prompts (prompt + generated tokens) used for that
     threads: int | None = None  # torch threads (None: moeflow.threads' rule)
-    max_tokens: int = 100_000  # traced tokens scored: beyond it, whole prompts drawn at random (seed 0); 0: all
+    max_tokens: int | None = None  # traced tokens scored: as TrainConfig's (prompts drawn with seed 0)
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1 (got {self.threads})")
-        if self.max_tokens < 0:
+        if self.max_tokens is not None and self.max_tokens < 0:
             raise ConfigError(f"--max-tokens must be >= 0 (0: every traced token), got {self.max_tokens}")
         for flag, v in (
             ("--max-s", 1 if self.max_s is None else self.max_s),
@@ -215,6 +219,39 @@ def _check_inputs(trace: str, model: str) -> int:
     return Trace(trace).spec.num_moe_layers
 
 
+def tokens_to_load(trace: str, max_tokens: int | None) -> tuple[int, str | None]:
+    """(`--max-tokens` to load the trace with, a line to print or None), from the bytes a loaded token takes
+    (`predict.data.token_bytes`) and what the host has left once the model is loaded (`models.host_available`).
+    Typed (`max_tokens` not None): kept, refused in one line only where the rows alone exceed the host (a certain
+    failure), told where they take more than LOAD_SHARE of it. The default (None): DEFAULT_MAX_TOKENS, lowered to the
+    tokens whose rows take LOAD_SHARE of it, the rest left to the fits (their own arrays are capped: --est-tokens,
+    --forest-samples), the evaluation and the forest's process."""
+    from ..models import host_available
+    from ..predict.data import token_bytes
+    from ..trace import Trace
+
+    tr = Trace(trace)
+    per, total = token_bytes(tr), int(tr.num_tokens)
+    asked = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    want = total if asked == 0 else min(total, asked)
+    avail = host_available()
+    if avail is None or want * per <= LOAD_SHARE * avail:
+        return asked, None
+    fit = max(1, int(LOAD_SHARE * avail) // per)
+    size = f"{want:,} traced tokens take {want * per / 1e9:.3g} GB once loaded ({per / 1e3:.3g} KB each)"
+    if max_tokens is None:
+        return fit, (
+            f"--max-tokens: {size}, more than half of the {avail / 1e9:.3g} GB this host has available (memory and "
+            f"swap); loading {fit:,} tokens of whole prompts drawn at random (--max-tokens N chooses)"
+        )
+    if want * per > avail:
+        raise ConfigError(
+            f"--max-tokens {asked:,}: {size}, and this host has {avail / 1e9:.3g} GB available (memory and swap); pass "
+            f"--max-tokens {fit:,} or fewer, or use a larger host"
+        )
+    return asked, f"--max-tokens {asked:,}: {size}, more than half of the {avail / 1e9:.3g} GB available; the fits may run short"
+
+
 def resolved(cfg: Any) -> int:
     """`cfg.max_s` once `within_model` has resolved it (an int)."""
     if cfg.max_s is None:
@@ -272,11 +309,14 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
         fits = f"; fits: {n} thread(s), {idle:.1f} CPU(s) idle" if n != threads.n and idle is not None else ""
         console.print(f"[dim]threads: {threads.describe()}{fits}[/]")
     need_hidden = any(PREDICTORS[n].needs_hidden for n in cfg.only if n not in PLANNERS and n not in GPS)
-    data = from_trace(cfg.trace, need_hidden=need_hidden, max_tokens=cfg.max_tokens, seed=cfg.seed)
-    check_trace_model(data, model, cfg.trace)
-    train, held = data.split(cfg.holdout, cfg.seed)
-    trace_fingerprint, trace_tokens = data.trace_fingerprint, data.trace_tokens
-    del data  # train and held are copies: the loaded arrays would otherwise stay to the end, a third of the peak
+    max_tokens, line = tokens_to_load(cfg.trace, cfg.max_tokens)
+    if console is not None and line:
+        console.print(f"[yellow]{line}[/]")
+    cfg = dataclasses.replace(cfg, max_tokens=max_tokens)  # the saved config and retrain's held-out split read it
+    # the two parts read apart: the loaded rows are never held twice (a whole load, then its split's copies)
+    train, held = split_from_trace(cfg.trace, cfg.holdout, cfg.seed, need_hidden=need_hidden, max_tokens=cfg.max_tokens)
+    check_trace_model(train, model, cfg.trace)
+    trace_fingerprint, trace_tokens = train.trace_fingerprint, train.trace_tokens
     steps["load"] = time.perf_counter() - t_start
     columns = (TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn())
     if console is not None and workers > 1:
@@ -290,6 +330,7 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
     per = {n: float(getattr(p, "fit_seconds", 0.0)) for n, p in preds.items()}
     report["train_tokens"], report["heldout_tokens"] = train.n, held.n
     report["trace_tokens"] = trace_tokens  # more than train + held out: --max-tokens drew prompts
+    report["max_tokens"] = cfg.max_tokens  # as resolved (`tokens_to_load`)
     planners = tuple(n for n in cfg.only if n in PLANNERS)
     savers: dict[str, Any] = {}
     if planners:
@@ -409,7 +450,10 @@ def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         console.print(f"[dim]threads: {threads.describe()}[/]")
     # the layer-ahead predictors; CasMoE's planner (eam, eap) and MoE-GPS's suite (gps) are scored apart below
     names = [n for n in (cfg.only or meta.get("predictors", [])) if n not in PLANNERS and n not in GPS]
-    data = from_trace(cfg.trace, max_tokens=cfg.max_tokens)
+    max_tokens, line = tokens_to_load(cfg.trace, cfg.max_tokens)
+    if console is not None and line:
+        console.print(f"[yellow]{line}[/]")
+    data = from_trace(cfg.trace, max_tokens=max_tokens)
     check_trace_model(data, model, cfg.trace)
     skipped = []
     if not data.has_hidden:
@@ -444,5 +488,6 @@ def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     report.update(sample_overlap(meta, trace_prompt_ids(cfg.trace, data)))  # in-sample when they saw these prompts
     report["trace_overlap_warning"] = report["heldout"] is False
     report["scored_tokens"], report["trace_tokens"] = data.n, data.trace_tokens  # fewer: --max-tokens drew
+    report["max_tokens"] = max_tokens  # as resolved (`tokens_to_load`)
     report.update(threads.to_dict())
     return report
