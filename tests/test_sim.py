@@ -659,6 +659,27 @@ def test_the_host_miss_policy_is_replayed_and_timed(tiny_acc):
         simulate(acc, cap, "lru", miss="cpu", timing=base)
 
 
+def test_host_experts_hide_behind_a_stall_only_beside_a_worker(tiny_acc):
+    """Host experts run on the engine's host worker during the layer's wait on a CUDA device or a CPU device at one
+    thread (`host_beside`): a stall hides them; at several CPU threads they run after the wait, so the clock adds
+    them in full and the pass is slower by what the stalls hid. The calibration decides which."""
+    from moeflow.sim.timemodel import TimeModel
+
+    _, acc = tiny_acc
+    cap = 2 * acc.top_k * len(acc.moe_layers)
+
+    def run(beside: bool):
+        tm = TimeModel(experts_s=(1e-4,), host_miss_s=5e-3, host_beside=beside)
+        return simulate(acc, cap, "lru", "all-next-layer", miss="cpu", link="emulated:0.05", timing=tm, count_phase=1)
+
+    hid, serial = run(True), run(False)
+    assert (hid.host_misses, hid.hits, hid.loads) == (serial.host_misses, serial.hits, serial.loads) and hid.host_misses > 0
+    assert serial.time_s > hid.time_s  # the stalls hid host time
+    cal = {"engine_time": {"attention_s": [0.0], "route_s": [0.0], "experts_s": [1e-4], "token_s": 0.0}}
+    for dev, n, beside in (("cpu", 1, True), ("cpu", 2, False), ("cuda:0", 4, True)):
+        assert TimeModel.from_calibration({**cal, "torch_device": dev, "cpu_threads": n}).host_beside is beside
+
+
 def test_miss_cpu_needs_a_clock_only_on_a_link_that_takes_time():
     """`moeflow simulate --miss cpu` without --calibrated-time: accepted on every spelling of a link whose copies
     take no time (instant, direct, any case), refused on a modelled link or with --layer-time-us."""

@@ -196,7 +196,8 @@ def host_costs(resident: dict[str, Any], alone: dict[str, Any], split: dict[str,
     `resident` (every expert resident): a pass's extra host time (the router hook's: the misses found and sent;
     the rest of the pass's: the experts calls, their join; waits for copies and the proposal left out) is
     `host_miss_s` x host-computed experts + `host_split_s` x layer calls that split (some experts in slots, the
-    others on the host worker: a hand-off, two threads' kernels beside each other, the join).
+    others on the host worker: a hand-off, two threads' kernels beside each other, the join; at several CPU threads
+    no worker runs and the host experts follow the slots' compute on the calling thread).
     `alone`: a small cache that nothing fills (no prefetch: every expert computed by the host, no call splits)
     gives `host_miss_s`; `split`: the same cache filled by prefetches gives `host_split_s` from what is left
     once its host experts are counted. Each >= 0; 0 where the run had none."""

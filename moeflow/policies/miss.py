@@ -157,8 +157,9 @@ class Auto(MissPolicy):
     its prior; each update scales the sums by `decay` and adds (1 - `decay`) of a prior observation, so the
     prior keeps the weight of one observation and an option `auto` has not chosen for a while drifts back to
     its prior (optimistic) and is tried again:
-    - `slowdown` = host-path seconds (hand-off to the host worker, compute, result back) / host(tokens) of
-      the experts `auto` sent there (prior 1: the kernel alone);
+    - `slowdown` = host-path seconds (hand-off to the host worker, compute, result back; on a CPU device at
+      several threads, no worker: the compute on the calling thread) / host(tokens) of the experts `auto` sent
+      there (prior 1: the kernel alone);
     - `hidden` = 1 - the experts call's wait for those results / their host-path seconds (prior 0);
     - `wait` = seconds the compute waited per demand load or late prefetch (prior: the link's
       estimate of one copy, else one timed row copy), so queueing behind copies in flight and the link's

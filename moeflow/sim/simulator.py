@@ -329,7 +329,8 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wc
     (miss policy `cpu`): as the engine's router hook (`moeflow.runtime.step.apply_miss`), a layer's experts
     without a slot leave its needed list before `route` (the host computes them; the cache never sees them), and
     each adds `tm.host_miss_s`, and a call that also has experts in slots `tm.host_split_s`, after the layer's wait
-    less what that wait stalled (the engine hands the host worker its job before it waits for its slots)."""
+    less what that wait stalled (the engine hands the host worker its job before it waits for its slots; without a
+    worker, `tm.host_beside` False, nothing is hidden)."""
     prefetching = pf.proposes
     pre_s, pred_s, disp_s, post_s = tm.per_layer(len(acc.moe_layers), _ahead(pf, lookahead))
     miss_s = tm.miss_host_s
@@ -405,7 +406,9 @@ def _replay(st, acc, cache, pf, ms, lookahead, predict_logits, check, lk, tm, wc
             if slots is not None:
                 stalled = wait(slots)  # the host worker's job, handed over before this wait, runs meanwhile
                 # the rest of the call, its copies' host cost, what of the host's experts the stall did not hide
-                advance(post_s[rank] + miss_s * (c.demand_loads - d0) + max(0.0, host_cost - stalled))
+                # (without a worker, all of it: they run after the wait)
+                hidden = stalled if tm.host_beside else 0.0
+                advance(post_s[rank] + miss_s * (c.demand_loads - d0) + max(0.0, host_cost - hidden))
                 release(slots)
             else:  # more experts than one wave holds: waves, resident experts first
                 waves = cache.plan_waves(layer, experts, wcap)

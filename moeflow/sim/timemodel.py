@@ -14,7 +14,8 @@ copies runs slower than an all-hit one: the experts call's miss path, weights ju
 `copy_costs`); with miss policy `cpu`, after the layer's wait `host_miss_s` per expert the host computes instead of
 copying and `host_split_s` per layer call that splits (experts in slots computed beside experts on the host worker:
 the hand-off, two threads' kernels, the join) (`engine_time.host_costs`, measured on a CPU device, where `cpu` is
-exact).
+exact), less what the layer's wait stalled where the host worker runs beside it (`host_beside`: a CUDA device, or a
+CPU device at one torch thread; at several there is no worker).
 `TimeModel.from_calibration` reads what `moeflow calibrate` measured (`engine_time`); `layer_time_s` alone is
 `experts_s` of every layer. `SimStats.time_s` sums, over the counted passes, the clock from the end of the
 previous pass to the end of the pass (as `moeflow run` times decode passes), so `pass_s` is the predicted TPOT
@@ -48,6 +49,9 @@ class TimeModel:
     miss_host_s: float = 0.0  # host seconds per demand copy after the layer's wait (a pass that copies runs slower)
     host_miss_s: float | None = None  # seconds a pass takes longer per miss computed on the host (`cpu`; None: not measured)
     host_split_s: float = 0.0  # ... and per layer call that splits (experts in slots beside experts on the host worker)
+    # whether host experts run on the engine's host worker, beside the layer's wait (a CUDA device, or a CPU device at
+    # one torch thread: `OffloadEngine._worker_is_exact`); False: serially after it, nothing hidden
+    host_beside: bool = True
 
     def __post_init__(self) -> None:
         for name in ("attention_s", "route_s", "predict_s", "dispatch_s", "experts_s", "predict_layer_s"):
@@ -105,6 +109,7 @@ class TimeModel:
             miss_host_s=float(lt.get("miss_host_s", 0.0)),  # an older calibration: not measured
             host_miss_s=None if lt.get("host_miss_s") is None else float(lt["host_miss_s"]),  # a CPU device's only
             host_split_s=float(lt.get("host_split_s", 0.0)),
+            host_beside=str(cal.get("torch_device", "cpu")).split(":")[0] != "cpu" or int(cal.get("cpu_threads") or 1) == 1,
         )
 
     def per_layer(self, n: int, lookahead: int = 1) -> tuple[list[float], list[float], list[float], list[float]]:
