@@ -83,12 +83,13 @@ def token_id_baseline(trace_dir: Path, k: int, seed: int = 0, holdout: float = 0
     top-k experts of sum over the prompt's prefill token ids of the training token -> expert count table
     (each token's counts normalised to sum 1; unseen tokens: the global frequency) vs the prompt's own EP top-k."""
     from moeflow.plan.labels import ep_labels
-    from moeflow.predict.data import from_trace
+    from moeflow.predict.data import split_from_trace
+    from moeflow.stages.train import tokens_to_load
 
-    data = from_trace(str(trace_dir))
-    train, held = data.split(holdout, seed)
-    ml = data.spec.moe_layers
-    K = data.spec.num_experts
+    # train's split of the tokens its default --max-tokens loads on this host
+    train, held = split_from_trace(str(trace_dir), holdout, seed, max_tokens=tokens_to_load(str(trace_dir), None)[0])
+    ml = train.spec.moe_layers
+    K = train.spec.num_experts
     tables: list[dict[int, np.ndarray]] = []
     glob: list[np.ndarray] = []
     pre = train.phase == 0

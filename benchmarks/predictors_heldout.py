@@ -185,11 +185,7 @@ def main() -> None:
     pred_dir = Path(args.predictors) if args.predictors else root / "predictors"
     fit_seconds: dict = {}
     if not args.predictors:
-        opts: dict = {}
-        for kv in args.train_opt:
-            k, v = kv.split("=", 1)
-            f = TrainConfig.__dataclass_fields__[k]
-            opts[k] = {"int": int, "float": float, "bool": lambda x: x.lower() in ("1", "true"), "str": str}[str(f.type)](v)
+        opts = _train_opts(args.train_opt)
         cfg = TrainConfig(
             trace=str(root / args.train_set),
             out=str(pred_dir),
@@ -303,8 +299,8 @@ def _train_opts(kvs: list[str]) -> dict:
     opts: dict = {}
     for kv in kvs:
         k, v = kv.split("=", 1)
-        f = TrainConfig.__dataclass_fields__[k]
-        opts[k] = {"int": int, "float": float, "bool": lambda x: x.lower() in ("1", "true"), "str": str}[str(f.type)](v)
+        kind = str(TrainConfig.__dataclass_fields__[k].type).removesuffix(" | None")  # e.g. max_tokens: int | None
+        opts[k] = {"int": int, "float": float, "bool": lambda x: x.lower() in ("1", "true"), "str": str}[kind](v)
     return opts
 
 

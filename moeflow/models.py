@@ -269,11 +269,12 @@ def saved_dtype(folder: str | os.PathLike, config: Any = None) -> torch.dtype | 
     return saved if isinstance(saved, torch.dtype) else None
 
 
-def host_available() -> int | None:
-    """Bytes the host can still give a process: MemAvailable plus SwapFree (/proc/meminfo); None where unknown."""
+def host_available(swap: bool = True) -> int | None:
+    """Bytes the host can still give a process: MemAvailable plus (`swap`) SwapFree (/proc/meminfo); None where
+    unknown."""
     try:
         fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        return sum(int(fields[k].split()[0]) * 1024 for k in ("MemAvailable", "SwapFree"))
+        return sum(int(fields[k].split()[0]) * 1024 for k in ("MemAvailable", "SwapFree")[: 2 if swap else 1])
     except (OSError, KeyError, ValueError, IndexError):
         return None
 

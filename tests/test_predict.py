@@ -248,19 +248,21 @@ def test_tokens_to_load_lowers_the_default_and_refuses_what_cannot_fit(tiny_setu
     _, path, full = tiny_setup
     tr = Trace(path)
     per = token_bytes(tr)
-    H, L = tr.spec.hidden_size, tr.spec.num_moe_layers
-    assert per == L * (tr.spec.top_k * 12 + tr.spec.num_experts * 2 + 2 * H * 2) + 25  # float16 hidden states
-    assert per * full.n >= sum(a.nbytes for a in (full.prompt_id, full.position, full.token_id))
-    monkeypatch.setattr(mm, "host_available", lambda: None)
-    assert tokens_to_load(str(path), None) == (100_000, None)
-    monkeypatch.setattr(mm, "host_available", lambda: 120 * per)  # half of it holds 60 tokens
-    n, line = tokens_to_load(str(path), None)
+    arrays = [full.prompt_id, full.position, full.phase, full.token_id]
+    arrays += [getattr(a, f) for a in full.layers.values() for f in ("topk_ids", "topk_weights", "probs", "hidden_in", "resid")]
+    assert per * full.n == sum(x.nbytes for x in arrays)  # what `from_trace` holds per token, exactly
+    monkeypatch.setattr(mm, "host_available", lambda swap=True: None)
+    assert tokens_to_load(tr, None) == (100_000, None)
+    monkeypatch.setattr(mm, "host_available", lambda swap=True: 120 * per + (1000 * per if swap else 0))
+    n, line = tokens_to_load(tr, None)  # half of the memory (swap not counted) holds 60 tokens
     assert n == 60 and line is not None and "loading 60 tokens" in line
-    assert tokens_to_load(str(path), 50) == (50, None)  # typed, within half
-    n, line = tokens_to_load(str(path), 100)  # typed, above half, within all
-    assert n == 100 and line is not None and "may run short" in line
-    with pytest.raises(ConfigError, match=r"--max-tokens 0: .* pass --max-tokens 60 or fewer"):
-        tokens_to_load(str(path), 0)  # every token: more than the host
+    assert tokens_to_load(tr, 50) == (50, None)  # typed, within half
+    n, line = tokens_to_load(tr, 100, "the scoring")  # typed, above half, within memory
+    assert n == 100 and line is not None and "the scoring may run short" in line
+    assert tokens_to_load(tr, 0)[0] == 0  # every token: beyond the memory, within memory and swap
+    monkeypatch.setattr(mm, "host_available", lambda swap=True: 120 * per)
+    with pytest.raises(ConfigError, match=r"--max-tokens 0: .* pass --max-tokens between 1 and 60"):
+        tokens_to_load(tr, 0)  # every token: more than the host has
     monkeypatch.setattr(mm, "check_host_memory", lambda *a, **k: None)  # the model's own check reads the same stub
     _register()
     root = path.parent

@@ -37,17 +37,19 @@ def check_names(names: tuple[str, ...]) -> None:
         )
 
 
-def check_trace_model(data: RoutingData, model: torch.nn.Module, trace: str) -> None:
+def check_trace_model(fingerprint: str | None, model: torch.nn.Module, trace: str) -> None:
+    """One line where the trace at `trace`, whose meta records model fingerprint `fingerprint` (None: not
+    recorded), was traced with another model than `model`."""
     fp = model_fingerprint(model)
-    if data.fingerprint is not None and data.fingerprint != fp:
+    if fingerprint is not None and fingerprint != fp:
         import json
 
         from ..artifacts import another_model
 
         try:  # the trace's meta names the model it was traced with (when recorded)
-            meta = {**json.loads((Path(trace) / "meta.json").read_text()), "model_fingerprint": data.fingerprint}
+            meta = {**json.loads((Path(trace) / "meta.json").read_text()), "model_fingerprint": fingerprint}
         except (OSError, ValueError, TypeError):
-            meta = {"model_fingerprint": data.fingerprint}
+            meta = {"model_fingerprint": fingerprint}
         raise another_model(f"trace {trace}", meta, fp, "pass the --model it was traced with")
 
 

@@ -219,37 +219,38 @@ def _check_inputs(trace: str, model: str) -> int:
     return Trace(trace).spec.num_moe_layers
 
 
-def tokens_to_load(trace: str, max_tokens: int | None) -> tuple[int, str | None]:
-    """(`--max-tokens` to load the trace with, a line to print or None), from the bytes a loaded token takes
-    (`predict.data.token_bytes`) and what the host has left once the model is loaded (`models.host_available`).
-    Typed (`max_tokens` not None): kept, refused in one line only where the rows alone exceed the host (a certain
-    failure), told where they take more than LOAD_SHARE of it. The default (None): DEFAULT_MAX_TOKENS, lowered to the
-    tokens whose rows take LOAD_SHARE of it, the rest left to the fits (their own arrays are capped: --est-tokens,
-    --forest-samples), the evaluation and the forest's process."""
+def tokens_to_load(tr: Any, max_tokens: int | None, use: str = "the fits") -> tuple[int, str | None]:
+    """(`--max-tokens` to load trace `tr` (a `Trace`) with, a line to print or None), from the bytes a loaded token
+    takes (`predict.data.token_bytes`) and what the host has left once the model is loaded (`models.host_available`).
+    The default (None): DEFAULT_MAX_TOKENS, lowered to the tokens whose rows take LOAD_SHARE of the memory (swap not
+    counted), the rest left to `use` (the fits: their own arrays are capped, --est-tokens, --forest-samples; the
+    evaluation; the forest's process), with a line. Typed (`max_tokens` not None): kept, told where its rows take more
+    than LOAD_SHARE, refused in one line only where they alone exceed memory and swap (a certain failure). Whole
+    prompts are drawn (`prompt_rows`), so the rows loaded may pass the count by part of a prompt."""
     from ..models import host_available
     from ..predict.data import token_bytes
-    from ..trace import Trace
 
-    tr = Trace(trace)
     per, total = token_bytes(tr), int(tr.num_tokens)
     asked = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     want = total if asked == 0 else min(total, asked)
-    avail = host_available()
-    if avail is None or want * per <= LOAD_SHARE * avail:
+    ram, avail = host_available(swap=False), host_available()
+    if ram is None or avail is None or want * per <= LOAD_SHARE * ram:
         return asked, None
-    fit = max(1, int(LOAD_SHARE * avail) // per)
+    fit = max(1, int(LOAD_SHARE * ram) // per)
     size = f"{want:,} traced tokens take {want * per / 1e9:.3g} GB once loaded ({per / 1e3:.3g} KB each)"
     if max_tokens is None:
         return fit, (
-            f"--max-tokens: {size}, more than half of the {avail / 1e9:.3g} GB this host has available (memory and "
-            f"swap); loading {fit:,} tokens of whole prompts drawn at random (--max-tokens N chooses)"
+            f"--max-tokens: {size}, more than half of the {ram / 1e9:.3g} GB of memory this host has available; "
+            f"loading {fit:,} tokens of whole prompts drawn at random (--max-tokens N chooses)"
         )
     if want * per > avail:
         raise ConfigError(
-            f"--max-tokens {asked:,}: {size}, and this host has {avail / 1e9:.3g} GB available (memory and swap); pass "
-            f"--max-tokens {fit:,} or fewer, or use a larger host"
+            f"--max-tokens {asked:,}: {size}, and this host has {avail / 1e9:.3g} GB available (memory and swap); "
+            f"pass --max-tokens between 1 and {fit:,}, or use a larger host"
         )
-    return asked, f"--max-tokens {asked:,}: {size}, more than half of the {avail / 1e9:.3g} GB available; the fits may run short"
+    return asked, (
+        f"--max-tokens {asked:,}: {size}, more than half of the {ram / 1e9:.3g} GB of memory available; {use} may run short of it"
+    )
 
 
 def resolved(cfg: Any) -> int:
@@ -287,6 +288,7 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
     from ..predict.evaluate import plot, trace_prompt_ids
     from ..predict.io import save_predictors
     from ..progress import progress
+    from ..trace import Trace
     from .threads import apply_threads
 
     t_start = time.perf_counter()
@@ -309,13 +311,14 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
         fits = f"; fits: {n} thread(s), {idle:.1f} CPU(s) idle" if n != threads.n and idle is not None else ""
         console.print(f"[dim]threads: {threads.describe()}{fits}[/]")
     need_hidden = any(PREDICTORS[n].needs_hidden for n in cfg.only if n not in PLANNERS and n not in GPS)
-    max_tokens, line = tokens_to_load(cfg.trace, cfg.max_tokens)
+    tr = Trace(cfg.trace, verify=False)  # its meta: the shards are verified as the rows load below
+    check_trace_model(tr.meta.get("model_fingerprint"), model, cfg.trace)
+    max_tokens, line = tokens_to_load(tr, cfg.max_tokens, "the fits")
     if console is not None and line:
         console.print(f"[yellow]{line}[/]")
     cfg = dataclasses.replace(cfg, max_tokens=max_tokens)  # the saved config and retrain's held-out split read it
     # the two parts read apart: the loaded rows are never held twice (a whole load, then its split's copies)
     train, held = split_from_trace(cfg.trace, cfg.holdout, cfg.seed, need_hidden=need_hidden, max_tokens=cfg.max_tokens)
-    check_trace_model(train, model, cfg.trace)
     trace_fingerprint, trace_tokens = train.trace_fingerprint, train.trace_tokens
     steps["load"] = time.perf_counter() - t_start
     columns = (TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn())
@@ -438,6 +441,7 @@ def eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
 def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from ..predict.evaluate import evaluate, sample_overlap, trace_prompt_ids
     from ..predict.io import load_predictors, read_predictor_meta
+    from ..trace import Trace
     from .threads import apply_threads
 
     check_names(cfg.only)  # before the model loads: an unknown name, a missing folder or trace, at once
@@ -450,11 +454,12 @@ def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         console.print(f"[dim]threads: {threads.describe()}[/]")
     # the layer-ahead predictors; CasMoE's planner (eam, eap) and MoE-GPS's suite (gps) are scored apart below
     names = [n for n in (cfg.only or meta.get("predictors", [])) if n not in PLANNERS and n not in GPS]
-    max_tokens, line = tokens_to_load(cfg.trace, cfg.max_tokens)
+    tr = Trace(cfg.trace, verify=False)  # its meta: the shards are verified as the rows load below
+    check_trace_model(tr.meta.get("model_fingerprint"), model, cfg.trace)
+    max_tokens, line = tokens_to_load(tr, cfg.max_tokens, "the scoring")
     if console is not None and line:
         console.print(f"[yellow]{line}[/]")
     data = from_trace(cfg.trace, max_tokens=max_tokens)
-    check_trace_model(data, model, cfg.trace)
     skipped = []
     if not data.has_hidden:
         skipped = [n for n in names if PREDICTORS[n].needs_hidden]
