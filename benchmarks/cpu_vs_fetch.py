@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.host_split != "measured" and args.threads > 1 and not args.device.startswith("cuda"):
         ap.error("--host-split needs --threads 1 on a CPU device: at several threads no host worker runs (host experts "
-                 "run on the calling thread, at the user's count: OffloadEngine._worker_is_exact)")  # fmt: skip
+                 "run on the calling thread, at the user's count: runtime.host_worker.worker_is_exact)")  # fmt: skip
 
     torch.set_num_threads(args.threads)
     con = Console(stderr=True)

@@ -41,7 +41,7 @@ from . import timing
 from .cache import ExpertCache
 from .counters import GATHER_BYTES, MAX_GROUPS, CacheCounters, needed_experts, wave_capacity  # noqa: F401
 from .experts_call import ExpertsCall
-from .host_worker import HostWorker, hidden_share
+from .host_worker import HostWorker, hidden_share, worker_is_exact
 from .link import Link
 from .passstats import EngineCounts, Observer, PassAccount, PassStats  # noqa: F401  (PassStats: importable here)
 from .prefill import PREFILL_PATHS, StagedPrefill
@@ -166,15 +166,6 @@ class OffloadEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _worker_is_exact(self) -> bool:
-        """Whether host experts may run on a worker thread: always beside a CUDA device; on a CPU device only at one
-        torch thread. Two compute threads on the same cores would need torch's count shared between them, and on
-        some CPUs a kernel's result depends on that count (MKL's sgemm on AMD EPYC, where even a Linear differs in
-        the last bit between one thread and two), so the model's other ops would no longer match the resident
-        model's at the user's count; at several threads the host experts run serially on the calling thread at
-        that count, bit for bit the resident computation on every CPU."""
-        return self.device.type != "cpu" or torch.get_num_threads() == 1
-
     def attach(self) -> None:
         if self._stack is not None:
             return
@@ -239,7 +230,8 @@ class OffloadEngine:
                 prefill=self._prefill,
             )
             host = None
-            if self.host_worker and miss is not None and miss.needs_host and self._worker_is_exact():
+            exact = worker_is_exact(self.device.type, torch.get_num_threads())  # a worker beside this device
+            if self.host_worker and miss is not None and miss.needs_host and exact:
                 host = HostWorker(self.device, self.counts)  # cpu / auto: host experts on a thread
                 stack.callback(host.close)
             self._call = ExpertsCall(

@@ -8,7 +8,7 @@ hands about half of their rows to the worker and computes the rest itself meanwh
 whichever `SplitChoice` measured faster; the hand-off costs two thread switches and the GIL serializes the Python
 around small kernels, so splitting pays only with a free core and kernels large enough):
 - CPU device: the job runs the same `grouped_experts` kernel over the host store's rows on the worker
-  thread (torch releases the GIL inside its kernels). Only at one torch thread (`OffloadEngine._worker_is_exact`):
+  thread (torch releases the GIL inside its kernels). Only at one torch thread (`worker_is_exact`):
   the two threads each run single-threaded kernels, the count the resident model runs at; at several the host
   experts run serially on the calling thread (sharing the count between two threads would change, on some CPUs,
   the last bits of every other op). The rows, their grouping and the kernel are those of the serial path: the
@@ -36,6 +36,16 @@ import torch
 from .passstats import EngineCounts
 
 Compute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [N,H], expert ids [N]) on the host -> [N,H]
+
+
+def worker_is_exact(device_type: str, threads: int) -> bool:
+    """Whether host experts may run on a worker thread beside a device of type `device_type` at `threads` torch
+    threads: always beside a CUDA device; on a CPU device only at one thread. Two compute threads on the same cores
+    would need torch's count shared between them, and on some CPUs a kernel's result depends on that count (MKL's
+    sgemm on AMD EPYC, where even a Linear differs in the last bit between one thread and two), so the model's other
+    ops would no longer match the resident model's at the user's count; at several threads the host experts run
+    serially on the calling thread at that count, bit for bit the resident computation on every CPU."""
+    return device_type != "cpu" or threads == 1
 
 
 def hidden_share(host_s: float, wait_s: float) -> float | None:

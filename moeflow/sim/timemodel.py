@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from ..runtime.host_worker import worker_is_exact
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class TimeModel:
     host_miss_s: float | None = None  # seconds a pass takes longer per miss computed on the host (`cpu`; None: not measured)
     host_split_s: float = 0.0  # ... and per layer call that splits (experts in slots beside experts on the host worker)
     # whether host experts run on the engine's host worker, beside the layer's wait (a CUDA device, or a CPU device at
-    # one torch thread: `OffloadEngine._worker_is_exact`); False: serially after it, nothing hidden
+    # one torch thread: `runtime.host_worker.worker_is_exact`); False: serially after it, nothing hidden
     host_beside: bool = True
 
     def __post_init__(self) -> None:
@@ -109,7 +110,7 @@ class TimeModel:
             miss_host_s=float(lt.get("miss_host_s", 0.0)),  # an older calibration: not measured
             host_miss_s=None if lt.get("host_miss_s") is None else float(lt["host_miss_s"]),  # a CPU device's only
             host_split_s=float(lt.get("host_split_s", 0.0)),
-            host_beside=str(cal.get("torch_device", "cpu")).split(":")[0] != "cpu" or int(cal.get("cpu_threads") or 1) == 1,
+            host_beside=worker_is_exact(str(cal.get("torch_device", "cpu")).split(":")[0], int(cal.get("cpu_threads") or 1)),
         )
 
     def per_layer(self, n: int, lookahead: int = 1) -> tuple[list[float], list[float], list[float], list[float]]:
