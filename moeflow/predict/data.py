@@ -136,26 +136,26 @@ def prompt_rows(prompt_id: np.ndarray, max_tokens: int | None, seed: int) -> np.
     return np.flatnonzero(np.isin(prompt_id, prompts[order[:n]]))
 
 
-def from_trace(path: str, *, need_hidden: bool = False, max_tokens: int | None = None, seed: int = 0) -> RoutingData:
+def from_trace(path: Any, *, need_hidden: bool = False, max_tokens: int | None = None, seed: int = 0) -> RoutingData:
     """Load a `moeflow trace` folder into memory (numpy arrays). `max_tokens` (None or 0: all): where the trace holds more tokens,
     only the rows of whole prompts drawn at random (`prompt_rows`), read from the memory-mapped shards without
     touching the other rows (`Trace.layer(rows=...)`), so a long trace's hidden states ([N,H] per MoE layer, twice)
-    need not fit in memory."""
+    need not fit in memory. `path`: a trace folder, or a `Trace` already open."""
     tr, toks = _open(path, need_hidden)
-    return _read(tr, toks, path, prompt_rows(np.asarray(toks["prompt_id"]), max_tokens, seed))
+    return _read(tr, toks, prompt_rows(np.asarray(toks["prompt_id"]), max_tokens, seed))
 
 
 def split_from_trace(
-    path: str, holdout: float, seed: int, *, need_hidden: bool = False, max_tokens: int | None = None
+    path: Any, holdout: float, seed: int, *, need_hidden: bool = False, max_tokens: int | None = None
 ) -> tuple[RoutingData, RoutingData]:
     """`from_trace(path, ...).split(holdout, seed)`, the same two parts, each read from the trace's shards on its
-    own: the loaded rows are never held twice (the whole load and its two copies)."""
+    own: the loaded rows are never held twice (the whole load and its two copies). `path`: as `from_trace`'s."""
     tr, toks = _open(path, need_hidden)
     pid = np.asarray(toks["prompt_id"])
     rows = prompt_rows(pid, max_tokens, seed)
     rows = np.arange(len(pid)) if rows is None else rows
     train, held = split_rows(pid[rows], holdout, seed)
-    return _read(tr, toks, path, rows[train]), _read(tr, toks, path, rows[held])
+    return _read(tr, toks, rows[train]), _read(tr, toks, rows[held])
 
 
 def token_bytes(tr: Any) -> int:
@@ -169,22 +169,23 @@ def token_bytes(tr: Any) -> int:
     return spec.num_moe_layers * per_layer + 3 * 8 + 1
 
 
-def _open(path: str, need_hidden: bool) -> tuple[Any, dict[str, np.ndarray]]:
-    """(the trace at `path`, its token columns); refuses a trace without hidden states where they are needed."""
+def _open(path: Any, need_hidden: bool) -> tuple[Any, dict[str, np.ndarray]]:
+    """(the trace at `path`, or `path` itself where it is an open `Trace`, its token columns); refuses a trace without
+    hidden states where they are needed."""
     try:
         from ..trace import Trace
     except ImportError as e:  # the trace stage is not in this checkout
         raise ArtifactError(f"cannot read traces: moeflow.trace.Trace is missing ({e})") from e
-    tr = Trace(path)
+    tr = path if isinstance(path, Trace) else Trace(path)
     if need_hidden and not tr.record_hidden:
         raise ArtifactError(
-            f"trace {path} has no hidden states; re-run `moeflow trace --record-hidden` "
+            f"trace {tr.path} has no hidden states; re-run `moeflow trace --record-hidden` "
             "(needed by pregate, router-pf, estimator and hybrid) or pass --only forest"
         )
     return tr, tr.tokens()
 
 
-def _read(tr: Any, toks: dict[str, np.ndarray], path: str, rows: np.ndarray | None) -> RoutingData:
+def _read(tr: Any, toks: dict[str, np.ndarray], rows: np.ndarray | None) -> RoutingData:
     """The records `rows` (sorted; None: every one) of trace `tr` as numpy arrays of their own."""
     spec = tr.spec
     pick = slice(None) if rows is None else rows
@@ -209,7 +210,7 @@ def _read(tr: Any, toks: dict[str, np.ndarray], path: str, rows: np.ndarray | No
         np.asarray(toks["token_id"])[pick].astype(np.int64),
         layers,
         fingerprint=meta.get("model_fingerprint"),
-        source=str(path),
+        source=str(tr.path),
         trace_fingerprint=hashlib.sha256(shards.encode()).hexdigest()[:16],
         trace_tokens=len(toks["prompt_id"]),
     )

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..moe import model_fingerprint
 from ..threads import idle_cpus
 from .base import PREDICTORS
 from .data import RoutingData
@@ -35,22 +34,6 @@ def check_names(names: tuple[str, ...]) -> None:
         raise ConfigError(
             f"unknown predictor {', '.join(bad)}; choose from: {', '.join((*LEARNED, 'pregate', *BASELINES, *PLANNERS, *GPS))}"
         )
-
-
-def check_trace_model(fingerprint: str | None, model: torch.nn.Module, trace: str) -> None:
-    """One line where the trace at `trace`, whose meta records model fingerprint `fingerprint` (None: not
-    recorded), was traced with another model than `model`."""
-    fp = model_fingerprint(model)
-    if fingerprint is not None and fingerprint != fp:
-        import json
-
-        from ..artifacts import another_model
-
-        try:  # the trace's meta names the model it was traced with (when recorded)
-            meta = {**json.loads((Path(trace) / "meta.json").read_text()), "model_fingerprint": fingerprint}
-        except (OSError, ValueError, TypeError):
-            meta = {"model_fingerprint": fingerprint}
-        raise another_model(f"trace {trace}", meta, fp, "pass the --model it was traced with")
 
 
 def fit_workers(

@@ -30,7 +30,6 @@ from ..predict.train import (
     LEARNED,
     PLANNERS,
     check_names,
-    check_trace_model,
     fit_all,
     fit_threads,
     fit_workers,
@@ -253,6 +252,19 @@ def tokens_to_load(tr: Any, max_tokens: int | None, use: str = "the fits") -> tu
     )
 
 
+def _open_trace(cfg: Any, model: torch.nn.Module, console: Any, use: str) -> tuple[Any, int]:
+    """(the trace `cfg.trace`, open, `--max-tokens` to load it with: `tokens_to_load`, its line printed) for
+    `train` and `eval`; refuses a trace of another model than `model` in one line first."""
+    from ..trace import Trace
+
+    tr = Trace(cfg.trace)
+    tr.check_model(model, fix="pass the --model it was traced with")
+    max_tokens, line = tokens_to_load(tr, cfg.max_tokens, use)
+    if console is not None and line:
+        console.print(f"[yellow]{line}[/]")
+    return tr, max_tokens
+
+
 def resolved(cfg: Any) -> int:
     """`cfg.max_s` once `within_model` has resolved it (an int)."""
     if cfg.max_s is None:
@@ -288,7 +300,6 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
     from ..predict.evaluate import plot, trace_prompt_ids
     from ..predict.io import save_predictors
     from ..progress import progress
-    from ..trace import Trace
     from .threads import apply_threads
 
     t_start = time.perf_counter()
@@ -311,14 +322,10 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
         fits = f"; fits: {n} thread(s), {idle:.1f} CPU(s) idle" if n != threads.n and idle is not None else ""
         console.print(f"[dim]threads: {threads.describe()}{fits}[/]")
     need_hidden = any(PREDICTORS[n].needs_hidden for n in cfg.only if n not in PLANNERS and n not in GPS)
-    tr = Trace(cfg.trace, verify=False)  # its meta: the shards are verified as the rows load below
-    check_trace_model(tr.meta.get("model_fingerprint"), model, cfg.trace)
-    max_tokens, line = tokens_to_load(tr, cfg.max_tokens, "the fits")
-    if console is not None and line:
-        console.print(f"[yellow]{line}[/]")
+    tr, max_tokens = _open_trace(cfg, model, console, "the fits")
     cfg = dataclasses.replace(cfg, max_tokens=max_tokens)  # the saved config and retrain's held-out split read it
     # the two parts read apart: the loaded rows are never held twice (a whole load, then its split's copies)
-    train, held = split_from_trace(cfg.trace, cfg.holdout, cfg.seed, need_hidden=need_hidden, max_tokens=cfg.max_tokens)
+    train, held = split_from_trace(tr, cfg.holdout, cfg.seed, need_hidden=need_hidden, max_tokens=cfg.max_tokens)
     trace_fingerprint, trace_tokens = train.trace_fingerprint, train.trace_tokens
     steps["load"] = time.perf_counter() - t_start
     columns = (TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn())
@@ -441,7 +448,6 @@ def eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
 def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
     from ..predict.evaluate import evaluate, sample_overlap, trace_prompt_ids
     from ..predict.io import load_predictors, read_predictor_meta
-    from ..trace import Trace
     from .threads import apply_threads
 
     check_names(cfg.only)  # before the model loads: an unknown name, a missing folder or trace, at once
@@ -454,12 +460,8 @@ def _eval_main(cfg: EvalConfig, console: Any = None) -> dict[str, Any]:
         console.print(f"[dim]threads: {threads.describe()}[/]")
     # the layer-ahead predictors; CasMoE's planner (eam, eap) and MoE-GPS's suite (gps) are scored apart below
     names = [n for n in (cfg.only or meta.get("predictors", [])) if n not in PLANNERS and n not in GPS]
-    tr = Trace(cfg.trace, verify=False)  # its meta: the shards are verified as the rows load below
-    check_trace_model(tr.meta.get("model_fingerprint"), model, cfg.trace)
-    max_tokens, line = tokens_to_load(tr, cfg.max_tokens, "the scoring")
-    if console is not None and line:
-        console.print(f"[yellow]{line}[/]")
-    data = from_trace(cfg.trace, max_tokens=max_tokens)
+    tr, max_tokens = _open_trace(cfg, model, console, "the scoring")
+    data = from_trace(tr, max_tokens=max_tokens)
     skipped = []
     if not data.has_hidden:
         skipped = [n for n in names if PREDICTORS[n].needs_hidden]
