@@ -116,7 +116,7 @@ def test_simulate_defaults_resolved_from_the_trace(ckpt, trace, capsys, tmp_path
     assert res["rows"][0]["capacity"] == round(0.25 * res["total_experts"])
 
 
-def test_simulate_pregate_uses_the_traces_model(ckpt, trace, capsys, monkeypatch):
+def test_simulate_pregate_uses_the_traces_model(ckpt, trace, capsys, monkeypatch, tmp_path):
     """No "needs --model": without --model the model the trace was made with is loaded (the default model refused
     every trace of another one); another --model is refused in a line that names the traced one."""
     monkeypatch.delenv("MOEFLOW_MODEL", raising=False)
@@ -132,6 +132,15 @@ def test_simulate_pregate_uses_the_traces_model(ckpt, trace, capsys, monkeypatch
         f"pass --model {ckpt}",
         absent=("needs --model",),
     )
+    # train names the traced model once, then the other fix (it said "pass --model X or pass the --model it was
+    # traced with"); nothing is written
+    one_line_error(
+        ["train", "-t", trace, "-m", default_model_path(), "--out", tmp_path / "p"],
+        capsys,
+        f"pass --model {ckpt} or re-run `moeflow trace` with this --model",
+        absent=("traced with",),
+    )
+    assert not (tmp_path / "p").exists()
 
 
 # ---- run: lengths, option values, the model, typos -------------------------------------------------------
@@ -222,8 +231,9 @@ def test_wrong_model_errors_name_the_model_that_made_it(ckpt, trace, tmp_path):
     meta = {"model_fingerprint": "aaaa", "config": {"model": "models/olmoe-mini"}}  # a predictor folder's meta.json
     with pytest.raises(ArtifactError, match="made for another model, models/olmoe-mini .fingerprint aaaa."):
         check_fingerprint(meta, "bbbb", "predictor folder", tmp_path)
-    with pytest.raises(ArtifactError, match=r"made for another model \(fingerprint aaaa\), not this --model"):
+    with pytest.raises(ArtifactError, match=r"made for another model \(fingerprint aaaa\), not this --model") as e:
         check_fingerprint({"model_fingerprint": "aaaa"}, "bbbb", "predictor folder", tmp_path)  # none recorded
+    assert "; pass --model the model it was made with or re-create it with this --model" in str(e.value)
 
 
 # ---- --help -------------------------------------------------------------------------------------------

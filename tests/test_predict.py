@@ -296,6 +296,27 @@ def test_trace_rows_read_across_shards_equal_the_whole_columns(tiny_setup, tmp_p
             tr.layer(l, rows=bad)
 
 
+def test_the_estimators_standardisation_is_measured_a_chunk_at_a_time(fitted_tiny, monkeypatch):
+    """`Estimator._moments` gives the whole sample's mean and (unbiased) standard deviation while assembling at most
+    STD_CHUNK samples at once: the [20000, F] sample of a wide model would take gigabytes."""
+    from moeflow.predict import estimator as est_mod
+
+    train, _, preds = fitted_tiny
+    est = preds["estimator"]
+    c = est._parts(train, np.arange(train.n))
+    P, N = c["q"].shape[:2]
+    idx = torch.randperm(P * N, generator=torch.Generator().manual_seed(0))[:3000]
+    x = est._features_parts(c, idx // N, idx % N)  # [B,F] the whole sample, as the fit measured it before
+    monkeypatch.setattr(est_mod, "STD_CHUNK", 256)
+    sizes: list[int] = []
+    whole = est._features_parts
+    monkeypatch.setattr(est, "_features_parts", lambda c_, p, i: sizes.append(len(p)) or whole(c_, p, i))
+    mu, sd = est._moments(c, idx // N, idx % N)
+    torch.testing.assert_close(mu, x.mean(0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sd, x.std(0), rtol=1e-4, atol=1e-6)
+    assert max(sizes) == 256 and sum(sizes) == 2 * len(idx)  # two passes of chunks, never the whole sample
+
+
 @pytest.fixture(scope="module")
 def fitted_tiny(tiny_setup):
     """Every predictor (baselines, pregate and all learned ones) fitted on the training prompts of the tiny trace."""

@@ -45,6 +45,8 @@ from .data import RoutingData, SourceBatch, batch_from_rows, iter_chunks, split_
 from .default_vectors import QuasiHidden, compute_default_vectors, load_dvec, save_dvec
 from .estimator_net import EstimatorFeatures, EstimatorNet
 
+STD_SAMPLES = 20_000  # (pair, row) samples the feature standardisation is measured on
+STD_CHUNK = 1024  # of them assembled at a time (`Estimator._moments`)
 FEATURES_VERSION = 2  # config.json "features": 1 = q only (older folders, refused with a message)
 
 
@@ -144,6 +146,24 @@ class Estimator:
         ug = c["ug"][c["pair_src"][p], i].float()  # [B,H+L*E]
         return EstimatorFeatures.assemble(c["q"][p, i], ug[:, :H], c["tok"][i].float(), ug[:, H:])
 
+    @torch.no_grad()
+    def _moments(self, c: dict[str, torch.Tensor], p: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean [F], standard deviation [F], unbiased) of the full features of samples (pair p [B], row i [B]),
+        assembled STD_CHUNK samples at a time and summed in float64 (two passes: the mean, then the squared
+        deviations from it), so that the sample never exists whole: [B,F] floats are gigabytes for a wide model
+        (B = 20,000 and F = 43,520 for DeepSeek-V3's 7,168-wide hidden state and 58 x 256 gate columns: 3.5 GB,
+        about twice that with the parts cast on the way)."""
+        assert self.feat is not None
+        chunks = list(iter_chunks(len(p), STD_CHUNK))
+        total = torch.zeros(self.feat.dim, dtype=torch.float64)
+        for sl in chunks:
+            total += self._features_parts(c, p[sl], i[sl]).sum(0, dtype=torch.float64)
+        mu = (total / max(1, len(p))).float()
+        sq = torch.zeros_like(total)
+        for sl in chunks:
+            sq += (self._features_parts(c, p[sl], i[sl]) - mu).square().sum(0, dtype=torch.float64)
+        return mu, (sq / max(1, len(p) - 1)).sqrt().float()
+
     def _logits_parts(self, c: dict[str, torch.Tensor], i: torch.Tensor) -> torch.Tensor:
         """Logits [P,B,E] of every pair for rows i [B]: `EstimatorNet.forward` on `_features_parts`, with the
         first layer applied per part (q: [P,B], u and g: [R,B], tokens: [B]) and summed."""
@@ -213,11 +233,10 @@ class Estimator:
         N = len(rows)
         torch.manual_seed(cfg.seed)
         self.net = EstimatorNet(self.feat.dim, spec.num_experts, P, self.m, self.n, self.blocks)
-        with torch.no_grad():  # feature standardisation from a sample of the training set
-            idx = torch.randperm(P * N)[:20000]
-            x = self._features_parts(c, idx // N, idx % N)
-            self.net.mu.copy_(x.mean(0))
-            self.net.sd.copy_(x.std(0).clamp(min=1e-3))
+        idx = torch.randperm(P * N)[:STD_SAMPLES]  # feature standardisation from a sample of the training set
+        mu, sd = self._moments(c, idx // N, idx % N)
+        self.net.mu.copy_(mu)
+        self.net.sd.copy_(sd.clamp(min=1e-3))
         y = c["probs"].float().clamp(min=1e-6)
         y = y / y.sum(-1, keepdim=True)  # [P,N,E] KL targets
         opt = torch.optim.AdamW(self.net.parameters(), lr=cfg.est_lr, weight_decay=cfg.est_weight_decay, fused=True)

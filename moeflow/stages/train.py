@@ -258,7 +258,7 @@ def _open_trace(cfg: Any, model: torch.nn.Module, console: Any, use: str) -> tup
     from ..trace import Trace
 
     tr = Trace(cfg.trace)
-    tr.check_model(model, fix="pass the --model it was traced with")
+    tr.check_model(model)
     max_tokens, line = tokens_to_load(tr, cfg.max_tokens, use)
     if console is not None and line:
         console.print(f"[yellow]{line}[/]")
