@@ -43,7 +43,7 @@ def default_train(tiny_setup):  # noqa: F811
     base += ["--forest-samples", "2000", "--threads", "1"]
     code, out, log = _train([*base, "--out", str(root / "fast-json"), "--json"])
     assert code == 0, log
-    code, _, text = _train([*base, "--out", str(root / "fast-text")])
+    code, _, text = _train([*base, "--out", str(root / "fast-text"), "--est-float32"])
     assert code == 0, text
     return root, json.loads(out.strip().splitlines()[-1]), text
 
@@ -70,6 +70,12 @@ def test_train_json_has_seconds_per_fitted_predictor(default_train):
     assert rep["seconds"] >= sum(per.values()) + sum(rep["seconds_steps"].values()) - 0.001 * (len(per) + len(STEPS))
     assert per["estimator"] > 0 and per["forest"] > 0
     assert rep["fit_workers"] == 1 and rep["fit_threads"] == 1  # --threads 1: one fit at a time, on one thread
+    from moeflow.predict.estimator import native_bf16
+
+    # the estimator's steps in bfloat16 where this CPU multiplies it in hardware, as its folder records
+    est_cfg = json.loads((root / "fast-json" / "estimator" / "config.json").read_text())
+    assert rep["est_bf16"] is native_bf16() and est_cfg["train_bf16"] is native_bf16()
+    assert json.loads((root / "fast-text" / "estimator" / "config.json").read_text())["train_bf16"] is False  # --est-float32
 
 
 def test_train_text_prints_the_seconds_table(default_train):
@@ -172,6 +178,42 @@ def test_training_forward_equals_the_network_and_predict(fitted_default):
         b = batch_from_rows(train, src, rows, ctx=ctx)
         # training stores q in float16: the same distribution up to that rounding
         torch.testing.assert_close(est.predict(target_of(train.spec, src, s), s, b), torch.softmax(got[j], -1), rtol=0, atol=2e-2)
+
+
+def test_native_bf16_reads_the_cpu_flags(monkeypatch):
+    from moeflow.predict.estimator import native_bf16
+
+    line = "flags\t\t: fpu vme sse2 avx2 avx512f avx512bw"
+    assert not native_bf16(f"processor\t: 0\n{line}\n")  # AVX-512 without bfloat16 products: emulated
+    assert native_bf16(f"processor\t: 0\n{line} avx512_bf16 avx512_vnni\n")  # AMD Zen 4, Intel Cooper Lake
+    assert native_bf16(f"{line} amx_bf16 amx_tile\n")  # Intel Sapphire Rapids
+    assert not native_bf16("processor\t: 0\nFeatures\t: fp asimd bf16\n")  # no x86 flags line
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert not native_bf16(f"{line} avx512_bf16\n")  # no oneDNN to use them
+
+
+def test_estimator_steps_in_bf16_learn_as_much_as_in_float32(tiny_setup, tmp_path):  # noqa: F811
+    """`est_bf16`: the training steps' products in bfloat16 autocast (a different network: the flag takes effect)
+    reach the float32 fit's held-out recall; the folder records how it was trained."""
+    from moeflow.predict.estimator import Estimator
+    from moeflow.predict.evaluate import evaluate
+    from moeflow.stages.train import TrainConfig
+
+    model, _, data = tiny_setup
+    train, held = data.split(0.3, 0)
+    fits, recall = {}, {}
+    for bf16 in (False, True):
+        cfg = TrainConfig(trace="", out="", model="", max_s=2, est_min_steps=60, est_bf16=bf16)
+        est = fits[bf16] = Estimator.create(model, cfg)
+        est.fit(train, model, cfg)
+        assert est.bf16 is bf16 and all(p.dtype == torch.float32 for p in est.net.parameters())
+        recall[bf16] = float(np.mean(list(evaluate({"estimator": est}, held, max_s=2)["by_s"]["estimator"].values())))
+        (tmp_path / str(bf16)).mkdir()
+        est.save(tmp_path / str(bf16))
+        assert Estimator.load(tmp_path / str(bf16), model).bf16 is bf16
+    a, b = fits[False].net.state_dict(), fits[True].net.state_dict()
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+    assert abs(recall[True] - recall[False]) < 0.02, recall
 
 
 def test_estimator_stops_early_and_keeps_the_best_epoch(tiny_setup, monkeypatch):  # noqa: F811

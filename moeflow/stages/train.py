@@ -75,6 +75,7 @@ class TrainConfig:
     est_max_tokens: int = 30_000  # training rows (tokens), each used for every (layer, S) pair
     est_max_samples: int = 133_000  # rows x pairs cap per epoch, i.e. the fit's time (and memory: q of every pair is kept)
     est_min_steps: int = 300  # at least this many optimiser steps (small traces)
+    est_bf16: bool | None = None  # training steps' products in bfloat16 autocast (None: where the CPU has them, `native_bf16`)
     hybrid_val: float = 0.25  # part of the training prompts used to pick Hybrid-PF's threshold
     forest_trees: int = 24
     forest_depth: int = 0  # 0: no limit (forest_min_leaf bounds the trees)
@@ -361,6 +362,8 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
         per["gps"] = time.perf_counter() - t0
         savers = {**savers, "gps": lambda d, s=suite: (d.mkdir(), s.save(d))}
     report["seconds_per_predictor"] = {n: round(v, 3) for n, v in per.items()}
+    if "estimator" in preds:
+        report["est_bf16"] = bool(preds["estimator"].bf16)
     if "hybrid" in preds:
         report["hybrid"] = {
             "threshold": preds["hybrid"].threshold,
