@@ -43,7 +43,7 @@ def default_train(tiny_setup):  # noqa: F811
     base += ["--forest-samples", "2000", "--threads", "1"]
     code, out, log = _train([*base, "--out", str(root / "fast-json"), "--json"])
     assert code == 0, log
-    code, _, text = _train([*base, "--out", str(root / "fast-text"), "--est-float32"])
+    code, _, text = _train([*base, "--out", str(root / "fast-text"), "--est-dtype", "float32"])
     assert code == 0, text
     return root, json.loads(out.strip().splitlines()[-1]), text
 
@@ -75,7 +75,8 @@ def test_train_json_has_seconds_per_fitted_predictor(default_train):
     # the estimator's steps in bfloat16 where this CPU multiplies it in hardware, as its folder records
     est_cfg = json.loads((root / "fast-json" / "estimator" / "config.json").read_text())
     assert rep["est_bf16"] is native_bf16() and est_cfg["train_bf16"] is native_bf16()
-    assert json.loads((root / "fast-text" / "estimator" / "config.json").read_text())["train_bf16"] is False  # --est-float32
+    text_cfg = json.loads((root / "fast-text" / "estimator" / "config.json").read_text())
+    assert text_cfg["train_bf16"] is False  # --est-dtype float32
 
 
 def test_train_text_prints_the_seconds_table(default_train):
@@ -192,8 +193,18 @@ def test_native_bf16_reads_the_cpu_flags(monkeypatch):
     assert not native_bf16(f"{line} avx512_bf16\n")  # no oneDNN to use them
 
 
+def test_an_unknown_est_dtype_is_one_line_before_any_work(tiny_setup, tmp_path, capsys):  # noqa: F811
+    from tests.test_messages import one_line_error
+
+    _, trace, _ = tiny_setup
+    out = tmp_path / "p"
+    argv = ["train", "--trace", trace, "--out", out, "--est-dtype", "float16"]
+    one_line_error(argv, capsys, "--est-dtype must be one of auto, bfloat16, float32 (got 'float16')")
+    assert not out.exists()
+
+
 def test_estimator_steps_in_bf16_learn_as_much_as_in_float32(tiny_setup, tmp_path):  # noqa: F811
-    """`est_bf16`: the training steps' products in bfloat16 autocast (a different network: the flag takes effect)
+    """`est_dtype` bfloat16: the training steps' products in bfloat16 autocast (a different network: the flag takes effect)
     reach the float32 fit's held-out recall; the folder records how it was trained."""
     from moeflow.predict.estimator import Estimator
     from moeflow.predict.evaluate import evaluate
@@ -203,7 +214,7 @@ def test_estimator_steps_in_bf16_learn_as_much_as_in_float32(tiny_setup, tmp_pat
     train, held = data.split(0.3, 0)
     fits, recall = {}, {}
     for bf16 in (False, True):
-        cfg = TrainConfig(trace="", out="", model="", max_s=2, est_min_steps=60, est_bf16=bf16)
+        cfg = TrainConfig(trace="", out="", model="", max_s=2, est_min_steps=60, est_dtype="bfloat16" if bf16 else "float32")
         est = fits[bf16] = Estimator.create(model, cfg)
         est.fit(train, model, cfg)
         assert est.bf16 is bf16 and all(p.dtype == torch.float32 for p in est.net.parameters())

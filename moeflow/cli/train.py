@@ -121,12 +121,12 @@ def train(
         help="Most estimator training epochs: it stops earlier once recall on a validation part of the training "
         "prompts stops improving, and trains at least 300 steps.",
     ),
-    est_bf16: bool | None = typer.Option(
-        None,
-        "--est-bf16/--est-float32",
-        help="The estimator's training steps multiply in bfloat16 (autocast; the loss, the optimiser and the saved "
-        "network stay float32) or in float32. Default: bfloat16 where the CPU multiplies it in hardware "
-        "(avx512_bf16 or amx_bf16), about a fifth less fit time for the same held-out recall; float32 elsewhere.",
+    est_dtype: str = typer.Option(
+        "auto",
+        "--est-dtype",
+        help="What the estimator's training steps multiply in: bfloat16 (autocast; the loss, the optimiser and the "
+        "saved network stay float32), float32, or auto: bfloat16 where the CPU multiplies it in hardware "
+        "(avx512_bf16 or amx_bf16), about a fifth less fit time for the same held-out recall, float32 elsewhere.",
     ),
     threads: int | None = threads_option(),
     fit_workers: int | None = typer.Option(
@@ -157,7 +157,7 @@ def train(
         forest_trees=forest_trees,
         forest_max_samples=forest_samples,
         est_epochs=est_epochs,
-        est_bf16=est_bf16,
+        est_dtype=est_dtype,
         threads=threads,
         fit_workers=fit_workers,
         force=force,

@@ -53,7 +53,7 @@ FEATURES_VERSION = 2  # config.json "features": 1 = q only (older folders, refus
 def native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU multiplies bfloat16 matrices in hardware (x86's `avx512_bf16` or `amx_bf16` flag in Linux's
     /proc/cpuinfo, or `cpuinfo`'s text) and torch has oneDNN to use it: the estimator's training steps then run in
-    bfloat16 autocast (`TrainConfig.est_bf16`). Elsewhere bfloat16 products are emulated and no faster, so it trains
+    bfloat16 autocast (`TrainConfig.est_dtype` "auto"). Elsewhere bfloat16 products are emulated and no faster, so it trains
     in float32."""
     if not torch.backends.mkldnn.is_available():
         return False
@@ -100,7 +100,7 @@ class Estimator:
         self.net: EstimatorNet | None = None
         self.history: list[dict[str, float]] = []
         self.fit_seconds = 0.0
-        self.bf16 = False  # trained with its products in bfloat16 autocast (`native_bf16`, TrainConfig.est_bf16)
+        self.bf16 = False  # trained with its products in bfloat16 autocast (TrainConfig.est_dtype, `native_bf16`)
         self.val_recall: dict[tuple[int, int], float] | None = None  # (source layer, S) -> validation recall@k
         self.val_prompts: np.ndarray | None = None  # prompt ids of that validation part
 
@@ -225,8 +225,8 @@ class Estimator:
         Each step takes `cfg.est_batch` // P rows with all P (layer, S) pairs. `val_recall` / `val_prompts`
         record the validation result for `Hybrid`."""
         t0 = time.perf_counter()
-        want = getattr(cfg, "est_bf16", None)
-        self.bf16 = native_bf16() if want is None else bool(want)
+        want = getattr(cfg, "est_dtype", "auto")
+        self.bf16 = native_bf16() if want == "auto" else want == "bfloat16"
         dvec = dvec if dvec is not None else compute_default_vectors(model, data, max_tokens=cfg.dv_max_tokens)
         self.qh = QuasiHidden(model, dvec)
         self.feat = EstimatorFeatures(model, data.spec, self.context)

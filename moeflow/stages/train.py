@@ -42,6 +42,7 @@ __all__ = ["BASELINES", "GPS", "LEARNED", "PLANNERS", "EvalConfig", "TrainConfig
 
 DEFAULT_MAX_S = 4  # `--max-s`'s default: S = 1..4 MoE layers ahead, fewer where the model has fewer (`within_model`)
 DEFAULT_MAX_TOKENS = 100_000  # `--max-tokens`'s default, lowered where the host cannot hold it (`tokens_to_load`)
+EST_DTYPES = ("auto", "bfloat16", "float32")  # `--est-dtype`: auto is bfloat16 where the CPU has it (`native_bf16`)
 LOAD_SHARE = 0.5  # of the memory available once the model is loaded: what the default lets the loaded rows take
 
 
@@ -75,7 +76,7 @@ class TrainConfig:
     est_max_tokens: int = 30_000  # training rows (tokens), each used for every (layer, S) pair
     est_max_samples: int = 133_000  # rows x pairs cap per epoch, i.e. the fit's time (and memory: q of every pair is kept)
     est_min_steps: int = 300  # at least this many optimiser steps (small traces)
-    est_bf16: bool | None = None  # training steps' products in bfloat16 autocast (None: where the CPU has them, `native_bf16`)
+    est_dtype: str = "auto"  # what the training steps multiply in: bfloat16 (autocast), float32, auto (`native_bf16`)
     hybrid_val: float = 0.25  # part of the training prompts used to pick Hybrid-PF's threshold
     forest_trees: int = 24
     forest_depth: int = 0  # 0: no limit (forest_min_leaf bounds the trees)
@@ -118,6 +119,8 @@ class TrainConfig:
             raise ConfigError(f"--holdout must be in (0, 1), got {self.holdout}")
         if self.max_tokens is not None and self.max_tokens < 0:
             raise ConfigError(f"--max-tokens must be >= 0 (0: every traced token), got {self.max_tokens}")
+        if self.est_dtype not in EST_DTYPES:
+            raise ConfigError(f"--est-dtype must be one of {', '.join(EST_DTYPES)} (got {self.est_dtype!r})")
         if self.fit_workers not in (None, 1, 2):
             raise ConfigError(f"--fit-workers must be 1 or 2 (got {self.fit_workers}); leave it out for the idle-CPU rule")
 
