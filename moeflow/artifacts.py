@@ -407,7 +407,7 @@ def made_with(meta: dict[str, Any]) -> str | None:
 def another_model(what: str, meta: dict[str, Any], fingerprint: str, fix: str, against: str = "this --model") -> ArtifactError:
     """The one line for an artifact made with another model than this --model (or `against`, where the expected
     fingerprint comes from, e.g. "the trace's model"): names that model when recorded; `--model` is suggested only
-    against this --model (the recorded one, else "the --model it was made with"), before `fix`."""
+    against this --model (the recorded one, else "the model it was made with"), before `fix`."""
     by = made_with(meta)
     hint = f"pass --model {by or 'the model it was made with'} or " if against == "this --model" else ""
     return ArtifactError(

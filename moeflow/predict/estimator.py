@@ -52,9 +52,9 @@ FEATURES_VERSION = 2  # config.json "features": 1 = q only (older folders, refus
 
 def native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU multiplies bfloat16 matrices in hardware (x86's `avx512_bf16` or `amx_bf16` flag in Linux's
-    /proc/cpuinfo, or `cpuinfo`'s text) and torch has oneDNN to use it: the estimator's training steps then run in
-    bfloat16 autocast (`TrainConfig.est_dtype` "auto"). Elsewhere bfloat16 products are emulated and no faster, so it trains
-    in float32."""
+    /proc/cpuinfo, or `cpuinfo`'s text) and torch has oneDNN to use it: with `TrainConfig.est_dtype` "auto" the
+    estimator's training steps then run in bfloat16 autocast. Elsewhere bfloat16 products are emulated and no
+    faster, so it trains in float32."""
     if not torch.backends.mkldnn.is_available():
         return False
     if cpuinfo is None:
