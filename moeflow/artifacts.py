@@ -407,9 +407,9 @@ def made_with(meta: dict[str, Any]) -> str | None:
 def another_model(what: str, meta: dict[str, Any], fingerprint: str, fix: str, against: str = "this --model") -> ArtifactError:
     """The one line for an artifact made with another model than this --model (or `against`, where the expected
     fingerprint comes from, e.g. "the trace's model"): names that model when recorded; `--model` is suggested only
-    against this --model (the recorded one, else "the model it was made with"), before `fix`."""
+    against this --model (the recorded one, else "the --model it was made with"), before `fix`."""
     by = made_with(meta)
-    hint = f"pass --model {by or 'the model it was made with'} or " if against == "this --model" else ""
+    hint = (f"pass --model {by} or " if by else "pass the --model it was made with or ") if against == "this --model" else ""
     return ArtifactError(
         f"{what} was made for another model{f', {by}' if by else ''} (fingerprint {meta.get('model_fingerprint')}), "
         f"not {against} (fingerprint {fingerprint}); {hint}{fix}"

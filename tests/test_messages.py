@@ -233,7 +233,7 @@ def test_wrong_model_errors_name_the_model_that_made_it(ckpt, trace, tmp_path):
         check_fingerprint(meta, "bbbb", "predictor folder", tmp_path)
     with pytest.raises(ArtifactError, match=r"made for another model \(fingerprint aaaa\), not this --model") as e:
         check_fingerprint({"model_fingerprint": "aaaa"}, "bbbb", "predictor folder", tmp_path)  # none recorded
-    assert "; pass --model the model it was made with or re-create it with this --model" in str(e.value)
+    assert "; pass the --model it was made with or re-create it with this --model" in str(e.value)
 
 
 # ---- --help -------------------------------------------------------------------------------------------

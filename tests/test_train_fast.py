@@ -184,6 +184,7 @@ def test_training_forward_equals_the_network_and_predict(fitted_default):
 def test_native_bf16_reads_the_cpu_flags(monkeypatch):
     from moeflow.predict.estimator import native_bf16
 
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)  # a torch build with oneDNN
     line = "flags\t\t: fpu vme sse2 avx2 avx512f avx512bw"
     assert not native_bf16(f"processor\t: 0\n{line}\n")  # AVX-512 without bfloat16 products: emulated
     assert native_bf16(f"processor\t: 0\n{line} avx512_bf16 avx512_vnni\n")  # AMD Zen 4, Intel Cooper Lake
@@ -201,6 +202,16 @@ def test_an_unknown_est_dtype_is_one_line_before_any_work(tiny_setup, tmp_path, 
     argv = ["train", "--trace", trace, "--out", out, "--est-dtype", "float16"]
     one_line_error(argv, capsys, "--est-dtype must be one of auto, bfloat16, float32 (got 'float16')")
     assert not out.exists()
+
+
+def test_only_hybrid_reports_how_its_own_estimator_trained(tiny_setup, tmp_path):  # noqa: F811
+    from moeflow.predict.estimator import native_bf16
+
+    _, trace, _ = tiny_setup
+    args = ["--trace", str(trace), "--model", str(trace.parent / "model"), "--out", str(tmp_path / "h"), "--only", "hybrid"]
+    code, out, log = _train([*args, "--max-s", "2", "--threads", "1", "--json"])
+    assert code == 0, log
+    assert json.loads(out.strip().splitlines()[-1])["est_bf16"] is native_bf16()  # hybrid fitted the estimator it uses
 
 
 def test_estimator_steps_in_bf16_learn_as_much_as_in_float32(tiny_setup, tmp_path):  # noqa: F811

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import ArtifactError
+from ..errors import ArtifactError, ConfigError
 from .base import PREDICTORS
 from .data import RoutingData, SourceBatch, batch_from_rows, iter_chunks, split_rows, target_of
 from .default_vectors import QuasiHidden, compute_default_vectors, load_dvec, save_dvec
@@ -226,6 +226,8 @@ class Estimator:
         record the validation result for `Hybrid`."""
         t0 = time.perf_counter()
         want = getattr(cfg, "est_dtype", "auto")
+        if want not in ("auto", "bfloat16", "float32"):
+            raise ConfigError(f"est_dtype must be one of auto, bfloat16, float32 (got {want!r})")
         self.bf16 = native_bf16() if want == "auto" else want == "bfloat16"
         dvec = dvec if dvec is not None else compute_default_vectors(model, data, max_tokens=cfg.dv_max_tokens)
         self.qh = QuasiHidden(model, dvec)

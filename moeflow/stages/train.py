@@ -365,8 +365,9 @@ def _main(cfg: TrainConfig, console: Any = None, restore: contextlib.ExitStack |
         per["gps"] = time.perf_counter() - t0
         savers = {**savers, "gps": lambda d, s=suite: (d.mkdir(), s.save(d))}
     report["seconds_per_predictor"] = {n: round(v, 3) for n, v in per.items()}
-    if "estimator" in preds:
-        report["est_bf16"] = bool(preds["estimator"].bf16)
+    est = preds.get("estimator") or getattr(preds.get("hybrid"), "estimator", None)  # --only hybrid fits its own
+    if est is not None:
+        report["est_bf16"] = bool(est.bf16)
     if "hybrid" in preds:
         report["hybrid"] = {
             "threshold": preds["hybrid"].threshold,
