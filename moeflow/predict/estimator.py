@@ -47,6 +47,7 @@ from .estimator_net import EstimatorFeatures, EstimatorNet
 
 STD_SAMPLES = 20_000  # (pair, row) samples the feature standardisation is measured on
 STD_CHUNK = 1024  # of them assembled at a time (`Estimator._moments`)
+EST_DTYPES = ("auto", "bfloat16", "float32")  # `est_dtype`: what training multiplies in (auto: `native_bf16`)
 FEATURES_VERSION = 2  # config.json "features": 1 = q only (older folders, refused with a message)
 
 
@@ -226,8 +227,8 @@ class Estimator:
         record the validation result for `Hybrid`."""
         t0 = time.perf_counter()
         want = getattr(cfg, "est_dtype", "auto")
-        if want not in ("auto", "bfloat16", "float32"):
-            raise ConfigError(f"est_dtype must be one of auto, bfloat16, float32 (got {want!r})")
+        if want not in EST_DTYPES:
+            raise ConfigError(f"est_dtype must be one of {', '.join(EST_DTYPES)} (got {want!r})")
         self.bf16 = native_bf16() if want == "auto" else want == "bfloat16"
         dvec = dvec if dvec is not None else compute_default_vectors(model, data, max_tokens=cfg.dv_max_tokens)
         self.qh = QuasiHidden(model, dvec)

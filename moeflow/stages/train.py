@@ -24,6 +24,7 @@ from ..errors import ArtifactError, ConfigError
 from ..moe import model_fingerprint
 from ..predict.base import PREDICTORS
 from ..predict.data import from_trace, split_from_trace
+from ..predict.estimator import EST_DTYPES
 from ..predict.train import (
     BASELINES,
     GPS,
@@ -42,7 +43,6 @@ __all__ = ["BASELINES", "GPS", "LEARNED", "PLANNERS", "EvalConfig", "TrainConfig
 
 DEFAULT_MAX_S = 4  # `--max-s`'s default: S = 1..4 MoE layers ahead, fewer where the model has fewer (`within_model`)
 DEFAULT_MAX_TOKENS = 100_000  # `--max-tokens`'s default, lowered where the host cannot hold it (`tokens_to_load`)
-EST_DTYPES = ("auto", "bfloat16", "float32")  # `--est-dtype`: auto is bfloat16 where the CPU has it (`native_bf16`)
 LOAD_SHARE = 0.5  # of the memory available once the model is loaded: what the default lets the loaded rows take
 
 

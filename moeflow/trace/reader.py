@@ -321,11 +321,11 @@ class Trace:
         m = self.meta.get("model")
         return str(m) if m and Path(str(m)).is_dir() else None
 
-    def check_model(self, model: Any, fix: str = "re-run `moeflow trace` with this --model") -> None:
-        """Raise ArtifactError (one line ending in `fix`) if `model` is not the model this trace was recorded with."""
+    def check_model(self, model: Any) -> None:
+        """Raise ArtifactError if `model` is not the model this trace was recorded with."""
         from ..artifacts import another_model
         from ..moe import model_fingerprint
 
         fp = model_fingerprint(model)
         if fp != self.fingerprint:
-            raise another_model(f"trace at {self.path}", self.meta, fp, fix)
+            raise another_model(f"trace at {self.path}", self.meta, fp, "re-run `moeflow trace` with this --model")
